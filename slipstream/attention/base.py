@@ -1,0 +1,73 @@
+"""The attention backend protocol: the model never knows which kernel runs.
+
+A backend writes the step's new K/V into the layer's paged cache (by
+`batch.slot_mapping`) and attends every query token to its request's cached
+context plus, causally (or by `batch.tree_mask`), to the step's earlier tokens.
+
+KV cache layout, per layer (see `runner/memory.py`):
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from slipstream.runner.forward_batch import ForwardBatch
+
+
+class AttentionLayerInfo(Protocol):
+    """What a backend may read off the attention layer it serves."""
+    layer_idx: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+    sliding_window: int | None
+    k_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def prepare(self, batch: "ForwardBatch") -> None:
+        """Called once per step before the first layer (per-step metadata)."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                layer: AttentionLayerInfo, batch: "ForwardBatch") -> torch.Tensor:
+        """q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
+        -> [num_tokens, num_heads, head_dim]"""
+
+
+_BACKENDS: dict[str, Callable[[], AttentionBackend]] = {}
+
+
+def register_backend(name: str):
+    def deco(factory):
+        _BACKENDS[name] = factory
+        return factory
+    return deco
+
+
+def create_backend(name: str | None, device: torch.device) -> AttentionBackend:
+    # Import the built-in backends so they register themselves.
+    from slipstream.attention import torch_backend  # noqa: F401
+    if name is None:
+        name = default_backend_name(device)
+    try:
+        return _BACKENDS[name]()
+    except KeyError:
+        raise ValueError(f"attention_backend: unknown {name!r}; choose from {sorted(_BACKENDS)}") from None
+
+
+def default_backend_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        try:
+            from slipstream.attention import triton_backend  # noqa: F401
+        except ImportError:
+            return "torch"
+        if "triton" in _BACKENDS:
+            return "triton"
+    return "torch"

@@ -1,0 +1,50 @@
+"""The per-step input of a model forward: flattened tokens plus attention metadata.
+
+A step mixes requests freely: each contributes `query_len` new tokens (a prompt
+chunk, one decode token, or a decode token plus draft tokens) that attend to its
+`context_len` tokens already in the paged KV cache and, causally, to each other.
+
+Invariants (for request i, with q_i = query_start_loc[i+1] - query_start_loc[i]):
+  seq_lens[i] = context_lens[i] + q_i
+  token j of request i sits at position context_lens[i] + j
+  its K/V goes to slot_mapping[t] = block * block_size + offset (never -1 for real tokens)
+  block_tables[i, k] is the k-th KV block of request i (rows padded with 0)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor        # [num_tokens] int64
+    positions: torch.Tensor        # [num_tokens] int64
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32, cumulative query lengths
+    seq_lens: torch.Tensor         # [num_seqs] int32, context + query tokens
+    context_lens: torch.Tensor     # [num_seqs] int32, tokens already in the cache
+    slot_mapping: torch.Tensor     # [num_tokens] int64
+    block_tables: torch.Tensor     # [num_seqs, max_blocks_per_seq] int32
+    logits_indices: torch.Tensor   # [num_logits] int64, rows of the hidden states to project
+    # Host-side copies of the few scalars kernels need to size their grids,
+    # so launchers never read device tensors back (no sync on the hot path).
+    max_query_len: int
+    max_seq_len: int
+    query_lens_cpu: list[int]
+    seq_lens_cpu: list[int]
+    # Optional [num_seqs, max_query_len, max_query_len] bool mask among the query
+    # tokens of each request (draft-tree verification); None means causal.
+    tree_mask: torch.Tensor | None = None
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens_cpu)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.max_query_len == 1
