@@ -1,0 +1,73 @@
+"""User-facing engine options (shared by `LLM` and the CLI) -> EngineConfig."""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from slipstream.config import (CacheConfig, EngineConfig, ModelConfig, ParallelConfig,
+                               SchedulerConfig, resolve_device, resolve_dtype)
+
+
+@dataclass
+class EngineArgs:
+    model: str | None = None
+    dtype: str | torch.dtype = "auto"
+    device: str | None = "auto"
+    max_model_len: int | None = None
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    num_kv_blocks: int | None = None
+    kv_cache_memory: int | None = None      # bytes for the KV pool on the CPU
+    gpu_memory_utilization: float = 0.90
+    attention_backend: str | None = None
+    seed: int = 0
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in fields(cls)}
+
+    def create_config(self, model_path: str, mc: ModelConfig) -> EngineConfig:
+        device = resolve_device(self.device)
+        dtype = resolve_dtype(self.dtype, device)
+        max_len = self.max_model_len or mc.max_position_embeddings
+        if max_len < 2:
+            raise ValueError("max_model_len must be at least 2")
+        if max_len > mc.max_position_embeddings:
+            raise ValueError(f"max_model_len={max_len} exceeds the model's context of "
+                             f"{mc.max_position_embeddings} tokens")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError("block_size must be a power of two")
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be at least 1")
+        budget = self.max_num_batched_tokens
+        if budget is None:
+            budget = 2048 if self.enable_chunked_prefill else max(2048, max_len)
+        if budget < 1:
+            raise ValueError("max_num_batched_tokens must be at least 1")
+        if not self.enable_chunked_prefill and budget < max_len:
+            raise ValueError("without chunked prefill, max_num_batched_tokens must be at least "
+                             f"max_model_len ({max_len})")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        return EngineConfig(
+            model=model_path,
+            model_config=mc,
+            dtype=dtype,
+            device=device,
+            cache=CacheConfig(block_size=self.block_size,
+                              gpu_memory_utilization=self.gpu_memory_utilization,
+                              cpu_kv_cache_bytes=self.kv_cache_memory,
+                              num_blocks=self.num_kv_blocks,
+                              enable_prefix_caching=self.enable_prefix_caching),
+            scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
+                                      max_num_batched_tokens=budget,
+                                      max_model_len=max_len,
+                                      enable_chunked_prefill=self.enable_chunked_prefill),
+            parallel=ParallelConfig(),
+            attention_backend=self.attention_backend,
+            seed=self.seed,
+        )

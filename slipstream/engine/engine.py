@@ -1,0 +1,221 @@
+"""The engine: requests in, one scheduled forward per step, outputs back."""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+
+import torch
+
+from slipstream.cache.kv_manager import KVCacheManager
+from slipstream.cache.prefix_cache import BlockHasher
+from slipstream.engine.args import EngineArgs
+from slipstream.engine.detokenizer import IncrementalDetokenizer
+from slipstream.engine.outputs import (CompletionOutput, Logprob, PositionLogprobs, RequestMetrics,
+                                       RequestOutput)
+from slipstream.engine.request import Request, RequestStatus
+from slipstream.engine.scheduler import Scheduler
+from slipstream.loader import open_model
+from slipstream.runner.model_runner import ModelRunner, TokenLogprobs
+from slipstream.sampling_params import SamplingParams
+
+PromptType = str | dict | list
+
+
+@dataclass
+class _Sequence:
+    request: Request
+    detok: IncrementalDetokenizer
+    parent: "_Parent"
+    cumulative_logprob: float = 0.0
+
+
+class _Parent:
+    """A user request: one prompt, `n` sequences sampled from it."""
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int]):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.seqs: list[_Sequence] = []
+        self.arrival_time = time.monotonic()
+        self.first_token_time: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.request.status.is_finished for s in self.seqs)
+
+
+class Engine:
+    def __init__(self, args: EngineArgs):
+        files = open_model(args.model)
+        self.config = args.create_config(str(files.path), files.config)
+        self.tokenizer = files.tokenizer()
+        torch.manual_seed(self.config.seed)
+        self.runner = ModelRunner(self.config, files.weights())
+        cc = self.config.cache
+        self.kv = KVCacheManager(self.runner.num_blocks, cc.block_size, cc.enable_prefix_caching)
+        self.scheduler = Scheduler(self.config.scheduler, self.kv)
+        self._hasher = BlockHasher(cc.block_size) if cc.enable_prefix_caching else None
+        self._parents: dict[str, _Parent] = {}
+        self._seqs: dict[str, _Sequence] = {}
+        self._ids = itertools.count()
+        mc = self.config.model_config
+        self.eos_token_ids = tuple(dict.fromkeys(mc.eos_token_ids + tuple(self.tokenizer.eos_token_ids)))
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.scheduler.max_model_len
+
+    # ---- requests -------------------------------------------------------
+
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """A prompt is text, {"prompt": text} or {"prompt_token_ids": [...]}."""
+        text = None
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                ids = list(prompt["prompt_token_ids"])
+                text = prompt.get("prompt")
+            elif "prompt" in prompt:
+                text = prompt["prompt"]
+            else:
+                raise ValueError("prompt: a dict prompt needs 'prompt' or 'prompt_token_ids'")
+        elif isinstance(prompt, str):
+            text = prompt
+        else:
+            raise ValueError(f"prompt: expected a string or a dict, got {type(prompt).__name__}")
+        if text is not None and not (isinstance(prompt, dict) and "prompt_token_ids" in prompt):
+            if not text:
+                raise ValueError("prompt: the prompt is empty")
+            ids = self.tokenizer.encode(text)
+        if not ids:
+            raise ValueError("prompt: the prompt is empty")
+        vocab = self.config.model_config.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt_token_ids: every id must be an int in [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt: {len(ids)} tokens do not fit the maximum model length of "
+                f"{self.max_model_len} (at most {self.max_model_len - 1} prompt tokens leave room "
+                f"to generate)")
+        return text, ids
+
+    def add_request(self, prompt: PromptType, params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        params = params or SamplingParams()
+        text, ids = self.tokenize(prompt)
+        request_id = str(next(self._ids)) if request_id is None else request_id
+        if request_id in self._parents:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        parent = _Parent(request_id, text, ids)
+        for i in range(params.n):
+            child_params = params if params.n == 1 else params.child(i)
+            seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            req = Request(seq_id, ids, child_params, self.eos_token_ids, self.max_model_len,
+                          self._hasher, prompt=text)
+            seq = _Sequence(req, IncrementalDetokenizer(self.tokenizer, ids, child_params), parent)
+            parent.seqs.append(seq)
+            self._seqs[seq_id] = seq
+        self._parents[request_id] = parent
+        for s in parent.seqs:
+            self.scheduler.add_request(s.request)
+        return request_id
+
+    def abort_request(self, request_id: str) -> None:
+        parent = self._parents.pop(request_id, None)
+        if parent is None:
+            return
+        for s in parent.seqs:
+            self.scheduler.finish_request(s.request.request_id, RequestStatus.FINISHED_ABORTED)
+            self._seqs.pop(s.request.request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._parents)
+
+    # ---- the step -------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled forward; return outputs of requests that moved."""
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            if self.scheduler.has_unfinished:
+                raise RuntimeError("no request could be scheduled: the KV cache is too small "
+                                   "for the waiting requests")
+            return []
+        result = self.runner.execute(sched)
+        for rid, (start, entries) in result.prompt_logprobs.items():
+            # After a preemption the prompt is recomputed: keep the first record.
+            recorded = self._seqs[rid].request.prompt_logprobs
+            recorded.extend(entries[max(0, len(recorded) - start):])
+        advanced = self.scheduler.update(sched, result.sampled)
+        touched: dict[str, _Parent] = {}
+        now = time.monotonic()
+        for req in advanced:
+            seq = self._seqs[req.request_id]
+            parent = seq.parent
+            parent.first_token_time = parent.first_token_time or now
+            self._absorb_token(seq, result.logprobs.get(req.request_id))
+            touched[parent.request_id] = parent
+        outputs = [self._make_output(p) for p in touched.values()]
+        for p in touched.values():
+            if p.finished:
+                self._parents.pop(p.request_id, None)
+                for s in p.seqs:
+                    self._seqs.pop(s.request.request_id, None)
+        return outputs
+
+    def _absorb_token(self, seq: _Sequence, lp: TokenLogprobs | None) -> None:
+        req = seq.request
+        token = req.output_token_ids[-1]
+        if lp is not None:
+            seq.cumulative_logprob += lp.logprob
+            req.logprobs.append(self._logprob_dict(lp))
+        stopped_by_token = req.status == RequestStatus.FINISHED_STOPPED and (
+            token in req.eos_token_ids or token in req.stop_token_ids)
+        if not stopped_by_token or seq.detok.include_stop:
+            stop = seq.detok.add_tokens([token])
+            if stop is not None:
+                req.status = RequestStatus.FINISHED_STOPPED
+                req.stop_reason = stop
+                self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED, stop)
+        if req.status.is_finished:
+            seq.detok.flush()
+
+    def _logprob_dict(self, lp: TokenLogprobs) -> PositionLogprobs:
+        out: PositionLogprobs = {}
+        for tid, val, rank in zip(lp.top_ids, lp.top_logprobs, itertools.count(1)):
+            out[tid] = Logprob(val, rank, self.tokenizer.decode([tid], skip_special_tokens=False))
+        out[lp.token_id] = Logprob(lp.logprob, lp.rank,
+                                   self.tokenizer.decode([lp.token_id], skip_special_tokens=False))
+        return out
+
+    def _make_output(self, parent: _Parent) -> RequestOutput:
+        completions = []
+        for i, s in enumerate(parent.seqs):
+            req = s.request
+            done = req.status.is_finished
+            completions.append(CompletionOutput(
+                index=i,
+                text=s.detok.visible_text(done),
+                token_ids=list(req.output_token_ids),
+                cumulative_logprob=s.cumulative_logprob if req.params.logprobs is not None else None,
+                logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
+                finish_reason=req.status.finish_reason,
+                stop_reason=req.stop_reason,
+            ))
+        first = parent.seqs[0].request
+        prompt_lps = None
+        if first.params.prompt_logprobs is not None:
+            prompt_lps = [None] + [self._logprob_dict(e) for e in first.prompt_logprobs]
+        finished = parent.finished
+        return RequestOutput(
+            request_id=parent.request_id,
+            prompt=parent.prompt,
+            prompt_token_ids=parent.prompt_token_ids,
+            outputs=completions,
+            finished=finished,
+            prompt_logprobs=prompt_lps,
+            metrics=RequestMetrics(parent.arrival_time, parent.first_token_time,
+                                   time.monotonic() if finished else None,
+                                   sum(s.request.num_preemptions for s in parent.seqs)),
+        )

@@ -1,0 +1,94 @@
+"""`LLM`: offline batch generation over an Engine, in vLLM's shape."""
+from __future__ import annotations
+
+from typing import Sequence
+
+from tqdm.auto import tqdm
+
+from slipstream.engine.args import EngineArgs
+from slipstream.engine.engine import Engine, PromptType
+from slipstream.engine.outputs import RequestOutput
+from slipstream.sampling_params import SamplingParams
+
+
+class LLM:
+    """Load a model once, then generate for batches of prompts.
+
+    >>> llm = LLM()                      # the default model, SmolLM2-135M-Instruct
+    >>> out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=8))
+    >>> print(out[0].outputs[0].text)
+
+    `model` is a Hugging Face folder (config.json + safetensors) or a `.gguf`
+    file; keyword arguments are the fields of `EngineArgs` (dtype, device,
+    max_model_len, block_size, max_num_seqs, max_num_batched_tokens,
+    enable_prefix_caching, enable_chunked_prefill, num_kv_blocks,
+    kv_cache_memory, gpu_memory_utilization, attention_backend, seed).
+    """
+
+    def __init__(self, model: str | None = None, **kwargs):
+        unknown = set(kwargs) - EngineArgs.field_names()
+        if unknown:
+            raise TypeError(f"LLM() got unknown options: {', '.join(sorted(unknown))}")
+        self.engine = Engine(EngineArgs(model=model, **kwargs))
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for each prompt; outputs come back in prompt order. A prompt
+        is text or {"prompt_token_ids": [...]}."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} prompts")
+        # Validate and tokenize everything before anything runs.
+        for p in prompts:
+            self.engine.tokenize(p)
+        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages: list[dict] | Sequence[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation (a list of
+        {"role", "content"} dicts) or a list of them, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tok = self.engine.tokenizer
+        prompts = []
+        for conv in conversations:
+            text = tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt)
+            # The template already wrote any BOS token into the text.
+            prompts.append({"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm or len(ids) < 2,
+                   dynamic_ncols=True)
+        n_in = n_out = 0
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                        n_in += len(out.prompt_token_ids)
+                        n_out += sum(len(c.token_ids) for c in out.outputs)
+                        elapsed = bar.format_dict["elapsed"] or 1e-9
+                        bar.set_postfix_str(f"in {n_in / elapsed:.0f} tok/s, out {n_out / elapsed:.0f} tok/s")
+                        bar.update(1)
+        except BaseException:
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
+        finally:
+            bar.close()
+        return [done[rid] for rid in ids]
