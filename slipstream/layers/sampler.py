@@ -1,0 +1,255 @@
+"""Token sampling with vLLM (v1) semantics.
+
+Order of operations in `Sampler.forward` (each step skipped when no row uses it):
+  1. logprobs of the raw model logits, if any row asked for them ("raw_logprobs");
+  2. min_tokens: stop tokens and EOS get -inf until a row has min_tokens outputs;
+  3. penalties: repetition over prompt + output tokens (positive logits divided,
+     negative multiplied), then frequency and presence over output tokens
+     (subtracted);
+  4. greedy rows: argmax. Random rows: temperature, min-p, then top-k and top-p
+     (vLLM applies min-p before top-k/top-p; it only matters when min-p and top-p
+     are combined, since top-p then sees the min-p-renormalised distribution),
+     then one draw by the exponential race argmax(probs / Exp(1)).
+
+No host-device sync happens inside `forward`: every decision that depends on
+the batch's contents is taken on the host by `SamplingBatch.build`, and the
+exponential race needs no sort, cumsum-search or `.item()`. Seeded rows draw
+their noise from their own `torch.Generator`, so a seed reproduces the same
+tokens whatever else shares the batch.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from slipstream.layers.logprobs import LogprobsTensors, compute_logprobs, gather_logprobs
+from slipstream.sampling_params import SAMPLING_EPS, SamplingParams
+
+_NEG_INF = float("-inf")
+
+
+def make_generator(params: SamplingParams, device: torch.device | str) -> torch.Generator | None:
+    """The per-request generator for a seeded request (None otherwise). The runner
+    creates it once per sequence and passes the same object every step, so its
+    state advances with the sequence."""
+    if params.seed is None:
+        return None
+    return torch.Generator(device=device).manual_seed(params.seed)
+
+
+def _padded(rows: Sequence[Sequence[int]], pad: int, device) -> torch.Tensor:
+    """[len(rows), max(1, longest)] int64, padded with `pad` (an id past the vocab)."""
+    width = max(1, max((len(r) for r in rows), default=0))
+    return torch.tensor([list(r) + [pad] * (width - len(r)) for r in rows],
+                        dtype=torch.int64, device=device)
+
+
+@dataclass
+class Penalties:
+    repetition: torch.Tensor         # [num_rows] float32, 1.0 = off
+    frequency: torch.Tensor          # [num_rows] float32, 0.0 = off
+    presence: torch.Tensor           # [num_rows] float32, 0.0 = off
+    prompt_token_ids: torch.Tensor   # [num_rows, max_prompt_len] int64, padded with vocab_size
+    output_token_ids: torch.Tensor   # [num_rows, max_output_len] int64, padded with vocab_size
+
+
+@dataclass
+class SamplingBatch:
+    """Per-step sampling inputs, one row per request that samples this step.
+
+    Optional tensors are None when no row uses the feature, so a plain batch
+    (say, all greedy or all temperature-only) costs one argmax or one softmax.
+    """
+    num_rows: int
+    all_greedy: bool
+    all_random: bool
+    temperature: torch.Tensor | None   # [num_rows] float32; None when all greedy
+    top_k: torch.Tensor | None         # [num_rows] int64 in [1, vocab]; vocab = off
+    max_top_k: int                     # host copy of the largest enabled top_k
+    top_p: torch.Tensor | None         # [num_rows] float32 in (0, 1]
+    min_p: torch.Tensor | None         # [num_rows] float32 in [0, 1]
+    generators: dict[int, torch.Generator]  # row -> generator, seeded random rows only
+    penalties: Penalties | None
+    # (rows, token ids) set to -inf for rows still short of min_tokens.
+    min_tokens_mask: tuple[torch.Tensor, torch.Tensor] | None
+    max_num_logprobs: int | None       # k of the widest logprobs request; None: none asked
+
+    @classmethod
+    def build(cls, params: list[SamplingParams], prompt_token_ids: list[list[int]],
+              output_token_ids: list[list[int]],
+              generators: list[torch.Generator | None], vocab_size: int,
+              device: torch.device | str,
+              eos_token_ids: Sequence[int] = ()) -> SamplingBatch:
+        """Host-side assembly. `generators[i]` is row i's `make_generator` result;
+        `eos_token_ids` are masked with each row's stop_token_ids under min_tokens."""
+        n = len(params)
+        assert len(prompt_token_ids) == len(output_token_ids) == len(generators) == n
+
+        def f32(values):
+            return torch.tensor(values, dtype=torch.float32, device=device)
+
+        greedy = [p.is_greedy for p in params]
+        all_greedy, all_random = all(greedy), not any(greedy)
+        ks = [min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params]
+        use_top_k = any(k < vocab_size for k in ks)
+        use_top_p = any(p.top_p < 1.0 for p in params)
+        use_min_p = any(p.min_p > 0.0 for p in params)
+
+        penalties = None
+        if any(p.has_penalties for p in params):
+            penalties = Penalties(
+                repetition=f32([p.repetition_penalty for p in params]),
+                frequency=f32([p.frequency_penalty for p in params]),
+                presence=f32([p.presence_penalty for p in params]),
+                prompt_token_ids=_padded(prompt_token_ids, vocab_size, device),
+                output_token_ids=_padded(output_token_ids, vocab_size, device),
+            )
+
+        mask_rows, mask_ids = [], []
+        for row, (p, out) in enumerate(zip(params, output_token_ids)):
+            if len(out) < p.min_tokens:
+                stops = dict.fromkeys([*p.stop_token_ids, *eos_token_ids])
+                ids = [t for t in stops if t < vocab_size]
+                mask_rows += [row] * len(ids)
+                mask_ids += ids
+        min_tokens_mask = None
+        if mask_rows:
+            min_tokens_mask = (torch.tensor(mask_rows, dtype=torch.int64, device=device),
+                               torch.tensor(mask_ids, dtype=torch.int64, device=device))
+
+        widths = [vocab_size if p.logprobs == -1 else min(p.logprobs, vocab_size)
+                  for p in params if p.logprobs is not None]
+
+        return cls(
+            num_rows=n,
+            all_greedy=all_greedy,
+            all_random=all_random,
+            temperature=None if all_greedy else f32([p.temperature for p in params]),
+            top_k=torch.tensor(ks, dtype=torch.int64, device=device) if use_top_k else None,
+            max_top_k=max((k for k in ks if k < vocab_size), default=vocab_size),
+            top_p=f32([p.top_p for p in params]) if use_top_p else None,
+            min_p=f32([p.min_p for p in params]) if use_min_p else None,
+            generators={row: g for row, g in enumerate(generators)
+                        if g is not None and not greedy[row]},
+            penalties=penalties,
+            min_tokens_mask=min_tokens_mask,
+            max_num_logprobs=max(widths) if widths else None,
+        )
+
+
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor      # [num_rows] int64
+    logprobs: LogprobsTensors | None     # k = batch.max_num_logprobs
+
+
+def _bin_counts(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    # token_ids: [num_rows, L] padded with vocab_size -> counts [num_rows, vocab_size] float32
+    counts = torch.zeros(token_ids.shape[0], vocab_size + 1, dtype=torch.float32,
+                         device=token_ids.device)
+    counts.scatter_add_(1, token_ids, torch.ones_like(token_ids, dtype=torch.float32))
+    return counts[:, :vocab_size]
+
+
+def apply_penalties(logits: torch.Tensor, penalties: Penalties) -> torch.Tensor:
+    """logits: [num_rows, vocab] float32 -> a new penalised tensor (vLLM's rules)."""
+    vocab_size = logits.shape[1]
+    output_counts = _bin_counts(penalties.output_token_ids, vocab_size)
+    output_seen = output_counts > 0
+    seen = output_seen | (_bin_counts(penalties.prompt_token_ids, vocab_size) > 0)
+    scale = torch.where(seen, penalties.repetition.unsqueeze(1), 1.0)
+    # Repetition pushes a seen token's logit towards "less likely" whatever its sign.
+    logits = torch.where(logits > 0, logits / scale, logits * scale)
+    logits = logits - penalties.frequency.unsqueeze(1) * output_counts
+    return logits - penalties.presence.unsqueeze(1) * output_seen
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens less likely than min_p times the row's most likely token."""
+    probs = logits.softmax(dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+    return logits.masked_fill(probs < threshold, _NEG_INF)
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, max_top_k: int,
+                      top_p: torch.Tensor | None) -> torch.Tensor:
+    """Keep each row's top_k tokens (ties at the k-th value kept) and then the
+    smallest set of most likely tokens whose probability reaches top_p."""
+    if top_p is None:
+        if top_k is None:
+            return logits
+        # topk of the widest k is cheaper than a full sort; gather each row's k-th value.
+        kth = logits.topk(max_top_k, dim=-1).values.gather(
+            1, (top_k.clamp(max=max_top_k) - 1).unsqueeze(1))
+        kth = kth.masked_fill((top_k >= logits.shape[1]).unsqueeze(1), _NEG_INF)
+        return logits.masked_fill(logits < kth, _NEG_INF)
+
+    ascending, order = logits.sort(dim=-1)
+    if top_k is not None:
+        # In ascending order the k-th largest sits at column vocab - k (k = vocab: column 0).
+        kth = ascending.gather(1, (logits.shape[1] - top_k).unsqueeze(1))
+        ascending = ascending.masked_fill(ascending < kth, _NEG_INF)
+    # Drop a token when it and every less likely token together hold <= 1 - p;
+    # the most likely token always stays.
+    cum = ascending.softmax(dim=-1).cumsum(dim=-1)
+    drop = cum <= (1.0 - top_p).unsqueeze(1)
+    drop[:, -1] = False
+    ascending = ascending.masked_fill(drop, _NEG_INF)
+    return ascending.scatter(1, order, ascending)
+
+
+def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """probs: [num_rows, vocab] -> [num_rows] int64, one draw per row.
+
+    argmax(p_i / E_i) with E_i ~ Exp(1) picks token i with probability p_i / sum(p)
+    (E_i / p_i ~ Exp(p_i); the smallest wins), without a host sync.
+    """
+    noise = torch.empty_like(probs)
+    if len(generators) < probs.shape[0]:
+        noise.exponential_()
+    for row, generator in generators.items():
+        noise[row].exponential_(generator=generator)
+    # A zero draw would turn a masked token's 0 / 0 into NaN, which argmax prefers.
+    noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+    return probs.div(noise).argmax(dim=-1)
+
+
+class Sampler(nn.Module):
+    def forward(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        # logits: [num_rows, vocab]; never modified in place.
+        assert logits.shape[0] == batch.num_rows
+        logits = logits.float()
+        raw_logprobs = None
+        if batch.max_num_logprobs is not None:
+            raw_logprobs = compute_logprobs(logits)
+        if batch.min_tokens_mask is not None:
+            logits = logits.index_put(batch.min_tokens_mask, logits.new_full((), _NEG_INF))
+        if batch.penalties is not None:
+            logits = apply_penalties(logits, batch.penalties)
+
+        sampled = self.sample(logits, batch)
+        logprobs = None
+        if raw_logprobs is not None:
+            logprobs = gather_logprobs(raw_logprobs, batch.max_num_logprobs, sampled)
+        return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+
+    @staticmethod
+    def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """logits: [num_rows, vocab] float32, penalties applied -> [num_rows] int64."""
+        greedy = None if batch.all_random else logits.argmax(dim=-1)
+        if batch.all_greedy:
+            return greedy
+        temperature = batch.temperature
+        if not batch.all_random:  # greedy rows divide by 1 and are overwritten below
+            temperature = torch.where(temperature < SAMPLING_EPS, 1.0, temperature)
+        logits = logits / temperature.unsqueeze(1)
+        if batch.min_p is not None:
+            logits = apply_min_p(logits, batch.min_p)
+        logits = apply_top_k_top_p(logits, batch.top_k, batch.max_top_k, batch.top_p)
+        sampled = random_sample(logits.softmax(dim=-1), batch.generators)
+        if greedy is None:
+            return sampled
+        return torch.where(batch.temperature < SAMPLING_EPS, greedy, sampled)
