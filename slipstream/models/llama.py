@@ -1,0 +1,225 @@
+"""The Llama family in one implementation: Llama 2/3, Qwen2, Mistral, SmolLM2.
+
+Pre-norm decoder: GQA attention with RoPE, RMSNorm, SwiGLU MLP. The family
+differences are configuration: q/k/v bias (Qwen2), a sliding window (Mistral),
+tied embeddings (SmolLM2), Llama-3 RoPE scaling.
+
+Module names mirror Hugging Face's, except that q/k/v and gate/up are fused
+(`qkv_proj`, `gate_up_proj`); `load_weights` maps checkpoint names onto them.
+The residual stream stays in the model dtype; norms compute in fp32 inside.
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import torch
+from torch import nn
+
+from slipstream.attention.base import AttentionBackend
+from slipstream.config import ModelConfig
+from slipstream.errors import ModelLoadError
+from slipstream.layers.activation import SiluAndMul
+from slipstream.layers.attention import Attention
+from slipstream.layers.embedding import LMHead, VocabEmbedding
+from slipstream.layers.linear import (LinearBase, MergedLinear, QKVLinear, QuantMethod,
+                                      RowParallelLinear)
+from slipstream.layers.norm import RMSNorm
+from slipstream.layers.rotary import RotaryEmbedding, apply_rotary
+from slipstream.layers.weight_loader import default_weight_loader
+from slipstream.models.registry import family_traits
+from slipstream.runner.forward_batch import ForwardBatch
+
+# Picks the QuantMethod of each linear layer by its module name
+# ("model.layers.0.self_attn.qkv_proj"); None everywhere means unquantized.
+QuantMethodFor = Callable[[str], "QuantMethod | None"]
+
+# Checkpoint name fragment -> (fused module fragment, shard id).
+_STACKED = (
+    (".q_proj.", ".qkv_proj.", "q"),
+    (".k_proj.", ".qkv_proj.", "k"),
+    (".v_proj.", ".qkv_proj.", "v"),
+    (".gate_proj.", ".gate_up_proj.", 0),
+    (".up_proj.", ".gate_up_proj.", 1),
+)
+# Checkpoint tensors that hold nothing the model needs (precomputed RoPE tables).
+_IGNORED = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+
+def _no_quant(prefix: str) -> None:
+    return None
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int, backend: AttentionBackend,
+                 quant_method_for: QuantMethodFor, prefix: str):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        o_bias = config.attention_bias and \
+            family_traits(config.architecture).o_proj_bias_with_attention_bias
+        self.qkv_proj = QKVLinear(config.hidden_size, self.head_dim, self.num_heads,
+                                  self.num_kv_heads, bias=config.attention_bias,
+                                  quant_method=quant_method_for(f"{prefix}.qkv_proj"))
+        self.o_proj = RowParallelLinear(self.num_heads * self.head_dim, config.hidden_size,
+                                        bias=o_bias,
+                                        quant_method=quant_method_for(f"{prefix}.o_proj"))
+        self.attn = Attention(layer_idx, self.num_heads, self.num_kv_heads, self.head_dim,
+                              backend, sliding_window=config.sliding_window)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                batch: ForwardBatch) -> torch.Tensor:
+        # x: [num_tokens, hidden] -> [num_tokens, hidden]
+        h, hk = self.num_heads, self.num_heads + self.num_kv_heads
+        qkv = self.qkv_proj(x).view(x.shape[0], hk + self.num_kv_heads, self.head_dim)
+        # Rotate the q and k heads together: one set of elementwise ops per layer.
+        qk = apply_rotary(qkv[:, :hk], cos, sin)       # [num_tokens, heads + kv_heads, head_dim]
+        o = self.attn(qk[:, :h], qk[:, h:], qkv[:, hk:], batch)  # [num_tokens, heads, head_dim]
+        return self.o_proj(o.flatten(1))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig, quant_method_for: QuantMethodFor, prefix: str):
+        super().__init__()
+        if config.hidden_act != "silu":
+            raise ModelLoadError(f"unsupported hidden_act {config.hidden_act!r}; expected silu")
+        inter = config.intermediate_size
+        self.gate_up_proj = MergedLinear(config.hidden_size, [inter, inter],
+                                         quant_method=quant_method_for(f"{prefix}.gate_up_proj"))
+        self.down_proj = RowParallelLinear(inter, config.hidden_size,
+                                           quant_method=quant_method_for(f"{prefix}.down_proj"))
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [num_tokens, hidden] -> [num_tokens, hidden]
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int, backend: AttentionBackend,
+                 quant_method_for: QuantMethodFor, prefix: str):
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_idx, backend, quant_method_for,
+                                        f"{prefix}.self_attn")
+        self.mlp = LlamaMLP(config, quant_method_for, f"{prefix}.mlp")
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
+                sin: torch.Tensor, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [num_tokens, hidden], the previous sublayer's output; residual: the
+        stream before it (None at layer 0, where x is the embedding).
+        Returns (mlp output, residual stream before it); their sum is the layer's output."""
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, cos, sin, batch)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend,
+                 quant_method_for: QuantMethodFor):
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
+                                      config.rope_theta, config.rope_scaling)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, backend, quant_method_for, f"model.layers.{i}")
+            for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        # -> final normed hidden states [num_tokens, hidden]
+        cos, sin = self.rotary_emb.lookup(batch.positions)  # [num_tokens, 1, head_dim], once a step
+        x = self.embed_tokens(batch.input_ids)
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(x, residual, cos, sin, batch)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class LlamaForCausalLM(nn.Module):
+    """Build on a device and dtype with `with torch.device(d): m = LlamaForCausalLM(...)`
+    then `m.to(dtype)` (or under `torch.set_default_dtype`); then `load_weights`."""
+
+    def __init__(self, config: ModelConfig, backend: AttentionBackend,
+                 quant_method_for: QuantMethodFor | None = None):
+        super().__init__()
+        self.config = config
+        self.backend = backend
+        self.model = LlamaModel(config, backend, quant_method_for or _no_quant)
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size,
+                              tied_to=self.model.embed_tokens if config.tie_word_embeddings
+                              else None)
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """One step over `batch` (writes its K/V into the caches)
+        -> hidden states [num_tokens, hidden_size], after the final norm."""
+        self.backend.prepare(batch)
+        return self.model(batch)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden: [n, hidden_size] -> logits [n, vocab_size] float32
+        return self.lm_head(hidden)
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def _checkpoint_targets(self) -> dict[str, tuple[nn.Parameter, object]]:
+        """Checkpoint tensor name -> (parameter, shard id) for every tensor we need."""
+        targets: dict[str, tuple[nn.Parameter, object]] = {}
+        for name, param in self.named_parameters():  # tied lm_head.weight is listed once
+            shards = [(name.replace(fused, ckpt), shard)
+                      for ckpt, fused, shard in _STACKED if fused in name]
+            for ckpt_name, shard in shards or [(name, None)]:
+                targets[ckpt_name] = (param, shard)
+        return targets
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load Hugging Face-named tensors (converted to each parameter's dtype/device).
+
+        Raises ModelLoadError naming missing or unexpected tensors and shape mismatches.
+        """
+        targets = self._checkpoint_targets()
+        seen: set[str] = set()
+        unexpected: list[str] = []
+        for name, tensor in weights:
+            if any(part in name for part in _IGNORED):
+                continue
+            if name == "lm_head.weight" and self.lm_head.tied:
+                continue  # the embedding serves as the LM head
+            target = targets.get(name)
+            if target is None:
+                unexpected.append(name)
+                continue
+            param, shard = target
+            loader = getattr(param, "weight_loader", default_weight_loader)
+            try:
+                loader(param, tensor, shard)
+            except ModelLoadError as e:
+                raise ModelLoadError(f"checkpoint tensor {name!r}: {e}") from None
+            seen.add(name)
+        missing = sorted(set(targets) - seen)
+        if missing or unexpected:
+            raise ModelLoadError(_load_report(missing, unexpected))
+        for module in self.modules():
+            if isinstance(module, LinearBase):
+                module.quant_method.process_after_loading(module)
+
+
+def _load_report(missing: list[str], unexpected: list[str], most: int = 8) -> str:
+    def names(xs: list[str]) -> str:
+        more = f" (+{len(xs) - most} more)" if len(xs) > most else ""
+        return ", ".join(xs[:most]) + more
+    parts = []
+    if missing:
+        parts.append(f"{len(missing)} tensors missing from the checkpoint: {names(missing)}")
+    if unexpected:
+        parts.append(f"{len(unexpected)} unexpected tensors in the checkpoint: "
+                     f"{names(unexpected)}")
+    return "; ".join(parts)
