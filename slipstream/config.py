@@ -43,8 +43,20 @@ class ModelConfig:
 
     @classmethod
     def from_hf_config(cls, cfg: dict) -> "ModelConfig":
-        """Build from a Hugging Face `config.json` dict; raise ValueError when unsupported."""
+        """Build from a Hugging Face `config.json` dict; raise ModelLoadError when
+        it is unsupported or incomplete."""
+        from slipstream.errors import ModelLoadError
+        try:
+            return cls._from_hf_config(cfg)
+        except KeyError as e:
+            raise ModelLoadError(f"the model config lacks the required key {e.args[0]!r}") from None
+
+    @classmethod
+    def _from_hf_config(cls, cfg: dict) -> "ModelConfig":
+        from slipstream.errors import ModelLoadError
         from slipstream.models.registry import resolve_architecture
+        # HF's to_dict() writes unset options as None: treat None as "not given".
+        cfg = {k: v for k, v in cfg.items() if v is not None}
         arch = resolve_architecture(cfg)
         heads = cfg["num_attention_heads"]
         hidden = cfg["hidden_size"]
@@ -53,7 +65,7 @@ class ModelConfig:
         if rope:
             rope_type = rope.get("rope_type", rope.get("type", "default"))
             if rope_type not in ("default", "llama3", "linear"):
-                raise ValueError(f"unsupported rope_scaling type {rope_type!r}")
+                raise ModelLoadError(f"unsupported rope_scaling type {rope_type!r}")
             if rope_type != "default":
                 scaling = RopeScaling(
                     rope_type=rope_type,
@@ -68,8 +80,9 @@ class ModelConfig:
             theta = rope.get("rope_theta")
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
-        if arch == "qwen2" and not cfg.get("use_sliding_window", False):
+        # Mistral uses its window unless told otherwise; Qwen2 only when told to.
+        window = cfg.get("sliding_window")
+        if not cfg.get("use_sliding_window", arch != "qwen2"):
             window = None
         return cls(
             architecture=arch,

@@ -159,8 +159,8 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """One step over `batch` (writes its K/V into the caches)
-        -> hidden states [num_tokens, hidden_size], after the final norm."""
-        self.backend.prepare(batch)
+        -> hidden states [num_tokens, hidden_size], after the final norm.
+        The caller has run `backend.prepare(batch)` for this step."""
         return self.model(batch)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

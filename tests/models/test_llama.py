@@ -27,6 +27,7 @@ def _run(model, steps) -> torch.Tensor:
     """Logits [num_tokens, vocab] of one step."""
     with torch.inference_mode():
         batch = make_batch(steps)
+        model.backend.prepare(batch)
         hidden = model(batch)
         assert hidden.shape == (batch.num_tokens, model.config.hidden_size)
         return model.compute_logits(hidden[batch.logits_indices])
