@@ -13,7 +13,7 @@ Order of operations in `Sampler.forward` (each step skipped when no row uses it)
 
 No host-device sync happens inside `forward`: every decision that depends on
 the batch's contents is taken on the host by `SamplingBatch.build`, and the
-exponential race needs no sort, cumsum-search or `.item()`. Seeded rows draw
+exponential race needs no inverse-CDF search or `.item()`. Seeded rows draw
 their noise from their own `torch.Generator`, so a seed reproduces the same
 tokens whatever else shares the batch.
 """
