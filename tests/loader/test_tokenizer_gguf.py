@@ -1,0 +1,133 @@
+"""The default model's tokenizer, rebuilt from GGUF metadata, against the
+original SmolLM2 tokenizer, llama.cpp's rule, and transformers' GGUF conversion.
+
+The original SmolLM2 tokenizer.json (HuggingFaceTB/SmolLM2-135M-Instruct) has
+pre_tokenizer Sequence[Digits(individual_digits=True), ByteLevel(add_prefix_space=False,
+use_regex=True)], no normalizer, and the same vocabulary and merges the GGUF file
+copies. `original` below rebuilds exactly that, independently of slipstream's code.
+llama.cpp's `smollm` pre-tokenizer is the regex `\\p{N}`, then GPT-2's regex, each
+applied to the pieces the one before left (llama-vocab.cpp); `llama_cpp` below is
+that rule written with tokenizers' Split.
+"""
+from __future__ import annotations
+
+import gguf
+import pytest
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+from slipstream.loader import default_model_path
+
+GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+TRICKY = [
+    "\n\n  0.",
+    "x  = 3.14159\n\n\n    return y",
+    "   leading and trailing   ",
+    "Tabs\tand\r\nCRLF\n \n",
+    "héllo wörld — naïve café 你好 🤗",
+    "It's 1,000,000 dollars; they'll've THEY'RE",
+    "def f(a, b):\n    return a**2 + b  # comment\n",
+    "<|im_start|>user\nHi 2 you<|im_end|>\n",
+    "digits ١٢٣ ½ Ⅻ 2024-11-29",
+    "a\n\n\nb  \t  c",
+    "",
+]
+
+
+@pytest.fixture(scope="module")
+def vocab():
+    reader = gguf.GGUFReader(default_model_path())
+    field = lambda key: reader.fields[key].contents()  # noqa: E731
+    return field("tokenizer.ggml.tokens"), field("tokenizer.ggml.merges"), field("tokenizer.ggml.token_type")
+
+
+def _bpe(vocab, pre) -> Tokenizer:
+    tokens, merges, types = vocab
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)},
+                               merges=[tuple(m.split(" ")) for m in merges]))
+    tok.pre_tokenizer = pre
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t, kind in zip(tokens, types) if kind == 3])
+    return tok
+
+
+@pytest.fixture(scope="module")
+def original(vocab):
+    return _bpe(vocab, pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]))
+
+
+@pytest.fixture(scope="module")
+def llama_cpp(vocab):
+    return _bpe(vocab, pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(r"\p{N}"), behavior="isolated"),
+        pre_tokenizers.Split(Regex(GPT2_SPLIT), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]))
+
+
+@pytest.fixture(scope="module")
+def transformers_gguf():
+    from transformers import AutoTokenizer
+    path = default_model_path()
+    return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+
+
+def test_hand_derived_ids(default_tokenizer, vocab):
+    """'\\n\\n  0.': Digits cuts out "0", leaving "\\n\\n  " and "."; GPT-2's `\\s+(?!\\S)`
+    takes the whole run of whitespace, which the vocabulary holds as one token."""
+    tokens = vocab[0]
+    ids = default_tokenizer.encode("\n\n  0.")
+    assert [tokens[i] for i in ids] == ["ĊĊĠĠ", "0", "."]
+    assert ids == [39892, 32, 30]
+    # digits are never merged: the vocabulary has no multi-digit token to merge into
+    assert default_tokenizer.encode("12345") == [33, 34, 35, 36, 37]
+    assert [tokens[i] for i in default_tokenizer.encode(" the cat")] == ["Ġthe", "Ġcat"]
+
+
+@pytest.mark.parametrize("text", TRICKY)
+def test_matches_original_tokenizer(default_tokenizer, original, text):
+    assert default_tokenizer.encode(text, add_special_tokens=False) == original.encode(text).ids
+
+
+@pytest.mark.parametrize("text", TRICKY)
+def test_llama_cpp_rule_matches_original(llama_cpp, original, text):
+    assert llama_cpp.encode(text).ids == original.encode(text).ids
+
+
+def test_transformers_gguf_conversion_differs(transformers_gguf, original):
+    """transformers drops the Digits step (it ignores tokenizer.ggml.pre == "smollm"),
+    so GPT-2's regex keeps a space for " 0" and the whitespace run splits differently."""
+    text = "\n\n  0."
+    theirs = transformers_gguf.encode(text, add_special_tokens=False)
+    assert theirs == [8866, 216, 32, 30]       # "ĊĊĠ", "Ġ", "0", "."
+    assert original.encode(text).ids == [39892, 32, 30]
+    # where no whitespace run meets a digit, they agree
+    same = "Hello world, it's 42!"
+    assert transformers_gguf.encode(same, add_special_tokens=False) == original.encode(same).ids
+
+
+def test_special_tokens(default_tokenizer):
+    tok = default_tokenizer
+    assert tok.vocab_size == 49152
+    assert tok.bos_token_id == 1 and tok.eos_token_ids == (2,) and tok.add_bos is False
+    assert tok.all_special_ids == frozenset(range(17))   # the 17 control tokens of SmolLM2
+    ids = tok.encode("<|im_start|>user\nhi<|im_end|>")
+    assert ids[0] == 1 and ids[-1] == 2 and len(ids) == 5
+    assert tok.decode(ids) == "user\nhi"
+    assert tok.decode(ids, skip_special_tokens=False) == "<|im_start|>user\nhi<|im_end|>"
+
+
+@pytest.mark.parametrize("text", TRICKY)
+def test_decode_round_trip(default_tokenizer, text):
+    ids = default_tokenizer.encode(text)
+    assert default_tokenizer.decode(ids, skip_special_tokens=False) == text
+
+
+def test_chat_template(default_tokenizer):
+    text = default_tokenizer.apply_chat_template([{"role": "user", "content": "What is 2+2?"}])
+    assert text == ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by "
+                    "Hugging Face<|im_end|>\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n"
+                    "<|im_start|>assistant\n")
+    ids = default_tokenizer.encode(text, add_special_tokens=False)
+    assert ids.count(1) == 3 and ids.count(2) == 2
