@@ -81,3 +81,78 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             attn_mask=mask, scale=scale, enable_gqa=num_heads != num_kv_heads)
         out[qs:qe] = o.transpose(0, 1)
     return out
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+                      k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
+                      block_tables: torch.Tensor, scale: float, causal: bool = True,
+                      sliding_window: int | None = None) -> torch.Tensor:
+    """Twin of `kernels.prefill_attention`: each request's cached context comes
+    from the paged cache and its step tokens' K/V from `k`/`v` (from the cache
+    too when `k` is None). Non-causal attention sees every key."""
+    loc = cu_seqlens_q.tolist()
+    ctx = context_lens.tolist()
+    out = torch.empty(q.shape, dtype=(v if v is not None else q).dtype, device=q.device)
+    num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
+    for i, c in enumerate(ctx):
+        qs, qe = loc[i], loc[i + 1]
+        n = qe - qs
+        if n == 0:
+            continue
+        if k is None:
+            kk = gather_kv(k_cache, block_tables[i], c + n).to(q.dtype)
+            vv = gather_kv(v_cache, block_tables[i], c + n).to(q.dtype)
+        else:
+            kk = torch.cat([gather_kv(k_cache, block_tables[i], c).to(q.dtype), k[qs:qe]])
+            vv = torch.cat([gather_kv(v_cache, block_tables[i], c).to(q.dtype), v[qs:qe]])
+        if causal:
+            mask = attention_mask(n, c + n, q.device, sliding_window)
+        else:
+            mask = torch.ones(n, c + n, dtype=torch.bool, device=q.device)
+        o = F.scaled_dot_product_attention(
+            q[qs:qe].transpose(0, 1), kk.transpose(0, 1), vv.transpose(0, 1),
+            attn_mask=mask, scale=scale, enable_gqa=num_heads != num_kv_heads)
+        out[qs:qe] = o.transpose(0, 1)
+    return out
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
+                     sliding_window: int | None = None) -> torch.Tensor:
+    """Twin of `kernels.decode_attention`: q [num_seqs, num_heads, head_dim], one
+    token per request, at position seq_lens[i] - 1 (its K/V already stored)."""
+    return paged_attention(q, k_cache, v_cache, list(range(q.shape[0] + 1)), seq_lens.tolist(),
+                           block_tables, scale, sliding_window)
+
+
+def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+                   tree_mask: torch.Tensor, scale: float,
+                   sliding_window: int | None = None) -> torch.Tensor:
+    """Twin of `kernels.tree_attention`: each request's query tokens (a draft
+    tree, already stored in the cache after its context) see the context and
+    the tokens `tree_mask[i]` [max_q, max_q] allows."""
+    return paged_attention(q, k_cache, v_cache, cu_seqlens_q.tolist(), seq_lens.tolist(),
+                           block_tables, scale, sliding_window, tree_mask)
+
+
+def fp8_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          cu_seqlens_q: torch.Tensor, scale: float, rotation: torch.Tensor | None,
+                          quant_block: int, causal: bool = True) -> torch.Tensor:
+    """Twin of `kernels.fp8_attention.fp8_prefill_attention`: the same rotation
+    and block quantisation of q and k, dequantised, then exact attention in fp32
+    (no context: the FP8 path serves whole prompts)."""
+    from slipstream.kernels.fp8_attention import quantize_fp8_blocks
+    if rotation is not None:
+        q, k = q.float() @ rotation, k.float() @ rotation
+    q8, qs = quantize_fp8_blocks(q, cu_seqlens_q, quant_block)
+    k8, ks = quantize_fp8_blocks(k, cu_seqlens_q, quant_block)
+    qd = q8.float() * qs[..., None]
+    kd = k8.float() * ks[..., None]
+    no_cache = torch.zeros(1, 1, k.shape[1], k.shape[2], dtype=torch.float32, device=q.device)
+    num_seqs = cu_seqlens_q.shape[0] - 1
+    zeros = torch.zeros(num_seqs, dtype=torch.int32, device=q.device)
+    tables = torch.zeros(num_seqs, 1, dtype=torch.int32, device=q.device)
+    return prefill_attention(qd, kd, v.float(), no_cache, no_cache, cu_seqlens_q, zeros, tables,
+                             scale, causal).to(v.dtype)

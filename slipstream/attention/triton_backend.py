@@ -1,0 +1,76 @@
+"""The GPU attention backend: Triton kernels for every kind of step.
+
+Per step (`prepare`) it picks one path from host-side metadata only:
+  * tree verification (`batch.tree_mask` set): split-KV tree kernel;
+  * decode only (every request brings one token): FlashDecoding split-KV kernel,
+    with the split count chosen from the batch size and longest context;
+  * anything else (prompts, prompt chunks, mixed prefill + decode): the
+    FlashAttention-2 prefill kernel, which handles one-token requests too.
+Each layer first writes its new K/V into the paged cache (KV store kernel).
+`forward` never reads device memory back, so it adds no host-device sync.
+"""
+from __future__ import annotations
+
+import torch
+
+from slipstream.attention.base import AttentionLayerInfo, register_backend
+from slipstream.kernels.decode_attention import (
+    choose_num_splits, split_kv_attention, split_kv_scratch)
+from slipstream.kernels.kv_store import store_kv
+from slipstream.kernels.prefill_attention import prefill_attention
+from slipstream.runner.forward_batch import ForwardBatch
+
+
+@register_backend("triton")
+class TritonAttentionBackend:
+    name = "triton"
+
+    def __init__(self) -> None:
+        self._scratch: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def prepare(self, batch: ForwardBatch) -> None:
+        if batch.tree_mask is not None:
+            self._mode = "split_kv"
+            self._tree_mask = batch.tree_mask.contiguous().view(torch.uint8)
+        elif batch.is_decode_only:
+            self._mode = "split_kv"
+            self._tree_mask = None
+        else:
+            self._mode = "prefill"
+            self._tree_mask = None
+        self._splits: dict[tuple[int, int], int] = {}  # per head shape, set by the first layer
+
+    def _num_splits(self, layer: AttentionLayerInfo, batch: ForwardBatch) -> int:
+        key = (layer.num_heads, layer.num_kv_heads)
+        splits = self._splits.get(key)
+        if splits is None:
+            splits = choose_num_splits(batch.num_seqs, layer.num_kv_heads, batch.max_seq_len,
+                                       max_query_len=batch.max_query_len,
+                                       group=layer.num_heads // layer.num_kv_heads)
+            self._splits[key] = splits
+        return splits
+
+    def _scratch_for(self, q: torch.Tensor, splits: int):
+        # One buffer pair per shape, reused by every layer and step of that shape.
+        key = (q.shape[0], q.shape[1], splits, q.shape[2], q.device)
+        buf = self._scratch.get(key)
+        if buf is None:
+            buf = split_kv_scratch(q.shape[0], q.shape[1], splits, q.shape[2], q.device)
+            self._scratch = {key: buf}
+        return buf
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                layer: AttentionLayerInfo, batch: ForwardBatch) -> torch.Tensor:
+        # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
+        store_kv(k, v, layer.k_cache, layer.v_cache, batch.slot_mapping)
+        if self._mode == "prefill":
+            return prefill_attention(
+                q, k, v, layer.k_cache, layer.v_cache, batch.query_start_loc, batch.context_lens,
+                batch.block_tables, batch.max_query_len, layer.scale,
+                causal=True, sliding_window=layer.sliding_window)
+        splits = self._num_splits(layer, batch)
+        scratch = self._scratch_for(q, splits) if splits > 1 else None
+        return split_kv_attention(
+            q, layer.k_cache, layer.v_cache, batch.query_start_loc, batch.seq_lens,
+            batch.block_tables, batch.max_query_len, layer.scale, splits,
+            sliding_window=layer.sliding_window, tree_mask=self._tree_mask, scratch=scratch)

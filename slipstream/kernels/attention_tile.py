@@ -1,0 +1,81 @@
+"""Jit building blocks shared by the attention kernels.
+
+Every kernel here is the same loop (FlashAttention-2, chapter 2.2/2.5): keep a
+tile of queries on chip, stream K/V tiles past it, and fold each tile into a
+running max `m`, running sum `l` and unnormalised output `acc` (the online
+softmax); the division by `l` waits until the end. Scores live in the log2
+domain (`qk_scale` = softmax scale * log2(e)) so the exponentials are exp2.
+
+Masked scores are set to -1e6 rather than -inf: a row whose first tile is fully
+masked then gets finite garbage that the next real tile wipes out (its rescale
+factor exp2(-1e6 - m) is 0), instead of NaN from (-inf) - (-inf). Every valid
+query row sees at least its own key, so the garbage never survives.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+MASKED_SCORE = -1.0e6
+
+
+@triton.jit
+def softmax_tile_update(acc, m_i, l_i, qk, v, qk_scale, mask, MASKED: tl.constexpr):
+    """Fold one tile of raw scores into the running softmax state.
+
+    acc: [M, D] fp32, m_i / l_i: [M] fp32 (log2 domain), qk: [M, N] raw q.k,
+    v: [N, D], mask: [M, N] bool (read only when MASKED).
+    """
+    if MASKED:
+        qk = tl.where(mask, qk * qk_scale, -1.0e6)
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        qk = qk - m_new[:, None]
+    else:
+        # One fused multiply-add per score instead of a multiply then a subtract.
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        qk = qk * qk_scale - m_new[:, None]
+    p = tl.math.exp2(qk)
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(v.dtype), v, acc)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def load_paged_kv(KCache, VCache, block_table_row, start, kv_head, key_end,
+                  stride_cache_block, stride_cache_slot, stride_cache_head,
+                  HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+                  PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr):
+    """Gather the cached tokens [start, start + BLOCK_N) of one KV head through
+    the request's block table: K transposed to [D, N], V as [N, D].
+
+    `start` is a multiple of BLOCK_N, so when a page holds at least one tile the
+    tile lies in one page and one scalar block-table read serves it. Positions
+    >= key_end (only checked when MASKED) read as 0, so stale cache contents,
+    NaN included, never reach the dot products.
+    """
+    pos = start + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    key_ok = pos < key_end
+    if PAGE_SIZE >= BLOCK_N:
+        page = tl.load(block_table_row + start // PAGE_SIZE).to(tl.int64)
+    elif MASKED:
+        page = tl.load(block_table_row + pos // PAGE_SIZE, mask=key_ok, other=0).to(tl.int64)
+    else:
+        page = tl.load(block_table_row + pos // PAGE_SIZE).to(tl.int64)
+    offs = page * stride_cache_block + (pos % PAGE_SIZE) * stride_cache_slot + kv_head * stride_cache_head
+    if MASKED or HEAD_DIM_PAD != HEAD_DIM:
+        d_ok = offs_d < HEAD_DIM
+        k = tl.load(KCache + offs[None, :] + offs_d[:, None],
+                    mask=key_ok[None, :] & d_ok[:, None], other=0.0)
+        v = tl.load(VCache + offs[:, None] + offs_d[None, :],
+                    mask=key_ok[:, None] & d_ok[None, :], other=0.0)
+    else:
+        k = tl.load(KCache + offs[None, :] + offs_d[:, None])
+        v = tl.load(VCache + offs[:, None] + offs_d[None, :])
+    return k, v
+
+
+def next_pow2(n: int) -> int:
+    return triton.next_power_of_2(max(int(n), 1))

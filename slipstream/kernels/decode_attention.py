@@ -1,0 +1,261 @@
+"""Decode attention: FlashDecoding over the paged KV cache (chapter 2.7).
+
+A decode step has one query token per request, so a FlashAttention grid over
+(query block, head, request) leaves most SMs idle. Here the KV sequence is also
+split: program (request, KV head, split) streams its share of the request's
+pages and writes a partial output with its log-sum-exp; a second small kernel
+merges the splits with the online-softmax rule
+    out = sum_s exp2(lse_s - max) * o_s / sum_s exp2(lse_s - max).
+
+GQA: the query tile holds all query heads of one KV group (rows = query token x
+head in group), so each K/V tile is loaded once for the whole group; the tile
+is at least 16 rows for the tensor cores, padding small groups.
+
+The same kernel serves tree verification (tree_attention.py): rows then span
+several query tokens of a request and a per-request mask says which of the
+step's tokens each may see. The grid depends only on the batch size, the head
+counts and the split count, so a decode step can be captured in a CUDA graph.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from slipstream.kernels.attention_tile import load_paged_kv, next_pow2, softmax_tile_update
+from slipstream.kernels.runtime import interpreting, num_sms
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _split_kv_kernel(
+        Q, KCache, VCache, Out, PartO, PartLse,
+        CuSeqlensQ, SeqLens, BlockTables, TreeMask,
+        num_kv_heads,
+        stride_qt, stride_qh, stride_ot, stride_oh,
+        stride_cb, stride_cs, stride_ch, stride_bt,
+        stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
+        stride_tb, stride_tq,
+        qk_scale, window,
+        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
+        NUM_SPLITS: tl.constexpr, SLIDING: tl.constexpr, TREE: tl.constexpr):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1) % num_kv_heads
+    m_block = tl.program_id(1) // num_kv_heads
+    split = tl.program_id(2)
+    q_start = tl.load(CuSeqlensQ + seq)
+    q_len = tl.load(CuSeqlensQ + seq + 1) - q_start
+    if m_block * BLOCK_M >= q_len * GROUP:
+        return
+    seq_len = tl.load(SeqLens + seq)
+    ctx = seq_len - q_len
+
+    # Row r of the tile is query token r // GROUP, head kv_head * GROUP + r % GROUP.
+    rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    t = rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    row_ok = t < q_len
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    d_ok = offs_d < HEAD_DIM
+    tok = q_start.to(tl.int64) + t
+    q = tl.load(Q + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    q_pos = ctx + t
+
+    # Keys this row block can see: up to its last token; from its first token's window.
+    t_first = m_block * BLOCK_M // GROUP
+    t_last = tl.minimum(q_len - 1, ((m_block + 1) * BLOCK_M - 1) // GROUP)
+    hi = ctx + t_last + 1
+    lo = 0
+    if SLIDING:
+        lo = tl.maximum(ctx + t_first - window + 1, 0)
+    # This split's share of those tiles.
+    first_tile = lo // BLOCK_N
+    num_tiles = tl.cdiv(hi, BLOCK_N) - first_tile
+    per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    start_tile = first_tile + split * per_split
+    end_tile = tl.minimum(start_tile + per_split, first_tile + num_tiles)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+    bt_row = BlockTables + seq.to(tl.int64) * stride_bt
+    for start in tl.range(start_tile * BLOCK_N, end_tile * BLOCK_N, BLOCK_N):
+        start = tl.multiple_of(start, BLOCK_N)
+        k, v = load_paged_kv(KCache, VCache, bt_row, start, kv_head, hi, stride_cb, stride_cs,
+                             stride_ch, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, PAGE_SIZE, True)
+        qk = tl.dot(q, k.to(q.dtype))
+        pos = start + tl.arange(0, BLOCK_N)
+        key_ok = pos < hi
+        if TREE:
+            in_step = pos >= ctx
+            allowed = tl.load(TreeMask + seq.to(tl.int64) * stride_tb + t[:, None] * stride_tq
+                              + (pos - ctx)[None, :],
+                              mask=row_ok[:, None] & (in_step & key_ok)[None, :], other=0)
+            mask = (~in_step)[None, :] | (allowed != 0)
+        else:
+            mask = pos[None, :] <= q_pos[:, None]
+        mask = mask & key_ok[None, :]
+        if SLIDING:
+            mask = mask & (q_pos[:, None] - pos[None, :] < window)
+        acc, m_i, l_i = softmax_tile_update(acc, m_i, l_i, qk, v.to(q.dtype), qk_scale, mask, True)
+
+    if NUM_SPLITS == 1:
+        out = acc / l_i[:, None]
+        tl.store(Out + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+                 out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    else:
+        # An empty split (short request) leaves l = 0: weight 0 in the merge.
+        seen = l_i > 0
+        l_safe = tl.where(seen, l_i, 1.0)
+        lse = tl.where(seen, m_i + tl.math.log2(l_safe), float("-inf"))
+        tl.store(PartO + tok[:, None] * stride_pt + head[:, None] * stride_ph + split * stride_ps
+                 + offs_d[None, :], acc / l_safe[:, None], mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(PartLse + tok * stride_lt + head * stride_lh + split, lse, mask=row_ok)
+
+
+@triton.jit
+def _merge_splits_kernel(PartO, PartLse, Out,
+                         stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
+                         stride_ot, stride_oh,
+                         HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                         NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr):
+    tok = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    s = tl.arange(0, SPLITS_PAD)
+    s_ok = s < NUM_SPLITS
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    d_ok = offs_d < HEAD_DIM
+    lse = tl.load(PartLse + tok * stride_lt + head * stride_lh + s, mask=s_ok, other=float("-inf"))
+    w = tl.math.exp2(lse - tl.max(lse, 0))
+    o = tl.load(PartO + tok * stride_pt + head * stride_ph + s[:, None] * stride_ps + offs_d[None, :],
+                mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+    out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
+    tl.store(Out + tok * stride_ot + head * stride_oh + offs_d, out.to(Out.dtype.element_ty),
+             mask=d_ok)
+
+
+# --- tuning -------------------------------------------------------------------
+
+# Tile over the KV sequence and launch shape; memory-bound, so deep pipelining.
+DECODE_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
+INTERPRET_CONFIG = {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
+MIN_TOKENS_PER_SPLIT = 256
+MAX_SPLITS = 64
+
+
+def _tile_rows(max_query_len: int, group: int) -> tuple[int, int]:
+    """(BLOCK_M, row blocks per KV head): rows are query token x head in group."""
+    block_m = max(16, min(next_pow2(max_query_len * group), 64))
+    return block_m, triton.cdiv(max_query_len * group, block_m)
+
+
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, *,
+                      max_query_len: int = 1, group: int = 1, sm_count: int | None = None) -> int:
+    """Splits per (request, KV head) so the grid fills the GPU about twice over,
+    without splits shorter than MIN_TOKENS_PER_SPLIT. A power of two, so a
+    captured graph needs few variants."""
+    if sm_count is None:
+        sm_count = num_sms() if torch.cuda.is_available() else 132
+    programs = max(num_seqs * num_kv_heads * _tile_rows(max_query_len, group)[1], 1)
+    want = triton.cdiv(2 * sm_count, programs)
+    useful = max(triton.cdiv(max_seq_len, MIN_TOKENS_PER_SPLIT), 1)
+    return min(next_pow2(min(want, useful)), MAX_SPLITS)
+
+
+# --- launcher -------------------------------------------------------------------
+
+def split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
+                       block_tables: torch.Tensor, max_query_len: int, scale: float,
+                       num_splits: int, sliding_window: int | None = None,
+                       tree_mask: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                       scratch: tuple[torch.Tensor, torch.Tensor] | None = None,
+                       config: dict | None = None) -> torch.Tensor:
+    """Few query tokens per request against the paged cache, split over the KV
+    sequence. Shared by decode (one token) and tree verification (a masked tree).
+
+    q: [num_tokens, num_heads, head_dim]; its tokens' K/V already in the cache.
+    cu_seqlens_q: [num_seqs + 1] int32; seq_lens: [num_seqs] int32 (context +
+    query tokens). tree_mask: [num_seqs, >=max_query_len, >=max_query_len] bool
+    or uint8, else causal. scratch: (partial out [num_tokens, num_heads,
+    num_splits, head_dim] fp32, lse [num_tokens, num_heads, num_splits] fp32).
+    returns out: [num_tokens, num_heads, head_dim] in q's dtype.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    assert q.stride(2) == 1 and k_cache.stride(3) == 1 and k_cache.stride() == v_cache.stride()
+    assert page_size & (page_size - 1) == 0, "page size must be a power of two"
+    if out is None:
+        out = torch.empty_like(q)
+    group = num_heads // num_kv_heads
+    head_dim_pad = next_pow2(head_dim)
+    cfg = dict(config or (INTERPRET_CONFIG if interpreting() else DECODE_CONFIG))
+    block_n = cfg.pop("BLOCK_N")
+    block_m, row_blocks = _tile_rows(max_query_len, group)
+    if num_splits > 1:
+        if scratch is None:
+            scratch = split_kv_scratch(num_tokens, num_heads, num_splits, head_dim, q.device)
+        part_o, part_lse = scratch
+    else:
+        part_o, part_lse = out, out  # unused
+    if tree_mask is not None:
+        if tree_mask.dtype == torch.bool:
+            tree_mask = tree_mask.view(torch.uint8)
+        assert tree_mask.stride(2) == 1
+        tree = (tree_mask, tree_mask.stride(0), tree_mask.stride(1))
+    else:
+        tree = (q, 0, 0)
+    num_seqs = cu_seqlens_q.shape[0] - 1
+    po_strides = part_o.stride()[:3] if num_splits > 1 else (0, 0, 0)
+    pl_strides = part_lse.stride()[:2] if num_splits > 1 else (0, 0)
+    _split_kv_kernel[(num_seqs, num_kv_heads * row_blocks, num_splits)](
+        q, k_cache, v_cache, out, part_o, part_lse,
+        cu_seqlens_q, seq_lens, block_tables, tree[0], num_kv_heads,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        *po_strides, *pl_strides, tree[1], tree[2],
+        scale * LOG2E, sliding_window or 0,
+        GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_M=block_m,
+        BLOCK_N=block_n, PAGE_SIZE=page_size, NUM_SPLITS=num_splits,
+        SLIDING=sliding_window is not None, TREE=tree_mask is not None, **cfg)
+    if num_splits > 1:
+        _merge_splits_kernel[(num_tokens, num_heads)](
+            part_o, part_lse, out, *po_strides, *pl_strides, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, NUM_SPLITS=num_splits,
+            SPLITS_PAD=next_pow2(num_splits), num_warps=4)
+    return out
+
+
+def split_kv_scratch(num_tokens: int, num_heads: int, num_splits: int, head_dim: int,
+                     device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Partial outputs and log-sum-exps of the splits (fp32)."""
+    return (torch.empty(num_tokens, num_heads, num_splits, head_dim, dtype=torch.float32, device=device),
+            torch.empty(num_tokens, num_heads, num_splits, dtype=torch.float32, device=device))
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float, *,
+                     max_seq_len: int, sliding_window: int | None = None,
+                     num_splits: int | None = None, cu_seqlens_q: torch.Tensor | None = None,
+                     out: torch.Tensor | None = None,
+                     scratch: tuple[torch.Tensor, torch.Tensor] | None = None,
+                     config: dict | None = None) -> torch.Tensor:
+    """One query token per request, attending to its paged context (itself included).
+
+    q: [num_seqs, num_heads, head_dim]; seq_lens: [num_seqs] int32; block_tables:
+    [num_seqs, max_blocks] int32; max_seq_len: host int (sizes the splits).
+    returns [num_seqs, num_heads, head_dim].
+    """
+    num_seqs = q.shape[0]
+    if cu_seqlens_q is None:
+        cu_seqlens_q = torch.arange(num_seqs + 1, dtype=torch.int32, device=q.device)
+    if num_splits is None:
+        num_splits = choose_num_splits(num_seqs, k_cache.shape[2], max_seq_len,
+                                       group=q.shape[1] // k_cache.shape[2])
+    return split_kv_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, 1, scale,
+                              num_splits, sliding_window, None, out, scratch, config)

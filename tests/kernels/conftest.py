@@ -1,0 +1,95 @@
+"""Random paged-KV batches for the kernel tests.
+
+Caches start as NaN everywhere, so a kernel that reads a slot no request wrote
+(past a sequence end, a padded block-table entry) poisons its output.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from slipstream.kernels import reference
+
+
+@dataclass
+class PagedBatch:
+    q: torch.Tensor             # [num_tokens, num_heads, head_dim]
+    k: torch.Tensor             # [num_tokens, num_kv_heads, head_dim], the step's keys
+    v: torch.Tensor
+    k_cache: torch.Tensor       # [num_blocks, page_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor
+    cu_seqlens_q: torch.Tensor  # [num_seqs + 1] int32
+    context_lens: torch.Tensor  # [num_seqs] int32
+    seq_lens: torch.Tensor      # [num_seqs] int32
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32
+    slot_mapping: torch.Tensor  # [num_tokens] int64
+    max_query_len: int
+
+
+def make_paged_batch(context_lens, query_lens, num_heads, num_kv_heads, head_dim, page_size,
+                     dtype=torch.float16, device="cpu", store_new=True) -> PagedBatch:
+    """Random q/k/v and a cache holding each request's context (and, with
+    `store_new`, the step's tokens after it) in randomly permuted blocks."""
+    seq_lens = [c + n for c, n in zip(context_lens, query_lens)]
+    blocks = [-(-s // page_size) for s in seq_lens]
+    num_blocks = sum(blocks) + 3
+    perm = torch.randperm(num_blocks).tolist()
+    max_blocks = max(max(blocks), 1)
+    tables = torch.zeros(len(seq_lens), max_blocks, dtype=torch.int32)
+    used = 0
+    for i, b in enumerate(blocks):
+        tables[i, :b] = torch.tensor(perm[used:used + b], dtype=torch.int32)
+        used += b
+    shape = (num_blocks, page_size, num_kv_heads, head_dim)
+    k_cache = torch.full(shape, float("nan"), dtype=dtype)
+    v_cache = torch.full(shape, float("nan"), dtype=dtype)
+    # Context tokens go straight into their slots.
+    for i, c in enumerate(context_lens):
+        pos = torch.arange(c)
+        slots = tables[i, pos // page_size].long() * page_size + pos % page_size
+        reference.store_kv(torch.randn(c, num_kv_heads, head_dim, dtype=dtype),
+                           torch.randn(c, num_kv_heads, head_dim, dtype=dtype), k_cache, v_cache, slots)
+    num_tokens = sum(query_lens)
+    q = torch.randn(num_tokens, num_heads, head_dim, dtype=dtype)
+    k = torch.randn(num_tokens, num_kv_heads, head_dim, dtype=dtype)
+    v = torch.randn(num_tokens, num_kv_heads, head_dim, dtype=dtype)
+    slot_list = []
+    for i, (c, n) in enumerate(zip(context_lens, query_lens)):
+        pos = torch.arange(c, c + n)
+        slot_list.append(tables[i, pos // page_size].long() * page_size + pos % page_size)
+    slot_mapping = torch.cat(slot_list) if slot_list else torch.zeros(0, dtype=torch.long)
+    if store_new:
+        reference.store_kv(k, v, k_cache, v_cache, slot_mapping)
+    cu = torch.tensor([0] + torch.tensor(query_lens).cumsum(0).tolist(), dtype=torch.int32)
+    t = lambda x: x.to(device)  # noqa: E731
+    return PagedBatch(t(q), t(k), t(v), t(k_cache), t(v_cache), t(cu),
+                      t(torch.tensor(context_lens, dtype=torch.int32)),
+                      t(torch.tensor(seq_lens, dtype=torch.int32)), t(tables), t(slot_mapping),
+                      max(query_lens))
+
+
+def check_close(out: torch.Tensor, ref: torch.Tensor, atol: float, rtol: float) -> None:
+    """Every element written (no NaN left from the poisoned output) and close."""
+    assert not out.isnan().any(), "unwritten or NaN elements in the output"
+    torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=rtol)
+
+
+def poisoned(like: torch.Tensor, dtype=None) -> torch.Tensor:
+    return torch.full(like.shape, float("nan"), dtype=dtype or like.dtype, device=like.device)
+
+
+@pytest.fixture
+def paged_batch():
+    return make_paged_batch
+
+
+@pytest.fixture
+def close():
+    return check_close
+
+
+@pytest.fixture
+def nan_like():
+    return poisoned

@@ -1,0 +1,73 @@
+"""Prefill kernel against `reference.prefill_attention` (fp32 on upcast inputs).
+
+Tolerances (max abs and rel error of the output): fp16 4e-3 (P is rounded to
+fp16 before the P.V product), fp32 2e-3 (tf32 dot products on a GPU), bf16
+3e-2 (GPU only: the CPU interpreter cannot run bf16 dots).
+Outputs start as NaN; caches are NaN outside the written slots.
+"""
+import pytest
+import torch
+
+from slipstream.kernels import reference
+from slipstream.kernels.prefill_attention import prefill_attention
+
+TOL = {torch.float16: 4e-3, torch.float32: 2e-3, torch.bfloat16: 3e-2}
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# One-token request, odd lengths, lengths off the 16-token tile, empty and cached context.
+CONTEXTS = [0, 0, 21, 3]
+QUERIES = [1, 17, 40, 5]
+
+
+def _run(b, *, new_kv=True, causal=True, window=None, use_tma=None, dtype=torch.float16):
+    d = b.q.shape[-1]
+    out = torch.full(b.q.shape, float("nan"), dtype=dtype, device=b.q.device)
+    prefill_attention(b.q, b.k if new_kv else None, b.v if new_kv else None, b.k_cache, b.v_cache,
+                      b.cu_seqlens_q, b.context_lens, b.block_tables, b.max_query_len, d ** -0.5,
+                      causal=causal, sliding_window=window, out=out, use_tma=use_tma)
+    ref = reference.prefill_attention(
+        b.q.float(), b.k.float() if new_kv else None, b.v.float() if new_kv else None,
+        b.k_cache.float(), b.v_cache.float(), b.cu_seqlens_q, b.context_lens, b.block_tables,
+        d ** -0.5, causal, window)
+    return out, ref
+
+
+@pytest.mark.parametrize("group,page_size,use_tma", [(1, 16, True), (4, 32, False), (8, 8, True)])
+def test_varlen_gqa_paged_context(paged_batch, close, group, page_size, use_tma):
+    b = paged_batch(CONTEXTS, QUERIES, 8 if group > 1 else 2, 8 // group if group > 1 else 2,
+                    64, page_size, device=DEVICE)
+    out, ref = _run(b, use_tma=use_tma)
+    close(out, ref, TOL[torch.float16], TOL[torch.float16])
+
+
+def test_all_keys_from_cache(paged_batch, close):
+    """k=None: the step's keys are read back from the cache (paged-KV prefill)."""
+    b = paged_batch(CONTEXTS, QUERIES, 4, 1, 64, 16, device=DEVICE)
+    out, ref = _run(b, new_kv=False)
+    close(out, ref, TOL[torch.float16], TOL[torch.float16])
+
+
+@pytest.mark.parametrize("new_kv,use_tma", [(True, True), (True, False), (False, None)])
+def test_sliding_window(paged_batch, close, new_kv, use_tma):
+    b = paged_batch([0, 30, 9], [37, 12, 1], 4, 2, 64, 16, device=DEVICE)
+    out, ref = _run(b, new_kv=new_kv, window=7, use_tma=use_tma)
+    close(out, ref, TOL[torch.float16], TOL[torch.float16])
+
+
+def test_non_causal(paged_batch, close):
+    b = paged_batch(CONTEXTS, QUERIES, 4, 2, 64, 16, device=DEVICE)
+    out, ref = _run(b, causal=False)
+    close(out, ref, TOL[torch.float16], TOL[torch.float16])
+
+
+@pytest.mark.parametrize("head_dim,dtype", [(128, torch.float16), (80, torch.float32)])
+def test_head_dims(paged_batch, close, head_dim, dtype):
+    b = paged_batch([0, 19], [23, 9], 2, 1, head_dim, 16, dtype=dtype, device=DEVICE)
+    out, ref = _run(b, dtype=dtype)
+    close(out, ref, TOL[dtype], TOL[dtype])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 dots need a GPU (interpreter limit)")
+def test_bf16_on_gpu(paged_batch, close):
+    b = paged_batch(CONTEXTS, QUERIES, 8, 2, 128, 16, dtype=torch.bfloat16, device=DEVICE)
+    out, ref = _run(b, dtype=torch.bfloat16)
+    close(out, ref, TOL[torch.bfloat16], TOL[torch.bfloat16])
