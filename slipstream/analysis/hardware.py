@@ -44,6 +44,16 @@ class HardwareProfile:
         rate = getattr(self, attr)
         return rate if rate is not None else self.bf16_flops
 
+    def times(self, n: int) -> "HardwareProfile":
+        """n devices working as one (tensor parallel), communication ignored:
+        an upper bound, as every roofline figure is."""
+        if n == 1:
+            return self
+        scale = lambda x: None if x is None else x * n  # noqa: E731
+        return HardwareProfile(f"{n}x{self.name}", self.memory_bandwidth * n, self.bf16_flops * n,
+                               scale(self.fp8_flops), scale(self.int8_ops),
+                               scale(self.memory_bytes), self.source)
+
     def critical_intensity(self, compute_dtype: str = "bf16") -> float:
         """FLOPs per byte at which the compute roof meets the bandwidth roof."""
         return self.peak_flops(compute_dtype) / self.memory_bandwidth
