@@ -25,7 +25,7 @@ class IncrementalDetokenizer:
         self.text = ""
         # Streamed text lags by this many characters so a stop string that is
         # still being completed is never shown.
-        self.hold = max((len(s) for s in self.stop), default=1) - 1 if not self.include_stop else 0
+        self.hold = params.output_text_buffer_length
 
     def _decode(self, ids) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)

@@ -112,7 +112,7 @@ class Engine:
             child_params = params if params.n == 1 else params.child(i)
             seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
             req = Request(seq_id, ids, child_params, self.eos_token_ids, self.max_model_len,
-                          self._hasher, prompt=text)
+                          self._hasher, prompt=text, device=self.config.device)
             seq = _Sequence(req, IncrementalDetokenizer(self.tokenizer, ids, child_params), parent)
             parent.seqs.append(seq)
             self._seqs[seq_id] = seq
@@ -215,6 +215,7 @@ class Engine:
             outputs=completions,
             finished=finished,
             prompt_logprobs=prompt_lps,
+            num_cached_tokens=first.num_cached_tokens,
             metrics=RequestMetrics(parent.arrival_time, parent.first_token_time,
                                    time.monotonic() if finished else None,
                                    sum(s.request.num_preemptions for s in parent.seqs)),

@@ -87,6 +87,8 @@ class Scheduler:
             if not self.kv.allocate_slots(req, n, hits):
                 break
             self.waiting.popleft()
+            if req.num_preemptions == 0:
+                req.num_cached_tokens = num_hit_tokens
             req.num_computed_tokens = num_hit_tokens
             req.status = RequestStatus.RUNNING
             self.running.append(req)

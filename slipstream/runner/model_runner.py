@@ -70,11 +70,10 @@ class ModelRunner:
     def _sample(self, samplers: list[ScheduledRequest], logits: torch.Tensor,
                 out: StepOutput) -> StepOutput:
         reqs = [s.request for s in samplers]
-        self._mask_stop_tokens_before_min(reqs, logits)
         sb = SamplingBatch.build(
             [r.params for r in reqs], [r.prompt_token_ids for r in reqs],
             [r.output_token_ids for r in reqs], [r.generator for r in reqs],
-            self.vocab_size, self.device)
+            self.vocab_size, self.device, self.config.model_config.eos_token_ids)
         result = self.sampler(logits, sb)
         tokens = result.sampled_token_ids.tolist()  # the step's one host sync
         for r, t in zip(reqs, tokens):
@@ -85,13 +84,6 @@ class ModelRunner:
                 if r.params.logprobs is not None:
                     out.logprobs[r.request_id] = _trim(entries[i], r.params.logprobs)
         return out
-
-    def _mask_stop_tokens_before_min(self, reqs, logits: torch.Tensor) -> None:
-        for i, r in enumerate(reqs):
-            if r.num_output_tokens < r.params.min_tokens:
-                stop = list(set(r.eos_token_ids) | r.stop_token_ids)
-                if stop:
-                    logits[i, stop] = float("-inf")
 
     @staticmethod
     def _prompt_logprob_offsets(s: ScheduledRequest) -> list[int]:
@@ -118,7 +110,7 @@ class ModelRunner:
 
 def _unpack(lp) -> list[TokenLogprobs]:
     """LogprobsTensors (column 0: the chosen token; then the top-k) -> host records."""
-    ids, vals, ranks = lp.token_ids.tolist(), lp.logprobs.tolist(), lp.ranks.tolist()
+    ids, vals, ranks = lp.tolists()
     return [TokenLogprobs(i[0], v[0], r, i[1:], v[1:]) for i, v, r in zip(ids, vals, ranks)]
 
 

@@ -1,0 +1,65 @@
+"""Tiny random Hugging Face checkpoints on disk, and engines over them."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.loader.checkpoints import hf_config, write_hf_tokenizer
+
+
+def build_hf_model(arch: str = "llama", tie: bool = False, seed: int = 0):
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(hf_config(arch, tie)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.normal_(1.0, 0.1)
+            else:
+                # Wider than HF's 0.02 init, so next-token distributions are
+                # peaked and greedy choices are far from ties.
+                p.normal_(0.0, 0.08)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_folder(tmp_path_factory):
+    """tiny_folder(arch, tie) -> (folder, transformers model), cached per session."""
+    cache = {}
+
+    def make(arch: str = "llama", tie: bool = False):
+        if (arch, tie) not in cache:
+            model = build_hf_model(arch, tie)
+            folder = tmp_path_factory.mktemp(f"{arch}{'-tied' if tie else ''}")
+            model.save_pretrained(folder)
+            write_hf_tokenizer(folder)
+            cache[(arch, tie)] = (folder, model)
+        return cache[(arch, tie)]
+    return make
+
+
+def make_llm(folder, **kw):
+    from slipstream import LLM
+    opts = dict(dtype="float32", device="cpu", max_model_len=256, block_size=4, num_kv_blocks=256)
+    opts.update(kw)
+    return LLM(str(folder), **opts)
+
+
+@pytest.fixture(scope="session")
+def llama_llm(tiny_folder):
+    folder, _ = tiny_folder("llama")
+    return make_llm(folder)
+
+
+def random_prompts(n: int, vocab: int, lo: int, hi: int, seed: int = 0) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(lo, hi + 1, (n,), generator=g).tolist()
+    return [{"prompt_token_ids": torch.randint(3, vocab, (k,), generator=g).tolist()} for k in lens]
+
+
+def assert_no_leak(llm) -> None:
+    engine = llm.engine
+    pool = engine.kv.pool
+    assert not engine.has_unfinished_requests()
+    assert pool.num_free_blocks == pool.num_blocks
+    assert all(b.ref_cnt == 0 for b in pool.blocks)

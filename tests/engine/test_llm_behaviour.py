@@ -1,0 +1,151 @@
+"""Engine behaviour on a tiny random Llama: caching, preemption and batching
+never change greedy outputs; nothing leaks; bad input fails clearly."""
+import pytest
+
+from slipstream import SamplingParams
+from slipstream.errors import ModelLoadError
+from tests.engine.conftest import assert_no_leak, make_llm, random_prompts
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+
+def tokens(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_batch_of_32_mixed_lengths_matches_each_alone(llama_llm):
+    prompts = random_prompts(32, 265, 1, 60, seed=2)
+    batched = tokens(llama_llm.generate(prompts, GREEDY, use_tqdm=False))
+    alone = [tokens(llama_llm.generate([p], GREEDY, use_tqdm=False))[0] for p in prompts]
+    assert batched == alone
+    assert all(len(t) == 12 for t in batched)
+    assert_no_leak(llama_llm)
+
+
+def test_prefix_cache_hit_gives_cold_run_tokens(tiny_folder):
+    folder, _ = tiny_folder("llama")
+    cold = make_llm(folder, enable_prefix_caching=False)
+    warm = make_llm(folder)
+    shared = random_prompts(1, 265, 40, 40, seed=3)[0]["prompt_token_ids"]
+    prompts = [{"prompt_token_ids": shared + tail} for tail in ([7, 8, 9], [10], [11, 12, 13, 14, 15])]
+    expect = tokens(cold.generate(prompts, GREEDY, use_tqdm=False))
+    warm.generate(prompts[:1], GREEDY, use_tqdm=False)  # fills the cache
+    pool = warm.engine.kv.pool
+    assert pool.num_cached_blocks >= 10
+    outs = warm.generate(prompts, GREEDY, use_tqdm=False)
+    assert tokens(outs) == expect
+    # The shared 40 tokens (10 blocks) were hits; the first prompt was cached
+    # whole but for its last token, which is always recomputed.
+    assert [o.num_cached_tokens for o in outs] == [40, 40, 40]
+    assert all(o.num_cached_tokens == 0 for o in cold.generate(prompts, GREEDY, use_tqdm=False))
+    assert_no_leak(warm)
+
+
+def test_preemption_does_not_change_outputs(tiny_folder):
+    folder, _ = tiny_folder("llama")
+    roomy = make_llm(folder)
+    # 40 blocks of 4 tokens: eight requests of ~30 tokens growing to ~50 cannot all fit.
+    tight = make_llm(folder, num_kv_blocks=40, max_model_len=128)
+    prompts = random_prompts(8, 265, 25, 35, seed=4)
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    expect = tokens(roomy.generate(prompts, params, use_tqdm=False))
+    outs = tight.generate(prompts, params, use_tqdm=False)
+    assert sum(o.metrics.num_preemptions for o in outs) > 0
+    assert tokens(outs) == expect
+    assert_no_leak(tight)
+
+
+def test_seeded_sampling_reproducible_and_n_fans_out(llama_llm):
+    prompts = random_prompts(3, 265, 5, 20, seed=5)
+    p = SamplingParams(max_tokens=10, temperature=1.0, seed=7, n=3, ignore_eos=True)
+    a = llama_llm.generate(prompts, p, use_tqdm=False)
+    b = llama_llm.generate(prompts[::-1], p, use_tqdm=False)[::-1]  # other batch order
+    for x, y in zip(a, b):
+        assert [c.token_ids for c in x.outputs] == [c.token_ids for c in y.outputs]
+        assert [c.index for c in x.outputs] == [0, 1, 2]
+        assert len({tuple(c.token_ids) for c in x.outputs}) > 1  # children use seed + i
+    assert_no_leak(llama_llm)
+
+
+def test_stop_token_ids_and_max_tokens(llama_llm):
+    prompt = random_prompts(1, 265, 10, 10, seed=6)
+    free = llama_llm.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0]
+    stop_tok = free.token_ids[4]
+    first = free.token_ids.index(stop_tok)
+    out = llama_llm.generate(prompt, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
+                                                    stop_token_ids=[stop_tok]), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == free.token_ids[:first + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_tok
+    assert free.finish_reason == "length"
+
+
+def test_stop_string_truncates_text(llama_llm):
+    prompt = random_prompts(1, 265, 10, 10, seed=8)
+    free = llama_llm.generate(prompt, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True),
+                              use_tqdm=False)[0].outputs[0]
+    text = free.text
+    stop = text[5:8]
+    assert len(stop) == 3 and stop.strip()
+    cut = text.index(stop)
+    out = llama_llm.generate(prompt, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, stop=[stop]),
+                             use_tqdm=False)[0].outputs[0]
+    assert out.text == text[:cut] and out.finish_reason == "stop" and out.stop_reason == stop
+    kept = llama_llm.generate(prompt, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, stop=[stop],
+                                                     include_stop_str_in_output=True),
+                              use_tqdm=False)[0].outputs[0]
+    assert kept.text == text[:cut + 3]
+
+
+def test_abort_frees_blocks(llama_llm):
+    engine = llama_llm.engine
+    ids = [engine.add_request(p, SamplingParams(max_tokens=50, ignore_eos=True))
+           for p in random_prompts(4, 265, 10, 30, seed=9)]
+    for _ in range(3):
+        engine.step()
+    assert engine.kv.pool.num_free_blocks < engine.kv.pool.num_blocks
+    for rid in ids:
+        engine.abort_request(rid)
+    assert_no_leak(llama_llm)
+
+
+@pytest.mark.parametrize("prompt,params,match", [
+    ("", SamplingParams(), "empty"),
+    ({"prompt_token_ids": []}, SamplingParams(), "empty"),
+    ({"prompt_token_ids": [5] * 256}, SamplingParams(), "maximum model length"),
+    ({"prompt_token_ids": [5, 999]}, SamplingParams(), "prompt_token_ids"),
+])
+def test_bad_prompts_raise_value_error(llama_llm, prompt, params, match):
+    with pytest.raises(ValueError, match=match):
+        llama_llm.generate([prompt], params, use_tqdm=False)
+    assert_no_leak(llama_llm)
+
+
+@pytest.mark.parametrize("kwargs,field", [({"max_tokens": -1}, "max_tokens"), ({"top_p": 0}, "top_p"),
+                                          ({"temperature": -1}, "temperature"), ({"n": 0}, "n")])
+def test_bad_sampling_params_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_unknown_model_path_is_a_clear_error(tmp_path):
+    from slipstream import LLM
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        LLM(str(tmp_path / "nope"))
+
+
+def test_truncated_checkpoints_are_clear_errors(tiny_folder, tmp_path):
+    import shutil
+    from slipstream import LLM
+    folder, _ = tiny_folder("llama")
+    bad = tmp_path / "truncated"
+    shutil.copytree(folder, bad)
+    st = bad / "model.safetensors"
+    st.write_bytes(st.read_bytes()[: st.stat().st_size // 2])
+    with pytest.raises(ModelLoadError, match="model.safetensors"):
+        LLM(str(bad), device="cpu")
+    from slipstream.loader import default_model_path
+    gguf_bytes = default_model_path().read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(gguf_bytes[: len(gguf_bytes) // 3])
+    with pytest.raises(ModelLoadError, match="cut.gguf"):
+        LLM(str(cut), device="cpu")
