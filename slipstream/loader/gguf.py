@@ -104,15 +104,12 @@ class GGUFModelFiles:
         n_tokens = len(fields["tokenizer.ggml.tokens"].data) if "tokenizer.ggml.tokens" in fields else None
         self.config: ModelConfig = config_from_gguf(
             self._meta, set(self._tensors), n_tokens,
-            None if rope_freqs is None else np.asarray(rope_freqs.data, dtype=np.float64).reshape(-1),
+            None if rope_freqs is None else
+            gguf.quants.dequantize(rope_freqs.data, rope_freqs.tensor_type).astype(np.float64).reshape(-1),
             where=str(path))
-        self._names = {}   # gguf name -> HF name, in file order
-        unknown = []
-        for name in self._tensors:
-            if name in _SKIPPED:
-                continue
-            target = hf_name(name)
-            (unknown.append(name) if target is None else self._names.__setitem__(name, target))
+        # gguf name -> HF name, in file order
+        self._names = {name: hf_name(name) for name in self._tensors if name not in _SKIPPED}
+        unknown = [name for name, target in self._names.items() if target is None]
         if unknown:
             raise ModelLoadError(
                 f"{path}: tensors slipstream does not know for a {self.config.architecture} model: "

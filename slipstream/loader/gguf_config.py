@@ -32,7 +32,8 @@ def _llama3_scaling(freq_factors: np.ndarray, head_dim: int, theta: float) -> di
     (tensor `rope_freqs.weight`). Meta's released models all use low/high frequency
     factors 1 and 4 over an original 8192 context; rebuild those factors and
     insist they match the file, so a file with other parameters fails loudly."""
-    factor, low, high, original = float(freq_factors.max()), 1.0, 4.0, 8192
+    # the factors are float32: keep the shortest decimal that reads back the same (8.0, not 7.9999995)
+    factor, low, high, original = float(str(np.float32(freq_factors.max()))), 1.0, 4.0, 8192
     inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
     wavelen = 2 * math.pi / inv_freq
     smooth = (original / wavelen - low) / (high - low)

@@ -130,7 +130,7 @@ def quantize_q6_k(w: np.ndarray) -> np.ndarray:
 
 
 def write_gguf(path: Path, model, qtype=Q.F32, arch: str = "llama", pre: str = "smollm",
-               extra_meta=None, skip: tuple[str, ...] = ()) -> Path:
+               extra_meta=None, skip: tuple[str, ...] = (), extra_tensors=None) -> Path:
     """The model's weights (q/k rows permuted for `llama`, as llama.cpp does), 2-D
     weights in `qtype` and norms/biases in F32, plus the tiny tokenizer."""
     cfg = model.config
@@ -168,6 +168,8 @@ def write_gguf(path: Path, model, qtype=Q.F32, arch: str = "llama", pre: str = "
             w.add_tensor(gguf_name(name), quantize(data, qtype), raw_dtype=qtype)
         else:
             w.add_tensor(gguf_name(name), data)
+    for name, data in (extra_tensors or {}).items():
+        w.add_tensor(name, data)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from slipstream.errors import ModelLoadError
 from slipstream.loader import open_model
 
 from tests.loader.checkpoints import Q, gguf_name, quantize, write_gguf
@@ -88,35 +89,36 @@ def test_qwen2_keeps_row_order_and_biases(tmp_path, tiny_model):
     assert "model.layers.0.self_attn.q_proj.bias" in ours
 
 
+def llama3_rope_freqs(factor: float) -> np.ndarray:
+    """What llama.cpp stores for Llama 3 scaling: plain inverse frequencies over
+    scaled ones, the latter from transformers' own llama3 RoPE code."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    cfg = LlamaConfig(hidden_size=256, num_attention_heads=4, max_position_embeddings=131072,
+                      rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": factor,
+                                       "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                       "original_max_position_embeddings": 8192})
+    scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](cfg, "cpu")
+    plain = 1.0 / 10000.0 ** (torch.arange(0, 64, 2, dtype=torch.float64) / 64)
+    return (plain / scaled.double()).float().numpy()
+
+
 def test_llama3_rope_scaling_from_rope_freqs(tmp_path, tiny_model):
-    """Llama 3.x files carry the scaling only as rope_freqs.weight factors."""
-    import math
-    factor, head_dim = 8.0, 64
-    inv = 1.0 / 10000.0 ** (np.arange(0, head_dim, 2) / head_dim)
-    wavelen = 2 * math.pi / inv
-    smooth = (8192 / wavelen - 1) / (4 - 1)
-    freqs = np.where(wavelen < 8192 / 4, 1.0,
-                     np.where(wavelen > 8192, factor, 1 / ((1 - smooth) / factor + smooth))).astype(np.float32)
-    path = tmp_path / "m.gguf"
-    model = tiny_model("llama")
-    write_gguf(path, model, extra_meta=None)
-    # rewrite with the extra tensor
-    w = gguf.GGUFWriter(str(tmp_path / "r.gguf"), "llama")
-    reader = gguf.GGUFReader(path)
-    for field in reader.fields.values():
-        if field.name.startswith("GGUF.") or field.name == "general.architecture":
-            continue
-        w.add_key_value(field.name, field.contents(), field.types[0],
-                        field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None)
-    for t in reader.tensors:
-        w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
-    w.add_tensor("rope_freqs.weight", freqs)
-    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
-    files = open_model(tmp_path / "r.gguf")
+    """Llama 3.x files carry their RoPE scaling only as the rope_freqs.weight factors."""
+    freqs = {"rope_freqs.weight": llama3_rope_freqs(8.0)}
+    files = open_model(write_gguf(tmp_path / "m.gguf", tiny_model("llama"), extra_tensors=freqs))
     rs = files.config.rope_scaling
-    assert rs.rope_type == "llama3" and rs.factor == factor
+    assert rs.rope_type == "llama3" and rs.factor == 8.0
     assert (rs.low_freq_factor, rs.high_freq_factor, rs.original_max_position_embeddings) == (1.0, 4.0, 8192)
     assert "rope_freqs.weight" not in dict(files.weights())
+
+
+def test_unknown_rope_freqs_fail(tmp_path, tiny_model):
+    freqs = llama3_rope_freqs(8.0)
+    freqs[5] *= 1.5
+    path = write_gguf(tmp_path / "m.gguf", tiny_model("llama"), extra_tensors={"rope_freqs.weight": freqs})
+    with pytest.raises(ModelLoadError, match="rope_freqs.weight is not Llama 3 RoPE scaling"):
+        open_model(path)
 
 
 def test_gguf_names_cover_every_parameter(tiny_model):
