@@ -1,0 +1,158 @@
+"""`slipstream analyze`: the analysis layer from the command line.
+
+Forms: `analyze MODEL [...]`, `analyze specdec [...]`, `analyze measure [...]`,
+`analyze gpus`, `analyze models`. MODEL is a preset name, a config.json or a
+model folder. The main CLI mounts this with `add_parser(subparsers)`;
+`python -m slipstream.analysis ...` runs it alone.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Callable
+
+from slipstream.analysis import tables
+from slipstream.analysis.flops import Precisions, Workload
+from slipstream.analysis.hardware import get_hardware, measure_profile, save_profile
+from slipstream.analysis.presets import resolve_model
+from slipstream.analysis.report import Scenario, analyze, render_text
+from slipstream.analysis.roofline import decode_bound, step_bound
+
+_DESCRIPTION = """FLOPs, bytes moved and roofline bounds of a model on a GPU (reference chapter 1),
+and the theory of speculative decoding (chapter 3.3-3.4).
+
+  analyze MODEL [--gpu H100] [--batch B] [--context L] [--weight-dtype D] [--kv-dtype D]
+                [--json] [--plot out.png]   MODEL: preset, config.json or model folder
+  analyze specdec --alpha A --gamma G --c C [--gpu H100] [--json]
+  analyze measure [--device cuda] [--out profile.json]
+  analyze gpus | analyze models
+
+Each form takes --help."""
+
+
+def _model_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="slipstream analyze", description="FLOPs, bytes and "
+                                "roofline bounds of a model on a GPU")
+    p.add_argument("model", help="preset (see `analyze models`), config.json, or model folder")
+    p.add_argument("--gpu", default="H100", help="A100, H100, H200, B200, or a measured profile")
+    p.add_argument("--num-gpus", type=int, default=1,
+                   help="GPUs sharing the model (tensor parallel; communication ignored)")
+    p.add_argument("--batch", type=int, default=1, help="decode batch size")
+    p.add_argument("--context", type=int, default=4096, help="keys each decoded token attends to")
+    p.add_argument("--prompt", type=int, default=4096, help="prefill length")
+    p.add_argument("--weight-dtype", default="bf16", help="bf16, fp8, int8, int4, int4-g64, ...")
+    p.add_argument("--kv-dtype", default="bf16", help="KV cache precision")
+    p.add_argument("--compute-dtype", default="bf16", help="matmul precision for the peak rate")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--plot", metavar="OUT", help="write a roofline chart (.png or .svg)")
+    return p
+
+
+def run_model(argv: list[str]) -> int:
+    args = _model_parser().parse_args(argv)
+    spec, hw = resolve_model(args.model), get_hardware(args.gpu).times(args.num_gpus)
+    sc = Scenario(args.batch, args.context, args.prompt,
+                  Precisions.parse(args.weight_dtype, args.kv_dtype), args.compute_dtype)
+    data = analyze(spec, hw, sc)
+    if args.plot:
+        from slipstream.analysis.plots import plot_roofline
+        phases = {"prefill": step_bound(spec, hw, Workload.prefill(sc.prompt), sc.precisions,
+                                        sc.compute_dtype).ops(),
+                  "decode": decode_bound(spec, hw, sc.batch, sc.context, sc.precisions,
+                                         sc.compute_dtype).ops()}
+        data["plot"] = str(plot_roofline(
+            hw, phases, args.plot, compute_dtype=sc.compute_dtype,
+            title=f"{spec.name} on {hw.name}: prefill N={sc.prompt}, "
+                  f"decode B={sc.batch} L={sc.context}"))
+    print(json.dumps(data, indent=2) if args.json else render_text(spec, hw, sc, data))
+    if args.plot and not args.json:
+        print(f"\nroofline chart written to {data['plot']}")
+    return 0
+
+
+def _specdec_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="slipstream analyze specdec",
+                                description="Speculative decoding: expected tokens per round, "
+                                "speedup, best draft length (chapter 3.3-3.4)")
+    p.add_argument("--alpha", type=float, required=True, help="per-token acceptance rate")
+    p.add_argument("--gamma", type=int, required=True, help="draft tokens per round")
+    p.add_argument("--c", type=float, required=True, help="draft step time / target step time")
+    p.add_argument("--gpu", help="also give the batch past which speculation stops paying")
+    p.add_argument("--model", help="with --gpu: use this model's critical batch (KV included)")
+    p.add_argument("--context", type=int, default=1, help="with --model: decode context")
+    p.add_argument("--weight-dtype", default="bf16")
+    p.add_argument("--json", action="store_true")
+    return p
+
+
+def run_specdec(argv: list[str]) -> int:
+    args = _specdec_parser().parse_args(argv)
+    data = tables.specdec_summary(args.alpha, args.gamma, args.c, args.gpu, args.model,
+                                  args.context, args.weight_dtype)
+    print(json.dumps(data, indent=2) if args.json else tables.render_specdec(data))
+    return 0
+
+
+def _measure_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="slipstream analyze measure",
+                                description="Measure copy bandwidth and bf16 matmul rate of this "
+                                "device and store the profile for benchmarks and --gpu")
+    p.add_argument("--device", default="auto", help="cuda, cuda:1, cpu (auto: cuda if present)")
+    p.add_argument("--out", help="profile path (default: ~/.cache/slipstream/hardware/<device>.json)")
+    p.add_argument("--copy-mib", type=int, help="bytes copied per run, in MiB")
+    p.add_argument("--matmul-n", type=int, help="square matmul size")
+    p.add_argument("--json", action="store_true")
+    return p
+
+
+def run_measure(argv: list[str]) -> int:
+    import torch
+    args = _measure_parser().parse_args(argv)
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    prof = measure_profile(device, args.copy_mib and args.copy_mib << 20, args.matmul_n)
+    path = save_profile(prof, args.out)
+    data = tables.measured_summary(prof, str(path))
+    print(json.dumps(data, indent=2) if args.json else tables.render_measured(data))
+    return 0
+
+
+def _table_form(name: str, rows: Callable[[], list[dict]],
+                render: Callable[[list[dict]], str]) -> Callable[[list[str]], int]:
+    def run(argv: list[str]) -> int:
+        p = argparse.ArgumentParser(prog=f"slipstream analyze {name}")
+        p.add_argument("--json", action="store_true")
+        table = rows()
+        print(json.dumps(table, indent=2) if p.parse_args(argv).json else render(table))
+        return 0
+    return run
+
+
+FORMS: dict[str, Callable[[list[str]], int]] = {
+    "specdec": run_specdec, "measure": run_measure,
+    "gpus": _table_form("gpus", tables.gpu_rows, tables.render_gpus),
+    "models": _table_form("models", tables.model_rows, tables.render_models),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Dispatch on the first word: a form name, or else a model."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(f"usage: slipstream analyze {{MODEL,{','.join(FORMS)}}} ...\n\n{_DESCRIPTION}")
+        return 0 if argv else 2
+    try:
+        return FORMS.get(argv[0], run_model)(argv[1:] if argv[0] in FORMS else argv)
+    except ValueError as err:   # user errors: the message is the whole story
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Mount `analyze` on the main CLI; each form parses its own arguments."""
+    # No option prefix of its own: every word, --help included, reaches main().
+    p = subparsers.add_parser("analyze", help="FLOPs, bytes, roofline bounds; spec-decode theory",
+                              add_help=False, prefix_chars="+")
+    p.add_argument("argv", nargs=argparse.REMAINDER)
+    p.set_defaults(func=lambda args: main(args.argv))
+    return p
