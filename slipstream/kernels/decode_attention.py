@@ -32,7 +32,7 @@ LOG2E = 1.4426950408889634
 def _split_kv_kernel(
         Q, KCache, VCache, Out, PartO, PartLse,
         CuSeqlensQ, SeqLens, BlockTables, TreeMask,
-        num_kv_heads,
+        num_kv_heads, num_splits,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_cb, stride_cs, stride_ch, stride_bt,
         stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
@@ -40,7 +40,7 @@ def _split_kv_kernel(
         qk_scale, window,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
-        NUM_SPLITS: tl.constexpr, SLIDING: tl.constexpr, TREE: tl.constexpr):
+        SPLIT: tl.constexpr, SLIDING: tl.constexpr, TREE: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1) % num_kv_heads
     m_block = tl.program_id(1) // num_kv_heads
@@ -74,7 +74,7 @@ def _split_kv_kernel(
     # This split's share of those tiles.
     first_tile = lo // BLOCK_N
     num_tiles = tl.cdiv(hi, BLOCK_N) - first_tile
-    per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    per_split = tl.cdiv(num_tiles, num_splits)
     start_tile = first_tile + split * per_split
     end_tile = tl.minimum(start_tile + per_split, first_tile + num_tiles)
 
@@ -102,7 +102,7 @@ def _split_kv_kernel(
             mask = mask & (q_pos[:, None] - pos[None, :] < window)
         acc, m_i, l_i = softmax_tile_update(acc, m_i, l_i, qk, v.to(q.dtype), qk_scale, mask, True)
 
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         out = acc / l_i[:, None]
         tl.store(Out + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
                  out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
@@ -117,15 +117,15 @@ def _split_kv_kernel(
 
 
 @triton.jit
-def _merge_splits_kernel(PartO, PartLse, Out,
+def _merge_splits_kernel(PartO, PartLse, Out, num_splits,
                          stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
                          stride_ot, stride_oh,
                          HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-                         NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr):
+                         SPLITS_PAD: tl.constexpr):
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     s = tl.arange(0, SPLITS_PAD)
-    s_ok = s < NUM_SPLITS
+    s_ok = s < num_splits
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     d_ok = offs_d < HEAD_DIM
     lse = tl.load(PartLse + tok * stride_lt + head * stride_lh + s, mask=s_ok, other=float("-inf"))
@@ -215,19 +215,19 @@ def split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     pl_strides = part_lse.stride()[:2] if num_splits > 1 else (0, 0)
     _split_kv_kernel[(num_seqs, num_kv_heads * row_blocks, num_splits)](
         q, k_cache, v_cache, out, part_o, part_lse,
-        cu_seqlens_q, seq_lens, block_tables, tree[0], num_kv_heads,
+        cu_seqlens_q, seq_lens, block_tables, tree[0], num_kv_heads, num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         *po_strides, *pl_strides, tree[1], tree[2],
         scale * LOG2E, sliding_window or 0,
         GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_M=block_m,
-        BLOCK_N=block_n, PAGE_SIZE=page_size, NUM_SPLITS=num_splits,
+        BLOCK_N=block_n, PAGE_SIZE=page_size, SPLIT=num_splits > 1,
         SLIDING=sliding_window is not None, TREE=tree_mask is not None, **cfg)
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
-            part_o, part_lse, out, *po_strides, *pl_strides, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, NUM_SPLITS=num_splits,
-            SPLITS_PAD=next_pow2(num_splits), num_warps=4)
+            part_o, part_lse, out, num_splits, *po_strides, *pl_strides, out.stride(0),
+            out.stride(1), HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+            SPLITS_PAD=max(next_pow2(num_splits), MAX_SPLITS), num_warps=4)
     return out
 
 
