@@ -66,6 +66,9 @@ def analyze(spec: ModelSpec, hw: HardwareProfile, sc: Scenario = Scenario()) -> 
         "kv_bytes_per_sequence": kv_seq,
         "memory_needed_bytes": weight_bytes + sc.batch * kv_seq,
         "gpu_memory_bytes": hw.memory_bytes,
+        # Capacity alone (no activation workspace, no parallelism overhead).
+        "fits_in_memory": None if hw.memory_bytes is None
+        else weight_bytes + sc.batch * kv_seq <= hw.memory_bytes,
         "critical_intensity": hw.critical_intensity(dt),
         "critical_batch_size": critical_batch_size(spec, hw, sc.context, prec, dt),
         "critical_batch_size_weights": weights_critical_batch(
@@ -104,7 +107,10 @@ def render_text(spec: ModelSpec, hw: HardwareProfile, sc: Scenario, data: dict) 
         f"  weights           {_si(d['weight_bytes'], 'B')}; KV cache {_si(d['kv_bytes_per_token'], 'B')}"
         f"/token, {_si(d['kv_bytes_per_sequence'], 'B')}/sequence at {d['context']}",
         f"  memory needed     {_si(d['memory_needed_bytes'], 'B')} at batch {d['batch']} "
-        f"(device has {_si(d['gpu_memory_bytes'], 'B')})",
+        f"(device has {_si(d['gpu_memory_bytes'], 'B')})"
+        + ("" if d["fits_in_memory"] is not False else
+           f": does not fit; try --num-gpus {math.ceil(d['memory_needed_bytes'] / d['gpu_memory_bytes'])}"
+           " or a smaller --weight-dtype"),
         f"  critical intensity {d['critical_intensity']:.0f} FLOP/B; critical batch "
         f"{crit if crit is not None else 'never (KV-bound)'} at context {d['context']}, "
         f"{d['critical_batch_size_weights']:.0f} for the weight GEMMs alone",
