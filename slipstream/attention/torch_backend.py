@@ -1,7 +1,17 @@
-"""The reference attention backend: plain PyTorch, runs on CPU and GPU."""
+"""The reference attention backend: plain PyTorch, runs on CPU and GPU.
+
+Prefill and mixed batches go through `kernels.reference.paged_attention`, one
+request at a time. Two cheap shortcuts keep the CPU decode path fast without
+changing the math: a lone decode token needs no mask (it sees its whole
+context), and a batch of decodes is gathered and attended in one SDPA call.
+That call reads every slot of the requests' padded block tables; the masked
+ones must hold finite values, which holds because the KV pool is allocated
+zeroed and only ever written with finite K/V.
+"""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from slipstream.attention.base import AttentionLayerInfo, register_backend
 from slipstream.kernels import reference
@@ -18,11 +28,46 @@ class TorchAttentionBackend:
         for n in batch.query_lens_cpu:
             loc.append(loc[-1] + n)
         self._query_start_loc = loc
+        self._decode_mask = None   # built by the first layer that needs it
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 layer: AttentionLayerInfo, batch: ForwardBatch) -> torch.Tensor:
         # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
         reference.store_kv(k, v, layer.k_cache, layer.v_cache, batch.slot_mapping)
+        if batch.is_decode_only and batch.tree_mask is None:
+            if batch.num_seqs > 1:
+                return self._batched_decode(q, layer, batch)
+            if layer.sliding_window is None:
+                return self._single_decode(q, layer, batch)
         return reference.paged_attention(
             q, layer.k_cache, layer.v_cache, self._query_start_loc, batch.seq_lens_cpu,
             batch.block_tables, layer.scale, layer.sliding_window, batch.tree_mask)
+
+    @staticmethod
+    def _single_decode(q, layer, batch) -> torch.Tensor:
+        n = batch.seq_lens_cpu[0]
+        k = reference.gather_kv(layer.k_cache, batch.block_tables[0], n)   # [n, kv_heads, dim]
+        v = reference.gather_kv(layer.v_cache, batch.block_tables[0], n)
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), scale=layer.scale,
+            enable_gqa=layer.num_heads != layer.num_kv_heads)
+        return o.transpose(0, 1)                                             # [1, heads, dim]
+
+    def _batched_decode(self, q, layer, batch) -> torch.Tensor:
+        tables = batch.block_tables.long()
+        b = tables.shape[0]
+        # [b, blocks, block_size, kv_heads, dim] -> [b, kv_heads, padded_len, dim]
+        k = layer.k_cache[tables].flatten(1, 2).transpose(1, 2)
+        v = layer.v_cache[tables].flatten(1, 2).transpose(1, 2)
+        if self._decode_mask is None:
+            # [b, 1, 1, padded_len]: each request sees its own tokens only.
+            self._decode_keys = torch.arange(k.shape[2], device=k.device)
+            self._decode_mask = (self._decode_keys < batch.seq_lens[:, None])[:, None, None, :]
+        mask = self._decode_mask
+        if layer.sliding_window is not None:
+            lo = (batch.seq_lens - layer.sliding_window)[:, None, None, None]
+            mask = mask & (self._decode_keys >= lo)
+        o = F.scaled_dot_product_attention(
+            q.view(b, 1, layer.num_heads, -1).transpose(1, 2), k, v, attn_mask=mask,
+            scale=layer.scale, enable_gqa=layer.num_heads != layer.num_kv_heads)
+        return o.transpose(1, 2).reshape(b, layer.num_heads, -1)
