@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from slipstream.kernels.decode_attention import (
     choose_num_splits, decode_attention, split_kv_scratch)
-from slipstream.kernels.tree_attention import tree_attention
+from slipstream.kernels.tree_attention import ancestor_mask, tree_attention
 import timing
 from timing import bench_graph_ms, paged_copy, rel_err
 
@@ -111,13 +111,7 @@ def tree(copy_bw: float, log) -> dict:
     k_cache, v_cache, tables = paged_copy(k, v, PAGE, gen)
     q = torch.randn(b * nodes, HEADS, HEAD_DIM, device=timing.DEVICE, dtype=torch.bfloat16)
     parents = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, nodes)]
-    mask = torch.zeros(nodes, nodes, dtype=torch.bool)
-    for i in range(nodes):
-        j = i
-        while j >= 0:
-            mask[i, j] = True
-            j = parents[j]
-    masks = mask.expand(b, nodes, nodes).contiguous().to(timing.DEVICE)
+    masks = ancestor_mask(parents).expand(b, nodes, nodes).contiguous().to(timing.DEVICE)
     cu = torch.arange(0, b * nodes + 1, nodes, dtype=torch.int32, device=timing.DEVICE)
     seq_lens = torch.full((b,), length, dtype=torch.int32, device=timing.DEVICE)
     out = torch.empty_like(q)

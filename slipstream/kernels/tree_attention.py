@@ -17,6 +17,19 @@ import torch
 from slipstream.kernels.decode_attention import choose_num_splits, split_kv_attention
 
 
+def ancestor_mask(parents: list[int]) -> torch.Tensor:
+    """The tree mask of one draft tree given each node's parent (-1 for the
+    root, parents before children): [n, n] bool, row t = t and its ancestors."""
+    n = len(parents)
+    mask = torch.zeros(n, n, dtype=torch.bool)
+    for t in range(n):
+        j = t
+        while j >= 0:
+            mask[t, j] = True
+            j = parents[j]
+    return mask
+
+
 def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
                    block_tables: torch.Tensor, tree_mask: torch.Tensor, scale: float, *,

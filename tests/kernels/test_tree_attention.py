@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from slipstream.kernels import reference
-from slipstream.kernels.tree_attention import tree_attention
+from slipstream.kernels.tree_attention import ancestor_mask, tree_attention
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 #        0
@@ -20,22 +20,11 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 PARENTS = [-1, 0, 0, 1, 1, 2, 3]
 
 
-def _ancestor_mask(parents):
-    n = len(parents)
-    mask = torch.zeros(n, n, dtype=torch.bool)
-    for i in range(n):
-        j = i
-        while j >= 0:
-            mask[i, j] = True
-            j = parents[j]
-    return mask
-
-
 @pytest.mark.parametrize("group,splits,window", [(1, 1, None), (4, 4, None), (8, 2, 20)])
 def test_tree_with_branches(paged_batch, close, group, splits, window):
     contexts, nodes = [0, 30, 70], [7, 1, 4]  # empty context; a one-node tree; a pruned tree
     b = paged_batch(contexts, nodes, 8, 8 // group, 64, 16, device=DEVICE)
-    full = _ancestor_mask(PARENTS)
+    full = ancestor_mask(PARENTS)
     masks = torch.zeros(len(nodes), 7, 7, dtype=torch.bool)
     for i, n in enumerate(nodes):
         masks[i, :n, :n] = full[:n, :n]
@@ -47,6 +36,13 @@ def test_tree_with_branches(paged_batch, close, group, splits, window):
     ref = reference.tree_attention(b.q.float(), b.k_cache.float(), b.v_cache.float(),
                                    b.cu_seqlens_q, b.seq_lens, b.block_tables, masks, 0.125, window)
     close(out, ref, 4e-3, 4e-3)
+
+
+def test_ancestor_mask():
+    m = ancestor_mask(PARENTS)
+    assert m[6].nonzero().flatten().tolist() == [0, 1, 3, 6]
+    assert m[5].nonzero().flatten().tolist() == [0, 2, 5]
+    assert torch.equal(m.diagonal(), torch.ones(7, dtype=torch.bool))
 
 
 def test_tree_mask_shape_checked(paged_batch):

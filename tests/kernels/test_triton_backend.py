@@ -1,15 +1,17 @@
-"""The Triton backend against the torch backend on whole steps: a mixed step
-(prompt chunks with and without cached context, plus decode tokens), a
-decode-only step, and a tree-verification step. Both backends start from the
-same cache; outputs (fp16, 4e-3) and the written caches (exact) must agree.
+"""The Triton backend against the reference (`reference.store_kv` then
+`reference.paged_attention`, what the torch backend computes) on whole steps: a
+mixed step (prompt chunks with and without cached context, plus decode tokens),
+a decode-only step, and a tree-verification step. Both start from the same
+cache, NaN in every unwritten slot; outputs (fp16, 4e-3) and the written caches
+(exact) must agree.
 """
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from slipstream.attention.torch_backend import TorchAttentionBackend
 from slipstream.attention.triton_backend import TritonAttentionBackend
+from slipstream.kernels import reference
 from slipstream.runner.forward_batch import ForwardBatch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -30,18 +32,22 @@ def _step(b, tree_mask=None):
 
 def _compare(b, close, window=None, tree_mask=None):
     num_heads, num_kv_heads, head_dim = b.q.shape[1], b.k.shape[1], b.q.shape[2]
-    outs, caches = [], []
-    for backend in (TorchAttentionBackend(), TritonAttentionBackend()):
-        layer = SimpleNamespace(layer_idx=0, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                                head_dim=head_dim, scale=head_dim ** -0.5, sliding_window=window,
-                                k_cache=b.k_cache.clone(), v_cache=b.v_cache.clone())
-        batch = _step(b, tree_mask)
-        backend.prepare(batch)
-        outs.append(backend.forward(b.q, b.k, b.v, layer, batch))
-        caches.append((layer.k_cache, layer.v_cache))
-    close(outs[1], outs[0], 4e-3, 4e-3)
-    for c_ref, c_new in zip(caches[0], caches[1]):
-        torch.testing.assert_close(c_new, c_ref, atol=0, rtol=0, equal_nan=True)
+    layer = SimpleNamespace(layer_idx=0, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                            head_dim=head_dim, scale=head_dim ** -0.5, sliding_window=window,
+                            k_cache=b.k_cache.clone(), v_cache=b.v_cache.clone())
+    batch = _step(b, tree_mask)
+    backend = TritonAttentionBackend()
+    backend.prepare(batch)
+    out = backend.forward(b.q, b.k, b.v, layer, batch)
+
+    k_ref, v_ref = b.k_cache.clone(), b.v_cache.clone()
+    reference.store_kv(b.k, b.v, k_ref, v_ref, b.slot_mapping)
+    ref = reference.paged_attention(b.q.float(), k_ref.float(), v_ref.float(),
+                                    b.cu_seqlens_q.tolist(), b.seq_lens.tolist(), b.block_tables,
+                                    layer.scale, window, tree_mask)
+    close(out, ref, 4e-3, 4e-3)
+    torch.testing.assert_close(layer.k_cache, k_ref, atol=0, rtol=0, equal_nan=True)
+    torch.testing.assert_close(layer.v_cache, v_ref, atol=0, rtol=0, equal_nan=True)
 
 
 @pytest.mark.parametrize("window", [None, 11])
