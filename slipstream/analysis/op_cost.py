@@ -38,9 +38,6 @@ class OpCost:
     def __add__(self, other: "OpCost") -> "OpCost":
         return replace(self, **{f: getattr(self, f) + getattr(other, f) for f in _SUMMED})
 
-    def renamed(self, name: str) -> "OpCost":
-        return replace(self, name=name)
-
 
 def matmul(name: str, rows: float, d_in: int, d_out: int, weight_elem_bytes: float,
            act_elem_bytes: float, *, copies: int = 1, copies_read: float = 1.0,

@@ -106,3 +106,16 @@ def test_unknown_model_and_unreadable_checkpoint(tmp_path):
 def test_invalid_head_grouping():
     with pytest.raises(ValueError, match="KV groups"):
         ModelSpec("bad", 64, 1, 6, 4, 8, 128, 100)
+
+
+def test_checkpoint_through_the_engine_loader():
+    loader = pytest.importorskip("slipstream.loader")
+    try:
+        path = loader.default_model_path()
+    except ValueError:
+        pytest.skip("default GGUF model not installed")
+    spec = resolve_model(str(path))
+    # SmolLM2-135M: d 576, 30 layers, 9 query / 3 KV heads of 64, d_ff 1536, tied 49152 vocab.
+    assert (spec.hidden_size, spec.num_layers, spec.num_heads, spec.num_kv_heads, spec.head_dim,
+            spec.intermediate_size, spec.vocab_size, spec.tie_word_embeddings) == \
+        (576, 30, 9, 3, 64, 1536, 49152, True)
