@@ -139,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     """Dispatch on the first word: a form name, or else a model."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print(f"usage: slipstream analyze {{MODEL,{','.join(FORMS)}}} ...\n\n{_DESCRIPTION}")
+        print(f"usage: slipstream analyze {{MODEL,{','.join(FORMS)}}} ...\n\n{_DESCRIPTION}",
+              file=sys.stdout if argv else sys.stderr)
         return 0 if argv else 2
     try:
         return FORMS.get(argv[0], run_model)(argv[1:] if argv[0] in FORMS else argv)
