@@ -1,6 +1,7 @@
 """SchedulerOutput -> one forward pass -> sampled tokens (StepOutput)."""
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -39,9 +40,8 @@ class ModelRunner:
         self.device, self.dtype = config.device, config.dtype
         mc = config.model_config
         self.backend = create_backend(config.attention_backend, self.device)
-        with torch.device(self.device):
+        with torch.device(self.device), _default_dtype(self.dtype):
             self.model = model_class(mc.architecture)(mc, self.backend)
-        self.model.to(self.dtype)
         self.model.load_weights(weights)
         self.model.eval()
         self.num_blocks = memory.num_kv_blocks(config.cache, mc, config.scheduler, self.dtype, self.device)
@@ -106,6 +106,17 @@ class ModelRunner:
             out.prompt_logprobs[req.request_id] = (
                 start - 1, [_trim(e, req.params.prompt_logprobs) for e in _unpack(lp)])
             row += len(offsets)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    """Build parameters directly in the model dtype (no fp32 copy first)."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
 
 
 def _unpack(lp) -> list[TokenLogprobs]:
