@@ -20,8 +20,7 @@ TREE_SHAPE = (16, 4096, 16)  # requests, context, tree nodes
 L2_BYTES = 256 << 20  # copies until the data is several times the 60 MB L2
 
 # Explicit configs tried in --sweep: (BLOCK_N, warps, stages).
-SWEEP = [(32, 4, 4), (64, 4, 2), (64, 4, 3), (64, 4, 4), (128, 4, 2), (128, 4, 3), (128, 8, 3),
-         (64, 2, 4)]
+SWEEP = [(64, 2, 4), (64, 4, 2), (128, 4, 3), (64, 2, 3), (32, 2, 4), (128, 2, 3)]
 
 
 def _copies(b: int, length: int, gen: torch.Generator):
@@ -89,7 +88,7 @@ def decode_sweep(b: int, length: int, copy_bw: float, log) -> dict:
     """Explicit tile configs and split counts around the automatic choice."""
     data, kv_bytes, auto, ours_calls = _setup(b, length)
     row = {"case": "decode", "B": b, "L": length, "splits_auto": auto, "sweep": {}}
-    for splits in sorted({max(auto // 2, 1), auto, auto * 2}):
+    for splits in sorted({max(auto // 4, 1), max(auto // 2, 1), auto, auto * 2}):
         for bn, w, s in SWEEP:
             name = f"S{splits}_N{bn}_w{w}_s{s}"
             try:

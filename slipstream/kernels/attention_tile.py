@@ -77,5 +77,45 @@ def load_paged_kv(KCache, VCache, block_table_row, start, kv_head, key_end,
     return k, v
 
 
+@triton.jit
+def attend_paged_keys(acc, m_i, l_i, q, KCache, VCache, block_table_row, kv_head,
+                      lo, hi, key_end, q_pos, window, qk_scale,
+                      stride_cb, stride_cs, stride_ch, tree_rows, row_ok, step_start,
+                      HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+                      PAGE_SIZE: tl.constexpr, CAUSAL: tl.constexpr, SLIDING: tl.constexpr,
+                      TREE: tl.constexpr, MASKED: tl.constexpr):
+    """Attend the query tile to cached keys [lo, hi) (lo a multiple of BLOCK_N).
+
+    q: [M, D]; q_pos: [M] positions of the query rows. When MASKED, keys must be
+    < key_end, and: with TREE, a key at or after `step_start` (the first query
+    token's position) is seen only where the row's tree mask (`tree_rows`: [M]
+    pointers to each row's mask row) allows; else with CAUSAL, pos <= q_pos;
+    with SLIDING, q_pos - pos < window. Unmasked ranges skip all of that.
+    """
+    for start in tl.range(lo, hi, BLOCK_N):
+        start = tl.multiple_of(start, BLOCK_N)
+        k, v = load_paged_kv(KCache, VCache, block_table_row, start, kv_head, key_end,
+                             stride_cb, stride_cs, stride_ch, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N,
+                             PAGE_SIZE, MASKED)
+        qk = tl.dot(q, k.to(q.dtype))
+        if MASKED:
+            pos = start + tl.arange(0, BLOCK_N)
+            key_ok = pos < key_end
+            mask = key_ok[None, :]
+            if TREE:
+                in_step = pos >= step_start
+                allowed = tl.load(tree_rows[:, None] + (pos - step_start)[None, :],
+                                  mask=row_ok[:, None] & (in_step & key_ok)[None, :], other=0)
+                mask = mask & ((~in_step)[None, :] | (allowed != 0))
+            elif CAUSAL:
+                mask = mask & (pos[None, :] <= q_pos[:, None])
+            if SLIDING:
+                mask = mask & (q_pos[:, None] - pos[None, :] < window)
+            acc, m_i, l_i = softmax_tile_update(acc, m_i, l_i, qk, v.to(q.dtype), qk_scale, mask, True)
+        else:  # (q_pos stands in for the unused mask)
+            acc, m_i, l_i = softmax_tile_update(acc, m_i, l_i, qk, v.to(q.dtype), qk_scale, q_pos, False)
+    return acc, m_i, l_i
+
+
 def next_pow2(n: int) -> int:
     return triton.next_power_of_2(max(int(n), 1))

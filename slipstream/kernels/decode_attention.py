@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from slipstream.kernels.attention_tile import load_paged_kv, next_pow2, softmax_tile_update
+from slipstream.kernels.attention_tile import attend_paged_keys, next_pow2
 from slipstream.kernels.runtime import interpreting, num_sms
 
 LOG2E = 1.4426950408889634
@@ -82,25 +82,23 @@ def _split_kv_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
     bt_row = BlockTables + seq.to(tl.int64) * stride_bt
-    for start in tl.range(start_tile * BLOCK_N, end_tile * BLOCK_N, BLOCK_N):
-        start = tl.multiple_of(start, BLOCK_N)
-        k, v = load_paged_kv(KCache, VCache, bt_row, start, kv_head, hi, stride_cb, stride_cs,
-                             stride_ch, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, PAGE_SIZE, True)
-        qk = tl.dot(q, k.to(q.dtype))
-        pos = start + tl.arange(0, BLOCK_N)
-        key_ok = pos < hi
-        if TREE:
-            in_step = pos >= ctx
-            allowed = tl.load(TreeMask + seq.to(tl.int64) * stride_tb + t[:, None] * stride_tq
-                              + (pos - ctx)[None, :],
-                              mask=row_ok[:, None] & (in_step & key_ok)[None, :], other=0)
-            mask = (~in_step)[None, :] | (allowed != 0)
-        else:
-            mask = pos[None, :] <= q_pos[:, None]
-        mask = mask & key_ok[None, :]
-        if SLIDING:
-            mask = mask & (q_pos[:, None] - pos[None, :] < window)
-        acc, m_i, l_i = softmax_tile_update(acc, m_i, l_i, qk, v.to(q.dtype), qk_scale, mask, True)
+    tree_rows = TreeMask + seq.to(tl.int64) * stride_tb + t * stride_tq
+    # Tiles wholly before the step's first token (and, without a window, seen
+    # by every row) run unmasked; the rest (the sequence end, the step's own
+    # tokens, the window edge) masked.
+    lo_pos = start_tile * BLOCK_N
+    hi_pos = end_tile * BLOCK_N
+    clean = tl.maximum(tl.minimum(hi_pos, ctx // BLOCK_N * BLOCK_N), lo_pos)
+    if SLIDING:
+        clean = lo_pos
+    acc, m_i, l_i = attend_paged_keys(
+        acc, m_i, l_i, q, KCache, VCache, bt_row, kv_head, lo_pos, clean, hi, q_pos, window,
+        qk_scale, stride_cb, stride_cs, stride_ch, tree_rows, row_ok, ctx, HEAD_DIM, HEAD_DIM_PAD,
+        BLOCK_N, PAGE_SIZE, True, SLIDING, TREE, False)
+    acc, m_i, l_i = attend_paged_keys(
+        acc, m_i, l_i, q, KCache, VCache, bt_row, kv_head, clean, hi_pos, hi, q_pos, window,
+        qk_scale, stride_cb, stride_cs, stride_ch, tree_rows, row_ok, ctx, HEAD_DIM, HEAD_DIM_PAD,
+        BLOCK_N, PAGE_SIZE, True, SLIDING, TREE, True)
 
     if not SPLIT:
         out = acc / l_i[:, None]
@@ -139,8 +137,9 @@ def _merge_splits_kernel(PartO, PartLse, Out, num_splits,
 
 # --- tuning -------------------------------------------------------------------
 
-# Tile over the KV sequence and launch shape; memory-bound, so deep pipelining.
-DECODE_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
+# Tile over the KV sequence and launch shape: memory-bound, so few warps and deep
+# pipelining (best of a sweep on an H200, benchmarks/attention).
+DECODE_CONFIG = {"BLOCK_N": 64, "num_warps": 2, "num_stages": 4}
 INTERPRET_CONFIG = {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
 MIN_TOKENS_PER_SPLIT = 256
 MAX_SPLITS = 64

@@ -30,34 +30,12 @@ import torch
 import triton
 import triton.language as tl
 
-from slipstream.kernels.attention_tile import load_paged_kv, next_pow2, softmax_tile_update
-from slipstream.kernels.runtime import ensure_tma_allocator, interpreting
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from slipstream.kernels.attention_tile import attend_paged_keys, next_pow2, softmax_tile_update
+from slipstream.kernels.runtime import interpreting
 
 LOG2E = 1.4426950408889634
-
-
-@triton.jit
-def _paged_keys(acc, m_i, l_i, q, KCache, VCache, block_table_row, kv_head,
-                lo, hi, key_end, q_pos, window, qk_scale,
-                stride_cb, stride_cs, stride_ch,
-                HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-                PAGE_SIZE: tl.constexpr, CAUSAL: tl.constexpr, SLIDING: tl.constexpr,
-                MASKED: tl.constexpr):
-    """Attend to cached keys [lo, hi) (lo a multiple of BLOCK_N); q_pos: [M] positions."""
-    for start in tl.range(lo, hi, BLOCK_N):
-        start = tl.multiple_of(start, BLOCK_N)
-        k, v = load_paged_kv(KCache, VCache, block_table_row, start, kv_head, key_end,
-                             stride_cb, stride_cs, stride_ch, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N,
-                             PAGE_SIZE, MASKED)
-        qk = tl.dot(q, k.to(q.dtype))
-        pos = start + tl.arange(0, BLOCK_N)
-        mask = (pos < key_end)[None, :]
-        if CAUSAL:
-            mask = mask & (pos[None, :] <= q_pos[:, None])
-        if SLIDING:
-            mask = mask & (q_pos[:, None] - pos[None, :] < window)
-        acc, m_i, l_i = softmax_tile_update(acc, m_i, l_i, qk, v.to(q.dtype), qk_scale, mask, MASKED)
-    return acc, m_i, l_i
 
 
 @triton.jit
@@ -68,8 +46,8 @@ def _new_keys(acc, m_i, l_i, q, q_row_scale, K, V, KScale, k_row0, kv_head,
               CAUSAL: tl.constexpr, SLIDING: tl.constexpr, MASKED: tl.constexpr,
               USE_TMA: tl.constexpr, FP8: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
     """Attend to the step's own keys [lo, hi) (local indices; lo a multiple of
-    BLOCK_N). With USE_TMA, K/V are descriptors; else pointers at this request's
-    first row and this KV head."""
+    BLOCK_N). With USE_TMA, K/V are host-built TMA descriptors over [tokens,
+    kv_heads * head_dim]; else pointers at this request's first row and KV head."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     for start in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
@@ -107,7 +85,7 @@ def _new_keys(acc, m_i, l_i, q, q_row_scale, K, V, KScale, k_row0, kv_head,
 def _prefill_kernel(
         Q, K, V, KCache, VCache, Out, QScale, KScale,
         CuSeqlensQ, ContextLens, BlockTables,
-        num_tokens, num_heads, num_kv_heads, max_query_len,
+        max_query_len,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
         stride_cb, stride_cs, stride_ch, stride_bt, stride_qst, stride_kst,
         qk_scale, window, tune_key,
@@ -131,10 +109,8 @@ def _prefill_kernel(
     d_ok = offs_d < HEAD_DIM
     q_rows = q_start.to(tl.int64) + offs_m
 
-    if USE_TMA:
-        q_desc = tl.make_tensor_descriptor(Q, shape=[num_tokens, num_heads * HEAD_DIM],
-                                           strides=[stride_qt, 1], block_shape=[BLOCK_M, HEAD_DIM])
-        q = q_desc.load([q_start + m_block * BLOCK_M, head * HEAD_DIM])
+    if USE_TMA:  # Q is a descriptor over [tokens, heads * head_dim]
+        q = Q.load([q_start + m_block * BLOCK_M, head * HEAD_DIM])
     else:
         q = tl.load(Q + q_rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
                     mask=row_ok[:, None] & d_ok[None, :], other=0.0)
@@ -163,14 +139,15 @@ def _prefill_kernel(
         free_end = lo
     bt_row = BlockTables + seq.to(tl.int64) * stride_bt
     q_pos = ctx + offs_m
-    acc, m_i, l_i = _paged_keys(acc, m_i, l_i, q, KCache, VCache, bt_row, kv_head,
-                                lo, free_end, paged_end, q_pos, window, qk_scale,
-                                stride_cb, stride_cs, stride_ch, HEAD_DIM, HEAD_DIM_PAD,
-                                BLOCK_N, PAGE_SIZE, CAUSAL, SLIDING, False)
-    acc, m_i, l_i = _paged_keys(acc, m_i, l_i, q, KCache, VCache, bt_row, kv_head,
-                                free_end, hi, paged_end, q_pos, window, qk_scale,
-                                stride_cb, stride_cs, stride_ch, HEAD_DIM, HEAD_DIM_PAD,
-                                BLOCK_N, PAGE_SIZE, CAUSAL, SLIDING, True)
+    # Unmasked tiles, then the boundary tiles (q_pos stands in for the unused tree rows).
+    acc, m_i, l_i = attend_paged_keys(
+        acc, m_i, l_i, q, KCache, VCache, bt_row, kv_head, lo, free_end, paged_end, q_pos, window,
+        qk_scale, stride_cb, stride_cs, stride_ch, q_pos, row_ok, ctx, HEAD_DIM, HEAD_DIM_PAD,
+        BLOCK_N, PAGE_SIZE, CAUSAL, SLIDING, False, False)
+    acc, m_i, l_i = attend_paged_keys(
+        acc, m_i, l_i, q, KCache, VCache, bt_row, kv_head, free_end, hi, paged_end, q_pos, window,
+        qk_scale, stride_cb, stride_cs, stride_ch, q_pos, row_ok, ctx, HEAD_DIM, HEAD_DIM_PAD,
+        BLOCK_N, PAGE_SIZE, CAUSAL, SLIDING, False, True)
 
     # --- the step's own keys, contiguous in k/v ---
     if NEW_KV:
@@ -185,10 +162,8 @@ def _prefill_kernel(
             lo_n = tl.maximum(m_block * BLOCK_M - window + 1, 0) // BLOCK_N * BLOCK_N
             free_n = lo_n
         if USE_TMA:
-            k_src = tl.make_tensor_descriptor(K, shape=[num_tokens, num_kv_heads * HEAD_DIM],
-                                              strides=[stride_kt, 1], block_shape=[BLOCK_N, HEAD_DIM])
-            v_src = tl.make_tensor_descriptor(V, shape=[num_tokens, num_kv_heads * HEAD_DIM],
-                                              strides=[stride_vt, 1], block_shape=[BLOCK_N, HEAD_DIM])
+            k_src = K
+            v_src = V
         else:
             k_src = K + q_start.to(tl.int64) * stride_kt + kv_head * stride_kh
             v_src = V + q_start.to(tl.int64) * stride_vt + kv_head * stride_vh
@@ -211,29 +186,40 @@ def _prefill_kernel(
 
 # --- tuning configs -------------------------------------------------------------
 
+def _set_block_shapes(nargs):
+    """TMA descriptors carry their tile shape, which depends on the config."""
+    if isinstance(nargs["Q"], TensorDescriptor):
+        nargs["Q"].block_shape = [nargs["BLOCK_M"], nargs["HEAD_DIM"]]
+        nargs["K"].block_shape = [nargs["BLOCK_N"], nargs["HEAD_DIM"]]
+        nargs["V"].block_shape = [nargs["BLOCK_N"], nargs["HEAD_DIM"]]
+
+
 def _config(bm, bn, warps, stages, ws=False):
     return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "WARP_SPECIALIZE": ws},
-                         num_warps=warps, num_stages=stages)
+                         num_warps=warps, num_stages=stages, pre_hook=_set_block_shapes)
 
 
-# Candidates for Hopper; pruned per call to what fits the head dim and the queries.
+# Candidates, from a sweep on an H200 (benchmarks/attention): 128x128 tiles with
+# 8 warps and 3 stages lead for long prompts; 64x64 serves short ones. Pruned
+# per call to what fits the head dim and the query length.
 PREFILL_CONFIGS = [
-    _config(128, 64, 4, 3),
+    _config(128, 128, 8, 3),
     _config(128, 64, 8, 3),
-    _config(128, 128, 8, 2),
     _config(64, 64, 4, 3),
 ]
+SMEM_BYTES = 227 * 1024  # per block on Hopper
 INTERPRET_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 16, "WARP_SPECIALIZE": False}
 
 
 def _prune(configs, named_args, **kwargs):
+    kwargs = {**named_args, **kwargs}  # positional arguments arrive in named_args
     max_q = 1 << kwargs["tune_key"]
     head_dim = kwargs["HEAD_DIM_PAD"]
     kept = []
     for c in configs:
         bm, bn = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]
-        smem = 2 * (bm * head_dim + 2 * c.num_stages * bn * head_dim)
-        if bm % bn or smem > 200 * 1024 or (c.kwargs["WARP_SPECIALIZE"] and not kwargs["USE_TMA"]):
+        smem = 2 * (bm * head_dim + 2 * c.num_stages * bn * head_dim)  # Q + staged K, V
+        if bm % bn or smem > SMEM_BYTES or (c.kwargs["WARP_SPECIALIZE"] and not kwargs["USE_TMA"]):
             continue
         if bm > max(64, max_q):  # short queries: don't pay for empty rows
             continue
@@ -287,14 +273,15 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor |
         use_tma = q.is_cuda and torch.cuda.get_device_capability(q.device)[0] >= 9
     use_tma = bool(use_tma and new_kv and head_dim_pad == head_dim and q.stride(1) == head_dim
                    and k.stride(1) == head_dim and v.stride(1) == head_dim and k.stride(2) == 1)
-    if use_tma:
-        ensure_tma_allocator()
     if not new_kv:
         k = v = k_cache  # unused placeholders
-    args = (q, k, v, k_cache, v_cache, out,
+    q_arg, k_arg, v_arg = q, k, v
+    if use_tma:  # 2-D views [tokens, heads * head_dim]; tile shapes set per config
+        q_arg, k_arg, v_arg = (TensorDescriptor(x, [num_tokens, x.shape[1] * head_dim],
+                                                [x.stride(0), 1], [1, head_dim]) for x in (q, k, v))
+    args = (q_arg, k_arg, v_arg, k_cache, v_cache, out,
             q_scale if fp8 else q, k_scale if fp8 else q,
-            cu_seqlens_q, context_lens, block_tables,
-            num_tokens, num_heads, num_kv_heads)
+            cu_seqlens_q, context_lens, block_tables)
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                out.stride(0), out.stride(1),
                k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
@@ -316,6 +303,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor |
     else:
         meta = {"WARP_SPECIALIZE": False, **config}
         launch = {k_: meta.pop(k_) for k_ in ("num_warps", "num_stages") if k_ in meta}
+        _set_block_shapes({"Q": q_arg, "K": k_arg, "V": v_arg, "HEAD_DIM": head_dim, **meta})
         _prefill_kernel[grid(meta)](*args, max_query_len, *strides, scale * LOG2E, window,
                                     tune_key, **consts, **meta, **launch)
     return out

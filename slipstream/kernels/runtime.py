@@ -12,20 +12,6 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def _alloc(size: int, alignment: int, stream):
-    return torch.empty(size, dtype=torch.int8, device="cuda")
-
-
-def ensure_tma_allocator() -> None:
-    """Kernels that build TMA descriptors on the device need a little global
-    scratch per launch; hand Triton torch's caching allocator for it (no sync,
-    and graph-capture safe). Triton keeps the allocator in a context variable,
-    so it is set on every launch: a new thread starts without one."""
-    if not interpreting():
-        import triton
-        triton.set_allocator(_alloc)
-
-
 @functools.cache
 def num_sms(device_index: int = 0) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
