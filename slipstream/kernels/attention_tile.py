@@ -117,5 +117,24 @@ def attend_paged_keys(acc, m_i, l_i, q, KCache, VCache, block_table_row, kv_head
     return acc, m_i, l_i
 
 
+@triton.jit
+def attend_paged_range(acc, m_i, l_i, q, KCache, VCache, block_table_row, kv_head,
+                       lo, clean_end, hi, key_end, q_pos, window, qk_scale,
+                       stride_cb, stride_cs, stride_ch, tree_rows, row_ok, step_start,
+                       HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+                       PAGE_SIZE: tl.constexpr, CAUSAL: tl.constexpr, SLIDING: tl.constexpr,
+                       TREE: tl.constexpr):
+    """Cached keys [lo, hi): tiles before `clean_end` (every row sees all of
+    them) unmasked, the rest masked. lo and clean_end are multiples of BLOCK_N."""
+    acc, m_i, l_i = attend_paged_keys(
+        acc, m_i, l_i, q, KCache, VCache, block_table_row, kv_head, lo, clean_end, key_end, q_pos,
+        window, qk_scale, stride_cb, stride_cs, stride_ch, tree_rows, row_ok, step_start,
+        HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, PAGE_SIZE, CAUSAL, SLIDING, TREE, False)
+    return attend_paged_keys(
+        acc, m_i, l_i, q, KCache, VCache, block_table_row, kv_head, clean_end, hi, key_end, q_pos,
+        window, qk_scale, stride_cb, stride_cs, stride_ch, tree_rows, row_ok, step_start,
+        HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, PAGE_SIZE, CAUSAL, SLIDING, TREE, True)
+
+
 def next_pow2(n: int) -> int:
     return triton.next_power_of_2(max(int(n), 1))

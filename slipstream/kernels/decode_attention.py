@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from slipstream.kernels.attention_tile import attend_paged_keys, next_pow2
+from slipstream.kernels.attention_tile import attend_paged_range, next_pow2
 from slipstream.kernels.runtime import interpreting, num_sms
 
 LOG2E = 1.4426950408889634
@@ -91,14 +91,10 @@ def _split_kv_kernel(
     clean = tl.maximum(tl.minimum(hi_pos, ctx // BLOCK_N * BLOCK_N), lo_pos)
     if SLIDING:
         clean = lo_pos
-    acc, m_i, l_i = attend_paged_keys(
-        acc, m_i, l_i, q, KCache, VCache, bt_row, kv_head, lo_pos, clean, hi, q_pos, window,
-        qk_scale, stride_cb, stride_cs, stride_ch, tree_rows, row_ok, ctx, HEAD_DIM, HEAD_DIM_PAD,
-        BLOCK_N, PAGE_SIZE, True, SLIDING, TREE, False)
-    acc, m_i, l_i = attend_paged_keys(
-        acc, m_i, l_i, q, KCache, VCache, bt_row, kv_head, clean, hi_pos, hi, q_pos, window,
-        qk_scale, stride_cb, stride_cs, stride_ch, tree_rows, row_ok, ctx, HEAD_DIM, HEAD_DIM_PAD,
-        BLOCK_N, PAGE_SIZE, True, SLIDING, TREE, True)
+    acc, m_i, l_i = attend_paged_range(
+        acc, m_i, l_i, q, KCache, VCache, bt_row, kv_head, lo_pos, clean, hi_pos, hi, q_pos,
+        window, qk_scale, stride_cb, stride_cs, stride_ch, tree_rows, row_ok, ctx, HEAD_DIM,
+        HEAD_DIM_PAD, BLOCK_N, PAGE_SIZE, True, SLIDING, TREE)
 
     if not SPLIT:
         out = acc / l_i[:, None]

@@ -32,7 +32,7 @@ import triton.language as tl
 
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from slipstream.kernels.attention_tile import attend_paged_keys, next_pow2, softmax_tile_update
+from slipstream.kernels.attention_tile import attend_paged_range, next_pow2, softmax_tile_update
 from slipstream.kernels.runtime import interpreting
 
 LOG2E = 1.4426950408889634
@@ -139,15 +139,11 @@ def _prefill_kernel(
         free_end = lo
     bt_row = BlockTables + seq.to(tl.int64) * stride_bt
     q_pos = ctx + offs_m
-    # Unmasked tiles, then the boundary tiles (q_pos stands in for the unused tree rows).
-    acc, m_i, l_i = attend_paged_keys(
-        acc, m_i, l_i, q, KCache, VCache, bt_row, kv_head, lo, free_end, paged_end, q_pos, window,
-        qk_scale, stride_cb, stride_cs, stride_ch, q_pos, row_ok, ctx, HEAD_DIM, HEAD_DIM_PAD,
-        BLOCK_N, PAGE_SIZE, CAUSAL, SLIDING, False, False)
-    acc, m_i, l_i = attend_paged_keys(
-        acc, m_i, l_i, q, KCache, VCache, bt_row, kv_head, free_end, hi, paged_end, q_pos, window,
-        qk_scale, stride_cb, stride_cs, stride_ch, q_pos, row_ok, ctx, HEAD_DIM, HEAD_DIM_PAD,
-        BLOCK_N, PAGE_SIZE, CAUSAL, SLIDING, False, True)
+    # (q_pos stands in for the unused tree rows.)
+    acc, m_i, l_i = attend_paged_range(
+        acc, m_i, l_i, q, KCache, VCache, bt_row, kv_head, lo, free_end, hi, paged_end, q_pos,
+        window, qk_scale, stride_cb, stride_cs, stride_ch, q_pos, row_ok, ctx, HEAD_DIM,
+        HEAD_DIM_PAD, BLOCK_N, PAGE_SIZE, CAUSAL, SLIDING, False)
 
     # --- the step's own keys, contiguous in k/v ---
     if NEW_KV:
