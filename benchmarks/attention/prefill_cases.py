@@ -18,8 +18,8 @@ FP8_SHAPE = (4, 4096)  # B, N
 BACKENDS = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}
 
 # Explicit configs tried in --sweep (BLOCK_M, BLOCK_N, warps, stages, warp-specialised, TMA).
-SWEEP = [(128, 128, 8, 3, False, True), (128, 64, 8, 3, False, True), (64, 64, 4, 3, False, True),
-         (128, 128, 8, 3, False, False), (128, 128, 8, 2, True, True), (128, 128, 8, 3, True, True)]
+SWEEP = [(128, 128, 8, 3, False, True), (256, 128, 16, 2, False, True), (256, 64, 16, 3, False, True),
+         (128, 128, 8, 3, True, True)]
 
 
 def attn_flops(q_lens, k_lens, causal, heads=HEADS, head_dim=HEAD_DIM) -> float:

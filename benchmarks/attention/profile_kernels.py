@@ -48,8 +48,10 @@ def decode_call(b: int, length: int):
     splits = choose_num_splits(b, KV_HEADS, length, group=HEADS // KV_HEADS)
     scratch = split_kv_scratch(b, HEADS, splits, HEAD_DIM, "cuda") if splits > 1 else None
     out = torch.empty_like(q)
+    cu = torch.arange(b + 1, dtype=torch.int32, device="cuda")
     return lambda: decode_attention(q, k_cache, v_cache, seq_lens, tables, SCALE, max_seq_len=length,
-                                    num_splits=splits, out=out, scratch=scratch, config=DECODE_CONFIG)
+                                    num_splits=splits, cu_seqlens_q=cu, out=out, scratch=scratch,
+                                    config=DECODE_CONFIG)
 
 
 def main() -> None:

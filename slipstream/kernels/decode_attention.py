@@ -22,8 +22,10 @@ import torch
 import triton
 import triton.language as tl
 
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
 from slipstream.kernels.attention_tile import attend_paged_range, next_pow2
-from slipstream.kernels.runtime import interpreting, num_sms
+from slipstream.kernels.runtime import capability, interpreting, num_sms
 
 LOG2E = 1.4426950408889634
 
@@ -40,7 +42,9 @@ def _split_kv_kernel(
         qk_scale, window,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
-        SPLIT: tl.constexpr, SLIDING: tl.constexpr, TREE: tl.constexpr):
+        SPLIT: tl.constexpr, SLIDING: tl.constexpr, TREE: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # let the merge kernel launch now; it waits for this grid before reading
+        gdc_launch_dependents()
     seq = tl.program_id(0)
     kv_head = tl.program_id(1) % num_kv_heads
     m_block = tl.program_id(1) // num_kv_heads
@@ -114,18 +118,22 @@ def _split_kv_kernel(
 def _merge_splits_kernel(PartO, PartLse, Out, num_splits,
                          stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
                          stride_ot, stride_oh,
-                         HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-                         SPLITS_PAD: tl.constexpr):
+                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                         SPLITS_PAD: tl.constexpr, PDL: tl.constexpr):
+    # One program per (token, head, BLOCK_D channels): many small programs, so
+    # the merge costs about one L2 round trip.
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     s = tl.arange(0, SPLITS_PAD)
     s_ok = s < num_splits
-    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    offs_d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
+    if PDL:  # launched early (programmatic dependent launch): wait for the splits' writes
+        gdc_wait()
     lse = tl.load(PartLse + tok * stride_lt + head * stride_lh + s, mask=s_ok, other=float("-inf"))
-    w = tl.math.exp2(lse - tl.max(lse, 0))
     o = tl.load(PartO + tok * stride_pt + head * stride_ph + s[:, None] * stride_ps + offs_d[None, :],
                 mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+    w = tl.math.exp2(lse - tl.max(lse, 0))
     out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
     tl.store(Out + tok * stride_ot + head * stride_oh + offs_d, out.to(Out.dtype.element_ty),
              mask=d_ok)
@@ -192,6 +200,7 @@ def split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     cfg = dict(config or (INTERPRET_CONFIG if interpreting() else DECODE_CONFIG))
     block_n = cfg.pop("BLOCK_N")
     block_m, row_blocks = _tile_rows(max_query_len, group)
+    pdl = num_splits > 1 and _use_pdl(q)
     if num_splits > 1:
         if scratch is None:
             scratch = split_kv_scratch(num_tokens, num_heads, num_splits, head_dim, q.device)
@@ -217,13 +226,21 @@ def split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
         scale * LOG2E, sliding_window or 0,
         GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_M=block_m,
         BLOCK_N=block_n, PAGE_SIZE=page_size, SPLIT=num_splits > 1,
-        SLIDING=sliding_window is not None, TREE=tree_mask is not None, **cfg)
+        SLIDING=sliding_window is not None, TREE=tree_mask is not None, PDL=pdl, **cfg)
     if num_splits > 1:
-        _merge_splits_kernel[(num_tokens, num_heads)](
+        block_d = min(32, head_dim_pad)
+        _merge_splits_kernel[(num_tokens, num_heads, triton.cdiv(head_dim, block_d))](
             part_o, part_lse, out, num_splits, *po_strides, *pl_strides, out.stride(0),
-            out.stride(1), HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-            SPLITS_PAD=max(next_pow2(num_splits), MAX_SPLITS), num_warps=4)
+            out.stride(1), HEAD_DIM=head_dim, BLOCK_D=block_d,
+            SPLITS_PAD=max(next_pow2(num_splits), MAX_SPLITS), PDL=pdl, num_warps=1,
+            launch_pdl=pdl)
     return out
+
+
+def _use_pdl(q: torch.Tensor) -> bool:
+    """Programmatic dependent launch (Hopper+): the merge kernel is launched
+    while the split kernel drains, hiding its launch latency."""
+    return q.is_cuda and not interpreting() and capability(q.device.index or 0)[0] >= 9
 
 
 def split_kv_scratch(num_tokens: int, num_heads: int, num_splits: int, head_dim: int,

@@ -33,7 +33,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from slipstream.kernels.attention_tile import attend_paged_range, next_pow2, softmax_tile_update
-from slipstream.kernels.runtime import interpreting
+from slipstream.kernels.runtime import capability, interpreting
 
 LOG2E = 1.4426950408889634
 
@@ -266,7 +266,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor |
     new_kv = k is not None
     head_dim_pad = next_pow2(head_dim)
     if use_tma is None:
-        use_tma = q.is_cuda and torch.cuda.get_device_capability(q.device)[0] >= 9
+        use_tma = q.is_cuda and capability(q.device.index or 0)[0] >= 9
     use_tma = bool(use_tma and new_kv and head_dim_pad == head_dim and q.stride(1) == head_dim
                    and k.stride(1) == head_dim and v.stride(1) == head_dim and k.stride(2) == 1)
     if not new_kv:

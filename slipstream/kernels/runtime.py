@@ -39,3 +39,8 @@ def _fix_interpreter_scalar_index() -> None:
 
 if interpreting():
     _fix_interpreter_scalar_index()
+
+
+@functools.cache
+def capability(device_index: int = 0) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
