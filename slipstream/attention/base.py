@@ -9,6 +9,7 @@ KV cache layout, per layer (see `runner/memory.py`):
 """
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Callable, Protocol
 
 import torch
@@ -56,6 +57,11 @@ def create_backend(name: str | None, device: torch.device) -> AttentionBackend:
     from slipstream.attention import torch_backend  # noqa: F401
     if name is None:
         name = default_backend_name(device)
+    elif name == "triton":
+        if device.type != "cuda" and not os.environ.get("TRITON_INTERPRET"):
+            raise ValueError("attention_backend: 'triton' needs a CUDA device "
+                             "(or TRITON_INTERPRET=1 for the slow interpreter)")
+        from slipstream.attention import triton_backend  # noqa: F401
     try:
         return _BACKENDS[name]()
     except KeyError:
