@@ -68,6 +68,7 @@ def parity(checkpoints: dict) -> list[dict]:
                          "greedy_mismatches": mismatched})
             print(rows[-1], flush=True)
             del llm
+            _release()
         hf.to("cpu")
     return rows
 
@@ -89,7 +90,15 @@ def slipstream_speed(gguf: str, batch: int, n: int) -> float:
             steps += 1
         torch.cuda.synchronize()
         dt = time.perf_counter() - t0
+    del llm, engine
+    _release()
     return batch * steps / dt
+
+
+def _release() -> None:
+    import gc
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 def hf_speed(gguf: str, batch: int, n: int) -> float:
@@ -112,7 +121,10 @@ def hf_speed(gguf: str, batch: int, n: int) -> float:
         torch.cuda.synchronize()
         return time.perf_counter() - t0
     run(4)
-    return batch * (n - 1) / (run(n) - run(1))
+    tok_s = batch * (n - 1) / (run(n) - run(1))
+    del model
+    _release()
+    return tok_s
 
 
 def main() -> None:

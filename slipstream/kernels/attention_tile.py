@@ -20,6 +20,16 @@ MASKED_SCORE = -1.0e6
 
 
 @triton.jit
+def exact_dot(a, b, acc=None):
+    """tl.dot, but fp32 operands multiply in full fp32 (Triton's default for
+    them is tf32, about 1e-3 relative error), so an fp32 engine stays exact."""
+    if a.dtype == tl.float32:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
 def softmax_tile_update(acc, m_i, l_i, qk, v, qk_scale, mask, MASKED: tl.constexpr):
     """Fold one tile of raw scores into the running softmax state.
 
@@ -38,7 +48,7 @@ def softmax_tile_update(acc, m_i, l_i, qk, v, qk_scale, mask, MASKED: tl.constex
     alpha = tl.math.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
-    acc = tl.dot(p.to(v.dtype), v, acc)
+    acc = exact_dot(p.to(v.dtype), v, acc)
     return acc, m_new, l_i
 
 
@@ -97,7 +107,7 @@ def attend_paged_keys(acc, m_i, l_i, q, KCache, VCache, block_table_row, kv_head
         k, v = load_paged_kv(KCache, VCache, block_table_row, start, kv_head, key_end,
                              stride_cb, stride_cs, stride_ch, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N,
                              PAGE_SIZE, MASKED)
-        qk = tl.dot(q, k.to(q.dtype))
+        qk = exact_dot(q, k.to(q.dtype))
         if MASKED:
             pos = start + tl.arange(0, BLOCK_N)
             key_ok = pos < key_end

@@ -32,7 +32,7 @@ import triton.language as tl
 
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from slipstream.kernels.attention_tile import attend_paged_range, next_pow2, softmax_tile_update
+from slipstream.kernels.attention_tile import attend_paged_range, exact_dot, next_pow2, softmax_tile_update
 from slipstream.kernels.runtime import capability, interpreting
 
 LOG2E = 1.4426950408889634
@@ -68,7 +68,7 @@ def _new_keys(acc, m_i, l_i, q, q_row_scale, K, V, KScale, k_row0, kv_head,
         else:
             k = tl.load(K + j[None, :] * stride_kt + offs_d[:, None])
             v = tl.load(V + j[:, None] * stride_vt + offs_d[None, :])
-        qk = tl.dot(q, k)
+        qk = exact_dot(q, k)
         if FP8:
             k_scale = tl.load(KScale + (k_row0 + j) * stride_kst + kv_head, mask=key_ok, other=0.0)
             qk = qk * q_row_scale[:, None] * k_scale[None, :]

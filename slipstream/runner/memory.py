@@ -35,8 +35,12 @@ def num_kv_blocks(cc: CacheConfig, mc: ModelConfig, sc: SchedulerConfig,
     if cc.num_blocks is not None:
         n = cc.num_blocks
     elif device.type == "cuda":
+        # Our share of the card minus what others use and what this process
+        # holds live (weights, other engines); memory our allocator merely
+        # keeps cached is still ours to hand out.
         free, total = torch.cuda.mem_get_info(device)
-        budget = int(total * cc.gpu_memory_utilization) - (total - free)
+        others = total - free - torch.cuda.memory_reserved(device)
+        budget = int(total * cc.gpu_memory_utilization) - others - torch.cuda.memory_allocated(device)
         n = (budget - activation_reserve_bytes(mc, sc, dtype)) // per_block
     else:
         n = (cc.cpu_kv_cache_bytes or DEFAULT_CPU_KV_BYTES) // per_block

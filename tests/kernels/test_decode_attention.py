@@ -1,6 +1,7 @@
 """Decode (split-KV) kernel against `reference.decode_attention` (fp32 on upcast inputs).
 
-Tolerances (max abs and rel error): fp16 4e-3, bf16 3e-2 (GPU only).
+Tolerances (max abs and rel error): fp16 4e-3, fp32 2e-5 (full-precision dots),
+bf16 3e-2 (GPU only).
 Outputs start as NaN; caches are NaN outside the written slots.
 """
 import pytest
@@ -10,7 +11,7 @@ from slipstream.kernels import reference
 from slipstream.kernels.decode_attention import choose_num_splits, decode_attention
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-TOL = {torch.float16: 4e-3, torch.bfloat16: 3e-2}
+TOL = {torch.float16: 4e-3, torch.float32: 2e-5, torch.bfloat16: 3e-2}
 # seq_len 1 (empty context), lengths off the tile and page sizes.
 CONTEXTS = [0, 6, 40, 99]
 
@@ -45,6 +46,12 @@ def test_decode_more_splits_than_tiles(paged_batch, close):
 def test_decode_sliding_window(paged_batch, close):
     b = paged_batch(CONTEXTS, [1] * 4, 4, 1, 64, 16, device=DEVICE)
     _check(b, close, 2, window=19)
+
+
+def test_decode_fp32_is_exact(paged_batch, close):
+    """An fp32 engine must not lose precision to tf32 dots."""
+    b = paged_batch([0, 37, 70], [1] * 3, 8, 2, 64, 16, dtype=torch.float32, device=DEVICE)
+    _check(b, close, 2, dtype=torch.float32)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 dots need a GPU (interpreter limit)")
