@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import enum
-import time
-from dataclasses import dataclass, field
 
 import torch
 
@@ -32,14 +30,6 @@ class RequestStatus(enum.IntEnum):
                 RequestStatus.FINISHED_ABORTED: "abort"}.get(self)
 
 
-@dataclass
-class RequestMetrics:
-    arrival_time: float = field(default_factory=time.monotonic)
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    finished_time: float | None = None
-
-
 class Request:
     """One sequence being generated. `num_computed_tokens` counts the tokens
     whose K/V are in the cache; the request is caught up (and samples) when it
@@ -59,7 +49,6 @@ class Request:
         self.num_cached_tokens = 0   # prompt tokens found in the prefix cache on admission
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
-        self.metrics = RequestMetrics()
         self.eos_token_ids = () if params.ignore_eos else eos_token_ids
         self.stop_token_ids = frozenset(params.stop_token_ids or ())
         room = max_model_len - len(prompt_token_ids)
