@@ -52,6 +52,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--sweep", action="store_true", help="also time explicit tile configs")
     ap.add_argument("--skip-tests", action="store_true")
+    ap.add_argument("--sweep-only", action="store_true", help="tests, ceilings and sweeps only")
     ap.add_argument("--commit", default="unknown")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -83,6 +84,10 @@ def main() -> None:
     log(f"  {res['ceilings']}")
     save()
 
+    copy_bw = res["ceilings"]["copy_bytes_per_s"]
+    if args.sweep_only:
+        sweeps(args, res, copy_bw, log, save)
+        return
     res["prefill"] = []
     for n in (1024, 4096, 16384):
         for causal in (True, False):
@@ -97,7 +102,6 @@ def main() -> None:
     res["prefill"] += prefill_cases.paged(log)
     save()
 
-    copy_bw = res["ceilings"]["copy_bytes_per_s"]
     res["decode"] = []
     for b, length in ((1, 4096), (1, 32768), (1, 131072), (16, 4096), (64, 4096)):
         log(f"decode B={b} L={length}")
@@ -113,18 +117,25 @@ def main() -> None:
     # Sweeps last: an experimental config that faults the CUDA context must not
     # cost the results above.
     if args.sweep:
-        res["sweeps"] = []
-        for b, length in ((1, 32768),):
-            log(f"sweep decode B={b} L={length}")
-            res["sweeps"].append(decode_cases.decode_sweep(b, length, copy_bw, log))
-            save()
-        for n, causal in ((4096, True), (16384, True)):
-            log(f"sweep prefill N={n} causal={causal}")
-            res["sweeps"].append(prefill_cases.dense_sweep(n, causal, log))
-            save()
+        sweeps(args, res, copy_bw, log, save)
     (args.out / "attention_results.md").write_text(markdown(res))
     log("done")
     print(short_table(res))
+
+
+def sweeps(args, res, copy_bw, log, save) -> None:
+    res["sweeps"] = []
+    for b, length in ((1, 32768), (1, 4096), (16, 4096), (64, 4096)):
+        log(f"sweep decode B={b} L={length}")
+        res["sweeps"].append(decode_cases.decode_sweep(b, length, copy_bw, log))
+        save()
+    log("sweep tree")
+    res["tree_sweep"] = decode_cases.tree(copy_bw, log, sweep=True)
+    save()
+    for n, causal in ((4096, True), (16384, True), (4096, False), (1024, True)):
+        log(f"sweep prefill N={n} causal={causal}")
+        res["sweeps"].append(prefill_cases.dense_sweep(n, causal, log))
+        save()
 
 
 if __name__ == "__main__":

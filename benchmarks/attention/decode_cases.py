@@ -19,8 +19,12 @@ SCALE = HEAD_DIM ** -0.5
 TREE_SHAPE = (16, 4096, 16)  # requests, context, tree nodes
 L2_BYTES = 256 << 20  # copies until the data is several times the 60 MB L2
 
-# Explicit configs tried in --sweep: (BLOCK_N, warps, stages).
-SWEEP = [(64, 2, 4), (64, 4, 2), (128, 4, 3)]
+# Explicit configs tried in --sweep: (BLOCK_N, warps, stages). The block-table
+# read feeds the K/V addresses, so the pipeliner keeps (stages - 2) // 2 + 1 K/V
+# tiles in flight: stages 6 and 8 give 2 and 3.
+SWEEP = [(64, 2, 4), (64, 2, 6), (64, 2, 8), (64, 4, 6), (32, 2, 6), (32, 2, 8), (32, 4, 8),
+         (128, 4, 5)]
+TREE_SWEEP = [(64, 2, 4), (64, 4, 4), (64, 4, 6), (32, 4, 6), (64, 8, 4), (128, 8, 3)]
 
 
 def _copies(b: int, length: int, gen: torch.Generator):
@@ -101,7 +105,7 @@ def decode_sweep(b: int, length: int, copy_bw: float, log) -> dict:
     return row
 
 
-def tree(copy_bw: float, log) -> dict:
+def tree(copy_bw: float, log, sweep: bool = False) -> dict:
     """16 requests with 4k context each verify a 16-node draft tree."""
     b, ctx, nodes = TREE_SHAPE
     gen = torch.Generator().manual_seed(5)
@@ -115,8 +119,12 @@ def tree(copy_bw: float, log) -> dict:
     cu = torch.arange(0, b * nodes + 1, nodes, dtype=torch.int32, device=timing.DEVICE)
     seq_lens = torch.full((b,), length, dtype=torch.int32, device=timing.DEVICE)
     out = torch.empty_like(q)
-    fn = lambda: tree_attention(q, k_cache, v_cache, cu, seq_lens, tables, masks, SCALE,  # noqa: E731
-                                max_query_len=nodes, max_seq_len=length, out=out)
+
+    def call(splits=None, config=None):
+        return tree_attention(q, k_cache, v_cache, cu, seq_lens, tables, masks, SCALE,
+                              max_query_len=nodes, max_seq_len=length, out=out,
+                              num_splits=splits, config=config)
+    fn = call
     fn()
     full = torch.ones(nodes, length, dtype=torch.bool, device=timing.DEVICE)
     full[:, ctx:] = masks[0]
@@ -128,5 +136,22 @@ def tree(copy_bw: float, log) -> dict:
     row = {"case": "tree", "B": b, "context": ctx, "nodes": nodes, "parents": parents,
            "err_vs_fp32": rel_err(out, ref.transpose(1, 2).reshape_as(out)),
            "ours_us": ms * 1e3, "ours_pct_copy_bw": 100 * kv_bytes / (ms * 1e-3) / copy_bw}
+    if sweep:
+        auto = choose_num_splits(b, KV_HEADS, length, max_query_len=nodes, group=HEADS // KV_HEADS)
+        row["sweep"] = {}
+        for splits in sorted({max(auto // 2, 1), auto, auto * 2}):
+            for bn, w, s in TREE_SWEEP:
+                name = f"S{splits}_N{bn}_w{w}_s{s}"
+                cfg = {"BLOCK_N": bn, "num_warps": w, "num_stages": s}
+                try:
+                    out.fill_(float("nan"))
+                    call(splits, cfg)
+                    err = rel_err(out, ref.transpose(1, 2).reshape_as(out))
+                    ms = bench_graph_ms([lambda: call(splits, cfg)])
+                    row["sweep"][name] = {"us": ms * 1e3, "err": err,
+                                          "pct_copy_bw": 100 * kv_bytes / (ms * 1e-3) / copy_bw}
+                except Exception as e:
+                    row["sweep"][name] = {"error": f"{type(e).__name__}: {str(e)[:160]}"}
+        log(f"    tree best: {max((r.get('pct_copy_bw', 0), n) for n, r in row['sweep'].items())}")
     log(f"  {row}")
     return row

@@ -17,9 +17,20 @@ PAGED = [("paged_all_keys", 4, 0, 4096), ("paged_chunk_3k+1k", 4, 3072, 1024)]  
 FP8_SHAPE = (4, 4096)  # B, N
 BACKENDS = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}
 
-# Explicit configs tried in --sweep (BLOCK_M, BLOCK_N, warps, stages, warp-specialised, TMA).
-SWEEP = [(128, 128, 8, 3, False, True), (256, 128, 16, 2, False, True), (256, 64, 16, 3, False, True),
-         (128, 128, 8, 3, True, True)]
+# Explicit configs tried in --sweep. 128x64 tiles in 2 stages with at most 128
+# registers a thread fit two programs on an SM (98 KB shared memory each), so
+# one program's prologue and epilogue overlap the other's loop.
+SWEEP = [
+    {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3},
+    {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3, "TMA_STORE": True},
+    {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2, "TMA_STORE": True},
+    {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2, "maxnreg": 128},
+    {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2, "maxnreg": 128, "TMA_STORE": True},
+    {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3, "TMA_STORE": True},
+    {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 2, "maxnreg": 168, "TMA_STORE": True},
+    {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3, "TMA_STORE": True,
+     "WARP_SPECIALIZE": True},
+]
 
 
 def attn_flops(q_lens, k_lens, causal, heads=HEADS, head_dim=HEAD_DIM) -> float:
@@ -91,11 +102,12 @@ def dense_sweep(n: int, causal: bool, log) -> dict:
     ref = _sdpa(q, k, v, b, n, causal, SDPBackend.FLASH_ATTENTION)().transpose(1, 2).reshape_as(q)
     out = torch.empty_like(q)
     row = {"case": "dense", "N": n, "causal": causal, "sweep": {}}
-    for bm, bn, w, s, ws, tma in sorted(SWEEP, key=lambda c: c[4]):  # warp-specialised last
-        name = f"M{bm}_N{bn}_w{w}_s{s}" + ("_ws" if ws else "") + ("" if tma else "_ptr")
-        cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": s, "WARP_SPECIALIZE": ws}
-        fn = lambda: prefill_attention(q, k, v, cache, cache, cu, ctx, tables, n, SCALE,  # noqa: E731
-                                       causal=causal, out=out, config=cfg, use_tma=tma)
+    for cfg in sorted(SWEEP, key=lambda c: c.get("WARP_SPECIALIZE", False)):  # warp-specialised last
+        name = (f"M{cfg['BLOCK_M']}_N{cfg['BLOCK_N']}_w{cfg['num_warps']}_s{cfg['num_stages']}"
+                + (f"_r{cfg['maxnreg']}" if "maxnreg" in cfg else "")
+                + ("_tmastore" if cfg.get("TMA_STORE") else "") + ("_ws" if cfg.get("WARP_SPECIALIZE") else ""))
+        fn = lambda cfg=cfg: prefill_attention(q, k, v, cache, cache, cu, ctx, tables, n, SCALE,  # noqa: E731
+                                               causal=causal, out=out, config=cfg)
         try:
             out.fill_(float("nan"))
             fn()

@@ -52,6 +52,11 @@ def _sweeps(res) -> list[str]:
         out.append(f"\n**{head}**\n")
         for name, v in sorted(r["sweep"].items(), key=lambda kv: -kv[1].get("tflops", kv[1].get("pct_copy_bw", 0))):
             out.append(f"- {name}: {v}")
+    tree = res.get("tree_sweep")
+    if tree and "sweep" in tree:
+        out.append(f"\n**tree B={tree['B']} context={tree['context']} nodes={tree['nodes']}**\n")
+        for name, v in sorted(tree["sweep"].items(), key=lambda kv: -kv[1].get("pct_copy_bw", 0)):
+            out.append(f"- {name}: {v}")
     return out
 
 

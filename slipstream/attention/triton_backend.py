@@ -15,7 +15,7 @@ import torch
 
 from slipstream.attention.base import AttentionLayerInfo, register_backend
 from slipstream.kernels.decode_attention import (
-    choose_num_splits, split_kv_attention, split_kv_scratch)
+    MAX_TREE_NODES, choose_num_splits, pack_tree_mask, split_kv_attention, split_kv_scratch)
 from slipstream.kernels.kv_store import store_kv
 from slipstream.kernels.prefill_attention import prefill_attention
 from slipstream.runner.forward_batch import ForwardBatch
@@ -31,13 +31,16 @@ class TritonAttentionBackend:
     def prepare(self, batch: ForwardBatch) -> None:
         if batch.tree_mask is not None:
             self._mode = "split_kv"
-            self._tree_mask = batch.tree_mask.contiguous().view(torch.uint8)
+            if batch.max_query_len > MAX_TREE_NODES:
+                raise ValueError(f"the triton backend verifies draft trees of at most "
+                                 f"{MAX_TREE_NODES} nodes, got {batch.max_query_len}")
+            self._tree_bits = pack_tree_mask(batch.tree_mask[:, :, :batch.max_query_len])
         elif batch.is_decode_only:
             self._mode = "split_kv"
-            self._tree_mask = None
+            self._tree_bits = None
         else:
             self._mode = "prefill"
-            self._tree_mask = None
+            self._tree_bits = None
         self._splits: dict[tuple[int, int], int] = {}  # per head shape, set by the first layer
 
     def _num_splits(self, layer: AttentionLayerInfo, batch: ForwardBatch) -> int:
@@ -73,4 +76,4 @@ class TritonAttentionBackend:
         return split_kv_attention(
             q, layer.k_cache, layer.v_cache, batch.query_start_loc, batch.seq_lens,
             batch.block_tables, batch.max_query_len, layer.scale, splits,
-            sliding_window=layer.sliding_window, tree_mask=self._tree_mask, scratch=scratch)
+            sliding_window=layer.sliding_window, tree_bits=self._tree_bits, scratch=scratch)

@@ -90,7 +90,7 @@ def load_paged_kv(KCache, VCache, block_table_row, start, kv_head, key_end,
 @triton.jit
 def attend_paged_keys(acc, m_i, l_i, q, KCache, VCache, block_table_row, kv_head,
                       lo, hi, key_end, q_pos, window, qk_scale,
-                      stride_cb, stride_cs, stride_ch, tree_rows, row_ok, step_start,
+                      stride_cb, stride_cs, stride_ch, tree_bits, step_start,
                       HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
                       PAGE_SIZE: tl.constexpr, CAUSAL: tl.constexpr, SLIDING: tl.constexpr,
                       TREE: tl.constexpr, MASKED: tl.constexpr):
@@ -98,8 +98,8 @@ def attend_paged_keys(acc, m_i, l_i, q, KCache, VCache, block_table_row, kv_head
 
     q: [M, D]; q_pos: [M] positions of the query rows. When MASKED, keys must be
     < key_end, and: with TREE, a key at or after `step_start` (the first query
-    token's position) is seen only where the row's tree mask (`tree_rows`: [M]
-    pointers to each row's mask row) allows; else with CAUSAL, pos <= q_pos;
+    token's position) is seen only where the row's tree mask (`tree_bits`: [M] int64
+    bitmasks, bit j = the step's token j) allows; else with CAUSAL, pos <= q_pos;
     with SLIDING, q_pos - pos < window. Unmasked ranges skip all of that.
     """
     for start in tl.range(lo, hi, BLOCK_N):
@@ -113,10 +113,11 @@ def attend_paged_keys(acc, m_i, l_i, q, KCache, VCache, block_table_row, kv_head
             key_ok = pos < key_end
             mask = key_ok[None, :]
             if TREE:
+                # Bits, not a loaded [M, N] mask: no pointer tile in registers.
                 in_step = pos >= step_start
-                allowed = tl.load(tree_rows[:, None] + (pos - step_start)[None, :],
-                                  mask=row_ok[:, None] & (in_step & key_ok)[None, :], other=0)
-                mask = mask & ((~in_step)[None, :] | (allowed != 0))
+                shift = tl.where(in_step, pos - step_start, 0).to(tl.int64)
+                allowed = ((tree_bits[:, None] >> shift[None, :]) & 1) != 0
+                mask = mask & ((~in_step)[None, :] | allowed)
             elif CAUSAL:
                 mask = mask & (pos[None, :] <= q_pos[:, None])
             if SLIDING:
@@ -130,7 +131,7 @@ def attend_paged_keys(acc, m_i, l_i, q, KCache, VCache, block_table_row, kv_head
 @triton.jit
 def attend_paged_range(acc, m_i, l_i, q, KCache, VCache, block_table_row, kv_head,
                        lo, clean_end, hi, key_end, q_pos, window, qk_scale,
-                       stride_cb, stride_cs, stride_ch, tree_rows, row_ok, step_start,
+                       stride_cb, stride_cs, stride_ch, tree_bits, step_start,
                        HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
                        PAGE_SIZE: tl.constexpr, CAUSAL: tl.constexpr, SLIDING: tl.constexpr,
                        TREE: tl.constexpr):
@@ -138,11 +139,11 @@ def attend_paged_range(acc, m_i, l_i, q, KCache, VCache, block_table_row, kv_hea
     them) unmasked, the rest masked. lo and clean_end are multiples of BLOCK_N."""
     acc, m_i, l_i = attend_paged_keys(
         acc, m_i, l_i, q, KCache, VCache, block_table_row, kv_head, lo, clean_end, key_end, q_pos,
-        window, qk_scale, stride_cb, stride_cs, stride_ch, tree_rows, row_ok, step_start,
+        window, qk_scale, stride_cb, stride_cs, stride_ch, tree_bits, step_start,
         HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, PAGE_SIZE, CAUSAL, SLIDING, TREE, False)
     return attend_paged_keys(
         acc, m_i, l_i, q, KCache, VCache, block_table_row, kv_head, clean_end, hi, key_end, q_pos,
-        window, qk_scale, stride_cb, stride_cs, stride_ch, tree_rows, row_ok, step_start,
+        window, qk_scale, stride_cb, stride_cs, stride_ch, tree_bits, step_start,
         HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, PAGE_SIZE, CAUSAL, SLIDING, TREE, True)
 
 

@@ -12,8 +12,8 @@ head in group), so each K/V tile is loaded once for the whole group; the tile
 is at least 16 rows for the tensor cores, padding small groups.
 
 The same kernel serves tree verification (tree_attention.py): rows then span
-several query tokens of a request and a per-request mask says which of the
-step's tokens each may see. The grid depends only on the batch size, the head
+several query tokens of a request and a per-token bitmask (int64, so trees of
+at most 64 nodes) says which of the step's tokens each may see. The grid depends only on the batch size, the head
 counts and the split count, so a decode step can be captured in a CUDA graph.
 """
 from __future__ import annotations
@@ -33,12 +33,12 @@ LOG2E = 1.4426950408889634
 @triton.jit
 def _split_kv_kernel(
         Q, KCache, VCache, Out, PartO, PartLse,
-        CuSeqlensQ, SeqLens, BlockTables, TreeMask,
+        CuSeqlensQ, SeqLens, BlockTables, TreeBits,
         num_kv_heads, num_splits,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_cb, stride_cs, stride_ch, stride_bt,
         stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
-        stride_tb, stride_tq,
+        stride_tb,
         qk_scale, window,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
@@ -86,7 +86,9 @@ def _split_kv_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
     bt_row = BlockTables + seq.to(tl.int64) * stride_bt
-    tree_rows = TreeMask + seq.to(tl.int64) * stride_tb + t * stride_tq
+    tree_bits = t.to(tl.int64)  # (stands in when not TREE)
+    if TREE:  # row r's bitmask of the step's tokens it may see
+        tree_bits = tl.load(TreeBits + seq.to(tl.int64) * stride_tb + t, mask=row_ok, other=0)
     # Tiles wholly before the step's first token (and, without a window, seen
     # by every row) run unmasked; the rest (the sequence end, the step's own
     # tokens, the window edge) masked.
@@ -97,7 +99,7 @@ def _split_kv_kernel(
         clean = lo_pos
     acc, m_i, l_i = attend_paged_range(
         acc, m_i, l_i, q, KCache, VCache, bt_row, kv_head, lo_pos, clean, hi_pos, hi, q_pos,
-        window, qk_scale, stride_cb, stride_cs, stride_ch, tree_rows, row_ok, ctx, HEAD_DIM,
+        window, qk_scale, stride_cb, stride_cs, stride_ch, tree_bits, ctx, HEAD_DIM,
         HEAD_DIM_PAD, BLOCK_N, PAGE_SIZE, True, SLIDING, TREE)
 
     if not SPLIT:
@@ -144,6 +146,10 @@ def _merge_splits_kernel(PartO, PartLse, Out, num_splits,
 # Tile over the KV sequence and launch shape: memory-bound, so few warps and deep
 # pipelining (best of a sweep on an H200, benchmarks/attention).
 DECODE_CONFIG = {"BLOCK_N": 64, "num_warps": 2, "num_stages": 4}
+# Taller tiles (several tree nodes x heads): one warpgroup, so the dots run on
+# wgmma with operands in shared memory instead of spilling registers.
+TALL_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 4}
+MAX_TREE_NODES = 64  # one int64 bitmask per node
 INTERPRET_CONFIG = {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
 MIN_TOKENS_PER_SPLIT = 256
 MAX_SPLITS = 64
@@ -174,7 +180,7 @@ def split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
                        cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
                        block_tables: torch.Tensor, max_query_len: int, scale: float,
                        num_splits: int, sliding_window: int | None = None,
-                       tree_mask: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                       tree_bits: torch.Tensor | None = None, out: torch.Tensor | None = None,
                        scratch: tuple[torch.Tensor, torch.Tensor] | None = None,
                        config: dict | None = None) -> torch.Tensor:
     """Few query tokens per request against the paged cache, split over the KV
@@ -182,8 +188,8 @@ def split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
 
     q: [num_tokens, num_heads, head_dim]; its tokens' K/V already in the cache.
     cu_seqlens_q: [num_seqs + 1] int32; seq_lens: [num_seqs] int32 (context +
-    query tokens). tree_mask: [num_seqs, >=max_query_len, >=max_query_len] bool
-    or uint8, else causal. scratch: (partial out [num_tokens, num_heads,
+    query tokens). tree_bits: [num_seqs, >=max_query_len] int64 from
+    `pack_tree_mask` (bit j of row t: token t may see the step's token j), else causal. scratch: (partial out [num_tokens, num_heads,
     num_splits, head_dim] fp32, lse [num_tokens, num_heads, num_splits] fp32).
     returns out: [num_tokens, num_heads, head_dim] in q's dtype.
     """
@@ -197,9 +203,11 @@ def split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
         out = torch.empty_like(q)
     group = num_heads // num_kv_heads
     head_dim_pad = next_pow2(head_dim)
-    cfg = dict(config or (INTERPRET_CONFIG if interpreting() else DECODE_CONFIG))
-    block_n = cfg.pop("BLOCK_N")
     block_m, row_blocks = _tile_rows(max_query_len, group)
+    if config is None:
+        config = INTERPRET_CONFIG if interpreting() else DECODE_CONFIG if block_m <= 16 else TALL_CONFIG
+    cfg = dict(config)
+    block_n = cfg.pop("BLOCK_N")
     pdl = num_splits > 1 and _use_pdl(q)
     if num_splits > 1:
         if scratch is None:
@@ -207,13 +215,12 @@ def split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
         part_o, part_lse = scratch
     else:
         part_o, part_lse = out, out  # unused
-    if tree_mask is not None:
-        if tree_mask.dtype == torch.bool:
-            tree_mask = tree_mask.view(torch.uint8)
-        assert tree_mask.stride(2) == 1
-        tree = (tree_mask, tree_mask.stride(0), tree_mask.stride(1))
+    if tree_bits is not None:
+        assert tree_bits.dtype == torch.int64 and tree_bits.stride(1) == 1
+        assert tree_bits.shape[1] >= max_query_len and max_query_len <= MAX_TREE_NODES
+        tree = (tree_bits, tree_bits.stride(0))
     else:
-        tree = (q, 0, 0)
+        tree = (q, 0)
     num_seqs = cu_seqlens_q.shape[0] - 1
     po_strides = part_o.stride()[:3] if num_splits > 1 else (0, 0, 0)
     pl_strides = part_lse.stride()[:2] if num_splits > 1 else (0, 0)
@@ -222,11 +229,11 @@ def split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
         cu_seqlens_q, seq_lens, block_tables, tree[0], num_kv_heads, num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        *po_strides, *pl_strides, tree[1], tree[2],
+        *po_strides, *pl_strides, tree[1],
         scale * LOG2E, sliding_window or 0,
         GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_M=block_m,
         BLOCK_N=block_n, PAGE_SIZE=page_size, SPLIT=num_splits > 1,
-        SLIDING=sliding_window is not None, TREE=tree_mask is not None, PDL=pdl, **cfg)
+        SLIDING=sliding_window is not None, TREE=tree_bits is not None, PDL=pdl, **cfg)
     if num_splits > 1:
         block_d = min(32, head_dim_pad)
         _merge_splits_kernel[(num_tokens, num_heads, triton.cdiv(head_dim, block_d))](
@@ -235,6 +242,18 @@ def split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
             SPLITS_PAD=max(next_pow2(num_splits), MAX_SPLITS), PDL=pdl, num_warps=1,
             launch_pdl=pdl)
     return out
+
+
+def pack_tree_mask(tree_mask: torch.Tensor) -> torch.Tensor:
+    """[num_seqs, n, m] bool (row t: the step's tokens token t may see) ->
+    [num_seqs, n] int64 bitmasks, bit j set when token j is visible; m <= 64."""
+    m = tree_mask.shape[-1]
+    if m > MAX_TREE_NODES:
+        raise ValueError(f"tree masks of at most {MAX_TREE_NODES} nodes are supported, got {m}")
+    weights = torch.ones(m, dtype=torch.int64, device=tree_mask.device) << torch.arange(
+        m, dtype=torch.int64, device=tree_mask.device)
+    # Distinct powers of two: the sum is the bitwise or (bit 63 wraps to the sign).
+    return (tree_mask.to(torch.bool).to(torch.int64) * weights).sum(-1)
 
 
 def _use_pdl(q: torch.Tensor) -> bool:

@@ -83,7 +83,7 @@ def _new_keys(acc, m_i, l_i, q, q_row_scale, K, V, KScale, k_row0, kv_head,
 
 @triton.jit
 def _prefill_kernel(
-        Q, K, V, KCache, VCache, Out, QScale, KScale,
+        Q, K, V, KCache, VCache, Out, OutDesc, QScale, KScale,
         CuSeqlensQ, ContextLens, BlockTables,
         max_query_len,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
@@ -92,11 +92,14 @@ def _prefill_kernel(
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
         CAUSAL: tl.constexpr, SLIDING: tl.constexpr, NEW_KV: tl.constexpr,
-        USE_TMA: tl.constexpr, FP8: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
-    # Latest (longest causal) query blocks first.
-    m_block = tl.cdiv(max_query_len, BLOCK_M) - 1 - tl.program_id(0)
-    head = tl.program_id(1)
-    seq = tl.program_id(2)
+        USE_TMA: tl.constexpr, FP8: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+        TMA_STORE: tl.constexpr):
+    # Query blocks on the slowest grid axis, latest (longest causal) first: the
+    # GPU starts programs in grid order, so every request's and head's longest
+    # blocks run before any short one and the short ones fill the tail.
+    head = tl.program_id(0)
+    seq = tl.program_id(1)
+    m_block = tl.cdiv(max_query_len, BLOCK_M) - 1 - tl.program_id(2)
     q_start = tl.load(CuSeqlensQ + seq)
     q_len = tl.load(CuSeqlensQ + seq + 1) - q_start
     if m_block * BLOCK_M >= q_len:
@@ -139,10 +142,10 @@ def _prefill_kernel(
         free_end = lo
     bt_row = BlockTables + seq.to(tl.int64) * stride_bt
     q_pos = ctx + offs_m
-    # (q_pos stands in for the unused tree rows.)
+    # (q_pos stands in for the unused tree bits.)
     acc, m_i, l_i = attend_paged_range(
         acc, m_i, l_i, q, KCache, VCache, bt_row, kv_head, lo, free_end, hi, paged_end, q_pos,
-        window, qk_scale, stride_cb, stride_cs, stride_ch, q_pos, row_ok, ctx, HEAD_DIM,
+        window, qk_scale, stride_cb, stride_cs, stride_ch, q_pos, ctx, HEAD_DIM,
         HEAD_DIM_PAD, BLOCK_N, PAGE_SIZE, CAUSAL, SLIDING, False)
 
     # --- the step's own keys, contiguous in k/v ---
@@ -176,8 +179,11 @@ def _prefill_kernel(
                                   CAUSAL, SLIDING, True, USE_TMA, FP8, False)
 
     out = acc / l_i[:, None]
-    tl.store(Out + q_rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
-             out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    if TMA_STORE and (m_block + 1) * BLOCK_M <= q_len:  # a full block: one bulk async store
+        OutDesc.store([q_start + m_block * BLOCK_M, head * HEAD_DIM], out.to(OutDesc.dtype))
+    else:
+        tl.store(Out + q_rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+                 out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
 # --- tuning configs -------------------------------------------------------------
@@ -188,10 +194,12 @@ def _set_block_shapes(nargs):
         nargs["Q"].block_shape = [nargs["BLOCK_M"], nargs["HEAD_DIM"]]
         nargs["K"].block_shape = [nargs["BLOCK_N"], nargs["HEAD_DIM"]]
         nargs["V"].block_shape = [nargs["BLOCK_N"], nargs["HEAD_DIM"]]
+    if isinstance(nargs["OutDesc"], TensorDescriptor):
+        nargs["OutDesc"].block_shape = [nargs["BLOCK_M"], nargs["HEAD_DIM"]]
 
 
 def _config(bm, bn, warps, stages, ws=False):
-    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "WARP_SPECIALIZE": ws},
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "WARP_SPECIALIZE": ws, "TMA_STORE": False},
                          num_warps=warps, num_stages=stages, pre_hook=_set_block_shapes)
 
 
@@ -204,7 +212,7 @@ PREFILL_CONFIGS = [
     _config(64, 64, 4, 3),
 ]
 SMEM_BYTES = 227 * 1024  # per block on Hopper
-INTERPRET_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 16, "WARP_SPECIALIZE": False}
+INTERPRET_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 16, "WARP_SPECIALIZE": False, "TMA_STORE": False}
 
 
 def _prune(configs, named_args, **kwargs):
@@ -215,7 +223,8 @@ def _prune(configs, named_args, **kwargs):
     for c in configs:
         bm, bn = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]
         smem = 2 * (bm * head_dim + 2 * c.num_stages * bn * head_dim)  # Q + staged K, V
-        if bm % bn or smem > SMEM_BYTES or (c.kwargs["WARP_SPECIALIZE"] and not kwargs["USE_TMA"]):
+        needs_tma = c.kwargs["WARP_SPECIALIZE"] or c.kwargs["TMA_STORE"]
+        if bm % bn or smem > SMEM_BYTES or (needs_tma and not kwargs["USE_TMA"]):
             continue
         if bm > max(64, max_q):  # short queries: don't pay for empty rows
             continue
@@ -275,7 +284,11 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor |
     if use_tma:  # 2-D views [tokens, heads * head_dim]; tile shapes set per config
         q_arg, k_arg, v_arg = (TensorDescriptor(x, [num_tokens, x.shape[1] * head_dim],
                                                 [x.stride(0), 1], [1, head_dim]) for x in (q, k, v))
-    args = (q_arg, k_arg, v_arg, k_cache, v_cache, out,
+    out_desc = out
+    if use_tma and out.stride(1) == head_dim and out.stride(2) == 1:
+        out_desc = TensorDescriptor(out, [num_tokens, num_heads * head_dim], [out.stride(0), 1],
+                                    [1, head_dim])
+    args = (q_arg, k_arg, v_arg, k_cache, v_cache, out, out_desc,
             q_scale if fp8 else q, k_scale if fp8 else q,
             cu_seqlens_q, context_lens, block_tables)
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -290,16 +303,18 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor |
     num_seqs = cu_seqlens_q.shape[0] - 1
 
     def grid(meta):
-        return (triton.cdiv(max_query_len, meta["BLOCK_M"]), num_heads, num_seqs)
+        return (num_heads, num_seqs, triton.cdiv(max_query_len, meta["BLOCK_M"]))
 
     if config is None and interpreting():
         config = INTERPRET_CONFIG
     if config is None:
         _prefill_tuned[grid](*args, max_query_len, *strides, scale * LOG2E, window, tune_key, **consts)
     else:
-        meta = {"WARP_SPECIALIZE": False, **config}
-        launch = {k_: meta.pop(k_) for k_ in ("num_warps", "num_stages") if k_ in meta}
-        _set_block_shapes({"Q": q_arg, "K": k_arg, "V": v_arg, "HEAD_DIM": head_dim, **meta})
+        meta = {"WARP_SPECIALIZE": False, "TMA_STORE": False, **config}
+        meta["TMA_STORE"] = meta["TMA_STORE"] and out_desc is not out
+        launch = {k_: meta.pop(k_) for k_ in ("num_warps", "num_stages", "maxnreg") if k_ in meta}
+        _set_block_shapes({"Q": q_arg, "K": k_arg, "V": v_arg, "OutDesc": out_desc,
+                           "HEAD_DIM": head_dim, **meta})
         _prefill_kernel[grid(meta)](*args, max_query_len, *strides, scale * LOG2E, window,
                                     tune_key, **consts, **meta, **launch)
     return out

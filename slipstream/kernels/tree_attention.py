@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from slipstream.kernels.decode_attention import choose_num_splits, split_kv_attention
+from slipstream.kernels.decode_attention import (
+    MAX_TREE_NODES, choose_num_splits, pack_tree_mask, split_kv_attention)
 
 
 def ancestor_mask(parents: list[int]) -> torch.Tensor:
@@ -40,16 +41,20 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     """q: [num_tokens, num_heads, head_dim] (the tree nodes of every request,
     their K/V already stored); cu_seqlens_q: [num_seqs + 1] int32; seq_lens:
     [num_seqs] int32 (context + nodes); tree_mask: [num_seqs, max_query_len,
-    max_query_len] bool, row t = the nodes node t may see. max_query_len,
-    max_seq_len: host ints. returns [num_tokens, num_heads, head_dim].
+    max_query_len] bool, row t = the nodes node t may see (at most 64 nodes).
+    max_query_len, max_seq_len: host ints. returns [num_tokens, num_heads, head_dim].
     """
     if tree_mask.dim() != 3 or tree_mask.shape[1] < max_query_len or tree_mask.shape[2] < max_query_len:
         raise ValueError(f"tree_mask must be [num_seqs, >={max_query_len}, >={max_query_len}], "
                          f"got {tuple(tree_mask.shape)}")
+    if max_query_len > MAX_TREE_NODES:
+        raise ValueError(f"draft trees of at most {MAX_TREE_NODES} nodes are supported, "
+                         f"got {max_query_len}")
     if num_splits is None:
         num_splits = choose_num_splits(cu_seqlens_q.shape[0] - 1, k_cache.shape[2], max_seq_len,
                                        max_query_len=max_query_len,
                                        group=q.shape[1] // k_cache.shape[2])
     return split_kv_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
                               max_query_len, scale, num_splits, sliding_window,
-                              tree_mask.contiguous(), out, scratch, config)
+                              pack_tree_mask(tree_mask[:, :max_query_len, :max_query_len]),
+                              out, scratch, config)

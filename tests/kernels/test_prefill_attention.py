@@ -18,12 +18,12 @@ CONTEXTS = [0, 0, 21, 3]
 QUERIES = [1, 17, 40, 5]
 
 
-def _run(b, *, new_kv=True, causal=True, window=None, use_tma=None, dtype=torch.float16):
+def _run(b, *, new_kv=True, causal=True, window=None, use_tma=None, dtype=torch.float16, config=None):
     d = b.q.shape[-1]
     out = torch.full(b.q.shape, float("nan"), dtype=dtype, device=b.q.device)
     prefill_attention(b.q, b.k if new_kv else None, b.v if new_kv else None, b.k_cache, b.v_cache,
                       b.cu_seqlens_q, b.context_lens, b.block_tables, b.max_query_len, d ** -0.5,
-                      causal=causal, sliding_window=window, out=out, use_tma=use_tma)
+                      causal=causal, sliding_window=window, out=out, use_tma=use_tma, config=config)
     ref = reference.prefill_attention(
         b.q.float(), b.k.float() if new_kv else None, b.v.float() if new_kv else None,
         b.k_cache.float(), b.v_cache.float(), b.cu_seqlens_q, b.context_lens, b.block_tables,
@@ -71,3 +71,16 @@ def test_bf16_on_gpu(paged_batch, close):
     b = paged_batch(CONTEXTS, QUERIES, 8, 2, 128, 16, dtype=torch.bfloat16, device=DEVICE)
     out, ref = _run(b, dtype=torch.bfloat16)
     close(out, ref, TOL[torch.bfloat16], TOL[torch.bfloat16])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="TMA stores need a GPU")
+@pytest.mark.parametrize("config", [
+    {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 2, "TMA_STORE": True},
+    {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "TMA_STORE": True, "maxnreg": 128},
+])
+def test_tma_store_full_and_partial_blocks(paged_batch, close, config):
+    """Full query blocks leave by a bulk tensor store, the rest by masked stores;
+    neither may write into a neighbour request's rows."""
+    b = paged_batch([0, 0, 5, 0], [1, 17, 40, 70], 4, 2, 64, 16, device=DEVICE)
+    out, ref = _run(b, config=config)
+    close(out, ref, TOL[torch.float16], TOL[torch.float16])

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from slipstream.kernels import reference
+from slipstream.kernels.decode_attention import pack_tree_mask
 from slipstream.kernels.tree_attention import ancestor_mask, tree_attention
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -51,3 +52,38 @@ def test_tree_mask_shape_checked(paged_batch):
         tree_attention(b.q, b.k_cache, b.v_cache, b.cu_seqlens_q, b.seq_lens, b.block_tables,
                        torch.ones(1, 2, 2, dtype=torch.bool, device=DEVICE), 0.125,
                        max_query_len=4, max_seq_len=9)
+
+
+def test_pack_tree_mask_bits():
+    mask = torch.rand(3, 5, 64, generator=torch.Generator().manual_seed(0)) < 0.5
+    mask[0, 0, 63] = True
+    bits = pack_tree_mask(mask)
+    assert bits.dtype == torch.int64 and bits.shape == (3, 5)
+    unpacked = (bits[..., None] >> torch.arange(64)) & 1
+    assert torch.equal(unpacked.bool(), mask)
+    with pytest.raises(ValueError, match="at most 64"):
+        pack_tree_mask(torch.ones(1, 2, 65, dtype=torch.bool))
+
+
+def test_tree_too_large_refused(paged_batch):
+    b = paged_batch([3], [65], 2, 2, 16, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="at most 64 nodes"):
+        tree_attention(b.q, b.k_cache, b.v_cache, b.cu_seqlens_q, b.seq_lens, b.block_tables,
+                       torch.ones(1, 65, 65, dtype=torch.bool, device=DEVICE), 0.25,
+                       max_query_len=65, max_seq_len=68)
+
+
+def test_wide_tree_uses_high_mask_bits(paged_batch, close):
+    """A 64-node tree: visibility bits up to 63 (past the int32 range) and a
+    long ancestor chain."""
+    gen = torch.Generator().manual_seed(1)
+    parents = [-1] + [int(torch.randint(max(0, i - 3), i, (1,), generator=gen)) for i in range(1, 64)]
+    b = paged_batch([20], [64], 4, 2, 32, 16, device=DEVICE)
+    masks = ancestor_mask(parents)[None].to(DEVICE)
+    assert masks[0, 63, :32].any() and masks[0, 63, 32:].sum() > 1
+    out = torch.full(b.q.shape, float("nan"), dtype=b.q.dtype, device=DEVICE)
+    tree_attention(b.q, b.k_cache, b.v_cache, b.cu_seqlens_q, b.seq_lens, b.block_tables, masks,
+                   0.2, max_query_len=64, max_seq_len=84, num_splits=2, out=out)
+    ref = reference.tree_attention(b.q.float(), b.k_cache.float(), b.v_cache.float(),
+                                   b.cu_seqlens_q, b.seq_lens, b.block_tables, masks, 0.2, None)
+    close(out, ref, 4e-3, 4e-3)
