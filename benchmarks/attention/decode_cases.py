@@ -19,12 +19,11 @@ SCALE = HEAD_DIM ** -0.5
 TREE_SHAPE = (16, 4096, 16)  # requests, context, tree nodes
 L2_BYTES = 256 << 20  # copies until the data is several times the 60 MB L2
 
-# Explicit configs tried in --sweep: (BLOCK_N, warps, stages). The block-table
-# read feeds the K/V addresses, so the pipeliner keeps (stages - 2) // 2 + 1 K/V
-# tiles in flight: stages 6 and 8 give 2 and 3.
-SWEEP = [(64, 2, 4), (64, 2, 6), (64, 2, 8), (64, 4, 6), (32, 2, 6), (32, 2, 8), (32, 4, 8),
-         (128, 4, 5)]
-TREE_SWEEP = [(64, 2, 4), (64, 4, 4), (64, 4, 6), (32, 4, 6), (64, 8, 4), (128, 8, 3)]
+# Explicit configs tried in --sweep: (BLOCK_N, warps, stages); split counts
+# around the automatic choice.
+SWEEP = [(64, 2, 4), (64, 2, 6), (64, 2, 8), (32, 2, 6)]
+SPLIT_FACTORS = (0.5, 0.67, 0.83, 1.0, 1.33)
+TREE_SWEEP = [(32, 4, 6), (32, 4, 8), (64, 4, 6), (32, 4, 4)]
 
 
 def _copies(b: int, length: int, gen: torch.Generator):
@@ -93,7 +92,7 @@ def decode_sweep(b: int, length: int, copy_bw: float, log) -> dict:
     """Explicit tile configs and split counts around the automatic choice."""
     data, kv_bytes, auto, ours_calls = _setup(b, length)
     row = {"case": "decode", "B": b, "L": length, "splits_auto": auto, "sweep": {}}
-    for splits in sorted({max(auto // 2, 1), auto, auto * 2}):
+    for splits in sorted({max(round(auto * f), 1) for f in SPLIT_FACTORS}):
         for bn, w, s in SWEEP:
             name = f"S{splits}_N{bn}_w{w}_s{s}"
             try:
@@ -139,7 +138,7 @@ def tree(copy_bw: float, log, sweep: bool = False) -> dict:
     if sweep:
         auto = choose_num_splits(b, KV_HEADS, length, max_query_len=nodes, group=HEADS // KV_HEADS)
         row["sweep"] = {}
-        for splits in sorted({max(auto // 2, 1), auto, auto * 2}):
+        for splits in sorted({1, 2, auto, auto + 1}):
             for bn, w, s in TREE_SWEEP:
                 name = f"S{splits}_N{bn}_w{w}_s{s}"
                 cfg = {"BLOCK_N": bn, "num_warps": w, "num_stages": s}

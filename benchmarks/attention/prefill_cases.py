@@ -19,17 +19,15 @@ BACKENDS = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.C
 
 # Explicit configs tried in --sweep. 128x64 tiles in 2 stages with at most 128
 # registers a thread fit two programs on an SM (98 KB shared memory each), so
-# one program's prologue and epilogue overlap the other's loop.
+# one program's prologue and epilogue overlap the other's loop. ONE_LOOP masks
+# the diagonal tile inside the clean loop instead of a second loop.
+_BIG = {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3}
+_TWO = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2, "maxnreg": 128}
 SWEEP = [
-    {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3},
-    {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3, "TMA_STORE": True},
-    {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2, "TMA_STORE": True},
-    {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2, "maxnreg": 128},
-    {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2, "maxnreg": 128, "TMA_STORE": True},
-    {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3, "TMA_STORE": True},
-    {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 2, "maxnreg": 168, "TMA_STORE": True},
-    {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3, "TMA_STORE": True,
-     "WARP_SPECIALIZE": True},
+    _BIG, {**_BIG, "ONE_LOOP": True}, {**_BIG, "ONE_LOOP": True, "TMA_STORE": True},
+    _TWO, {**_TWO, "ONE_LOOP": True}, {**_TWO, "TMA_STORE": True},
+    {**_TWO, "ONE_LOOP": True, "TMA_STORE": True},
+    {**_BIG, "ONE_LOOP": True, "WARP_SPECIALIZE": True},
 ]
 
 
@@ -105,7 +103,8 @@ def dense_sweep(n: int, causal: bool, log) -> dict:
     for cfg in sorted(SWEEP, key=lambda c: c.get("WARP_SPECIALIZE", False)):  # warp-specialised last
         name = (f"M{cfg['BLOCK_M']}_N{cfg['BLOCK_N']}_w{cfg['num_warps']}_s{cfg['num_stages']}"
                 + (f"_r{cfg['maxnreg']}" if "maxnreg" in cfg else "")
-                + ("_tmastore" if cfg.get("TMA_STORE") else "") + ("_ws" if cfg.get("WARP_SPECIALIZE") else ""))
+                + ("_tmastore" if cfg.get("TMA_STORE") else "") + ("_oneloop" if cfg.get("ONE_LOOP") else "")
+                + ("_ws" if cfg.get("WARP_SPECIALIZE") else ""))
         fn = lambda cfg=cfg: prefill_attention(q, k, v, cache, cache, cu, ctx, tables, n, SCALE,  # noqa: E731
                                                causal=causal, out=out, config=cfg)
         try:

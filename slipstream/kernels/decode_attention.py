@@ -143,16 +143,20 @@ def _merge_splits_kernel(PartO, PartLse, Out, num_splits,
 
 # --- tuning -------------------------------------------------------------------
 
-# Tile over the KV sequence and launch shape: memory-bound, so few warps and deep
-# pipelining (best of a sweep on an H200, benchmarks/attention).
-DECODE_CONFIG = {"BLOCK_N": 64, "num_warps": 2, "num_stages": 4}
+# Launch configs, each with the programs that fit on one SM at it (H200: 227 KB
+# shared memory, 64K registers). Decode is memory-bound: few warps, and as many
+# K/V bytes in flight as fit. The block-table read feeds the K/V addresses, so
+# the pipeliner keeps (num_stages - 2) // 2 + 1 K/V tiles in flight.
+DEEP_CONFIG = {"BLOCK_N": 64, "num_warps": 2, "num_stages": 6}  # 2 tiles in flight, 72 KB: 3 an SM
+WIDE_CONFIG = {"BLOCK_N": 64, "num_warps": 2, "num_stages": 4}  # 1 tile, 39 KB, 240 regs: 4 an SM
 # Taller tiles (several tree nodes x heads): one warpgroup, so the dots run on
-# wgmma with operands in shared memory instead of spilling registers.
-TALL_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 4}
-MAX_TREE_NODES = 64  # one int64 bitmask per node
+# wgmma with operands in shared memory; 67 KB and 162 registers: 3 an SM.
+TALL_CONFIG = {"BLOCK_N": 32, "num_warps": 4, "num_stages": 6}
+PROGRAMS_PER_SM = 3  # at DEEP_CONFIG and TALL_CONFIG
 INTERPRET_CONFIG = {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
-MIN_TOKENS_PER_SPLIT = 256
+MIN_TOKENS_PER_SPLIT = 128
 MAX_SPLITS = 64
+MAX_TREE_NODES = 64  # one int64 bitmask per node
 
 
 def _tile_rows(max_query_len: int, group: int) -> tuple[int, int]:
@@ -163,15 +167,24 @@ def _tile_rows(max_query_len: int, group: int) -> tuple[int, int]:
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, *,
                       max_query_len: int = 1, group: int = 1, sm_count: int | None = None) -> int:
-    """Splits per (request, KV head) so the grid fills the GPU about twice over,
-    without splits shorter than MIN_TOKENS_PER_SPLIT. A power of two, so a
-    captured graph needs few variants."""
+    """Splits per (request, KV head): as many as fill every SM's program slots
+    in one wave (a second, partial wave costs a whole split's time), without
+    splits shorter than MIN_TOKENS_PER_SPLIT."""
     if sm_count is None:
         sm_count = num_sms() if torch.cuda.is_available() else 132
     programs = max(num_seqs * num_kv_heads * _tile_rows(max_query_len, group)[1], 1)
-    want = triton.cdiv(2 * sm_count, programs)
+    want = max(PROGRAMS_PER_SM * sm_count // programs, 1)
     useful = max(triton.cdiv(max_seq_len, MIN_TOKENS_PER_SPLIT), 1)
-    return min(next_pow2(min(want, useful)), MAX_SPLITS)
+    return min(want, useful, MAX_SPLITS)
+
+
+def _launch_config(block_m: int, programs: int, device) -> dict:
+    if interpreting():
+        return INTERPRET_CONFIG
+    if block_m > 16:
+        return TALL_CONFIG
+    # More programs than one wave of deep ones: the shallower config fits more.
+    return DEEP_CONFIG if programs <= PROGRAMS_PER_SM * num_sms(device.index or 0) else WIDE_CONFIG
 
 
 # --- launcher -------------------------------------------------------------------
@@ -204,8 +217,9 @@ def split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     group = num_heads // num_kv_heads
     head_dim_pad = next_pow2(head_dim)
     block_m, row_blocks = _tile_rows(max_query_len, group)
+    num_seqs = cu_seqlens_q.shape[0] - 1
     if config is None:
-        config = INTERPRET_CONFIG if interpreting() else DECODE_CONFIG if block_m <= 16 else TALL_CONFIG
+        config = _launch_config(block_m, num_seqs * num_kv_heads * row_blocks * num_splits, q.device)
     cfg = dict(config)
     block_n = cfg.pop("BLOCK_N")
     pdl = num_splits > 1 and _use_pdl(q)
@@ -221,7 +235,6 @@ def split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
         tree = (tree_bits, tree_bits.stride(0))
     else:
         tree = (q, 0)
-    num_seqs = cu_seqlens_q.shape[0] - 1
     po_strides = part_o.stride()[:3] if num_splits > 1 else (0, 0, 0)
     pl_strides = part_lse.stride()[:2] if num_splits > 1 else (0, 0)
     _split_kv_kernel[(num_seqs, num_kv_heads * row_blocks, num_splits)](

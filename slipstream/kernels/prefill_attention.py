@@ -32,7 +32,8 @@ import triton.language as tl
 
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from slipstream.kernels.attention_tile import attend_paged_range, exact_dot, next_pow2, softmax_tile_update
+from slipstream.kernels.attention_tile import (
+    MASKED_SCORE, attend_paged_range, exact_dot, next_pow2, softmax_tile_update)
 from slipstream.kernels.runtime import capability, interpreting
 
 LOG2E = 1.4426950408889634
@@ -44,10 +45,14 @@ def _new_keys(acc, m_i, l_i, q, q_row_scale, K, V, KScale, k_row0, kv_head,
               stride_kt, stride_vt, stride_kst,
               HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
               CAUSAL: tl.constexpr, SLIDING: tl.constexpr, MASKED: tl.constexpr,
-              USE_TMA: tl.constexpr, FP8: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
+              USE_TMA: tl.constexpr, FP8: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+              mask_from=None):
     """Attend to the step's own keys [lo, hi) (local indices; lo a multiple of
     BLOCK_N). With USE_TMA, K/V are host-built TMA descriptors over [tokens,
-    kv_heads * head_dim]; else pointers at this request's first row and KV head."""
+    kv_heads * head_dim]; else pointers at this request's first row and KV head.
+    With `mask_from` given (and not MASKED), one loop covers clean and edge
+    tiles: tiles from `mask_from` on are masked by a branch, so the software
+    pipeline runs on into the diagonal instead of draining and refilling."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     for start in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
@@ -59,7 +64,7 @@ def _new_keys(acc, m_i, l_i, q, q_row_scale, K, V, KScale, k_row0, kv_head,
             # past the tensor): finite, and masked below.
             k = K.load([k_row0 + start, kv_head * HEAD_DIM]).T
             v = V.load([k_row0 + start, kv_head * HEAD_DIM])
-        elif MASKED or HEAD_DIM_PAD != HEAD_DIM:
+        elif MASKED or HEAD_DIM_PAD != HEAD_DIM or mask_from is not None:
             d_ok = offs_d < HEAD_DIM
             k = tl.load(K + j[None, :] * stride_kt + offs_d[:, None],
                         mask=key_ok[None, :] & d_ok[:, None], other=0.0)
@@ -72,6 +77,12 @@ def _new_keys(acc, m_i, l_i, q, q_row_scale, K, V, KScale, k_row0, kv_head,
         if FP8:
             k_scale = tl.load(KScale + (k_row0 + j) * stride_kst + kv_head, mask=key_ok, other=0.0)
             qk = qk * q_row_scale[:, None] * k_scale[None, :]
+        if mask_from is not None:
+            if start >= mask_from:
+                edge = key_ok[None, :]
+                if CAUSAL:
+                    edge = edge & (j[None, :] <= q_idx[:, None])
+                qk = tl.where(edge, qk, MASKED_SCORE)
         mask = key_ok[None, :]
         if CAUSAL:
             mask = mask & (j[None, :] <= q_idx[:, None])
@@ -93,13 +104,13 @@ def _prefill_kernel(
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
         CAUSAL: tl.constexpr, SLIDING: tl.constexpr, NEW_KV: tl.constexpr,
         USE_TMA: tl.constexpr, FP8: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-        TMA_STORE: tl.constexpr):
-    # Query blocks on the slowest grid axis, latest (longest causal) first: the
-    # GPU starts programs in grid order, so every request's and head's longest
-    # blocks run before any short one and the short ones fill the tail.
-    head = tl.program_id(0)
-    seq = tl.program_id(1)
-    m_block = tl.cdiv(max_query_len, BLOCK_M) - 1 - tl.program_id(2)
+        TMA_STORE: tl.constexpr, ONE_LOOP: tl.constexpr):
+    # Latest (longest causal) query blocks first. Query blocks stay the fastest
+    # grid axis: programs running together then share one head's K/V in L2
+    # (with heads fastest, 16 heads x 4 requests of 4k tokens thrash the L2).
+    m_block = tl.cdiv(max_query_len, BLOCK_M) - 1 - tl.program_id(0)
+    head = tl.program_id(1)
+    seq = tl.program_id(2)
     q_start = tl.load(CuSeqlensQ + seq)
     q_len = tl.load(CuSeqlensQ + seq + 1) - q_start
     if m_block * BLOCK_M >= q_len:
@@ -169,14 +180,21 @@ def _prefill_kernel(
         scale = qk_scale
         if FP8:
             scale = 1.0  # already in q_row_scale
-        acc, m_i, l_i = _new_keys(acc, m_i, l_i, q, q_row_scale, k_src, v_src, KScale, q_start,
-                                  kv_head, lo_n, free_n, q_len, offs_m, window, scale,
-                                  stride_kt, stride_vt, stride_kst, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N,
-                                  CAUSAL, SLIDING, False, USE_TMA, FP8, WARP_SPECIALIZE)
-        acc, m_i, l_i = _new_keys(acc, m_i, l_i, q, q_row_scale, k_src, v_src, KScale, q_start,
-                                  kv_head, free_n, hi_n, q_len, offs_m, window, scale,
-                                  stride_kt, stride_vt, stride_kst, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N,
-                                  CAUSAL, SLIDING, True, USE_TMA, FP8, False)
+        if ONE_LOOP and not SLIDING:
+            acc, m_i, l_i = _new_keys(acc, m_i, l_i, q, q_row_scale, k_src, v_src, KScale, q_start,
+                                      kv_head, lo_n, hi_n, q_len, offs_m, window, scale,
+                                      stride_kt, stride_vt, stride_kst, HEAD_DIM, HEAD_DIM_PAD,
+                                      BLOCK_N, CAUSAL, SLIDING, False, USE_TMA, FP8,
+                                      WARP_SPECIALIZE, free_n)
+        else:
+            acc, m_i, l_i = _new_keys(acc, m_i, l_i, q, q_row_scale, k_src, v_src, KScale, q_start,
+                                      kv_head, lo_n, free_n, q_len, offs_m, window, scale,
+                                      stride_kt, stride_vt, stride_kst, HEAD_DIM, HEAD_DIM_PAD,
+                                      BLOCK_N, CAUSAL, SLIDING, False, USE_TMA, FP8, WARP_SPECIALIZE)
+            acc, m_i, l_i = _new_keys(acc, m_i, l_i, q, q_row_scale, k_src, v_src, KScale, q_start,
+                                      kv_head, free_n, hi_n, q_len, offs_m, window, scale,
+                                      stride_kt, stride_vt, stride_kst, HEAD_DIM, HEAD_DIM_PAD,
+                                      BLOCK_N, CAUSAL, SLIDING, True, USE_TMA, FP8, False)
 
     out = acc / l_i[:, None]
     if TMA_STORE and (m_block + 1) * BLOCK_M <= q_len:  # a full block: one bulk async store
@@ -199,7 +217,8 @@ def _set_block_shapes(nargs):
 
 
 def _config(bm, bn, warps, stages, ws=False):
-    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "WARP_SPECIALIZE": ws, "TMA_STORE": False},
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "WARP_SPECIALIZE": ws, "TMA_STORE": False,
+                          "ONE_LOOP": False},
                          num_warps=warps, num_stages=stages, pre_hook=_set_block_shapes)
 
 
@@ -212,7 +231,8 @@ PREFILL_CONFIGS = [
     _config(64, 64, 4, 3),
 ]
 SMEM_BYTES = 227 * 1024  # per block on Hopper
-INTERPRET_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 16, "WARP_SPECIALIZE": False, "TMA_STORE": False}
+INTERPRET_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 16, "WARP_SPECIALIZE": False, "TMA_STORE": False,
+                    "ONE_LOOP": False}
 
 
 def _prune(configs, named_args, **kwargs):
@@ -303,14 +323,16 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor |
     num_seqs = cu_seqlens_q.shape[0] - 1
 
     def grid(meta):
-        return (num_heads, num_seqs, triton.cdiv(max_query_len, meta["BLOCK_M"]))
+        return (triton.cdiv(max_query_len, meta["BLOCK_M"]), num_heads, num_seqs)
 
     if config is None and interpreting():
         config = INTERPRET_CONFIG
     if config is None:
         _prefill_tuned[grid](*args, max_query_len, *strides, scale * LOG2E, window, tune_key, **consts)
     else:
-        meta = {"WARP_SPECIALIZE": False, "TMA_STORE": False, **config}
+        meta = {"WARP_SPECIALIZE": False, "TMA_STORE": False, "ONE_LOOP": False, **config}
+        if meta["BLOCK_M"] % meta["BLOCK_N"]:
+            raise ValueError(f"BLOCK_M {meta['BLOCK_M']} must be a multiple of BLOCK_N {meta['BLOCK_N']}")
         meta["TMA_STORE"] = meta["TMA_STORE"] and out_desc is not out
         launch = {k_: meta.pop(k_) for k_ in ("num_warps", "num_stages", "maxnreg") if k_ in meta}
         _set_block_shapes({"Q": q_arg, "K": k_arg, "V": v_arg, "OutDesc": out_desc,

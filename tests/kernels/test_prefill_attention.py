@@ -84,3 +84,19 @@ def test_tma_store_full_and_partial_blocks(paged_batch, close, config):
     b = paged_batch([0, 0, 5, 0], [1, 17, 40, 70], 4, 2, 64, 16, device=DEVICE)
     out, ref = _run(b, config=config)
     close(out, ref, TOL[torch.float16], TOL[torch.float16])
+
+
+@pytest.mark.parametrize("causal,use_tma", [(True, None), (False, None), (True, False)])
+def test_one_loop_over_clean_and_edge_tiles(paged_batch, close, causal, use_tma):
+    """ONE_LOOP: the diagonal and sequence-end tiles masked by a branch inside
+    the clean loop."""
+    b = paged_batch([0, 0, 5, 0], [1, 17, 40, 70], 4, 2, 64, 16, device=DEVICE)
+    out, ref = _run(b, causal=causal, use_tma=use_tma, config={
+        "BLOCK_M": 32, "BLOCK_N": 16, "num_warps": 4, "num_stages": 2, "ONE_LOOP": True})
+    close(out, ref, TOL[torch.float16], TOL[torch.float16])
+
+
+def test_explicit_config_checked(paged_batch):
+    b = paged_batch([0], [8], 2, 2, 16, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="multiple of BLOCK_N"):
+        _run(b, config={"BLOCK_M": 16, "BLOCK_N": 32})
