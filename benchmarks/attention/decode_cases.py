@@ -21,9 +21,9 @@ L2_BYTES = 256 << 20  # copies until the data is several times the 60 MB L2
 
 # Explicit configs tried in --sweep: (BLOCK_N, warps, stages); split counts
 # around the automatic choice.
-SWEEP = [(64, 2, 4), (64, 2, 6), (64, 2, 8), (32, 2, 6)]
-SPLIT_FACTORS = (0.5, 0.67, 0.83, 1.0, 1.33)
-TREE_SWEEP = [(32, 4, 6), (32, 4, 8), (64, 4, 6), (32, 4, 4)]
+SWEEP = [(64, 2, 4), (64, 2, 6), (64, 1, 6), (64, 2, 7)]
+SPLIT_FACTORS = (0.8, 0.9, 1.0, 1.1, 1.2)
+TREE_SWEEP = [(64, 4, 6), (64, 4, 8), (64, 4, 5), (128, 4, 4)]
 
 
 def _copies(b: int, length: int, gen: torch.Generator):

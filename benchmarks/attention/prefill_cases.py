@@ -24,10 +24,12 @@ BACKENDS = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.C
 _BIG = {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3}
 _TWO = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2, "maxnreg": 128}
 SWEEP = [
-    _BIG, {**_BIG, "ONE_LOOP": True}, {**_BIG, "ONE_LOOP": True, "TMA_STORE": True},
-    _TWO, {**_TWO, "ONE_LOOP": True}, {**_TWO, "TMA_STORE": True},
-    {**_TWO, "ONE_LOOP": True, "TMA_STORE": True},
-    {**_BIG, "ONE_LOOP": True, "WARP_SPECIALIZE": True},
+    _BIG, {**_BIG, "ONE_LOOP": True}, {**_BIG, "OVERLAP": True},
+    {**_BIG, "num_stages": 2, "OVERLAP": True},
+    {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3, "OVERLAP": True},
+    {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2, "OVERLAP": True},
+    {**_TWO, "TMA_STORE": True}, {**_TWO, "TMA_STORE": True, "ONE_LOOP": True},
+    {**_TWO, "TMA_STORE": True, "OVERLAP": True},
 ]
 
 
@@ -104,6 +106,7 @@ def dense_sweep(n: int, causal: bool, log) -> dict:
         name = (f"M{cfg['BLOCK_M']}_N{cfg['BLOCK_N']}_w{cfg['num_warps']}_s{cfg['num_stages']}"
                 + (f"_r{cfg['maxnreg']}" if "maxnreg" in cfg else "")
                 + ("_tmastore" if cfg.get("TMA_STORE") else "") + ("_oneloop" if cfg.get("ONE_LOOP") else "")
+                + ("_overlap" if cfg.get("OVERLAP") else "")
                 + ("_ws" if cfg.get("WARP_SPECIALIZE") else ""))
         fn = lambda cfg=cfg: prefill_attention(q, k, v, cache, cache, cu, ctx, tables, n, SCALE,  # noqa: E731
                                                causal=causal, out=out, config=cfg)

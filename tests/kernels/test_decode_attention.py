@@ -9,7 +9,7 @@ import torch
 
 from slipstream.kernels import reference
 from slipstream.kernels.decode_attention import (
-    MIN_TOKENS_PER_SPLIT, PROGRAMS_PER_SM, choose_num_splits, decode_attention)
+    DEEP_PER_SM, MIN_TOKENS_PER_SPLIT, choose_num_splits, decode_attention)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float16: 4e-3, torch.float32: 2e-5, torch.bfloat16: 3e-2}
@@ -64,7 +64,7 @@ def test_decode_bf16_on_gpu(paged_batch, close):
 def test_choose_num_splits_fills_the_gpu():
     # One long request: split until one wave fills every SM's program slots.
     s = choose_num_splits(1, 8, 32768, sm_count=132)
-    assert 8 * s <= PROGRAMS_PER_SM * 132 < 8 * (s + 1)
+    assert 8 * s <= DEEP_PER_SM * 132 < 8 * (s + 1)
     # A large batch already fills the GPU: no split.
     assert choose_num_splits(64, 8, 4096, sm_count=132) == 1
     # Short contexts are not split below MIN_TOKENS_PER_SPLIT.

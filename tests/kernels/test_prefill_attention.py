@@ -100,3 +100,13 @@ def test_explicit_config_checked(paged_batch):
     b = paged_batch([0], [8], 2, 2, 16, 16, device=DEVICE)
     with pytest.raises(ValueError, match="multiple of BLOCK_N"):
         _run(b, config={"BLOCK_M": 16, "BLOCK_N": 32})
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_overlapped_clean_loop(paged_batch, close, causal):
+    """OVERLAP: the next tile's scores are computed before this tile's softmax
+    (TMA path; one-tile and multi-tile clean ranges, cached context too)."""
+    b = paged_batch([0, 0, 5, 0], [1, 17, 40, 70], 4, 2, 64, 16, device=DEVICE)
+    out, ref = _run(b, causal=causal, use_tma=True, config={
+        "BLOCK_M": 32, "BLOCK_N": 16, "num_warps": 4, "num_stages": 2, "OVERLAP": True})
+    close(out, ref, TOL[torch.float16], TOL[torch.float16])
