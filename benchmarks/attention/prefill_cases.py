@@ -19,18 +19,11 @@ BACKENDS = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.C
 
 # Explicit configs tried in --sweep. 128x64 tiles in 2 stages with at most 128
 # registers a thread fit two programs on an SM (98 KB shared memory each), so
-# one program's prologue and epilogue overlap the other's loop. ONE_LOOP masks
-# the diagonal tile inside the clean loop instead of a second loop.
+# one program's prologue and epilogue overlap the other's loop.
 _BIG = {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3}
 _TWO = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2, "maxnreg": 128}
-SWEEP = [
-    _BIG, {**_BIG, "ONE_LOOP": True}, {**_BIG, "OVERLAP": True},
-    {**_BIG, "num_stages": 2, "OVERLAP": True},
-    {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3, "OVERLAP": True},
-    {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2, "OVERLAP": True},
-    {**_TWO, "TMA_STORE": True}, {**_TWO, "TMA_STORE": True, "ONE_LOOP": True},
-    {**_TWO, "TMA_STORE": True, "OVERLAP": True},
-]
+SWEEP = [_BIG, {**_BIG, "TMA_STORE": True}, _TWO, {**_TWO, "TMA_STORE": True},
+         {**_BIG, "WARP_SPECIALIZE": True}]
 
 
 def attn_flops(q_lens, k_lens, causal, heads=HEADS, head_dim=HEAD_DIM) -> float:
@@ -105,8 +98,7 @@ def dense_sweep(n: int, causal: bool, log) -> dict:
     for cfg in sorted(SWEEP, key=lambda c: c.get("WARP_SPECIALIZE", False)):  # warp-specialised last
         name = (f"M{cfg['BLOCK_M']}_N{cfg['BLOCK_N']}_w{cfg['num_warps']}_s{cfg['num_stages']}"
                 + (f"_r{cfg['maxnreg']}" if "maxnreg" in cfg else "")
-                + ("_tmastore" if cfg.get("TMA_STORE") else "") + ("_oneloop" if cfg.get("ONE_LOOP") else "")
-                + ("_overlap" if cfg.get("OVERLAP") else "")
+                + ("_tmastore" if cfg.get("TMA_STORE") else "")
                 + ("_ws" if cfg.get("WARP_SPECIALIZE") else ""))
         fn = lambda cfg=cfg: prefill_attention(q, k, v, cache, cache, cu, ctx, tables, n, SCALE,  # noqa: E731
                                                causal=causal, out=out, config=cfg)

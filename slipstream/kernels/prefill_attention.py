@@ -32,9 +32,8 @@ import triton.language as tl
 
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from slipstream.kernels.attention_tile import (
-    attend_paged_range, exact_dot, next_pow2, softmax_tile_update)
-from slipstream.kernels.runtime import capability, interpreting
+from slipstream.kernels.attention_tile import attend_paged_range, exact_dot, next_pow2, softmax_tile_update
+from slipstream.kernels.runtime import capability, interpreting, num_sms
 
 LOG2E = 1.4426950408889634
 
@@ -45,14 +44,10 @@ def _new_keys(acc, m_i, l_i, q, q_row_scale, K, V, KScale, k_row0, kv_head,
               stride_kt, stride_vt, stride_kst,
               HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
               CAUSAL: tl.constexpr, SLIDING: tl.constexpr, MASKED: tl.constexpr,
-              USE_TMA: tl.constexpr, FP8: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-              mask_from=None):
+              USE_TMA: tl.constexpr, FP8: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
     """Attend to the step's own keys [lo, hi) (local indices; lo a multiple of
     BLOCK_N). With USE_TMA, K/V are host-built TMA descriptors over [tokens,
-    kv_heads * head_dim]; else pointers at this request's first row and KV head.
-    With `mask_from` given (and not MASKED), one loop covers clean and edge
-    tiles: tiles from `mask_from` on are masked by a branch, so the software
-    pipeline runs on into the diagonal instead of draining and refilling."""
+    kv_heads * head_dim]; else pointers at this request's first row and KV head."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     for start in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
@@ -64,7 +59,7 @@ def _new_keys(acc, m_i, l_i, q, q_row_scale, K, V, KScale, k_row0, kv_head,
             # past the tensor): finite, and masked below.
             k = K.load([k_row0 + start, kv_head * HEAD_DIM]).T
             v = V.load([k_row0 + start, kv_head * HEAD_DIM])
-        elif MASKED or HEAD_DIM_PAD != HEAD_DIM or mask_from is not None:
+        elif MASKED or HEAD_DIM_PAD != HEAD_DIM:
             d_ok = offs_d < HEAD_DIM
             k = tl.load(K + j[None, :] * stride_kt + offs_d[:, None],
                         mask=key_ok[None, :] & d_ok[:, None], other=0.0)
@@ -77,12 +72,6 @@ def _new_keys(acc, m_i, l_i, q, q_row_scale, K, V, KScale, k_row0, kv_head,
         if FP8:
             k_scale = tl.load(KScale + (k_row0 + j) * stride_kst + kv_head, mask=key_ok, other=0.0)
             qk = qk * q_row_scale[:, None] * k_scale[None, :]
-        if mask_from is not None:
-            if start >= mask_from:
-                edge = key_ok[None, :]
-                if CAUSAL:
-                    edge = edge & (j[None, :] <= q_idx[:, None])
-                qk = tl.where(edge, qk, -1.0e6)  # MASKED_SCORE
         mask = key_ok[None, :]
         if CAUSAL:
             mask = mask & (j[None, :] <= q_idx[:, None])
@@ -93,29 +82,10 @@ def _new_keys(acc, m_i, l_i, q, q_row_scale, K, V, KScale, k_row0, kv_head,
 
 
 @triton.jit
-def _clean_keys_overlapped(acc, m_i, l_i, q, K, V, k_row0, kv_head, lo, hi, qk_scale,
-                           HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Unmasked tiles [lo, hi) of the step's keys (TMA descriptors), with the
-    product Q.K^T of tile i + 1 issued before the softmax of tile i, so the
-    tensor cores work on the next scores while this tile's exponentials run
-    (FlashAttention-3's intra-warpgroup overlap, written as a software pipeline)."""
-    if hi > lo:
-        qk = exact_dot(q, K.load([k_row0 + lo, kv_head * HEAD_DIM]).T)
-        for start in tl.range(lo, hi - BLOCK_N, BLOCK_N):
-            v = V.load([k_row0 + start, kv_head * HEAD_DIM])
-            qk_next = exact_dot(q, K.load([k_row0 + start + BLOCK_N, kv_head * HEAD_DIM]).T)
-            acc, m_i, l_i = softmax_tile_update(acc, m_i, l_i, qk, v, qk_scale, qk, False)
-            qk = qk_next
-        v = V.load([k_row0 + hi - BLOCK_N, kv_head * HEAD_DIM])
-        acc, m_i, l_i = softmax_tile_update(acc, m_i, l_i, qk, v, qk_scale, qk, False)
-    return acc, m_i, l_i
-
-
-@triton.jit
 def _prefill_kernel(
         Q, K, V, KCache, VCache, Out, OutDesc, QScale, KScale,
         CuSeqlensQ, ContextLens, BlockTables,
-        max_query_len,
+        max_query_len, num_heads, num_seqs, num_sms,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
         stride_cb, stride_cs, stride_ch, stride_bt, stride_qst, stride_kst,
         qk_scale, window, tune_key,
@@ -123,13 +93,24 @@ def _prefill_kernel(
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
         CAUSAL: tl.constexpr, SLIDING: tl.constexpr, NEW_KV: tl.constexpr,
         USE_TMA: tl.constexpr, FP8: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-        TMA_STORE: tl.constexpr, ONE_LOOP: tl.constexpr, OVERLAP: tl.constexpr):
-    # Latest (longest causal) query blocks first. Query blocks stay the fastest
-    # grid axis: programs running together then share one head's K/V in L2
-    # (with heads fastest, 16 heads x 4 requests of 4k tokens thrash the L2).
-    m_block = tl.cdiv(max_query_len, BLOCK_M) - 1 - tl.program_id(0)
-    head = tl.program_id(1)
-    seq = tl.program_id(2)
+        TMA_STORE: tl.constexpr):
+    # Program order (the GPU starts programs in index order): (request, head)
+    # pairs go in chunks of about two waves of programs; inside a chunk, query
+    # blocks run latest (longest causal) first across the chunk's pairs. Long
+    # blocks start before short ones, so the short ones fill the tail (causal
+    # 4k: 99.5% of a perfect schedule in a model, against 94% when each pair
+    # ran its own blocks longest first), while the programs running together
+    # read only a few pairs' K/V and share it in L2 (all heads at once thrash it).
+    num_m = tl.cdiv(max_query_len, BLOCK_M)
+    chunk = tl.maximum(tl.cdiv(2 * num_sms, num_m), 1)  # pairs per chunk
+    pid = tl.program_id(0)
+    first_pair = pid // (chunk * num_m) * chunk
+    in_chunk = pid % (chunk * num_m)
+    chunk_pairs = tl.minimum(chunk, num_heads * num_seqs - first_pair)
+    m_block = num_m - 1 - in_chunk // chunk_pairs
+    pair = first_pair + in_chunk % chunk_pairs
+    seq = pair // num_heads
+    head = pair % num_heads
     q_start = tl.load(CuSeqlensQ + seq)
     q_len = tl.load(CuSeqlensQ + seq + 1) - q_start
     if m_block * BLOCK_M >= q_len:
@@ -199,28 +180,14 @@ def _prefill_kernel(
         scale = qk_scale
         if FP8:
             scale = 1.0  # already in q_row_scale
-        if OVERLAP and USE_TMA and not FP8 and not SLIDING:
-            acc, m_i, l_i = _clean_keys_overlapped(acc, m_i, l_i, q, k_src, v_src, q_start, kv_head,
-                                                   lo_n, free_n, scale, HEAD_DIM, BLOCK_N)
-            acc, m_i, l_i = _new_keys(acc, m_i, l_i, q, q_row_scale, k_src, v_src, KScale, q_start,
-                                      kv_head, free_n, hi_n, q_len, offs_m, window, scale,
-                                      stride_kt, stride_vt, stride_kst, HEAD_DIM, HEAD_DIM_PAD,
-                                      BLOCK_N, CAUSAL, SLIDING, True, USE_TMA, FP8, False)
-        elif ONE_LOOP and not SLIDING:
-            acc, m_i, l_i = _new_keys(acc, m_i, l_i, q, q_row_scale, k_src, v_src, KScale, q_start,
-                                      kv_head, lo_n, hi_n, q_len, offs_m, window, scale,
-                                      stride_kt, stride_vt, stride_kst, HEAD_DIM, HEAD_DIM_PAD,
-                                      BLOCK_N, CAUSAL, SLIDING, False, USE_TMA, FP8,
-                                      WARP_SPECIALIZE, free_n)
-        else:
-            acc, m_i, l_i = _new_keys(acc, m_i, l_i, q, q_row_scale, k_src, v_src, KScale, q_start,
-                                      kv_head, lo_n, free_n, q_len, offs_m, window, scale,
-                                      stride_kt, stride_vt, stride_kst, HEAD_DIM, HEAD_DIM_PAD,
-                                      BLOCK_N, CAUSAL, SLIDING, False, USE_TMA, FP8, WARP_SPECIALIZE)
-            acc, m_i, l_i = _new_keys(acc, m_i, l_i, q, q_row_scale, k_src, v_src, KScale, q_start,
-                                      kv_head, free_n, hi_n, q_len, offs_m, window, scale,
-                                      stride_kt, stride_vt, stride_kst, HEAD_DIM, HEAD_DIM_PAD,
-                                      BLOCK_N, CAUSAL, SLIDING, True, USE_TMA, FP8, False)
+        acc, m_i, l_i = _new_keys(acc, m_i, l_i, q, q_row_scale, k_src, v_src, KScale, q_start,
+                                  kv_head, lo_n, free_n, q_len, offs_m, window, scale,
+                                  stride_kt, stride_vt, stride_kst, HEAD_DIM, HEAD_DIM_PAD,
+                                  BLOCK_N, CAUSAL, SLIDING, False, USE_TMA, FP8, WARP_SPECIALIZE)
+        acc, m_i, l_i = _new_keys(acc, m_i, l_i, q, q_row_scale, k_src, v_src, KScale, q_start,
+                                  kv_head, free_n, hi_n, q_len, offs_m, window, scale,
+                                  stride_kt, stride_vt, stride_kst, HEAD_DIM, HEAD_DIM_PAD,
+                                  BLOCK_N, CAUSAL, SLIDING, True, USE_TMA, FP8, False)
 
     out = acc / l_i[:, None]
     if TMA_STORE and (m_block + 1) * BLOCK_M <= q_len:  # a full block: one bulk async store
@@ -243,8 +210,7 @@ def _set_block_shapes(nargs):
 
 
 def _config(bm, bn, warps, stages, ws=False, maxnreg=None, tma_store=False):
-    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "WARP_SPECIALIZE": ws, "TMA_STORE": tma_store,
-                          "ONE_LOOP": False, "OVERLAP": False},
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "WARP_SPECIALIZE": ws, "TMA_STORE": tma_store},
                          num_warps=warps, num_stages=stages, maxnreg=maxnreg, pre_hook=_set_block_shapes)
 
 
@@ -260,8 +226,7 @@ PREFILL_CONFIGS = [
     _config(64, 64, 4, 3),
 ]
 SMEM_BYTES = 227 * 1024  # per block on Hopper
-INTERPRET_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 16, "WARP_SPECIALIZE": False, "TMA_STORE": False,
-                    "ONE_LOOP": False, "OVERLAP": False}
+INTERPRET_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 16, "WARP_SPECIALIZE": False, "TMA_STORE": False}
 
 
 def _prune(configs, named_args, **kwargs):
@@ -295,7 +260,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor |
                       causal: bool = True, sliding_window: int | None = None,
                       q_scale: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
                       out: torch.Tensor | None = None, config: dict | None = None,
-                      use_tma: bool | None = None) -> torch.Tensor:
+                      use_tma: bool | None = None, sm_count: int | None = None) -> torch.Tensor:
     """Variable-length attention of the step's tokens to their requests' keys.
 
     q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
@@ -305,6 +270,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor |
     tokens before the step's); block_tables: [num_seqs, max_blocks] int32.
     max_query_len: host int, sizes the grid. q_scale/k_scale: [num_tokens, heads]
     fp32 when q/k are float8 (FP8 path). config: fixed tile config (benchmarks).
+    sm_count: SMs the program order plans for (default: the device's).
     returns out: [num_tokens, num_heads, head_dim] in v's dtype.
     """
     num_tokens, num_heads, head_dim = q.shape
@@ -350,23 +316,24 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor |
                   PAGE_SIZE=page_size, CAUSAL=causal, SLIDING=sliding_window is not None,
                   NEW_KV=new_kv, USE_TMA=use_tma, FP8=fp8)
     num_seqs = cu_seqlens_q.shape[0] - 1
+    sms = sm_count or (num_sms(q.device.index or 0) if q.is_cuda else 132)
+    order = (max_query_len, num_heads, num_seqs, sms)
 
     def grid(meta):
-        return (triton.cdiv(max_query_len, meta["BLOCK_M"]), num_heads, num_seqs)
+        return (triton.cdiv(max_query_len, meta["BLOCK_M"]) * num_heads * num_seqs,)
 
     if config is None and interpreting():
         config = INTERPRET_CONFIG
     if config is None:
-        _prefill_tuned[grid](*args, max_query_len, *strides, scale * LOG2E, window, tune_key, **consts)
+        _prefill_tuned[grid](*args, *order, *strides, scale * LOG2E, window, tune_key, **consts)
     else:
-        meta = {"WARP_SPECIALIZE": False, "TMA_STORE": False, "ONE_LOOP": False, "OVERLAP": False,
-                **config}
+        meta = {"WARP_SPECIALIZE": False, "TMA_STORE": False, **config}
         if meta["BLOCK_M"] % meta["BLOCK_N"]:
             raise ValueError(f"BLOCK_M {meta['BLOCK_M']} must be a multiple of BLOCK_N {meta['BLOCK_N']}")
         meta["TMA_STORE"] = meta["TMA_STORE"] and out_desc is not out
         launch = {k_: meta.pop(k_) for k_ in ("num_warps", "num_stages", "maxnreg") if k_ in meta}
         _set_block_shapes({"Q": q_arg, "K": k_arg, "V": v_arg, "OutDesc": out_desc,
                            "HEAD_DIM": head_dim, **meta})
-        _prefill_kernel[grid(meta)](*args, max_query_len, *strides, scale * LOG2E, window,
+        _prefill_kernel[grid(meta)](*args, *order, *strides, scale * LOG2E, window,
                                     tune_key, **consts, **meta, **launch)
     return out

@@ -18,12 +18,14 @@ CONTEXTS = [0, 0, 21, 3]
 QUERIES = [1, 17, 40, 5]
 
 
-def _run(b, *, new_kv=True, causal=True, window=None, use_tma=None, dtype=torch.float16, config=None):
+def _run(b, *, new_kv=True, causal=True, window=None, use_tma=None, dtype=torch.float16, config=None,
+         sm_count=None):
     d = b.q.shape[-1]
     out = torch.full(b.q.shape, float("nan"), dtype=dtype, device=b.q.device)
     prefill_attention(b.q, b.k if new_kv else None, b.v if new_kv else None, b.k_cache, b.v_cache,
                       b.cu_seqlens_q, b.context_lens, b.block_tables, b.max_query_len, d ** -0.5,
-                      causal=causal, sliding_window=window, out=out, use_tma=use_tma, config=config)
+                      causal=causal, sliding_window=window, out=out, use_tma=use_tma, config=config,
+                      sm_count=sm_count)
     ref = reference.prefill_attention(
         b.q.float(), b.k.float() if new_kv else None, b.v.float() if new_kv else None,
         b.k_cache.float(), b.v_cache.float(), b.cu_seqlens_q, b.context_lens, b.block_tables,
@@ -86,27 +88,16 @@ def test_tma_store_full_and_partial_blocks(paged_batch, close, config):
     close(out, ref, TOL[torch.float16], TOL[torch.float16])
 
 
-@pytest.mark.parametrize("causal,use_tma", [(True, None), (False, None), (True, False)])
-def test_one_loop_over_clean_and_edge_tiles(paged_batch, close, causal, use_tma):
-    """ONE_LOOP: the diagonal and sequence-end tiles masked by a branch inside
-    the clean loop."""
-    b = paged_batch([0, 0, 5, 0], [1, 17, 40, 70], 4, 2, 64, 16, device=DEVICE)
-    out, ref = _run(b, causal=causal, use_tma=use_tma, config={
-        "BLOCK_M": 32, "BLOCK_N": 16, "num_warps": 4, "num_stages": 2, "ONE_LOOP": True})
-    close(out, ref, TOL[torch.float16], TOL[torch.float16])
-
-
 def test_explicit_config_checked(paged_batch):
     b = paged_batch([0], [8], 2, 2, 16, 16, device=DEVICE)
     with pytest.raises(ValueError, match="multiple of BLOCK_N"):
         _run(b, config={"BLOCK_M": 16, "BLOCK_N": 32})
 
 
-@pytest.mark.parametrize("causal", [True, False])
-def test_overlapped_clean_loop(paged_batch, close, causal):
-    """OVERLAP: the next tile's scores are computed before this tile's softmax
-    (TMA path; one-tile and multi-tile clean ranges, cached context too)."""
-    b = paged_batch([0, 0, 5, 0], [1, 17, 40, 70], 4, 2, 64, 16, device=DEVICE)
-    out, ref = _run(b, causal=causal, use_tma=True, config={
-        "BLOCK_M": 32, "BLOCK_N": 16, "num_warps": 4, "num_stages": 2, "OVERLAP": True})
+@pytest.mark.parametrize("sm_count", [1, 6])
+def test_program_order_in_chunks(paged_batch, close, sm_count):
+    """Few SMs: (request, head) pairs run in several chunks, the last one
+    partial; every query block of every pair is still computed exactly once."""
+    b = paged_batch([0, 7, 0], [40, 9, 33], 6, 3, 32, 16, device=DEVICE)
+    out, ref = _run(b, sm_count=sm_count)
     close(out, ref, TOL[torch.float16], TOL[torch.float16])
