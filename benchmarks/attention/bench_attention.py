@@ -125,14 +125,14 @@ def main() -> None:
 
 def sweeps(args, res, copy_bw, log, save) -> None:
     res["sweeps"] = []
-    for b, length in ((1, 32768), (16, 4096)):
+    for b, length in ((1, 32768), (1, 4096), (16, 4096)):
         log(f"sweep decode B={b} L={length}")
         res["sweeps"].append(decode_cases.decode_sweep(b, length, copy_bw, log))
         save()
     log("sweep tree")
     res["tree_sweep"] = decode_cases.tree(copy_bw, log, sweep=True)
     save()
-    for n, causal in ((4096, True), (16384, True), (1024, True)):
+    for n, causal in ((4096, True), (16384, True), (4096, False), (1024, True)):
         log(f"sweep prefill N={n} causal={causal}")
         res["sweeps"].append(prefill_cases.dense_sweep(n, causal, log))
         save()

@@ -3,6 +3,7 @@ as a share of the measured copy bandwidth. Timed in CUDA graphs over enough
 data copies that repeated runs stream from HBM, not L2."""
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -23,39 +24,37 @@ L2_BYTES = 256 << 20  # copies until the data is several times the 60 MB L2
 # around the automatic choice.
 SWEEP = [(64, 2, 4), (64, 2, 6)]
 SPLIT_FACTORS = (0.8, 1.0, 1.2)
-# One program an SM with a deeper pipeline (16 splits x 8 KV heads = 128 programs).
-SWEEP_ONE_PER_SM = [(16, (64, 2, 8)), (16, (64, 2, 10)), (16, (128, 4, 6)), (16, (64, 4, 8))]
 TREE_SWEEP = [(64, 4, 6), (64, 4, 8), (64, 4, 5), (128, 4, 4)]
 
 
-def _copies(b: int, length: int, gen: torch.Generator, page: int = PAGE):
+def _copies(b: int, length: int, gen: torch.Generator):
     kv_bytes = 2 * b * length * KV_HEADS * HEAD_DIM * 2
     n = max(1, min(16, math.ceil(L2_BYTES / kv_bytes)))
     data = []
     for _ in range(n):
         k = torch.randn(b, length, KV_HEADS, HEAD_DIM, device=timing.DEVICE, dtype=torch.bfloat16)
         v = torch.randn_like(k)
-        k_cache, v_cache, tables = paged_copy(k, v, page, gen)
+        k_cache, v_cache, tables = paged_copy(k, v, PAGE, gen)
         q = torch.randn(b, HEADS, HEAD_DIM, device=timing.DEVICE, dtype=torch.bfloat16)
         data.append((q, k, v, k_cache, v_cache, tables))
     return data, kv_bytes
 
 
-def _setup(b: int, length: int, page: int = PAGE):
+def _setup(b: int, length: int):
     gen = torch.Generator().manual_seed(b * 7 + length)
-    data, kv_bytes = _copies(b, length, gen, page)
+    data, kv_bytes = _copies(b, length, gen)
     seq_lens = torch.full((b,), length, dtype=torch.int32, device=timing.DEVICE)
     cu = torch.arange(b + 1, dtype=torch.int32, device=timing.DEVICE)
     auto = choose_num_splits(b, KV_HEADS, length, group=HEADS // KV_HEADS)
 
-    def ours_calls(splits, config=None):
+    def ours_calls(splits, config=None, fused=None):
         calls = []
         for q, _, _, kc, vc, tables in data:
             out = torch.empty_like(q)
             scratch = split_kv_scratch(b, HEADS, splits, HEAD_DIM, timing.DEVICE) if splits > 1 else None
             calls.append(lambda q=q, kc=kc, vc=vc, t=tables, out=out, s=scratch: decode_attention(
                 q, kc, vc, seq_lens, t, SCALE, max_seq_len=length, num_splits=splits,
-                cu_seqlens_q=cu, out=out, scratch=s, config=config))
+                cu_seqlens_q=cu, out=out, scratch=s, config=config, fused_merge=fused))
         return calls
     return data, kv_bytes, auto, ours_calls
 
@@ -91,27 +90,19 @@ def decode(b: int, length: int, copy_bw: float, log) -> dict:
 
 
 def decode_sweep(b: int, length: int, copy_bw: float, log) -> dict:
-    """Explicit tile configs and split counts around the automatic choice."""
+    """Explicit tile configs and split counts around the automatic choice, with
+    the merge fused into the split kernel and as a second kernel."""
     data, kv_bytes, auto, ours_calls = _setup(b, length)
     row = {"case": "decode", "B": b, "L": length, "splits_auto": auto, "sweep": {}}
-    combos = [(splits, c) for splits in sorted({max(round(auto * f), 1) for f in SPLIT_FACTORS})
-              for c in SWEEP]
-    if b == 1 and length >= 32768:
-        combos += SWEEP_ONE_PER_SM
-    for splits, (bn, w, s) in combos:
-        name = f"S{splits}_N{bn}_w{w}_s{s}"
-        try:
-            ms = bench_graph_ms(ours_calls(splits, {"BLOCK_N": bn, "num_warps": w, "num_stages": s}))
-            row["sweep"][name] = {"us": ms * 1e3, "pct_copy_bw": 100 * kv_bytes / (ms * 1e-3) / copy_bw}
-        except Exception as e:
-            row["sweep"][name] = {"error": f"{type(e).__name__}: {str(e)[:160]}"}
-    if b == 1 and length >= 32768:  # the same with 64-token pages (one page a tile)
-        data64, _, _, calls64 = _setup(b, length, page=64)
-        for bn, w, s in SWEEP:
-            name = f"page64_S{auto}_N{bn}_w{w}_s{s}"
-            ms = bench_graph_ms(calls64(auto, {"BLOCK_N": bn, "num_warps": w, "num_stages": s}))
-            row["sweep"][name] = {"us": ms * 1e3, "pct_copy_bw": 100 * kv_bytes / (ms * 1e-3) / copy_bw}
-        del data64
+    for splits in sorted({max(round(auto * f), 1) for f in SPLIT_FACTORS}):
+        for (bn, w, s), fused in itertools.product(SWEEP, (True, False)):
+            name = f"S{splits}_N{bn}_w{w}_s{s}" + ("" if fused else "_merge_kernel")
+            try:
+                ms = bench_graph_ms(ours_calls(splits, {"BLOCK_N": bn, "num_warps": w, "num_stages": s},
+                                               fused))
+                row["sweep"][name] = {"us": ms * 1e3, "pct_copy_bw": 100 * kv_bytes / (ms * 1e-3) / copy_bw}
+            except Exception as e:
+                row["sweep"][name] = {"error": f"{type(e).__name__}: {str(e)[:160]}"}
     log(f"    best: {max((r.get('pct_copy_bw', 0), n) for n, r in row['sweep'].items())}")
     return row
 

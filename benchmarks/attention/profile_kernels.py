@@ -19,7 +19,7 @@ import torch  # noqa: E402
 
 from decode_cases import HEAD_DIM, HEADS, KV_HEADS, PAGE, SCALE  # noqa: E402
 from slipstream.kernels.decode_attention import (  # noqa: E402
-    DECODE_CONFIG, choose_num_splits, decode_attention, split_kv_scratch)
+    choose_num_splits, decode_attention, split_kv_scratch)
 from slipstream.kernels.prefill_attention import prefill_attention  # noqa: E402
 from timing import cu_seqlens, paged_copy  # noqa: E402
 
@@ -50,8 +50,7 @@ def decode_call(b: int, length: int):
     out = torch.empty_like(q)
     cu = torch.arange(b + 1, dtype=torch.int32, device="cuda")
     return lambda: decode_attention(q, k_cache, v_cache, seq_lens, tables, SCALE, max_seq_len=length,
-                                    num_splits=splits, cu_seqlens_q=cu, out=out, scratch=scratch,
-                                    config=DECODE_CONFIG)
+                                    num_splits=splits, cu_seqlens_q=cu, out=out, scratch=scratch)
 
 
 def main() -> None:
