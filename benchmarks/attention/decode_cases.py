@@ -3,7 +3,6 @@ as a share of the measured copy bandwidth. Timed in CUDA graphs over enough
 data copies that repeated runs stream from HBM, not L2."""
 from __future__ import annotations
 
-import itertools
 import math
 
 import torch
@@ -47,14 +46,14 @@ def _setup(b: int, length: int):
     cu = torch.arange(b + 1, dtype=torch.int32, device=timing.DEVICE)
     auto = choose_num_splits(b, KV_HEADS, length, group=HEADS // KV_HEADS)
 
-    def ours_calls(splits, config=None, fused=None):
+    def ours_calls(splits, config=None):
         calls = []
         for q, _, _, kc, vc, tables in data:
             out = torch.empty_like(q)
             scratch = split_kv_scratch(b, HEADS, splits, HEAD_DIM, timing.DEVICE) if splits > 1 else None
             calls.append(lambda q=q, kc=kc, vc=vc, t=tables, out=out, s=scratch: decode_attention(
                 q, kc, vc, seq_lens, t, SCALE, max_seq_len=length, num_splits=splits,
-                cu_seqlens_q=cu, out=out, scratch=s, config=config, fused_merge=fused))
+                cu_seqlens_q=cu, out=out, scratch=s, config=config))
         return calls
     return data, kv_bytes, auto, ours_calls
 
@@ -90,16 +89,14 @@ def decode(b: int, length: int, copy_bw: float, log) -> dict:
 
 
 def decode_sweep(b: int, length: int, copy_bw: float, log) -> dict:
-    """Explicit tile configs and split counts around the automatic choice, with
-    the merge fused into the split kernel and as a second kernel."""
+    """Explicit tile configs and split counts around the automatic choice."""
     data, kv_bytes, auto, ours_calls = _setup(b, length)
     row = {"case": "decode", "B": b, "L": length, "splits_auto": auto, "sweep": {}}
     for splits in sorted({max(round(auto * f), 1) for f in SPLIT_FACTORS}):
-        for (bn, w, s), fused in itertools.product(SWEEP, (True, False)):
-            name = f"S{splits}_N{bn}_w{w}_s{s}" + ("" if fused else "_merge_kernel")
+        for bn, w, s in SWEEP:
+            name = f"S{splits}_N{bn}_w{w}_s{s}"
             try:
-                ms = bench_graph_ms(ours_calls(splits, {"BLOCK_N": bn, "num_warps": w, "num_stages": s},
-                                               fused))
+                ms = bench_graph_ms(ours_calls(splits, {"BLOCK_N": bn, "num_warps": w, "num_stages": s}))
                 row["sweep"][name] = {"us": ms * 1e3, "pct_copy_bw": 100 * kv_bytes / (ms * 1e-3) / copy_bw}
             except Exception as e:
                 row["sweep"][name] = {"error": f"{type(e).__name__}: {str(e)[:160]}"}

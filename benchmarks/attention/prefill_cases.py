@@ -24,10 +24,6 @@ _BIG = {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3}
 _TWO = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2, "maxnreg": 128}
 SWEEP = [_BIG, {**_BIG, "TMA_STORE": True}, _TWO, {**_TWO, "TMA_STORE": True},
          {**_BIG, "WARP_SPECIALIZE": True}]
-# Program order: (request, head) pairs per chunk = ceil(2 * sm_count / query blocks);
-# 4k tokens, 128-row blocks: 16 SMs -> 1 pair a chunk (each pair's blocks in a
-# row), 132 (the device) -> 9, 1056 -> 66 (every pair at once).
-ORDER_SMS = (16, 66, 132, 264, 1056)
 
 
 def attn_flops(q_lens, k_lens, causal, heads=HEADS, head_dim=HEAD_DIM) -> float:
@@ -112,14 +108,6 @@ def dense_sweep(n: int, causal: bool, log) -> dict:
             row["sweep"][name] = {"tflops": flops / bench_ms(fn) / 1e9, "err": rel_err(out, ref)}
         except Exception as e:  # a config that does not compile is a result too
             row["sweep"][name] = {"error": f"{type(e).__name__}: {str(e)[:160]}"}
-        log(f"    {name}: {row['sweep'][name]}")
-    for sms in ORDER_SMS:
-        name = f"M128_N128_w8_s3_order_sms{sms}"
-        fn = lambda sms=sms: prefill_attention(q, k, v, cache, cache, cu, ctx, tables, n, SCALE,  # noqa: E731
-                                               causal=causal, out=out, config=_BIG, sm_count=sms)
-        out.fill_(float("nan"))
-        fn()
-        row["sweep"][name] = {"tflops": flops / bench_ms(fn) / 1e9, "err": rel_err(out, ref)}
         log(f"    {name}: {row['sweep'][name]}")
     return row
 

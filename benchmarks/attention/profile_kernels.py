@@ -21,6 +21,7 @@ from decode_cases import HEAD_DIM, HEADS, KV_HEADS, PAGE, SCALE  # noqa: E402
 from slipstream.kernels.decode_attention import (  # noqa: E402
     choose_num_splits, decode_attention, split_kv_scratch)
 from slipstream.kernels.prefill_attention import prefill_attention  # noqa: E402
+from slipstream.kernels.tree_attention import ancestor_mask, tree_attention  # noqa: E402
 from timing import cu_seqlens, paged_copy  # noqa: E402
 
 PREFILL_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3}
@@ -53,8 +54,23 @@ def decode_call(b: int, length: int):
                                     num_splits=splits, cu_seqlens_q=cu, out=out, scratch=scratch)
 
 
+def tree_call(b: int = 16, ctx: int = 4096, nodes: int = 16):
+    length = ctx + nodes
+    k = torch.randn(b, length, KV_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    k_cache, v_cache, tables = paged_copy(k, torch.randn_like(k), PAGE, torch.Generator().manual_seed(0))
+    del k
+    q = torch.randn(b * nodes, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    masks = ancestor_mask([-1] + list(range(nodes - 1))).expand(b, nodes, nodes).contiguous().cuda()
+    cu = torch.arange(0, b * nodes + 1, nodes, dtype=torch.int32, device="cuda")
+    seq_lens = torch.full((b,), length, dtype=torch.int32, device="cuda")
+    out = torch.empty_like(q)
+    return lambda: tree_attention(q, k_cache, v_cache, cu, seq_lens, tables, masks, SCALE,
+                                  max_query_len=nodes, max_seq_len=length, out=out)
+
+
 def main() -> None:
-    calls = [prefill_call(16384), prefill_call(4096), decode_call(1, 32768), decode_call(64, 4096)]
+    calls = [prefill_call(16384), prefill_call(4096), decode_call(1, 32768), decode_call(64, 4096),
+             tree_call()]
     for c in calls:  # compile and warm up outside the profiled range
         c()
     torch.cuda.synchronize()

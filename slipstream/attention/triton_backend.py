@@ -26,7 +26,7 @@ class TritonAttentionBackend:
     name = "triton"
 
     def __init__(self) -> None:
-        self._scratch: dict[tuple, tuple[torch.Tensor, ...]] = {}
+        self._scratch: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def prepare(self, batch: ForwardBatch) -> None:
         if batch.tree_mask is not None:

@@ -32,7 +32,7 @@ LOG2E = 1.4426950408889634
 
 @triton.jit
 def _split_kv_kernel(
-        Q, KCache, VCache, Out, PartO, PartLse, Arrivals,
+        Q, KCache, VCache, Out, PartO, PartLse,
         CuSeqlensQ, SeqLens, BlockTables, TreeBits,
         num_kv_heads, num_splits,
         stride_qt, stride_qh, stride_ot, stride_oh,
@@ -42,8 +42,7 @@ def _split_kv_kernel(
         qk_scale, window,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
-        SPLIT: tl.constexpr, SLIDING: tl.constexpr, TREE: tl.constexpr, PDL: tl.constexpr,
-        FUSED_MERGE: tl.constexpr):
+        SPLIT: tl.constexpr, SLIDING: tl.constexpr, TREE: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # let the merge kernel launch now; it waits for this grid before reading
         gdc_launch_dependents()
     seq = tl.program_id(0)
@@ -115,43 +114,6 @@ def _split_kv_kernel(
         tl.store(PartO + tok[:, None] * stride_pt + head[:, None] * stride_ph + split * stride_ps
                  + offs_d[None, :], acc / l_safe[:, None], mask=row_ok[:, None] & d_ok[None, :])
         tl.store(PartLse + tok * stride_lt + head * stride_lh + split, lse, mask=row_ok)
-        if FUSED_MERGE:
-            # The last split of this (request, KV head, row block) to finish
-            # merges them all: no second kernel. The barrier orders every
-            # thread's partial stores before the counter's release.
-            tl.debug_barrier()
-            arrival = Arrivals + (seq * tl.num_programs(1) + tl.program_id(1))
-            if tl.atomic_add(arrival, 1, sem="acq_rel") == num_splits - 1:
-                tl.store(arrival, 0)  # ready for the next launch (and graph replay)
-                out = _merge_rows(PartO, PartLse, tok, head, row_ok, offs_d, d_ok, num_splits,
-                                  stride_pt, stride_ph, stride_ps, stride_lt, stride_lh, BLOCK_M,
-                                  HEAD_DIM_PAD)
-                tl.store(Out + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-                         out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
-
-
-@triton.jit
-def _merge_rows(PartO, PartLse, tok, head, row_ok, offs_d, d_ok, num_splits,
-                stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
-                BLOCK_M: tl.constexpr, HEAD_DIM_PAD: tl.constexpr):
-    """Online-softmax merge of every split's partial output for a tile of rows,
-    read from L2 (.cg: other SMs wrote them)."""
-    m = tl.full([BLOCK_M], -1.0e30, tl.float32)
-    l = tl.zeros([BLOCK_M], tl.float32)
-    o = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
-    for s in range(num_splits):
-        lse = tl.load(PartLse + tok * stride_lt + head * stride_lh + s, mask=row_ok,
-                      other=float("-inf"), cache_modifier=".cg")
-        part = tl.load(PartO + tok[:, None] * stride_pt + head[:, None] * stride_ph + s * stride_ps
-                       + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0,
-                       cache_modifier=".cg")
-        m_new = tl.maximum(m, lse)
-        a = tl.math.exp2(m - m_new)
-        b = tl.math.exp2(lse - m_new)
-        o = o * a[:, None] + part * b[:, None]
-        l = l * a + b
-        m = m_new
-    return o / tl.where(row_ok, l, 1.0)[:, None]
 
 
 @triton.jit
@@ -198,7 +160,6 @@ INTERPRET_CONFIG = {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
 MIN_TOKENS_PER_SPLIT = 128
 MAX_SPLITS = 64
 MAX_TREE_NODES = 64  # one int64 bitmask per node
-FUSED_MERGE = True
 
 
 def _tile_rows(max_query_len: int, group: int) -> tuple[int, int]:
@@ -238,18 +199,17 @@ def split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
                        block_tables: torch.Tensor, max_query_len: int, scale: float,
                        num_splits: int, sliding_window: int | None = None,
                        tree_bits: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                       scratch: tuple[torch.Tensor, ...] | None = None,
-                       config: dict | None = None, fused_merge: bool | None = None) -> torch.Tensor:
+                       scratch: tuple[torch.Tensor, torch.Tensor] | None = None,
+                       config: dict | None = None) -> torch.Tensor:
     """Few query tokens per request against the paged cache, split over the KV
     sequence. Shared by decode (one token) and tree verification (a masked tree).
 
     q: [num_tokens, num_heads, head_dim]; its tokens' K/V already in the cache.
     cu_seqlens_q: [num_seqs + 1] int32; seq_lens: [num_seqs] int32 (context +
     query tokens). tree_bits: [num_seqs, >=max_query_len] int64 from
-    `pack_tree_mask` (bit j of row t: token t may see the step's token j), else
-    causal. scratch: from `split_kv_scratch`. fused_merge: the last split of
-    each row block merges the partial outputs (default) instead of a second
-    kernel. returns out: [num_tokens, num_heads, head_dim] in q's dtype.
+    `pack_tree_mask` (bit j of row t: token t may see the step's token j), else causal. scratch: (partial out [num_tokens, num_heads,
+    num_splits, head_dim] fp32, lse [num_tokens, num_heads, num_splits] fp32).
+    returns out: [num_tokens, num_heads, head_dim] in q's dtype.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]
@@ -267,16 +227,13 @@ def split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
         config = _launch_config(block_m, num_seqs * num_kv_heads * row_blocks * num_splits, q.device)
     cfg = dict(config)
     block_n = cfg.pop("BLOCK_N")
+    pdl = num_splits > 1 and _use_pdl(q)
     if num_splits > 1:
         if scratch is None:
             scratch = split_kv_scratch(num_tokens, num_heads, num_splits, head_dim, q.device)
-        part_o, part_lse, arrivals = scratch
-        fused = FUSED_MERGE if fused_merge is None else fused_merge
-        # One arrival counter per (request, KV head, row block).
-        fused = fused and arrivals.numel() >= num_seqs * num_kv_heads * row_blocks
+        part_o, part_lse = scratch
     else:
-        part_o, part_lse, arrivals, fused = out, out, out, False  # unused
-    pdl = num_splits > 1 and not fused and _use_pdl(q)
+        part_o, part_lse = out, out  # unused
     if tree_bits is not None:
         assert tree_bits.dtype == torch.int64 and tree_bits.stride(1) == 1
         assert tree_bits.shape[1] >= max_query_len and max_query_len <= MAX_TREE_NODES
@@ -286,7 +243,7 @@ def split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     po_strides = part_o.stride()[:3] if num_splits > 1 else (0, 0, 0)
     pl_strides = part_lse.stride()[:2] if num_splits > 1 else (0, 0)
     _split_kv_kernel[(num_seqs, num_kv_heads * row_blocks, num_splits)](
-        q, k_cache, v_cache, out, part_o, part_lse, arrivals,
+        q, k_cache, v_cache, out, part_o, part_lse,
         cu_seqlens_q, seq_lens, block_tables, tree[0], num_kv_heads, num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
@@ -294,9 +251,8 @@ def split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
         scale * LOG2E, sliding_window or 0,
         GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_M=block_m,
         BLOCK_N=block_n, PAGE_SIZE=page_size, SPLIT=num_splits > 1,
-        SLIDING=sliding_window is not None, TREE=tree_bits is not None, PDL=pdl,
-        FUSED_MERGE=fused, **cfg)
-    if num_splits > 1 and not fused:
+        SLIDING=sliding_window is not None, TREE=tree_bits is not None, PDL=pdl, **cfg)
+    if num_splits > 1:
         block_d = min(32, head_dim_pad)
         _merge_splits_kernel[(num_tokens, num_heads, triton.cdiv(head_dim, block_d))](
             part_o, part_lse, out, num_splits, *po_strides, *pl_strides, out.stride(0),
@@ -325,12 +281,10 @@ def _use_pdl(q: torch.Tensor) -> bool:
 
 
 def split_kv_scratch(num_tokens: int, num_heads: int, num_splits: int, head_dim: int,
-                     device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Partial outputs and log-sum-exps of the splits (fp32), and the arrival
-    counters of the fused merge (int32, zero; each launch leaves them zero)."""
+                     device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Partial outputs and log-sum-exps of the splits (fp32)."""
     return (torch.empty(num_tokens, num_heads, num_splits, head_dim, dtype=torch.float32, device=device),
-            torch.empty(num_tokens, num_heads, num_splits, dtype=torch.float32, device=device),
-            torch.zeros(num_tokens * num_heads, dtype=torch.int32, device=device))
+            torch.empty(num_tokens, num_heads, num_splits, dtype=torch.float32, device=device))
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -338,8 +292,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      max_seq_len: int, sliding_window: int | None = None,
                      num_splits: int | None = None, cu_seqlens_q: torch.Tensor | None = None,
                      out: torch.Tensor | None = None,
-                     scratch: tuple[torch.Tensor, ...] | None = None,
-                     config: dict | None = None, fused_merge: bool | None = None) -> torch.Tensor:
+                     scratch: tuple[torch.Tensor, torch.Tensor] | None = None,
+                     config: dict | None = None) -> torch.Tensor:
     """One query token per request, attending to its paged context (itself included).
 
     q: [num_seqs, num_heads, head_dim]; seq_lens: [num_seqs] int32; block_tables:
@@ -353,4 +307,4 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         num_splits = choose_num_splits(num_seqs, k_cache.shape[2], max_seq_len,
                                        group=q.shape[1] // k_cache.shape[2])
     return split_kv_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, 1, scale,
-                              num_splits, sliding_window, None, out, scratch, config, fused_merge)
+                              num_splits, sliding_window, None, out, scratch, config)

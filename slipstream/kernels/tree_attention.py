@@ -36,7 +36,7 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
                    block_tables: torch.Tensor, tree_mask: torch.Tensor, scale: float, *,
                    max_query_len: int, max_seq_len: int, sliding_window: int | None = None,
                    num_splits: int | None = None, out: torch.Tensor | None = None,
-                   scratch: tuple[torch.Tensor, ...] | None = None,
+                   scratch: tuple[torch.Tensor, torch.Tensor] | None = None,
                    config: dict | None = None) -> torch.Tensor:
     """q: [num_tokens, num_heads, head_dim] (the tree nodes of every request,
     their K/V already stored); cu_seqlens_q: [num_seqs + 1] int32; seq_lens:

@@ -18,14 +18,12 @@ CONTEXTS = [0, 0, 21, 3]
 QUERIES = [1, 17, 40, 5]
 
 
-def _run(b, *, new_kv=True, causal=True, window=None, use_tma=None, dtype=torch.float16, config=None,
-         sm_count=None):
+def _run(b, *, new_kv=True, causal=True, window=None, use_tma=None, dtype=torch.float16, config=None):
     d = b.q.shape[-1]
     out = torch.full(b.q.shape, float("nan"), dtype=dtype, device=b.q.device)
     prefill_attention(b.q, b.k if new_kv else None, b.v if new_kv else None, b.k_cache, b.v_cache,
                       b.cu_seqlens_q, b.context_lens, b.block_tables, b.max_query_len, d ** -0.5,
-                      causal=causal, sliding_window=window, out=out, use_tma=use_tma, config=config,
-                      sm_count=sm_count)
+                      causal=causal, sliding_window=window, out=out, use_tma=use_tma, config=config)
     ref = reference.prefill_attention(
         b.q.float(), b.k.float() if new_kv else None, b.v.float() if new_kv else None,
         b.k_cache.float(), b.v_cache.float(), b.cu_seqlens_q, b.context_lens, b.block_tables,
@@ -92,12 +90,3 @@ def test_explicit_config_checked(paged_batch):
     b = paged_batch([0], [8], 2, 2, 16, 16, device=DEVICE)
     with pytest.raises(ValueError, match="multiple of BLOCK_N"):
         _run(b, config={"BLOCK_M": 16, "BLOCK_N": 32})
-
-
-@pytest.mark.parametrize("sm_count", [1, 6])
-def test_program_order_in_chunks(paged_batch, close, sm_count):
-    """Few SMs: (request, head) pairs run in several chunks, the last one
-    partial; every query block of every pair is still computed exactly once."""
-    b = paged_batch([0, 7, 0], [40, 9, 33], 6, 3, 32, 16, device=DEVICE)
-    out, ref = _run(b, sm_count=sm_count)
-    close(out, ref, TOL[torch.float16], TOL[torch.float16])
