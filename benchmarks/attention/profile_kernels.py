@@ -6,7 +6,7 @@
 Kernels are compiled and warmed up first, so only the launches below are profiled:
 prefill 16k and 4k causal (bf16, hdim 128, 16 heads), decode B=1 L=32k and
 B=64 L=4k (GQA 32/8, page 16) and tree verification (16 x 4k context, 16 nodes),
-with the configs the launchers choose.
+prefill with 128x128 tiles, the rest with the configs their launchers choose.
 """
 from __future__ import annotations
 
