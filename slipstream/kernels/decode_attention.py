@@ -158,6 +158,9 @@ TALL_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 6}
 DEEP_PER_SM, TALL_PER_SM = 2, 1
 INTERPRET_CONFIG = {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
 MIN_TOKENS_PER_SPLIT = 128
+# Contexts this short run unsplit: the whole attention is a few microseconds,
+# less than launching the merge kernel costs the host.
+UNSPLIT_MAX_LEN = 512
 MAX_SPLITS = 64
 MAX_TREE_NODES = 64  # one int64 bitmask per node
 
@@ -172,14 +175,16 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, *,
                       max_query_len: int = 1, group: int = 1, sm_count: int | None = None) -> int:
     """Splits per (request, KV head): as many as fill one wave of program slots
     (a second, partial wave costs a whole split's time), without splits shorter
-    than MIN_TOKENS_PER_SPLIT."""
+    than MIN_TOKENS_PER_SPLIT; none for contexts up to UNSPLIT_MAX_LEN."""
     if sm_count is None:
         sm_count = num_sms() if torch.cuda.is_available() else 132
     block_m, row_blocks = _tile_rows(max_query_len, group)
     programs = max(num_seqs * num_kv_heads * row_blocks, 1)
     per_sm = DEEP_PER_SM if block_m <= 16 else TALL_PER_SM
     want = max(per_sm * sm_count // programs, 1)
-    useful = max(triton.cdiv(max_seq_len, MIN_TOKENS_PER_SPLIT), 1)
+    if max_seq_len <= UNSPLIT_MAX_LEN:
+        return 1
+    useful = triton.cdiv(max_seq_len, MIN_TOKENS_PER_SPLIT)
     return min(want, useful, MAX_SPLITS)
 
 

@@ -9,7 +9,7 @@ import torch
 
 from slipstream.kernels import reference
 from slipstream.kernels.decode_attention import (
-    DEEP_PER_SM, MIN_TOKENS_PER_SPLIT, choose_num_splits, decode_attention)
+    DEEP_PER_SM, MIN_TOKENS_PER_SPLIT, UNSPLIT_MAX_LEN, choose_num_splits, decode_attention)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float16: 4e-3, torch.float32: 2e-5, torch.bfloat16: 3e-2}
@@ -67,5 +67,6 @@ def test_choose_num_splits_fills_the_gpu():
     assert 8 * s <= DEEP_PER_SM * 132 < 8 * (s + 1)
     # A large batch already fills the GPU: no split.
     assert choose_num_splits(64, 8, 4096, sm_count=132) == 1
-    # Short contexts are not split below MIN_TOKENS_PER_SPLIT.
-    assert choose_num_splits(1, 8, 300, sm_count=132) == -(-300 // MIN_TOKENS_PER_SPLIT)
+    # Splits are not shorter than MIN_TOKENS_PER_SPLIT; short contexts stay whole.
+    assert choose_num_splits(1, 8, 1000, sm_count=132) == -(-1000 // MIN_TOKENS_PER_SPLIT)
+    assert choose_num_splits(1, 8, UNSPLIT_MAX_LEN, sm_count=132) == 1

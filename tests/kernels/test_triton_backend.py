@@ -57,7 +57,7 @@ def test_mixed_prefill_and_decode_step(paged_batch, close, window):
 
 
 def test_decode_only_step(paged_batch, close):
-    b = paged_batch([0, 24, 300], [1, 1, 1], 8, 2, 64, 16, device=DEVICE, store_new=False)
+    b = paged_batch([0, 24, 600], [1, 1, 1], 8, 2, 64, 16, device=DEVICE, store_new=False)
     _compare(b, close)
 
 
