@@ -13,8 +13,10 @@ is at least 16 rows for the tensor cores, padding small groups.
 
 The same kernel serves tree verification (tree_attention.py): rows then span
 several query tokens of a request and a per-token bitmask (int64, so trees of
-at most 64 nodes) says which of the step's tokens each may see. The grid depends only on the batch size, the head
-counts and the split count, so a decode step can be captured in a CUDA graph.
+at most 64 nodes) says which of the step's tokens each may see.
+
+The grid depends only on the batch size, the head counts and the split count,
+so a decode step can be captured in a CUDA graph.
 """
 from __future__ import annotations
 
@@ -176,14 +178,14 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, *,
     """Splits per (request, KV head): as many as fill one wave of program slots
     (a second, partial wave costs a whole split's time), without splits shorter
     than MIN_TOKENS_PER_SPLIT; none for contexts up to UNSPLIT_MAX_LEN."""
+    if max_seq_len <= UNSPLIT_MAX_LEN:
+        return 1
     if sm_count is None:
         sm_count = num_sms() if torch.cuda.is_available() else 132
     block_m, row_blocks = _tile_rows(max_query_len, group)
     programs = max(num_seqs * num_kv_heads * row_blocks, 1)
     per_sm = DEEP_PER_SM if block_m <= 16 else TALL_PER_SM
     want = max(per_sm * sm_count // programs, 1)
-    if max_seq_len <= UNSPLIT_MAX_LEN:
-        return 1
     useful = triton.cdiv(max_seq_len, MIN_TOKENS_PER_SPLIT)
     return min(want, useful, MAX_SPLITS)
 
@@ -212,8 +214,9 @@ def split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     q: [num_tokens, num_heads, head_dim]; its tokens' K/V already in the cache.
     cu_seqlens_q: [num_seqs + 1] int32; seq_lens: [num_seqs] int32 (context +
     query tokens). tree_bits: [num_seqs, >=max_query_len] int64 from
-    `pack_tree_mask` (bit j of row t: token t may see the step's token j), else causal. scratch: (partial out [num_tokens, num_heads,
-    num_splits, head_dim] fp32, lse [num_tokens, num_heads, num_splits] fp32).
+    `pack_tree_mask` (bit j of row t: token t may see the step's token j), else
+    causal. scratch: (partial out [num_tokens, num_heads, num_splits, head_dim]
+    fp32, lse [num_tokens, num_heads, num_splits] fp32).
     returns out: [num_tokens, num_heads, head_dim] in q's dtype.
     """
     num_tokens, num_heads, head_dim = q.shape
