@@ -53,8 +53,6 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="also time explicit tile configs")
     ap.add_argument("--skip-tests", action="store_true")
     ap.add_argument("--sweep-only", action="store_true", help="tests, ceilings and sweeps only")
-    ap.add_argument("--fixed-splits-ab", action="store_true",
-                    help="ceilings and the decode A/B of host-sized against per-request splits only")
     ap.add_argument("--commit", default="unknown")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -87,13 +85,6 @@ def main() -> None:
     save()
 
     copy_bw = res["ceilings"]["copy_bytes_per_s"]
-    if args.fixed_splits_ab:
-        res["fixed_splits_ab"] = []
-        for b, length in ((1, 32768), (1, 131072), (1, 4096), (16, 4096)):
-            log(f"decode A/B B={b} L={length}")
-            res["fixed_splits_ab"].append(decode_cases.fixed_splits_ab(b, length, copy_bw, log))
-            save()
-        return
     if args.sweep_only:
         sweeps(args, res, copy_bw, log, save)
         return

@@ -65,7 +65,7 @@ def decode_kernel(args):
     from slipstream.kernels import decode_attention as da
     consts = dict(GROUP=args.group, HEAD_DIM=args.head_dim, HEAD_DIM_PAD=args.head_dim,
                   BLOCK_M=args.block_m, BLOCK_N=args.block_n, PAGE_SIZE=args.page_size, SPLIT=True,
-                  SLIDING=False, TREE=args.tree, PDL=False, FIXED_SPLITS=args.fixed_splits)
+                  SLIDING=False, TREE=args.tree, PDL=False)
     return da._split_kv_kernel, consts, {}
 
 
@@ -124,7 +124,6 @@ def main() -> None:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--tree", action="store_true", help="decode kernel with a tree mask")
-    ap.add_argument("--fixed-splits", action="store_true", help="decode: host-sized splits")
     ap.add_argument("--tma-store", action="store_true", help="prefill: bulk output store")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()

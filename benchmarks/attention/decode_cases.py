@@ -46,14 +46,14 @@ def _setup(b: int, length: int):
     cu = torch.arange(b + 1, dtype=torch.int32, device=timing.DEVICE)
     auto = choose_num_splits(b, KV_HEADS, length, group=HEADS // KV_HEADS)
 
-    def ours_calls(splits, config=None, fixed=None):
+    def ours_calls(splits, config=None):
         calls = []
         for q, _, _, kc, vc, tables in data:
             out = torch.empty_like(q)
             scratch = split_kv_scratch(b, HEADS, splits, HEAD_DIM, timing.DEVICE) if splits > 1 else None
             calls.append(lambda q=q, kc=kc, vc=vc, t=tables, out=out, s=scratch: decode_attention(
                 q, kc, vc, seq_lens, t, SCALE, max_seq_len=length, num_splits=splits,
-                cu_seqlens_q=cu, out=out, scratch=s, config=config, fixed_splits=fixed))
+                cu_seqlens_q=cu, out=out, scratch=s, config=config))
         return calls
     return data, kv_bytes, auto, ours_calls
 
@@ -101,25 +101,6 @@ def decode_sweep(b: int, length: int, copy_bw: float, log) -> dict:
             except Exception as e:
                 row["sweep"][name] = {"error": f"{type(e).__name__}: {str(e)[:160]}"}
     log(f"    best: {max((r.get('pct_copy_bw', 0), n) for n, r in row['sweep'].items())}")
-    return row
-
-
-def fixed_splits_ab(b: int, length: int, copy_bw: float, log, rounds: int = 3) -> dict:
-    """Host-sized splits (no reads before the K/V stream starts) against
-    splits sized per request on the GPU, same data, interleaved A/B rounds."""
-    data, kv_bytes, auto, ours_calls = _setup(b, length)
-    q, k, v = data[0][:3]
-    ref = F.scaled_dot_product_attention(q.float()[:, :, None], k.float().transpose(1, 2),
-                                         v.float().transpose(1, 2), scale=SCALE, enable_gqa=True)[:, :, 0]
-    row = {"case": "decode_fixed_splits_ab", "B": b, "L": length, "splits": auto}
-    for name, fixed in (("host_sized", True), ("per_request", False)):
-        row[f"err_{name}"] = rel_err(ours_calls(auto, fixed=fixed)[0](), ref)
-        row[f"{name}_pct_copy_bw"] = []
-    for _ in range(rounds):
-        for name, fixed in (("host_sized", True), ("per_request", False)):
-            ms = bench_graph_ms(ours_calls(auto, fixed=fixed))
-            row[f"{name}_pct_copy_bw"].append(100 * kv_bytes / (ms * 1e-3) / copy_bw)
-    log(f"  {row}")
     return row
 
 

@@ -76,5 +76,4 @@ class TritonAttentionBackend:
         return split_kv_attention(
             q, layer.k_cache, layer.v_cache, batch.query_start_loc, batch.seq_lens,
             batch.block_tables, batch.max_query_len, layer.scale, splits,
-            sliding_window=layer.sliding_window, tree_bits=self._tree_bits, scratch=scratch,
-            max_seq_len=batch.max_seq_len)
+            sliding_window=layer.sliding_window, tree_bits=self._tree_bits, scratch=scratch)

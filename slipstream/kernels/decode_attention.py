@@ -26,45 +26,10 @@ import triton.language as tl
 
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from slipstream.kernels.attention_tile import (
-    attend_paged_range, exact_dot, next_pow2, softmax_tile_update)
+from slipstream.kernels.attention_tile import attend_paged_range, next_pow2
 from slipstream.kernels.runtime import capability, interpreting, num_sms
 
 LOG2E = 1.4426950408889634
-
-
-@triton.jit
-def _attend_fixed_tiles(acc, m_i, l_i, q_ptrs, q_mask, KCache, VCache, bt_row, kv_head, lo_pos, num_tiles,
-                        key_end, table_end, qk_scale, stride_cb, stride_cs, stride_ch,
-                        HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-                        PAGE_SIZE: tl.constexpr):
-    """One decode token's rows against `num_tiles` tiles from `lo_pos`, every
-    tile masked at `key_end`. The trip count and the block-table reads depend
-    only on launch arguments (the reads are bounded by the table's width, not
-    the sequence), so the pipeline's first block-table reads go out at once
-    instead of after the sequence length (and the query offsets) arrive: one
-    memory round trip less before the first K/V bytes. The query tile is read
-    inside the loop (4 KB from L1/L2 per 32 KB K/V tile): loaded before it, the
-    copy into shared memory would stall the program before the pipeline's
-    first reads are issued."""
-    offs_d = tl.arange(0, HEAD_DIM_PAD)
-    d_ok = offs_d < HEAD_DIM
-    for i in tl.range(0, num_tiles):
-        # i // num_tiles is 0 here; the compiler cannot tell, so the load is
-        # not hoisted out of the loop but pipelined like the K/V tiles.
-        q = tl.load(q_ptrs + i // num_tiles, mask=q_mask, other=0.0)
-        pos = lo_pos + i * BLOCK_N + tl.arange(0, BLOCK_N)
-        key_ok = pos < key_end
-        page = tl.load(bt_row + pos // PAGE_SIZE, mask=pos < table_end, other=0).to(tl.int64)
-        offs = page * stride_cb + (pos % PAGE_SIZE) * stride_cs + kv_head * stride_ch
-        k = tl.load(KCache + offs[None, :] + offs_d[:, None], mask=key_ok[None, :] & d_ok[:, None],
-                    other=0.0)
-        v = tl.load(VCache + offs[:, None] + offs_d[None, :], mask=key_ok[:, None] & d_ok[None, :],
-                    other=0.0)
-        qk = exact_dot(q, k.to(q.dtype))
-        acc, m_i, l_i = softmax_tile_update(acc, m_i, l_i, qk, v.to(q.dtype), qk_scale,
-                                            key_ok[None, :], True)
-    return acc, m_i, l_i
 
 
 @triton.jit
@@ -76,25 +41,20 @@ def _split_kv_kernel(
         stride_cb, stride_cs, stride_ch, stride_bt,
         stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
         stride_tb,
-        qk_scale, window, tiles_per_split, table_end,
+        qk_scale, window,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
-        SPLIT: tl.constexpr, SLIDING: tl.constexpr, TREE: tl.constexpr, PDL: tl.constexpr,
-        FIXED_SPLITS: tl.constexpr):
+        SPLIT: tl.constexpr, SLIDING: tl.constexpr, TREE: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # let the merge kernel launch now; it waits for this grid before reading
         gdc_launch_dependents()
     seq = tl.program_id(0)
     kv_head = tl.program_id(1) % num_kv_heads
     m_block = tl.program_id(1) // num_kv_heads
     split = tl.program_id(2)
-    if FIXED_SPLITS:  # one token a request: nothing to read before the K/V stream starts
-        q_start = seq
-        q_len = 1
-    else:
-        q_start = tl.load(CuSeqlensQ + seq)
-        q_len = tl.load(CuSeqlensQ + seq + 1) - q_start
-        if m_block * BLOCK_M >= q_len * GROUP:
-            return
+    q_start = tl.load(CuSeqlensQ + seq)
+    q_len = tl.load(CuSeqlensQ + seq + 1) - q_start
+    if m_block * BLOCK_M >= q_len * GROUP:
+        return
     seq_len = tl.load(SeqLens + seq)
     ctx = seq_len - q_len
 
@@ -106,10 +66,8 @@ def _split_kv_kernel(
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     d_ok = offs_d < HEAD_DIM
     tok = q_start.to(tl.int64) + t
-    q_ptrs = Q + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
-    q_mask = row_ok[:, None] & d_ok[None, :]
-    if not FIXED_SPLITS:
-        q = tl.load(q_ptrs, mask=q_mask, other=0.0)
+    q = tl.load(Q + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     q_pos = ctx + t
 
     # Keys this row block can see: up to its last token; from its first token's window.
@@ -136,22 +94,15 @@ def _split_kv_kernel(
     # Tiles wholly before the step's first token (and, without a window, seen
     # by every row) run unmasked; the rest (the sequence end, the step's own
     # tokens, the window edge) masked.
-    if FIXED_SPLITS:  # one decode token, no window: host-sized splits (see _attend_fixed_tiles)
-        acc, m_i, l_i = _attend_fixed_tiles(
-            acc, m_i, l_i, q_ptrs, q_mask, KCache, VCache, bt_row, kv_head,
-            split * tiles_per_split * BLOCK_N,
-            tiles_per_split, hi, table_end, qk_scale, stride_cb, stride_cs, stride_ch,
-            HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, PAGE_SIZE)
-    else:
-        lo_pos = start_tile * BLOCK_N
-        hi_pos = end_tile * BLOCK_N
-        clean = tl.maximum(tl.minimum(hi_pos, ctx // BLOCK_N * BLOCK_N), lo_pos)
-        if SLIDING:
-            clean = lo_pos
-        acc, m_i, l_i = attend_paged_range(
-            acc, m_i, l_i, q, KCache, VCache, bt_row, kv_head, lo_pos, clean, hi_pos, hi, q_pos,
-            window, qk_scale, stride_cb, stride_cs, stride_ch, tree_bits, ctx, HEAD_DIM,
-            HEAD_DIM_PAD, BLOCK_N, PAGE_SIZE, True, SLIDING, TREE)
+    lo_pos = start_tile * BLOCK_N
+    hi_pos = end_tile * BLOCK_N
+    clean = tl.maximum(tl.minimum(hi_pos, ctx // BLOCK_N * BLOCK_N), lo_pos)
+    if SLIDING:
+        clean = lo_pos
+    acc, m_i, l_i = attend_paged_range(
+        acc, m_i, l_i, q, KCache, VCache, bt_row, kv_head, lo_pos, clean, hi_pos, hi, q_pos,
+        window, qk_scale, stride_cb, stride_cs, stride_ch, tree_bits, ctx, HEAD_DIM,
+        HEAD_DIM_PAD, BLOCK_N, PAGE_SIZE, True, SLIDING, TREE)
 
     if not SPLIT:
         out = acc / l_i[:, None]
@@ -214,7 +165,6 @@ MIN_TOKENS_PER_SPLIT = 128
 UNSPLIT_MAX_LEN = 512
 MAX_SPLITS = 64
 MAX_TREE_NODES = 64  # one int64 bitmask per node
-FIXED_SPLITS = True
 
 
 def _tile_rows(max_query_len: int, group: int) -> tuple[int, int]:
@@ -257,8 +207,7 @@ def split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
                        num_splits: int, sliding_window: int | None = None,
                        tree_bits: torch.Tensor | None = None, out: torch.Tensor | None = None,
                        scratch: tuple[torch.Tensor, torch.Tensor] | None = None,
-                       config: dict | None = None, max_seq_len: int | None = None,
-                       fixed_splits: bool | None = None) -> torch.Tensor:
+                       config: dict | None = None) -> torch.Tensor:
     """Few query tokens per request against the paged cache, split over the KV
     sequence. Shared by decode (one token) and tree verification (a masked tree).
 
@@ -267,9 +216,7 @@ def split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     query tokens). tree_bits: [num_seqs, >=max_query_len] int64 from
     `pack_tree_mask` (bit j of row t: token t may see the step's token j), else
     causal. scratch: (partial out [num_tokens, num_heads, num_splits, head_dim]
-    fp32, lse [num_tokens, num_heads, num_splits] fp32). max_seq_len: host bound
-    on seq_lens; with it, split decode (one token a request, no window) sizes
-    its splits on the host (`fixed_splits`, default on).
+    fp32, lse [num_tokens, num_heads, num_splits] fp32).
     returns out: [num_tokens, num_heads, head_dim] in q's dtype.
     """
     num_tokens, num_heads, head_dim = q.shape
@@ -295,9 +242,6 @@ def split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
         part_o, part_lse = scratch
     else:
         part_o, part_lse = out, out  # unused
-    fixed = (FIXED_SPLITS if fixed_splits is None else fixed_splits) and max_seq_len is not None \
-        and num_splits > 1 and max_query_len == 1 and tree_bits is None and sliding_window is None
-    tiles_per_split = triton.cdiv(triton.cdiv(max_seq_len, block_n), num_splits) if fixed else 0
     if tree_bits is not None:
         assert tree_bits.dtype == torch.int64 and tree_bits.stride(1) == 1
         assert tree_bits.shape[1] >= max_query_len and max_query_len <= MAX_TREE_NODES
@@ -312,11 +256,10 @@ def split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         *po_strides, *pl_strides, tree[1],
-        scale * LOG2E, sliding_window or 0, tiles_per_split, block_tables.shape[1] * page_size,
+        scale * LOG2E, sliding_window or 0,
         GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_M=block_m,
         BLOCK_N=block_n, PAGE_SIZE=page_size, SPLIT=num_splits > 1,
-        SLIDING=sliding_window is not None, TREE=tree_bits is not None, PDL=pdl,
-        FIXED_SPLITS=fixed, **cfg)
+        SLIDING=sliding_window is not None, TREE=tree_bits is not None, PDL=pdl, **cfg)
     if num_splits > 1:
         block_d = min(32, head_dim_pad)
         _merge_splits_kernel[(num_tokens, num_heads, triton.cdiv(head_dim, block_d))](
@@ -358,7 +301,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      num_splits: int | None = None, cu_seqlens_q: torch.Tensor | None = None,
                      out: torch.Tensor | None = None,
                      scratch: tuple[torch.Tensor, torch.Tensor] | None = None,
-                     config: dict | None = None, fixed_splits: bool | None = None) -> torch.Tensor:
+                     config: dict | None = None) -> torch.Tensor:
     """One query token per request, attending to its paged context (itself included).
 
     q: [num_seqs, num_heads, head_dim]; seq_lens: [num_seqs] int32; block_tables:
@@ -372,5 +315,4 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         num_splits = choose_num_splits(num_seqs, k_cache.shape[2], max_seq_len,
                                        group=q.shape[1] // k_cache.shape[2])
     return split_kv_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, 1, scale,
-                              num_splits, sliding_window, None, out, scratch, config, max_seq_len,
-                              fixed_splits)
+                              num_splits, sliding_window, None, out, scratch, config)
