@@ -17,7 +17,7 @@ from timing import bench_graph_ms, paged_copy, rel_err
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
 SCALE = HEAD_DIM ** -0.5
 TREE_SHAPE = (16, 4096, 16)  # requests, context, tree nodes
-L2_BYTES = 256 << 20  # copies until the data is several times the 60 MB L2
+L2_BYTES = 256 << 20  # copies until the data is several times the 50 MB L2
 
 # Explicit configs tried in --sweep: (BLOCK_N, warps, stages); split counts
 # around the automatic choice.
