@@ -86,7 +86,7 @@ def main() -> None:
 
     copy_bw = res["ceilings"]["copy_bytes_per_s"]
     if args.sweep_only:
-        sweeps(args, res, copy_bw, log, save)
+        sweeps(res, copy_bw, log, save)
         return
     res["prefill"] = []
     for n in (1024, 4096, 16384):
@@ -117,13 +117,13 @@ def main() -> None:
     # Sweeps last: an experimental config that faults the CUDA context must not
     # cost the results above.
     if args.sweep:
-        sweeps(args, res, copy_bw, log, save)
+        sweeps(res, copy_bw, log, save)
     (args.out / "attention_results.md").write_text(markdown(res))
     log("done")
     print(short_table(res))
 
 
-def sweeps(args, res, copy_bw, log, save) -> None:
+def sweeps(res, copy_bw, log, save) -> None:
     res["sweeps"] = []
     for b, length in ((1, 32768), (1, 4096), (16, 4096)):
         log(f"sweep decode B={b} L={length}")

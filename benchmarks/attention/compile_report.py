@@ -103,7 +103,7 @@ def report(args) -> dict:
     spill = re.search(r"(\d+) bytes cumulative stack size", log)
     shared = kernel.metadata.shared
     threads = 32 * args.warps
-    per_sm = min(SMEM_PER_SM // max(shared + 1024, 1), REGS_PER_SM // (regs * threads), 64 // args.warps)
+    per_sm = min(SMEM_PER_SM // (shared + 1024), REGS_PER_SM // (regs * threads), 64 // args.warps)
     # Depth of each multi-buffered K/V ring in shared memory (one per pipelined loop).
     buffers = sorted({int(m) for m in re.findall(r"local_alloc : \(\) -> !ttg\.memdesc<(\d+)x\d+x\d+x", ttgir)})
     return {"shared_bytes": shared, "registers": regs, "stack_bytes": int(spill.group(1)) if spill else 0,
