@@ -22,8 +22,11 @@ BACKENDS = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.C
 # one program's prologue and epilogue overlap the other's loop.
 _BIG = {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3}
 _TWO = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2, "maxnreg": 128}
+# 256 query rows on four warpgroups: each K/V tile serves twice the rows.
+_TALL = {"BLOCK_M": 256, "BLOCK_N": 64, "num_warps": 16, "num_stages": 3}
 SWEEP = [_BIG, {**_BIG, "TMA_STORE": True}, _TWO, {**_TWO, "TMA_STORE": True},
-         {**_BIG, "WARP_SPECIALIZE": True}]
+         {**_BIG, "PAIRED": True}, {**_TWO, "TMA_STORE": True, "PAIRED": True}, _TALL,
+         {**_TALL, "PAIRED": True}, {**_BIG, "WARP_SPECIALIZE": True}]
 
 
 def attn_flops(q_lens, k_lens, causal, heads=HEADS, head_dim=HEAD_DIM) -> float:
@@ -96,9 +99,12 @@ def dense_sweep(n: int, causal: bool, log) -> dict:
     out = torch.empty_like(q)
     row = {"case": "dense", "N": n, "causal": causal, "sweep": {}}
     for cfg in sorted(SWEEP, key=lambda c: c.get("WARP_SPECIALIZE", False)):  # warp-specialised last
+        if cfg.get("PAIRED") and not causal:
+            continue
         name = (f"M{cfg['BLOCK_M']}_N{cfg['BLOCK_N']}_w{cfg['num_warps']}_s{cfg['num_stages']}"
                 + (f"_r{cfg['maxnreg']}" if "maxnreg" in cfg else "")
                 + ("_tmastore" if cfg.get("TMA_STORE") else "")
+                + ("_paired" if cfg.get("PAIRED") else "")
                 + ("_ws" if cfg.get("WARP_SPECIALIZE") else ""))
         fn = lambda cfg=cfg: prefill_attention(q, k, v, cache, cache, cu, ctx, tables, n, SCALE,  # noqa: E731
                                                causal=causal, out=out, config=cfg)

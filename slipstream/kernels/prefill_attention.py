@@ -93,21 +93,51 @@ def _prefill_kernel(
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
         CAUSAL: tl.constexpr, SLIDING: tl.constexpr, NEW_KV: tl.constexpr,
         USE_TMA: tl.constexpr, FP8: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-        TMA_STORE: tl.constexpr):
+        TMA_STORE: tl.constexpr, PAIRED: tl.constexpr):
     # Latest (longest causal) query blocks first. Query blocks are the fastest
     # grid axis, so programs running together share one head's K/V in L2.
     # (Measured on an H200, benchmarks/attention: ordering by query block
     # across all heads and requests balances the causal tail but thrashes L2,
     # 4k non-causal -13%; chunks of a few (request, head) pairs gained nothing.)
-    m_block = tl.cdiv(max_query_len, BLOCK_M) - 1 - tl.program_id(0)
+    # PAIRED (causal): program p owns query blocks last - p and p, so every
+    # program does the same work (a long block, then a short one) and no long
+    # block is left to start near the end of the grid.
     head = tl.program_id(1)
     seq = tl.program_id(2)
     q_start = tl.load(CuSeqlensQ + seq)
     q_len = tl.load(CuSeqlensQ + seq + 1) - q_start
-    if m_block * BLOCK_M >= q_len:
-        return
-    kv_head = head // GROUP
     ctx = tl.load(ContextLens + seq)
+    last = tl.cdiv(max_query_len, BLOCK_M) - 1
+    pid = tl.program_id(0)
+    for i in tl.static_range(1 + PAIRED):
+        m_block = last - pid if i == 0 else pid
+        todo = m_block * BLOCK_M < q_len
+        if i == 1:
+            todo = todo & (pid < last - pid)  # the middle block of an odd count runs once
+        if todo:
+            _query_block(Q, K, V, KCache, VCache, Out, OutDesc, QScale, KScale, BlockTables,
+                         m_block, head, seq, q_start, q_len, ctx,
+                         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                         stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
+                         stride_qst, stride_kst, qk_scale, window,
+                         GROUP, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, PAGE_SIZE, CAUSAL,
+                         SLIDING, NEW_KV, USE_TMA, FP8, WARP_SPECIALIZE, TMA_STORE)
+
+
+@triton.jit
+def _query_block(Q, K, V, KCache, VCache, Out, OutDesc, QScale, KScale, BlockTables,
+                 m_block, head, seq, q_start, q_len, ctx,
+                 stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                 stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
+                 stride_qst, stride_kst, qk_scale, window,
+                 GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                 CAUSAL: tl.constexpr, SLIDING: tl.constexpr, NEW_KV: tl.constexpr,
+                 USE_TMA: tl.constexpr, FP8: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+                 TMA_STORE: tl.constexpr):
+    """BLOCK_M query rows (block m_block of the request's step) of one head:
+    attend to the cached context, then to the step's own keys, and store."""
+    kv_head = head // GROUP
     offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)  # query index within the step
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     row_ok = offs_m < q_len
@@ -200,8 +230,9 @@ def _set_block_shapes(nargs):
         nargs["OutDesc"].block_shape = [nargs["BLOCK_M"], nargs["HEAD_DIM"]]
 
 
-def _config(bm, bn, warps, stages, ws=False, maxnreg=None, tma_store=False):
-    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "WARP_SPECIALIZE": ws, "TMA_STORE": tma_store},
+def _config(bm, bn, warps, stages, ws=False, maxnreg=None, tma_store=False, paired=False):
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "WARP_SPECIALIZE": ws, "TMA_STORE": tma_store,
+                          "PAIRED": paired},
                          num_warps=warps, num_stages=stages, maxnreg=maxnreg, pre_hook=_set_block_shapes)
 
 
@@ -212,12 +243,15 @@ def _config(bm, bn, warps, stages, ws=False, maxnreg=None, tma_store=False):
 # 64x64 serves short prompts. Pruned per call to what fits.
 PREFILL_CONFIGS = [
     _config(128, 128, 8, 3),
+    _config(128, 128, 8, 3, paired=True),
+    _config(128, 64, 8, 2, maxnreg=128, tma_store=True, paired=True),
     _config(128, 64, 8, 2, maxnreg=128, tma_store=True),
     _config(128, 64, 8, 3),
     _config(64, 64, 4, 3),
 ]
 SMEM_BYTES = 227 * 1024  # per block on Hopper
-INTERPRET_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 16, "WARP_SPECIALIZE": False, "TMA_STORE": False}
+INTERPRET_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 16, "WARP_SPECIALIZE": False, "TMA_STORE": False,
+                    "PAIRED": False}
 
 
 def _prune(configs, named_args, **kwargs):
@@ -230,6 +264,8 @@ def _prune(configs, named_args, **kwargs):
         smem = 2 * (bm * head_dim + 2 * c.num_stages * bn * head_dim)  # Q + staged K, V
         needs_tma = c.kwargs["WARP_SPECIALIZE"] or c.kwargs["TMA_STORE"]
         if bm % bn or smem > SMEM_BYTES or (needs_tma and not kwargs["USE_TMA"]):
+            continue
+        if c.kwargs["PAIRED"] and not kwargs["CAUSAL"]:  # equal blocks: nothing to balance
             continue
         if bm > max(64, max_q):  # short queries: don't pay for empty rows
             continue
@@ -308,14 +344,15 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor |
     num_seqs = cu_seqlens_q.shape[0] - 1
 
     def grid(meta):
-        return (triton.cdiv(max_query_len, meta["BLOCK_M"]), num_heads, num_seqs)
+        blocks = triton.cdiv(max_query_len, meta["BLOCK_M"])
+        return (triton.cdiv(blocks, 2) if meta["PAIRED"] else blocks, num_heads, num_seqs)
 
     if config is None and interpreting():
         config = INTERPRET_CONFIG
     if config is None:
         _prefill_tuned[grid](*args, max_query_len, *strides, scale * LOG2E, window, tune_key, **consts)
     else:
-        meta = {"WARP_SPECIALIZE": False, "TMA_STORE": False, **config}
+        meta = {"WARP_SPECIALIZE": False, "TMA_STORE": False, "PAIRED": False, **config}
         if meta["BLOCK_M"] % meta["BLOCK_N"]:
             raise ValueError(f"BLOCK_M {meta['BLOCK_M']} must be a multiple of BLOCK_N {meta['BLOCK_N']}")
         meta["TMA_STORE"] = meta["TMA_STORE"] and out_desc is not out

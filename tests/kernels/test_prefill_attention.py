@@ -86,6 +86,16 @@ def test_tma_store_full_and_partial_blocks(paged_batch, close, config):
     close(out, ref, TOL[torch.float16], TOL[torch.float16])
 
 
+@pytest.mark.parametrize("queries", [[1, 17, 40, 5], [64, 3, 33, 50]])  # 3 and 4 query blocks
+def test_paired_query_blocks(paged_batch, close, queries):
+    """PAIRED programs own query blocks last - p and p: every block written once,
+    the middle one of an odd count too, and short requests' missing blocks skipped."""
+    b = paged_batch(CONTEXTS, queries, 4, 2, 64, 16, device=DEVICE)
+    out, ref = _run(b, config={"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 2,
+                               "PAIRED": True})
+    close(out, ref, TOL[torch.float16], TOL[torch.float16])
+
+
 def test_explicit_config_checked(paged_batch):
     b = paged_batch([0], [8], 2, 2, 16, 16, device=DEVICE)
     with pytest.raises(ValueError, match="multiple of BLOCK_N"):
