@@ -65,8 +65,7 @@ def decode_kernel(args):
     from slipstream.kernels import decode_attention as da
     consts = dict(GROUP=args.group, HEAD_DIM=args.head_dim, HEAD_DIM_PAD=args.head_dim,
                   BLOCK_M=args.block_m, BLOCK_N=args.block_n, PAGE_SIZE=args.page_size, SPLIT=True,
-                  SLIDING=False, TREE=args.tree, PDL=False,
-                  ONE_LOOP=not args.two_loops)
+                  SLIDING=False, TREE=args.tree, PDL=False)
     return da._split_kv_kernel, consts, {}
 
 
@@ -127,8 +126,6 @@ def main() -> None:
     ap.add_argument("--tree", action="store_true", help="decode kernel with a tree mask")
     ap.add_argument("--tma-store", action="store_true", help="prefill: bulk output store")
     ap.add_argument("--paired", action="store_true", help="prefill: two query blocks a program")
-    ap.add_argument("--two-loops", action="store_true",
-                    help="decode: the tail split's clean tiles in their own loop (ONE_LOOP off)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     if args.block_m is None:

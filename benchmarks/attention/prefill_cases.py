@@ -13,7 +13,10 @@ from timing import bench_ms, cu_seqlens, paged_copy, rel_err
 
 TOKENS, HEADS, HEAD_DIM = 16384, 16, 128
 SCALE = HEAD_DIM ** -0.5
-PAGED = [("paged_all_keys", 4, 0, 4096), ("paged_chunk_3k+1k", 4, 3072, 1024)]  # name, B, ctx, new
+# name, B, context, new tokens, head-major pages (one head's page contiguous)
+PAGED = [("paged_all_keys", 4, 0, 4096, False), ("paged_chunk_3k+1k", 4, 3072, 1024, False),
+         ("paged_all_keys_headmajor", 4, 0, 4096, True),
+         ("paged_chunk_3k+1k_headmajor", 4, 3072, 1024, True)]
 FP8_SHAPE = (4, 4096)  # B, N
 BACKENDS = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}
 
@@ -160,11 +163,11 @@ def paged(log) -> list[dict]:
     prefill (3k cached context + 1k new tokens per request)."""
     dev, gen = timing.DEVICE, torch.Generator().manual_seed(2)
     rows = []
-    for name, b, ctx_len, new in PAGED:
+    for name, b, ctx_len, new, head_major in PAGED:
         total = ctx_len + new
         kc = torch.randn(b, total, HEADS, HEAD_DIM, device=dev, dtype=torch.bfloat16)
         vc = torch.randn_like(kc)
-        k_cache, v_cache, tables = paged_copy(kc, vc, 16, gen)
+        k_cache, v_cache, tables = paged_copy(kc, vc, 16, gen, head_major)
         q = torch.randn(b * new, HEADS, HEAD_DIM, device=dev, dtype=torch.bfloat16)
         k_new = kc[:, ctx_len:].reshape(b * new, HEADS, HEAD_DIM)
         v_new = vc[:, ctx_len:].reshape(b * new, HEADS, HEAD_DIM)
@@ -182,6 +185,7 @@ def paged(log) -> list[dict]:
                                              attn_mask=mask, scale=SCALE)
         flops = attn_flops([new] * b, [total] * b, True)
         rows.append({"case": name, "B": b, "context": ctx_len, "new": new, "page_size": 16,
+                     "head_major": head_major,
                      "flops": flops, "err_vs_sdpa": rel_err(out, ref.transpose(1, 2).reshape_as(out)),
                      "ours_tflops": flops / bench_ms(fn) / 1e9})
         log(f"  {rows[-1]}")

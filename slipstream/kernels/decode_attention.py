@@ -44,8 +44,7 @@ def _split_kv_kernel(
         qk_scale, window,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
-        SPLIT: tl.constexpr, SLIDING: tl.constexpr, TREE: tl.constexpr, PDL: tl.constexpr,
-        ONE_LOOP: tl.constexpr):
+        SPLIT: tl.constexpr, SLIDING: tl.constexpr, TREE: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # let the merge kernel launch now; it waits for this grid before reading
         gdc_launch_dependents()
     seq = tl.program_id(0)
@@ -100,12 +99,6 @@ def _split_kv_kernel(
     clean = tl.maximum(tl.minimum(hi_pos, ctx // BLOCK_N * BLOCK_N), lo_pos)
     if SLIDING:
         clean = lo_pos
-    if ONE_LOOP:
-        # A split with any masked tile (the one holding the sequence end) runs
-        # all of its tiles masked: one software pipeline instead of a second
-        # one whose loads start only when the first has drained. That split
-        # finishes last, so its extra fill and drain were the kernel's tail.
-        clean = tl.where(clean < hi_pos, lo_pos, clean)
     acc, m_i, l_i = attend_paged_range(
         acc, m_i, l_i, q, KCache, VCache, bt_row, kv_head, lo_pos, clean, hi_pos, hi, q_pos,
         window, qk_scale, stride_cb, stride_cs, stride_ch, tree_bits, ctx, HEAD_DIM,
@@ -242,7 +235,6 @@ def split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
         config = _launch_config(block_m, num_seqs * num_kv_heads * row_blocks * num_splits, q.device)
     cfg = dict(config)
     block_n = cfg.pop("BLOCK_N")
-    one_loop = cfg.pop("ONE_LOOP", True)
     pdl = num_splits > 1 and _use_pdl(q)
     if num_splits > 1:
         if scratch is None:
@@ -267,8 +259,7 @@ def split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
         scale * LOG2E, sliding_window or 0,
         GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_M=block_m,
         BLOCK_N=block_n, PAGE_SIZE=page_size, SPLIT=num_splits > 1,
-        SLIDING=sliding_window is not None, TREE=tree_bits is not None, PDL=pdl,
-        ONE_LOOP=one_loop, **cfg)
+        SLIDING=sliding_window is not None, TREE=tree_bits is not None, PDL=pdl, **cfg)
     if num_splits > 1:
         block_d = min(32, head_dim_pad)
         _merge_splits_kernel[(num_tokens, num_heads, triton.cdiv(head_dim, block_d))](

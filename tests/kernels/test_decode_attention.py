@@ -17,12 +17,12 @@ TOL = {torch.float16: 4e-3, torch.float32: 2e-5, torch.bfloat16: 3e-2}
 CONTEXTS = [0, 6, 40, 99]
 
 
-def _check(b, close, splits, window=None, dtype=torch.float16, config=None):
+def _check(b, close, splits, window=None, dtype=torch.float16):
     d = b.q.shape[-1]
     out = torch.full(b.q.shape, float("nan"), dtype=dtype, device=b.q.device)
     decode_attention(b.q, b.k_cache, b.v_cache, b.seq_lens, b.block_tables, d ** -0.5,
                      max_seq_len=int(b.seq_lens.max()), sliding_window=window,
-                     num_splits=splits, out=out, config=config)
+                     num_splits=splits, out=out)
     ref = reference.decode_attention(b.q.float(), b.k_cache.float(), b.v_cache.float(),
                                      b.seq_lens, b.block_tables, d ** -0.5, window)
     close(out, ref, TOL[dtype], TOL[dtype])
@@ -36,14 +36,6 @@ def _check(b, close, splits, window=None, dtype=torch.float16, config=None):
 def test_decode_gqa_splits(paged_batch, close, group, page_size, splits):
     b = paged_batch(CONTEXTS, [1] * 4, 8, 8 // group, 64, page_size, device=DEVICE)
     _check(b, close, splits)
-
-
-@pytest.mark.parametrize("one_loop", [True, False])
-def test_decode_tail_split_one_or_two_loops(paged_batch, close, one_loop):
-    """The split holding the sequence end runs all its tiles masked (ONE_LOOP)
-    or its clean tiles first and the masked tail after; both exact."""
-    b = paged_batch([50, 97, 130, 16], [1] * 4, 8, 2, 64, 16, device=DEVICE)
-    _check(b, close, 3, config={"BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "ONE_LOOP": one_loop})
 
 
 def test_decode_more_splits_than_tiles(paged_batch, close):
