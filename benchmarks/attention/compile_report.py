@@ -83,6 +83,19 @@ def prefill_kernel(args):
     return pa._prefill_kernel, consts, descriptors
 
 
+def ptxas_usage(ptx: str) -> tuple[int, int]:
+    """(registers a thread, stack bytes a thread: spills) from the bundled ptxas."""
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.ptx")
+        Path(path).write_text(ptx)
+        log = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", path, "-o", os.devnull],
+                             capture_output=True, text=True, check=True).stderr
+    regs = int(re.search(r"Used (\d+) registers", log).group(1))
+    spill = re.search(r"(\d+) bytes cumulative stack size", log)
+    return regs, int(spill.group(1)) if spill else 0
+
+
 def report(args) -> dict:
     fn, consts, descriptors = (decode_kernel if args.kernel == "decode" else prefill_kernel)(args)
     sig, attrs = signature(fn, consts, descriptors)
@@ -93,20 +106,13 @@ def report(args) -> dict:
         options["maxnreg"] = args.maxnreg
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     ptx, ttgir = kernel.asm["ptx"], kernel.asm["ttgir"]
-    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "k.ptx")
-        Path(path).write_text(ptx)
-        log = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", path, "-o", os.devnull],
-                             capture_output=True, text=True, check=True).stderr
-    regs = int(re.search(r"Used (\d+) registers", log).group(1))
-    spill = re.search(r"(\d+) bytes cumulative stack size", log)
+    regs, stack = ptxas_usage(ptx)
     shared = kernel.metadata.shared
     threads = 32 * args.warps
     per_sm = min(SMEM_PER_SM // (shared + 1024), REGS_PER_SM // (regs * threads), 64 // args.warps)
     # Depth of each multi-buffered K/V ring in shared memory (one per pipelined loop).
     buffers = sorted({int(m) for m in re.findall(r"local_alloc : \(\) -> !ttg\.memdesc<(\d+)x\d+x\d+x", ttgir)})
-    return {"shared_bytes": shared, "registers": regs, "stack_bytes": int(spill.group(1)) if spill else 0,
+    return {"shared_bytes": shared, "registers": regs, "stack_bytes": stack,
             "programs_per_sm": per_sm, "kv_buffers": buffers,
             "wgmma": ptx.count("wgmma.mma_async"), "mma_sync": ptx.count("mma.sync"),
             "cp_async": ptx.count("cp.async."), "tma_loads": ptx.count("cp.async.bulk.tensor")}

@@ -12,7 +12,7 @@ from slipstream.kernels.decode_attention import (
     choose_num_splits, decode_attention, split_kv_scratch)
 from slipstream.kernels.tree_attention import ancestor_mask, tree_attention
 import timing
-from timing import bench_graph_ms, paged_copy, rel_err
+from timing import bench_graph_ms, graph_timer, interleaved, paged_copy, rel_err
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
 SCALE = HEAD_DIM ** -0.5
@@ -73,18 +73,16 @@ def decode(b: int, length: int, copy_bw: float, log) -> dict:
                                          v.float().transpose(1, 2), scale=SCALE, enable_gqa=True)
     out = ours_calls(auto)[0]()
     row["err_vs_fp32"] = rel_err(out, ref[:, :, 0])
-    ms = bench_graph_ms(ours_calls(auto))
-    row.update(ours_us=ms * 1e3, ours_pct_copy_bw=pct(ms))
-
-    def sdpa_calls():
-        return [lambda q=q, k=k, v=v: F.scaled_dot_product_attention(
-            q[:, :, None], k.transpose(1, 2), v.transpose(1, 2), scale=SCALE, enable_gqa=True)
-            for q, k, v, *_ in data]
+    timers = {"ours": graph_timer(ours_calls(auto))}
     try:
-        ms = bench_graph_ms(sdpa_calls())
-        row.update(sdpa_us=ms * 1e3, sdpa_pct_copy_bw=pct(ms))
+        timers["sdpa"] = graph_timer([lambda q=q, k=k, v=v: F.scaled_dot_product_attention(
+            q[:, :, None], k.transpose(1, 2), v.transpose(1, 2), scale=SCALE, enable_gqa=True)
+            for q, k, v, *_ in data])
     except RuntimeError as e:
         row["sdpa_error"] = str(e)[:200]
+    for name, t in interleaved(timers).items():
+        row.update({f"{name}_us": t["ms"] * 1e3, f"{name}_pct_copy_bw": pct(t["ms"]),
+                    f"{name}_spread": t["spread"]})
     log(f"  {row}")
     return row
 

@@ -9,7 +9,7 @@ from slipstream.kernels.fp8_attention import (
     fp8_prefill_attention, quantize_fp8_blocks, random_orthogonal)
 from slipstream.kernels.prefill_attention import _prefill_tuned, prefill_attention
 import timing
-from timing import bench_ms, cu_seqlens, paged_copy, rel_err
+from timing import bench_ms, cu_seqlens, interleaved, paged_copy, rel_err
 
 TOKENS, HEADS, HEAD_DIM = 16384, 16, 128
 SCALE = HEAD_DIM ** -0.5
@@ -75,12 +75,13 @@ def dense(n: int, causal: bool, log) -> dict:
     flops = attn_flops([n] * b, [n] * b, causal)
     row = {"case": "dense", "N": n, "B": b, "causal": causal, "heads": HEADS, "flops": flops}
     ref = None
+    timers = {}
     for name, backend in BACKENDS.items():
         try:
             fn = _sdpa(q, k, v, b, n, causal, backend)
             out = fn()
             ref = out if ref is None else ref
-            row[name + "_tflops"] = flops / bench_ms(fn) / 1e9
+            timers[name] = lambda fn=fn: bench_ms(fn)
         except RuntimeError as e:
             row[name + "_error"] = str(e)[:200]
     out = torch.full_like(q, float("nan"))
@@ -89,7 +90,10 @@ def dense(n: int, causal: bool, log) -> dict:
     ours()
     if ref is not None:
         row["err_vs_sdpa"] = rel_err(out, ref.transpose(1, 2).reshape(TOKENS, HEADS, HEAD_DIM))
-    row["ours_tflops"] = flops / bench_ms(ours) / 1e9
+    timers["ours"] = lambda: bench_ms(ours)
+    for name, t in interleaved(timers).items():
+        row[name + "_tflops"] = flops / t["ms"] / 1e9
+        row[name + "_spread"] = t["spread"]
     row["tuned_configs_so_far"] = {str(k_): str(c) for k_, c in _prefill_tuned.cache.items()}
     return row
 

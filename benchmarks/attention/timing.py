@@ -15,10 +15,11 @@ def bench_ms(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
-def bench_graph_ms(calls, min_calls: int = 64, replays: int = 10) -> float:
-    """Median ms per call of `calls` (zero-arg callables over different data
-    copies, so repeated runs do not hit L2) captured in one CUDA graph: launch
-    overhead stays out of microsecond-scale kernels."""
+def graph_timer(calls, min_calls: int = 64, replays: int = 10):
+    """Capture `calls` (zero-arg callables over different data copies, so
+    repeated runs do not hit L2) in one CUDA graph, launch overhead out of
+    microsecond-scale kernels; returns a function giving the median ms per call
+    over `replays` replays."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -34,15 +35,36 @@ def bench_graph_ms(calls, min_calls: int = 64, replays: int = 10) -> float:
                 c()
     graph.replay()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times) / (rounds * len(calls))
+
+    def time_ms() -> float:
+        times = []
+        for _ in range(replays):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return statistics.median(times) / (rounds * len(calls))
+    return time_ms
+
+
+def bench_graph_ms(calls, min_calls: int = 64, replays: int = 10) -> float:
+    """Median ms per call of `calls` replayed in a CUDA graph (see graph_timer)."""
+    return graph_timer(calls, min_calls, replays)()
+
+
+def interleaved(timers: dict, rounds: int = 5) -> dict:
+    """Time every contender once a round, `rounds` rounds: clock and thermal
+    drift during the run then hits all of them alike. timers: name -> zero-arg
+    function returning ms. Returns name -> {"ms": median, "spread": (max -
+    min) / median}."""
+    times = {name: [] for name in timers}
+    for _ in range(rounds):
+        for name, timer in timers.items():
+            times[name].append(timer())
+    return {name: {"ms": statistics.median(ts), "spread": (max(ts) - min(ts)) / statistics.median(ts)}
+            for name, ts in times.items()}
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
