@@ -125,7 +125,7 @@ def main() -> None:
 
 def sweeps(res, copy_bw, log, save) -> None:
     res["sweeps"] = []
-    for b, length in ((1, 32768), (1, 4096), (16, 4096), (64, 4096)):
+    for b, length in ((1, 32768), (1, 4096), (16, 4096)):
         log(f"sweep decode B={b} L={length}")
         res["sweeps"].append(decode_cases.decode_sweep(b, length, copy_bw, log))
         save()

@@ -74,7 +74,7 @@ def prefill_kernel(args):
     consts = dict(GROUP=args.group, HEAD_DIM=args.head_dim, HEAD_DIM_PAD=args.head_dim,
                   BLOCK_M=args.block_m, BLOCK_N=args.block_n, PAGE_SIZE=args.page_size,
                   CAUSAL=True, SLIDING=False, NEW_KV=True, USE_TMA=True, FP8=False,
-                  WARP_SPECIALIZE=False, TMA_STORE=args.tma_store, PAIRED=args.paired)
+                  WARP_SPECIALIZE=args.ws, TMA_STORE=args.tma_store, PAIRED=args.paired)
     d = args.head_dim
     descriptors = {"Q": f"tensordesc<bf16[{args.block_m},{d}]>",
                    "K": f"tensordesc<bf16[{args.block_n},{d}]>",
@@ -132,6 +132,7 @@ def main() -> None:
     ap.add_argument("--tree", action="store_true", help="decode kernel with a tree mask")
     ap.add_argument("--tma-store", action="store_true", help="prefill: bulk output store")
     ap.add_argument("--paired", action="store_true", help="prefill: two query blocks a program")
+    ap.add_argument("--ws", action="store_true", help="prefill: warp-specialised K/V loop (same PTX on sm_90, Triton 3.6)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     if args.block_m is None:

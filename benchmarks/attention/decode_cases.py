@@ -20,29 +20,28 @@ TREE_SHAPE = (16, 4096, 16)  # requests, context, tree nodes
 L2_BYTES = 256 << 20  # copies until the data is several times the 50 MB L2
 
 # Explicit configs tried in --sweep: (BLOCK_N, warps, stages); split counts
-# around the automatic choice; both cache layouts (a page as [tokens, heads,
-# dim], or head-major [heads, tokens, dim]: one head's page contiguous).
+# around the automatic choice.
 SWEEP = [(64, 2, 4), (64, 2, 6)]
 SPLIT_FACTORS = (0.8, 1.0, 1.2)
 TREE_SWEEP = [(64, 4, 6), (64, 4, 8), (64, 4, 5), (128, 4, 4)]
 
 
-def _copies(b: int, length: int, gen: torch.Generator, head_major: bool = False):
+def _copies(b: int, length: int, gen: torch.Generator):
     kv_bytes = 2 * b * length * KV_HEADS * HEAD_DIM * 2
     n = max(1, min(16, math.ceil(L2_BYTES / kv_bytes)))
     data = []
     for _ in range(n):
         k = torch.randn(b, length, KV_HEADS, HEAD_DIM, device=timing.DEVICE, dtype=torch.bfloat16)
         v = torch.randn_like(k)
-        k_cache, v_cache, tables = paged_copy(k, v, PAGE, gen, head_major)
+        k_cache, v_cache, tables = paged_copy(k, v, PAGE, gen)
         q = torch.randn(b, HEADS, HEAD_DIM, device=timing.DEVICE, dtype=torch.bfloat16)
         data.append((q, k, v, k_cache, v_cache, tables))
     return data, kv_bytes
 
 
-def _setup(b: int, length: int, head_major: bool = False):
+def _setup(b: int, length: int):
     gen = torch.Generator().manual_seed(b * 7 + length)
-    data, kv_bytes = _copies(b, length, gen, head_major)
+    data, kv_bytes = _copies(b, length, gen)
     seq_lens = torch.full((b,), length, dtype=torch.int32, device=timing.DEVICE)
     cu = torch.arange(b + 1, dtype=torch.int32, device=timing.DEVICE)
     auto = choose_num_splits(b, KV_HEADS, length, group=HEADS // KV_HEADS)
@@ -88,28 +87,17 @@ def decode(b: int, length: int, copy_bw: float, log) -> dict:
 
 
 def decode_sweep(b: int, length: int, copy_bw: float, log) -> dict:
-    """Explicit tile configs and split counts around the automatic choice, in
-    both cache layouts; SDPA on head-major contiguous KV beside them."""
-    row = {"case": "decode", "B": b, "L": length, "sweep": {}}
-    for head_major in (False, True):
-        data, kv_bytes, auto, ours_calls = _setup(b, length, head_major)
-        row["splits_auto"] = auto
-        layout = "_headmajor" if head_major else ""
-        for splits in sorted({max(round(auto * f), 1) for f in SPLIT_FACTORS}):
-            for bn, w, s in SWEEP:
-                name = f"S{splits}_N{bn}_w{w}_s{s}{layout}"
-                cfg = {"BLOCK_N": bn, "num_warps": w, "num_stages": s}
-                try:
-                    ms = bench_graph_ms(ours_calls(splits, cfg))
-                    row["sweep"][name] = {"us": ms * 1e3, "pct_copy_bw": 100 * kv_bytes / (ms * 1e-3) / copy_bw}
-                except Exception as e:
-                    row["sweep"][name] = {"error": f"{type(e).__name__}: {str(e)[:160]}"}
-        if head_major:
-            bhld = [(q, k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous())
-                    for q, k, v, *_ in data]
-            ms = bench_graph_ms([lambda q=q, k=k, v=v: F.scaled_dot_product_attention(
-                q[:, :, None], k, v, scale=SCALE, enable_gqa=True) for q, k, v in bhld])
-            row["sweep"]["sdpa_bhld"] = {"us": ms * 1e3, "pct_copy_bw": 100 * kv_bytes / (ms * 1e-3) / copy_bw}
+    """Explicit tile configs and split counts around the automatic choice."""
+    data, kv_bytes, auto, ours_calls = _setup(b, length)
+    row = {"case": "decode", "B": b, "L": length, "splits_auto": auto, "sweep": {}}
+    for splits in sorted({max(round(auto * f), 1) for f in SPLIT_FACTORS}):
+        for bn, w, s in SWEEP:
+            name = f"S{splits}_N{bn}_w{w}_s{s}"
+            try:
+                ms = bench_graph_ms(ours_calls(splits, {"BLOCK_N": bn, "num_warps": w, "num_stages": s}))
+                row["sweep"][name] = {"us": ms * 1e3, "pct_copy_bw": 100 * kv_bytes / (ms * 1e-3) / copy_bw}
+            except Exception as e:
+                row["sweep"][name] = {"error": f"{type(e).__name__}: {str(e)[:160]}"}
     log(f"    best: {max((r.get('pct_copy_bw', 0), n) for n, r in row['sweep'].items())}")
     return row
 

@@ -13,10 +13,7 @@ from timing import bench_ms, cu_seqlens, interleaved, paged_copy, rel_err
 
 TOKENS, HEADS, HEAD_DIM = 16384, 16, 128
 SCALE = HEAD_DIM ** -0.5
-# name, B, context, new tokens, head-major pages (one head's page contiguous)
-PAGED = [("paged_all_keys", 4, 0, 4096, False), ("paged_chunk_3k+1k", 4, 3072, 1024, False),
-         ("paged_all_keys_headmajor", 4, 0, 4096, True),
-         ("paged_chunk_3k+1k_headmajor", 4, 3072, 1024, True)]
+PAGED = [("paged_all_keys", 4, 0, 4096), ("paged_chunk_3k+1k", 4, 3072, 1024)]  # name, B, ctx, new
 FP8_SHAPE = (4, 4096)  # B, N
 BACKENDS = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}
 
@@ -25,11 +22,9 @@ BACKENDS = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.C
 # one program's prologue and epilogue overlap the other's loop.
 _BIG = {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3}
 _TWO = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2, "maxnreg": 128}
-# 256 query rows on four warpgroups: each K/V tile serves twice the rows.
-_TALL = {"BLOCK_M": 256, "BLOCK_N": 64, "num_warps": 16, "num_stages": 3}
+# PAIRED (causal only): one program owns query blocks last - p and p.
 SWEEP = [_BIG, {**_BIG, "TMA_STORE": True}, _TWO, {**_TWO, "TMA_STORE": True},
-         {**_BIG, "PAIRED": True}, {**_TWO, "TMA_STORE": True, "PAIRED": True}, _TALL,
-         {**_TALL, "PAIRED": True}, {**_BIG, "WARP_SPECIALIZE": True}]
+         {**_BIG, "PAIRED": True}, {**_TWO, "TMA_STORE": True, "PAIRED": True}]
 
 
 def attn_flops(q_lens, k_lens, causal, heads=HEADS, head_dim=HEAD_DIM) -> float:
@@ -105,14 +100,13 @@ def dense_sweep(n: int, causal: bool, log) -> dict:
     ref = _sdpa(q, k, v, b, n, causal, SDPBackend.FLASH_ATTENTION)().transpose(1, 2).reshape_as(q)
     out = torch.empty_like(q)
     row = {"case": "dense", "N": n, "causal": causal, "sweep": {}}
-    for cfg in sorted(SWEEP, key=lambda c: c.get("WARP_SPECIALIZE", False)):  # warp-specialised last
+    for cfg in SWEEP:
         if cfg.get("PAIRED") and not causal:
             continue
         name = (f"M{cfg['BLOCK_M']}_N{cfg['BLOCK_N']}_w{cfg['num_warps']}_s{cfg['num_stages']}"
                 + (f"_r{cfg['maxnreg']}" if "maxnreg" in cfg else "")
                 + ("_tmastore" if cfg.get("TMA_STORE") else "")
-                + ("_paired" if cfg.get("PAIRED") else "")
-                + ("_ws" if cfg.get("WARP_SPECIALIZE") else ""))
+                + ("_paired" if cfg.get("PAIRED") else ""))
         fn = lambda cfg=cfg: prefill_attention(q, k, v, cache, cache, cu, ctx, tables, n, SCALE,  # noqa: E731
                                                causal=causal, out=out, config=cfg)
         try:
@@ -167,11 +161,11 @@ def paged(log) -> list[dict]:
     prefill (3k cached context + 1k new tokens per request)."""
     dev, gen = timing.DEVICE, torch.Generator().manual_seed(2)
     rows = []
-    for name, b, ctx_len, new, head_major in PAGED:
+    for name, b, ctx_len, new in PAGED:
         total = ctx_len + new
         kc = torch.randn(b, total, HEADS, HEAD_DIM, device=dev, dtype=torch.bfloat16)
         vc = torch.randn_like(kc)
-        k_cache, v_cache, tables = paged_copy(kc, vc, 16, gen, head_major)
+        k_cache, v_cache, tables = paged_copy(kc, vc, 16, gen)
         q = torch.randn(b * new, HEADS, HEAD_DIM, device=dev, dtype=torch.bfloat16)
         k_new = kc[:, ctx_len:].reshape(b * new, HEADS, HEAD_DIM)
         v_new = vc[:, ctx_len:].reshape(b * new, HEADS, HEAD_DIM)
@@ -189,7 +183,6 @@ def paged(log) -> list[dict]:
                                              attn_mask=mask, scale=SCALE)
         flops = attn_flops([new] * b, [total] * b, True)
         rows.append({"case": name, "B": b, "context": ctx_len, "new": new, "page_size": 16,
-                     "head_major": head_major,
                      "flops": flops, "err_vs_sdpa": rel_err(out, ref.transpose(1, 2).reshape_as(out)),
                      "ours_tflops": flops / bench_ms(fn) / 1e9})
         log(f"  {rows[-1]}")

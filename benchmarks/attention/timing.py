@@ -75,21 +75,14 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out - ref).norm() / ref.norm()).item()
 
 
-def paged_copy(k: torch.Tensor, v: torch.Tensor, page_size: int, gen: torch.Generator,
-               head_major: bool = False):
+def paged_copy(k: torch.Tensor, v: torch.Tensor, page_size: int, gen: torch.Generator):
     """Contiguous per-request K/V [B, L, Hkv, D] -> (k_cache, v_cache, block_tables)
-    holding the same data in randomly permuted pages (L a multiple of page_size).
-    head_major: each page stored [Hkv, page_size, D] (one head's tokens
-    contiguous), seen through a [blocks, page_size, Hkv, D] view."""
+    holding the same data in randomly permuted pages (L a multiple of page_size)."""
     b, length, hkv, d = k.shape
     pages = length // page_size
     perm = torch.randperm(b * pages, generator=gen).to(k.device)
-    if head_major:
-        k_cache = torch.empty(b * pages, hkv, page_size, d, dtype=k.dtype, device=k.device).transpose(1, 2)
-        v_cache = torch.empty(b * pages, hkv, page_size, d, dtype=k.dtype, device=k.device).transpose(1, 2)
-    else:
-        k_cache = torch.empty(b * pages, page_size, hkv, d, dtype=k.dtype, device=k.device)
-        v_cache = torch.empty_like(k_cache)
+    k_cache = torch.empty(b * pages, page_size, hkv, d, dtype=k.dtype, device=k.device)
+    v_cache = torch.empty_like(k_cache)
     k_cache[perm] = k.reshape(b * pages, page_size, hkv, d)
     v_cache[perm] = v.reshape(b * pages, page_size, hkv, d)
     return k_cache, v_cache, perm.view(b, pages).to(torch.int32)
