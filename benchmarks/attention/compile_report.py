@@ -65,7 +65,7 @@ def decode_kernel(args):
     from slipstream.kernels import decode_attention as da
     consts = dict(GROUP=args.group, HEAD_DIM=args.head_dim, HEAD_DIM_PAD=args.head_dim,
                   BLOCK_M=args.block_m, BLOCK_N=args.block_n, PAGE_SIZE=args.page_size, SPLIT=True,
-                  SLIDING=False, TREE=args.tree, PDL=False)
+                  SLIDING=False, TREE=args.tree, PDL=False, CHAIN=True)
     return da._split_kv_kernel, consts, {}
 
 

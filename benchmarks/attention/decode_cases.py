@@ -19,11 +19,18 @@ SCALE = HEAD_DIM ** -0.5
 TREE_SHAPE = (16, 4096, 16)  # requests, context, tree nodes
 L2_BYTES = 256 << 20  # copies until the data is several times the 50 MB L2
 
-# Explicit configs tried in --sweep: (BLOCK_N, warps, stages); split counts
-# around the automatic choice.
-SWEEP = [(64, 2, 4), (64, 2, 6)]
+# Explicit configs tried in --sweep: (BLOCK_N, warps, stages, CHAIN: launched
+# as a programmatic dependent of the kernel before); split counts around the
+# automatic choice.
+SWEEP = [(64, 2, 4, True), (64, 2, 6, True), (64, 2, 6, False)]
 SPLIT_FACTORS = (0.8, 1.0, 1.2)
-TREE_SWEEP = [(64, 4, 6), (64, 4, 8), (64, 4, 5), (128, 4, 4)]
+TREE_SWEEP = [(64, 4, 6, True), (64, 4, 6, False), (64, 4, 8, True), (64, 4, 5, True),
+              (128, 4, 4, True)]
+
+
+def _sweep_config(bn, w, s, chain):
+    name = f"N{bn}_w{w}_s{s}" + ("" if chain else "_nochain")
+    return name, {"BLOCK_N": bn, "num_warps": w, "num_stages": s, "CHAIN": chain}
 
 
 def _copies(b: int, length: int, gen: torch.Generator):
@@ -72,7 +79,9 @@ def decode(b: int, length: int, copy_bw: float, log) -> dict:
                                          v.float().transpose(1, 2), scale=SCALE, enable_gqa=True)
     out = ours_calls(auto)[0]()
     row["err_vs_fp32"] = rel_err(out, ref[:, :, 0])
-    timers = {"ours": graph_timer(ours_calls(auto))}
+    # Unchained: the split kernel launched only when the kernel before it ends.
+    timers = {"ours": graph_timer(ours_calls(auto)),
+              "ours_unchained": graph_timer(ours_calls(auto, {"CHAIN": False}))}
     try:
         timers["sdpa"] = graph_timer([lambda q=q, k=k, v=v: F.scaled_dot_product_attention(
             q[:, :, None], k.transpose(1, 2), v.transpose(1, 2), scale=SCALE, enable_gqa=True)
@@ -91,10 +100,11 @@ def decode_sweep(b: int, length: int, copy_bw: float, log) -> dict:
     data, kv_bytes, auto, ours_calls = _setup(b, length)
     row = {"case": "decode", "B": b, "L": length, "splits_auto": auto, "sweep": {}}
     for splits in sorted({max(round(auto * f), 1) for f in SPLIT_FACTORS}):
-        for bn, w, s in SWEEP:
-            name = f"S{splits}_N{bn}_w{w}_s{s}"
+        for cfg in SWEEP:
+            name, config = _sweep_config(*cfg)
+            name = f"S{splits}_{name}"
             try:
-                ms = bench_graph_ms(ours_calls(splits, {"BLOCK_N": bn, "num_warps": w, "num_stages": s}))
+                ms = bench_graph_ms(ours_calls(splits, config))
                 row["sweep"][name] = {"us": ms * 1e3, "pct_copy_bw": 100 * kv_bytes / (ms * 1e-3) / copy_bw}
             except Exception as e:
                 row["sweep"][name] = {"error": f"{type(e).__name__}: {str(e)[:160]}"}
@@ -137,9 +147,9 @@ def tree(copy_bw: float, log, sweep: bool = False) -> dict:
         auto = choose_num_splits(b, KV_HEADS, length, max_query_len=nodes, group=HEADS // KV_HEADS)
         row["sweep"] = {}
         for splits in sorted({1, 2, auto, auto + 1}):
-            for bn, w, s in TREE_SWEEP:
-                name = f"S{splits}_N{bn}_w{w}_s{s}"
-                cfg = {"BLOCK_N": bn, "num_warps": w, "num_stages": s}
+            for c in TREE_SWEEP:
+                name, cfg = _sweep_config(*c)
+                name = f"S{splits}_{name}"
                 try:
                     out.fill_(float("nan"))
                     call(splits, cfg)

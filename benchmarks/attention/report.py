@@ -33,11 +33,14 @@ def prefill_rows(res) -> list[str]:
 
 
 def decode_rows(res) -> list[str]:
-    rows = ["| B | L | splits | ours (us) | ours % copy BW | SDPA (us) | SDPA % copy BW | speed-up | rel err |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    rows = ["| B | L | splits | ours (us) | ours % copy BW | unchained % | SDPA (us) | SDPA % copy BW "
+            "| speed-up | rel err |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in res["decode"]:
         rows.append(f"| {r['B']} | {r['L']} | {r['splits_auto']} | {_f(r['ours_us'], '{:.1f}')} | "
-                    f"{_f(r['ours_pct_copy_bw'], '{:.0f}%')} | {_f(r.get('sdpa_us'), '{:.1f}')} | "
+                    f"{_f(r['ours_pct_copy_bw'], '{:.0f}%')} | "
+                    f"{_f(r.get('ours_unchained_pct_copy_bw'), '{:.0f}%')} | "
+                    f"{_f(r.get('sdpa_us'), '{:.1f}')} | "
                     f"{_f(r.get('sdpa_pct_copy_bw'), '{:.0f}%')} | "
                     f"{_f(_ratio(r.get('sdpa_us'), r['ours_us']), '{:.2f}x')} | "
                     f"{_f(r['err_vs_fp32'], '{:.1e}')} |")

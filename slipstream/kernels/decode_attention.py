@@ -17,6 +17,14 @@ at most 64 nodes) says which of the step's tokens each may see.
 
 The grid depends only on the batch size, the head counts and the split count,
 so a decode step can be captured in a CUDA graph.
+
+On Hopper the kernels are chained by programmatic dependent launch: the split
+kernel may start while the kernel before it (the KV store, or the previous
+call's merge) is still running, reads its sequence lengths, and waits for that
+kernel only before it reads the query and the cache; the merge kernel starts
+while the splits drain and waits for them before reading their partials. Only
+our KV-store and merge kernels signal early launch, and neither writes the
+sequence metadata, so the reads before the wait are safe.
 """
 from __future__ import annotations
 
@@ -27,7 +35,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from slipstream.kernels.attention_tile import attend_paged_range, next_pow2
-from slipstream.kernels.runtime import capability, interpreting, num_sms
+from slipstream.kernels.runtime import interpreting, num_sms, pdl_supported
 
 LOG2E = 1.4426950408889634
 
@@ -44,7 +52,8 @@ def _split_kv_kernel(
         qk_scale, window,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
-        SPLIT: tl.constexpr, SLIDING: tl.constexpr, TREE: tl.constexpr, PDL: tl.constexpr):
+        SPLIT: tl.constexpr, SLIDING: tl.constexpr, TREE: tl.constexpr, PDL: tl.constexpr,
+        CHAIN: tl.constexpr):
     if PDL:  # let the merge kernel launch now; it waits for this grid before reading
         gdc_launch_dependents()
     seq = tl.program_id(0)
@@ -57,6 +66,8 @@ def _split_kv_kernel(
         return
     seq_len = tl.load(SeqLens + seq)
     ctx = seq_len - q_len
+    if CHAIN:  # launched early: the query and the cache may still be being written
+        gdc_wait()
 
     # Row r of the tile is query token r // GROUP, head kv_head * GROUP + r % GROUP.
     rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -124,6 +135,8 @@ def _merge_splits_kernel(PartO, PartLse, Out, num_splits,
                          stride_ot, stride_oh,
                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                          SPLITS_PAD: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # the next call's split kernel may launch now; it waits for this grid
+        gdc_launch_dependents()
     # One program per (token, head, BLOCK_D channels): many small programs, so
     # the merge costs about one L2 round trip.
     tok = tl.program_id(0).to(tl.int64)
@@ -216,7 +229,8 @@ def split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     query tokens). tree_bits: [num_seqs, >=max_query_len] int64 from
     `pack_tree_mask` (bit j of row t: token t may see the step's token j), else
     causal. scratch: (partial out [num_tokens, num_heads, num_splits, head_dim]
-    fp32, lse [num_tokens, num_heads, num_splits] fp32).
+    fp32, lse [num_tokens, num_heads, num_splits] fp32). config: overrides of
+    the launch config (BLOCK_N, num_warps, num_stages, CHAIN), for benchmarks.
     returns out: [num_tokens, num_heads, head_dim] in q's dtype.
     """
     num_tokens, num_heads, head_dim = q.shape
@@ -231,11 +245,11 @@ def split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     head_dim_pad = next_pow2(head_dim)
     block_m, row_blocks = _tile_rows(max_query_len, group)
     num_seqs = cu_seqlens_q.shape[0] - 1
-    if config is None:
-        config = _launch_config(block_m, num_seqs * num_kv_heads * row_blocks * num_splits, q.device)
-    cfg = dict(config)
+    cfg = {**_launch_config(block_m, num_seqs * num_kv_heads * row_blocks * num_splits, q.device),
+           **(config or {})}
     block_n = cfg.pop("BLOCK_N")
-    pdl = num_splits > 1 and _use_pdl(q)
+    chain = cfg.pop("CHAIN", True) and pdl_supported(q)
+    pdl = num_splits > 1 and pdl_supported(q)
     if num_splits > 1:
         if scratch is None:
             scratch = split_kv_scratch(num_tokens, num_heads, num_splits, head_dim, q.device)
@@ -259,7 +273,8 @@ def split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
         scale * LOG2E, sliding_window or 0,
         GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_M=block_m,
         BLOCK_N=block_n, PAGE_SIZE=page_size, SPLIT=num_splits > 1,
-        SLIDING=sliding_window is not None, TREE=tree_bits is not None, PDL=pdl, **cfg)
+        SLIDING=sliding_window is not None, TREE=tree_bits is not None, PDL=pdl, CHAIN=chain,
+        launch_pdl=chain, **cfg)
     if num_splits > 1:
         block_d = min(32, head_dim_pad)
         _merge_splits_kernel[(num_tokens, num_heads, triton.cdiv(head_dim, block_d))](
@@ -280,12 +295,6 @@ def pack_tree_mask(tree_mask: torch.Tensor) -> torch.Tensor:
         m, dtype=torch.int64, device=tree_mask.device)
     # Distinct powers of two: the sum is the bitwise or (bit 63 wraps to the sign).
     return (tree_mask.to(torch.bool).to(torch.int64) * weights).sum(-1)
-
-
-def _use_pdl(q: torch.Tensor) -> bool:
-    """Programmatic dependent launch (Hopper+): the merge kernel is launched
-    while the split kernel drains, hiding its launch latency."""
-    return q.is_cuda and not interpreting() and capability(q.device.index or 0)[0] >= 9
 
 
 def split_kv_scratch(num_tokens: int, num_heads: int, num_splits: int, head_dim: int,

@@ -2,7 +2,9 @@
 
 One program per token copies all of its KV heads (a few KB) to slot
 `slot_mapping[t]` = block * page_size + offset, casting to the cache dtype;
-a slot of -1 (a padding token) is skipped.
+a slot of -1 (a padding token) is skipped. On Hopper it lets the kernel after
+it (the decode attention) launch at once; that kernel waits for this one before
+it reads the cache (programmatic dependent launch, see decode_attention.py).
 """
 from __future__ import annotations
 
@@ -10,8 +12,10 @@ import torch
 import triton
 import triton.language as tl
 
+from triton.language.extra.cuda import gdc_launch_dependents
+
 from slipstream.kernels.attention_tile import next_pow2
-from slipstream.kernels.runtime import interpreting  # noqa: F401  (interpreter fix-up)
+from slipstream.kernels.runtime import pdl_supported
 
 
 @triton.jit
@@ -19,7 +23,10 @@ def _store_kv_kernel(K, V, KCache, VCache, SlotMapping,
                      stride_kt, stride_kh, stride_vt, stride_vh,
                      stride_cb, stride_cs, stride_ch,
                      NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                     HEADS_PAD: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr):
+                     HEADS_PAD: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                     PDL: tl.constexpr):
+    if PDL:
+        gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(SlotMapping + t)
     if slot < 0:
@@ -48,4 +55,5 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HEADS_PAD=next_pow2(num_kv_heads),
-        HEAD_DIM_PAD=next_pow2(head_dim), PAGE_SIZE=k_cache.shape[1], num_warps=4)
+        HEAD_DIM_PAD=next_pow2(head_dim), PAGE_SIZE=k_cache.shape[1], PDL=pdl_supported(k),
+        num_warps=4)

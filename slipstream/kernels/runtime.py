@@ -44,3 +44,10 @@ if interpreting():
 @functools.cache
 def capability(device_index: int = 0) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device_index)
+
+
+def pdl_supported(t: torch.Tensor) -> bool:
+    """Programmatic dependent launch (Hopper and later, compiled kernels): a
+    kernel may be launched before the one ahead of it in the stream finishes,
+    and waits for it (`gdc_wait`) only where it reads that kernel's output."""
+    return t.is_cuda and not interpreting() and capability(t.device.index or 0)[0] >= 9

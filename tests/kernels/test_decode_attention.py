@@ -10,6 +10,7 @@ import torch
 from slipstream.kernels import reference
 from slipstream.kernels.decode_attention import (
     DEEP_PER_SM, MIN_TOKENS_PER_SPLIT, UNSPLIT_MAX_LEN, choose_num_splits, decode_attention)
+from slipstream.kernels.kv_store import store_kv
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float16: 4e-3, torch.float32: 2e-5, torch.bfloat16: 3e-2}
@@ -70,3 +71,25 @@ def test_choose_num_splits_fills_the_gpu():
     # Splits are not shorter than MIN_TOKENS_PER_SPLIT; short contexts stay whole.
     assert choose_num_splits(1, 8, 1000, sm_count=132) == -(-1000 // MIN_TOKENS_PER_SPLIT)
     assert choose_num_splits(1, 8, UNSPLIT_MAX_LEN, sm_count=132) == 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="programmatic dependent launch needs a GPU")
+def test_chained_launches_see_the_kernel_before(paged_batch, close):
+    """On Hopper the split kernel may start before the kernel ahead of it ends.
+    It must still see that kernel's writes: the KV store's new token (the cache
+    slot is NaN until then) and the previous call's output, used here as the
+    next call's query. Nothing runs between the three launches."""
+    b = paged_batch([300, 4000, 77, 1000], [1] * 4, 32, 8, 128, 16, device=DEVICE, store_new=False)
+    d = b.q.shape[-1]
+    max_len = int(b.seq_lens.max())
+
+    def attend(q):
+        return decode_attention(q, b.k_cache, b.v_cache, b.seq_lens, b.block_tables, d ** -0.5,
+                                max_seq_len=max_len)
+    store_kv(b.k, b.v, b.k_cache, b.v_cache, b.slot_mapping)
+    first = attend(b.q)
+    second = attend(first)
+    for q, out in ((b.q, first), (first, second)):
+        ref = reference.decode_attention(q.float(), b.k_cache.float(), b.v_cache.float(),
+                                         b.seq_lens, b.block_tables, d ** -0.5)
+        close(out, ref, TOL[torch.float16], TOL[torch.float16])
