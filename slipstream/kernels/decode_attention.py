@@ -250,8 +250,9 @@ def split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     cfg = {**_launch_config(block_m, num_seqs * num_kv_heads * row_blocks * num_splits, q.device),
            **(config or {})}
     block_n = cfg.pop("BLOCK_N")
-    chain = cfg.pop("CHAIN", True) and pdl_supported(q)
-    pdl = num_splits > 1 and pdl_supported(q)
+    pdl_ok = pdl_supported(q)
+    chain = cfg.pop("CHAIN", True) and pdl_ok
+    pdl = num_splits > 1 and pdl_ok
     if num_splits > 1:
         if scratch is None:
             scratch = split_kv_scratch(num_tokens, num_heads, num_splits, head_dim, q.device)

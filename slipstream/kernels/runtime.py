@@ -49,5 +49,11 @@ def capability(device_index: int = 0) -> tuple[int, int]:
 def pdl_supported(t: torch.Tensor) -> bool:
     """Programmatic dependent launch (Hopper and later, compiled kernels): a
     kernel may be launched before the one ahead of it in the stream finishes,
-    and waits for it (`gdc_wait`) only where it reads that kernel's output."""
-    return t.is_cuda and not interpreting() and capability(t.device.index or 0)[0] >= 9
+    and waits for it (`gdc_wait`) only where it reads that kernel's output.
+    Asked on every launch, so answered once per device."""
+    return t.is_cuda and _pdl_device(t.device.index or 0)
+
+
+@functools.cache
+def _pdl_device(device_index: int) -> bool:
+    return not interpreting() and capability(device_index)[0] >= 9
