@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from slipstream.attention.base import AttentionLayerInfo, register_backend
 from slipstream.kernels import reference
-from slipstream.runner.forward_batch import ForwardBatch
+from slipstream.batch import ForwardBatch
 
 
 @register_backend("torch")

@@ -18,7 +18,7 @@ from slipstream.kernels.decode_attention import (
     MAX_TREE_NODES, choose_num_splits, pack_tree_mask, split_kv_attention, split_kv_scratch)
 from slipstream.kernels.kv_store import store_kv
 from slipstream.kernels.prefill_attention import prefill_attention
-from slipstream.runner.forward_batch import ForwardBatch
+from slipstream.batch import ForwardBatch
 
 
 @register_backend("triton")

@@ -24,6 +24,7 @@ class EngineArgs:
     kv_cache_memory: int | None = None      # bytes for the KV pool on the CPU
     gpu_memory_utilization: float = 0.90
     attention_backend: str | None = None
+    quantization: str | None = None
     seed: int = 0
 
     @classmethod
@@ -69,5 +70,6 @@ class EngineArgs:
                                       enable_chunked_prefill=self.enable_chunked_prefill),
             parallel=ParallelConfig(),
             attention_backend=self.attention_backend,
+            quantization=self.quantization,
             seed=self.seed,
         )

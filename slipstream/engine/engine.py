@@ -16,6 +16,7 @@ from slipstream.engine.outputs import (CompletionOutput, Logprob, PositionLogpro
 from slipstream.engine.request import Request, RequestStatus
 from slipstream.engine.scheduler import Scheduler
 from slipstream.loader import open_model
+from slipstream.quant.selector import quant_method_for
 from slipstream.runner.model_runner import ModelRunner, TokenLogprobs
 from slipstream.sampling_params import SamplingParams
 
@@ -52,7 +53,7 @@ class Engine:
         self.config = args.create_config(str(files.path), files.config)
         self.tokenizer = files.tokenizer()
         torch.manual_seed(self.config.seed)
-        self.runner = ModelRunner(self.config, files.weights())
+        self.runner = ModelRunner(self.config, files.weights(), quant_method_for(self.config, files))
         cc = self.config.cache
         self.kv = KVCacheManager(self.runner.num_blocks, cc.block_size, cc.enable_prefix_caching)
         self.scheduler = Scheduler(self.config.scheduler, self.kv)

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from slipstream.attention.base import AttentionBackend
-from slipstream.runner.forward_batch import ForwardBatch
+from slipstream.batch import ForwardBatch
 
 
 class Attention(nn.Module):

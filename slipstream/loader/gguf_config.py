@@ -2,7 +2,7 @@
 
 The metadata is llama.cpp's spelling of config.json (`llama.block_count`,
 `llama.attention.head_count_kv`, ...). It is turned into a config.json-style
-dict and handed to `ModelConfig.from_hf_config`, so both formats share one set
+dict and handed to `model_config_from_hf`, so both formats share one set
 of defaults and checks.
 """
 from __future__ import annotations
@@ -13,6 +13,7 @@ import numpy as np
 
 from slipstream.config import ModelConfig
 from slipstream.errors import ModelLoadError
+from slipstream.models.hf_config import model_config_from_hf
 
 # general.architecture -> (HF architecture, do llama.cpp's converters permute q/k rows?)
 GGUF_ARCHITECTURES = {
@@ -99,7 +100,7 @@ def config_from_gguf(meta: dict, tensor_names: set[str], n_tokens: int | None,
     if not cfg["vocab_size"]:
         raise ModelLoadError(f"{where}: the GGUF metadata gives no vocabulary size")
     try:
-        return ModelConfig.from_hf_config(cfg)
+        return model_config_from_hf(cfg)
     except ModelLoadError:
         raise
     except ValueError as e:

@@ -21,6 +21,7 @@ from slipstream.errors import ModelLoadError
 from slipstream.loader.json_file import read_json
 from slipstream.loader.tokenizer import Tokenizer, load_hf_tokenizer
 from slipstream.loader.weight_names import check_complete, expected_weight_names
+from slipstream.models.hf_config import model_config_from_hf
 
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -32,7 +33,7 @@ def _model_config(folder: Path) -> ModelConfig:
     path = folder / "config.json"
     cfg = read_json(path)
     try:
-        config = ModelConfig.from_hf_config(cfg)
+        config = model_config_from_hf(cfg)
     except ModelLoadError as e:
         raise ModelLoadError(f"{path}: {e}") from None
     except KeyError as e:

@@ -10,7 +10,7 @@ The residual stream stays in the model dtype; norms compute in fp32 inside.
 """
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from typing import Iterable
 
 import torch
 from torch import nn
@@ -21,17 +21,15 @@ from slipstream.errors import ModelLoadError
 from slipstream.layers.activation import SiluAndMul
 from slipstream.layers.attention import Attention
 from slipstream.layers.embedding import LMHead, VocabEmbedding
-from slipstream.layers.linear import (LinearBase, MergedLinear, QKVLinear, QuantMethod,
+from slipstream.layers.linear import (LinearBase, MergedLinear, QKVLinear,
                                       RowParallelLinear)
 from slipstream.layers.norm import RMSNorm
 from slipstream.layers.rotary import RotaryEmbedding, apply_rotary
 from slipstream.layers.weight_loader import default_weight_loader
 from slipstream.models.registry import family_traits
-from slipstream.runner.forward_batch import ForwardBatch
+from slipstream.quant.base import QuantMethodFor
+from slipstream.batch import ForwardBatch
 
-# Picks the QuantMethod of each linear layer by its module name
-# ("model.layers.0.self_attn.qkv_proj"); None everywhere means unquantized.
-QuantMethodFor = Callable[[str], "QuantMethod | None"]
 
 # Checkpoint name fragment -> (fused module fragment, shard id).
 _STACKED = (

@@ -6,13 +6,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from slipstream.attention.base import create_backend
+from slipstream.attention.selector import create_backend
 from slipstream.config import EngineConfig
 from slipstream.engine.scheduler import ScheduledRequest, SchedulerOutput
 from slipstream.layers.sampler import Sampler, SamplingBatch, compute_prompt_logprobs
 from slipstream.models.registry import model_class
 from slipstream.runner import memory
-from slipstream.runner.forward_batch import build_forward_batch
+from slipstream.batch import build_forward_batch
 
 
 @dataclass
@@ -35,13 +35,13 @@ class StepOutput:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, weights):
+    def __init__(self, config: EngineConfig, weights, quant_method_for=None):
         self.config = config
         self.device, self.dtype = config.device, config.dtype
         mc = config.model_config
         self.backend = create_backend(config.attention_backend, self.device)
         with torch.device(self.device), _default_dtype(self.dtype):
-            self.model = model_class(mc.architecture)(mc, self.backend)
+            self.model = model_class(mc.architecture)(mc, self.backend, quant_method_for)
         self.model.load_weights(weights)
         self.model.eval()
         self.num_blocks = memory.num_kv_blocks(config.cache, mc, config.scheduler, self.dtype, self.device)

@@ -12,7 +12,7 @@ import torch
 
 from slipstream.attention.triton_backend import TritonAttentionBackend
 from slipstream.kernels import reference
-from slipstream.runner.forward_batch import ForwardBatch
+from slipstream.batch import ForwardBatch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

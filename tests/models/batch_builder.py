@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from slipstream.runner.forward_batch import ForwardBatch
+from slipstream.batch import ForwardBatch
 
 
 def allocate_kv_caches(model, num_blocks: int, block_size: int,

@@ -6,6 +6,7 @@ import torch
 
 from slipstream.attention.torch_backend import TorchAttentionBackend
 from slipstream.config import ModelConfig
+from slipstream.models.hf_config import model_config_from_hf
 from slipstream.models.llama import LlamaForCausalLM
 
 _BASE = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -54,7 +55,7 @@ def make_hf_model(variant: str, seed: int = 0):
 def model_config_of(hf_model) -> ModelConfig:
     # A config.json on disk omits unset fields; to_dict() writes them as None.
     d = {k: v for k, v in hf_model.config.to_dict().items() if v is not None}
-    return ModelConfig.from_hf_config(d)
+    return model_config_from_hf(d)
 
 
 def make_ours(hf_model, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:

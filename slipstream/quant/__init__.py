@@ -1,0 +1,1 @@
+"""Quantization schemes: each plugs a `QuantMethod` into the linear layers it covers."""
