@@ -1,4 +1,4 @@
-"""`slipstream generate | chat | analyze`."""
+"""`slipstream generate | chat | analyze | serve | bench`."""
 from __future__ import annotations
 
 import argparse
@@ -152,6 +152,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     from slipstream.analysis.cli import add_parser as add_analyze
     add_analyze(sub)
+    from slipstream.server.cli import add_parser as add_serve
+    add_serve(sub)
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    from slipstream.bench.serve import add_parser as add_bench_serve
+    add_bench_serve(bench)
     return parser
 
 

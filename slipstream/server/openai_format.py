@@ -1,0 +1,160 @@
+"""RequestOutputs -> OpenAI response objects and stream chunks.
+
+One `Formatter` serves one API call, which may hold several prompts
+(completions accept a list) each sampled `n` times: choice index =
+prompt_index * n + sample index, as OpenAI numbers them. Streaming keeps, per
+choice, how much text and how many tokens were already sent, since the engine
+reports cumulative text and token ids.
+"""
+from __future__ import annotations
+
+import json
+import time
+
+from slipstream.engine.outputs import CompletionOutput, RequestOutput
+
+
+def sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def _finish_reason(c: CompletionOutput) -> str | None:
+    return None if c.finish_reason is None else ("length" if c.finish_reason == "length" else "stop")
+
+
+class Formatter:
+    def __init__(self, chat: bool, call_id: str, model: str, n: int, logprobs: int | None,
+                 prompt_index: dict[str, int], echo: dict[str, str] | None = None):
+        self.chat, self.id, self.model, self.n = chat, call_id, model, n
+        self.logprobs = logprobs            # top alternatives per token, None: no logprobs
+        self.prompt_index = prompt_index    # request id -> prompt position
+        self.echo = echo or {}              # request id -> prompt text to prepend
+        self.created = int(time.time())
+        self._sent_text: dict[int, int] = {}
+        self._sent_tokens: dict[int, int] = {}
+        self._finished: set[int] = set()
+        self._prompt_tokens: dict[str, int] = {}
+        self._completion_tokens: dict[int, int] = {}
+
+    def _index(self, out: RequestOutput, c: CompletionOutput) -> int:
+        return self.prompt_index[out.request_id] * self.n + c.index
+
+    def _count(self, out: RequestOutput) -> None:
+        self._prompt_tokens[out.request_id] = len(out.prompt_token_ids)
+        for c in out.outputs:
+            self._completion_tokens[self._index(out, c)] = len(c.token_ids)
+
+    def usage(self) -> dict:
+        p, c = sum(self._prompt_tokens.values()), sum(self._completion_tokens.values())
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+    # ---- logprobs ---------------------------------------------------------
+
+    def _top(self, entry) -> list[tuple[str, float]]:
+        ranked = sorted((lp for lp in entry.values() if lp.rank is not None), key=lambda lp: lp.rank)
+        return [(lp.decoded_token or "", lp.logprob) for lp in ranked[:self.logprobs]]
+
+    def _logprobs(self, c: CompletionOutput, start: int, text_offset: int):
+        if self.logprobs is None or c.logprobs is None:
+            return None
+        ids, entries = c.token_ids[start:], c.logprobs[start:]
+        if self.chat:
+            content = []
+            for tid, entry in zip(ids, entries):
+                tok = entry[tid].decoded_token or ""
+                content.append({"token": tok, "logprob": entry[tid].logprob,
+                                "bytes": list(tok.encode()),
+                                "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode())}
+                                                 for t, v in self._top(entry)]})
+            return {"content": content}
+        tokens, token_lps, tops, offsets = [], [], [], []
+        for tid, entry in zip(ids, entries):
+            tok = entry[tid].decoded_token or ""
+            tokens.append(tok)
+            token_lps.append(entry[tid].logprob)
+            tops.append(dict(self._top(entry)))
+            offsets.append(text_offset)
+            text_offset += len(tok)
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
+                "text_offset": offsets}
+
+    # ---- whole responses --------------------------------------------------
+
+    def response(self, finals: list[RequestOutput]) -> dict:
+        choices = []
+        for out in finals:
+            self._count(out)
+            for c in out.outputs:
+                i = self._index(out, c)
+                prefix = self.echo.get(out.request_id, "")
+                lps = self._logprobs(c, 0, len(prefix))
+                if self.chat:
+                    choices.append({"index": i, "message": {"role": "assistant", "content": c.text},
+                                    "logprobs": lps, "finish_reason": _finish_reason(c)})
+                else:
+                    choices.append({"index": i, "text": prefix + c.text, "logprobs": lps,
+                                    "finish_reason": _finish_reason(c)})
+        choices.sort(key=lambda ch: ch["index"])
+        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": choices,
+                "usage": self.usage()}
+
+    # ---- streams ----------------------------------------------------------
+
+    def _chunk(self, choices: list[dict], usage=False, include_usage=False) -> dict:
+        obj = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+               "created": self.created, "model": self.model, "choices": choices}
+        if include_usage:
+            obj["usage"] = self.usage() if usage else None
+        return obj
+
+    def first_chunks(self, num_prompts: int, include_usage: bool) -> list[str]:
+        """Chat streams open each choice with the assistant role; completions with echo
+        open with the prompt text."""
+        out = []
+        for p in range(num_prompts):
+            for k in range(self.n):
+                i = p * self.n + k
+                if self.chat:
+                    ch = {"index": i, "delta": {"role": "assistant", "content": ""},
+                          "logprobs": None, "finish_reason": None}
+                else:
+                    rid = next((r for r, q in self.prompt_index.items() if q == p), None)
+                    if not self.echo.get(rid):
+                        continue
+                    ch = {"index": i, "text": self.echo[rid], "logprobs": None,
+                          "finish_reason": None}
+                out.append(sse(self._chunk([ch], include_usage=include_usage)))
+        return out
+
+    def chunks(self, out: RequestOutput, include_usage: bool) -> list[str]:
+        self._count(out)
+        events = []
+        for c in out.outputs:
+            i = self._index(out, c)
+            if i in self._finished:
+                continue
+            sent_text, sent_tok = self._sent_text.get(i, 0), self._sent_tokens.get(i, 0)
+            delta = c.text[sent_text:] if len(c.text) > sent_text else ""
+            new_tokens = len(c.token_ids) > sent_tok
+            reason = _finish_reason(c)
+            if not delta and reason is None and not (new_tokens and self.logprobs is not None):
+                continue
+            lps = self._logprobs(c, sent_tok, sent_text)
+            self._sent_text[i] = max(sent_text, len(c.text))
+            self._sent_tokens[i] = len(c.token_ids)
+            if reason is not None:
+                self._finished.add(i)
+            if self.chat:
+                ch = {"index": i, "delta": {"content": delta} if delta else {}, "logprobs": lps,
+                      "finish_reason": reason}
+            else:
+                ch = {"index": i, "text": delta, "logprobs": lps, "finish_reason": reason}
+            events.append(sse(self._chunk([ch], include_usage=include_usage)))
+        return events
+
+    def usage_chunk(self) -> str:
+        return sse(self._chunk([], usage=True, include_usage=True))

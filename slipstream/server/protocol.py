@@ -1,0 +1,217 @@
+"""The OpenAI request schemas the server accepts, and their mapping to SamplingParams.
+
+Types are strict (a string where a number belongs is refused, not coerced),
+ranges follow OpenAI, and every refusal names the field, so a client sees
+`{"error": {"message": ..., "param": "top_logprobs", ...}}` with status 400.
+Fields OpenAI defines but this server ignores (`user`, `suffix`, ...) are
+accepted and have no effect; unknown fields are ignored, as OpenAI does.
+"""
+from __future__ import annotations
+
+from typing import Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+
+from slipstream.sampling_params import SamplingParams
+
+Number = Union[StrictInt, StrictFloat]
+MAX_N = 16            # samples per prompt
+MAX_STOP = 16         # stop strings per request
+MAX_LOGPROBS = 5      # completions: OpenAI's limit for `logprobs`
+MAX_TOP_LOGPROBS = 20  # chat: OpenAI's limit for `top_logprobs`
+
+
+class RequestError(ValueError):
+    """A bad request: `param` names the field, `status` is the HTTP status to answer."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400,
+                 kind: str = "invalid_request_error", code: str | None = None):
+        super().__init__(message)
+        self.message, self.param, self.status, self.kind = message, param, status, kind
+        self.code = code
+
+
+def error_body(message: str, param: str | None = None, kind: str = "invalid_request_error",
+               code: str | int | None = None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: StrictBool = False
+
+
+class _Sampling(BaseModel):
+    """Fields shared by completions and chat completions."""
+    model_config = ConfigDict(extra="ignore")
+
+    model: StrictStr | None = None
+    n: StrictInt = Field(1, ge=1, le=MAX_N)
+    temperature: Number | None = Field(None, ge=0, le=2)
+    top_p: Number | None = Field(None, gt=0, le=1)
+    stop: StrictStr | list[StrictStr] | None = None
+    seed: StrictInt | None = Field(None, ge=-(2 ** 63), le=2 ** 64 - 1)
+    presence_penalty: Number | None = Field(None, ge=-2, le=2)
+    frequency_penalty: Number | None = Field(None, ge=-2, le=2)
+    logit_bias: dict[StrictStr, Number] | None = None
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    user: StrictStr | None = None
+    # vLLM-style extras
+    top_k: StrictInt | None = Field(None, ge=-1)
+    min_p: Number | None = Field(None, ge=0, le=1)
+    repetition_penalty: Number | None = Field(None, gt=0, le=10)
+    ignore_eos: StrictBool = False
+    min_tokens: StrictInt = Field(0, ge=0)
+    stop_token_ids: list[StrictInt] | None = None
+    skip_special_tokens: StrictBool = True
+    include_stop_str_in_output: StrictBool = False
+
+    def _max_tokens(self) -> int | None:  # overridden
+        return None
+
+    def _logprobs(self) -> int | None:  # overridden
+        return None
+
+    def check(self, max_model_len: int, vocab_size: int) -> None:
+        """Checks that need more than one field or the model; RequestError names the field."""
+        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        if len(stops) > MAX_STOP:
+            raise RequestError(f"stop: at most {MAX_STOP} stop strings, got {len(stops)}", "stop")
+        if any(not s for s in stops):
+            raise RequestError("stop: stop strings must not be empty", "stop")
+        for key, value in (self.logit_bias or {}).items():
+            try:
+                tid = int(key)
+            except ValueError:
+                raise RequestError(f"logit_bias: keys must be token ids, got {key!r}",
+                                   "logit_bias") from None
+            if not 0 <= tid < vocab_size:
+                raise RequestError(f"logit_bias: token id {tid} is outside the vocabulary "
+                                   f"[0, {vocab_size})", "logit_bias")
+            if not -100 <= value <= 100:
+                raise RequestError(f"logit_bias: values must be in [-100, 100], got {value}",
+                                   "logit_bias")
+        for t in self.stop_token_ids or []:
+            if not 0 <= t < vocab_size:
+                raise RequestError(f"stop_token_ids: token id {t} is outside the vocabulary",
+                                   "stop_token_ids")
+        if self.stream_options is not None and not self.stream:
+            raise RequestError("stream_options: only allowed when stream is true", "stream_options")
+
+    def sampling_params(self, prompt_len: int, max_model_len: int) -> SamplingParams:
+        room = max_model_len - prompt_len
+        max_tokens = self._max_tokens()
+        name = self._max_tokens_name()
+        if max_tokens is not None and max_tokens > room:
+            raise RequestError(
+                f"{name}: {max_tokens} tokens requested but the prompt has {prompt_len} tokens "
+                f"and the context window is {max_model_len}, so at most {room} can be generated",
+                name)
+        if self.min_tokens > (max_tokens if max_tokens is not None else room):
+            raise RequestError(f"min_tokens: {self.min_tokens} is more than {name}", "min_tokens")
+        if self.logit_bias:
+            if "logit_bias" not in SamplingParams.__dataclass_fields__:
+                raise RequestError("logit_bias: not supported by this engine yet", "logit_bias")
+        kw = dict(
+            n=self.n,
+            temperature=1.0 if self.temperature is None else float(self.temperature),
+            top_p=1.0 if self.top_p is None else float(self.top_p),
+            top_k=self.top_k or 0,
+            min_p=float(self.min_p or 0.0),
+            presence_penalty=float(self.presence_penalty or 0.0),
+            frequency_penalty=float(self.frequency_penalty or 0.0),
+            repetition_penalty=float(self.repetition_penalty or 1.0),
+            seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos, max_tokens=max_tokens if max_tokens is not None else room,
+            min_tokens=self.min_tokens, logprobs=self._logprobs(),
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output)
+        if self.logit_bias:
+            kw["logit_bias"] = {int(k): float(v) for k, v in self.logit_bias.items()}
+        try:
+            return SamplingParams(**kw)
+        except ValueError as e:  # SamplingParams messages start with the field's name
+            raise RequestError(str(e), str(e).split(" ", 1)[0]) from None
+
+    def _max_tokens_name(self) -> str:
+        return "max_tokens"
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+PromptField = Union[StrictStr, list[StrictStr], list[StrictInt], list[list[StrictInt]]]
+
+
+class CompletionRequest(_Sampling):
+    prompt: PromptField
+    max_tokens: StrictInt | None = Field(16, ge=1)
+    logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: StrictBool = False
+    suffix: StrictStr | None = None
+    best_of: StrictInt | None = Field(None, ge=1, le=MAX_N)
+
+    def _max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def _logprobs(self) -> int | None:
+        return self.logprobs
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt field as a list of prompts (text or token ids)."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise RequestError("prompt: must not be empty", "prompt")
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]
+        return list(p)
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text"]
+    text: StrictStr
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: StrictStr | list[ContentPart] | None = None
+    name: StrictStr | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(p.text for p in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: StrictInt | None = Field(None, ge=1)
+    max_completion_tokens: StrictInt | None = Field(None, ge=1)
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    add_generation_prompt: StrictBool = True
+
+    def _max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None \
+            else self.max_tokens
+
+    def _max_tokens_name(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+    def _logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def check(self, max_model_len: int, vocab_size: int) -> None:
+        super().check(max_model_len, vocab_size)
+        if self.top_logprobs is not None and not self.logprobs:
+            raise RequestError("top_logprobs: requires logprobs to be true", "top_logprobs")
+
+    def chat_messages(self) -> list[dict]:
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                for m in self.messages]
