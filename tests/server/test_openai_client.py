@@ -1,0 +1,158 @@
+"""The official `openai` client against `slipstream serve` (default model) on 127.0.0.1."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+openai = pytest.importorskip("openai")
+
+
+@pytest.fixture(scope="module")
+def client(default_server):
+    return openai.OpenAI(base_url=default_server.url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def model(client):
+    return client.models.list().data[0].id
+
+
+def test_models_and_health(default_server, client, model):
+    assert model.startswith("SmolLM2")
+    assert default_server.get("/health") == '{"status":"ok"}'
+
+
+def test_completion_greedy_stream_matches_whole(client, model):
+    kw = dict(model=model, prompt="The capital of France is", max_tokens=8, temperature=0)
+    whole = client.completions.create(**kw)
+    assert whole.object == "text_completion"
+    assert "Paris" in whole.choices[0].text
+    assert whole.choices[0].finish_reason == "length"
+    assert whole.usage.completion_tokens == 8 and whole.usage.prompt_tokens > 0
+    chunks = list(client.completions.create(**kw, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_chat_stream_matches_whole(client, model):
+    kw = dict(model=model, messages=[{"role": "user", "content": "What is the capital of France?"}],
+              max_tokens=12, temperature=0)
+    whole = client.chat.completions.create(**kw)
+    msg = whole.choices[0].message
+    assert whole.object == "chat.completion" and msg.role == "assistant"
+    assert "Paris" in msg.content
+    stream = client.chat.completions.create(**kw, stream=True)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == msg.content
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+
+
+def test_max_completion_tokens_and_ignore_eos(client, model):
+    r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}],
+                                       max_completion_tokens=5, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 5 and r.choices[0].finish_reason == "length"
+
+
+def test_n_samples_seeded(client, model):
+    kw = dict(model=model, prompt="Once upon a time", max_tokens=6, n=3, temperature=1.0, seed=7,
+              extra_body={"ignore_eos": True})
+    a = client.completions.create(**kw)
+    assert sorted(c.index for c in a.choices) == [0, 1, 2]
+    assert a.usage.completion_tokens == 18
+    assert len({c.text for c in a.choices}) > 1        # siblings differ (seed + index)
+    b = client.completions.create(**kw)
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]  # and repeat
+    s = client.completions.create(**kw, stream=True)
+    texts = {}
+    for c in s:
+        for ch in c.choices:
+            texts[ch.index] = texts.get(ch.index, "") + ch.text
+    assert [texts[i] for i in range(3)] == [c.text for c in a.choices]
+
+
+def test_batch_prompts(client, model):
+    r = client.completions.create(model=model, prompt=["Hello", "The sky is"], max_tokens=3, n=2,
+                                  temperature=0, extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in r.choices) == [0, 1, 2, 3]
+    assert r.choices[0].text == r.choices[1].text    # greedy: both samples of prompt 0 agree
+
+
+def test_completion_logprobs(client, model):
+    r = client.completions.create(model=model, prompt="1, 2, 3,", max_tokens=5, temperature=0,
+                                  logprobs=3, extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    assert "".join(lp.tokens) == r.choices[0].text
+    for chosen, tops in zip(lp.token_logprobs, lp.top_logprobs):
+        assert len(tops) == 3 and chosen <= 0
+        assert math.isclose(chosen, max(tops.values()), abs_tol=1e-4)  # greedy takes the top
+
+
+def test_chat_logprobs(client, model):
+    r = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Say hello"}], max_tokens=4,
+        temperature=0, logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+    content = r.choices[0].logprobs.content
+    assert len(content) == 4
+    assert "".join(t.token for t in content) == r.choices[0].message.content
+    for t in content:
+        assert len(t.top_logprobs) == 2
+        assert t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob
+        assert math.isclose(t.logprob, t.top_logprobs[0].logprob, abs_tol=1e-4)
+    chunks = list(client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Say hello"}], max_tokens=4,
+        temperature=0, logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True}, stream=True))
+    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs
+                for t in c.choices[0].logprobs.content]
+    assert [t.token for t in streamed] == [t.token for t in content]
+
+
+def test_stop_strings(client, model):
+    kw = dict(model=model, prompt="The capital of France is", max_tokens=16, temperature=0)
+    full = client.completions.create(**kw).choices[0].text
+    assert "Paris" in full
+    cut = full.index("Paris") + 2          # stop in the middle of a word
+    stop = full[cut:cut + 3]
+    r = client.completions.create(**kw, stop=[stop, "never-seen"])
+    assert r.choices[0].text == full[:full.index(stop)]
+    assert r.choices[0].finish_reason == "stop"
+    streamed = "".join(c.choices[0].text for c in client.completions.create(**kw, stop=stop,
+                                                                              stream=True))
+    assert streamed == r.choices[0].text
+    kept = client.completions.create(**kw, stop=stop, extra_body={"include_stop_str_in_output": True})
+    assert kept.choices[0].text == full[:full.index(stop) + len(stop)]
+
+
+def test_penalties_and_extras_accepted(client, model):
+    r = client.completions.create(
+        model=model, prompt="a a a a", max_tokens=4, temperature=0.8, top_p=0.9, seed=1,
+        presence_penalty=0.5, frequency_penalty=0.5,
+        extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.2, "ignore_eos": True})
+    assert r.usage.completion_tokens == 4
+
+
+def test_openai_error_objects(client, model):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=model, prompt="x", max_tokens=-1)
+    assert e.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "x"}])
+    assert e.value.body["param"] == "model"
+
+
+def test_metrics(default_server, client, model):
+    client.completions.create(model=model, prompt="The capital of France is", max_tokens=2)
+    m = default_server.metrics()
+    assert m["slipstream_generation_tokens_total"] > 0
+    assert m["slipstream_time_to_first_token_seconds_count"] > 0
+    assert m["slipstream_inter_token_latency_seconds_count"] > 0
+    assert m["slipstream_prefix_cache_hit_tokens_total"] > 0   # the prompt repeats
+    assert 0 < m["slipstream_prefix_cache_hit_rate"] <= 1
+    for name in ("slipstream_requests_waiting", "slipstream_requests_running",
+                 "slipstream_kv_cache_usage", "slipstream_generation_tokens_per_second",
+                 "slipstream_spec_acceptance_rate"):
+        assert name in m
