@@ -114,7 +114,7 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("tiny-serve"))
 
 
-TINY_ARGS = ["--dtype", "float32", "--device", "cpu", "--block-size", "4", "--num-kv-blocks", "2048",
+TINY_ARGS = ["--dtype", "float32", "--device", "cpu", "--block-size", "4", "--num-kv-blocks", "4096",
              "--max-num-seqs", "64"]
 
 

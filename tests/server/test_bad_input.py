@@ -1,0 +1,153 @@
+"""Bad requests answer 4xx with an OpenAI error object naming the field, never a 500;
+the server serves a good request afterwards."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+C, CH = "/v1/completions", "/v1/chat/completions"
+MSG = [{"role": "user", "content": "hi"}]
+
+
+def comp(**kw):
+    return {"prompt": "hello", "max_tokens": 2, **kw}
+
+
+def chat(**kw):
+    return {"messages": MSG, "max_tokens": 2, **kw}
+
+
+# (id, path, body (dict or raw bytes), expected status, expected error.param or None)
+CASES = [
+    ("malformed-json", C, b'{"prompt": "x", ', 400, None),
+    ("body-not-object", C, b"[1, 2, 3]", 400, None),
+    ("empty-body", C, b"", 400, None),
+    ("not-utf8", C, b'{"prompt": "\xff\xfe"}', 400, None),
+    ("missing-prompt", C, {"max_tokens": 2}, 400, "prompt"),
+    ("prompt-number", C, comp(prompt=123), 400, "prompt"),
+    ("prompt-empty-string", C, comp(prompt=""), 400, "prompt"),
+    ("prompt-empty-list", C, comp(prompt=[]), 400, "prompt"),
+    ("prompt-id-out-of-vocab", C, comp(prompt=[5, 99999]), 400, "prompt"),
+    ("prompt-negative-id", C, comp(prompt=[-1]), 400, "prompt"),
+    ("prompt-too-long", C, comp(prompt="ab " * 1000), 400, "prompt"),
+    ("max-tokens-negative", C, comp(max_tokens=-5), 400, "max_tokens"),
+    ("max-tokens-zero", C, comp(max_tokens=0), 400, "max_tokens"),
+    ("max-tokens-too-large", C, comp(max_tokens=10 ** 6), 400, "max_tokens"),
+    ("max-tokens-string", C, comp(max_tokens="10"), 400, "max_tokens"),
+    ("max-tokens-float", C, comp(max_tokens=2.5), 400, "max_tokens"),
+    ("temperature-negative", C, comp(temperature=-1), 400, "temperature"),
+    ("temperature-too-high", C, comp(temperature=3), 400, "temperature"),
+    ("temperature-string", C, comp(temperature="hot"), 400, "temperature"),
+    ("temperature-nan", C, b'{"prompt": "x", "temperature": NaN}', 400, "temperature"),
+    ("top-p-zero", C, comp(top_p=0), 400, "top_p"),
+    ("top-p-above-one", C, comp(top_p=1.5), 400, "top_p"),
+    ("n-zero", C, comp(n=0), 400, "n"),
+    ("n-too-large", C, comp(n=1000), 400, "n"),
+    ("logprobs-too-many", C, comp(logprobs=10), 400, "logprobs"),
+    ("logprobs-negative", C, comp(logprobs=-1), 400, "logprobs"),
+    ("presence-penalty", C, comp(presence_penalty=5), 400, "presence_penalty"),
+    ("frequency-penalty", C, comp(frequency_penalty=-3), 400, "frequency_penalty"),
+    ("seed-string", C, comp(seed="abc"), 400, "seed"),
+    ("stream-string", C, comp(stream="yes"), 400, "stream"),
+    ("stream-options-no-stream", C, comp(stream_options={"include_usage": True}), 400,
+     "stream_options"),
+    ("stop-number", C, comp(stop=5), 400, "stop"),
+    ("stop-empty-string", C, comp(stop=[""]), 400, "stop"),
+    ("stop-too-many", C, comp(stop=[f"s{i}" for i in range(20)]), 400, "stop"),
+    ("logit-bias-bad-key", C, comp(logit_bias={"abc": 1}), 400, "logit_bias"),
+    ("logit-bias-out-of-vocab", C, comp(logit_bias={"99999": 1}), 400, "logit_bias"),
+    ("logit-bias-value", C, comp(logit_bias={"5": 500}), 400, "logit_bias"),
+    ("top-k-negative", C, comp(top_k=-5), 400, "top_k"),
+    ("min-p-above-one", C, comp(min_p=2), 400, "min_p"),
+    ("repetition-penalty-zero", C, comp(repetition_penalty=0), 400, "repetition_penalty"),
+    ("min-tokens-above-max", C, comp(min_tokens=10, max_tokens=2), 400, "min_tokens"),
+    ("stop-token-ids-out-of-vocab", C, comp(stop_token_ids=[99999]), 400, "stop_token_ids"),
+    ("unknown-model", C, comp(model="gpt-9"), 400, "model"),
+    ("chat-unknown-model", CH, chat(model="gpt-9"), 400, "model"),
+    ("chat-missing-messages", CH, {"max_tokens": 2}, 400, "messages"),
+    ("chat-empty-messages", CH, chat(messages=[]), 400, "messages"),
+    ("chat-messages-not-list", CH, chat(messages="hi"), 400, "messages"),
+    ("chat-bad-role", CH, chat(messages=[{"role": "wizard", "content": "x"}]), 400,
+     "messages.0.role"),
+    ("chat-missing-role", CH, chat(messages=[{"content": "x"}]), 400, "messages.0.role"),
+    ("chat-content-number", CH, chat(messages=[{"role": "user", "content": 5}]), 400,
+     "messages.0.content"),
+    ("chat-too-long", CH, chat(messages=[{"role": "user", "content": "ab " * 1000}]), 400,
+     "messages"),
+    ("chat-max-completion-tokens-too-large", CH, chat(max_completion_tokens=5000), 400,
+     "max_completion_tokens"),
+    ("chat-top-logprobs-too-many", CH, chat(logprobs=True, top_logprobs=21), 400, "top_logprobs"),
+    ("chat-top-logprobs-without-logprobs", CH, chat(top_logprobs=2), 400, "top_logprobs"),
+    ("chat-logprobs-int", CH, chat(logprobs=3), 400, "logprobs"),
+    ("body-too-large", C, comp(prompt="x" * (3 << 20)), 413, None),
+    ("body-too-large-chunked", C, "chunked", 413, None),
+]
+
+
+def _raw_post(server, path: str, body: bytes | str) -> tuple[int, dict]:
+    """Send a large body over a raw socket: the server answers before reading all of it, so
+    the client must read the answer even when the rest of its upload is refused."""
+    import socket
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as s:
+        if body == "chunked":   # no Content-Length: the limit must hold while reading
+            s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      "Transfer-Encoding: chunked\r\n\r\n".encode())
+            piece = b"x" * 65536
+            try:
+                for _ in range(64):
+                    s.sendall(f"{len(piece):x}\r\n".encode() + piece + b"\r\n")
+            except OSError:
+                pass
+        else:
+            s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      f"Content-Length: {len(body)}\r\n\r\n".encode() + body[:4096])
+        data = b""
+        while b"\r\n\r\n" not in data or not data.rstrip().endswith(b"}"):
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    head, _, payload = data.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(payload[payload.index(b"{"):])
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_bad_input(tiny_server, case):
+    name, path, body, status, param = case
+    if status == 413:
+        got, obj = _raw_post(tiny_server, path, body if isinstance(body, str) else
+                             json.dumps(body).encode())
+    else:
+        got, obj = tiny_server.post(path, body)
+    assert got == status, obj
+    err = obj["error"]
+    assert err["type"] and err["message"]
+    assert err["param"] == param
+    if param is not None:
+        assert param.split(".")[0] in err["message"]
+
+
+def test_table_is_large_enough():
+    assert len(CASES) >= 30
+
+
+def test_routes_and_methods(tiny_server):
+    import urllib.error
+    import urllib.request
+    for path, method, status in (("/v1/nothing", "GET", 404), (C, "GET", 405)):
+        req = urllib.request.Request(tiny_server.url + path, method=method)
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=10)
+        assert e.value.code == status
+        assert json.loads(e.value.read())["error"]["message"]
+
+
+def test_serves_after_bad_input(tiny_server):
+    for _, path, body, _, _ in CASES[:10]:
+        tiny_server.post(path, body)
+    status, obj = tiny_server.post(C, comp(max_tokens=5, ignore_eos=True))
+    assert status == 200 and obj["usage"]["completion_tokens"] == 5
+    status, obj = tiny_server.post(CH, chat(max_tokens=3, ignore_eos=True))
+    assert status == 200 and obj["usage"]["completion_tokens"] == 3
+    assert "Traceback" not in tiny_server.log()
