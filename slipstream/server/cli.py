@@ -90,9 +90,27 @@ def run(args) -> int:
     # uvicorn's SIGTERM/SIGINT handling stops accepting connections, waits for the
     # open ones (streams included) up to the drain timeout, then runs the lifespan
     # shutdown, which stops the engine thread.
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=args.drain_timeout, access_log=False)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=args.drain_timeout, access_log=False)
+    _server_class()(config).run()
     return 0
+
+
+def _server_class():
+    import signal
+
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        """uvicorn re-raises a caught SIGTERM after its graceful shutdown, so the process
+        would end killed by the signal; after a complete drain it exits with status 0."""
+
+        def handle_exit(self, sig, frame) -> None:
+            super().handle_exit(sig, frame)
+            captured = getattr(self, "_captured_signals", None)
+            if sig == signal.SIGTERM and captured and captured[-1] == sig:
+                captured.pop()
+    return DrainingServer
 
 
 def _default_name(model_path: str) -> str:
