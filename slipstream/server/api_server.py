@@ -125,6 +125,7 @@ class Server:
     # ---- generation ---------------------------------------------------------
 
     async def generate(self, request: Request, chat: bool):
+        arrival = time.monotonic()
         self.check_auth(request)
         body = await self.read_json(request)
         try:
@@ -153,7 +154,7 @@ class Server:
         except Overloaded as e:
             raise RequestError(str(e), None, 503, "server_overloaded") from None
         for rid in index:
-            self.metrics.arrived(rid)
+            self.metrics.arrived(rid, arrival)
         if req.stream:
             return StreamingResponse(self._stream(sub, fmt, len(prompts), req.include_usage),
                                      media_type="text/event-stream",

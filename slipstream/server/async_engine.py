@@ -127,7 +127,14 @@ class AsyncEngine:
                     engine.abort_request(rid)
                 except Exception:  # noqa: BLE001
                     log.exception("abort of request %s failed", rid)
-            if self._stop and not engine.has_unfinished_requests():
+            if self._stop:
+                # Shutdown comes after the HTTP side drained: whatever is left has no
+                # reader any more (a drain timeout cut it off), so it is aborted.
+                for rid in self._unfinished_ids():
+                    try:
+                        engine.abort_request(rid)
+                    except Exception:  # noqa: BLE001
+                        log.exception("abort of request %s failed", rid)
                 break
             if not engine.has_unfinished_requests():
                 self._snapshot()

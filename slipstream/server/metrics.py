@@ -83,8 +83,9 @@ class ServerMetrics:
 
     # ---- per request (on the loop) ----------------------------------------
 
-    def arrived(self, request_id: str) -> None:
-        self._tracked[request_id] = _Tracked(time.monotonic())
+    def arrived(self, request_id: str, when: float | None = None) -> None:
+        """`when`: time.monotonic() at which the HTTP request came in (default: now)."""
+        self._tracked[request_id] = _Tracked(time.monotonic() if when is None else when)
 
     def finished(self, request_id: str, outcome: str) -> None:
         t = self._tracked.pop(request_id, None)

@@ -113,3 +113,29 @@ def test_load_with_a_third_hanging_up(tiny_server):
     # The hung-up requests stopped early: far fewer tokens than their 120 each were made.
     made = m["slipstream_generation_tokens_total"] - before["slipstream_generation_tokens_total"]
     assert made < sum(b["max_tokens"] for b, _ in kept) + 120 * len(hung) / 2
+
+
+def test_non_streaming_client_hanging_up_is_aborted(tiny_server):
+    """A client of a whole (non-streaming) response that hangs up aborts its request too."""
+    async def scenario():
+        body = {"prompt": [5, 6, 7], "max_tokens": 1000, "ignore_eos": True}
+        clients = []
+        for _ in range(4):
+            reader, writer = await asyncio.open_connection("127.0.0.1", tiny_server.port)
+            data = json.dumps(body).encode()
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                         b"application/json\r\nContent-Length: %d\r\n\r\n" % len(data) + data)
+            await writer.drain()
+            clients.append(writer)
+        await asyncio.sleep(0.5)
+        for w in clients:
+            w.close()
+    before = tiny_server.metrics()
+    asyncio.run(scenario())
+    m = _wait_idle(tiny_server)
+    _assert_pool_free(m)
+    aborted = m['slipstream_requests_total{outcome="aborted"}'] - before.get(
+        'slipstream_requests_total{outcome="aborted"}', 0)
+    assert aborted == 4
+    made = m["slipstream_generation_tokens_total"] - before["slipstream_generation_tokens_total"]
+    assert made < 4 * 1000 / 2
