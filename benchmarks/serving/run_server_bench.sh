@@ -51,7 +51,7 @@ while time.time() < deadline:
         time.sleep(1)
 sys.exit("the server did not become healthy in 600 s")
 PY
-echo "server ready: $(tail -n 3 "$OUT/$LABEL.server.log" | head -n 1)"
+echo "server ready: $(grep -m1 "^loaded" "$OUT/$LABEL.server.log")"
 
 status=0
 # shellcheck disable=SC2086
