@@ -139,3 +139,26 @@ def test_non_streaming_client_hanging_up_is_aborted(tiny_server):
     assert aborted == 4
     made = m["slipstream_generation_tokens_total"] - before["slipstream_generation_tokens_total"]
     assert made < 4 * 1000 / 2
+
+
+def test_a_client_that_does_not_read_blocks_nobody(tiny_server):
+    """One stream is left unread while others run to completion; it still gets every token."""
+    async def scenario():
+        slow = {"prompt": [5, 6, 7], "max_tokens": 900, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}, "logprobs": 5}   # large events
+        status, reader, writer, headers = await _http(tiny_server.url, "POST", "/v1/completions",
+                                                      slow, None)
+        assert status == 200
+        t0 = time.monotonic()
+        fast = [{"prompt": [9, 10, i + 11], "max_tokens": 16, "ignore_eos": True, "stream": True,
+                 "stream_options": {"include_usage": True}} for i in range(8)]
+        done = await asyncio.gather(*(_stream(tiny_server.url, b, None) for b in fast))
+        fast_s = time.monotonic() - t0
+        assert all(r["usage"]["completion_tokens"] == 16 for r in done)
+        raw = b"".join([c async for c in _body_chunks(reader, headers)]).decode()
+        writer.close()
+        usage = [json.loads(e[6:]) for e in raw.split("\n\n") if e.startswith("data: {")][-1]
+        return fast_s, usage["usage"]["completion_tokens"], time.monotonic() - t0
+    fast_s, slow_tokens, total_s = asyncio.run(scenario())
+    assert slow_tokens == 900
+    assert fast_s < total_s

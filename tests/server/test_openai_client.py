@@ -156,3 +156,19 @@ def test_metrics(default_server, client, model):
                  "slipstream_kv_cache_usage", "slipstream_generation_tokens_per_second",
                  "slipstream_spec_acceptance_rate"):
         assert name in m
+
+
+def test_echo_and_token_id_prompts(client, model):
+    r = client.completions.create(model=model, prompt="The capital of France is", max_tokens=4,
+                                  temperature=0, echo=True)
+    assert r.choices[0].text.startswith("The capital of France is")
+    plain = client.completions.create(model=model, prompt="The capital of France is",
+                                      max_tokens=4, temperature=0).choices[0].text
+    assert r.choices[0].text == "The capital of France is" + plain
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=model, prompt="The capital of France is", max_tokens=4, temperature=0, echo=True,
+        stream=True))
+    assert streamed == r.choices[0].text
+    ids = client.completions.create(model=model, prompt=[[504, 3575, 282], [504, 3575]],
+                                    max_tokens=2, temperature=0, extra_body={"ignore_eos": True})
+    assert [c.index for c in ids.choices] == [0, 1] and ids.usage.prompt_tokens == 5
