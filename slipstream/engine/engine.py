@@ -49,7 +49,7 @@ class _Parent:
 
 class Engine:
     def __init__(self, args: EngineArgs):
-        files = open_model(args.model)
+        files = open_model(args.model, args.load_format, args.seed)
         self.config = args.create_config(str(files.path), files.config)
         self.tokenizer = files.tokenizer()
         torch.manual_seed(self.config.seed)

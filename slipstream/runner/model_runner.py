@@ -42,7 +42,8 @@ class ModelRunner:
         self.backend = create_backend(config.attention_backend, self.device)
         with torch.device(self.device), _default_dtype(self.dtype):
             self.model = model_class(mc.architecture)(mc, self.backend, quant_method_for)
-        self.model.load_weights(weights)
+        load_into = getattr(weights, "load_into", None)   # random weights (loader/dummy.py)
+        load_into(self.model) if load_into else self.model.load_weights(weights)
         self.model.eval()
         self.num_blocks = memory.num_kv_blocks(config.cache, mc, config.scheduler, self.dtype, self.device)
         self.kv_cache = memory.allocate_kv_cache(self.num_blocks, config.cache, mc, self.dtype, self.device)
