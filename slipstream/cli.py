@@ -1,4 +1,4 @@
-"""`slipstream generate | chat | analyze`."""
+"""`slipstream generate | chat | analyze | bench`."""
 from __future__ import annotations
 
 import argparse
@@ -154,6 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     from slipstream.analysis.cli import add_parser as add_analyze
     add_analyze(sub)
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    from slipstream.bench.cli import add_parsers as add_bench
+    add_bench(bench)
     return parser
 
 

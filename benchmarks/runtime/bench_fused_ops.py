@@ -185,9 +185,22 @@ def launches_per_layer(torch, device, dtype, fused: bool, smoke: bool) -> dict:
     if smoke:
         return {"per_layer": None, "note": "no CUDA on this machine: the path ran, nothing counted"}
     per_layer = (counts[4] - counts[2]) / 2
-    # the kernels of the last layer of the 4-layer step, for the record
+    # The layers run in order: a 4-layer step is the 2-layer one with two more
+    # layers in the middle, so its kernels past the 2-layer prefix minus the tail
+    # are those two layers; one layer is the first half of them.
+    k = int(per_layer)
+    head = _common_prefix(names[2], names[4])
+    layer_kernels = names[4][head:head + k] if k > 0 else []
     return {"per_layer": per_layer, "step_total_4_layers": counts[4],
-            "step_total_2_layers": counts[2], "kernels_4_layers": names[4]}
+            "step_total_2_layers": counts[2], "layer_kernels": layer_kernels,
+            "kernels_4_layers": names[4]}
+
+
+def _common_prefix(a: list[str], b: list[str]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
 
 
 def _small_model_step(torch, device, dtype, num_layers: int, fused: bool):
@@ -237,9 +250,12 @@ def markdown(res: dict) -> str:
     m = res["meta"]
     lines = [f"# Fused elementwise kernels ({m['device']}, {m['dtype']})", "",
              f"{m['date_utc']}, commit {m['commit']}, torch {m['torch']}, triton {m['triton']}. "
-             f"Copy bandwidth measured in this run: {res['copy_GBps']:.0f} GB/s "
+             f"Copy bandwidth measured in this run: {res['copy_GBps']:.1f} GB/s "
              "(bytes read + written). Times: median per call, both sides replayed from "
-             "a CUDA graph (launch overhead excluded from both).", "",
+             "a CUDA graph (launch overhead excluded from both). At decode sizes the "
+             "data fits in L2 and is re-read every call, so GB/s there is not an HBM "
+             "figure: the time per call is what counts; at prefill sizes the data "
+             "streams from HBM.", "",
              "## Correctness against the torch twins", "",
              "| check | max abs err | ok |", "| --- | ---: | --- |"]
     for k, v in res["correctness"].items():
@@ -247,16 +263,21 @@ def markdown(res: dict) -> str:
             lines.append(f"| {k} | {v['max_abs_err']:.2e} | {v['ok']} |")
         else:
             lines.append(f"| {k} | | {v} |")
-    lines += ["", "## Speed (Llama-3-8B layer shapes)", "",
+    shape = ", ".join(f"{k} {v}" for k, v in m["shape"].items())
+    lines += ["", f"## Speed ({shape})", "",
               "| op | tokens | fused us | torch us | speed-up | fused GB/s | % of copy BW |",
               "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for n, rows in res["timing"].items():
         for op, r in rows.items():
             lines.append(f"| {op} | {n} | {r['fused_us']:.1f} | {r['torch_us']:.1f} | "
                          f"{r['speedup']:.2f}x | {r['fused_GBps']:.0f} | {r['fused_pct_copy_bw']:.0f}% |")
-    lines += ["", "## Kernel launches per decoder layer (decode step, batch 8)", ""]
+    lines += ["", "## Kernel launches per decoder layer (decode step, batch 8, small random "
+              "Llama through the model code, triton attention)", ""]
     for k, v in res["launches"].items():
         lines.append(f"- {k}: {v.get('per_layer')}")
+    names = res["launches"].get("fused", {}).get("layer_kernels")
+    if names:
+        lines += ["", "Kernels of one fused layer: " + ", ".join(f"`{n[:60]}`" for n in names)]
     return "\n".join(lines) + "\n"
 
 

@@ -15,6 +15,7 @@ from slipstream.engine.outputs import (CompletionOutput, Logprob, PositionLogpro
                                        RequestOutput)
 from slipstream.engine.request import Request, RequestStatus
 from slipstream.engine.scheduler import Scheduler
+from slipstream.engine.stats import StepStats
 from slipstream.loader import open_model
 from slipstream.quant.selector import quant_method_for
 from slipstream.runner.model_runner import ModelRunner, TokenLogprobs
@@ -61,6 +62,7 @@ class Engine:
         self._parents: dict[str, _Parent] = {}
         self._seqs: dict[str, _Sequence] = {}
         self._ids = itertools.count()
+        self.step_stats: list[StepStats] = []   # one per step that ran a forward
         mc = self.config.model_config
         self.eos_token_ids = tuple(dict.fromkeys(mc.eos_token_ids + tuple(self.tokenizer.eos_token_ids)))
 
@@ -143,6 +145,7 @@ class Engine:
                 raise RuntimeError("no request could be scheduled: the KV cache is too small "
                                    "for the waiting requests")
             return []
+        self.step_stats.append(StepStats.of(sched))
         result = self.runner.execute(sched)
         for rid, (start, entries) in result.prompt_logprobs.items():
             # After a preemption the prompt is recomputed: keep the first record.
