@@ -97,10 +97,12 @@ def _cases(torch, device, dtype, shape):
     finally:
         torch.set_default_dtype(old)
     qk = qkv[:, :heads + kv]
+    # The unfused path gathers cos/sin rows once a step (not timed: shared by all
+    # layers), then each layer builds new rotated heads from them.
+    from slipstream.layers.rotary import apply_rotary
+    c, s = rope.lookup(pos)
 
-    def torch_rotary():  # the CPU path: gather the rows, then new rotated heads
-        from slipstream.layers.rotary import apply_rotary
-        c, s = rope.lookup(pos)
+    def torch_rotary():
         return apply_rotary(qk, c, s)
 
     return {

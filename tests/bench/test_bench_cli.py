@@ -56,7 +56,7 @@ def test_latency(tiny, tmp_path, capsys):
 def test_throughput(tiny, tmp_path, capsys, lengths):
     out = tmp_path / "thr.json"
     rc = main(["bench", "throughput", "--model", str(tiny), *ENGINE, "--num-prompts", "6",
-               "--max-num-seqs", "4", *lengths, "--output-json", str(out)])
+               "--max-num-seqs", "4", "--max-model-len", "96", *lengths, "--output-json", str(out)])
     assert rc == 0
     res = json.loads(out.read_text())
     if lengths:
