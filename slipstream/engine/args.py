@@ -28,12 +28,15 @@ class EngineArgs:
     enforce_eager: bool = False
     async_scheduling: bool | None = None
     seed: int = 0
+    load_format: str = "auto"                # "auto": the model's weights; "dummy": random
 
     @classmethod
     def field_names(cls) -> set[str]:
         return {f.name for f in fields(cls)}
 
     def create_config(self, model_path: str, mc: ModelConfig) -> EngineConfig:
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format: expected 'auto' or 'dummy', got {self.load_format!r}")
         device = resolve_device(self.device)
         dtype = resolve_dtype(self.dtype, device)
         max_len = self.max_model_len or mc.max_position_embeddings

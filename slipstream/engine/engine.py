@@ -15,6 +15,7 @@ from slipstream.engine.outputs import (CompletionOutput, Logprob, PositionLogpro
                                        RequestOutput)
 from slipstream.engine.request import Request, RequestStatus
 from slipstream.engine.scheduler import Scheduler
+from slipstream.engine.stats import StepStats
 from slipstream.loader import open_model
 from slipstream.quant.selector import quant_method_for
 from slipstream.runner.model_runner import ModelRunner, StepHandle
@@ -50,7 +51,7 @@ class _Parent:
 
 class Engine:
     def __init__(self, args: EngineArgs):
-        files = open_model(args.model)
+        files = open_model(args.model, args.load_format, args.seed)
         self.config = args.create_config(str(files.path), files.config)
         self.tokenizer = files.tokenizer()
         torch.manual_seed(self.config.seed)
@@ -66,6 +67,8 @@ class Engine:
         async_sched = self.config.async_scheduling
         self.async_scheduling = (self.config.device.type == "cuda" if async_sched is None
                                  else async_sched)
+        # One StepStats per step that ran a forward, once a benchmark sets a list here.
+        self.step_stats: list[StepStats] | None = None
         mc = self.config.model_config
         self.eos_token_ids = tuple(dict.fromkeys(mc.eos_token_ids + tuple(self.tokenizer.eos_token_ids)))
 
@@ -150,6 +153,8 @@ class Engine:
         sched = self.scheduler.schedule()
         handle = None
         if not sched.is_empty:
+            if self.step_stats is not None:
+                self.step_stats.append(StepStats.of(sched, self.scheduler.requests))
             handle = self.runner.execute(sched)
         elif self._inflight is None and self.scheduler.has_unfinished:
             raise RuntimeError("no request could be scheduled: the KV cache is too small "

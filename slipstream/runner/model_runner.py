@@ -46,7 +46,8 @@ class ModelRunner:
         self.backend = create_backend(config.attention_backend, self.device)
         with torch.device(self.device), _default_dtype(self.dtype):
             self.model = model_class(mc.architecture)(mc, self.backend, quant_method_for)
-        self.model.load_weights(weights)
+        load_into = getattr(weights, "load_into", None)   # random weights (loader/dummy.py)
+        load_into(self.model) if load_into else self.model.load_weights(weights)
         self.model.eval()
         self.vocab_size = mc.vocab_size
         self.sampler = Sampler()
