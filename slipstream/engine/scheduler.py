@@ -112,8 +112,9 @@ class Scheduler:
             req.num_computed_tokens += n
             if req.num_computed_tokens == req.num_tokens + req.num_pending:
                 req.num_pending += 1   # this step samples its next token
-        out.finished_req_ids, self._gone = self._gone, []
-        out.preempted_req_ids, self._preempted = self._preempted, []
+        if scheduled:  # the ids that left reach the runner with the next step it runs
+            out.finished_req_ids, self._gone = self._gone, []
+            out.preempted_req_ids, self._preempted = self._preempted, []
         return out
 
     def _emit(self, req: Request, n: int, out: SchedulerOutput) -> None:

@@ -159,4 +159,7 @@ def test_tokens_of_a_finished_request_still_in_flight_are_dropped():
     assert a.status == RequestStatus.FINISHED_STOPPED
     assert s.update({"a": [5]}) == []       # the extra step's token is discarded
     assert a.output_token_ids == [0]
-    assert s.schedule().finished_req_ids == ["a"]
+    assert s.schedule().finished_req_ids == []   # nothing runs: the news waits for a step
+    s.add_request(make("b", 2))
+    out = s.schedule()
+    assert out.finished_req_ids == ["a"] and list(out.num_scheduled_tokens) == ["b"]

@@ -146,3 +146,15 @@ def test_min_tokens_holds_back_stop_strings_and_eos(tiny_folder):
     row = runner.input_batch.row_of["x"]
     assert runner.sampling.min_token_ids[row] == ()
     llm.engine.abort_request("x")
+
+
+@pytest.mark.parametrize("overlapped", [False, True])
+def test_rows_of_finished_requests_are_reused(tiny_folder, overlapped):
+    """Full batches one after another: the runner drops every finished request."""
+    folder, _ = tiny_folder("llama")
+    llm = make_llm(folder, max_num_seqs=4, async_scheduling=overlapped)
+    for seed in range(3):
+        outs = llm.generate(random_prompts(4, 265, 3, 9, seed=seed),
+                            SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
+        assert all(len(o.outputs[0].token_ids) == 3 for o in outs)
+    assert llm.engine.runner.input_batch.num_reqs <= 4
