@@ -46,6 +46,9 @@ class TritonAttentionBackend:
             d = batch.num_decode_seqs
             # The prefill part as a batch of its own (offsets from its first token).
             self._prefill_loc = batch.query_start_loc[d:] - d
+            # A copy, so the kernel always sees a 16-byte aligned base (no
+            # alignment specialisation per decode count).
+            self._prefill_ctx = batch.context_lens[d:].clone()
             self._prefill_max_q = max(batch.query_lens_cpu[d:])
             self._decode_max_len = max(batch.seq_lens_cpu[:d])
         else:
@@ -91,7 +94,7 @@ class TritonAttentionBackend:
                          batch.block_tables[:d], d, self._decode_max_len, 1, None, out[:d])
             prefill_attention(
                 q[d:], k[d:], v[d:], layer.k_cache, layer.v_cache, self._prefill_loc,
-                batch.context_lens[d:], batch.block_tables[d:], self._prefill_max_q, layer.scale,
+                self._prefill_ctx, batch.block_tables[d:], self._prefill_max_q, layer.scale,
                 causal=True, sliding_window=layer.sliding_window, out=out[d:])
             return out
         return self._decode(q, layer, batch.query_start_loc, batch.seq_lens, batch.block_tables,
