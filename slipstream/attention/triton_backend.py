@@ -70,12 +70,14 @@ class TritonAttentionBackend:
         return splits
 
     def _scratch_for(self, q: torch.Tensor, splits: int):
-        # One buffer pair per shape, reused by every layer and step of that shape.
+        # One buffer pair per shape, reused by every layer and step of that shape,
+        # and never freed: a captured CUDA graph keeps writing to the pair it saw.
+        # Shapes are few: split steps have at most a few dozen tokens x splits.
         key = (q.shape[0], q.shape[1], splits, q.shape[2], q.device)
         buf = self._scratch.get(key)
         if buf is None:
-            buf = split_kv_scratch(q.shape[0], q.shape[1], splits, q.shape[2], q.device)
-            self._scratch = {key: buf}
+            buf = self._scratch[key] = split_kv_scratch(q.shape[0], q.shape[1], splits, q.shape[2],
+                                                        q.device)
         return buf
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
