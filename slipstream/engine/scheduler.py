@@ -145,7 +145,9 @@ class Scheduler:
         return True, preempted
 
     def _forget(self, req: Request) -> None:
-        if self._sent_blocks.pop(req.request_id, None) is not None:
+        # A preempted request that ends before it runs again is news too: the
+        # runner keeps its random stream until it comes back.
+        if self._sent_blocks.pop(req.request_id, None) is not None or req.num_preemptions:
             self._gone.append(req.request_id)
 
     def _preempt(self, req: Request) -> None:

@@ -60,6 +60,8 @@ class ModelRunner:
                                       cc.block_size, self.device)
         self.sampling = SamplingState(sc.max_num_seqs, mc.vocab_size, self.device)
         self._prompt_lp: dict[str, int] = {}   # request id -> k, while its prompt is scored
+        # Seeded streams of preempted requests, until they come back.
+        self._parked: dict[str, torch.Generator] = {}
         self.graphs = None
         if (self.device.type == "cuda" and not config.enforce_eager
                 and self.backend.name == "triton"):
@@ -69,15 +71,21 @@ class ModelRunner:
 
     def _update_states(self, sched: SchedulerOutput) -> dict[str, int]:
         ib = self.input_batch
+        preempted = set(sched.preempted_req_ids)
         for rid in sched.finished_req_ids:
             row = ib.remove(rid)
             if row is not None:
+                if rid in preempted and self.sampling.generators[row] is not None:
+                    self._parked[rid] = self.sampling.generators[row]
                 self.sampling.remove(row)
             self._prompt_lp.pop(rid, None)
+            if rid not in preempted:
+                self._parked.pop(rid, None)
         starts = {}
         for r in sched.new_requests:
             row = ib.add(r.req_id, r.prompt_token_ids, r.output_token_ids, r.block_ids)
-            self.sampling.add(row, r.params, r.prompt_token_ids, r.output_token_ids, r.eos_token_ids)
+            self.sampling.add(row, r.params, r.prompt_token_ids, r.output_token_ids, r.eos_token_ids,
+                              self._parked.pop(r.req_id, None))
             if r.params.prompt_logprobs is not None:
                 self._prompt_lp[r.req_id] = r.params.prompt_logprobs
             starts[r.req_id] = r.num_computed_tokens

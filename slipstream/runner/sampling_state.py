@@ -47,7 +47,9 @@ class SamplingState:
         self._flip = 0
 
     def add(self, row: int, params: SamplingParams, prompt: list[int], outputs: list[int],
-            eos_token_ids: tuple[int, ...]) -> None:
+            eos_token_ids: tuple[int, ...], generator: torch.Generator | None = None) -> None:
+        """`generator`: the request's own stream when it comes back after a
+        preemption (its draws continue where they stopped)."""
         f = self.f32[:, row]
         f[_TEMP], f[_TOP_P], f[_MIN_P] = params.temperature, params.top_p, params.min_p
         f[_REP], f[_FREQ], f[_PRES] = (params.repetition_penalty, params.frequency_penalty,
@@ -59,7 +61,7 @@ class SamplingState:
         self.num_logprobs[row] = _NO_LOGPROBS if params.logprobs is None else params.logprobs
         stops = dict.fromkeys([*(params.stop_token_ids or ()), *eos_token_ids])
         self.min_token_ids[row] = tuple(t for t in stops if t < self.vocab_size)
-        self.generators[row] = make_generator(params, self.device)
+        self.generators[row] = generator or make_generator(params, self.device)
         self.has_penalties[row] = params.has_penalties
         if params.has_penalties:
             self._init_penalty_row(row, prompt, outputs)

@@ -48,7 +48,7 @@ def test_overlap_on_and_off_give_identical_outputs(tiny_folder, prompts):
     assert _run(overlap, prompts, MIXED) == expect
     # Again with a pool so small that requests are preempted and recomputed,
     # and a budget that chunks prompts and mixes them with decodes.
-    tight = dict(num_kv_blocks=64, max_num_batched_tokens=16)
+    tight = dict(max_model_len=64, num_kv_blocks=16, max_num_batched_tokens=16)
     for overlapped in (True, False):
         small = make_llm(folder, async_scheduling=overlapped, **tight)
         assert _run(small, prompts, MIXED) == expect
