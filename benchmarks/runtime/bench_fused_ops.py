@@ -178,7 +178,7 @@ def launches_per_layer(torch, device, dtype, fused: bool, smoke: bool) -> dict:
                 counts[layers] = None
                 continue
             torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 model.backend.prepare(batch)
                 model(batch)
                 torch.cuda.synchronize()
