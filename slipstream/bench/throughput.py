@@ -56,11 +56,11 @@ def run(llm, args, hardware) -> dict:
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in reqs]
     params = [SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True)
               for r in reqs]
-    first = len(engine.step_stats)
+    engine.step_stats = []
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - t0
-    steps = engine.step_stats[first:]
+    steps, engine.step_stats = engine.step_stats, None
 
     n_in = sum(len(r.prompt_token_ids) for r in reqs)
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)

@@ -25,6 +25,8 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.90
     attention_backend: str | None = None
     quantization: str | None = None
+    enforce_eager: bool = False
+    async_scheduling: bool | None = None
     seed: int = 0
     load_format: str = "auto"                # "auto": the model's weights; "dummy": random
 
@@ -74,5 +76,7 @@ class EngineArgs:
             parallel=ParallelConfig(),
             attention_backend=self.attention_backend,
             quantization=self.quantization,
+            enforce_eager=self.enforce_eager,
+            async_scheduling=self.async_scheduling,
             seed=self.seed,
         )

@@ -1,8 +1,8 @@
 """Per-step figures of the engine, for benchmarks and the roofline comparison.
 
-`Engine.step` appends one `StepStats` to `engine.step_stats` right after
-scheduling, so a benchmark can say which batch sizes the scheduler actually
-ran and bound each step with the analysis layer.
+Once a benchmark sets `engine.step_stats = []`, `Engine.step` appends one
+`StepStats` to it right after scheduling, so the benchmark can say which batch
+sizes the scheduler actually ran and bound each step with the analysis layer.
 """
 from __future__ import annotations
 
@@ -17,13 +17,16 @@ class StepStats:
     context_tokens: int     # tokens already in the KV cache, summed over the step's requests
 
     @classmethod
-    def of(cls, sched) -> "StepStats":
-        """From a SchedulerOutput (its `scheduled` requests)."""
-        scheduled = sched.scheduled
+    def of(cls, sched, requests: dict) -> "StepStats":
+        """From a SchedulerOutput; `requests`: the scheduler's live requests by id
+        (read for their prompt lengths)."""
+        ctx = {r.req_id: r.num_computed_tokens for r in sched.new_requests}
+        ctx.update({r.req_id: r.num_computed_tokens for r in sched.cached_requests})
+        counts = sched.num_scheduled_tokens
         return cls(
-            num_seqs=len(scheduled),
-            num_tokens=sum(s.num_new_tokens for s in scheduled),
-            num_decode_seqs=sum(1 for s in scheduled if s.num_new_tokens == 1
-                                and s.context_len >= s.request.num_prompt_tokens),
-            context_tokens=sum(s.context_len for s in scheduled),
+            num_seqs=len(counts),
+            num_tokens=sum(counts.values()),
+            num_decode_seqs=sum(1 for rid, n in counts.items()
+                                if n == 1 and ctx[rid] >= requests[rid].num_prompt_tokens),
+            context_tokens=sum(ctx.values()),
         )
