@@ -245,7 +245,8 @@ def _small_model_step(torch, device, dtype, num_layers: int, fused: bool):
         seq_lens=t(torch.full((b,), ctx + 1, dtype=torch.int32)),
         context_lens=t(torch.full((b,), ctx, dtype=torch.int32)), slot_mapping=t(slots),
         block_tables=t(tables), logits_indices=t(torch.arange(b)), max_query_len=1,
-        max_seq_len=ctx + 1, query_lens_cpu=[1] * b, seq_lens_cpu=[ctx + 1] * b)
+        max_seq_len=ctx + 1, query_lens_cpu=[1] * b, seq_lens_cpu=[ctx + 1] * b,
+        num_decode_seqs=b)
     return model, batch
 
 
