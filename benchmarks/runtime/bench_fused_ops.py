@@ -140,6 +140,41 @@ def correctness(torch, device, dtype, shape) -> dict:
     return out
 
 
+def graph_safety(torch, device, dtype, shape) -> dict:
+    """Each fused kernel launched with host syncs turned into errors, then
+    captured in a CUDA graph and replayed: the replay's output equals the eager one."""
+    cases, (_, _, _, _, qkv, _, _) = _cases(torch, device, dtype, shape)
+    start = qkv.clone()   # rotary works in place on qkv: each run starts from here
+
+    def run(fn):
+        qkv.copy_(start)
+        out = fn()
+        return (qkv.clone(),) if out is None or out.data_ptr() == qkv.data_ptr() else \
+            (out if isinstance(out, tuple) else (out,))
+
+    out = {}
+    for name, (fused, _, _) in cases.items():
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            eager = run(fused)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        qkv.copy_(start)
+        with torch.cuda.graph(g):
+            captured = fused()
+        qkv.copy_(start)
+        g.replay()
+        torch.cuda.synchronize()
+        if name == "rotary":
+            captured = (qkv,)
+        elif not isinstance(captured, tuple):
+            captured = (captured,)
+        out[name] = all(bool(torch.equal(a, b)) for a, b in zip(eager, captured))
+    return out
+
+
 def _compare(torch, got, want, tol) -> dict:
     err = (got.float() - want.float()).abs().max().item()
     try:
@@ -281,6 +316,10 @@ def markdown(res: dict) -> str:
         else:
             lines.append(f"| {k} | | {v} |")
     shape = ", ".join(f"{k} {v}" for k, v in m["shape"].items())
+    gs = res.get("graph_safety")
+    if gs:
+        lines += ["", "No host sync (`set_sync_debug_mode('error')`), and a CUDA-graph replay "
+                  "equals the eager call: " + ", ".join(f"{k} {v}" for k, v in gs.items()) + "."]
     mp = res.get("model_fp32")
     if mp:
         lines += ["", f"Small random Llama, fp32 decode step, fused against torch ops: max |logit "
@@ -339,6 +378,9 @@ def main() -> None:
     log("correctness")
     res["correctness"] = correctness(torch, device, dtype, (37,) + dims)
     log(f"  {res['correctness']}")
+    if device == "cuda":
+        res["graph_safety"] = graph_safety(torch, device, dtype, (37,) + dims)
+        log(f"  no host sync, graph replay equals eager: {res['graph_safety']}")
     res["model_fp32"] = model_parity(torch, device)
     log(f"  model fp32 fused vs torch: {res['model_fp32']}")
     res["copy_GBps"] = measure_copy_bandwidth(device, nbytes=1 << 20 if args.smoke else None) / 1e9
@@ -356,7 +398,7 @@ def main() -> None:
     (args.out / "fused_ops.json").write_text(json.dumps(res, indent=1))
     (args.out / "fused_ops.md").write_text(markdown(res))
     ok = all(v["ok"] if isinstance(v, dict) else v for v in res["correctness"].values())
-    ok = ok and res["model_fp32"]["ok"]
+    ok = ok and res["model_fp32"]["ok"] and all(res.get("graph_safety", {}).values())
     log(f"wrote {args.out}/fused_ops.json and .md; correctness {'ok' if ok else 'FAILED'}")
     if not ok:
         sys.exit(1)
