@@ -36,7 +36,8 @@ NUM_PROMPTS = 1000
 
 def _llm(**kw):
     from slipstream import LLM
-    opts = dict(load_format="dummy", dtype="bfloat16", max_num_seqs=256)
+    opts = dict(load_format="dummy", dtype="bfloat16", max_num_seqs=256,
+                enforce_eager=os.environ.get("BENCH_EAGER") == "1")
     opts.update(kw)
     return LLM(MODEL, **opts)
 
@@ -68,7 +69,7 @@ def stage_latency(out: Path, eager: bool) -> dict:
     import torch
     from slipstream.analysis.hardware import measure_copy_bandwidth
     from slipstream.bench import latency
-    llm = _llm(enforce_eager=eager)
+    llm = _llm(enforce_eager=eager or os.environ.get("BENCH_EAGER") == "1")
     bw = measure_copy_bandwidth(torch.device("cuda"))
     batches = [1, 64] if eager else [1, 8, 16, 32, 64, 128]
     rows = []
@@ -87,9 +88,36 @@ def stage_latency(out: Path, eager: bool) -> dict:
             "kv": llm.engine.runner.plan.describe()}
 
 
-def _requests():
+def _requests(seed: int = 0):
     from slipstream.bench.dataset import sharegpt_like_requests
-    return sharegpt_like_requests(NUM_PROMPTS, 128256, 8192, 0)
+    return sharegpt_like_requests(NUM_PROMPTS, 128256, 8192, seed)
+
+
+def _timed_steps(llm, reqs) -> dict:
+    """The requests at once through the engine's step loop, each step timed."""
+    from slipstream import SamplingParams
+    engine = llm.engine
+    engine.step_stats = []
+    for r in reqs:
+        engine.add_request({"prompt_token_ids": r.prompt_token_ids},
+                           SamplingParams(max_tokens=r.output_len, temperature=0, ignore_eos=True))
+    times, kinds = [], []
+    t0 = time.perf_counter()
+    while engine.has_unfinished_requests():
+        t = time.perf_counter()
+        n = len(engine.step_stats)
+        engine.step()
+        times.append(time.perf_counter() - t)
+        s = engine.step_stats[n] if len(engine.step_stats) > n else None
+        kinds.append("none" if s is None else "decode" if s.num_decode_seqs == s.num_seqs else "mixed")
+    elapsed = time.perf_counter() - t0
+    engine.step_stats = None
+    by = {k: sum(t for t, kk in zip(times, kinds) if kk == k) for k in ("decode", "mixed", "none")}
+    slow = sorted(zip(times, kinds, range(len(times))), reverse=True)[:12]
+    return {"elapsed_s": elapsed, "seconds_by_step_kind": by, "steps": len(times),
+            "slowest_steps": [(round(t * 1e3, 1), k, i) for t, k, i in slow],
+            "median_step_ms": {k: 1e3 * statistics.median([t for t, kk in zip(times, kinds) if kk == k] or [0])
+                               for k in ("decode", "mixed")}}
 
 
 def stage_throughput(out: Path) -> dict:
@@ -101,12 +129,18 @@ def stage_throughput(out: Path) -> dict:
     dev = torch.device("cuda")
     hw = HardwareProfile("H200", measure_copy_bandwidth(dev), measure_matmul_rate(dev, torch.bfloat16),
                          source="measured in this process")
+    reqs = _requests()
+    # A first pass of other prompts (no prefix-cache hits later): kernels compile,
+    # graphs are captured.
+    cold = _timed_steps(llm, _requests(seed=1))
+    print("cold", cold, flush=True)
     args = SimpleNamespace(dataset="sharegpt-like", num_prompts=NUM_PROMPTS, dataset_seed=0,
                            input_len=None, output_len=None)
     res = throughput.run(llm, args, hw)
     print(throughput.report(res), flush=True)
-    (out / "requests.json").write_text(json.dumps(
-        [[r.prompt_token_ids, r.output_len] for r in _requests()]))
+    res["cold_pass"] = cold
+    res["graphs_captured"] = len(llm.engine.runner.graphs.graphs)
+    (out / "requests.json").write_text(json.dumps([[r.prompt_token_ids, r.output_len] for r in reqs]))
     return res
 
 

@@ -46,6 +46,9 @@ class TritonAttentionBackend:
             d = batch.num_decode_seqs
             # The prefill part as a batch of its own (offsets from its first token).
             self._prefill_loc = batch.query_start_loc[d:] - d
+            # A copy, so the kernel always sees a 16-byte aligned base (no
+            # alignment specialisation per decode count).
+            self._prefill_ctx = batch.context_lens[d:].clone()
             self._prefill_max_q = max(batch.query_lens_cpu[d:])
             self._decode_max_len = max(batch.seq_lens_cpu[:d])
         else:
@@ -67,12 +70,14 @@ class TritonAttentionBackend:
         return splits
 
     def _scratch_for(self, q: torch.Tensor, splits: int):
-        # One buffer pair per shape, reused by every layer and step of that shape.
+        # One buffer pair per shape, reused by every layer and step of that shape,
+        # and never freed: a captured CUDA graph keeps writing to the pair it saw.
+        # Shapes are few: split steps have at most a few dozen tokens x splits.
         key = (q.shape[0], q.shape[1], splits, q.shape[2], q.device)
         buf = self._scratch.get(key)
         if buf is None:
-            buf = split_kv_scratch(q.shape[0], q.shape[1], splits, q.shape[2], q.device)
-            self._scratch = {key: buf}
+            buf = self._scratch[key] = split_kv_scratch(q.shape[0], q.shape[1], splits, q.shape[2],
+                                                        q.device)
         return buf
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -91,7 +96,7 @@ class TritonAttentionBackend:
                          batch.block_tables[:d], d, self._decode_max_len, 1, None, out[:d])
             prefill_attention(
                 q[d:], k[d:], v[d:], layer.k_cache, layer.v_cache, self._prefill_loc,
-                batch.context_lens[d:], batch.block_tables[d:], self._prefill_max_q, layer.scale,
+                self._prefill_ctx, batch.block_tables[d:], self._prefill_max_q, layer.scale,
                 causal=True, sliding_window=layer.sliding_window, out=out[d:])
             return out
         return self._decode(q, layer, batch.query_start_loc, batch.seq_lens, batch.block_tables,
