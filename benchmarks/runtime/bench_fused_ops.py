@@ -29,7 +29,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(HERE)]
 
 HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM = 4096, 14336, 32, 8, 128
 DECODE_TOKENS = (1, 8, 32, 64, 128, 256)
@@ -140,6 +140,41 @@ def correctness(torch, device, dtype, shape) -> dict:
     return out
 
 
+def graph_safety(torch, device, dtype, shape) -> dict:
+    """Each fused kernel launched with host syncs turned into errors, then
+    captured in a CUDA graph and replayed: the replay's output equals the eager one."""
+    cases, (_, _, _, _, qkv, _, _) = _cases(torch, device, dtype, shape)
+    start = qkv.clone()   # rotary works in place on qkv: each run starts from here
+
+    def run(fn):
+        qkv.copy_(start)
+        out = fn()
+        return (qkv.clone(),) if out is None or out.data_ptr() == qkv.data_ptr() else \
+            (out if isinstance(out, tuple) else (out,))
+
+    out = {}
+    for name, (fused, _, _) in cases.items():
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            eager = run(fused)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        qkv.copy_(start)
+        with torch.cuda.graph(g):
+            captured = fused()
+        qkv.copy_(start)
+        g.replay()
+        torch.cuda.synchronize()
+        if name == "rotary":
+            captured = (qkv,)
+        elif not isinstance(captured, tuple):
+            captured = (captured,)
+        out[name] = all(bool(torch.equal(a, b)) for a, b in zip(eager, captured))
+    return out
+
+
 def _compare(torch, got, want, tol) -> dict:
     err = (got.float() - want.float()).abs().max().item()
     try:
@@ -164,90 +199,6 @@ def timing(torch, device, dtype, shape, copy_bw: float, smoke: bool) -> dict:
     return rows
 
 
-def launches_per_layer(torch, device, dtype, fused: bool, smoke: bool) -> dict:
-    """CUDA kernels per decoder layer in one decode step (batch 8, context 100)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    counts, names = {}, {}
-    for layers in (2, 4):
-        model, batch = _small_model_step(torch, device, dtype, layers, fused)
-        with torch.inference_mode():
-            model.backend.prepare(batch)
-            model(batch)  # warm-up: compile kernels outside the profile
-            if smoke:
-                counts[layers] = None
-                continue
-            torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                model.backend.prepare(batch)
-                model(batch)
-                torch.cuda.synchronize()
-        kernels = [e.name for e in prof.events() if e.device_type.name == "CUDA"]
-        counts[layers], names[layers] = len(kernels), kernels
-    if smoke:
-        return {"per_layer": None, "note": "no CUDA on this machine: the path ran, nothing counted"}
-    per_layer = (counts[4] - counts[2]) / 2
-    # The layers run in order: a 4-layer step is the 2-layer one with two more
-    # layers in the middle, so its kernels past the 2-layer prefix minus the tail
-    # are those two layers; one layer is the first half of them.
-    k = int(per_layer)
-    head = _common_prefix(names[2], names[4])
-    layer_kernels = names[4][head:head + k] if k > 0 else []
-    return {"per_layer": per_layer, "step_total_4_layers": counts[4],
-            "step_total_2_layers": counts[2], "layer_kernels": layer_kernels,
-            "kernels_4_layers": names[4]}
-
-
-def _common_prefix(a: list[str], b: list[str]) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
-
-
-def _small_model_step(torch, device, dtype, num_layers: int, fused: bool):
-    from slipstream.attention.selector import create_backend
-    from slipstream.batch import ForwardBatch
-    from slipstream.config import ModelConfig
-    from slipstream.layers.activation import SiluAndMul
-    from slipstream.layers.norm import RMSNorm
-    from slipstream.layers.rotary import RotaryEmbedding
-    from slipstream.loader.dummy import initialize_dummy_weights
-    from slipstream.models.llama import LlamaForCausalLM
-    mc = ModelConfig("llama", vocab_size=512, hidden_size=256, intermediate_size=512,
-                     num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
-                     head_dim=64, max_position_embeddings=512)
-    backend = create_backend("triton", torch.device(device))
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = LlamaForCausalLM(mc, backend)
-    finally:
-        torch.set_default_dtype(old)
-    initialize_dummy_weights(model, seed=0)
-    for m in model.modules():
-        if isinstance(m, (RMSNorm, SiluAndMul, RotaryEmbedding)):
-            m.use_kernel = fused
-    b, ctx, bs = 8, 100, 16
-    blocks = -(-(ctx + 1) // bs)
-    for layer in model.attention_layers():
-        shape = (b * blocks, bs, mc.num_key_value_heads, mc.head_dim)
-        layer.k_cache = torch.randn(shape, device=device).to(dtype)
-        layer.v_cache = torch.randn(shape, device=device).to(dtype)
-    tables = torch.arange(b * blocks, dtype=torch.int32).view(b, blocks)
-    slots = tables[:, ctx // bs].long() * bs + ctx % bs
-    t = lambda v: v.to(device)  # noqa: E731
-    batch = ForwardBatch(
-        input_ids=t(torch.randint(0, mc.vocab_size, (b,))), positions=t(torch.full((b,), ctx)),
-        query_start_loc=t(torch.arange(b + 1, dtype=torch.int32)),
-        seq_lens=t(torch.full((b,), ctx + 1, dtype=torch.int32)),
-        context_lens=t(torch.full((b,), ctx, dtype=torch.int32)), slot_mapping=t(slots),
-        block_tables=t(tables), logits_indices=t(torch.arange(b)), max_query_len=1,
-        max_seq_len=ctx + 1, query_lens_cpu=[1] * b, seq_lens_cpu=[ctx + 1] * b)
-    return model, batch
-
-
 def markdown(res: dict) -> str:
     m = res["meta"]
     lines = [f"# Fused elementwise kernels ({m['device']}, {m['dtype']})", "",
@@ -266,6 +217,15 @@ def markdown(res: dict) -> str:
         else:
             lines.append(f"| {k} | | {v} |")
     shape = ", ".join(f"{k} {v}" for k, v in m["shape"].items())
+    gs = res.get("graph_safety")
+    if gs:
+        lines += ["", "No host sync (`set_sync_debug_mode('error')`), and a CUDA-graph replay "
+                  "equals the eager call: " + ", ".join(f"{k} {v}" for k, v in gs.items()) + "."]
+    mp = res.get("model_fp32")
+    if mp:
+        lines += ["", f"Small random Llama, fp32 decode step, fused against torch ops: max |logit "
+                  f"diff| {mp['max_abs_logit_diff']:.2e} (logit std {mp['logit_std']:.2f}), "
+                  f"ok: {mp['ok']}."]
     lines += ["", f"## Speed ({shape})", "",
               "| op | tokens | fused us | torch us | speed-up | fused GB/s | % of copy BW |",
               "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
@@ -284,6 +244,7 @@ def markdown(res: dict) -> str:
 
 
 def main() -> None:
+    from small_model import launches_per_layer, model_parity
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=HERE / "results")
     ap.add_argument("--smoke", action="store_true",
@@ -319,6 +280,11 @@ def main() -> None:
     log("correctness")
     res["correctness"] = correctness(torch, device, dtype, (37,) + dims)
     log(f"  {res['correctness']}")
+    if device == "cuda":
+        res["graph_safety"] = graph_safety(torch, device, dtype, (37,) + dims)
+        log(f"  no host sync, graph replay equals eager: {res['graph_safety']}")
+    res["model_fp32"] = model_parity(torch, device)
+    log(f"  model fp32 fused vs torch: {res['model_fp32']}")
     res["copy_GBps"] = measure_copy_bandwidth(device, nbytes=1 << 20 if args.smoke else None) / 1e9
     log(f"copy bandwidth {res['copy_GBps']:.0f} GB/s")
     res["timing"] = {}
@@ -334,6 +300,7 @@ def main() -> None:
     (args.out / "fused_ops.json").write_text(json.dumps(res, indent=1))
     (args.out / "fused_ops.md").write_text(markdown(res))
     ok = all(v["ok"] if isinstance(v, dict) else v for v in res["correctness"].values())
+    ok = ok and res["model_fp32"]["ok"] and all(res.get("graph_safety", {}).values())
     log(f"wrote {args.out}/fused_ops.json and .md; correctness {'ok' if ok else 'FAILED'}")
     if not ok:
         sys.exit(1)

@@ -1,13 +1,16 @@
 """`slipstream bench latency`: one batch of random token-id prompts, prefill
 and decode timed separately (vLLM's benchmark_latency, with the step split).
 
-Each iteration submits `--batch-size` new prompts of `--input-len` random token
-ids (seeded by `--dataset-seed` and the iteration, so none hits the prefix cache) with `max_tokens=--output-len` and `ignore_eos`, then steps the engine
-until all finish, timing every step. Steps that compute prompt tokens are the
-prefill; the rest are decode steps (every request brings one token). After
-`--num-iters-warmup` untimed iterations, `--num-iters` timed ones give:
-prefill time, decode step time (median), decode tokens/s (batch / step time)
-and end-to-end latency. On a GPU the decode step is also set against the
+Each iteration runs `--batch-size` new prompts of `--input-len` random token
+ids (seeded by `--dataset-seed` and the iteration, so none hits the prefix
+cache) with `max_tokens=--output-len` and `ignore_eos` to the end, then another
+batch of fresh prompts of the same lengths to its first token only: that is
+the prefill time, and (whole - prefill) / (output_len - 1) the decode step
+time. Timing whole runs rather than single steps holds when the engine
+overlaps a step's host work with the previous step's device work. After
+`--num-iters-warmup` untimed iterations, `--num-iters` timed ones give the
+medians of: latency, prefill time, decode step time and decode tokens/s
+(batch / step time). On a GPU the decode step is also set against the
 device's copy bandwidth measured in the same run: the bytes a decode step must
 move (weights + KV cache read + activations, from `slipstream.analysis` at the
 mean decode context) over the step time, as a share of that bandwidth.

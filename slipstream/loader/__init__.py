@@ -69,6 +69,15 @@ def _is_gguf(path: Path) -> bool:
         return False
 
 
+def _is_preset(name: str) -> bool:
+    from slipstream.loader.dummy import preset_config
+    try:
+        preset_config(name)
+    except ModelLoadError:
+        return False
+    return True
+
+
 def open_model(model: str | os.PathLike | None, load_format: str = "auto",
                seed: int = 0) -> ModelFiles:
     """A Hugging Face model folder, a GGUF file, or None for the default model.
@@ -81,6 +90,9 @@ def open_model(model: str | os.PathLike | None, load_format: str = "auto",
     if load_format != "auto":
         raise ValueError(f"load_format: expected 'auto' or 'dummy', got {load_format!r}")
     path = default_model_path() if model is None else Path(model).expanduser()
+    if not path.exists() and _is_preset(str(model)):
+        raise ModelLoadError(f"{model!r} is a model shape without weights: add "
+                             "--load-format dummy (load_format='dummy') for random weights")
     if not path.exists():
         raise ModelLoadError(
             f"model path {str(path)!r} does not exist; slipstream loads local files only: "

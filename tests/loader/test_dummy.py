@@ -91,6 +91,8 @@ def test_preset_config_and_errors():
         open_model("no-such-model", "dummy")
     with pytest.raises(ValueError, match="load_format"):
         open_model(None, "pt")
+    with pytest.raises(ModelLoadError, match="--load-format dummy"):
+        open_model("llama-3-8b")
     files = open_model("llama-3-8b", "dummy")
     tok = files.tokenizer()
     assert isinstance(tok, IdTokenizer) and tok.encode("12 7 4051") == [12, 7, 4051]

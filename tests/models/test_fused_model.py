@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from slipstream.kernels.runtime import interpreting
 from slipstream.layers.activation import SiluAndMul
 from slipstream.layers.norm import RMSNorm
 from slipstream.layers.rotary import RotaryEmbedding
@@ -14,6 +15,9 @@ from tests.models.batch_builder import BlockAllocator, Sequence, allocate_kv_cac
 from tests.models.tiny_models import VARIANTS, make_hf_model, make_ours
 
 BLOCK_SIZE, NUM_BLOCKS, SEQ_LEN = 4, 32, 11
+# The kernels run here on CPU tensors, which only the interpreter takes; on a GPU
+# machine benchmarks/runtime/bench_fused_ops.py checks the model on the device.
+pytestmark = pytest.mark.skipif(not interpreting(), reason="needs TRITON_INTERPRET=1")
 
 
 def _use_kernels(model, on: bool) -> None:
