@@ -19,6 +19,8 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", default=None, help="torch or triton (default: triton on CUDA)")
     g.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV cache on the CPU")
     g.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
+    g.add_argument("--load-format", default="auto", choices=("auto", "dummy"),
+                   help="dummy: random weights of the model's shape (--model may be a preset name)")
 
 
 def _sampling_options(p: argparse.ArgumentParser) -> None:
@@ -41,7 +43,7 @@ def _make_engine(args):
     engine = Engine(EngineArgs(
         model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
         attention_backend=args.attention_backend, kv_cache_memory=args.kv_cache_memory,
-        enable_prefix_caching=not args.no_prefix_caching))
+        enable_prefix_caching=not args.no_prefix_caching, load_format=args.load_format))
     cfg = engine.config
     print(f"loaded {cfg.model} ({cfg.model_config.architecture}, {str(cfg.dtype).removeprefix('torch.')}, "
           f"{cfg.device}, attention: {engine.runner.backend.name}) in {time.perf_counter() - t0:.1f} s",
@@ -155,8 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
     from slipstream.server.cli import add_parser as add_serve
     add_serve(sub)
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
-    from slipstream.bench.serve import add_parser as add_bench_serve
-    add_bench_serve(bench)
+    from slipstream.bench.cli import add_parsers as add_bench
+    add_bench(bench)
     return parser
 
 

@@ -25,13 +25,18 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.90
     attention_backend: str | None = None
     quantization: str | None = None
+    enforce_eager: bool = False
+    async_scheduling: bool | None = None
     seed: int = 0
+    load_format: str = "auto"                # "auto": the model's weights; "dummy": random
 
     @classmethod
     def field_names(cls) -> set[str]:
         return {f.name for f in fields(cls)}
 
     def create_config(self, model_path: str, mc: ModelConfig) -> EngineConfig:
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format: expected 'auto' or 'dummy', got {self.load_format!r}")
         device = resolve_device(self.device)
         dtype = resolve_dtype(self.dtype, device)
         max_len = self.max_model_len or mc.max_position_embeddings
@@ -71,5 +76,7 @@ class EngineArgs:
             parallel=ParallelConfig(),
             attention_backend=self.attention_backend,
             quantization=self.quantization,
+            enforce_eager=self.enforce_eager,
+            async_scheduling=self.async_scheduling,
             seed=self.seed,
         )

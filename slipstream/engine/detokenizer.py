@@ -30,8 +30,9 @@ class IncrementalDetokenizer:
     def _decode(self, ids) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)
 
-    def add_tokens(self, token_ids: list[int]) -> str | None:
-        """Append tokens' text; returns the stop string that ended the text, if any."""
+    def add_tokens(self, token_ids: list[int], check_stop: bool = True) -> str | None:
+        """Append tokens' text; returns the stop string that ended the text, if any
+        (stop strings are looked for only with `check_stop`)."""
         start = len(self.text)
         for tok in token_ids:
             self._tokens.append(tok)
@@ -40,7 +41,7 @@ class IncrementalDetokenizer:
             if len(full_text) > len(prefix_text) and not full_text.endswith("\ufffd"):
                 self.text += full_text[len(prefix_text):]
                 self._prefix, self._read = self._read, len(self._tokens)
-        return self._find_stop(start)
+        return self._find_stop(start) if check_stop else None
 
     def flush(self) -> None:
         """At the end, emit whatever an incomplete character left pending."""
