@@ -34,6 +34,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     e.add_argument("--num-kv-blocks", type=int, default=None, help="fixed KV pool size")
     e.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     e.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling")
+    e.add_argument("--gpu-memory-utilization", type=float, default=0.90,
+                   help="share of GPU memory the engine may use")
+    e.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    e.add_argument("--async-scheduling", choices=("auto", "on", "off"), default="auto",
+                   help="overlap host work with the device's step (auto: on with CUDA)")
     _engine_options(p)
     p.set_defaults(func=run)
     return p
@@ -59,7 +64,10 @@ def make_engine(args):
                 kv_cache_memory=args.kv_cache_memory,
                 enable_prefix_caching=not args.no_prefix_caching, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens,
-                num_kv_blocks=args.num_kv_blocks, block_size=args.block_size, seed=args.seed)
+                num_kv_blocks=args.num_kv_blocks, block_size=args.block_size, seed=args.seed,
+                gpu_memory_utilization=args.gpu_memory_utilization,
+                enforce_eager=args.enforce_eager,
+                async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling])
     # Options other parts of the CLI may add (e.g. --load-format, --quantization).
     for name in ("load_format", "quantization"):
         if getattr(args, name, None) is not None and name in names:

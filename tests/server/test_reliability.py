@@ -47,25 +47,36 @@ def _events(raw: str) -> list:
     return [json.loads(e[6:]) for e in raw.split("\n\n") if e.startswith("data: {")]
 
 
-@pytest.fixture
-def engine(tiny_model_dir):
+def make_engine(tiny_model_dir, **kw):
     from slipstream.engine.args import EngineArgs
     from slipstream.engine.engine import Engine
     return Engine(EngineArgs(model=str(tiny_model_dir), dtype="float32", device="cpu",
-                             block_size=4, num_kv_blocks=512, max_num_seqs=1))
+                             block_size=4, num_kv_blocks=512, max_num_seqs=1, **kw))
 
 
-def test_step_exception_fails_only_its_requests(engine):
+@pytest.fixture
+def engine(tiny_model_dir):
+    return make_engine(tiny_model_dir)
+
+
+@pytest.mark.parametrize("where", ["step", "forward"])
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_step_exception_fails_only_its_requests(tiny_model_dir, async_scheduling, where):
     """max_num_seqs=1: A runs, B waits. A step that raises while A runs fails A (500 in
-    its stream) and not B, which then completes; so does a request sent afterwards."""
-    real_step, calls = engine.step, {"n": 0, "fail_at": None}
+    its stream) and not B, which then completes; so does a request sent afterwards.
+    The fault is raised at the start of `Engine.step` or inside the model runner's forward
+    (after scheduling allocated blocks); also with async scheduling (the GPU default:
+    outputs lag launches by one step)."""
+    engine = make_engine(tiny_model_dir, async_scheduling=async_scheduling)
+    owner, name = (engine, "step") if where == "step" else (engine.runner, "execute")
+    real, calls = getattr(owner, name), {"n": 0, "fail_at": None}
 
-    def step():
+    def faulty(*a, **kw):
         calls["n"] += 1
         if calls["fail_at"] is not None and calls["n"] == calls["fail_at"]:
             raise RuntimeError("injected fault")
-        return real_step()
-    engine.step = step
+        return real(*a, **kw)
+    setattr(owner, name, faulty)
     srv = InProcessServer(engine)
     try:
         async def scenario():
