@@ -17,6 +17,7 @@ NUM=${NUM:-2000}
 RATES=${RATES:-16,inf}
 MAX_IN=${MAX_IN:-1024}
 MAX_OUT=${MAX_OUT:-512}
+WARMUP=${WARMUP:-64}
 SLO=${SLO:---slo-ttft-ms 1000 --slo-tpot-ms 100}
 OUT=${OUT:-benchmarks/serving/results}
 LABEL=${LABEL:-h200-llama-3-8b-dummy}
@@ -56,7 +57,7 @@ echo "server ready: $(grep -m1 "^loaded" "$OUT/$LABEL.server.log")"
 status=0
 # shellcheck disable=SC2086
 $PYTHON -m slipstream.cli bench serve --base-url "http://127.0.0.1:$PORT" --num-requests "$NUM" \
-    --request-rate "$RATES" --max-input-len "$MAX_IN" --max-output-len "$MAX_OUT" $SLO \
+    --request-rate "$RATES" --max-input-len "$MAX_IN" --max-output-len "$MAX_OUT" --warmup "$WARMUP" $SLO \
     --out "$OUT" --label "$LABEL" || status=$?
 $PYTHON -c "import urllib.request,sys; sys.stdout.write(urllib.request.urlopen('http://127.0.0.1:$PORT/metrics').read().decode())" \
     > "$OUT/$LABEL.metrics.txt"

@@ -44,6 +44,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-output-len", type=int, default=512)
     p.add_argument("--min-len", type=int, default=4, help="shortest input and output")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warmup", type=int, default=0,
+                   help="requests sent at once before the measured runs (not counted)")
     p.add_argument("--slo-ttft-ms", type=float, default=1000.0, help="goodput target for TTFT")
     p.add_argument("--slo-tpot-ms", type=float, default=100.0, help="goodput target for TPOT")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
@@ -71,15 +73,18 @@ class Result:
 
 
 def make_samples(n: int, vocab: int, max_in: int, max_out: int, min_len: int,
-                 seed: int) -> list[Sample]:
-    """Lengths from the ShareGPT-like laws; token ids from the middle of the vocabulary."""
+                 seed: int, ids_seed: int | None = None) -> list[Sample]:
+    """Lengths from the ShareGPT-like laws (drawn from `seed`); token ids from the middle
+    of the vocabulary, drawn from `ids_seed` (default: `seed`). Runs at several rates keep
+    the lengths and change the ids, so no run finds another's prompts in the prefix cache."""
     rng = random.Random(seed)
+    ids = random.Random(seed if ids_seed is None else f"{seed}/{ids_seed}")
     lo, hi = max(1, vocab // 10), max(2, vocab * 9 // 10)
     out = []
     for _ in range(n):
         n_in = min(max_in, max(min_len, round(rng.lognormvariate(math.log(INPUT_MEDIAN), INPUT_SIGMA))))
         n_out = min(max_out, max(min_len, round(rng.lognormvariate(math.log(OUTPUT_MEDIAN), OUTPUT_SIGMA))))
-        out.append(Sample([rng.randrange(lo, hi) for _ in range(n_in)], n_out))
+        out.append(Sample([ids.randrange(lo, hi) for _ in range(n_in)], n_out))
     return out
 
 
@@ -277,6 +282,8 @@ def run(args) -> int:
         raise ValueError("--request-rate must list positive rates (or inf)")
     if args.num_requests < 1:
         raise ValueError("--num-requests must be at least 1")
+    if args.warmup < 0:
+        raise ValueError("--warmup must be at least 0")
     if args.min_len < 1 or args.max_input_len < args.min_len or args.max_output_len < args.min_len:
         raise ValueError("--max-input-len and --max-output-len must be at least --min-len (>= 1)")
     models = asyncio.run(get_json(args.base_url, "/v1/models", args.api_key))
@@ -284,12 +291,19 @@ def run(args) -> int:
     model = args.model or info["id"]
     vocab = int(info.get("vocab_size", 32000))
     max_in = min(args.max_input_len, int(info.get("max_model_len", 1 << 30)) - args.max_output_len)
-    samples = make_samples(args.num_requests, vocab, max_in, args.max_output_len, args.min_len,
-                           args.seed)
+    if args.warmup:   # compiles and captures happen here, not in the first measured rate
+        warm = make_samples(args.warmup, vocab, max_in, args.max_output_len, args.min_len,
+                            args.seed, ids_seed="warmup")
+        results, _ = asyncio.run(run_rate(args, model, warm, math.inf))
+        failed = [r.error for r in results if not r.ok]
+        print(f"warm-up: {len(results) - len(failed)}/{len(results)} done"
+              + (f"; failures: {sorted(set(failed))[:3]}" if failed else ""), file=sys.stderr)
     report = {"command": shlex.join(["slipstream"] + sys.argv[1:]),
               "args": {k: v for k, v in vars(args).items() if k not in ("func", "api_key")},
               "environment": _environment(info), "runs": []}
-    for rate in rates:
+    for i, rate in enumerate(rates):
+        samples = make_samples(args.num_requests, vocab, max_in, args.max_output_len,
+                               args.min_len, args.seed, ids_seed=i)
         results, duration = asyncio.run(run_rate(args, model, samples, rate))
         s = summarize(results, duration, rate, args)
         report["runs"].append(s)

@@ -16,6 +16,10 @@ def test_samples_are_seeded_and_sharegpt_shaped():
     assert 0.7 * INPUT_MEDIAN < lens[200] < 1.3 * INPUT_MEDIAN   # median near the law's
     assert lens[-1] > 3 * lens[200]                               # a long tail
     assert all(3200 <= t < 28800 for s in a for t in s.prompt_ids)
+    other = make_samples(400, 32000, 2048, 1024, 4, seed=0, ids_seed=1)   # next rate's run
+    assert [len(s.prompt_ids) for s in other] == [len(s.prompt_ids) for s in a]
+    assert [s.output_len for s in other] == [s.output_len for s in a]
+    assert all(x.prompt_ids != y.prompt_ids for x, y in zip(a, other))
 
 
 def test_percentiles():
@@ -25,7 +29,7 @@ def test_percentiles():
 
 def test_bench_serve_runs(tiny_server, tmp_path):
     rc = main(["bench", "serve", "--base-url", tiny_server.url, "--num-requests", "12",
-               "--request-rate", "20,inf", "--max-input-len", "64", "--max-output-len", "16",
+               "--request-rate", "20,inf", "--warmup", "4", "--max-input-len", "64", "--max-output-len", "16",
                "--out", str(tmp_path), "--label", "t"])
     assert rc == 0
     report = json.loads((tmp_path / "t.json").read_text())
