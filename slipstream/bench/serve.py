@@ -11,8 +11,8 @@ output token after the first (TPOT) and end-to-end latency, then reports
 p50/p90/p99, request and token throughput, and goodput (requests per second
 that met every latency target).
 
-Only the standard library is used (HTTP/1.1 over asyncio streams), so the
-client runs where no HTTP package is installed.
+Only the standard library is used (bench/http_client.py: HTTP/1.1 over
+asyncio streams), so the client runs where no HTTP package is installed.
 """
 from __future__ import annotations
 
@@ -22,8 +22,9 @@ import json
 import math
 import random
 import time
-from dataclasses import asdict, dataclass, field
-from urllib.parse import urlparse
+from dataclasses import dataclass, field
+
+from slipstream.bench.http_client import body_chunks, get_json, open_request
 
 # ShareGPT-like length laws: log-normal (median, sigma of the log).
 INPUT_MEDIAN, INPUT_SIGMA = 150.0, 1.0
@@ -88,49 +89,6 @@ def make_samples(n: int, vocab: int, max_in: int, max_out: int, min_len: int,
     return out
 
 
-async def _http(url, method: str, path: str, body: dict | None, api_key: str | None):
-    """Open a request; returns (status, reader, writer, headers) with the body unread."""
-    u = urlparse(url)
-    reader, writer = await asyncio.open_connection(u.hostname, u.port or 80)
-    data = json.dumps(body).encode() if body is not None else b""
-    head = [f"{method} {path} HTTP/1.1", f"Host: {u.hostname}", "Connection: close",
-            "Content-Type: application/json", f"Content-Length: {len(data)}"]
-    if api_key:
-        head.append(f"Authorization: Bearer {api_key}")
-    writer.write(("\r\n".join(head) + "\r\n\r\n").encode() + data)
-    await writer.drain()
-    status = int((await reader.readline()).split()[1])
-    headers = {}
-    while (line := await reader.readline()) not in (b"\r\n", b"\n", b""):
-        k, _, v = line.decode().partition(":")
-        headers[k.strip().lower()] = v.strip()
-    return status, reader, writer, headers
-
-
-async def _body_chunks(reader, headers):
-    if headers.get("transfer-encoding", "").lower() == "chunked":
-        while True:
-            size = int((await reader.readline()).split(b";")[0].strip() or b"0", 16)
-            if size == 0:
-                return
-            yield await reader.readexactly(size)
-            await reader.readexactly(2)
-    elif "content-length" in headers:
-        yield await reader.readexactly(int(headers["content-length"]))
-    else:
-        while chunk := await reader.read(65536):
-            yield chunk
-
-
-async def get_json(url: str, path: str, api_key: str | None) -> dict:
-    status, reader, writer, headers = await _http(url, "GET", path, None, api_key)
-    body = b"".join([c async for c in _body_chunks(reader, headers)])
-    writer.close()
-    if status != 200:
-        raise RuntimeError(f"GET {path}: {status} {body[:200]!r}")
-    return json.loads(body)
-
-
 async def one_request(args, model: str, s: Sample) -> Result:
     r = Result(prompt_len=len(s.prompt_ids))
     body = {"model": model, "prompt": s.prompt_ids, "max_tokens": s.output_len,
@@ -139,15 +97,15 @@ async def one_request(args, model: str, s: Sample) -> Result:
     t0 = time.perf_counter()
     last = None
     try:
-        status, reader, writer, headers = await _http(args.base_url, "POST", "/v1/completions",
-                                                      body, args.api_key)
+        status, reader, writer, headers = await open_request(
+            args.base_url, "POST", "/v1/completions", body, args.api_key)
         buf = b""
         try:
             if status != 200:
-                raw = b"".join([c async for c in _body_chunks(reader, headers)])
+                raw = b"".join([c async for c in body_chunks(reader, headers)])
                 r.error = f"HTTP {status}: {raw[:200].decode(errors='replace')}"
                 return r
-            async for chunk in _body_chunks(reader, headers):
+            async for chunk in body_chunks(reader, headers):
                 buf += chunk
                 while b"\n\n" in buf:
                     event, buf = buf.split(b"\n\n", 1)

@@ -8,7 +8,8 @@ import json
 import random
 import time
 
-from slipstream.bench.serve import _body_chunks, _http
+from slipstream.bench.http_client import body_chunks as _body_chunks
+from slipstream.bench.http_client import open_request as _http
 
 NUM_REQUESTS, CONCURRENCY = 256, 64
 

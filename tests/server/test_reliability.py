@@ -10,7 +10,8 @@ import time
 
 import pytest
 
-from slipstream.bench.serve import _body_chunks, _http
+from slipstream.bench.http_client import body_chunks as _body_chunks
+from slipstream.bench.http_client import open_request as _http
 from tests.server.conftest import TINY_ARGS, ServerProcess, free_port
 
 
