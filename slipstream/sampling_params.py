@@ -63,6 +63,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None   # token id -> added to its logit, [-100, 100]
 
     def __post_init__(self) -> None:
         self._normalise_inputs()
@@ -129,6 +130,13 @@ class SamplingParams:
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be at most max_tokens={self.max_tokens}, "
                              f"got {self.min_tokens}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must be a dict of token id -> bias, got {self.logit_bias!r}")
+            for tid, bias in self.logit_bias.items():
+                if isinstance(tid, bool) or not isinstance(tid, int) or tid < 0:
+                    raise ValueError(f"logit_bias keys must be non-negative token ids, got {tid!r}")
+                _check_float("logit_bias", bias, -100.0, 100.0)
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             _check_int(name, value, allow_none=True)

@@ -3,6 +3,7 @@
 Order of operations in `Sampler.forward` (each step skipped when no row uses it):
   1. logprobs of the raw model logits, if any row asked for them ("raw_logprobs");
   2. min_tokens: stop tokens and EOS get -inf until a row has min_tokens outputs;
+     logit_bias: the requested values are added to those tokens' logits;
   3. penalties: repetition over prompt + output tokens (positive logits divided,
      negative multiplied), then frequency and presence over output tokens
      (subtracted);
@@ -83,6 +84,8 @@ class SamplingBatch:
     min_tokens_mask: tuple[torch.Tensor, torch.Tensor] | None
     max_num_logprobs: int | None       # k of the widest logprobs request; None: none asked
     rows: torch.Tensor | None = None   # [num_rows] int64, the rows' persistent slots (runner)
+    # (rows, token ids, values) added to the logits (logit_bias), or None.
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def build(cls, params: list[SamplingParams], prompt_token_ids: list[list[int]],
@@ -133,6 +136,13 @@ class SamplingBatch:
 
         widths = [vocab_size if p.logprobs == -1 else min(p.logprobs, vocab_size)
                   for p in params if p.logprobs is not None]
+        bias = [(row, t, v) for row, p in enumerate(params) for t, v in (p.logit_bias or {}).items()
+                if t < vocab_size]
+        logit_bias = None
+        if bias:
+            r, t, v = zip(*bias)
+            logit_bias = (torch.tensor(r, dtype=torch.int64, device=device),
+                          torch.tensor(t, dtype=torch.int64, device=device), f32(v))
 
         return cls(
             num_rows=n,
@@ -148,6 +158,7 @@ class SamplingBatch:
             penalties=penalties,
             min_tokens_mask=min_tokens_mask,
             max_num_logprobs=max(widths) if widths else None,
+            logit_bias=logit_bias,
         )
 
 
@@ -243,6 +254,9 @@ class Sampler(nn.Module):
             raw_logprobs = compute_logprobs(logits)
         if batch.min_tokens_mask is not None:
             logits = logits.index_put(batch.min_tokens_mask, logits.new_full((), _NEG_INF))
+        if batch.logit_bias is not None:
+            rows, ids, values = batch.logit_bias
+            logits = logits.index_put((rows, ids), values, accumulate=True)
         if batch.penalties is not None:
             logits = apply_penalties(logits, batch.penalties)
 

@@ -35,14 +35,15 @@ class SamplingState:
         self.num_logprobs = np.full(n, _NO_LOGPROBS, dtype=np.int64)
         self.has_penalties = np.zeros(n, dtype=bool)
         self.min_token_ids: list[tuple[int, ...]] = [()] * n  # masked below min_tokens
+        self.logit_bias: list[tuple[tuple[int, ...], tuple[float, ...]] | None] = [None] * n
         self.generators: list[torch.Generator | None] = [None] * n
         self.output_counts: torch.Tensor | None = None   # [rows, vocab] int32
         self.prompt_mask: torch.Tensor | None = None     # [rows, vocab] bool
         pin = device.type == "cuda"
-        # Staging: 6 float rows, then int64 top_k | rows | mask pairs.
+        # Staging: 6 float rows | bias values, and int64 top_k | rows | mask pairs | bias pairs.
         self._max_mask = 64 * n
-        self._stage = [(torch.zeros(6 * n, dtype=torch.float32, pin_memory=pin),
-                        torch.zeros(2 * n + 2 * self._max_mask, dtype=torch.int64, pin_memory=pin),
+        self._stage = [(torch.zeros(6 * n + self._max_mask, dtype=torch.float32, pin_memory=pin),
+                        torch.zeros(2 * n + 4 * self._max_mask, dtype=torch.int64, pin_memory=pin),
                         torch.cuda.Event() if pin else None) for _ in range(2)]
         self._flip = 0
 
@@ -62,6 +63,8 @@ class SamplingState:
         stops = dict.fromkeys([*(params.stop_token_ids or ()), *eos_token_ids])
         self.min_token_ids[row] = tuple(t for t in stops if t < self.vocab_size)
         self.generators[row] = generator or make_generator(params, self.device)
+        bias = {t: v for t, v in (params.logit_bias or {}).items() if t < self.vocab_size}
+        self.logit_bias[row] = (tuple(bias), tuple(bias.values())) if bias else None
         self.has_penalties[row] = params.has_penalties
         if params.has_penalties:
             self._init_penalty_row(row, prompt, outputs)
@@ -97,6 +100,10 @@ class SamplingState:
         short = np.flatnonzero(self.num_outputs[rows] < self.min_tokens[rows])
         mask_rows = [i for i in short for _ in self.min_token_ids[rows[i]]]
         mask_ids = [t for i in short for t in self.min_token_ids[rows[i]]]
+        bias_rows = [i for i, r in enumerate(rows) if self.logit_bias[r] is not None]
+        b_rows = [i for i in bias_rows for _ in self.logit_bias[rows[i]][0]]
+        b_ids = [t for i in bias_rows for t in self.logit_bias[rows[i]][0]]
+        b_vals = [v for i in bias_rows for v in self.logit_bias[rows[i]][1]]
         nl = self.num_logprobs[rows]
         nl = nl[nl != _NO_LOGPROBS]
         widths = np.where(nl == -1, self.vocab_size, np.minimum(nl, self.vocab_size))
@@ -105,22 +112,26 @@ class SamplingState:
         hf, hi, event = self._stage[self._flip]
         if event is not None:
             event.synchronize()
+        m, nb = len(mask_ids), len(b_ids)
+        if m > self._max_mask or nb > self._max_mask:
+            raise ValueError("too many min_tokens stop ids or logit_bias entries in one step")
         hf.numpy()[:6 * n] = f.reshape(-1)
-        m = len(mask_ids)
-        if m > self._max_mask:
-            raise ValueError("too many min_tokens stop ids in one step")
+        hf.numpy()[6 * n:6 * n + nb] = b_vals
         hn = hi.numpy()
         hn[:n] = ks
         hn[n:2 * n] = rows
         hn[2 * n:2 * n + m] = mask_rows
         hn[2 * n + m:2 * n + 2 * m] = mask_ids
+        o = 2 * n + 2 * m
+        hn[o:o + nb] = b_rows
+        hn[o + nb:o + 2 * nb] = b_ids
         if self.device.type == "cuda":
-            df = hf[:6 * n].to(self.device, non_blocking=True)
-            di = hi[:2 * n + 2 * m].to(self.device, non_blocking=True)
+            dfull = hf[:6 * n + nb].to(self.device, non_blocking=True)
+            di = hi[:o + 2 * nb].to(self.device, non_blocking=True)
             event.record()
         else:
-            df, di = hf[:6 * n].clone(), hi[:2 * n + 2 * m].clone()
-        df = df.view(6, n)
+            dfull, di = hf[:6 * n + nb].clone(), hi[:o + 2 * nb].clone()
+        df = dfull[:6 * n].view(6, n)
         rows_dev = di[n:2 * n]
 
         penalties = None
@@ -142,7 +153,8 @@ class SamplingState:
             min_p=df[_MIN_P] if use_min_p else None,
             generators=gens,
             penalties=penalties,
-            min_tokens_mask=(di[2 * n:2 * n + m], di[2 * n + m:]) if m else None,
+            min_tokens_mask=(di[2 * n:2 * n + m], di[2 * n + m:o]) if m else None,
+            logit_bias=(di[o:o + nb], di[o + nb:], dfull[6 * n:]) if nb else None,
             max_num_logprobs=int(widths.max()) if len(widths) else None,
             rows=rows_dev,
         )

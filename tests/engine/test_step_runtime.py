@@ -158,3 +158,16 @@ def test_rows_of_finished_requests_are_reused(tiny_folder, overlapped):
                             SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
         assert all(len(o.outputs[0].token_ids) == 3 for o in outs)
     assert llm.engine.runner.input_batch.num_reqs <= 4
+
+
+def test_logit_bias_steers_tokens_in_the_persistent_batch(tiny_folder):
+    folder, _ = tiny_folder("llama")
+    llm = make_llm(folder)
+    prompts = random_prompts(2, 265, 5, 9, seed=6)
+    biased = SamplingParams(max_tokens=4, temperature=0, logit_bias={42: 100.0}, ignore_eos=True)
+    plain = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    outs = llm.generate(prompts, [biased, plain], use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == [42] * 4
+    assert outs[1].outputs[0].token_ids == llm.generate(prompts[1:], plain, use_tqdm=False)[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias={1: 101.0})
