@@ -6,7 +6,14 @@ import importlib
 from slipstream.quant.base import QuantMethodFor, registered_schemes
 
 # Scheme name -> module that registers it (imported only when asked for).
-_BUILTIN: dict[str, str] = {}
+_BUILTIN: dict[str, str] = {
+    "rtn-int4": "slipstream.quant.rtn",
+    "rtn-int3": "slipstream.quant.rtn",
+    "int8": "slipstream.quant.rtn",
+    "fp8": "slipstream.quant.fp8",
+    "w8a8": "slipstream.quant.w8a8",
+    "slipstream": "slipstream.quant.checkpoint",
+}
 
 
 def quant_method_for(config, files) -> QuantMethodFor | None:
