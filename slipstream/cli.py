@@ -152,6 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     from slipstream.analysis.cli import add_parser as add_analyze
     add_analyze(sub)
+    from slipstream.quant.cli import add_parser as add_quantize
+    add_quantize(sub)
     return parser
 
 

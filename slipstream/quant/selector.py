@@ -19,6 +19,13 @@ _BUILTIN: dict[str, str] = {
 def quant_method_for(config, files) -> QuantMethodFor | None:
     """None when the model runs unquantized (dense weights in the model dtype)."""
     name = config.quantization
+    qc = getattr(files, "quantization_config", None)
+    if qc:   # a quantized checkpoint names its own scheme
+        stored = qc.get("quant_method")
+        if name not in (None, stored):
+            raise ValueError(f"quantization: {name!r} asked for, but {files.path} is already "
+                             f"quantized ({stored!r}); leave quantization unset")
+        name = stored
     if name is None:
         return None
     if name not in registered_schemes() and name in _BUILTIN:
