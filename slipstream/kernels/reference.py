@@ -164,8 +164,8 @@ def int_weight_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
                       qzeros: torch.Tensor | None, bits: int, group_cols: int) -> torch.Tensor:
     """Weight-only integer linear: y = x @ ((codes - zero) * scale)^T in x's dtype.
 
-    x: [m, k]; qweight: uint8 [n, packed k] (pack_codes layout); scales: [n, k // group_cols];
-    qzeros: uint8 [n, k // group_cols], or None for symmetric (zero = 2^(bits-1)).
+    x: [m, k]; qweight: uint8 [n, packed k] (pack_codes layout); scales: [n, ceil(k / group_cols)];
+    qzeros: uint8 [n, ceil(k / group_cols)], or None for symmetric (zero = 2^(bits-1)).
     """
     from slipstream.quant.primitives import dequantize_codes, unpack_codes
     codes = unpack_codes(qweight, bits)

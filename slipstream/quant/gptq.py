@@ -47,9 +47,7 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, bits: int, group_size: int |
     """w: [out, in]; h: [in, in] -> (QTensor over the columns in quantization order,
     perm [in] int64 when act_order else None). group_size None: one group per row."""
     out_f, in_f = w.shape
-    group = in_f if group_size is None else group_size
-    if in_f % group:
-        raise ValueError(f"group_size: {group} does not divide the input size {in_f}")
+    group = in_f if group_size is None else min(group_size, in_f)   # last group may be narrower
     W = w.detach().float().clone()
     H = h.detach().float().clone()
     dead = torch.diag(H) == 0            # inputs never active: their weights cannot matter
@@ -63,7 +61,7 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, bits: int, group_size: int |
     U = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
 
     codes = torch.zeros(out_f, in_f, dtype=torch.uint8)
-    n_groups = in_f // group
+    n_groups = -(-in_f // group)
     scale = torch.zeros(out_f, n_groups)
     zero = torch.zeros(out_f, n_groups)
     for i1 in range(0, in_f, block_size):

@@ -4,8 +4,8 @@ scales and zero points; activations stay in the model dtype.
 Layer parameters (all with output_dim 0, so fused q/k/v and gate/up shards load into
 their row slices):
     qweight  uint8 [out, packed_cols(in)]   codes, two per byte for 3/4 bits (pack_codes)
-    scales   fp32  [out, in // group]
-    qzeros   uint8 [out, in // group]       asymmetric only (symmetric: zero = 2^(bits-1))
+    scales   fp32  [out, ceil(in / group)]
+    qzeros   uint8 [out, ceil(in / group)]       asymmetric only (symmetric: zero = 2^(bits-1))
     perm     int32 [in]                     act-order only: the layer computes x[:, perm] @ W'^T,
                                             W' holding the input columns in quantization order
 
@@ -25,11 +25,12 @@ from slipstream.quant.primitives import check_bits, pack_codes, packed_cols
 
 
 def layer_group_cols(input_size: int, group_size: int | None) -> int:
-    """Columns per group for a layer: a layer no wider than the group has one group per row."""
+    """Columns per group for a layer: a layer no wider than the group has one group per row;
+    when group_size does not divide the width, the last group of each row is narrower."""
+    if group_size is not None and group_size <= 0:
+        raise ValueError(f"group_size: expected a positive number or None, got {group_size}")
     if group_size is None or group_size >= input_size:
         return input_size
-    if input_size % group_size:
-        raise ValueError(f"group_size: {group_size} does not divide the input size {input_size}")
     return group_size
 
 
@@ -66,7 +67,7 @@ class IntWeightMethod:
             layer.register_parameter("perm", perm)
 
     def _register_quantized(self, layer: nn.Module, out: int, input_size: int) -> None:
-        groups = input_size // layer.group_cols
+        groups = -(-input_size // layer.group_cols)
         layer.register_parameter("qweight", _param(torch.empty(
             out, packed_cols(input_size, self.bits), dtype=torch.uint8)))
         layer.register_parameter("scales", _param(torch.empty(out, groups, dtype=torch.float32)))

@@ -5,7 +5,8 @@ that share one (scale, zero):
 
     granularity "tensor":  one group, the whole matrix       scale [1, 1]
     granularity "channel": one group per row                 scale [rows, 1]
-    granularity "group":   `group_size` consecutive columns  scale [rows, cols // group_size]
+    granularity "group":   `group_size` consecutive columns  scale [rows, ceil(cols / group_size)]
+                           (the last group is narrower when group_size does not divide cols)
 
 Codes are always stored unsigned, in [0, 2^bits - 1], and dequantize as
 (code - zero) * scale. Asymmetric quantization picks the zero per group
@@ -55,10 +56,12 @@ def _grouped(w: torch.Tensor, granularity: str, group_size: int) -> tuple[torch.
     if granularity == "channel":
         return w.reshape(rows, 1, cols), cols
     if granularity == "group":
-        if group_size <= 0 or cols % group_size:
-            raise ValueError(f"group_size: {group_size} must be positive and divide the "
-                             f"{cols} input columns")
-        return w.reshape(rows, cols // group_size, group_size), group_size
+        if group_size <= 0:
+            raise ValueError(f"group_size: expected a positive number, got {group_size}")
+        pad = -cols % group_size
+        if pad:   # zeros leave every group's range unchanged: the range always includes 0
+            w = torch.nn.functional.pad(w, (0, pad))
+        return w.reshape(rows, (cols + pad) // group_size, group_size), group_size
     raise ValueError(f"granularity: expected one of {GRANULARITIES}, got {granularity!r}")
 
 
@@ -88,7 +91,7 @@ def _expand(p: torch.Tensor, rows: int, cols: int, group_cols: int) -> torch.Ten
     """[rows or 1, num_groups] -> [rows, cols], each group's value repeated."""
     if p.shape[0] == 1 and p.shape[1] == 1:   # per-tensor
         return p.expand(rows, cols)
-    return p.repeat_interleave(group_cols, dim=1).expand(rows, cols)
+    return p.repeat_interleave(group_cols, dim=1)[:, :cols].expand(rows, cols)
 
 
 def quantize_codes(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int,
@@ -106,8 +109,13 @@ def quantize_codes(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bit
 def dequantize_codes(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
                      group_cols: int) -> torch.Tensor:
     rows, cols = codes.shape
-    return (codes.float() - _expand(zero, rows, cols, group_cols)) * _expand(scale, rows, cols,
-                                                                            group_cols)
+    if scale.shape[0] == 1 and scale.shape[1] == 1:   # per-tensor
+        return (codes.float() - zero) * scale
+    groups = scale.shape[1]
+    pad = groups * group_cols - cols
+    c = torch.nn.functional.pad(codes, (0, pad)) if pad else codes
+    w = (c.view(rows, groups, group_cols).float() - zero[..., None]) * scale[..., None]
+    return w.view(rows, groups * group_cols)[:, :cols]
 
 
 def quantize(w: torch.Tensor, bits: int, sym: bool = True, granularity: str = "group",

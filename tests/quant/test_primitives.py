@@ -77,7 +77,7 @@ def test_bad_options_raise_value_errors():
     with pytest.raises(ValueError, match="bits"):
         P.quantize(_w(), 5)
     with pytest.raises(ValueError, match="group_size"):
-        P.quantize(_w(cols=100), 4, group_size=64)
+        P.quantize(_w(), 4, group_size=0)
     with pytest.raises(ValueError, match="granularity"):
         P.quantize(_w(), 4, granularity="row")
 
@@ -91,3 +91,14 @@ def test_dynamic_rows_int8_and_fp8():
     assert f.dtype == torch.float8_e4m3fn
     rel = ((f.float() * fs - x).abs() / x.abs().clamp_min(1e-3 * x.abs().amax(-1, keepdim=True)))
     assert rel.median() < 0.04     # e4m3 keeps 3 mantissa bits: relative step 1/8
+
+
+def test_a_narrower_last_group_is_quantized_on_its_own_range():
+    w = _w(cols=96)                    # group 64: one full group and one of 32 columns
+    w[:, 64:] *= 10.0
+    qt = P.quantize(w, 4, False, "group", 64)
+    assert qt.scale.shape == (16, 2)
+    err = (qt.dequantize() - w).abs()
+    assert (err <= P._expand(qt.scale, 16, 96, 64) / 2 + 1e-5).all()
+    tail = P.quantize(w[:, 64:], 4, False, "channel")
+    torch.testing.assert_close(qt.scale[:, 1:], tail.scale)
