@@ -27,9 +27,11 @@ def _int_weight_gemm_kernel(X, QW, Scales, Zeros, Y, M, N, K, num_groups,
                             stride_xm, stride_qn, stride_ym,
                             BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                            BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                            SPLIT_K: tl.constexpr):
     # Grouped program order: GROUP_M row blocks share each weight column block in L2.
     pid = tl.program_id(0)
+    split = tl.program_id(1)
     grid_m = tl.cdiv(M, BLOCK_M)
     grid_n = tl.cdiv(N, BLOCK_N)
     width = GROUP_M * grid_n
@@ -44,7 +46,12 @@ def _int_weight_gemm_kernel(X, QW, Scales, Zeros, Y, M, N, K, num_groups,
     n_ok = rn < N
     rn64 = rn.to(tl.int64)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    # Split-K (few output tiles, e.g. decode): program `split` takes a run of K tiles.
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    per_split = tl.cdiv(k_tiles, SPLIT_K)
+    k_begin = split * per_split * BLOCK_K
+    k_end = min(K, (split + 1) * per_split * BLOCK_K)
+    for k0 in range(k_begin, k_end, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         k_ok = rk < K
         x = tl.load(X + rm[:, None].to(tl.int64) * stride_xm + rk[None, :],
@@ -67,6 +74,8 @@ def _int_weight_gemm_kernel(X, QW, Scales, Zeros, Y, M, N, K, num_groups,
             z = tl.full((BLOCK_N,), 2 ** (BITS - 1), tl.float32)
         w = (codes.to(tl.float32) - z[:, None]).to(x.dtype)  # exact: |code - zero| < 256
         acc += tl.dot(x, tl.trans(w)) * s[None, :]
+    # With SPLIT_K > 1, Y is an fp32 workspace [SPLIT_K, M, N] summed by the launcher.
+    Y += split.to(tl.int64) * M * stride_ym
     tl.store(Y + rm[:, None].to(tl.int64) * stride_ym + rn[None, :],
              acc.to(Y.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
@@ -143,17 +152,32 @@ def int_weight_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
     assert scales.shape[0] == n and scales.dtype == torch.float32
     assert x.stride(1) == 1 and qweight.stride(1) == 1 and scales.is_contiguous()
     assert qzeros is None or (qzeros.shape == scales.shape and qzeros.is_contiguous())
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
-        return y
+        return torch.empty(m, n, dtype=x.dtype, device=x.device)
     cfg = dict(config or default_config(m, _k_block_limit(k, group_cols)))
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
-    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
-    _int_weight_gemm_kernel[grid](
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    split = cfg.pop("SPLIT_K", None)
+    if split is None:
+        split = split_k_for(tiles, triton.cdiv(k, cfg["BLOCK_K"]), x.device)
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device) if split == 1 else \
+        torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+    _int_weight_gemm_kernel[(tiles, split)](
         x, qweight, scales, qzeros if qzeros is not None else scales, y, m, n, k,
-        scales.shape[1], x.stride(0), qweight.stride(0), y.stride(0),
-        BITS=bits, GROUP=group_cols, HAS_ZEROS=qzeros is not None, GROUP_M=8, **cfg)
-    return y
+        scales.shape[1], x.stride(0), qweight.stride(0), n,
+        BITS=bits, GROUP=group_cols, HAS_ZEROS=qzeros is not None, GROUP_M=8, SPLIT_K=split,
+        **cfg)
+    return y if split == 1 else y.sum(0).to(x.dtype)
+
+
+def split_k_for(tiles: int, k_tiles: int, device: torch.device) -> int:
+    """Split K when the output tiles alone cannot fill the GPU: aim at two programs per SM,
+    keeping at least 4 K tiles per program. Always 1 off CUDA."""
+    if device.type != "cuda" or tiles >= 132:
+        return 1
+    from slipstream.kernels.runtime import num_sms
+    want = -(-2 * num_sms(device.index or 0) // tiles)
+    return max(1, min(want, k_tiles // 4, 16))
 
 
 def w8a8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,

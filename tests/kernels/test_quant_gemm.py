@@ -48,6 +48,12 @@ def test_int_weight_gemm_prefill_config_and_bad_groups():
     y = int_weight_gemm(x.to(DEVICE), qw.to(DEVICE), s.to(DEVICE), z.to(DEVICE), 4, 64, cfg)
     ref = reference.int_weight_linear(x.float(), qw, s, z, 4, 64)
     torch.testing.assert_close(y.float().cpu(), ref, atol=2e-2, rtol=2e-2)
+    # Split-K: partial sums in an fp32 workspace, added by the launcher.
+    for split in (2, 3):
+        y = int_weight_gemm(x[:3].to(DEVICE), qw.to(DEVICE), s.to(DEVICE), z.to(DEVICE), 4, 64,
+                            dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=2,
+                                 SPLIT_K=split))
+        torch.testing.assert_close(y.float().cpu(), ref[:3], atol=2e-2, rtol=2e-2)
     with pytest.raises(ValueError, match="group_size"):
         int_weight_gemm(x, qw, s, z, 4, 24)
     with pytest.raises(ValueError, match="bits"):
