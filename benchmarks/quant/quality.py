@@ -8,8 +8,10 @@ Perplexity: the fixed text benchmarks/quant/eval_text.txt (a snapshot of the
 project's README and design notes) is cut into non-overlapping windows of
 --context tokens; every token of a window after its first is scored given the
 tokens before it in the same window; ppl = exp(mean negative log-likelihood).
-Scores come from the engine itself (`LLM.generate` with prompt_logprobs), so each
-method runs through its real runtime path (the CPU reference kernels here).
+Scores come from the engine itself (`LLM.generate` with prompt_logprobs). W8A8 (int8,
+fp8) runs its runtime path (per-token activation quantization, int32 or fp8 products);
+weight-only methods are scored with their dequantized weights in dense layers, which
+computes the same log-probs (see densify_weight_only) at a fraction of the CPU time.
 
 Calibration (GPTQ, AWQ, SmoothQuant, mixed): the text that ships with slipstream
 (slipstream/quant/data/calibration.txt), windows of 256 tokens; it shares no text
@@ -50,6 +52,42 @@ METHODS = {
     "mixed-3.5bit": ({"quantize": dict(method="mixed", avg_bits=3.5)},
                      "per-layer bits in {2,3,4,8} at 3.5 average, GPTQ"),
 }
+
+
+def densify_weight_only(llm) -> int:
+    """Swap every weight-only integer layer for a dense layer holding its dequantized weight.
+
+    An evaluation shortcut, not an approximation: tests/quant/test_engine_schemes.py and
+    test_quantize_checkpoint.py show the quantized layers compute what dense layers holding
+    the dequantized weights compute (log-probs equal to 2e-4). Dequantizing once instead of
+    at every forward makes the CPU evaluation affordable. Activation-quantized methods
+    (W8A8 int8, fp8) keep their runtime path. Returns the number of layers swapped."""
+    from torch import nn
+
+    from slipstream.layers.linear import UnquantizedLinearMethod
+    from slipstream.quant.int_weight import IntWeightMethod
+    from slipstream.quant.primitives import dequantize_codes, unpack_codes
+    swapped = 0
+    for module in llm.engine.runner.model.modules():
+        method = getattr(module, "quant_method", None)
+        if not isinstance(method, IntWeightMethod):
+            continue
+        codes = unpack_codes(module.qweight, method.bits)
+        zero = module.qzeros.float() if not method.sym else \
+            torch.full_like(module.scales, 2.0 ** (method.bits - 1))
+        w = dequantize_codes(codes, module.scales, zero, module.group_cols)
+        perm = getattr(module, "perm", None)
+        if perm is not None:
+            full = torch.empty_like(w)
+            full[:, perm.long()] = w
+            w = full
+        for name in ("qweight", "scales", "qzeros", "perm"):
+            if hasattr(module, name):
+                delattr(module, name)
+        module.weight = nn.Parameter(w.to(llm.engine.config.dtype), requires_grad=False)
+        module.quant_method = UnquantizedLinearMethod()
+        swapped += 1
+    return swapped
 
 
 def perplexity(llm, windows: list[list[int]]) -> tuple[float, int]:
@@ -103,6 +141,9 @@ def main(argv=None) -> int:
             llm = LLM(str(path), **opts)
         else:
             llm = LLM(model, **opts, **spec)
+        swapped = densify_weight_only(llm)
+        if swapped:
+            info["weight_only_layers_scored_dense_dequantized"] = swapped
         prep = time.perf_counter() - t0
         ppl, n = perplexity(llm, windows)
         del llm
