@@ -51,7 +51,22 @@ METHODS = {
     "fp8-w8a8": ({"quantization": "fp8"}, "fp8 e4m3 W8A8, at load"),
     "mixed-3.5bit": ({"quantize": dict(method="mixed", avg_bits=3.5)},
                      "per-layer bits in {2,3,4,8} at 3.5 average, GPTQ"),
+    "kv-int8": ({"kv": "int8"}, "fp32 weights, KV cache int8 per token and head (simulated)"),
+    "kv-fp8": ({"kv": "fp8"}, "fp32 weights, KV cache fp8 e4m3 per token and head (simulated)"),
 }
+
+
+def simulate_kv_cache(llm, kv_dtype: str) -> None:
+    """Every K/V entering the cache takes the values an int8/fp8 cache would hand back
+    (quant/kv_quant.py's per-token-per-head formats): the attention kernels do not read
+    quantized caches yet, so the cache's numerics are simulated exactly at the store."""
+    from slipstream.quant.kv_quant import fake_quantize_kv
+    for layer in llm.engine.runner.model.attention_layers():
+        forward = layer.forward
+
+        def quantized(q, k, v, batch, forward=forward):
+            return forward(q, fake_quantize_kv(k, kv_dtype), fake_quantize_kv(v, kv_dtype), batch)
+        layer.forward = quantized
 
 
 def densify_weight_only(llm) -> int:
@@ -139,6 +154,9 @@ def main(argv=None) -> int:
                 info["bits_histogram"] = {b: bits.count(b) for b in sorted(set(bits))}
             del cm
             llm = LLM(str(path), **opts)
+        elif "kv" in spec:
+            llm = LLM(model, **opts)
+            simulate_kv_cache(llm, spec["kv"])
         else:
             llm = LLM(model, **opts, **spec)
         swapped = densify_weight_only(llm)
