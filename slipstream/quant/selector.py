@@ -13,6 +13,8 @@ _BUILTIN: dict[str, str] = {
     "fp8": "slipstream.quant.fp8",
     "w8a8": "slipstream.quant.w8a8",
     "slipstream": "slipstream.quant.checkpoint",
+    "gptq": "slipstream.quant.hf_checkpoint",
+    "awq": "slipstream.quant.hf_checkpoint",
 }
 
 
