@@ -122,7 +122,11 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(HERE / "results"))
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch CPU threads (1: on a shared 2-core machine, more threads only "
+                         "wait for each other)")
     args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
     from slipstream import LLM
     from slipstream.loader import default_model_path, open_model
     from slipstream.quant.calibration import default_calibration_text

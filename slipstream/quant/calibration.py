@@ -51,9 +51,8 @@ class InputStats:
 
     def add(self, x: torch.Tensor) -> None:
         x = x.detach().reshape(-1, x.shape[-1]).float().cpu()
-        if self.h is not None:
-            xd = x.double()
-            self.h += 2.0 * xd.t() @ xd
+        if self.h is not None:   # fp32 products per call, summed in fp64 across calls
+            self.h += (2.0 * x.t() @ x).double()
         self.abs_sum += x.abs().sum(0).double()
         self.abs_max = torch.maximum(self.abs_max, x.abs().amax(0))
         have = sum(r.shape[0] for r in self.rows)

@@ -19,6 +19,8 @@ the layer computes x[:, perm] @ Q^T.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from slipstream.quant.primitives import QTensor, compute_qparams, quantize_codes
@@ -41,11 +43,31 @@ class HessianAccumulator:
         return (self.h / max(self.n, 1)).float()
 
 
+@contextlib.contextmanager
+def _one_thread(device: torch.device):
+    """The column loop runs many tiny CPU ops, where intra-op threads only add
+    synchronization (and, on a busy machine, waits for a core): run it on one thread."""
+    if device.type != "cpu":
+        yield
+        return
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
 def gptq_quantize(w: torch.Tensor, h: torch.Tensor, bits: int, group_size: int | None = 128,
                   sym: bool = False, block_size: int = 128, damp: float = 0.01,
                   act_order: bool = False) -> tuple[QTensor, torch.Tensor | None]:
     """w: [out, in]; h: [in, in] -> (QTensor over the columns in quantization order,
     perm [in] int64 when act_order else None). group_size None: one group per row."""
+    with _one_thread(w.device):
+        return _gptq(w, h, bits, group_size, sym, block_size, damp, act_order)
+
+
+def _gptq(w, h, bits, group_size, sym, block_size, damp, act_order):
     out_f, in_f = w.shape
     group = in_f if group_size is None else min(group_size, in_f)   # last group may be narrower
     W = w.detach().float().clone()
