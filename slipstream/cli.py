@@ -154,6 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_analyze(sub)
     from slipstream.quant.cli import add_parser as add_quantize
     add_quantize(sub)
+    from slipstream.eval.cli import add_parser as add_eval
+    add_eval(sub)
     return parser
 
 
