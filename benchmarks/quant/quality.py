@@ -50,7 +50,10 @@ METHODS = {
                          "SmoothQuant alpha 0.5, int8 W8A8"),
     "fp8-w8a8": ({"quantization": "fp8"}, "fp8 e4m3 W8A8, at load"),
     "mixed-3.5bit": ({"quantize": dict(method="mixed", avg_bits=3.5)},
-                     "per-layer bits in {2,3,4,8} at 3.5 average, GPTQ"),
+                     "per-layer bits in {3,4,8} at 3.5 average, GPTQ"),
+    "mixed-3.5bit-with-2bit": ({"quantize": dict(method="mixed", avg_bits=3.5,
+                                                 mixed_bits=(2, 3, 4, 8))},
+                               "per-layer bits in {2,3,4,8} at 3.5 average, GPTQ"),
     "kv-int8": ({"kv": "int8"}, "fp32 weights, KV cache int8 per token and head (simulated)"),
     "kv-fp8": ({"kv": "fp8"}, "fp32 weights, KV cache fp8 e4m3 per token and head (simulated)"),
 }
@@ -122,6 +125,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(HERE / "results"))
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--merge", action="store_true",
+                    help="keep the other methods' rows of an existing quality.json")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch CPU threads (1: on a shared 2-core machine, more threads only "
                          "wait for each other)")
@@ -172,9 +177,15 @@ def main(argv=None) -> int:
         rows.append({"method": name, "description": desc, "ppl": ppl, "tokens": n,
                      "prepare_s": round(prep, 1), **({"info": info} if info else {})})
         print(f"{name:24s} ppl {ppl:8.4f}  ({n} tokens, prepared in {prep:.0f} s)", flush=True)
-    base = next((r["ppl"] for r in rows if r["method"] == "baseline"), None)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.merge and (out / "quality.json").is_file():
+        new = {r["method"]: r for r in rows}
+        old = json.loads((out / "quality.json").read_text())["results"]
+        rows = [new.pop(r["method"], r) for r in old] + list(new.values())
+        rows.sort(key=lambda r: list(METHODS).index(r["method"]) if r["method"] in METHODS
+                  else len(METHODS))
+    base = next((r["ppl"] for r in rows if r["method"] == "baseline"), None)
     meta = {"model": "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to fp32 = baseline)",
             "text": "benchmarks/quant/eval_text.txt", "context": args.context,
             "scoring": "non-overlapping windows, first token of each window unscored",

@@ -31,8 +31,20 @@ def add_parser(subparsers) -> None:
     p.add_argument("--num-windows", type=int, default=32, help="calibration windows at most")
     p.add_argument("--alpha", type=float, default=0.5, help="SmoothQuant migration strength")
     p.add_argument("--avg-bits", type=float, default=3.5, help="mixed: average bits budget")
+    p.add_argument("--mixed-bits", default="3,4,8",
+                   help="mixed: the bit widths a layer may get (default 3,4,8)")
     p.add_argument("--device", default="cpu", help="where to run calibration (cpu, cuda)")
     p.set_defaults(func=run)
+
+
+def _bit_list(text: str) -> tuple[int, ...]:
+    try:
+        bits = tuple(sorted({int(b) for b in text.split(",")}))
+    except ValueError:
+        raise ValueError(f"mixed_bits: expected comma-separated integers, got {text!r}") from None
+    if not bits or any(b not in (2, 3, 4, 8) for b in bits):
+        raise ValueError(f"mixed_bits: each width must be 2, 3, 4 or 8, got {text!r}")
+    return bits
 
 
 def run(args) -> int:
@@ -47,7 +59,8 @@ def run(args) -> int:
     opts = QuantizeOptions(method=args.method, bits=args.bits,
                            group_size=args.group_size or None, sym=args.sym,
                            act_order=args.act_order, alpha=args.alpha, seq_len=args.seq_len,
-                           num_windows=args.num_windows, avg_bits=args.avg_bits)
+                           num_windows=args.num_windows, avg_bits=args.avg_bits,
+                           mixed_bits=_bit_list(args.mixed_bits))
     text = read_calibration_text(args.calib)
     files = open_model(args.model)
     t0 = time.perf_counter()
@@ -56,7 +69,7 @@ def run(args) -> int:
     cm, report = quantize_model(files, opts, text, args.device,
                                 progress=lambda i: bar.update(1))
     bar.close()
-    extra = {"options": {k: v for k, v in vars(opts).items() if k != "mixed_bits"},
+    extra = {"options": dict(vars(opts)),
              "info": {k: v for k, v in report.info.items() if k != "awq_alpha"}}
     out = save_quantized(cm.model, files, args.output, report.layers, args.method, extra)
     print(f"quantized {files.path} with {args.method} in {time.perf_counter() - t0:.1f} s "

@@ -8,7 +8,9 @@ the integer program
     min  sum_l err_l(b_l)   subject to   sum_l numel_l * b_l <= avg_bits * sum_l numel_l,
          b_l in the allowed widths
 
-(a multiple-choice knapsack; "bits" count the weight codes, not the group scales).
+(a multiple-choice knapsack; "bits" count the weight codes, not the group scales;
+the allowed widths default to {3, 4, 8}: the per-layer output error underrates what
+2-bit layers do to the whole model's perplexity).
 It is solved exactly by dynamic programming over the budget in units of the gcd of
 the layer sizes (every cost is a whole number of units), and greedily (start every
 layer at the fewest bits, repeatedly buy the upgrade with the most error removed per

@@ -40,7 +40,9 @@ class QuantizeOptions:
     seq_len: int = 256
     num_windows: int = 32
     avg_bits: float = 3.5              # mixed precision: average bits budget
-    mixed_bits: tuple[int, ...] = (2, 3, 4, 8)
+    # 2 bits is allowed but not a default: on SmolLM2-135M, layers at 2 bits cost far more
+    # perplexity than their own output error predicts (benchmarks/quant/README.md).
+    mixed_bits: tuple[int, ...] = (3, 4, 8)
 
     def __post_init__(self):
         if self.method not in METHODS:
