@@ -125,6 +125,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(HERE / "results"))
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--calib", default=None,
+                    help="calibration text file (default: the one shipped with slipstream)")
     ap.add_argument("--merge", action="store_true",
                     help="keep the other methods' rows of an existing quality.json")
     ap.add_argument("--threads", type=int, default=1,
@@ -138,6 +140,8 @@ def main(argv=None) -> int:
     from slipstream.quant.checkpoint import save_quantized
     from slipstream.quant.quantizer import QuantizeOptions, quantize_model
     torch.manual_seed(0)
+    calib_text = (Path(args.calib).read_text(encoding="utf-8") if args.calib
+                  else default_calibration_text())
     model = str(default_model_path())
     files = open_model(model)
     tok = files.tokenizer()
@@ -154,7 +158,7 @@ def main(argv=None) -> int:
         info = {}
         if "quantize" in spec:
             q = QuantizeOptions(**spec["quantize"])
-            cm, report = quantize_model(files, q, default_calibration_text())
+            cm, report = quantize_model(files, q, calib_text)
             path = save_quantized(cm.model, files, tmp / name, report.layers, q.method)
             info = {k: v for k, v in report.info.items() if k not in ("awq_alpha",)}
             if "allocation" in info:
