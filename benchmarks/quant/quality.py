@@ -48,6 +48,8 @@ METHODS = {
     "w8a8-int8": ({"quantization": "w8a8"}, "int8 W8A8 without smoothing, at load"),
     "smoothquant-w8a8": ({"quantize": dict(method="smoothquant", alpha=0.5)},
                          "SmoothQuant alpha 0.5, int8 W8A8"),
+    "smoothquant-w8a8-a0.8": ({"quantize": dict(method="smoothquant", alpha=0.8)},
+                              "SmoothQuant alpha 0.8, int8 W8A8"),
     "fp8-w8a8": ({"quantization": "fp8"}, "fp8 e4m3 W8A8, at load"),
     "mixed-3.5bit": ({"quantize": dict(method="mixed", avg_bits=3.5)},
                      "per-layer bits in {3,4,8} at 3.5 average, GPTQ"),
