@@ -45,8 +45,15 @@ SMOKE_BATCHES = [1, 20]
 L2_BYTES = 50 << 20
 
 
+def clone_weights(W):
+    """Same values in fresh memory (timing rotates over copies so weights come from HBM)."""
+    return {key: tuple(t.clone() for t in v) if isinstance(v, tuple) else v.clone()
+            for key, v in W.items()}
+
+
 def make_weights(n, k, device, gen, dtype):
-    w = (torch.randn(n, k, generator=gen, device="cpu") * 0.02)
+    # Quantized on the device itself: the CPU would spend minutes on the 8B shapes.
+    w = torch.randn(n, k, generator=gen, device="cpu").to(device) * 0.02
     q4 = quantize(w, 4, False, "group", 128)
     q8 = quantize(w, 8, True, "channel")
     wi8, wsi8 = quantize_int8_rows(w)
@@ -195,7 +202,7 @@ def main(argv=None) -> int:
     for name, (n, k) in shapes.items():
         base = make_weights(n, k, device, gen, dtype)
         copies = 1 if args.smoke else max(1, math.ceil(4 * L2_BYTES / (n * k / 2)))
-        weights = [base] + [make_weights(n, k, device, gen, dtype) for _ in range(min(copies, 8) - 1)]
+        weights = [base] + [clone_weights(base) for _ in range(min(copies, 8) - 1)]
         for m in batches:
             x = (torch.randn(m, k, generator=gen) * 1.0).to(device, dtype)
             refs = references(x, base)
@@ -203,7 +210,11 @@ def main(argv=None) -> int:
             for cname, (fn, _) in cons.items():
                 if cname not in refs:
                     continue
-                err = rel_err(fn().float(), refs[cname])
+                try:
+                    err = rel_err(fn().float(), refs[cname])
+                except Exception as e:   # e.g. a torch op this GPU or build lacks
+                    print(f"ERROR {cname} {name} m={m}: {type(e).__name__}: {e}", flush=True)
+                    err = float("inf")
                 tol = 2e-2 if cname != "w8a8-fp8" else 3e-2
                 ok = err < tol
                 res["correctness"].append({"shape": name, "m": m, "kernel": cname,

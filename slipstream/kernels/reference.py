@@ -179,5 +179,7 @@ def w8a8_linear(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor,
     """int8 x int8 -> int32 accumulation, then per-token x per-channel scales.
 
     xq: int8 [m, k]; x_scale: [m, 1]; wq: int8 [n, k]; w_scale: [n] -> [m, n] out_dtype."""
-    acc = xq.to(torch.int64) @ wq.to(torch.int64).t()   # exact integer products
-    return (acc.double() * x_scale.double() * w_scale.double()[None, :]).to(out_dtype)
+    # fp64 sums of int8 products are exact while |sum| < 2^53 (k < 5e11); CUDA has no
+    # int64 matmul.
+    acc = xq.double() @ wq.double().t()
+    return (acc * x_scale.double() * w_scale.double()[None, :]).to(out_dtype)
