@@ -159,6 +159,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     from slipstream.bench.cli import add_parsers as add_bench
     add_bench(bench)
+    from slipstream.quant.cli import add_parser as add_quantize
+    add_quantize(sub)
+    from slipstream.eval.cli import add_parser as add_eval
+    add_eval(sub)
     return parser
 
 

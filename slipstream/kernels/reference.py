@@ -187,3 +187,29 @@ def rotary_inplace(qk: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
     swapped = torch.cat((qk[..., half:], qk[..., :half]), dim=-1)
     qk.copy_(torch.addcmul(qk * c, swapped, s))
     return qk
+# ---- quantized linear layers (twins of kernels/quant_gemm.py) ---------------
+
+
+def int_weight_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                      qzeros: torch.Tensor | None, bits: int, group_cols: int) -> torch.Tensor:
+    """Weight-only integer linear: y = x @ ((codes - zero) * scale)^T in x's dtype.
+
+    x: [m, k]; qweight: uint8 [n, packed k] (pack_codes layout); scales: [n, ceil(k / group_cols)];
+    qzeros: uint8 [n, ceil(k / group_cols)], or None for symmetric (zero = 2^(bits-1)).
+    """
+    from slipstream.quant.primitives import dequantize_codes, unpack_codes
+    codes = unpack_codes(qweight, bits)
+    zero = qzeros.float() if qzeros is not None else torch.full_like(scales, 2.0 ** (bits - 1))
+    w = dequantize_codes(codes, scales.float(), zero.float(), group_cols)   # [n, k] fp32
+    return F.linear(x, w.to(x.dtype))
+
+
+def w8a8_linear(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor,
+                w_scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """int8 x int8 -> int32 accumulation, then per-token x per-channel scales.
+
+    xq: int8 [m, k]; x_scale: [m, 1]; wq: int8 [n, k]; w_scale: [n] -> [m, n] out_dtype."""
+    # fp64 sums of int8 products are exact while |sum| < 2^53 (k < 5e11); CUDA has no
+    # int64 matmul.
+    acc = xq.double() @ wq.double().t()
+    return (acc * x_scale.double() * w_scale.double()[None, :]).to(out_dtype)

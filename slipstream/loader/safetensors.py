@@ -91,7 +91,13 @@ class HFModelFiles:
             hint = f"; for GGUF, pass the file itself: {ggufs[0]}" if ggufs else ""
             raise ModelLoadError(f"{folder}: no config.json, so this is not a Hugging Face model folder{hint}")
         self.config: ModelConfig = _model_config(folder)
+        # A quantized checkpoint stores other tensors (qweight, scales, ...) than a float
+        # one; its quantization scheme names them and model.load_weights checks them all.
+        self.quantization_config: dict | None = read_json(folder / "config.json").get(
+            "quantization_config")
         self._files = {path: _read_header(path) for path in _weight_files(folder)}
+        if self.quantization_config:
+            return
         available = {n for names in self._files.values() for n in names}
         check_complete(available, self.config, str(folder))
         # A tensor the model has no place for (an MLP bias, say) means the model
@@ -106,14 +112,15 @@ class HFModelFiles:
 
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         wanted = set(expected_weight_names(self.config))
+        quantized = bool(self.quantization_config)
         for path, names in self._files.items():
             try:
                 with safe_open(str(path), framework="pt") as f:
                     for name in names:
-                        if name not in wanted:
+                        if name not in wanted and not (quantized and not _IGNORED.fullmatch(name)):
                             continue   # e.g. rotary inv_freq buffers, or lm_head of a tied model
                         tensor = f.get_tensor(name)
-                        if tensor.dtype not in _FLOAT_DTYPES:
+                        if tensor.dtype not in _FLOAT_DTYPES and not quantized:
                             raise ModelLoadError(
                                 f"{path}: tensor {name} is {tensor.dtype}; slipstream reads float "
                                 "checkpoints (float32, float16, bfloat16) only")

@@ -6,12 +6,28 @@ import importlib
 from slipstream.quant.base import QuantMethodFor, registered_schemes
 
 # Scheme name -> module that registers it (imported only when asked for).
-_BUILTIN: dict[str, str] = {}
+_BUILTIN: dict[str, str] = {
+    "rtn-int4": "slipstream.quant.rtn",
+    "rtn-int3": "slipstream.quant.rtn",
+    "int8": "slipstream.quant.rtn",
+    "fp8": "slipstream.quant.fp8",
+    "w8a8": "slipstream.quant.w8a8",
+    "slipstream": "slipstream.quant.checkpoint",
+    "gptq": "slipstream.quant.hf_checkpoint",
+    "awq": "slipstream.quant.hf_checkpoint",
+}
 
 
 def quant_method_for(config, files) -> QuantMethodFor | None:
     """None when the model runs unquantized (dense weights in the model dtype)."""
     name = config.quantization
+    qc = getattr(files, "quantization_config", None)
+    if qc:   # a quantized checkpoint names its own scheme
+        stored = qc.get("quant_method")
+        if name not in (None, stored):
+            raise ValueError(f"quantization: {name!r} asked for, but {files.path} is already "
+                             f"quantized ({stored!r}); leave quantization unset")
+        name = stored
     if name is None:
         return None
     if name not in registered_schemes() and name in _BUILTIN:

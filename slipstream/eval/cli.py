@@ -1,0 +1,48 @@
+"""`slipstream eval ppl [MODEL] --text FILE [--context 1024] [--stride N]`."""
+from __future__ import annotations
+
+import json
+import sys
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("eval", help="evaluate a model (perplexity)")
+    sub = p.add_subparsers(dest="eval_command", required=True)
+    q = sub.add_parser("ppl", help="perplexity on a text file (sliding window)")
+    q.add_argument("model", nargs="?", default=None,
+                   help="a Hugging Face folder, a quantized checkpoint or a .gguf file "
+                        "(default: SmolLM2-135M-Instruct)")
+    q.add_argument("--text", required=True, help="UTF-8 text file")
+    q.add_argument("--context", type=int, default=1024, help="tokens per window (default 1024)")
+    q.add_argument("--stride", type=int, default=None,
+                   help="tokens between window starts; each window scores its last STRIDE "
+                        "tokens (default context / 2)")
+    q.add_argument("--quantization", default=None, help="quantize a float checkpoint at load")
+    q.add_argument("--dtype", default="auto")
+    q.add_argument("--device", default="auto")
+    q.add_argument("--json", action="store_true", help="print the result as JSON")
+    q.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from pathlib import Path
+
+    from slipstream import LLM
+    from slipstream.eval.perplexity import perplexity
+    path = Path(args.text)
+    if not path.is_file():
+        raise ValueError(f"text: no such file {args.text!r}")
+    llm = LLM(args.model, dtype=args.dtype, device=args.device,
+              quantization=args.quantization, max_model_len=args.context + 1,
+              enable_prefix_caching=False)
+    ids = llm.engine.tokenizer.encode(path.read_text(encoding="utf-8"))
+    if len(ids) < 2:
+        raise ValueError("text: fewer than 2 tokens")
+    r = perplexity(llm, ids, args.context, args.stride)
+    if args.json:
+        print(json.dumps(vars(r)))
+    else:
+        print(f"perplexity {r.ppl:.4f} over {r.tokens} tokens ({r.windows} windows of up to "
+              f"{r.context} tokens, stride {r.stride}; each window scores the tokens no "
+              f"earlier window scored)")
+    return 0

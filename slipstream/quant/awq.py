@@ -1,0 +1,56 @@
+"""AWQ (Lin et al., 2023): activation-aware weight quantization.
+
+The rounding error of input channel j reaches the output multiplied by x_j, so
+channels with large activations matter most. AWQ multiplies weight column j by
+s_j > 1 for those channels (finer relative rounding) and divides the activation by
+s_j, an exact equivalence before rounding:
+
+    x W^T = (x diag(s)^-1) (W diag(s))^T
+
+with s = mean|x|^alpha, alpha chosen on a grid in [0, 1] to minimize the layer's
+output error on calibration inputs once W diag(s) is quantized. The division of x
+is folded into the operation that produces x: the RMSNorm weight before qkv_proj
+and gate_up_proj, the rows of up_proj before down_proj, the rows of v_proj before
+o_proj when every query head has its own value head (with GQA a value channel
+feeds several heads' o_proj columns, which would need one shared scale: skipped).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from slipstream.quant.primitives import fake_quantize
+
+
+@dataclass
+class AWQSearch:
+    scales: torch.Tensor     # [in] the chosen s (divide x by it, multiply W's columns)
+    alpha: float
+    errors: list[float]      # output MSE at each alpha of the grid
+    grid: list[float]
+
+
+def awq_scales(x_abs_mean: torch.Tensor, alpha: float) -> torch.Tensor:
+    """s = mean|x|^alpha, normalized so that max(s) * min(s) = 1 (keeps W's range centred)."""
+    s = x_abs_mean.float().clamp_min(1e-4).pow(alpha)
+    return s / (s.max() * s.min()).sqrt()
+
+
+def search_scales(w: torch.Tensor, x: torch.Tensor, bits: int = 4, group_size: int = 128,
+                  sym: bool = False, grid: int = 20,
+                  x_abs_mean: torch.Tensor | None = None) -> AWQSearch:
+    """w: [out, in]; x: [n, in] calibration inputs (a sample is enough).
+    alpha = 0 (s = 1, plain RTN) is on the grid, so the result is never worse than RTN
+    on these inputs."""
+    w, x = w.float(), x.float()
+    mean = x.abs().mean(0) if x_abs_mean is None else x_abs_mean.float()
+    y = x @ w.t()
+    alphas = [i / grid for i in range(grid + 1)]
+    errors = []
+    for a in alphas:
+        s = awq_scales(mean, a)
+        w_hat = fake_quantize(w * s[None, :], bits, sym, "group", group_size) / s[None, :]
+        errors.append((x @ w_hat.t() - y).pow(2).mean().item())
+    best = min(range(len(alphas)), key=errors.__getitem__)
+    return AWQSearch(awq_scales(mean, alphas[best]), alphas[best], errors, alphas)

@@ -1,0 +1,80 @@
+"""`slipstream quantize MODEL -o OUT --method rtn|gptq|awq|smoothquant|mixed`."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "quantize", help="quantize a model to a safetensors checkpoint slipstream loads back",
+        description="Quantize a float (or GGUF, dequantized) model layer by layer and save it "
+                    "as safetensors plus a quantization_config in config.json. Load the result "
+                    "with `slipstream generate --model OUT` or LLM(OUT).")
+    p.add_argument("model", nargs="?", default=None,
+                   help="a Hugging Face folder or a .gguf file (default: SmolLM2-135M-Instruct)")
+    p.add_argument("-o", "--output", required=True, help="output folder")
+    p.add_argument("--method", default="gptq",
+                   help="rtn, gptq, awq (weight-only int), smoothquant (W8A8 int8), mixed "
+                        "(per-layer bits by sensitivity, GPTQ) (default: gptq)")
+    p.add_argument("--bits", type=int, default=4, help="2, 3, 4 or 8 (default 4)")
+    p.add_argument("--group-size", type=int, default=128,
+                   help="input columns per scale; 0 = one per output channel (default 128)")
+    p.add_argument("--sym", action="store_true", help="symmetric codes (default: asymmetric)")
+    p.add_argument("--act-order", action="store_true", help="GPTQ: quantize columns by "
+                   "decreasing Hessian diagonal")
+    p.add_argument("--calib", default=None, help="calibration text file (default: a text "
+                   "shipped with slipstream)")
+    p.add_argument("--seq-len", type=int, default=256, help="tokens per calibration window")
+    p.add_argument("--num-windows", type=int, default=32, help="calibration windows at most")
+    p.add_argument("--alpha", type=float, default=0.5, help="SmoothQuant migration strength")
+    p.add_argument("--avg-bits", type=float, default=3.5, help="mixed: average bits budget")
+    p.add_argument("--mixed-bits", default="3,4,8",
+                   help="mixed: the bit widths a layer may get (default 3,4,8)")
+    p.add_argument("--device", default="cpu", help="where to run calibration (cpu, cuda)")
+    p.set_defaults(func=run)
+
+
+def _bit_list(text: str) -> tuple[int, ...]:
+    try:
+        bits = tuple(sorted({int(b) for b in text.split(",")}))
+    except ValueError:
+        raise ValueError(f"mixed_bits: expected comma-separated integers, got {text!r}") from None
+    if not bits or any(b not in (2, 3, 4, 8) for b in bits):
+        raise ValueError(f"mixed_bits: each width must be 2, 3, 4 or 8, got {text!r}")
+    return bits
+
+
+def run(args) -> int:
+    from tqdm import tqdm
+
+    from slipstream.loader import open_model
+    from slipstream.quant.calibration import read_calibration_text
+    from slipstream.quant.checkpoint import save_quantized
+    from slipstream.quant.quantizer import QuantizeOptions, quantize_model
+    if args.group_size < 0:
+        raise ValueError("group_size: expected 0 (per channel) or a positive number")
+    opts = QuantizeOptions(method=args.method, bits=args.bits,
+                           group_size=args.group_size or None, sym=args.sym,
+                           act_order=args.act_order, alpha=args.alpha, seq_len=args.seq_len,
+                           num_windows=args.num_windows, avg_bits=args.avg_bits,
+                           mixed_bits=_bit_list(args.mixed_bits))
+    text = read_calibration_text(args.calib)
+    files = open_model(args.model)
+    t0 = time.perf_counter()
+    bar = tqdm(total=files.config.num_hidden_layers, desc=f"{args.method} layers", unit="layer",
+               file=sys.stderr)
+    cm, report = quantize_model(files, opts, text, args.device,
+                                progress=lambda i: bar.update(1))
+    bar.close()
+    extra = {"options": dict(vars(opts)),
+             "info": {k: v for k, v in report.info.items() if k != "awq_alpha"}}
+    out = save_quantized(cm.model, files, args.output, report.layers, args.method, extra)
+    print(f"quantized {files.path} with {args.method} in {time.perf_counter() - t0:.1f} s "
+          f"-> {out}", file=sys.stderr)
+    if "allocation" in report.info:
+        a = report.info["allocation"]
+        print(json.dumps({k: v for k, v in a.items() if k != "bits"}, indent=1), file=sys.stderr)
+    return 0

@@ -1,0 +1,70 @@
+"""FP8 W8A8 linear method: float8 e4m3 weights with one scale per output channel,
+activations quantized per token at run time (dynamic), the product in fp8.
+
+    weight        float8_e4m3fn [out, in]
+    weight_scale  fp32 [out]
+
+Scheme "fp8" quantizes a float checkpoint as it loads (the format H100/H200 users serve
+with). On CUDA with bf16 activations the product is `torch._scaled_mm` with row-wise scales
+(fp8 tensor cores, fp32 accumulation); elsewhere the plain-PyTorch reference dequantizes and multiplies in
+fp32, which gives the same rounding of the inputs.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from slipstream.quant.base import register_scheme
+from slipstream.quant.primitives import quantize_fp8_rows
+
+
+def _param(t: torch.Tensor, output_dim: int | None = 0) -> nn.Parameter:
+    p = nn.Parameter(t, requires_grad=False)
+    p.output_dim = output_dim
+    return p
+
+
+def fp8_linear_reference(xq, x_scale, wq, w_scale, out_dtype):
+    """xq fp8 [m, k], x_scale [m, 1], wq fp8 [n, k], w_scale [n] -> [m, n] out_dtype."""
+    return (F.linear(xq.float() * x_scale, wq.float()) * w_scale[None, :]).to(out_dtype)
+
+
+class Fp8Method:
+    def __init__(self, prequantized: bool = False):
+        self.prequantized = prequantized
+
+    def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int],
+                       params_dtype: torch.dtype) -> None:
+        out = sum(output_sizes)
+        if self.prequantized:
+            layer.register_parameter("weight", _param(torch.empty(out, input_size,
+                                                                  dtype=torch.float8_e4m3fn)))
+            layer.register_parameter("weight_scale", _param(torch.empty(out)))
+        else:
+            layer.register_parameter("weight", _param(torch.empty(out, input_size,
+                                                                  dtype=params_dtype)))
+
+    def process_after_loading(self, layer: nn.Module) -> None:
+        if not self.prequantized:
+            wq, ws = quantize_fp8_rows(layer.weight.data)
+            layer.register_parameter("weight", _param(wq))
+            layer.register_parameter("weight_scale", _param(ws.flatten()))
+        # _scaled_mm wants the weight as the column-major right operand: keep W^T's view.
+        layer.weight_t = layer.weight.data.t()
+
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        # x: [num_tokens, in] -> [num_tokens, out]
+        xq, xs = quantize_fp8_rows(x)
+        if x.is_cuda and x.dtype == torch.bfloat16:   # row-wise scaled_mm outputs bf16
+            y = torch._scaled_mm(xq, layer.weight_t, scale_a=xs,
+                                 scale_b=layer.weight_scale.view(1, -1), out_dtype=x.dtype)
+        else:
+            y = fp8_linear_reference(xq, xs, layer.weight, layer.weight_scale, x.dtype)
+        return y if layer.bias is None else y + layer.bias
+
+
+@register_scheme("fp8")
+def _fp8(config, files):
+    from slipstream.quant.rtn import _dense_layers
+    return _dense_layers(config, files, Fp8Method)

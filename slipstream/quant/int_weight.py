@@ -1,0 +1,108 @@
+"""Weight-only integer linear method (w4a16, w3a16, w8a16): packed codes, per-group
+scales and zero points; activations stay in the model dtype.
+
+Layer parameters (all with output_dim 0, so fused q/k/v and gate/up shards load into
+their row slices):
+    qweight  uint8 [out, packed_cols(in)]   codes, two per byte for 3/4 bits (pack_codes)
+    scales   fp32  [out, ceil(in / group)]
+    qzeros   uint8 [out, ceil(in / group)]       asymmetric only (symmetric: zero = 2^(bits-1))
+    perm     int32 [in]                     act-order only: the layer computes x[:, perm] @ W'^T,
+                                            W' holding the input columns in quantization order
+
+`prequantized=False` registers a dense `weight` that the float checkpoint loads into,
+then quantizes it by RTN in `process_after_loading`. On CUDA 4- and 8-bit layers run the
+Triton dequantize-in-register GEMM (kernels/quant_gemm.py); elsewhere, and for 2/3 bits,
+the plain-PyTorch twin dequantizes and multiplies.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from slipstream.kernels import reference
+from slipstream.layers.weight_loader import copy_checked
+from slipstream.quant.primitives import check_bits, pack_codes, packed_cols
+
+
+def layer_group_cols(input_size: int, group_size: int | None) -> int:
+    """Columns per group for a layer: a layer no wider than the group has one group per row;
+    when group_size does not divide the width, the last group of each row is narrower."""
+    if group_size is not None and group_size <= 0:
+        raise ValueError(f"group_size: expected a positive number or None, got {group_size}")
+    if group_size is None or group_size >= input_size:
+        return input_size
+    return group_size
+
+
+def _param(t: torch.Tensor, output_dim: int | None = 0) -> nn.Parameter:
+    p = nn.Parameter(t, requires_grad=False)
+    p.output_dim = output_dim
+    return p
+
+
+def _same_for_every_shard(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+    # The input permutation is one per fused layer: every shard stores the same one.
+    copy_checked(param.data, loaded)
+
+
+class IntWeightMethod:
+    def __init__(self, bits: int, group_size: int | None = 128, sym: bool = False,
+                 act_order: bool = False, prequantized: bool = False):
+        check_bits(bits)
+        self.bits, self.group_size, self.sym = bits, group_size, sym
+        self.act_order, self.prequantized = act_order, prequantized
+
+    def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int],
+                       params_dtype: torch.dtype) -> None:
+        out = sum(output_sizes)
+        layer.group_cols = layer_group_cols(input_size, self.group_size)
+        if not self.prequantized:
+            layer.register_parameter("weight", _param(torch.empty(out, input_size,
+                                                                  dtype=params_dtype)))
+            return
+        self._register_quantized(layer, out, input_size)
+        if self.act_order:
+            perm = _param(torch.empty(input_size, dtype=torch.int32), None)
+            perm.weight_loader = _same_for_every_shard
+            layer.register_parameter("perm", perm)
+
+    def _register_quantized(self, layer: nn.Module, out: int, input_size: int) -> None:
+        groups = -(-input_size // layer.group_cols)
+        layer.register_parameter("qweight", _param(torch.empty(
+            out, packed_cols(input_size, self.bits), dtype=torch.uint8)))
+        layer.register_parameter("scales", _param(torch.empty(out, groups, dtype=torch.float32)))
+        if not self.sym:
+            layer.register_parameter("qzeros", _param(torch.empty(out, groups, dtype=torch.uint8)))
+
+    def process_after_loading(self, layer: nn.Module) -> None:
+        if not self.prequantized:
+            from slipstream.quant.rtn import rtn_quantize
+            w = layer.weight.data
+            qt = rtn_quantize(w.float(), self.bits, layer.group_cols, self.sym)
+            del layer.weight
+            set_quantized(layer, qt.codes, qt.scale, qt.zero, self.bits, self.sym, w.device)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        # x: [num_tokens, in] -> [num_tokens, out]
+        if getattr(layer, "perm", None) is not None:
+            x = x[:, layer.perm.long()]
+        zeros = layer.qzeros if not self.sym else None
+        if x.is_cuda and self.bits in (4, 8):
+            from slipstream.kernels.quant_gemm import int_weight_gemm
+            y = int_weight_gemm(x, layer.qweight, layer.scales, zeros, self.bits, layer.group_cols)
+        else:
+            y = reference.int_weight_linear(x, layer.qweight, layer.scales, zeros, self.bits,
+                                            layer.group_cols)
+        return y if layer.bias is None else y + layer.bias
+
+
+def set_quantized(layer: nn.Module, codes: torch.Tensor, scale: torch.Tensor,
+                  zero: torch.Tensor, bits: int, sym: bool, device,
+                  perm: torch.Tensor | None = None) -> None:
+    """Install quantized weights (codes uint8 [out, in], scale/zero [out, groups]) on a layer."""
+    layer.register_parameter("qweight", _param(pack_codes(codes, bits).to(device)))
+    layer.register_parameter("scales", _param(scale.float().to(device)))
+    if not sym:
+        layer.register_parameter("qzeros", _param(zero.to(torch.uint8).to(device)))
+    if perm is not None:
+        layer.register_parameter("perm", _param(perm.to(torch.int32).to(device), None))
