@@ -187,8 +187,9 @@ def rotary_inplace(qk: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
     swapped = torch.cat((qk[..., half:], qk[..., :half]), dim=-1)
     qk.copy_(torch.addcmul(qk * c, swapped, s))
     return qk
-# ---- quantized linear layers (twins of kernels/quant_gemm.py) ---------------
 
+
+# ---- quantized linear layers (twins of kernels/quant_gemm.py) ---------------
 
 def int_weight_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                       qzeros: torch.Tensor | None, bits: int, group_cols: int) -> torch.Tensor:
