@@ -134,8 +134,8 @@ class CalibrationModel:
                 self.model.backend.prepare(batch)
                 cache = torch.zeros(1, n, *self._cache_shape, dtype=x.dtype, device=self.device)
                 layer.self_attn.attn.k_cache, layer.self_attn.attn.v_cache = cache, cache.clone()
-                cos, sin = self.model.model.rotary_emb.lookup(batch.positions)
-                out.append(layer(x, residual, cos, sin, batch))
+                rope = self.model.model.rotary_emb.for_step(batch.positions)
+                out.append(layer(x, residual, rope, batch))
         finally:
             for h in hooks:
                 h.remove()
