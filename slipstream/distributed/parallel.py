@@ -19,7 +19,6 @@ at once; rank 0 also checks its workers' processes before each step.
 from __future__ import annotations
 
 import os
-import socket
 from dataclasses import dataclass, replace
 from datetime import timedelta
 
@@ -89,20 +88,25 @@ def torchrun_rank() -> tuple[int, int, int] | None:
     return int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", env["RANK"]))
 
 
-def free_tcp_address() -> str:
-    """A tcp:// address on this host for the ranks to meet at (rank 0 hosts the store)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
-
-
 def rank_device(device: torch.device, local_rank: int) -> torch.device:
     """Rank r drives GPU r of its host; CPU ranks share the CPU."""
     return torch.device("cuda", local_rank) if device.type == "cuda" else device
 
 
-def init_tp_group(rank: int, size: int, init_method: str, device: torch.device) -> TPGroup:
-    """Join the `size` ranks at `init_method` ("env://" under torchrun). Blocks
+def host_store(size: int) -> dist.TCPStore:
+    """The rendezvous rank 0 hosts for the workers it starts (on a free port)."""
+    return dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False,
+                         timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+
+
+def join_store(port: int, size: int) -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", port, size, is_master=False,
+                         timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+
+
+def init_tp_group(rank: int, size: int, device: torch.device,
+                  store: dist.Store | None = None) -> TPGroup:
+    """Join the `size` ranks through `store` (None: torchrun's env://). Blocks
     until all have joined (at most COLLECTIVE_TIMEOUT_S)."""
     if dist.is_initialized():
         raise RuntimeError("torch.distributed is already initialised in this process: another "
@@ -111,8 +115,9 @@ def init_tp_group(rank: int, size: int, init_method: str, device: torch.device) 
     if device.type == "cuda":
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
-                            timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    kw = {"store": store} if store is not None else {"init_method": "env://"}
+    dist.init_process_group(backend, rank=rank, world_size=size,
+                            timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S), **kw)
     cpu_group = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
     return TPGroup(rank, size, dist.group.WORLD, cpu_group)
 
