@@ -34,6 +34,10 @@ class _VocabShard(nn.Module):
         w.weight_loader = self.weight_loader
         return w
 
+    def whole_shape(self, param: nn.Parameter) -> tuple[int, int]:
+        """The shape of the weight in one process."""
+        return (self.vocab_size, self.hidden_size)
+
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
                       shard_id: object = None) -> None:
         """loaded_weight: the whole [vocab_size, hidden_size] tensor; copies this rank's rows."""

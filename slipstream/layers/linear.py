@@ -125,6 +125,15 @@ class LinearBase(nn.Module):
         n //= self.tp_size
         return self.tp_rank * n, n
 
+    def whole_shape(self, param: nn.Parameter) -> tuple[int, ...]:
+        """The shape of `param` in one process (what a checkpoint stores, fused)."""
+        shape = list(param.shape)
+        if self.tp_size > 1 and getattr(param, "output_dim", None) is not None:
+            shape[param.output_dim] = self.output_size
+        if self.tp_size > 1 and getattr(param, "input_dim", None) is not None:
+            shape[param.input_dim] = self.input_size
+        return tuple(shape)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, local_input_size] -> [num_tokens, sum(local_output_sizes)]
         return self.quant_method.apply(self, x)

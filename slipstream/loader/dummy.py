@@ -66,15 +66,26 @@ def initialize_dummy_weights(model: nn.Module, seed: int = 0, scale: float = DUM
     """Fill every floating-point parameter of `model` in place, on its own device
     and in its own dtype, then let the linear layers' quant methods post-process."""
     gens: dict[torch.device, torch.Generator] = {}
-    for name, p in model.named_parameters():   # a tied weight is listed once
-        if not p.is_floating_point():
-            continue
-        g = gens.get(p.device)
-        if g is None:
-            g = gens[p.device] = torch.Generator(device=p.device).manual_seed(seed)
-        p.uniform_(-scale, scale, generator=g)
-        if "norm" in name.rsplit(".", 1)[0].rsplit(".", 1)[-1]:
-            p.add_(1.0)   # RMSNorm weights around 1
+    seen: set[int] = set()
+    # named_parameters' order (a tied weight is listed once), with each owner at hand.
+    for mname, module in model.named_modules():
+        for _, p in module.named_parameters(recurse=False):
+            if id(p) in seen or not p.is_floating_point():
+                continue
+            seen.add(id(p))
+            g = gens.get(p.device)
+            if g is None:
+                g = gens[p.device] = torch.Generator(device=p.device).manual_seed(seed)
+            # A tensor-parallel rank draws the whole tensor (the same numbers as one
+            # process) and keeps its slice: TP=N runs the model TP=1 runs.
+            whole = getattr(module, "whole_shape", lambda q: q.shape)(p)
+            t = p if tuple(whole) == tuple(p.shape) else torch.empty(whole, dtype=p.dtype,
+                                                                     device=p.device)
+            t.uniform_(-scale, scale, generator=g)
+            if "norm" in mname.rsplit(".", 1)[-1]:
+                t.add_(1.0)   # RMSNorm weights around 1
+            if t is not p:
+                p.weight_loader(p, t)
     from slipstream.layers.linear import LinearBase
     for module in model.modules():
         if isinstance(module, LinearBase):

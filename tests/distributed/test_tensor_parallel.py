@@ -90,23 +90,55 @@ def test_tp2_matches_tp1(request, which):
         llm.engine.shutdown()
 
 
-def test_killed_worker_fails_generate_quickly(split_kv_folder):
+def test_dummy_weights_match_and_a_killed_worker_fails_generate(split_kv_folder):
+    """Random weights: each rank keeps its slice of the tensors one process draws, so
+    TP=2 runs TP=1's model. Then a worker is killed while the engine is idle: the
+    next generate raises at once (the liveness check before each step)."""
     from slipstream.distributed.executor import WorkerDiedError
-    llm = make_llm(split_kv_folder, tensor_parallel_size=2)
+    prompts = random_prompts(2, 265, 4, 10, seed=5)
+    params = SamplingParams(max_tokens=5, temperature=0)
+    ref = make_llm(split_kv_folder, load_format="dummy").generate(prompts, params, use_tqdm=False)
+    llm = make_llm(split_kv_folder, load_format="dummy", tensor_parallel_size=2)
     try:
+        got = llm.generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
         (worker,) = llm.engine.runner._procs
         os.kill(worker.pid, signal.SIGKILL)
         worker.join(timeout=10)
         t0 = time.monotonic()
         with pytest.raises(WorkerDiedError, match=r"rank 1 .* exited with code -9"):
-            llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=4),
-                         use_tqdm=False)
+            llm.generate(prompts[0], params, use_tqdm=False)
         assert time.monotonic() - t0 < 10
         assert not llm.engine.has_unfinished_requests()   # the request was aborted
         with pytest.raises(WorkerDiedError):   # and the engine stays failed
-            llm.generate({"prompt_token_ids": [5]}, SamplingParams(max_tokens=1), use_tqdm=False)
+            llm.generate(prompts[0], params, use_tqdm=False)
     finally:
         llm.engine.shutdown()
+
+
+def test_worker_killed_mid_generation_fails_the_step(split_kv_folder):
+    """Without the liveness check, the step's own collectives notice the dead peer:
+    the step fails within seconds, it does not hang."""
+    from slipstream.distributed.executor import WorkerDiedError
+    llm = make_llm(split_kv_folder, tensor_parallel_size=2)
+    engine = llm.engine
+    try:
+        executor = engine.runner
+        executor._dead_worker = lambda: None   # blind the check: only the collectives can tell
+        engine.add_request({"prompt_token_ids": [5, 6, 7, 8]},
+                           SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
+        for _ in range(3):
+            engine.step()
+        (worker,) = executor._procs
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.join(timeout=10)
+        t0 = time.monotonic()
+        with pytest.raises(WorkerDiedError, match="collective failed"):
+            while engine.has_unfinished_requests():
+                engine.step()
+        assert time.monotonic() - t0 < 10
+    finally:
+        engine.shutdown()
 
 
 def test_default_model_heads_do_not_split_over_two_ranks():
