@@ -82,7 +82,11 @@ class TPExecutor:
         keys = [f"joined/{r}" for r in range(1, self.size)]
         deadline = time.monotonic() + COLLECTIVE_TIMEOUT_S
         while not store.check(keys):
-            self._check_workers()
+            dead = self._dead_worker()
+            if dead is not None:   # before joining: most often an import of the user's script
+                self._fail(None, f"{dead} before joining (its error is printed above; a script "
+                                 "that starts a tensor-parallel engine needs an `if __name__ == "
+                                 "'__main__':` guard, since each worker imports it)")
             if time.monotonic() > deadline:
                 self._fail(TimeoutError(f"workers did not join within {COLLECTIVE_TIMEOUT_S:.0f} s"))
             time.sleep(0.02)
