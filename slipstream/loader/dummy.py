@@ -78,9 +78,10 @@ def initialize_dummy_weights(model: nn.Module, seed: int = 0, scale: float = DUM
                 g = gens[p.device] = torch.Generator(device=p.device).manual_seed(seed)
             # A tensor-parallel rank draws the whole tensor (the same numbers as one
             # process) and keeps its slice: TP=N runs the model TP=1 runs.
-            whole = getattr(module, "whole_shape", lambda q: q.shape)(p)
-            t = p if tuple(whole) == tuple(p.shape) else torch.empty(whole, dtype=p.dtype,
-                                                                     device=p.device)
+            # (Through the layer's loader even where the shapes agree: a row-parallel
+            # bias is whole on rank 0 and zero elsewhere.)
+            sharded = getattr(module, "tp_size", 1) > 1 and hasattr(module, "whole_shape")
+            t = torch.empty(module.whole_shape(p), dtype=p.dtype, device=p.device) if sharded else p
             t.uniform_(-scale, scale, generator=g)
             if "norm" in mname.rsplit(".", 1)[-1]:
                 t.add_(1.0)   # RMSNorm weights around 1

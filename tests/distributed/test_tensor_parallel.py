@@ -64,7 +64,7 @@ def _assert_same(ref, got):
             assert la.keys() == lb.keys()
             for t in la:
                 assert abs(la[t].logprob - lb[t].logprob) < LOGPROB_TOL
-        for la, lb in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
+        for la, lb in zip((a.prompt_logprobs or [])[1:], (b.prompt_logprobs or [])[1:]):
             for t in la:
                 assert abs(la[t].logprob - lb[t].logprob) < LOGPROB_TOL
 
@@ -90,18 +90,33 @@ def test_tp2_matches_tp1(request, which):
         llm.engine.shutdown()
 
 
-def test_dummy_weights_match_and_a_killed_worker_fails_generate(split_kv_folder):
+@pytest.fixture(scope="module")
+def llama_bias_config(tmp_path_factory):
+    """A Llama shape with attention_bias (q/k/v and o_proj biases: o_proj's is
+    row-parallel, added by rank 0 only); config and tokenizer, no weights."""
+    folder = tmp_path_factory.mktemp("tp-llama-bias")
+    cfg = hf_config("llama")
+    cfg.attention_bias = True
+    cfg.save_pretrained(folder)
+    write_hf_tokenizer(folder)
+    return folder
+
+
+def test_dummy_weights_match_and_a_killed_worker_fails_generate(llama_bias_config):
     """Random weights: each rank keeps its slice of the tensors one process draws, so
     TP=2 runs TP=1's model. Then a worker is killed while the engine is idle: the
     next generate raises at once (the liveness check before each step)."""
     from slipstream.distributed.executor import WorkerDiedError
     prompts = random_prompts(2, 265, 4, 10, seed=5)
-    params = SamplingParams(max_tokens=5, temperature=0)
-    ref = make_llm(split_kv_folder, load_format="dummy").generate(prompts, params, use_tqdm=False)
-    llm = make_llm(split_kv_folder, load_format="dummy", tensor_parallel_size=2)
+    params = SamplingParams(max_tokens=5, temperature=0, logprobs=0)
+    ref = make_llm(llama_bias_config, load_format="dummy").generate(prompts, params,
+                                                                    use_tqdm=False)
+    llm = make_llm(llama_bias_config, load_format="dummy", tensor_parallel_size=2)
     try:
+        o_proj = llm.engine.runner.model.model.layers[0].self_attn.o_proj
+        assert o_proj.bias is not None and o_proj.weight.shape == (256, 128)
         got = llm.generate(prompts, params, use_tqdm=False)
-        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
+        _assert_same(ref, got)
         (worker,) = llm.engine.runner._procs
         os.kill(worker.pid, signal.SIGKILL)
         worker.join(timeout=10)
