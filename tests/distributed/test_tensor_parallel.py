@@ -159,12 +159,13 @@ def test_worker_killed_mid_generation_fails_the_step(split_kv_folder):
 def test_default_model_heads_do_not_split_over_two_ranks():
     """SmolLM2-135M has 9 query heads and 3 KV heads: 2 ranks can split neither, so
     the engine refuses before starting any worker; 3 ranks would split both."""
-    from slipstream import LLM
+    from slipstream.engine.args import EngineArgs
+    from slipstream.loader import open_model
+    files = open_model(None)   # what Engine() does before anything starts
     with pytest.raises(ValueError, match=r"tensor_parallel_size=2 does not divide the model's "
                                          r"9 attention heads and 3 KV heads"):
-        LLM(device="cpu", dtype="float32", tensor_parallel_size=2)
-    from slipstream.loader import open_model
-    check_shardable(open_model(None).config, 3)
+        EngineArgs(device="cpu", tensor_parallel_size=2).create_config(str(files.path), files.config)
+    EngineArgs(device="cpu", tensor_parallel_size=3).create_config(str(files.path), files.config)
 
 
 def test_shardable_shapes_and_kv_head_placement():
