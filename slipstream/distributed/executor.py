@@ -39,7 +39,12 @@ class WorkerDiedError(SlipstreamError, RuntimeError):
 class TPExecutor:
     def __init__(self, args, config, files, quant_method_for):
         size = config.parallel.tensor_parallel_size
+        if torch.distributed.is_initialized():
+            raise RuntimeError("torch.distributed is already initialised in this process (another "
+                               "tensor-parallel engine, or the script's own process group); "
+                               "shut that down first (Engine.shutdown())")
         self.size = size
+        self.tp = None   # set once this engine's process group exists
         self._threads = torch.get_num_threads()
         self._procs: list = []
         self._failed: str | None = None
@@ -75,7 +80,11 @@ class TPExecutor:
             self.tp = init_tp_group(0, size, config.device, store)
             self.runner = ModelRunner(config, files.weights(), quant_method_for, self.tp)
         except Exception as e:
-            self._fail(e)
+            time.sleep(0.2)   # a worker that failed first has its exit code by now
+            if self._dead_worker() is not None or isinstance(e, RuntimeError):
+                self._fail(e)
+            self._stop()      # rank 0's own error (a bad checkpoint, say): raised as it is
+            raise
         self.num_blocks = self.runner.num_blocks
 
     def _wait_joined(self, store) -> None:
@@ -92,7 +101,7 @@ class TPExecutor:
             time.sleep(0.02)
 
     def __getattr__(self, name):   # model, backend, plan, graphs, input_batch: rank 0's
-        if name == "runner":
+        if name in ("runner", "tp"):
             raise AttributeError(name)
         return getattr(self.runner, name)
 
@@ -117,10 +126,16 @@ class TPExecutor:
         reason = reason or self._dead_worker() or f"a tensor-parallel collective failed: {error}"
         self._failed = (f"{reason}; the engine stopped its other ranks and cannot run further "
                         "steps (create a new engine)")
-        _kill(self._procs)
-        destroy_tp_group()
-        torch.set_num_threads(self._threads)
+        self._stop()
         raise WorkerDiedError(self._failed) from error
+
+    def _stop(self) -> None:
+        self._failed = self._failed or "the engine stopped"
+        _kill(self._procs)
+        if self.tp is not None:
+            destroy_tp_group()
+            self.tp = None
+        torch.set_num_threads(self._threads)
 
     # ---- the ModelRunner interface ---------------------------------------------
 
@@ -129,7 +144,9 @@ class TPExecutor:
         try:
             comm.broadcast_object(sched, self.tp.cpu_group)
             return self.runner.execute(sched)
-        except RuntimeError as e:   # torch.distributed's errors (DistBackendError included)
+        # torch.distributed's errors: gloo's "Connection closed by peer" is a plain
+        # RuntimeError, NCCL's and timeouts are DistError (a RuntimeError).
+        except RuntimeError as e:
             self._fail(e)
 
     def resolve(self, handle: StepHandle) -> StepOutput:
@@ -140,7 +157,7 @@ class TPExecutor:
 
     def shutdown(self) -> None:
         """Tell the workers to stop, wait for them (briefly), release the process group."""
-        if self._failed is None and getattr(self, "tp", None) is not None:
+        if self._failed is None and self.tp is not None:
             self._failed = "the engine was shut down"
             try:
                 comm.broadcast_object(None, self.tp.cpu_group)
@@ -148,9 +165,7 @@ class TPExecutor:
                 pass
             for p in self._procs:
                 p.join(timeout=10)
-            _kill(self._procs)
-            destroy_tp_group()
-            torch.set_num_threads(self._threads)
+            self._stop()
 
 
 def _kill(procs) -> None:
