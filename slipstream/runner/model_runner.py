@@ -77,7 +77,8 @@ class ModelRunner:
         self.graphs = None
         if (self.device.type == "cuda" and not config.enforce_eager
                 and self.backend.name == "triton"):
-            self.graphs = DecodeGraphs(self.model, self.backend, mc, sc.max_num_seqs, sc.max_model_len)
+            self.graphs = DecodeGraphs(self.model, self.backend, rank_config.model_config,
+                                       sc.max_num_seqs, sc.max_model_len)
 
     # ---- state ------------------------------------------------------------
 

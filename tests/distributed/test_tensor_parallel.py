@@ -49,9 +49,9 @@ def replicated_kv_folder(tmp_path_factory):
     return _save(tmp_path_factory.mktemp("tp-mqa"), cfg)
 
 
-def _generate(folder, tp):
+def _generate(folder, tp, **kw):
     # Chunked prefill over small blocks, prompt and sample log-probs, mixed lengths.
-    llm = make_llm(folder, tensor_parallel_size=tp, max_num_batched_tokens=24)
+    llm = make_llm(folder, tensor_parallel_size=tp, max_num_batched_tokens=24, **kw)
     prompts = random_prompts(4, 265, 5, 40, seed=3)
     params = SamplingParams(max_tokens=6, temperature=0, logprobs=2, prompt_logprobs=1)
     return llm, llm.generate(prompts, params, use_tqdm=False)
@@ -69,11 +69,14 @@ def _assert_same(ref, got):
                 assert abs(la[t].logprob - lb[t].logprob) < LOGPROB_TOL
 
 
-@pytest.mark.parametrize("which", ["split_kv_folder", "replicated_kv_folder"])
-def test_tp2_matches_tp1(request, which):
+@pytest.mark.parametrize("which,overlap", [("split_kv_folder", False),
+                                           ("replicated_kv_folder", True)])
+def test_tp2_matches_tp1(request, which, overlap):
+    """overlap: async scheduling, rank 0 launches step N+1 before it collects step N
+    (a token still being sampled is read on the device, on every rank)."""
     folder = request.getfixturevalue(which)
     _, ref = _generate(folder, 1)
-    llm, got = _generate(folder, 2)
+    llm, got = _generate(folder, 2, async_scheduling=overlap)
     try:
         runner = llm.engine.runner
         attn = runner.model.model.layers[0].self_attn
