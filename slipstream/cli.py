@@ -21,6 +21,8 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
     g.add_argument("--load-format", default="auto", choices=("auto", "dummy"),
                    help="dummy: random weights of the model's shape (--model may be a preset name)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split each layer over N processes (N GPUs on CUDA; gloo on the CPU)")
 
 
 def _sampling_options(p: argparse.ArgumentParser) -> None:
@@ -43,7 +45,8 @@ def _make_engine(args):
     engine = Engine(EngineArgs(
         model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
         attention_backend=args.attention_backend, kv_cache_memory=args.kv_cache_memory,
-        enable_prefix_caching=not args.no_prefix_caching, load_format=args.load_format))
+        enable_prefix_caching=not args.no_prefix_caching, load_format=args.load_format,
+        tensor_parallel_size=args.tensor_parallel_size))
     cfg = engine.config
     print(f"loaded {cfg.model} ({cfg.model_config.architecture}, {str(cfg.dtype).removeprefix('torch.')}, "
           f"{cfg.device}, attention: {engine.runner.backend.name}) in {time.perf_counter() - t0:.1f} s",

@@ -26,6 +26,7 @@ and the theory of speculative decoding (chapter 3.3-3.4).
                 [--json] [--plot out.png]   MODEL: preset, config.json or model folder
   analyze specdec --alpha A --gamma G --c C [--gpu H100] [--json]
   analyze measure [--device cuda] [--out profile.json]
+  analyze tp MODEL [--gpu H200] [--tp 1 2 4 8] [--link L | --link-bandwidth GB/s --link-latency us]
   analyze gpus | analyze models
 
 Each form takes --help."""
@@ -68,6 +69,42 @@ def run_model(argv: list[str]) -> int:
     print(json.dumps(data, indent=2) if args.json else render_text(spec, hw, sc, data))
     if args.plot and not args.json:
         print(f"\nroofline chart written to {data['plot']}")
+    return 0
+
+
+def _tp_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="slipstream analyze tp",
+                                description="Tensor parallelism: all-reduce bytes per layer per "
+                                "token, communication time per step, and when TP pays")
+    p.add_argument("model", help="preset, config.json, or model folder")
+    p.add_argument("--gpu", default="H200", help="one device: A100, H100, H200, B200, or a profile")
+    p.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4, 8], help="sizes to compare")
+    p.add_argument("--link", default="h200-nvlink-graph",
+                   help="h200-nvlink (eager NCCL) or h200-nvlink-graph (inside a CUDA graph)")
+    p.add_argument("--link-bandwidth", type=float, help="custom link: all-reduce bus GB/s")
+    p.add_argument("--link-latency", type=float, help="custom link: us per small all-reduce")
+    p.add_argument("--batch", type=int, default=1, help="decode batch size")
+    p.add_argument("--context", type=int, default=4096, help="keys each decoded token attends to")
+    p.add_argument("--prompt", type=int, default=4096, help="prefill length")
+    p.add_argument("--weight-dtype", default="bf16")
+    p.add_argument("--json", action="store_true")
+    return p
+
+
+def run_tp(argv: list[str]) -> int:
+    from slipstream.analysis.tensor_parallel import get_link, render_tp, tp_rows
+    args = _tp_parser().parse_args(argv)
+    spec, hw = resolve_model(args.model), get_hardware(args.gpu)
+    link = get_link(args.link, args.link_bandwidth and args.link_bandwidth * 1e9,
+                    None if args.link_latency is None else args.link_latency * 1e-6)
+    prec = Precisions.parse(args.weight_dtype)
+    phases = {f"decode B={args.batch} L={args.context}": Workload.decode(args.batch, args.context),
+              f"prefill N={args.prompt}": Workload.prefill(args.prompt)}
+    data = {phase: tp_rows(spec, hw, link, args.tp, work, prec) for phase, work in phases.items()}
+    if args.json:
+        print(json.dumps({"model": spec.name, "gpu": hw.name, "link": link.name, **data}, indent=2))
+    else:
+        print("\n\n".join(render_tp(spec, hw, link, phase, rows) for phase, rows in data.items()))
     return 0
 
 
@@ -129,7 +166,7 @@ def _table_form(name: str, rows: Callable[[], list[dict]],
 
 
 FORMS: dict[str, Callable[[list[str]], int]] = {
-    "specdec": run_specdec, "measure": run_measure,
+    "specdec": run_specdec, "measure": run_measure, "tp": run_tp,
     "gpus": _table_form("gpus", tables.gpu_rows, tables.render_gpus),
     "models": _table_form("models", tables.model_rows, tables.render_models),
 }

@@ -37,6 +37,7 @@ ENGINE_OPTIONS = {
     "enforce_eager": (bool, False, "run decode steps eagerly (no CUDA graphs)"),
     "async_scheduling": (bool, None, "overlap host work with the device (default: on for CUDA)"),
     "seed": (int, 0, "seed of unseeded sampling and of dummy weights"),
+    "tensor_parallel_size": (int, 1, "processes sharing each layer (GPUs on CUDA)"),
 }
 
 

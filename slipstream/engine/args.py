@@ -29,6 +29,7 @@ class EngineArgs:
     async_scheduling: bool | None = None
     seed: int = 0
     load_format: str = "auto"                # "auto": the model's weights; "dummy": random
+    tensor_parallel_size: int = 1            # ranks sharing each layer (distributed/)
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -59,6 +60,15 @@ class EngineArgs:
                              f"max_model_len ({max_len})")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        tp = self.tensor_parallel_size
+        if not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer of at least 1, got {tp!r}")
+        if tp > 1:
+            from slipstream.distributed.parallel import check_shardable
+            check_shardable(mc, tp)
+            if self.quantization is not None:
+                raise ValueError(f"tensor_parallel_size={tp}: quantized layers are not sharded "
+                                 f"yet; drop quantization={self.quantization!r} or use 1")
         return EngineConfig(
             model=model_path,
             model_config=mc,
@@ -73,7 +83,7 @@ class EngineArgs:
                                       max_num_batched_tokens=budget,
                                       max_model_len=max_len,
                                       enable_chunked_prefill=self.enable_chunked_prefill),
-            parallel=ParallelConfig(),
+            parallel=ParallelConfig(tensor_parallel_size=tp),
             attention_backend=self.attention_backend,
             quantization=self.quantization,
             enforce_eager=self.enforce_eager,

@@ -55,7 +55,12 @@ class Engine:
         self.config = args.create_config(str(files.path), files.config)
         self.tokenizer = files.tokenizer()
         torch.manual_seed(self.config.seed)
-        self.runner = ModelRunner(self.config, files.weights(), quant_method_for(self.config, files))
+        if self.config.parallel.tensor_parallel_size > 1:
+            from slipstream.distributed.executor import TPExecutor
+            self.runner = TPExecutor(args, self.config, files, quant_method_for(self.config, files))
+        else:
+            self.runner = ModelRunner(self.config, files.weights(),
+                                      quant_method_for(self.config, files))
         cc = self.config.cache
         self.kv = KVCacheManager(self.runner.num_blocks, cc.block_size, cc.enable_prefix_caching)
         self.scheduler = Scheduler(self.config.scheduler, self.kv)
@@ -137,6 +142,12 @@ class Engine:
         for s in parent.seqs:
             self.scheduler.finish_request(s.request.request_id, RequestStatus.FINISHED_ABORTED)
             self._seqs.pop(s.request.request_id, None)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (the engine cannot step after this)."""
+        stop = getattr(self.runner, "shutdown", None)
+        if stop is not None:
+            stop()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._parents) or self._inflight is not None

@@ -1,41 +1,94 @@
-"""Token embedding and the LM head (its own weight, or tied to the embedding)."""
+"""Token embedding and the LM head (its own weight, or tied to the embedding).
+
+Vocabulary-parallel under tensor parallelism (`tp`, size N > 1): rank r holds
+rows [r * V', (r + 1) * V') of the vocabulary, V' = ceil(V / N) (rows past V
+are zero padding). The embedding looks up the ids in its range, zeroes the
+rest and sums over ranks with one all-reduce (exactly one rank contributes
+each row, so the sum is exact); the LM head computes its slice of the logits
+and all-gathers them.
+"""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from slipstream.distributed import comm
+from slipstream.layers.weight_loader import copy_checked
 
-class VocabEmbedding(nn.Module):
-    def __init__(self, vocab_size: int, hidden_size: int):
+
+class _VocabShard(nn.Module):
+    """The rank's rows of a [vocab_size, hidden_size] matrix."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp=None):
         super().__init__()
         self.vocab_size, self.hidden_size = vocab_size, hidden_size
-        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
+        self.tp = tp
+        self.tp_rank, self.tp_size = (tp.rank, tp.size) if tp is not None else (0, 1)
+        self.rows_per_rank = -(-vocab_size // self.tp_size)
+        self.vocab_start = self.tp_rank * self.rows_per_rank
+        self.vocab_end = min(self.vocab_start + self.rows_per_rank, vocab_size)
+
+    def _new_weight(self) -> nn.Parameter:
+        w = nn.Parameter(torch.empty(self.rows_per_rank, self.hidden_size), requires_grad=False)
+        w.weight_loader = self.weight_loader
+        return w
+
+    def whole_shape(self, param: nn.Parameter) -> tuple[int, int]:
+        """The shape of the weight in one process."""
+        return (self.vocab_size, self.hidden_size)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
+                      shard_id: object = None) -> None:
+        """loaded_weight: the whole [vocab_size, hidden_size] tensor; copies this rank's rows."""
+        assert shard_id is None, "a vocabulary matrix has no fused shards"
+        if self.tp_size == 1:
+            copy_checked(param.data, loaded_weight)
+            return
+        if loaded_weight.shape[0] != self.vocab_size:
+            copy_checked(param.data, loaded_weight)   # raises the shape mismatch
+        n = self.vocab_end - self.vocab_start
+        copy_checked(param.data[:n], loaded_weight[self.vocab_start:self.vocab_end])
+        param.data[n:].zero_()
+
+    def extra_repr(self) -> str:
+        tp = (f", rows {self.vocab_start}:{self.vocab_end} of rank {self.tp_rank}/{self.tp_size}"
+              if self.tp_size > 1 else "")
+        return f"{self.vocab_size}, {self.hidden_size}{tp}"
+
+
+class VocabEmbedding(_VocabShard):
+    def __init__(self, vocab_size: int, hidden_size: int, tp=None):
+        super().__init__(vocab_size, hidden_size, tp)
+        self.weight = self._new_weight()
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         # input_ids: [num_tokens] int64 -> [num_tokens, hidden_size]
-        return F.embedding(input_ids, self.weight)
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        outside = (input_ids < self.vocab_start) | (input_ids >= self.vocab_end)
+        local = (input_ids - self.vocab_start).masked_fill_(outside, 0)
+        x = F.embedding(local, self.weight).masked_fill_(outside.unsqueeze(-1), 0)
+        return comm.all_reduce(x, self.tp.device_group)
 
-    def extra_repr(self) -> str:
-        return f"{self.vocab_size}, {self.hidden_size}"
 
-
-class LMHead(nn.Module):
+class LMHead(_VocabShard):
     """hidden -> logits. With `tied_to`, the weight *is* the embedding's parameter
     (one tensor, kept shared by `.to()`), so there is nothing to load for it."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, tied_to: VocabEmbedding | None = None):
-        super().__init__()
-        self.vocab_size, self.hidden_size = vocab_size, hidden_size
+    def __init__(self, vocab_size: int, hidden_size: int, tied_to: VocabEmbedding | None = None,
+                 tp=None):
+        super().__init__(vocab_size, hidden_size, tp)
         self.tied = tied_to is not None
-        if tied_to is not None:
-            self.weight = tied_to.weight
-        else:
-            self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
+        self.weight = tied_to.weight if tied_to is not None else self._new_weight()
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [n, hidden_size] -> logits [n, vocab_size] in fp32 (matmul in the model dtype)
-        return F.linear(hidden, self.weight).float()
+        logits = F.linear(hidden, self.weight).float()           # [n, rows_per_rank]
+        if self.tp_size == 1:
+            return logits
+        logits = comm.all_gather(logits, self.tp.device_group, self.tp_size)
+        return logits[:, :self.vocab_size]                       # [n, vocab_size]
 
     def extra_repr(self) -> str:
-        return f"{self.hidden_size} -> {self.vocab_size}, tied={self.tied}"
+        return f"{super().extra_repr()}, tied={self.tied}"

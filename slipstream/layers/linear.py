@@ -9,13 +9,17 @@ Fused layers (`QKVLinear`, `MergedLinear`) stack several checkpoint matrices
 along the output dimension so one matmul computes them all; their
 `weight_loader` copies each checkpoint shard into its slice.
 
-Tensor-parallel naming: a column-parallel layer would split its output features
-across ranks, a row-parallel one its input features (followed by an
-all-reduce). Only `tp_size == 1` exists today; the names mark where the split
-goes.
+Tensor parallelism (`tp`, a `distributed.parallel.TPGroup` of size > 1): a
+column-parallel layer holds its rank's slice of the output features of each
+fused shard (q heads, the rank's KV heads, gate and up), a row-parallel one its
+slice of the input features and sums the ranks' partial outputs with one
+all-reduce. The loaders see whole checkpoint tensors; `weight_loader` copies
+only the rank's slice, so no rank holds the whole matrix. Only unquantized
+layers shard so far.
 
 Parameter attributes the loaders read:
     output_dim: which dim of the parameter indexes output features (None: not per-output)
+    input_dim: which dim indexes input features (None: not per-input)
     weight_loader: the loader `load_weights` calls for this parameter
 """
 from __future__ import annotations
@@ -26,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from slipstream.distributed import comm
+from slipstream.distributed.parallel import kv_heads_of_rank
 from slipstream.errors import ModelLoadError
 from slipstream.layers.weight_loader import copy_checked
 
@@ -55,7 +61,7 @@ class UnquantizedLinearMethod:
                        params_dtype: torch.dtype) -> None:
         weight = nn.Parameter(torch.empty(sum(output_sizes), input_size, dtype=params_dtype),
                               requires_grad=False)
-        weight.output_dim = 0
+        weight.output_dim, weight.input_dim = 0, 1
         layer.register_parameter("weight", weight)
 
     def process_after_loading(self, layer: nn.Module) -> None:
@@ -66,22 +72,39 @@ class UnquantizedLinearMethod:
 
 
 class LinearBase(nn.Module):
-    """y = x W^T (+ b) through a QuantMethod; one checkpoint tensor per parameter."""
+    """y = x W^T (+ b) through a QuantMethod; one checkpoint tensor per parameter.
+
+    `input_size` and `output_sizes` are the whole layer's; a tensor-parallel
+    rank holds `local_input_size` x `local_output_sizes`."""
+    # "output": column-parallel, "input": row-parallel (set by the subclasses).
+    split: str = "output"
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False,
-                 quant_method: QuantMethod | None = None, tp_rank: int = 0, tp_size: int = 1):
+                 quant_method: QuantMethod | None = None, tp=None):
         super().__init__()
-        if tp_size != 1:
-            raise NotImplementedError("tensor parallelism is not implemented yet")
-        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.tp = tp
+        self.tp_rank, self.tp_size = (tp.rank, tp.size) if tp is not None else (0, 1)
+        if self.tp_size > 1 and not isinstance(quant_method, (type(None), UnquantizedLinearMethod)):
+            raise NotImplementedError(
+                f"{type(quant_method).__name__}: quantized linear layers are not sharded for "
+                "tensor parallelism yet; use tensor_parallel_size=1 or no quantization")
         self.input_size = input_size
         self.output_sizes = list(output_sizes)
         self.output_size = sum(output_sizes)
+        self.local_input_size = input_size
+        if self.split == "input" and self.tp_size > 1:
+            if input_size % self.tp_size:
+                raise ValueError(f"tensor_parallel_size={self.tp_size} does not divide the "
+                                 f"{input_size} input features of {type(self).__name__}")
+            self.local_input_size = input_size // self.tp_size
+        self.local_output_sizes = [self._rank_rows(i)[1] for i in range(len(self.output_sizes))]
         self.quant_method = quant_method or UnquantizedLinearMethod()
         params_dtype = torch.get_default_dtype()
-        self.quant_method.create_weights(self, input_size, self.output_sizes, params_dtype)
+        self.quant_method.create_weights(self, self.local_input_size, self.local_output_sizes,
+                                         params_dtype)
         if bias:
-            b = nn.Parameter(torch.empty(self.output_size, dtype=params_dtype), requires_grad=False)
+            b = nn.Parameter(torch.empty(sum(self.local_output_sizes), dtype=params_dtype),
+                             requires_grad=False)
             b.output_dim = 0
             self.register_parameter("bias", b)
         else:
@@ -91,41 +114,100 @@ class LinearBase(nn.Module):
             if not hasattr(p, "weight_loader"):
                 p.weight_loader = self.weight_loader
 
+    def _rank_rows(self, i: int) -> tuple[int, int]:
+        """(first row, row count) of fused shard i's checkpoint tensor this rank holds."""
+        n = self.output_sizes[i]
+        if self.split != "output" or self.tp_size == 1:
+            return 0, n
+        if n % self.tp_size:
+            raise ValueError(f"tensor_parallel_size={self.tp_size} does not divide the {n} "
+                             f"output features of {type(self).__name__}")
+        n //= self.tp_size
+        return self.tp_rank * n, n
+
+    def whole_shape(self, param: nn.Parameter) -> tuple[int, ...]:
+        """The shape of `param` in one process (what a checkpoint stores, fused)."""
+        shape = list(param.shape)
+        if self.tp_size > 1 and getattr(param, "output_dim", None) is not None:
+            shape[param.output_dim] = self.output_size
+        if self.tp_size > 1 and getattr(param, "input_dim", None) is not None:
+            shape[param.input_dim] = self.input_size
+        return tuple(shape)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [num_tokens, input_size] -> [num_tokens, output_size]
+        # x: [num_tokens, local_input_size] -> [num_tokens, sum(local_output_sizes)]
         return self.quant_method.apply(self, x)
+
+    def _load_shard(self, param: nn.Parameter, loaded: torch.Tensor, i: int) -> None:
+        """Copy this rank's part of fused shard i (the whole checkpoint tensor) into `param`."""
+        out_dim = getattr(param, "output_dim", None)
+        in_dim = getattr(param, "input_dim", None)
+        if self.tp_size > 1 and self.split == "input":
+            if in_dim is None:   # a row-parallel bias: added once, by rank 0
+                if self.tp_rank == 0:
+                    copy_checked(param.data, loaded)
+                else:
+                    copy_checked(param.data, torch.zeros_like(loaded))
+                return
+            n = self.local_input_size
+            copy_checked(param.data, loaded.narrow(in_dim, self.tp_rank * n, n))
+            return
+        if len(self.output_sizes) == 1 and self.tp_size == 1:
+            copy_checked(param.data, loaded)
+            return
+        if out_dim is None:
+            raise ModelLoadError(
+                f"{type(self).__name__}: a parameter without output_dim cannot be loaded by shard")
+        whole = list(param.shape)
+        whole[out_dim] = self.output_sizes[i]   # (input features are whole here)
+        if list(loaded.shape) != whole:
+            raise ModelLoadError(f"shape mismatch: checkpoint has {tuple(loaded.shape)}, "
+                                 f"model expects {tuple(whole)}")
+        start, n = self._rank_rows(i)
+        offset = sum(self.local_output_sizes[:i])
+        copy_checked(param.data.narrow(out_dim, offset, n), loaded.narrow(out_dim, start, n))
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
                       shard_id: object = None) -> None:
         if shard_id is not None:
             raise ModelLoadError(f"{type(self).__name__} has no shard {shard_id!r}")
-        copy_checked(param.data, loaded_weight)
+        self._load_shard(param, loaded_weight, 0)
 
     def extra_repr(self) -> str:
+        tp = f", tp={self.tp_rank}/{self.tp_size} ({self.split})" if self.tp_size > 1 else ""
         return (f"in={self.input_size}, out={self.output_sizes}, bias={self.bias is not None}, "
-                f"quant={type(self.quant_method).__name__}")
+                f"quant={type(self.quant_method).__name__}{tp}")
 
 
 class ColumnParallelLinear(LinearBase):
-    """Output features would be split across tensor-parallel ranks."""
+    """Output features split across tensor-parallel ranks (no communication)."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False,
-                 quant_method: QuantMethod | None = None, tp_rank: int = 0, tp_size: int = 1):
-        super().__init__(input_size, [output_size], bias, quant_method, tp_rank, tp_size)
+                 quant_method: QuantMethod | None = None, tp=None):
+        super().__init__(input_size, [output_size], bias, quant_method, tp)
 
 
 class RowParallelLinear(LinearBase):
-    """Input features would be split across ranks, the partial outputs all-reduced."""
+    """Input features split across ranks; the partial outputs are summed by one all-reduce."""
+    split = "input"
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False,
-                 quant_method: QuantMethod | None = None, tp_rank: int = 0, tp_size: int = 1):
-        super().__init__(input_size, [output_size], bias, quant_method, tp_rank, tp_size)
+                 quant_method: QuantMethod | None = None, tp=None):
+        super().__init__(input_size, [output_size], bias, quant_method, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [num_tokens, input_size / tp] -> [num_tokens, output_size], summed over ranks
+        y = self.quant_method.apply(self, x)
+        if self.tp_size > 1:
+            comm.all_reduce(y, self.tp.device_group)
+        return y
 
 
 class MergedLinear(LinearBase):
     """Several column-parallel matrices in one (gate_proj + up_proj).
 
-    Shard i occupies output features [sum(output_sizes[:i]), sum(output_sizes[:i+1])).
+    Shard i occupies local output features [sum(local_output_sizes[:i]), ...+local_output_sizes[i])
+    (the whole output_sizes[i] at tensor_parallel_size 1).
     """
 
     def _shard_index(self, shard_id: object) -> int:
@@ -136,30 +218,39 @@ class MergedLinear(LinearBase):
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
                       shard_id: object = None) -> None:
         if shard_id is None:  # a checkpoint that stores the fused tensor
-            copy_checked(param.data, loaded_weight)
+            if self.tp_size == 1:
+                copy_checked(param.data, loaded_weight)
+                return
+            dim = getattr(param, "output_dim", 0)
+            if loaded_weight.shape[dim] != self.output_size:
+                raise ModelLoadError(f"shape mismatch: checkpoint has {tuple(loaded_weight.shape)}, "
+                                     f"{type(self).__name__} has {self.output_size} rows")
+            for i, n in enumerate(self.output_sizes):
+                self._load_shard(param, loaded_weight.narrow(dim, sum(self.output_sizes[:i]), n), i)
             return
-        i = self._shard_index(shard_id)
-        dim = getattr(param, "output_dim", None)
-        if dim is None:
-            raise ModelLoadError(
-                f"{type(self).__name__}: a parameter without output_dim cannot be loaded by shard")
-        offset = sum(self.output_sizes[:i])
-        copy_checked(param.data.narrow(dim, offset, self.output_sizes[i]), loaded_weight)
+        self._load_shard(param, loaded_weight, self._shard_index(shard_id))
 
 
 class QKVLinear(MergedLinear):
     """q, k and v projections in one matmul; shards "q", "k", "v".
 
-    Output layout: [num_heads * head_dim | num_kv_heads * head_dim | num_kv_heads * head_dim].
+    Output layout: [num_heads * head_dim | num_kv_heads * head_dim | num_kv_heads * head_dim],
+    per rank: its num_heads / tp query heads and its KV heads (`kv_heads_of_rank`:
+    split, or replicated when there are fewer KV heads than ranks).
     """
     _SHARDS = {"q": 0, "k": 1, "v": 2}
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
-                 bias: bool = False, quant_method: QuantMethod | None = None,
-                 tp_rank: int = 0, tp_size: int = 1):
-        sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
-        super().__init__(hidden_size, sizes, bias, quant_method, tp_rank, tp_size)
+                 bias: bool = False, quant_method: QuantMethod | None = None, tp=None):
         self.head_dim, self.num_heads, self.num_kv_heads = head_dim, num_heads, num_kv_heads
+        sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
+        super().__init__(hidden_size, sizes, bias, quant_method, tp)
+
+    def _rank_rows(self, i: int) -> tuple[int, int]:
+        if i == 0 or self.tp_size == 1:
+            return super()._rank_rows(i)
+        first, count = kv_heads_of_rank(self.num_kv_heads, self.tp_rank, self.tp_size)
+        return first * self.head_dim, count * self.head_dim
 
     def _shard_index(self, shard_id: object) -> int:
         if shard_id not in self._SHARDS:

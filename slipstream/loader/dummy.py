@@ -66,15 +66,27 @@ def initialize_dummy_weights(model: nn.Module, seed: int = 0, scale: float = DUM
     """Fill every floating-point parameter of `model` in place, on its own device
     and in its own dtype, then let the linear layers' quant methods post-process."""
     gens: dict[torch.device, torch.Generator] = {}
-    for name, p in model.named_parameters():   # a tied weight is listed once
-        if not p.is_floating_point():
-            continue
-        g = gens.get(p.device)
-        if g is None:
-            g = gens[p.device] = torch.Generator(device=p.device).manual_seed(seed)
-        p.uniform_(-scale, scale, generator=g)
-        if "norm" in name.rsplit(".", 1)[0].rsplit(".", 1)[-1]:
-            p.add_(1.0)   # RMSNorm weights around 1
+    seen: set[int] = set()
+    # named_parameters' order (a tied weight is listed once), with each owner at hand.
+    for mname, module in model.named_modules():
+        for _, p in module.named_parameters(recurse=False):
+            if id(p) in seen or not p.is_floating_point():
+                continue
+            seen.add(id(p))
+            g = gens.get(p.device)
+            if g is None:
+                g = gens[p.device] = torch.Generator(device=p.device).manual_seed(seed)
+            # A tensor-parallel rank draws the whole tensor (the same numbers as one
+            # process) and keeps its slice: TP=N runs the model TP=1 runs.
+            # (Through the layer's loader even where the shapes agree: a row-parallel
+            # bias is whole on rank 0 and zero elsewhere.)
+            sharded = getattr(module, "tp_size", 1) > 1 and hasattr(module, "whole_shape")
+            t = torch.empty(module.whole_shape(p), dtype=p.dtype, device=p.device) if sharded else p
+            t.uniform_(-scale, scale, generator=g)
+            if "norm" in mname.rsplit(".", 1)[-1]:
+                t.add_(1.0)   # RMSNorm weights around 1
+            if t is not p:
+                p.weight_loader(p, t)
     from slipstream.layers.linear import LinearBase
     for module in model.modules():
         if isinstance(module, LinearBase):

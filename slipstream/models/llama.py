@@ -12,6 +12,12 @@ RMSNorm, rotary in place on the qkv output, SiLU * up), so a decode step
 launches about ten kernels per layer: norm, qkv GEMM, rotary, KV store,
 attention (1-2), o_proj GEMM, add + norm, gate_up GEMM, silu * up, down GEMM.
 The CPU runs the same layers' plain torch ops.
+
+Tensor parallelism (`tp`, see layers/linear.py and layers/embedding.py): each
+rank builds the same module tree holding its slice of every matrix, its query
+and KV heads; the attention output and the MLP end in a row-parallel layer
+with one all-reduce each, so a layer costs two all-reduces of
+[num_tokens, hidden].
 """
 from __future__ import annotations
 
@@ -22,6 +28,7 @@ from torch import nn
 
 from slipstream.attention.base import AttentionBackend
 from slipstream.config import ModelConfig
+from slipstream.distributed.parallel import check_shardable, kv_heads_of_rank
 from slipstream.errors import ModelLoadError
 from slipstream.layers.activation import SiluAndMul
 from slipstream.layers.attention import Attention
@@ -52,21 +59,27 @@ def _no_quant(prefix: str) -> None:
     return None
 
 
+def _tp_size(tp) -> int:
+    return 1 if tp is None else tp.size
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int, backend: AttentionBackend,
-                 quant_method_for: QuantMethodFor, prefix: str):
+                 quant_method_for: QuantMethodFor, prefix: str, tp=None):
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        size = _tp_size(tp)
+        # The rank's heads (all of them at tensor_parallel_size 1).
+        self.num_heads = config.num_attention_heads // size
+        self.num_kv_heads = kv_heads_of_rank(config.num_key_value_heads, 0, size)[1]
         self.head_dim = config.head_dim
         o_bias = config.attention_bias and \
             family_traits(config.architecture).o_proj_bias_with_attention_bias
-        self.qkv_proj = QKVLinear(config.hidden_size, self.head_dim, self.num_heads,
-                                  self.num_kv_heads, bias=config.attention_bias,
-                                  quant_method=quant_method_for(f"{prefix}.qkv_proj"))
-        self.o_proj = RowParallelLinear(self.num_heads * self.head_dim, config.hidden_size,
-                                        bias=o_bias,
-                                        quant_method=quant_method_for(f"{prefix}.o_proj"))
+        self.qkv_proj = QKVLinear(config.hidden_size, self.head_dim, config.num_attention_heads,
+                                  config.num_key_value_heads, bias=config.attention_bias,
+                                  quant_method=quant_method_for(f"{prefix}.qkv_proj"), tp=tp)
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim,
+                                        config.hidden_size, bias=o_bias,
+                                        quant_method=quant_method_for(f"{prefix}.o_proj"), tp=tp)
         self.attn = Attention(layer_idx, self.num_heads, self.num_kv_heads, self.head_dim,
                               backend, sliding_window=config.sliding_window)
 
@@ -82,15 +95,18 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig, quant_method_for: QuantMethodFor, prefix: str):
+    def __init__(self, config: ModelConfig, quant_method_for: QuantMethodFor, prefix: str,
+                 tp=None):
         super().__init__()
         if config.hidden_act != "silu":
             raise ModelLoadError(f"unsupported hidden_act {config.hidden_act!r}; expected silu")
         inter = config.intermediate_size
         self.gate_up_proj = MergedLinear(config.hidden_size, [inter, inter],
-                                         quant_method=quant_method_for(f"{prefix}.gate_up_proj"))
+                                         quant_method=quant_method_for(f"{prefix}.gate_up_proj"),
+                                         tp=tp)
         self.down_proj = RowParallelLinear(inter, config.hidden_size,
-                                           quant_method=quant_method_for(f"{prefix}.down_proj"))
+                                           quant_method=quant_method_for(f"{prefix}.down_proj"),
+                                           tp=tp)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -100,11 +116,11 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int, backend: AttentionBackend,
-                 quant_method_for: QuantMethodFor, prefix: str):
+                 quant_method_for: QuantMethodFor, prefix: str, tp=None):
         super().__init__()
         self.self_attn = LlamaAttention(config, layer_idx, backend, quant_method_for,
-                                        f"{prefix}.self_attn")
-        self.mlp = LlamaMLP(config, quant_method_for, f"{prefix}.mlp")
+                                        f"{prefix}.self_attn", tp)
+        self.mlp = LlamaMLP(config, quant_method_for, f"{prefix}.mlp", tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -125,13 +141,13 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, backend: AttentionBackend,
-                 quant_method_for: QuantMethodFor):
+                 quant_method_for: QuantMethodFor, tp=None):
         super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, tp)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
                                       config.rope_theta, config.rope_scaling)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, backend, quant_method_for, f"model.layers.{i}")
+            LlamaDecoderLayer(config, i, backend, quant_method_for, f"model.layers.{i}", tp)
             for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -151,14 +167,17 @@ class LlamaForCausalLM(nn.Module):
     then `m.to(dtype)` (or under `torch.set_default_dtype`); then `load_weights`."""
 
     def __init__(self, config: ModelConfig, backend: AttentionBackend,
-                 quant_method_for: QuantMethodFor | None = None):
+                 quant_method_for: QuantMethodFor | None = None, tp=None):
+        """tp: this rank's `distributed.parallel.TPGroup` (None: the whole model here)."""
         super().__init__()
+        if tp is not None:
+            check_shardable(config, tp.size)
         self.config = config
         self.backend = backend
-        self.model = LlamaModel(config, backend, quant_method_for or _no_quant)
+        self.model = LlamaModel(config, backend, quant_method_for or _no_quant, tp)
         self.lm_head = LMHead(config.vocab_size, config.hidden_size,
                               tied_to=self.model.embed_tokens if config.tie_word_embeddings
-                              else None)
+                              else None, tp=tp)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """One step over `batch` (writes its K/V into the caches)

@@ -10,13 +10,15 @@ Between the two the host is free to schedule and launch the next step.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
 from slipstream.attention.selector import create_backend
 from slipstream.config import EngineConfig
+from slipstream.distributed import comm
+from slipstream.distributed.parallel import rank_shape
 from slipstream.layers.sampler import Sampler, compute_prompt_logprobs
 from slipstream.models.registry import model_class
 from slipstream.runner import memory
@@ -39,21 +41,31 @@ class StepHandle:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, weights, quant_method_for=None):
+    def __init__(self, config: EngineConfig, weights, quant_method_for=None, tp=None):
+        """tp: this rank's `TPGroup` under tensor parallelism (None: one process). Every
+        rank then runs the same steps; the KV pool is sized for the rank's heads, with
+        the same number of blocks on every rank."""
         self.config = config
+        self.tp = tp
         self.device, self.dtype = config.device, config.dtype
         mc, sc, cc = config.model_config, config.scheduler, config.cache
         self.backend = create_backend(config.attention_backend, self.device)
         with torch.device(self.device), _default_dtype(self.dtype):
-            self.model = model_class(mc.architecture)(mc, self.backend, quant_method_for)
+            self.model = model_class(mc.architecture)(mc, self.backend, quant_method_for, tp=tp)
         load_into = getattr(weights, "load_into", None)   # random weights (loader/dummy.py)
         load_into(self.model) if load_into else self.model.load_weights(weights)
         self.model.eval()
         self.vocab_size = mc.vocab_size
         self.sampler = Sampler()
-        self.plan = memory.plan_kv_cache(self.model, config)
+        rank_config = config
+        if tp is not None:
+            rank_config = replace(config, model_config=rank_shape(mc, tp.size))
+        self.plan = memory.plan_kv_cache(self.model, rank_config)
+        if tp is not None:   # rank 0's scheduler hands out block ids valid on every rank
+            self.plan.num_blocks = comm.all_reduce_min(self.plan.num_blocks, tp.cpu_group)
         self.num_blocks = self.plan.num_blocks
-        self.kv_cache = memory.allocate_kv_cache(self.num_blocks, cc, mc, self.dtype, self.device)
+        self.kv_cache = memory.allocate_kv_cache(self.num_blocks, cc, rank_config.model_config,
+                                                 self.dtype, self.device)
         for i, layer in enumerate(self.model.attention_layers()):
             layer.k_cache, layer.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
         self.input_batch = InputBatch(sc.max_num_seqs, sc.max_model_len, sc.max_num_batched_tokens,
@@ -65,7 +77,8 @@ class ModelRunner:
         self.graphs = None
         if (self.device.type == "cuda" and not config.enforce_eager
                 and self.backend.name == "triton"):
-            self.graphs = DecodeGraphs(self.model, self.backend, mc, sc.max_num_seqs, sc.max_model_len)
+            self.graphs = DecodeGraphs(self.model, self.backend, rank_config.model_config,
+                                       sc.max_num_seqs, sc.max_model_len)
 
     # ---- state ------------------------------------------------------------
 
@@ -128,6 +141,9 @@ class ModelRunner:
         sb = self.sampling.build(plan.sample_rows)
         result = self.sampler(logits, sb)
         sampled = result.sampled_token_ids                                # [S] int64
+        if self.tp is not None:
+            # Rank 0's draw is the step's: every rank records the same tokens.
+            comm.broadcast(sampled, self.tp.device_group)
         self.input_batch.last_sampled.index_copy_(0, sb.rows, sampled)
         self.sampling.record_sampled(sb, plan.sample_rows, sampled)
         handle.tokens = _to_host(sampled)

@@ -1,0 +1,276 @@
+"""Tensor parallelism on two GPUs: correctness first, then decode latency and
+the all-reduce cost, against the copy bandwidth measured in the same run.
+
+    python benchmarks/tp/bench_tp.py [--out DIR] [--smoke]
+
+Stages, each in its own process (a fresh GPU memory pool and process group):
+  allreduce   2 ranks, NCCL: all-reduce of a decode step's [1, hidden] bf16
+              activations (8 KiB for hidden 4096, 16 KiB for 8192) and of 64 MiB,
+              eager and replayed from a CUDA graph; median of many calls
+  8b-tp1      Llama-3-8B shape, random bf16 weights (seed 0), TP=1
+  8b-tp2      the same weights at TP=2: every rank keeps its slice of the tensors
+              one process draws, so greedy tokens must equal TP=1's
+  70b-tp2     a 70B-class shape (llama-2-70b: 80 layers, hidden 8192, GQA 64/8), TP=2
+An engine stage generates greedy tokens for 4 fixed prompts (the correctness
+check), then times batch-1 decode (128-token prompt, 160 outputs, median step
+time after 32 warm-up steps) and reports it as a share of the copy bandwidth:
+weight bytes held per GPU / step time / copy bandwidth of that GPU.
+
+--smoke runs the same stages on the CPU (gloo) with a tiny model, to check the
+script; its times mean nothing. Writes results.json and results.md to --out
+(default benchmarks/tp/results).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+STAGES = ("allreduce", "8b-tp1", "8b-tp2", "70b-tp2")
+# Collectives of one decode step on the critical path (analysis/tensor_parallel.py):
+# 2 all-reduces per layer + the embedding's.
+ALL_REDUCES = {"8b": (2 * 32 + 1, "8KiB"), "70b": (2 * 80 + 1, "16KiB")}
+MODELS = {"8b": "llama-3-8b", "70b": "llama-2-70b"}
+PROMPTS = [[(31 * i + 7 * j) % 1000 + 1 for j in range(24 + 8 * i)] for i in range(4)]
+
+
+def _tiny_model() -> str:
+    """A small Llama config.json (random weights come from load_format=dummy)."""
+    folder = Path(tempfile.mkdtemp(prefix="tp-smoke-"))
+    (folder / "config.json").write_text(json.dumps(dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=1024, hidden_size=128,
+        intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=512, rms_norm_eps=1e-5, rope_theta=10000.0)))
+    return str(folder)
+
+
+# ---- all-reduce -------------------------------------------------------------
+
+def _allreduce_rank(rank: int, port: int, smoke: bool, queue) -> None:
+    import torch
+    import torch.distributed as dist
+    device = torch.device("cpu") if smoke else torch.device("cuda", rank)
+    if not smoke:
+        torch.cuda.set_device(device)
+    dist.init_process_group("gloo" if smoke else "nccl", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=2)
+    dtype = torch.float32 if smoke else torch.bfloat16
+    results = {}
+    for label, nbytes in (("8KiB", 8 << 10), ("16KiB", 16 << 10), ("64MiB", 64 << 20)):
+        x = torch.ones(nbytes // torch.empty((), dtype=dtype).element_size(), dtype=dtype,
+                       device=device)
+        reps = 20 if smoke or nbytes > 1 << 20 else 200
+        for _ in range(10):
+            dist.all_reduce(x)
+        times = []
+        for _ in range(reps):
+            if not smoke:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            dist.all_reduce(x)
+            if not smoke:
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        row = {"bytes": nbytes, "eager_us": statistics.median(times) * 1e6}
+        if not smoke:   # 20 all-reduces captured in one graph, replayed
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                for _ in range(3):
+                    dist.all_reduce(x)
+            torch.cuda.current_stream().wait_stream(s)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                for _ in range(20):
+                    dist.all_reduce(x)
+            g.replay()
+            torch.cuda.synchronize()
+            gt = []
+            for _ in range(20):
+                t0 = time.perf_counter()
+                g.replay()
+                torch.cuda.synchronize()
+                gt.append((time.perf_counter() - t0) / 20)
+            row["graph_us"] = statistics.median(gt) * 1e6
+        row["bus_GBps_eager"] = nbytes / (row["eager_us"] * 1e-6) / 1e9   # 2(N-1)/N = 1 at N=2
+        results[label] = row
+    if rank == 0:
+        queue.put(results)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def stage_allreduce(smoke: bool) -> dict:
+    import torch.multiprocessing as mp
+    from slipstream.distributed.parallel import host_store
+    store = host_store(1)   # only to find a free port the ranks then meet at
+    port = store.port
+    del store
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_allreduce_rank, args=(r, port, smoke, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    result = queue.get(timeout=240)
+    for p in procs:
+        p.join(timeout=60)
+    return result
+
+
+# ---- engine -----------------------------------------------------------------
+
+def stage_engine(name: str, smoke: bool) -> dict:
+    import torch
+    from slipstream import LLM, SamplingParams
+    from slipstream.analysis.hardware import measure_copy_bandwidth
+    size, tp = name.split("-tp")
+    tp = tp.removesuffix("-eager")
+    model = _tiny_model() if smoke else MODELS[size]
+    opts = dict(load_format="dummy", seed=0, tensor_parallel_size=int(tp), max_num_seqs=8,
+                max_model_len=512)
+    if name.endswith("-eager"):
+        opts.update(enforce_eager=True)
+    if smoke:
+        opts.update(device="cpu", dtype="float32")
+    else:
+        opts.update(dtype="bfloat16", gpu_memory_utilization=0.85)
+    t0 = time.perf_counter()
+    llm = LLM(model, **opts)
+    load_s = time.perf_counter() - t0
+    engine = llm.engine
+    greedy = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, logprobs=0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy, use_tqdm=False)
+    tokens = [o.outputs[0].token_ids for o in outs]
+    logprobs = [[lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]
+                for o in outs]
+    # Batch-1 decode latency.
+    engine.add_request({"prompt_token_ids": [(5 * j) % 1000 + 1 for j in range(128)]},
+                       SamplingParams(max_tokens=160, temperature=0, ignore_eos=True))
+    for _ in range(32):
+        engine.step()
+    times = []
+    while engine.has_unfinished_requests():
+        if not smoke:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t0)
+    step = statistics.median(times[:-2] or times)
+    weight_bytes = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
+    copy_bw = measure_copy_bandwidth("cpu" if smoke else "cuda:0")
+    engine.shutdown()
+    if smoke:
+        import shutil
+        shutil.rmtree(model, ignore_errors=True)
+    return {"model": model if not smoke else "tiny", "tp": int(tp), "load_s": load_s,
+            "tokens": tokens, "logprobs": logprobs, "decode_step_ms": step * 1e3,
+            "tokens_per_s": 1 / step, "weight_bytes_per_gpu": weight_bytes,
+            "copy_bandwidth_GBps": copy_bw / 1e9,
+            "share_of_copy_bandwidth": weight_bytes / step / copy_bw}
+
+
+# ---- driver -----------------------------------------------------------------
+
+def _run_stage(stage: str, smoke: bool) -> dict:
+    cmd = [sys.executable, __file__, "--stage", stage] + (["--smoke"] if smoke else [])
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=280)
+    if proc.returncode != 0:
+        return {"error": proc.stderr[-3000:], "wall_s": time.perf_counter() - t0}
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result["wall_s"] = time.perf_counter() - t0
+    return result
+
+
+def _compare(a: dict, b: dict) -> dict:
+    same = [x == y for x, y in zip(a["tokens"], b["tokens"])]
+    first_diff = []
+    for x, y in zip(a["tokens"], b["tokens"]):
+        first_diff.append(next((i for i, (s, t) in enumerate(zip(x, y)) if s != t), None))
+    dl = [abs(p - q) for la, lb, x, y in zip(a["logprobs"], b["logprobs"], a["tokens"], b["tokens"])
+          for p, q, s, t in zip(la, lb, x, y) if s == t]
+    return {"prompts_identical": sum(same), "prompts": len(same), "first_difference": first_diff,
+            "max_logprob_diff_on_equal_tokens": max(dl) if dl else None}
+
+
+def _markdown(res: dict) -> str:
+    lines = ["# Tensor parallelism on " + ("the CPU (smoke: times mean nothing)" if res["smoke"]
+                                           else "2x H200 (NCCL)"), ""]
+    ar = res["stages"].get("allreduce", {})
+    if "error" not in ar:
+        lines += ["| all-reduce | eager us | graph us | bus GB/s (eager) |", "|---|---|---|---|"]
+        for k, r in ar.items():
+            if isinstance(r, dict) and "eager_us" in r:
+                lines.append(f"| {k} | {r['eager_us']:.1f} | {r.get('graph_us', float('nan')):.1f} "
+                             f"| {r['bus_GBps_eager']:.1f} |")
+        lines.append("")
+    lines += ["| stage | decode step ms | tok/s | weights/GPU GB | copy GB/s | share of copy bw |",
+              "|---|---|---|---|---|---|"]
+    for name in STAGES[1:]:
+        r = res["stages"].get(name, {})
+        if "error" in r or not r:
+            lines.append(f"| {name} | failed | | | | |")
+            continue
+        lines.append(f"| {name} | {r['decode_step_ms']:.3f} | {r['tokens_per_s']:.1f} | "
+                     f"{r['weight_bytes_per_gpu'] / 1e9:.2f} | {r['copy_bandwidth_GBps']:.0f} | "
+                     f"{r['share_of_copy_bandwidth'] * 100:.1f}% |")
+    c = res.get("correctness_8b")
+    if c:
+        lines += ["", f"TP=2 vs TP=1 greedy tokens (8B shape, 4 prompts x 32 tokens): "
+                      f"{c['prompts_identical']}/{c['prompts']} identical; first differences "
+                      f"{c['first_difference']}; max |logprob diff| on equal tokens "
+                      f"{c['max_logprob_diff_on_equal_tokens']}"]
+    s = res.get("speedup_8b_tp2")
+    if s:
+        lines.append(f"8B batch-1 decode, TP=2 over TP=1: {s:.2f}x (target 1.6x)")
+    for size, (calls, label) in ALL_REDUCES.items():
+        r = ar.get(label) if "error" not in ar else None
+        if r:
+            t = r.get("graph_us", r["eager_us"])
+            lines.append(f"{size} decode step: {calls} all-reduces of [1, hidden] bf16 x {t:.1f} us "
+                         f"= {calls * t / 1e3:.3f} ms per step "
+                         f"({'CUDA graph' if 'graph_us' in r else 'eager'} timing above)")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    ap.add_argument("--smoke", action="store_true", help="CPU, gloo, a tiny model")
+    ap.add_argument("--stage", choices=STAGES + ("8b-tp2-eager",), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.stage:
+        fn = stage_allreduce if args.stage == "allreduce" else \
+            (lambda smoke: stage_engine(args.stage, smoke))
+        print(json.dumps(fn(args.smoke)))
+        return
+    res = {"smoke": args.smoke, "stages": {}}
+    for stage in STAGES:
+        print(f"running {stage} ...", file=sys.stderr, flush=True)
+        res["stages"][stage] = _run_stage(stage, args.smoke)
+        if "error" in res["stages"][stage]:
+            print(res["stages"][stage]["error"], file=sys.stderr)
+    if "error" in res["stages"]["8b-tp2"]:   # isolate CUDA graphs from the rest
+        print("running 8b-tp2-eager ...", file=sys.stderr, flush=True)
+        res["stages"]["8b-tp2-eager"] = _run_stage("8b-tp2-eager", args.smoke)
+    a, b = res["stages"]["8b-tp1"], res["stages"]["8b-tp2"]
+    if "error" not in a and "error" not in b:
+        res["correctness_8b"] = _compare(a, b)
+        res["speedup_8b_tp2"] = a["decode_step_ms"] / b["decode_step_ms"]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(res, indent=2) + "\n")
+    (out / "results.md").write_text(_markdown(res))
+    print(_markdown(res))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,175 @@
+"""Rank 0's side of tensor parallelism: the `ModelRunner` interface over N ranks.
+
+`TPExecutor` starts ranks 1..N-1 (torch.multiprocessing spawn; under torchrun
+they already run), joins them in one `TPGroup`, and holds rank 0's own
+`ModelRunner`. `execute(sched)` broadcasts the step's `SchedulerOutput` to the
+workers, then runs rank 0's share of the step; every rank runs the same step,
+and sampling happens on rank 0, whose tokens the runner broadcasts.
+
+Failure: before each step rank 0 checks that its workers live; a collective
+that fails (a peer's sockets closed, or COLLECTIVE_TIMEOUT_S passed) ends the
+step. Either way the engine raises `WorkerDiedError`, stops the other ranks
+and refuses further steps: it never hangs on a dead rank.
+"""
+from __future__ import annotations
+
+import logging
+import time
+import weakref
+from dataclasses import replace
+
+import torch
+import torch.multiprocessing as mp
+
+from slipstream.distributed import comm
+from slipstream.distributed.parallel import (COLLECTIVE_TIMEOUT_S, destroy_tp_group, host_store,
+                                             init_tp_group, rank_device, torchrun_rank)
+from slipstream.distributed.worker import cpu_threads_per_rank, run_worker, spawned_worker
+from slipstream.errors import SlipstreamError
+from slipstream.runner.model_runner import ModelRunner, StepHandle
+from slipstream.step_data import SchedulerOutput, StepOutput
+
+log = logging.getLogger("slipstream")
+
+
+class WorkerDiedError(SlipstreamError, RuntimeError):
+    """A tensor-parallel rank stopped; the engine cannot run further steps."""
+
+
+class TPExecutor:
+    def __init__(self, args, config, files, quant_method_for):
+        size = config.parallel.tensor_parallel_size
+        if torch.distributed.is_initialized():
+            raise RuntimeError("torch.distributed is already initialised in this process (another "
+                               "tensor-parallel engine, or the script's own process group); "
+                               "shut that down first (Engine.shutdown())")
+        self.size = size
+        self.tp = None   # set once this engine's process group exists
+        self._threads = torch.get_num_threads()
+        self._procs: list = []
+        self._failed: str | None = None
+        env = torchrun_rank()
+        if env is not None:
+            rank, world, local_rank = env
+            if world != size:
+                raise ValueError(f"tensor_parallel_size={size} but torchrun started {world} processes")
+            config = replace(config, device=rank_device(config.device, local_rank))
+            if rank != 0:   # this process is a worker: serve rank 0's steps, then leave
+                run_worker(rank, size, None, args, local_rank)
+                raise SystemExit(0)
+            store = None
+        else:
+            if config.device.type == "cuda" and torch.cuda.device_count() < size:
+                raise ValueError(f"tensor_parallel_size={size} needs {size} GPUs; "
+                                 f"{torch.cuda.device_count()} visible")
+            config = replace(config, device=rank_device(config.device, 0))
+            store = host_store(size)
+            ctx = mp.get_context("spawn")
+            for r in range(1, size):
+                p = ctx.Process(target=spawned_worker, args=(r, size, store.port, args),
+                                name=f"slipstream-tp-rank{r}", daemon=True)
+                p.start()
+                self._procs.append(p)
+            # Kill leftover workers if the engine is dropped without shutdown().
+            self._finalizer = weakref.finalize(self, _kill, list(self._procs))
+            self._wait_joined(store)
+        if config.device.type == "cpu":
+            torch.set_num_threads(cpu_threads_per_rank(size))
+        self.config = config
+        try:
+            self.tp = init_tp_group(0, size, config.device, store)
+            self.runner = ModelRunner(config, files.weights(), quant_method_for, self.tp)
+        except Exception as e:
+            time.sleep(0.2)   # a worker that failed first has its exit code by now
+            if self._dead_worker() is not None or isinstance(e, RuntimeError):
+                self._fail(e)
+            self._stop()      # rank 0's own error (a bad checkpoint, say): raised as it is
+            raise
+        self.num_blocks = self.runner.num_blocks
+
+    def _wait_joined(self, store) -> None:
+        keys = [f"joined/{r}" for r in range(1, self.size)]
+        deadline = time.monotonic() + COLLECTIVE_TIMEOUT_S
+        while not store.check(keys):
+            dead = self._dead_worker()
+            if dead is not None:   # before joining: most often an import of the user's script
+                self._fail(None, f"{dead} before joining (its error is printed above; a script "
+                                 "that starts a tensor-parallel engine needs an `if __name__ == "
+                                 "'__main__':` guard, since each worker imports it)")
+            if time.monotonic() > deadline:
+                self._fail(TimeoutError(f"workers did not join within {COLLECTIVE_TIMEOUT_S:.0f} s"))
+            time.sleep(0.02)
+
+    def __getattr__(self, name):   # model, backend, plan, graphs, input_batch: rank 0's
+        if name in ("runner", "tp"):
+            raise AttributeError(name)
+        return getattr(self.runner, name)
+
+    # ---- failure --------------------------------------------------------------
+
+    def _dead_worker(self) -> str | None:
+        for r, p in enumerate(self._procs, 1):
+            if not p.is_alive():
+                return f"tensor-parallel worker rank {r} (pid {p.pid}) exited with code {p.exitcode}"
+        return None
+
+    def _check_workers(self) -> None:
+        if self._failed is not None:
+            raise WorkerDiedError(self._failed)
+        dead = self._dead_worker()
+        if dead is not None:
+            self._fail(None, dead)
+
+    def _fail(self, error: BaseException | None, reason: str | None = None):
+        """Stop every rank and raise WorkerDiedError (the cause named)."""
+        time.sleep(0.05)   # a dying worker's exit code lands a moment after its sockets close
+        reason = reason or self._dead_worker() or f"a tensor-parallel collective failed: {error}"
+        self._failed = (f"{reason}; the engine stopped its other ranks and cannot run further "
+                        "steps (create a new engine)")
+        self._stop()
+        raise WorkerDiedError(self._failed) from error
+
+    def _stop(self) -> None:
+        self._failed = self._failed or "the engine stopped"
+        _kill(self._procs)
+        if self.tp is not None:
+            destroy_tp_group()
+            self.tp = None
+        torch.set_num_threads(self._threads)
+
+    # ---- the ModelRunner interface ---------------------------------------------
+
+    def execute(self, sched: SchedulerOutput) -> StepHandle:
+        self._check_workers()
+        try:
+            comm.broadcast_object(sched, self.tp.cpu_group)
+            return self.runner.execute(sched)
+        # torch.distributed's errors: gloo's "Connection closed by peer" is a plain
+        # RuntimeError, NCCL's and timeouts are DistError (a RuntimeError).
+        except RuntimeError as e:
+            self._fail(e)
+
+    def resolve(self, handle: StepHandle) -> StepOutput:
+        try:
+            return self.runner.resolve(handle)
+        except RuntimeError as e:
+            self._fail(e)
+
+    def shutdown(self) -> None:
+        """Tell the workers to stop, wait for them (briefly), release the process group."""
+        if self._failed is None and self.tp is not None:
+            self._failed = "the engine was shut down"
+            try:
+                comm.broadcast_object(None, self.tp.cpu_group)
+            except RuntimeError:
+                pass
+            for p in self._procs:
+                p.join(timeout=10)
+            self._stop()
+
+
+def _kill(procs) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+        p.join(timeout=5)

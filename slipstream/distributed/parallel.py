@@ -1,0 +1,127 @@
+"""Tensor-parallel process groups: who is rank r of N, and how the ranks meet.
+
+The engine's process is rank 0: it runs the scheduler and drives ranks
+1..N-1, which it starts itself with torch.multiprocessing (spawn), or which
+torchrun started alongside it (when the environment carries torchrun's
+RANK / WORLD_SIZE / MASTER_ADDR). Every rank holds one `TPGroup` with two
+process groups over the same ranks:
+
+  device_group  the model's collectives (all-reduce, all-gather): NCCL on CUDA,
+                gloo on the CPU, with a timeout so a stuck peer fails a step
+                instead of hanging it;
+  cpu_group     gloo, for the step data rank 0 broadcasts each step (pickled)
+                and small host integers. Its timeout is long: a worker waits
+                there for the next step however long the engine stays idle.
+
+A peer that dies closes its sockets, so the survivors' next collective fails
+at once; rank 0 also checks its workers' processes before each step.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from slipstream.config import ModelConfig
+
+# A collective that waits longer than this on a live peer fails the step.
+COLLECTIVE_TIMEOUT_S = 120.0
+# Workers wait this long for rank 0's next step (an idle engine sends nothing).
+IDLE_TIMEOUT = timedelta(days=30)
+
+
+@dataclass(frozen=True)
+class TPGroup:
+    rank: int
+    size: int
+    device_group: object   # torch.distributed ProcessGroup
+    cpu_group: object      # torch.distributed ProcessGroup (gloo)
+
+
+def check_shardable(mc: ModelConfig, tp_size: int) -> None:
+    """Raise ValueError (naming tensor_parallel_size) unless `mc` splits over `tp_size` ranks.
+
+    Query heads and the MLP's intermediate features split evenly; KV heads split
+    evenly when there are at least as many as ranks, else each is replicated on
+    tp_size / num_kv_heads ranks (which must be whole)."""
+    if tp_size < 1:
+        raise ValueError(f"tensor_parallel_size must be at least 1, got {tp_size}")
+    if tp_size == 1:
+        return
+    h, kv = mc.num_attention_heads, mc.num_key_value_heads
+    problems = []
+    if h % tp_size:
+        problems.append(f"{h} attention heads")
+    if kv % tp_size and tp_size % kv:
+        problems.append(f"{kv} KV heads (neither split evenly nor replicated evenly)")
+    if mc.intermediate_size % tp_size:
+        problems.append(f"an intermediate size of {mc.intermediate_size}")
+    if problems:
+        raise ValueError(f"tensor_parallel_size={tp_size} does not divide the model's "
+                         f"{' and '.join(problems)}; choose a size that does")
+
+
+def kv_heads_of_rank(num_kv_heads: int, rank: int, size: int) -> tuple[int, int]:
+    """(first KV head, count) held by `rank`: a split when num_kv_heads >= size,
+    else one head replicated on size / num_kv_heads consecutive ranks."""
+    return rank * num_kv_heads // size, max(1, num_kv_heads // size)
+
+
+def rank_shape(mc: ModelConfig, size: int) -> ModelConfig:
+    """The per-rank shape of `mc` (heads, KV heads, intermediate features):
+    what one rank's KV cache and working memory are sized for."""
+    if size == 1:
+        return mc
+    return replace(mc, num_attention_heads=mc.num_attention_heads // size,
+                   num_key_value_heads=kv_heads_of_rank(mc.num_key_value_heads, 0, size)[1],
+                   intermediate_size=mc.intermediate_size // size)
+
+
+def torchrun_rank() -> tuple[int, int, int] | None:
+    """(rank, world size, local rank) when torchrun started this process, else None."""
+    env = os.environ
+    if not all(k in env for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
+        return None
+    return int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", env["RANK"]))
+
+
+def rank_device(device: torch.device, local_rank: int) -> torch.device:
+    """Rank r drives GPU r of its host; CPU ranks share the CPU."""
+    return torch.device("cuda", local_rank) if device.type == "cuda" else device
+
+
+def host_store(size: int) -> dist.TCPStore:
+    """The rendezvous rank 0 hosts for the workers it starts (on a free port)."""
+    return dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False,
+                         timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+
+
+def join_store(port: int, size: int) -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", port, size, is_master=False,
+                         timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+
+
+def init_tp_group(rank: int, size: int, device: torch.device,
+                  store: dist.Store | None = None) -> TPGroup:
+    """Join the `size` ranks through `store` (None: torchrun's env://). Blocks
+    until all have joined (at most COLLECTIVE_TIMEOUT_S)."""
+    if dist.is_initialized():
+        raise RuntimeError("torch.distributed is already initialised in this process: another "
+                           "tensor-parallel engine is running here; shut it down first "
+                           "(Engine.shutdown())")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    kw = {"store": store} if store is not None else {"init_method": "env://"}
+    dist.init_process_group(backend, rank=rank, world_size=size,
+                            timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S), **kw)
+    cpu_group = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+    return TPGroup(rank, size, dist.group.WORLD, cpu_group)
+
+
+def destroy_tp_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

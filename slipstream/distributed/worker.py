@@ -1,0 +1,67 @@
+"""A tensor-parallel worker: ranks 1..N-1, each with its own ModelRunner.
+
+A worker holds no scheduler and no request objects. Each step it receives rank
+0's `SchedulerOutput` (pickled, over the gloo cpu_group), runs the same
+`execute` and `resolve` as rank 0, and so keeps the same per-request state;
+the model's collectives meet rank 0's inside the forward, and rank 0's sampled
+tokens arrive by broadcast. `None` in place of a step means shut down.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from dataclasses import replace
+
+import torch
+
+from slipstream.distributed import comm
+from slipstream.distributed.parallel import (destroy_tp_group, init_tp_group, join_store,
+                                             rank_device)
+
+log = logging.getLogger("slipstream")
+
+
+def cpu_threads_per_rank(size: int) -> int:
+    """CPU ranks share the cores evenly (oversubscribed threads stall collectives)."""
+    return max(1, (os.cpu_count() or 1) // size)
+
+
+def run_worker(rank: int, size: int, store_port: int | None, args, local_rank: int) -> None:
+    """The worker's whole life. `args`: rank 0's EngineArgs; `store_port`: rank 0's
+    rendezvous (None under torchrun)."""
+    from slipstream.config import resolve_device
+    from slipstream.loader import open_model
+    from slipstream.quant.selector import quant_method_for
+    from slipstream.runner.model_runner import ModelRunner
+
+    device = rank_device(resolve_device(args.device), local_rank)
+    if device.type == "cpu":
+        torch.set_num_threads(cpu_threads_per_rank(size))
+    store = None
+    if store_port is not None:
+        store = join_store(store_port, size)
+        store.set(f"joined/{rank}", "1")
+    # Join first: a failure while loading then closes this rank's sockets, and rank 0's
+    # next collective fails at once instead of waiting for a rank that never comes.
+    tp = init_tp_group(rank, size, device, store)
+    try:
+        files = open_model(args.model, args.load_format, args.seed)
+        config = replace(args.create_config(str(files.path), files.config), device=device)
+        torch.manual_seed(config.seed)
+        runner = ModelRunner(config, files.weights(), quant_method_for(config, files), tp)
+        while True:
+            sched = comm.broadcast_object(None, tp.cpu_group)
+            if sched is None:
+                break
+            runner.resolve(runner.execute(sched))
+    except RuntimeError as e:   # rank 0 went away: nothing left to serve
+        print(f"slipstream tensor-parallel worker rank {rank}: stopping: {e}", file=sys.stderr)
+        sys.exit(1)
+    finally:
+        destroy_tp_group()
+
+
+def spawned_worker(rank: int, size: int, store_port: int, args) -> None:
+    """Entry point of a worker that rank 0 started (torch.multiprocessing spawn)."""
+    run_worker(rank, size, store_port, args, local_rank=rank)

@@ -1,0 +1,193 @@
+"""Tensor parallelism on the CPU: 2 ranks over gloo, the engine starting its worker.
+
+TP=2 must give TP=1's greedy tokens; log-probabilities agree within LOGPROB_TOL
+(the ranks sum partial products in another order than one full matmul, fp32).
+"""
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from slipstream import SamplingParams
+from slipstream.distributed.parallel import check_shardable, kv_heads_of_rank
+from tests.engine.conftest import make_llm, random_prompts
+from tests.loader.checkpoints import hf_config, write_hf_tokenizer
+
+LOGPROB_TOL = 1e-4
+
+
+def _save(folder, config, seed=0):
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.normal_(1.0, 0.1)
+            else:
+                p.normal_(0.0, 0.08)
+    model.save_pretrained(folder)
+    write_hf_tokenizer(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def split_kv_folder(tmp_path_factory):
+    """Qwen2: 4 heads, 2 KV heads (one per rank), q/k/v biases, its own LM head;
+    a vocabulary of 265 rows: 133 on rank 0, 132 + 1 padding row on rank 1."""
+    cfg = hf_config("qwen2")
+    return _save(tmp_path_factory.mktemp("tp-split"), cfg)
+
+
+@pytest.fixture(scope="module")
+def replicated_kv_folder(tmp_path_factory):
+    """4 heads, 1 KV head (replicated on both ranks), the LM head tied to the embedding."""
+    cfg = hf_config("llama", tie=True)
+    cfg.num_key_value_heads = 1
+    return _save(tmp_path_factory.mktemp("tp-mqa"), cfg)
+
+
+def _generate(folder, tp, **kw):
+    # Chunked prefill over small blocks, prompt and sample log-probs, mixed lengths.
+    llm = make_llm(folder, tensor_parallel_size=tp, max_num_batched_tokens=24, **kw)
+    prompts = random_prompts(4, 265, 5, 40, seed=3)
+    params = SamplingParams(max_tokens=6, temperature=0, logprobs=2, prompt_logprobs=1)
+    return llm, llm.generate(prompts, params, use_tqdm=False)
+
+
+def _assert_same(ref, got):
+    for a, b in zip(ref, got):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert la.keys() == lb.keys()
+            for t in la:
+                assert abs(la[t].logprob - lb[t].logprob) < LOGPROB_TOL
+        for la, lb in zip((a.prompt_logprobs or [])[1:], (b.prompt_logprobs or [])[1:]):
+            for t in la:
+                assert abs(la[t].logprob - lb[t].logprob) < LOGPROB_TOL
+
+
+@pytest.mark.parametrize("which,overlap", [("split_kv_folder", False),
+                                           ("replicated_kv_folder", True)])
+def test_tp2_matches_tp1(request, which, overlap):
+    """overlap: async scheduling, rank 0 launches step N+1 before it collects step N
+    (a token still being sampled is read on the device, on every rank)."""
+    folder = request.getfixturevalue(which)
+    _, ref = _generate(folder, 1)
+    llm, got = _generate(folder, 2, async_scheduling=overlap)
+    try:
+        runner = llm.engine.runner
+        attn = runner.model.model.layers[0].self_attn
+        assert (attn.num_heads, attn.num_kv_heads) == (2, 1)   # the rank's share
+        assert runner.model.lm_head.weight.shape[0] == 133      # no rank holds the whole vocab
+        _assert_same(ref, got)
+        # A second batch on the same engine: the workers kept their state in step.
+        prompts = random_prompts(2, 265, 3, 12, seed=9)
+        params = SamplingParams(max_tokens=4, temperature=0)
+        again = llm.generate(prompts, params, use_tqdm=False)
+        base = make_llm(folder).generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in base]
+    finally:
+        llm.engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def llama_bias_config(tmp_path_factory):
+    """A Llama shape with attention_bias (q/k/v and o_proj biases: o_proj's is
+    row-parallel, added by rank 0 only); config and tokenizer, no weights."""
+    folder = tmp_path_factory.mktemp("tp-llama-bias")
+    cfg = hf_config("llama")
+    cfg.attention_bias = True
+    cfg.save_pretrained(folder)
+    write_hf_tokenizer(folder)
+    return folder
+
+
+def test_dummy_weights_match_and_a_killed_worker_fails_generate(llama_bias_config):
+    """Random weights: each rank keeps its slice of the tensors one process draws, so
+    TP=2 runs TP=1's model. Then a worker is killed while the engine is idle: the
+    next generate raises at once (the liveness check before each step)."""
+    from slipstream.distributed.executor import WorkerDiedError
+    prompts = random_prompts(2, 265, 4, 10, seed=5)
+    params = SamplingParams(max_tokens=5, temperature=0, logprobs=0)
+    ref = make_llm(llama_bias_config, load_format="dummy").generate(prompts, params,
+                                                                    use_tqdm=False)
+    llm = make_llm(llama_bias_config, load_format="dummy", tensor_parallel_size=2)
+    try:
+        o_proj = llm.engine.runner.model.model.layers[0].self_attn.o_proj
+        assert o_proj.bias is not None and o_proj.weight.shape == (256, 128)
+        got = llm.generate(prompts, params, use_tqdm=False)
+        _assert_same(ref, got)
+        (worker,) = llm.engine.runner._procs
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.join(timeout=10)
+        t0 = time.monotonic()
+        with pytest.raises(WorkerDiedError, match=r"rank 1 .* exited with code -9"):
+            llm.generate(prompts[0], params, use_tqdm=False)
+        assert time.monotonic() - t0 < 10
+        assert not llm.engine.has_unfinished_requests()   # the request was aborted
+        with pytest.raises(WorkerDiedError):   # and the engine stays failed
+            llm.generate(prompts[0], params, use_tqdm=False)
+    finally:
+        llm.engine.shutdown()
+
+
+def test_worker_killed_mid_generation_fails_the_step(split_kv_folder):
+    """Without the liveness check, the step's own collectives notice the dead peer:
+    the step fails within seconds, it does not hang."""
+    from slipstream.distributed.executor import WorkerDiedError
+    llm = make_llm(split_kv_folder, tensor_parallel_size=2)
+    engine = llm.engine
+    try:
+        executor = engine.runner
+        executor._dead_worker = lambda: None   # blind the check: only the collectives can tell
+        engine.add_request({"prompt_token_ids": [5, 6, 7, 8]},
+                           SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
+        for _ in range(3):
+            engine.step()
+        (worker,) = executor._procs
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.join(timeout=10)
+        t0 = time.monotonic()
+        with pytest.raises(WorkerDiedError, match="collective failed"):
+            while engine.has_unfinished_requests():
+                engine.step()
+        assert time.monotonic() - t0 < 10
+    finally:
+        engine.shutdown()
+
+
+def test_default_model_heads_do_not_split_over_two_ranks():
+    """SmolLM2-135M has 9 query heads and 3 KV heads: 2 ranks can split neither, so
+    the engine refuses before starting any worker; 3 ranks would split both."""
+    from slipstream.engine.args import EngineArgs
+    from slipstream.loader import open_model
+    files = open_model(None)   # what Engine() does before anything starts
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 does not divide the model's "
+                                         r"9 attention heads and 3 KV heads"):
+        EngineArgs(device="cpu", tensor_parallel_size=2).create_config(str(files.path), files.config)
+    EngineArgs(device="cpu", tensor_parallel_size=3).create_config(str(files.path), files.config)
+
+
+def test_shardable_shapes_and_kv_head_placement():
+    cfg = hf_config("llama")
+    from tests.loader.checkpoints import VOCAB_SIZE  # noqa: F401
+    from slipstream.models.hf_config import model_config_from_hf
+    mc = model_config_from_hf({k: v for k, v in cfg.to_dict().items() if v is not None})
+    check_shardable(mc, 2)   # 4 heads, 2 KV heads, 512 intermediate
+    check_shardable(mc, 4)   # KV heads replicated on 2 ranks each
+    with pytest.raises(ValueError, match="tensor_parallel_size=3"):
+        check_shardable(mc, 3)
+    with pytest.raises(ValueError, match="at least 1"):
+        check_shardable(mc, 0)
+    assert [kv_heads_of_rank(2, r, 4) for r in range(4)] == [(0, 1), (0, 1), (1, 1), (1, 1)]
+    assert [kv_heads_of_rank(8, r, 2) for r in range(2)] == [(0, 4), (4, 4)]
+
+
+def test_tensor_parallel_options_are_checked(split_kv_folder):
+    with pytest.raises(ValueError, match="tensor_parallel_size must be"):
+        make_llm(split_kv_folder, tensor_parallel_size=0)
+    with pytest.raises(ValueError, match="quantized layers are not sharded"):
+        make_llm(split_kv_folder, tensor_parallel_size=2, quantization="rtn")
