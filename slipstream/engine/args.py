@@ -24,7 +24,8 @@ class EngineArgs:
     kv_cache_memory: int | None = None      # bytes for the KV pool on the CPU
     gpu_memory_utilization: float = 0.90
     attention_backend: str | None = None
-    quantization: str | None = None
+    # a scheme of quant/; "auto": GGUF blocks kept at run time on a CPU (quant/gguf.py)
+    quantization: str | None = "auto"
     seed: int = 0
 
     @classmethod
@@ -34,6 +35,10 @@ class EngineArgs:
     def create_config(self, model_path: str, mc: ModelConfig) -> EngineConfig:
         device = resolve_device(self.device)
         dtype = resolve_dtype(self.dtype, device)
+        if self.quantization == "auto" and self.dtype in (None, "auto"):
+            from slipstream.quant.gguf import runs_quantized
+            if runs_quantized(self.model, device):
+                dtype = torch.float32   # the kernels take fp32 activations; weights stay in blocks
         max_len = self.max_model_len or mc.max_position_embeddings
         if max_len < 2:
             raise ValueError("max_model_len must be at least 2")

@@ -22,14 +22,14 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
                      sliding_window: int | None = None) -> torch.Tensor:
     """q: [num_seqs, num_heads, head_dim]; caches: [num_blocks, block_size, kv_heads, head_dim]
-    (fp32 or bf16, contiguous); seq_lens: [num_seqs] int64 (the new token's K/V stored);
+    (fp32 or bf16, contiguous); seq_lens: [num_seqs] int32 (the new token's K/V stored);
     block_tables: [num_seqs, max_blocks] int32 -> [num_seqs, num_heads, head_dim] in q's dtype."""
     lib = cpu_library.load()
     b, nh, hd = q.shape
     nkv, bs = k_cache.shape[2], k_cache.shape[1]
     qf = q.float().contiguous()
     out = torch.empty_like(qf)
-    lens = seq_lens.to(torch.int64).contiguous()
+    lens = seq_lens.to(torch.int32).contiguous()
     tables = block_tables.to(torch.int32).contiguous()
     assert k_cache.is_contiguous() and v_cache.is_contiguous()
     rc = lib.ss_decode_attention(qf.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),

@@ -24,9 +24,13 @@ import tempfile
 from pathlib import Path
 
 _SOURCE = Path(__file__).with_name("cpu_quant.c")
-_FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-pthread"]
+# SLIPSTREAM_CPU_ARCH picks another target (tests build `haswell`, an AVX2-only CPU,
+# and `x86-64`, no vector extensions, to check the paths this machine would not take).
+_ARCH = os.environ.get("SLIPSTREAM_CPU_ARCH", "native")
+_FLAGS = ["-O3", f"-march={_ARCH}", "-shared", "-fPIC", "-pthread"]
 _lib = None
 _tried = False
+_threads: int | None = None
 _error: str | None = None
 
 _i64, _i32, _f32, _p = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
@@ -124,11 +128,25 @@ def error() -> str | None:
 
 
 def set_threads(n: int | None) -> int:
-    """Threads the kernels use, the caller included (None: torch's count, which
-    follows OMP_NUM_THREADS and `--threads`)."""
+    """Threads the kernels use, the caller included (None: the count set before,
+    else torch's, which follows OMP_NUM_THREADS and `--threads`)."""
+    global _threads
     if _lib is None:
         return 1
     if n is None:
         import torch
-        n = torch.get_num_threads()
-    return _lib.ss_set_threads(int(n))
+        n = _threads or torch.get_num_threads()
+    _threads = _lib.ss_set_threads(int(n))
+    return _threads
+
+
+def take_threads() -> int:
+    """Give the CPU threads to the kernels' pool and run torch's own ops on one.
+
+    Two pools of spinning threads on the same cores slow each other down (and a
+    torch OpenMP barrier waits for a descheduled thread: a shared machine
+    collapses). When the kernels carry the heavy work, torch keeps one thread."""
+    import torch
+    n = set_threads(None)
+    torch.set_num_threads(1)
+    return n

@@ -284,11 +284,13 @@ static void *worker(void *arg) {
         double t0 = now_s();
         uint32_t gen;
         int spins = 0;
-        /* spin about 2 ms for the next job, then sleep until woken */
+        /* spin about 0.5 ms for the next job (the gap between two kernels of a step),
+         * yielding the core now and then, then sleep until woken */
         while ((gen = (uint32_t)(atomic_load_explicit(&P.ticket, memory_order_acquire) >> 32)) == seen) {
             if (atomic_load(&P.stop)) return NULL;
             CPU_RELAX();
-            if (++spins % 1024 == 0 && now_s() - t0 > 2e-3) {
+            if (++spins % 256 == 0) sched_yield();
+            if (spins % 1024 == 0 && now_s() - t0 > 5e-4) {
                 pthread_mutex_lock(&P.mu);
                 atomic_fetch_add(&P.sleeping, 1);
                 while ((uint32_t)(atomic_load(&P.ticket) >> 32) == seen && !atomic_load(&P.stop))
@@ -321,7 +323,11 @@ static void parallel_for(chunk_fn fn, void *args, int64_t n_chunks) {
     }
     run_chunks(gen);
     /* every chunk is claimed now; wait for those still running elsewhere */
-    while (atomic_load_explicit(&P.done, memory_order_acquire) < n_chunks) CPU_RELAX();
+    /* a chunk still running belongs to a thread that may have lost its core: let it have ours */
+    for (int spins = 0; atomic_load_explicit(&P.done, memory_order_acquire) < n_chunks; spins++) {
+        CPU_RELAX();
+        if (spins % 64 == 63) sched_yield();
+    }
     pthread_mutex_unlock(&busy);
 }
 
@@ -358,76 +364,116 @@ int ss_set_threads(int n_threads) {
 int ss_get_threads(void) { return P.n_workers + 1; }
 
 /* ---- matmul ------------------------------------------------------------ */
+/* Four rows of x meet each weight block while it is in registers, so the
+ * nibbles are unpacked once per four products (prefill), and once for m = 1. */
+#if defined(__AVX2__)
+static void dot4_q(int t, const uint8_t *w, const qx_t *x, int nx, int64_t nb, float *out) {
+    __m256 acc[4] = { _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps() };
+    float off[4] = {0, 0, 0, 0};
+    int bb = t == T_Q4_0 ? 18 : t == T_Q4_1 ? 20 : 34;
+    for (int64_t b = 0; b < nb; b++, w += bb) {
+        float d = h2f(w);
+        __m256i u, sgn = _mm256_setzero_si256();
+        if (t == T_Q8_0) { sgn = _mm256_loadu_si256((const __m256i *)(w + 2)); u = _mm256_sign_epi8(sgn, sgn); }
+        else u = nibbles(w + (t == T_Q4_1 ? 4 : 2));
+        float m = t == T_Q4_1 ? h2f(w + 2) : t == T_Q4_0 ? -8 * d : 0;
+        for (int i = 0; i < nx; i++) {
+            __m256i v = _mm256_loadu_si256((const __m256i *)(x[i].q + 32 * b));
+            if (t == T_Q8_0) v = _mm256_sign_epi8(v, sgn);
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8_i8(u, v)), _mm256_set1_ps(d * x[i].d[b]), acc[i]);
+            off[i] += m * x[i].s[b];
+        }
+    }
+    for (int i = 0; i < nx; i++) out[i] = hsum(acc[i]) + off[i];
+}
+#endif
+
+static float dot_q(int t, const uint8_t *w, qx_t x, int64_t nb) {
+    return t == T_Q4_1 ? dot_q4_1(w, x, nb) : t == T_Q4_0 ? dot_q4_0(w, x, nb) : dot_q8_0(w, x, nb);
+}
+
 #define MAX_SEG 8
-#define MAX_M 16
+#define M_BLOCK 64
 typedef struct {
     int n_seg; int type[MAX_SEG]; const uint8_t *w[MAX_SEG]; int64_t rows[MAX_SEG];
     int64_t cols, m, ldy, chunk_rows, total_rows;
     const float *x; const int8_t *xq; const float *xd, *xs; float *y;
 } mm_args;
 
-static void mm_chunk(void *a_, int64_t c) {
-    mm_args *a = a_;
-    int64_t r0 = c * a->chunk_rows, r1 = r0 + a->chunk_rows;
-    if (r1 > a->total_rows) r1 = a->total_rows;
-    int64_t base = 0;
-    float buf[256];
-    for (int s = 0; s < a->n_seg; base += a->rows[s], s++) {
-        int64_t lo = r0 > base ? r0 : base, hi = r1 < base + a->rows[s] ? r1 : base + a->rows[s];
-        if (lo >= hi) continue;
-        int t = a->type[s], qk = block_elems(t), bb = block_bytes(t);
-        int64_t nb = a->cols / qk, row_bytes = nb * bb;
+static int int8_path(int t) { return t == T_Q4_0 || t == T_Q4_1 || t == T_Q8_0; }
+
+static void mm_rows(mm_args *a, int s, int64_t base, int64_t lo, int64_t hi, float *rowbuf) {
+    int t = a->type[s], qk = block_elems(t), bb = block_bytes(t);
+    int64_t nb = a->cols / qk, row_bytes = nb * bb, nbx = a->cols / 32;
+    for (int64_t i0 = 0; i0 < a->m; i0 += M_BLOCK) {
+        int64_t i1 = i0 + M_BLOCK < a->m ? i0 + M_BLOCK : a->m;
         for (int64_t r = lo; r < hi; r++) {
             const uint8_t *w = a->w[s] + (r - base) * row_bytes;
-            for (int64_t i = 0; i < a->m; i++) {
-                const float *x = a->x + i * a->cols;
-                float v;
-                qx_t xq = { a->xq + i * a->cols, a->xd + i * (a->cols / 32), a->xs + i * (a->cols / 32) };
-                if (t == T_Q4_1) v = dot_q4_1(w, xq, nb);
-                else if (t == T_Q4_0) v = dot_q4_0(w, xq, nb);
-                else if (t == T_Q8_0) v = dot_q8_0(w, xq, nb);
-                else if (t == T_F32) v = dot_f((const float *)w, x, a->cols);
-                else {
-                    float acc[16] = {0};
-                    for (int64_t b = 0; b < nb; b++) {
-                        dequant_block(t, w + b * bb, buf);
-                        const float *xb = x + b * qk;
-                        if (qk >= 16) { for (int j = 0; j < qk; j += 16) for (int l = 0; l < 16; l++) acc[l] += buf[j + l] * xb[j + l]; }
-                        else acc[0] += buf[0] * xb[0];
+            if (int8_path(t)) {
+                for (int64_t i = i0; i < i1; ) {
+                    qx_t xq[4]; int nx = i1 - i < 4 ? (int)(i1 - i) : 4;
+                    for (int k = 0; k < nx; k++) {
+                        xq[k].q = a->xq + (i + k) * a->cols; xq[k].d = a->xd + (i + k) * nbx; xq[k].s = a->xs + (i + k) * nbx;
                     }
-                    v = 0; for (int l = 0; l < 16; l++) v += acc[l];
+                    float v[4];
+#if defined(__AVX2__)
+                    if (nx > 1) dot4_q(t, w, xq, nx, nb, v); else v[0] = dot_q(t, w, xq[0], nb);
+#else
+                    for (int k = 0; k < nx; k++) v[k] = dot_q(t, w, xq[k], nb);
+#endif
+                    for (int k = 0; k < nx; k++) a->y[(i + k) * a->ldy + r] = v[k];
+                    i += nx;
                 }
-                a->y[i * a->ldy + r] = v;
+            } else {   /* other formats: dequantize the row once, then fp32 dots */
+                const float *wf = (const float *)w;
+                if (t != T_F32) {
+                    for (int64_t b = 0; b < nb; b++) dequant_block(t, w + b * bb, rowbuf + b * qk);
+                    wf = rowbuf;
+                }
+                for (int64_t i = i0; i < i1; i++) a->y[i * a->ldy + r] = dot_f(wf, a->x + i * a->cols, a->cols);
             }
         }
     }
 }
 
-/* y[i, r] (row stride ldy) = sum_k x[i, k] * W[r, k], for m <= MAX_M rows of x.
+static void mm_chunk(void *a_, int64_t c) {
+    mm_args *a = a_;
+    int64_t r0 = c * a->chunk_rows, r1 = r0 + a->chunk_rows;
+    if (r1 > a->total_rows) r1 = a->total_rows;
+    float stackbuf[4096], *rowbuf = stackbuf;
+    if (a->cols > 4096) rowbuf = malloc(a->cols * sizeof(float));
+    int64_t base = 0;
+    for (int s = 0; s < a->n_seg; base += a->rows[s], s++) {
+        int64_t lo = r0 > base ? r0 : base, hi = r1 < base + a->rows[s] ? r1 : base + a->rows[s];
+        if (lo < hi) mm_rows(a, s, base, lo, hi, rowbuf);
+    }
+    if (rowbuf != stackbuf) free(rowbuf);
+}
+
+/* y[i, r] (row stride ldy) = sum_k x[i, k] * W[r, k] for the m rows of x.
  * Returns 0, or -1 on an unsupported format or shape. */
 int ss_matmul(int n_seg, const int *types, const uint8_t *const *ws, const int64_t *rows,
               int64_t cols, const float *x, int64_t m, float *y, int64_t ldy) {
-    if (n_seg < 1 || n_seg > MAX_SEG || m < 1 || m > MAX_M) return -1;
+    if (n_seg < 1 || n_seg > MAX_SEG || m < 1) return -1;
     mm_args a = { .n_seg = n_seg, .cols = cols, .m = m, .ldy = ldy, .x = x, .y = y };
     int64_t total = 0;
     int need_xq = 0;
     for (int s = 0; s < n_seg; s++) {
         if (!ss_supported(types[s]) || cols % block_elems(types[s])) return -1;
         a.type[s] = types[s]; a.w[s] = ws[s]; a.rows[s] = rows[s]; total += rows[s];
-        need_xq |= types[s] == T_Q4_0 || types[s] == T_Q4_1 || types[s] == T_Q8_0;
+        need_xq |= int8_path(types[s]);
     }
     /* int8 copies of x for the 32-block formats */
-    int8_t xq_stack[MAX_M * 2048]; float xd_stack[MAX_M * 64], xs_stack[MAX_M * 64];
+    int8_t xq_stack[4 * 2048]; float xd_stack[4 * 64], xs_stack[4 * 64];
     int8_t *xq = xq_stack; float *xd = xd_stack, *xs = xs_stack; void *heap = NULL;
-    if (need_xq && m * cols > MAX_M * 2048) {
+    if (need_xq && m * cols > 4 * 2048) {
         heap = malloc(m * cols + 64 + 2 * sizeof(float) * (m * cols / 32 + 1));
         if (!heap) return -1;
         xq = heap; xd = (float *)((char *)heap + ((m * cols + 63) & ~63)); xs = xd + m * cols / 32;
     }
-    if (need_xq) {
+    if (need_xq)
         for (int64_t i = 0; i < m; i++)
             quantize_x(x + i * cols, cols, xq + i * cols, xd + i * (cols / 32), xs + i * (cols / 32));
-    }
     a.xq = xq; a.xd = xd; a.xs = xs; a.total_rows = total;
     /* ~16 chunks a thread: small enough that a late thread costs little */
     int64_t nt = P.n_workers + 1, chunk = total / (16 * nt);
@@ -478,7 +524,7 @@ int ss_get_rows(int type, const uint8_t *w, int64_t cols, const int64_t *ids, in
  * position seq_lens[s] - 1 and sees keys max(0, seq_len - window) .. seq_len - 1. */
 typedef struct {
     const float *q; const void *kc, *vc; int kv_bf16;
-    const int32_t *tables; int64_t table_stride; const int64_t *seq_lens;
+    const int32_t *tables; int64_t table_stride; const int32_t *seq_lens;
     int nh, nkv, hd, bs; float scale; int64_t window; float *out;
 } attn_args;
 
@@ -514,7 +560,7 @@ static void attn_chunk(void *a_, int64_t c) {
 }
 
 int ss_decode_attention(const float *q, const void *k_cache, const void *v_cache, int kv_bf16,
-                        const int32_t *tables, int64_t table_stride, const int64_t *seq_lens,
+                        const int32_t *tables, int64_t table_stride, const int32_t *seq_lens,
                         int64_t num_seqs, int nh, int nkv, int hd, int bs, float scale,
                         int64_t window, float *out) {
     if (hd > 512 || nkv < 1 || nh % nkv) return -1;

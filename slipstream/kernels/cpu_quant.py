@@ -9,10 +9,9 @@ format) stacked along the rows. Each segment's data is a uint8 tensor
     w = qm.dequantize()       # [rows, cols] fp32
     e = qm.get_rows(ids)      # ids: [n] int64 -> [n, cols] fp32
 
-Small m runs the fused dequantize-and-dot kernel (weights read once, at memory
-speed); larger m dequantizes W once and hands the product to BLAS, which is
-faster there than any per-row kernel. The twins in `cpu_reference.py`
-dequantize with the `gguf` package's numpy code.
+Every m runs the kernel: x is quantized to int8 blocks once, and each weight
+block meets four rows of x while it sits in registers. The twins in
+`cpu_reference.py` dequantize with the `gguf` package's numpy code.
 """
 from __future__ import annotations
 
@@ -26,8 +25,6 @@ from slipstream.kernels import cpu_library
 BLOCKS = {0: (1, 4), 1: (1, 2), 30: (1, 2), 2: (32, 18), 3: (32, 20), 8: (32, 34),
           12: (256, 144), 13: (256, 176), 14: (256, 210)}
 QUANTIZED = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
-# Rows of x up to which the fused kernel beats dequantize + BLAS (kernel limit: 16).
-FUSED_MAX_M = 4
 
 
 def row_bytes(qtype: int, cols: int) -> int:
@@ -72,8 +69,6 @@ class QuantMatrix:
         assert x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] == self.cols
         x = x.contiguous()
         m = x.shape[0]
-        if m > FUSED_MAX_M:
-            return x @ self.dequantize().T
         y = torch.empty(m, self.rows, dtype=torch.float32)
         rc = self._lib.ss_matmul(len(self.segments), self._types, self._ptrs, self._rows, self.cols,
                                  x.data_ptr(), m, y.data_ptr(), self.rows)

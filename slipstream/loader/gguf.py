@@ -73,7 +73,12 @@ def hf_name(name: str) -> str | None:
 
 def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     # w: [n_head * head_dim, ...] interleaved pairs -> [n_head * head_dim, ...] rotate-half halves
-    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+    # (rows gathered by index: also right for rows of GGUF blocks, whose bytes stay together)
+    half = w.shape[0] // n_head // 2
+    order = np.arange(w.shape[0]).reshape(n_head, half, 2).swapaxes(1, 2).reshape(-1)
+    if w.dtype == torch.bfloat16:
+        return w[torch.from_numpy(order)]
+    return torch.from_numpy(w.numpy()[order])    # numpy: torch's row gather is slow on uint8
 
 
 def _check_dequantizable(path: Path, qtypes: set[int]) -> None:

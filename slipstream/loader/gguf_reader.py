@@ -89,6 +89,17 @@ class GGUFFile:
         self._pos += n
         return s
 
+    def _strings(self, lazy: _LazyStrings) -> list[str]:
+        raw, pos, out = self._map, lazy.offset, []
+        unpack = struct.Struct("<Q").unpack_from
+        for _ in range(lazy.count):
+            n = unpack(raw, pos)[0]
+            out.append(raw[pos + 8:pos + 8 + n])
+            pos += 8 + n
+        if pos > len(raw):
+            raise ModelLoadError(f"{self.path}: a string array runs past the end of the file")
+        return [b.decode("utf-8", "replace") for b in out]
+
     def _skip_strings(self, count: int) -> None:
         buf, pos = self._buf, self._pos
         for _ in range(count):
@@ -163,9 +174,7 @@ class GGUFFile:
         """A field's value, decoding string arrays (vocabularies) on first use."""
         v = self._fields.get(key, default)
         if isinstance(v, _LazyStrings):
-            self._pos = v.offset
-            v = [self._string() for _ in range(v.count)]
-            self._fields[key] = v
+            v = self._fields[key] = self._strings(v)
         return self._plain(v)
 
     def keys(self):

@@ -47,6 +47,12 @@ def _no_quant(prefix: str) -> None:
     return None
 
 
+def _table_method(quant_method_for: QuantMethodFor, prefix: str):
+    """The method for an embedding table, if the scheme has one that serves tables."""
+    method = quant_method_for(prefix)
+    return method if getattr(method, "supports_embedding", False) else None
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int, backend: AttentionBackend,
                  quant_method_for: QuantMethodFor, prefix: str):
@@ -122,7 +128,8 @@ class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, backend: AttentionBackend,
                  quant_method_for: QuantMethodFor):
         super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size,
+                                           _table_method(quant_method_for, "model.embed_tokens"))
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
                                       config.rope_theta, config.rope_scaling)
         self.layers = nn.ModuleList(
@@ -153,7 +160,8 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(config, backend, quant_method_for or _no_quant)
         self.lm_head = LMHead(config.vocab_size, config.hidden_size,
                               tied_to=self.model.embed_tokens if config.tie_word_embeddings
-                              else None)
+                              else None,
+                              quant_method=_table_method(quant_method_for or _no_quant, "lm_head"))
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """One step over `batch` (writes its K/V into the caches)
