@@ -81,9 +81,12 @@ class GGUFLinearMethod:
             raise ModelLoadError(f"shape mismatch: checkpoint has {shape}, model expects {(rows, cols)}")
         layer.gguf_shards[index] = loaded
         layer.gguf_weight = None
+        if all(s is not None for s in layer.gguf_shards):
+            self._assemble(layer)   # an embedding gets no process_after_loading call
 
     def process_after_loading(self, layer: nn.Module) -> None:
-        self._assemble(layer)
+        if layer.gguf_weight is None:
+            self._assemble(layer)
 
     def _assemble(self, layer: nn.Module):
         shards = layer.gguf_shards
