@@ -39,12 +39,14 @@ class TorchAttentionBackend:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 layer: AttentionLayerInfo, batch: ForwardBatch) -> torch.Tensor:
         # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
-        reference.store_kv(k, v, layer.k_cache, layer.v_cache, batch.slot_mapping)
         if self._cpu_kernel is None:
             self._cpu_kernel = cpu_attention.supported(layer.k_cache, q.shape[-1])
         if batch.is_decode_only and batch.tree_mask is None and self._cpu_kernel:
+            # stores this step's K/V and attends, in one call
             return cpu_attention.decode_attention(q, layer.k_cache, layer.v_cache, batch.seq_lens,
-                                                  batch.block_tables, layer.scale, layer.sliding_window)
+                                                  batch.block_tables, layer.scale, layer.sliding_window,
+                                                  k, v, batch.slot_mapping)
+        reference.store_kv(k, v, layer.k_cache, layer.v_cache, batch.slot_mapping)
         if (batch.num_seqs == 1 and batch.tree_mask is None and self._cpu_kernel
                 and batch.seq_lens_cpu[0] == q.shape[0]):
             return self._fresh_prompt(q, k, v, layer)

@@ -523,7 +523,7 @@ int ss_get_rows(int type, const uint8_t *w, int64_t cols, const int64_t *ids, in
  * [num_seqs, table_stride] int32; out like q. The query of sequence s sits at
  * position seq_lens[s] - 1 and sees keys max(0, seq_len - window) .. seq_len - 1. */
 typedef struct {
-    const float *q; const void *kc, *vc; int kv_bf16;
+    const float *q; int64_t q_stride; const void *kc, *vc; int kv_bf16;
     const int32_t *tables; int64_t table_stride; const int32_t *seq_lens;
     int nh, nkv, hd, bs; float scale; int64_t window; float *out;
 } attn_args;
@@ -536,7 +536,7 @@ static inline void load_row(const void *base, int bf16, int64_t off, int hd, flo
 static void attn_chunk(void *a_, int64_t c) {
     attn_args *a = a_;
     int64_t s = c / a->nh; int h = (int)(c % a->nh), kvh = h / (a->nh / a->nkv), hd = a->hd;
-    const float *q = a->q + c * hd;
+    const float *q = a->q + s * a->q_stride + h * hd;
     float *o = a->out + c * hd;
     int64_t n = a->seq_lens[s], lo = a->window > 0 && n > a->window ? n - a->window : 0;
     const int32_t *table = a->tables + s * a->table_stride;
@@ -559,12 +559,33 @@ static void attn_chunk(void *a_, int64_t c) {
     for (int i = 0; i < hd; i++) o[i] = acc[i] / den;
 }
 
-int ss_decode_attention(const float *q, const void *k_cache, const void *v_cache, int kv_bf16,
-                        const int32_t *tables, int64_t table_stride, const int32_t *seq_lens,
-                        int64_t num_seqs, int nh, int nkv, int hd, int bs, float scale,
-                        int64_t window, float *out) {
+static inline uint16_t f2bf(float f) {   /* round to nearest even, as torch does */
+    uint32_t u; memcpy(&u, &f, 4);
+    if ((u & 0x7fffffff) > 0x7f800000) return (uint16_t)((u >> 16) | 64);   /* NaN stays NaN */
+    return (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16);
+}
+
+static void store_row(void *cache, int bf16, int64_t off, const float *src, int64_t n) {
+    if (bf16) { uint16_t *p = (uint16_t *)cache + off; for (int64_t i = 0; i < n; i++) p[i] = f2bf(src[i]); }
+    else memcpy((float *)cache + off, src, n * sizeof(float));
+}
+
+/* q: token s's heads start at q + s * q_stride (heads contiguous). When k_new is
+ * given, each sequence's new K/V (rows k_new + s * k_stride, v_new + s * v_stride,
+ * kv heads contiguous) are first written to cache slot slots[s] (-1: skipped). */
+int ss_decode_attention(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
+                        int kv_bf16, const int32_t *tables, int64_t table_stride, const int32_t *seq_lens,
+                        int64_t num_seqs, int nh, int nkv, int hd, int bs, float scale, int64_t window,
+                        const float *k_new, int64_t k_stride, const float *v_new, int64_t v_stride,
+                        const int64_t *slots, float *out) {
     if (hd > 512 || nkv < 1 || nh % nkv) return -1;
-    attn_args a = { q, k_cache, v_cache, kv_bf16, tables, table_stride, seq_lens, nh, nkv, hd, bs, scale, window, out };
+    if (k_new)
+        for (int64_t s = 0; s < num_seqs; s++) {
+            if (slots[s] < 0) continue;
+            store_row((void *)k_cache, kv_bf16, slots[s] * nkv * hd, k_new + s * k_stride, (int64_t)nkv * hd);
+            store_row((void *)v_cache, kv_bf16, slots[s] * nkv * hd, v_new + s * v_stride, (int64_t)nkv * hd);
+        }
+    attn_args a = { q, q_stride, k_cache, v_cache, kv_bf16, tables, table_stride, seq_lens, nh, nkv, hd, bs, scale, window, out };
     parallel_for(attn_chunk, &a, num_seqs * nh);
     return 0;
 }
