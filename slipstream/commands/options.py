@@ -102,6 +102,7 @@ def make_engine(args):
         torch.set_num_threads(args.threads)
     from slipstream.engine.args import EngineArgs
     from slipstream.engine.engine import Engine
+    t1 = time.perf_counter()
     engine = Engine(EngineArgs(
         model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
         attention_backend=args.attention_backend, kv_cache_memory=args.kv_cache_memory,
@@ -113,9 +114,12 @@ def make_engine(args):
     method = getattr(layer, "quant_method", None)
     if method is not None:
         quant = f"{type(method).__name__.removesuffix('LinearMethod').lower()} blocks"
-    threads = f", {torch.get_num_threads()} threads" if cfg.device.type == "cpu" else ""
-    print(f"loaded {cfg.model_config.architecture} in {time.perf_counter() - t0:.1f} s "
-          f"({str(cfg.dtype).removeprefix('torch.')}, weights: {quant}, {cfg.device}{threads}, "
+    from slipstream.kernels import cpu_library
+    n = cpu_library.threads() if method is not None else torch.get_num_threads()
+    threads = f", {n} thread{'s' if n > 1 else ''}" if cfg.device.type == "cpu" else ""
+    print(f"loaded {cfg.model_config.architecture} in {time.perf_counter() - t1:.1f} s "
+          f"(+{t1 - t0:.1f} s importing torch; {str(cfg.dtype).removeprefix('torch.')}, weights: {quant}, "
+          f"{cfg.device}{threads}, "
           f"attention: {engine.runner.backend.name})", file=sys.stderr, flush=True)
     return engine
 

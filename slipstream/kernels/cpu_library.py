@@ -140,6 +140,11 @@ def set_threads(n: int | None) -> int:
     return _threads
 
 
+def threads() -> int:
+    """Threads the kernels run on (1 before they are loaded)."""
+    return _threads or 1
+
+
 def take_threads() -> int:
     """Give the CPU threads to the kernels' pool and run torch's own ops on one.
 
