@@ -160,8 +160,46 @@ static inline float hsum(__m256 v) {
 }
 #endif
 
+/* AVX-512 (BW + DQ): two 32-blocks per step for one row of x (decode). */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
+#define SS_AVX512 1
+static inline __m512i nibbles2(const uint8_t *q0, const uint8_t *q1) {
+    /* two blocks' 16 nibble bytes -> 64 values in x order: b0 lo, b0 hi, b1 lo, b1 hi */
+    __m256i v = _mm256_set_m128i(_mm_loadu_si128((const __m128i *)q1), _mm_loadu_si128((const __m128i *)q0));
+    __m256i m = _mm256_set1_epi8(15);
+    __m512i t = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(v, m)),
+                                   _mm256_and_si256(_mm256_srli_epi16(v, 4), m), 1);
+    return _mm512_shuffle_i64x2(t, t, _MM_SHUFFLE(3, 1, 2, 0));
+}
+static inline __m512i dot512_u8_i8(__m512i u, __m512i s) {
+#if defined(__AVX512VNNI__)
+    return _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, s);
+#else
+    return _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1));
+#endif
+}
+static inline __m512 two_scales(float a, float b) {
+    return _mm512_insertf32x8(_mm512_set1_ps(a), _mm256_set1_ps(b), 1);
+}
+#endif
+
 static float dot_q4_0(const uint8_t *w, qx_t x, int64_t nb) {
-#if defined(__AVX2__)
+#if defined(SS_AVX512)
+    __m512 acc = _mm512_setzero_ps(); float off = 0; int64_t b = 0;
+    for (; b + 2 <= nb; b += 2, w += 36) {
+        __m512i s = dot512_u8_i8(nibbles2(w + 2, w + 20), _mm512_loadu_si512(x.q + 32 * b));
+        float d0 = h2f(w), d1 = h2f(w + 18);
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), two_scales(d0 * x.d[b], d1 * x.d[b + 1]), acc);
+        off += d0 * x.s[b] + d1 * x.s[b + 1];
+    }
+    float total = _mm512_reduce_add_ps(acc) - 8 * off;
+    for (; b < nb; b++, w += 18) {
+        const uint8_t *q = w + 2; const int8_t *v = x.q + 32 * b; int si = 0;
+        for (int i = 0; i < 16; i++) si += ((q[i] & 15) - 8) * v[i] + ((q[i] >> 4) - 8) * v[i + 16];
+        total += h2f(w) * x.d[b] * si;
+    }
+    return total;
+#elif defined(__AVX2__)
     __m256 acc = _mm256_setzero_ps(); float off = 0;
     for (int64_t b = 0; b < nb; b++, w += 18) {
         __m256i s = dot_u8_i8(nibbles(w + 2), _mm256_loadu_si256((const __m256i *)(x.q + 32 * b)));
@@ -182,7 +220,21 @@ static float dot_q4_0(const uint8_t *w, qx_t x, int64_t nb) {
 }
 
 static float dot_q4_1(const uint8_t *w, qx_t x, int64_t nb) {
-#if defined(__AVX2__)
+#if defined(SS_AVX512)
+    __m512 acc = _mm512_setzero_ps(); float off = 0; int64_t b = 0;
+    for (; b + 2 <= nb; b += 2, w += 40) {
+        __m512i s = dot512_u8_i8(nibbles2(w + 4, w + 24), _mm512_loadu_si512(x.q + 32 * b));
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), two_scales(h2f(w) * x.d[b], h2f(w + 20) * x.d[b + 1]), acc);
+        off += h2f(w + 2) * x.s[b] + h2f(w + 22) * x.s[b + 1];
+    }
+    float total = _mm512_reduce_add_ps(acc) + off;
+    for (; b < nb; b++, w += 20) {
+        const uint8_t *q = w + 4; const int8_t *v = x.q + 32 * b; int si = 0;
+        for (int i = 0; i < 16; i++) si += (q[i] & 15) * v[i] + (q[i] >> 4) * v[i + 16];
+        total += h2f(w) * x.d[b] * si + h2f(w + 2) * x.s[b];
+    }
+    return total;
+#elif defined(__AVX2__)
     __m256 acc = _mm256_setzero_ps(); float off = 0;
     for (int64_t b = 0; b < nb; b++, w += 20) {
         __m256i s = dot_u8_i8(nibbles(w + 4), _mm256_loadu_si256((const __m256i *)(x.q + 32 * b)));
@@ -202,7 +254,25 @@ static float dot_q4_1(const uint8_t *w, qx_t x, int64_t nb) {
 }
 
 static float dot_q8_0(const uint8_t *w, qx_t x, int64_t nb) {
-#if defined(__AVX2__)
+#if defined(SS_AVX512)
+    __m512 acc = _mm512_setzero_ps(); int64_t b = 0;
+    for (; b + 2 <= nb; b += 2, w += 68) {
+        __m512i a = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(w + 2))),
+                                       _mm256_loadu_si256((const __m256i *)(w + 36)), 1);
+        __m512i v = _mm512_loadu_si512(x.q + 32 * b);
+        /* |a| * (sign(a) * v): AVX-512 has no sign_epi8; negate v where a < 0 */
+        __mmask64 neg = _mm512_movepi8_mask(a);
+        __m512i s = dot512_u8_i8(_mm512_abs_epi8(a), _mm512_mask_sub_epi8(v, neg, _mm512_setzero_si512(), v));
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), two_scales(h2f(w) * x.d[b], h2f(w + 34) * x.d[b + 1]), acc);
+    }
+    float total = _mm512_reduce_add_ps(acc);
+    for (; b < nb; b++, w += 34) {
+        const int8_t *q = (const int8_t *)(w + 2), *v = x.q + 32 * b; int si = 0;
+        for (int i = 0; i < 32; i++) si += q[i] * v[i];
+        total += h2f(w) * x.d[b] * si;
+    }
+    return total;
+#elif defined(__AVX2__)
     __m256 acc = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++, w += 34) {
         __m256i a = _mm256_loadu_si256((const __m256i *)(w + 2));
