@@ -47,6 +47,18 @@ def test_matmul_matches_dequantize_then_matmul(qtype, m):
     assert (y - ref).abs().max() <= _tol(qtype) * ref.abs().max()
 
 
+@pytest.mark.parametrize("qtype", [2, 3, 8], ids=lambda q: QUANTIZED[q])
+def test_odd_block_count(qtype):
+    """Rows of 7 blocks: the two-block AVX-512 steps leave one block over."""
+    gen = torch.Generator().manual_seed(qtype + 100)
+    data = random_blocks(qtype, 9, 224, gen)
+    for m in (1, 5):
+        x = torch.randn(m, 224, generator=gen)
+        ref = cpu_reference.quant_matmul([(qtype, data)], 224, x)
+        y = QuantMatrix([(qtype, data)], 224).matmul(x)
+        assert (y - ref).abs().max() <= INT8_TOL * ref.abs().max()
+
+
 def test_fused_segments_of_different_formats():
     """q/k/v of a Q4_K_M file: shards in different formats, one call."""
     gen = torch.Generator().manual_seed(1)
