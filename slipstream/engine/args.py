@@ -35,9 +35,11 @@ class EngineArgs:
     def create_config(self, model_path: str, mc: ModelConfig) -> EngineConfig:
         device = resolve_device(self.device)
         dtype = resolve_dtype(self.dtype, device)
-        if self.quantization == "auto" and self.dtype in (None, "auto"):
+        quantization = self.quantization
+        if quantization == "auto":   # GGUF blocks at run time on a CPU (quant/gguf.py), else dense
             from slipstream.quant.gguf import runs_quantized
-            if runs_quantized(self.model, device):
+            quantization = "gguf" if runs_quantized(self.model, device) else None
+            if quantization and self.dtype in (None, "auto"):
                 dtype = torch.float32   # the kernels take fp32 activations; weights stay in blocks
         max_len = self.max_model_len or mc.max_position_embeddings
         if max_len < 2:
@@ -75,6 +77,6 @@ class EngineArgs:
                                       enable_chunked_prefill=self.enable_chunked_prefill),
             parallel=ParallelConfig(),
             attention_backend=self.attention_backend,
-            quantization=self.quantization,
+            quantization=quantization,
             seed=self.seed,
         )

@@ -7,10 +7,10 @@ memory-mapped file) and multiply through those kernels; tensors in other
 formats, and every tensor on other devices, are dequantized at load and run
 dense, as without a scheme.
 
-Scheme "auto" (the default): "gguf" for a GGUF file on a CPU whose kernels
-build, else no scheme. `runs_quantized(model, device)` tells `EngineArgs`
-the same before anything loads, so that `dtype=auto` can pick float32 there:
-activations are all that the dtype still governs, and the kernels take fp32.
+`EngineArgs(quantization="auto")` (the default) becomes "gguf" where
+`runs_quantized(model, device)` holds (a GGUF file on a CPU whose kernels
+build), else no scheme; there `dtype=auto` becomes float32: activations are all
+that the dtype still governs, and the kernels take fp32.
 
 A fused layer's shards (q/k/v, gate/up) may come in different formats (a
 Q4_K_M file stores some attn_v as Q6_K): each stays a segment of its own, one
@@ -138,11 +138,3 @@ def gguf_scheme(config, files):
         cpu_library.take_threads()
     method = GGUFLinearMethod(quantized, config.dtype)
     return lambda prefix: method
-
-
-@register_scheme("auto")
-def auto_scheme(config, files):
-    from slipstream.loader.gguf import GGUFModelFiles
-    if isinstance(files, GGUFModelFiles) and runs_quantized(files.path, config.device):
-        return gguf_scheme(config, files)
-    return lambda prefix: None

@@ -6,7 +6,7 @@ import importlib
 from slipstream.quant.base import QuantMethodFor, registered_schemes
 
 # Scheme name -> module that registers it (imported only when asked for).
-_BUILTIN: dict[str, str] = {"gguf": "slipstream.quant.gguf", "auto": "slipstream.quant.gguf"}
+_BUILTIN: dict[str, str] = {"gguf": "slipstream.quant.gguf"}
 
 
 def quant_method_for(config, files) -> QuantMethodFor | None:
