@@ -301,10 +301,12 @@ def main() -> int:
             print(f"{name} failed:\n{r.stderr[-3000:]}", file=sys.stderr)
             continue
         rows.append(json.loads(line[-1][7:]))
+        (out / "partial.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
         print(f"  {rows[-1]['decode_tok_s']:.1f} tok/s decode, {rows[-1]['prefill_tok_s']:.0f} tok/s prefill, "
               f"load {rows[-1]['load_s']:.2f} s, ppl {rows[-1]['perplexity']:.4f}", flush=True)
     meta["loadavg_end"] = os.getloadavg()
     ids_path.unlink()
+    (out / "partial.json").unlink(missing_ok=True)
     (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     md = render(meta, rows)
     (out / "results.md").write_text(md)
