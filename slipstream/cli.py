@@ -1,7 +1,9 @@
 """`slipstream <command>`: a table of subcommands, each imported only when run.
 
 A subcommand is a module with `add_parser(subparsers) -> ArgumentParser` and
-`run(args) -> int` (or a `func` default set by its parser). Adding one is a
+`run(args) -> int` (or a `func` default set by its parser); a module with
+`add_parsers(subparsers)` instead gets a parser of its own whose subcommands it
+adds (`bench latency`, `bench throughput`). Adding one is a
 line in COMMANDS. Only the chosen command's module is imported, and none
 imports torch at module level, so `slipstream --help`, `slipstream generate
 --help` and option errors answer without loading torch or a model.
@@ -17,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("slipstream.commands.generate", "complete a prompt, streaming the text"),
     "chat": ("slipstream.commands.chat", "talk with the model (multi-turn, chat template)"),
     "analyze": ("slipstream.analysis.cli", "FLOPs, bytes, roofline bounds; spec-decode theory"),
+    "bench": ("slipstream.bench.cli", "benchmarks: latency, throughput"),
 }
 
 
@@ -31,6 +34,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
             sub.add_parser(name, help=help_text, add_help=False)
             continue
         mod = importlib.import_module(module)
+        if not hasattr(mod, "add_parser"):
+            mod.add_parsers(sub.add_parser(name, help=help_text).add_subparsers(dest=name, required=True))
+            continue
         p = mod.add_parser(sub)
         if p.get_default("func") is None:
             p.set_defaults(func=mod.run)

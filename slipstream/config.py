@@ -77,6 +77,8 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     attention_backend: str | None = None   # None: the device's default
     quantization: str | None = None        # a scheme of quant/ (None: dense weights)
+    enforce_eager: bool = False            # no CUDA graphs
+    async_scheduling: bool | None = None   # overlap host and device; None: on for CUDA
     seed: int = 0
 
 

@@ -147,6 +147,7 @@ def main() -> None:
             res["speed"].append({"batch": batch, "slipstream_tok_s": ours, "transformers_tok_s": theirs,
                                  "speedup": ours / theirs})
             print(res["speed"][-1], flush=True)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
     Path(args.out, "gpu_engine_check.json").write_text(json.dumps(res, indent=2) + "\n")
     print(json.dumps(res, indent=2))
 

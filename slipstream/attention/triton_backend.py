@@ -3,9 +3,11 @@
 Per step (`prepare`) it picks one path from host-side metadata only:
   * tree verification (`batch.tree_mask` set): split-KV tree kernel;
   * decode only (every request brings one token): FlashDecoding split-KV kernel,
-    with the split count chosen from the batch size and longest context;
-  * anything else (prompts, prompt chunks, mixed prefill + decode): the
-    FlashAttention-2 prefill kernel, which handles one-token requests too.
+    with the split count chosen from the batch size and longest context (or
+    fixed by `batch.decode_splits`, as a captured CUDA graph needs);
+  * prompts and prompt chunks: the FlashAttention-2 prefill kernel;
+  * mixed steps: the decode rows (first in the step) go to the split-KV kernel
+    and the rest to the prefill kernel, each writing its part of the output.
 Each layer first writes its new K/V into the paged cache (KV store kernel).
 `forward` never reads device memory back, so it adds no host-device sync.
 """
@@ -38,28 +40,44 @@ class TritonAttentionBackend:
         elif batch.is_decode_only:
             self._mode = "split_kv"
             self._tree_bits = None
+        elif batch.num_decode_seqs:
+            self._mode = "mixed"
+            self._tree_bits = None
+            d = batch.num_decode_seqs
+            # The prefill part as a batch of its own (offsets from its first token).
+            self._prefill_loc = batch.query_start_loc[d:] - d
+            # A copy, so the kernel always sees a 16-byte aligned base (no
+            # alignment specialisation per decode count).
+            self._prefill_ctx = batch.context_lens[d:].clone()
+            self._prefill_max_q = max(batch.query_lens_cpu[d:])
+            self._decode_max_len = max(batch.seq_lens_cpu[:d])
         else:
             self._mode = "prefill"
             self._tree_bits = None
         self._splits: dict[tuple[int, int], int] = {}  # per head shape, set by the first layer
 
-    def _num_splits(self, layer: AttentionLayerInfo, batch: ForwardBatch) -> int:
+    def _num_splits(self, layer: AttentionLayerInfo, num_seqs: int, max_seq_len: int,
+                    max_query_len: int, fixed: int | None) -> int:
+        if fixed is not None:
+            return fixed
         key = (layer.num_heads, layer.num_kv_heads)
         splits = self._splits.get(key)
         if splits is None:
-            splits = choose_num_splits(batch.num_seqs, layer.num_kv_heads, batch.max_seq_len,
-                                       max_query_len=batch.max_query_len,
+            splits = choose_num_splits(num_seqs, layer.num_kv_heads, max_seq_len,
+                                       max_query_len=max_query_len,
                                        group=layer.num_heads // layer.num_kv_heads)
             self._splits[key] = splits
         return splits
 
     def _scratch_for(self, q: torch.Tensor, splits: int):
-        # One buffer pair per shape, reused by every layer and step of that shape.
+        # One buffer pair per shape, reused by every layer and step of that shape,
+        # and never freed: a captured CUDA graph keeps writing to the pair it saw.
+        # Shapes are few: split steps have at most a few dozen tokens x splits.
         key = (q.shape[0], q.shape[1], splits, q.shape[2], q.device)
         buf = self._scratch.get(key)
         if buf is None:
-            buf = split_kv_scratch(q.shape[0], q.shape[1], splits, q.shape[2], q.device)
-            self._scratch = {key: buf}
+            buf = self._scratch[key] = split_kv_scratch(q.shape[0], q.shape[1], splits, q.shape[2],
+                                                        q.device)
         return buf
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -71,9 +89,25 @@ class TritonAttentionBackend:
                 q, k, v, layer.k_cache, layer.v_cache, batch.query_start_loc, batch.context_lens,
                 batch.block_tables, batch.max_query_len, layer.scale,
                 causal=True, sliding_window=layer.sliding_window)
-        splits = self._num_splits(layer, batch)
+        if self._mode == "mixed":
+            d = batch.num_decode_seqs
+            out = torch.empty_like(q)
+            self._decode(q[:d], layer, batch.query_start_loc[:d + 1], batch.seq_lens[:d],
+                         batch.block_tables[:d], d, self._decode_max_len, 1, None, out[:d])
+            prefill_attention(
+                q[d:], k[d:], v[d:], layer.k_cache, layer.v_cache, self._prefill_loc,
+                self._prefill_ctx, batch.block_tables[d:], self._prefill_max_q, layer.scale,
+                causal=True, sliding_window=layer.sliding_window, out=out[d:])
+            return out
+        return self._decode(q, layer, batch.query_start_loc, batch.seq_lens, batch.block_tables,
+                            batch.num_seqs, batch.max_seq_len, batch.max_query_len,
+                            batch.decode_splits, None)
+
+    def _decode(self, q, layer, query_start_loc, seq_lens, block_tables, num_seqs, max_seq_len,
+                max_query_len, fixed_splits, out):
+        splits = self._num_splits(layer, num_seqs, max_seq_len, max_query_len, fixed_splits)
         scratch = self._scratch_for(q, splits) if splits > 1 else None
         return split_kv_attention(
-            q, layer.k_cache, layer.v_cache, batch.query_start_loc, batch.seq_lens,
-            batch.block_tables, batch.max_query_len, layer.scale, splits,
-            sliding_window=layer.sliding_window, tree_bits=self._tree_bits, scratch=scratch)
+            q, layer.k_cache, layer.v_cache, query_start_loc, seq_lens, block_tables,
+            max_query_len, layer.scale, splits, sliding_window=layer.sliding_window,
+            tree_bits=self._tree_bits, out=out, scratch=scratch)

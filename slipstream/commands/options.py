@@ -61,6 +61,8 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory", type=_at_least(1), default=None,
                    help="bytes for the KV cache on the CPU (default: 1 GiB, reserved lazily)")
     g.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
+    g.add_argument("--load-format", default="auto", choices=("auto", "dummy"),
+                   help="dummy: random weights of the model's shape (--model may be a preset name)")
 
 
 def add_sampling_options(p: argparse.ArgumentParser) -> None:
@@ -106,7 +108,7 @@ def make_engine(args):
     engine = Engine(EngineArgs(
         model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
         attention_backend=args.attention_backend, kv_cache_memory=args.kv_cache_memory,
-        enable_prefix_caching=not args.no_prefix_caching,
+        enable_prefix_caching=not args.no_prefix_caching, load_format=args.load_format,
         quantization=None if args.quantization == "none" else args.quantization))
     cfg = engine.config
     quant = "dense"

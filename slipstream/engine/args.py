@@ -26,19 +26,25 @@ class EngineArgs:
     attention_backend: str | None = None
     # a scheme of quant/; "auto": GGUF blocks kept at run time on a CPU (quant/gguf.py)
     quantization: str | None = "auto"
+    enforce_eager: bool = False
+    async_scheduling: bool | None = None
     seed: int = 0
+    load_format: str = "auto"                # "auto": the model's weights; "dummy": random
 
     @classmethod
     def field_names(cls) -> set[str]:
         return {f.name for f in fields(cls)}
 
     def create_config(self, model_path: str, mc: ModelConfig) -> EngineConfig:
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format: expected 'auto' or 'dummy', got {self.load_format!r}")
         device = resolve_device(self.device)
         dtype = resolve_dtype(self.dtype, device)
         quantization = self.quantization
         if quantization == "auto":   # GGUF blocks at run time on a CPU (quant/gguf.py), else dense
             from slipstream.quant.gguf import runs_quantized
-            quantization = "gguf" if runs_quantized(self.model, device) else None
+            real = self.load_format == "auto"   # dummy weights are dense
+            quantization = "gguf" if real and runs_quantized(self.model, device) else None
             if quantization and self.dtype in (None, "auto"):
                 dtype = torch.float32   # the kernels take fp32 activations; weights stay in blocks
         max_len = self.max_model_len or mc.max_position_embeddings
@@ -78,5 +84,7 @@ class EngineArgs:
             parallel=ParallelConfig(),
             attention_backend=self.attention_backend,
             quantization=quantization,
+            enforce_eager=self.enforce_eager,
+            async_scheduling=self.async_scheduling,
             seed=self.seed,
         )

@@ -17,6 +17,7 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams):
         self.tokenizer = tokenizer
         self.skip_special = params.skip_special_tokens
+        self.spaces_between_special = params.spaces_between_special_tokens
         self.stop = tuple(params.stop or ())
         self.include_stop = params.include_stop_str_in_output
         self._tokens = list(prompt_token_ids[-_PROMPT_CONTEXT:])
@@ -28,10 +29,12 @@ class IncrementalDetokenizer:
         self.hold = params.output_text_buffer_length
 
     def _decode(self, ids) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special,
+                                     spaces_between_special_tokens=self.spaces_between_special)
 
-    def add_tokens(self, token_ids: list[int]) -> str | None:
-        """Append tokens' text; returns the stop string that ended the text, if any."""
+    def add_tokens(self, token_ids: list[int], check_stop: bool = True) -> str | None:
+        """Append tokens' text; returns the stop string that ended the text, if any
+        (stop strings are looked for only with `check_stop`)."""
         start = len(self.text)
         for tok in token_ids:
             self._tokens.append(tok)
@@ -40,7 +43,7 @@ class IncrementalDetokenizer:
             if len(full_text) > len(prefix_text) and not full_text.endswith("\ufffd"):
                 self.text += full_text[len(prefix_text):]
                 self._prefix, self._read = self._read, len(self._tokens)
-        return self._find_stop(start)
+        return self._find_stop(start) if check_stop else None
 
     def flush(self) -> None:
         """At the end, emit whatever an incomplete character left pending."""

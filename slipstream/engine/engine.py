@@ -15,10 +15,12 @@ from slipstream.engine.outputs import (CompletionOutput, Logprob, PositionLogpro
                                        RequestOutput)
 from slipstream.engine.request import Request, RequestStatus
 from slipstream.engine.scheduler import Scheduler
+from slipstream.engine.stats import StepStats
 from slipstream.loader import open_model
 from slipstream.quant.selector import quant_method_for
-from slipstream.runner.model_runner import ModelRunner, TokenLogprobs
+from slipstream.runner.model_runner import ModelRunner, StepHandle
 from slipstream.sampling_params import SamplingParams
+from slipstream.step_data import SchedulerOutput, TokenLogprobs
 
 PromptType = str | dict | list
 
@@ -49,7 +51,7 @@ class _Parent:
 
 class Engine:
     def __init__(self, args: EngineArgs):
-        files = open_model(args.model)
+        files = open_model(args.model, args.load_format, args.seed)
         self.config = args.create_config(str(files.path), files.config)
         self.tokenizer = files.tokenizer()
         torch.manual_seed(self.config.seed)
@@ -61,6 +63,12 @@ class Engine:
         self._parents: dict[str, _Parent] = {}
         self._seqs: dict[str, _Sequence] = {}
         self._ids = itertools.count()
+        self._inflight: StepHandle | None = None   # launched, output not yet collected
+        async_sched = self.config.async_scheduling
+        self.async_scheduling = (self.config.device.type == "cuda" if async_sched is None
+                                 else async_sched)
+        # One StepStats per step that ran a forward, once a benchmark sets a list here.
+        self.step_stats: list[StepStats] | None = None
         mc = self.config.model_config
         self.eos_token_ids = tuple(dict.fromkeys(mc.eos_token_ids + tuple(self.tokenizer.eos_token_ids)))
 
@@ -113,7 +121,7 @@ class Engine:
             child_params = params if params.n == 1 else params.child(i)
             seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
             req = Request(seq_id, ids, child_params, self.eos_token_ids, self.max_model_len,
-                          self._hasher, prompt=text, device=self.config.device)
+                          self._hasher, prompt=text)
             seq = _Sequence(req, IncrementalDetokenizer(self.tokenizer, ids, child_params), parent)
             parent.seqs.append(seq)
             self._seqs[seq_id] = seq
@@ -131,31 +139,54 @@ class Engine:
             self._seqs.pop(s.request.request_id, None)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._parents)
+        return bool(self._parents) or self._inflight is not None
 
     # ---- the step -------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled forward; return outputs of requests that moved."""
+        """Run one scheduled forward; return outputs of requests that moved.
+
+        With async scheduling the step's forward is launched, then the previous
+        step's output is collected while the device runs this one: outputs lag
+        the launches by one step, and the host work of scheduling, packing
+        inputs, stop checks and detokenizing hides behind device time."""
         sched = self.scheduler.schedule()
-        if sched.is_empty:
-            if self.scheduler.has_unfinished:
-                raise RuntimeError("no request could be scheduled: the KV cache is too small "
-                                   "for the waiting requests")
-            return []
-        result = self.runner.execute(sched)
+        handle = None
+        if not sched.is_empty:
+            if self.step_stats is not None:
+                self.step_stats.append(StepStats.of(sched, self.scheduler.requests))
+            handle = self.runner.execute(sched)
+        elif self._inflight is None and self.scheduler.has_unfinished:
+            raise RuntimeError("no request could be scheduled: the KV cache is too small "
+                               "for the waiting requests")
+        if not self.async_scheduling:
+            return self._collect(handle) if handle is not None else []
+        previous, self._inflight = self._inflight, handle
+        return self._collect(previous) if previous is not None else []
+
+    def _collect(self, handle: StepHandle) -> list[RequestOutput]:
+        result = self.runner.resolve(handle)
         for rid, (start, entries) in result.prompt_logprobs.items():
+            seq = self._seqs.get(rid)
+            if seq is None:
+                continue
             # After a preemption the prompt is recomputed: keep the first record.
-            recorded = self._seqs[rid].request.prompt_logprobs
+            recorded = seq.request.prompt_logprobs
             recorded.extend(entries[max(0, len(recorded) - start):])
-        advanced = self.scheduler.update(sched, result.sampled)
+        before = {rid: self._seqs[rid].request.num_output_tokens
+                  for rid in result.sampled if rid in self._seqs}
+        advanced = self.scheduler.update(result.sampled)
         touched: dict[str, _Parent] = {}
         now = time.monotonic()
         for req in advanced:
             seq = self._seqs[req.request_id]
             parent = seq.parent
             parent.first_token_time = parent.first_token_time or now
-            self._absorb_token(seq, result.logprobs.get(req.request_id))
+            lps = result.logprobs.get(req.request_id) or []
+            new = req.output_token_ids[before[req.request_id]:]
+            for i, token in enumerate(new):
+                self._absorb_token(seq, token, lps[i] if i < len(lps) else None,
+                                   last=i == len(new) - 1)
             touched[parent.request_id] = parent
         outputs = [self._make_output(p) for p in touched.values()]
         for p in touched.values():
@@ -165,21 +196,22 @@ class Engine:
                     self._seqs.pop(s.request.request_id, None)
         return outputs
 
-    def _absorb_token(self, seq: _Sequence, lp: TokenLogprobs | None) -> None:
+    def _absorb_token(self, seq: _Sequence, token: int, lp: TokenLogprobs | None,
+                      last: bool) -> None:
         req = seq.request
-        token = req.output_token_ids[-1]
         if lp is not None:
             seq.cumulative_logprob += lp.logprob
             req.logprobs.append(self._logprob_dict(lp))
-        stopped_by_token = req.status == RequestStatus.FINISHED_STOPPED and (
+        stopped_by_token = last and req.status == RequestStatus.FINISHED_STOPPED and (
             token in req.eos_token_ids or token in req.stop_token_ids)
         if not stopped_by_token or seq.detok.include_stop:
-            stop = seq.detok.add_tokens([token])
+            # Like EOS, a stop string ends a request only once it has min_tokens.
+            stop = seq.detok.add_tokens([token], check_stop=req.num_output_tokens >= req.params.min_tokens)
             if stop is not None:
                 req.status = RequestStatus.FINISHED_STOPPED
                 req.stop_reason = stop
                 self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED, stop)
-        if req.status.is_finished:
+        if req.status.is_finished and last:
             seq.detok.flush()
 
     def _logprob_dict(self, lp: TokenLogprobs) -> PositionLogprobs:

@@ -3,10 +3,7 @@ from __future__ import annotations
 
 import enum
 
-import torch
-
 from slipstream.cache.prefix_cache import BlockHasher
-from slipstream.layers.sampler import make_generator
 from slipstream.sampling_params import SamplingParams
 
 
@@ -37,7 +34,7 @@ class Request:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  eos_token_ids: tuple[int, ...], max_model_len: int, block_hasher: BlockHasher | None,
-                 prompt: str | None = None, device: torch.device | str = "cpu"):
+                 prompt: str | None = None):
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
@@ -46,6 +43,8 @@ class Request:
         self.params = params
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
+        # Tokens being sampled by launched steps whose output has not arrived.
+        self.num_pending = 0
         self.num_cached_tokens = 0   # prompt tokens found in the prefix cache on admission
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
@@ -53,8 +52,6 @@ class Request:
         self.stop_token_ids = frozenset(params.stop_token_ids or ())
         room = max_model_len - len(prompt_token_ids)
         self.max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        # A seeded request's own random stream, on the model's device.
-        self.generator: torch.Generator | None = make_generator(params, device)
         # Per-token log-probability records (filled by the engine when asked for).
         self.logprobs: list[dict] = []
         self.prompt_logprobs: list[dict | None] = []

@@ -6,42 +6,25 @@ admitted with prompt chunks while the budget lasts. Long prompts are split
 across steps (chunked prefill) and share steps with decodes. When the KV pool
 runs dry the newest running request is preempted: its blocks are freed and it
 is recomputed later from its tokens, so its output does not change.
+
+Steps may be scheduled before the previous step's tokens are known (the
+engine overlaps host work with the GPU): a request whose last scheduled step
+samples holds `num_pending` placeholder tokens until the step's output lands.
+Its next decode token is scheduled at once (the runner reads the token from
+the device); if the pending token turns out to end the request, that one
+extra step's work is discarded. The output is the same as without overlap.
+
+The output is plain step data (`step_data.SchedulerOutput`): new requests,
+per-request deltas and the ids that left, never live `Request` objects.
 """
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
 
 from slipstream.cache.kv_manager import KVCacheManager
 from slipstream.config import SchedulerConfig
 from slipstream.engine.request import Request, RequestStatus
-
-
-@dataclass
-class ScheduledRequest:
-    request: Request
-    num_new_tokens: int
-    context_len: int   # tokens already in the cache before this step
-    block_ids: list[int] = field(default_factory=list)  # the request's KV blocks, in order
-    # The step reaches the request's last token, so it yields a new one.
-    samples: bool = False
-
-    def __post_init__(self):
-        self.samples = self.context_len + self.num_new_tokens == self.request.num_tokens
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    preempted: list[str] = field(default_factory=list)
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
+from slipstream.step_data import CachedRequestData, NewRequestData, SchedulerOutput
 
 
 class Scheduler:
@@ -51,6 +34,11 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        # Blocks the runner already knows of, per request it holds state for.
+        self._sent_blocks: dict[str, int] = {}
+        # Requests the runner holds state for that left since the last step.
+        self._gone: list[str] = []
+        self._preempted: list[str] = []
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -62,22 +50,47 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @staticmethod
+    def _tokens_to_compute(req: Request) -> int:
+        n = req.num_tokens + req.num_pending - req.num_computed_tokens
+        # A request whose pending tokens take it to max_tokens finishes with them.
+        if req.num_output_tokens + req.num_pending >= req.max_tokens:
+            return 0
+        return n
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        scheduled: list[tuple[Request, int]] = []
+        preempted_now = False
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self._allocate_or_preempt(req, n, out):
+            n = min(self._tokens_to_compute(req), budget)
+            if n <= 0:
+                i += 1
+                continue
+            ok, preempted = self._allocate_or_preempt(req, n)
+            preempted_now |= preempted
+            if not ok:
                 break
-            out.scheduled.append(ScheduledRequest(req, n, req.num_computed_tokens))
+            scheduled.append((req, n))
             budget -= n
             i += 1
         # Admit new work only when nothing had to make room this step.
-        while (not out.preempted and self.waiting and budget > 0
+        while (not preempted_now and self.waiting and budget > 0
                and len(self.running) < self.config.max_num_seqs):
             req = self.waiting[0]
+            if req.num_pending:  # preempted while a token was in flight: wait for it
+                break
             hits = self.kv.get_computed_blocks(req)
             num_hit_tokens = len(hits) * self.kv.block_size
             n = req.num_tokens - num_hit_tokens
@@ -92,41 +105,77 @@ class Scheduler:
             req.num_computed_tokens = num_hit_tokens
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            out.scheduled.append(ScheduledRequest(req, n, num_hit_tokens))
+            scheduled.append((req, n))
             budget -= n
-        for s in out.scheduled:
-            s.request.num_computed_tokens += s.num_new_tokens
-            s.block_ids = self.kv.block_ids(s.request.request_id)
+        for req, n in scheduled:
+            self._emit(req, n, out)
+            req.num_computed_tokens += n
+            if req.num_computed_tokens == req.num_tokens + req.num_pending:
+                req.num_pending += 1   # this step samples its next token
+        if scheduled:  # the ids that left reach the runner with the next step it runs
+            out.finished_req_ids, self._gone = self._gone, []
+            out.preempted_req_ids, self._preempted = self._preempted, []
         return out
 
-    def _allocate_or_preempt(self, req: Request, n: int, out: SchedulerOutput) -> bool:
+    def _emit(self, req: Request, n: int, out: SchedulerOutput) -> None:
+        rid = req.request_id
+        blocks = self.kv.block_ids(rid)
+        sent = self._sent_blocks.get(rid)
+        if sent is None:
+            out.new_requests.append(NewRequestData(
+                req_id=rid, prompt_token_ids=req.prompt_token_ids,
+                output_token_ids=list(req.output_token_ids), params=req.params,
+                eos_token_ids=req.eos_token_ids, block_ids=blocks,
+                num_computed_tokens=req.num_computed_tokens, max_tokens=req.max_tokens))
+        else:
+            out.cached_requests.append(CachedRequestData(
+                req_id=rid, new_block_ids=blocks[sent:],
+                num_computed_tokens=req.num_computed_tokens))
+        self._sent_blocks[rid] = len(blocks)
+        out.num_scheduled_tokens[rid] = n
+
+    def _allocate_or_preempt(self, req: Request, n: int) -> tuple[bool, bool]:
+        preempted = False
         while not self.kv.allocate_slots(req, n):
             victim = self.running.pop()
             self._preempt(victim)
-            out.preempted.append(victim.request_id)
+            preempted = True
             if victim is req:
-                return False
-        return True
+                return False, True
+        return True, preempted
+
+    def _forget(self, req: Request) -> None:
+        # A preempted request that ends before it runs again is news too: the
+        # runner keeps its random stream until it comes back.
+        if self._sent_blocks.pop(req.request_id, None) is not None or req.num_preemptions:
+            self._gone.append(req.request_id)
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
+        self._forget(req)
+        self._preempted.append(req.request_id)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Append the step's sampled tokens, apply token-level stops, and free
-        finished requests. Returns the requests that got a new token."""
+    def update(self, sampled: dict[str, list[int]]) -> list[Request]:
+        """Append a step's sampled tokens, apply token-level stops, and free
+        finished requests. Returns the requests that got new tokens."""
         advanced = []
-        for s in out.scheduled:
-            req = s.request
-            if req.status.is_finished or req.request_id not in sampled:
+        for rid, tokens in sampled.items():
+            req = self.requests.get(rid)
+            if req is None:          # finished or aborted while the step ran
                 continue
-            req.append_token(sampled[req.request_id])
+            req.num_pending -= 1
+            if req.status.is_finished:
+                continue
+            for t in tokens:
+                req.append_token(t)
+                if req.check_stop():
+                    self._release(req)
+                    break
             advanced.append(req)
-            if req.check_stop():
-                self._release(req)
         return advanced
 
     def finish_request(self, request_id: str, status: RequestStatus,
@@ -145,4 +194,5 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         self.kv.free(req)
+        self._forget(req)
         self.requests.pop(req.request_id, None)

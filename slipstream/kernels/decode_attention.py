@@ -40,7 +40,7 @@ from slipstream.kernels.runtime import interpreting, num_sms, pdl_supported
 LOG2E = 1.4426950408889634
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_kv_heads", "num_splits", "qk_scale", "window"])
 def _split_kv_kernel(
         Q, KCache, VCache, Out, PartO, PartLse,
         CuSeqlensQ, SeqLens, BlockTables, TreeBits,
@@ -129,7 +129,7 @@ def _split_kv_kernel(
         tl.store(PartLse + tok * stride_lt + head * stride_lh + split, lse, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _merge_splits_kernel(PartO, PartLse, Out, num_splits,
                          stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
                          stride_ot, stride_oh,

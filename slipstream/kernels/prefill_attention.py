@@ -81,7 +81,9 @@ def _new_keys(acc, m_i, l_i, q, q_row_scale, K, V, KScale, k_row0, kv_head,
     return acc, m_i, l_i
 
 
-@triton.jit
+# Scalars that change every step are not specialised on (==1, divisible by 16):
+# each new specialisation is a compile in the middle of serving.
+@triton.jit(do_not_specialize=["max_query_len", "qk_scale", "window", "tune_key"])
 def _prefill_kernel(
         Q, K, V, KCache, VCache, Out, OutDesc, QScale, KScale,
         CuSeqlensQ, ContextLens, BlockTables,

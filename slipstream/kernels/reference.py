@@ -1,4 +1,4 @@
-"""Plain-PyTorch twins of the attention kernels.
+"""Plain-PyTorch twins of the Triton kernels (attention, KV store, fused ops).
 
 These are the ground truth the Triton kernels are tested against, and the
 torch attention backend runs on them, so they favour clarity over speed.
@@ -156,3 +156,34 @@ def fp8_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     tables = torch.zeros(num_seqs, 1, dtype=torch.int32, device=q.device)
     return prefill_attention(qd, kd, v.float(), no_cache, no_cache, cu_seqlens_q, zeros, tables,
                              scale, causal).to(v.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None
+             ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Twin of `kernels.rms_norm`, Hugging Face's LlamaRMSNorm: x [num_tokens, hidden]
+    (plus `residual`, added first in the model dtype) normalised in fp32, cast to
+    the model dtype, then scaled by `weight`. Returns normed, or (normed, x + residual)."""
+    if residual is not None:
+        x = x + residual
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    out = weight * h.to(x.dtype)
+    return out if residual is None else (out, x)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """Twin of `kernels.silu_mul`: x [num_tokens, 2 * d] = [gate | up] -> [num_tokens, d]."""
+    d = x.shape[-1] // 2
+    return F.silu(x[..., :d]) * x[..., d:]
+
+
+def rotary_inplace(qk: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+                   sin: torch.Tensor) -> torch.Tensor:
+    """Twin of `kernels.rotary`: rotate qk [num_tokens, heads, head_dim] in place by
+    the tables cos = [c | c], sin = [-s | s] ([max_position, head_dim]) at `positions`."""
+    c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+    half = qk.shape[-1] // 2
+    swapped = torch.cat((qk[..., half:], qk[..., :half]), dim=-1)
+    qk.copy_(torch.addcmul(qk * c, swapped, s))
+    return qk

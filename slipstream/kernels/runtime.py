@@ -56,4 +56,6 @@ def pdl_supported(t: torch.Tensor) -> bool:
 
 @functools.cache
 def _pdl_device(device_index: int) -> bool:
+    if os.environ.get("SLIPSTREAM_DISABLE_PDL", "0") not in ("", "0"):
+        return False
     return not interpreting() and capability(device_index)[0] >= 9

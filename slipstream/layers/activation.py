@@ -7,9 +7,17 @@ from torch import nn
 
 
 class SiluAndMul(nn.Module):
-    """SwiGLU's gate: silu(gate) * up for x = [gate | up] from a fused gate_up projection."""
+    """SwiGLU's gate: silu(gate) * up for x = [gate | up] from a fused gate_up projection.
+
+    On CUDA tensors one Triton kernel (`kernels/silu_mul.py`) reads x once and
+    writes the product; elsewhere the two torch ops below run (its twin)."""
+    # None: the kernel on CUDA tensors, torch elsewhere; True/False forces one path.
+    use_kernel: bool | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, 2 * d] -> [num_tokens, d]
+        if x.is_cuda if self.use_kernel is None else self.use_kernel:
+            from slipstream.kernels.silu_mul import silu_and_mul
+            return silu_and_mul(x)
         d = x.shape[-1] // 2
         return F.silu(x[..., :d]) * x[..., d:]

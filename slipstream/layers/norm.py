@@ -1,4 +1,9 @@
-"""RMSNorm with Hugging Face semantics: normalise in fp32, cast back, then scale."""
+"""RMSNorm with Hugging Face semantics: normalise in fp32, cast back, then scale.
+
+On CUDA tensors one Triton kernel (`kernels/rms_norm.py`) does the residual add
+and the norm together; elsewhere the plain torch ops below run, which are also
+the kernel's twin (`kernels.reference.rms_norm`).
+"""
 from __future__ import annotations
 
 import torch
@@ -6,6 +11,10 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
+    # None: the fused kernel on CUDA tensors, torch ops elsewhere; True/False forces
+    # one path (tests run the kernel on the CPU under TRITON_INTERPRET=1).
+    use_kernel: bool | None = None
+
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
@@ -23,6 +32,9 @@ class RMSNorm(nn.Module):
         With `residual` [num_tokens, hidden]: first x = x + residual (in the model
         dtype, as HF adds the residual), then returns (norm(x), x), the new residual.
         """
+        if x.is_cuda if self.use_kernel is None else self.use_kernel:
+            from slipstream.kernels.rms_norm import rms_norm
+            return rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
             return self._norm(x)
         x = x + residual

@@ -7,8 +7,13 @@ signed_sin = [-sin a | sin a] precomputed per position.
 
 The tables are built in fp32 (as HF does) and stored in the default dtype at
 construction, which `.to(dtype)` then converts with the rest of the model.
-The model looks them up once per step (`lookup`); every layer then calls
-`apply_rotary` on its q and k heads at once.
+
+Once a step the model asks `for_step(positions)` for a `StepRotary`, which
+every layer calls on the q and k heads of its fused qkv output at once. On
+CUDA tensors that is one Triton kernel (`kernels/rotary.py`) rotating the
+heads in place, reading cos/sin by position from the tables; elsewhere the
+tables are gathered once a step (`lookup`) and `apply_rotary` returns a new
+tensor, as before.
 """
 from __future__ import annotations
 
@@ -18,6 +23,24 @@ import torch
 from torch import nn
 
 from slipstream.config import RopeScaling
+
+
+class StepRotary:
+    """One step's rotary: call it on qk [num_tokens, heads, head_dim] (a strided
+    view of qkv) -> the rotated heads (the same tensor, rotated in place, on the
+    kernel path; a new contiguous tensor on the torch path)."""
+
+    def __init__(self, positions: torch.Tensor, cos_table: torch.Tensor,
+                 sin_table: torch.Tensor, gathered: tuple[torch.Tensor, torch.Tensor] | None):
+        self.positions = positions                  # [num_tokens]
+        self.cos_table, self.sin_table = cos_table, sin_table  # [max_position, head_dim]
+        self.gathered = gathered                    # torch path: cos, sin [num_tokens, 1, head_dim]
+
+    def __call__(self, qk: torch.Tensor) -> torch.Tensor:
+        if self.gathered is None:
+            from slipstream.kernels.rotary import rotary_inplace
+            return rotary_inplace(qk, self.positions, self.cos_table, self.sin_table)
+        return apply_rotary(qk, *self.gathered)
 
 
 def rope_inv_freq(head_dim: int, base: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -49,6 +72,8 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
 
 class RotaryEmbedding(nn.Module):
     """cos / signed-sin tables for positions [0, max_position)."""
+    # None: the in-place kernel on CUDA tensors, torch elsewhere; True/False forces one path.
+    use_kernel: bool | None = None
 
     def __init__(self, head_dim: int, max_position: int, base: float,
                  scaling: RopeScaling | None = None):
@@ -68,6 +93,12 @@ class RotaryEmbedding(nn.Module):
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: [num_tokens] int64 -> cos, signed sin: [num_tokens, 1, head_dim]"""
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+    def for_step(self, positions: torch.Tensor) -> StepRotary:
+        """positions: [num_tokens] int64 -> the step's rotary, shared by every layer."""
+        if positions.is_cuda if self.use_kernel is None else self.use_kernel:
+            return StepRotary(positions, self.cos, self.sin, None)
+        return StepRotary(positions, self.cos, self.sin, self.lookup(positions))
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, max_position={self.max_position}"

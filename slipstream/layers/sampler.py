@@ -58,8 +58,8 @@ class Penalties:
     repetition: torch.Tensor         # [num_rows] float32, 1.0 = off
     frequency: torch.Tensor          # [num_rows] float32, 0.0 = off
     presence: torch.Tensor           # [num_rows] float32, 0.0 = off
-    prompt_token_ids: torch.Tensor   # [num_rows, max_prompt_len] int64, padded with vocab_size
-    output_token_ids: torch.Tensor   # [num_rows, max_output_len] int64, padded with vocab_size
+    output_counts: torch.Tensor      # [num_rows, vocab] int32, occurrences in the output so far
+    prompt_mask: torch.Tensor        # [num_rows, vocab] bool, tokens of the prompt
 
 
 @dataclass
@@ -82,6 +82,7 @@ class SamplingBatch:
     # (rows, token ids) set to -inf for rows still short of min_tokens.
     min_tokens_mask: tuple[torch.Tensor, torch.Tensor] | None
     max_num_logprobs: int | None       # k of the widest logprobs request; None: none asked
+    rows: torch.Tensor | None = None   # [num_rows] int64, the rows' persistent slots (runner)
 
     @classmethod
     def build(cls, params: list[SamplingParams], prompt_token_ids: list[list[int]],
@@ -89,8 +90,10 @@ class SamplingBatch:
               generators: list[torch.Generator | None], vocab_size: int,
               device: torch.device | str,
               eos_token_ids: Sequence[int] = ()) -> SamplingBatch:
-        """Host-side assembly. `generators[i]` is row i's `make_generator` result;
-        `eos_token_ids` are masked with each row's stop_token_ids under min_tokens."""
+        """Assembly from whole token histories (the reference the runner's
+        incremental `runner.sampling_state` is tested against). `generators[i]`
+        is row i's `make_generator` result; `eos_token_ids` are masked with each
+        row's stop_token_ids under min_tokens."""
         n = len(params)
         assert len(prompt_token_ids) == len(output_token_ids) == len(generators) == n
 
@@ -110,8 +113,10 @@ class SamplingBatch:
                 repetition=f32([p.repetition_penalty for p in params]),
                 frequency=f32([p.frequency_penalty for p in params]),
                 presence=f32([p.presence_penalty for p in params]),
-                prompt_token_ids=_padded(prompt_token_ids, vocab_size, device),
-                output_token_ids=_padded(output_token_ids, vocab_size, device),
+                output_counts=_bin_counts(_padded(output_token_ids, vocab_size, device),
+                                          vocab_size).to(torch.int32),
+                prompt_mask=_bin_counts(_padded(prompt_token_ids, vocab_size, device),
+                                        vocab_size) > 0,
             )
 
         mask_rows, mask_ids = [], []
@@ -162,10 +167,9 @@ def _bin_counts(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 def apply_penalties(logits: torch.Tensor, penalties: Penalties) -> torch.Tensor:
     """logits: [num_rows, vocab] float32 -> a new penalised tensor (vLLM's rules)."""
-    vocab_size = logits.shape[1]
-    output_counts = _bin_counts(penalties.output_token_ids, vocab_size)
+    output_counts = penalties.output_counts.float()
     output_seen = output_counts > 0
-    seen = output_seen | (_bin_counts(penalties.prompt_token_ids, vocab_size) > 0)
+    seen = output_seen | penalties.prompt_mask
     scale = torch.where(seen, penalties.repetition.unsqueeze(1), 1.0)
     # Repetition pushes a seen token's logit towards "less likely" whatever its sign.
     logits = torch.where(logits > 0, logits / scale, logits * scale)

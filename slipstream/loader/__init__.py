@@ -1,6 +1,7 @@
 """Opening a model: a Hugging Face folder or a GGUF file, local files only.
 
     files = open_model("path/to/model")       # or None: the default model
+    files = open_model("llama-3-8b", "dummy") # random weights of a config's or preset's shape
     files.config                              # ModelConfig
     for name, tensor in files.weights(): ...  # Hugging Face names, CPU float tensors
     tok = files.tokenizer()
@@ -68,9 +69,30 @@ def _is_gguf(path: Path) -> bool:
         return False
 
 
-def open_model(model: str | os.PathLike | None) -> ModelFiles:
-    """A Hugging Face model folder, a GGUF file, or None for the default model."""
+def _is_preset(name: str) -> bool:
+    from slipstream.loader.dummy import preset_config
+    try:
+        preset_config(name)
+    except ModelLoadError:
+        return False
+    return True
+
+
+def open_model(model: str | os.PathLike | None, load_format: str = "auto",
+               seed: int = 0) -> ModelFiles:
+    """A Hugging Face model folder, a GGUF file, or None for the default model.
+
+    load_format "dummy": random weights of the model's shape (loader/dummy.py);
+    `model` may then also be a preset name of the analysis layer ("llama-3-8b")."""
+    if load_format == "dummy":
+        from slipstream.loader.dummy import open_dummy
+        return open_dummy(default_model_path() if model is None else model, seed)
+    if load_format != "auto":
+        raise ValueError(f"load_format: expected 'auto' or 'dummy', got {load_format!r}")
     path = default_model_path() if model is None else Path(model).expanduser()
+    if not path.exists() and _is_preset(str(model)):
+        raise ModelLoadError(f"{model!r} is a model shape without weights: add "
+                             "--load-format dummy (load_format='dummy') for random weights")
     if not path.exists():
         raise ModelLoadError(
             f"model path {str(path)!r} does not exist; slipstream loads local files only: "

@@ -73,8 +73,26 @@ class Tokenizer:
                 ids.append(self.eos_token_ids[0])
         return ids
 
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True,
+               spaces_between_special_tokens: bool = False) -> str:
+        """With `spaces_between_special_tokens` (and special tokens kept), each
+        special token is set apart from its neighbours by a space, as Hugging
+        Face's slow tokenizers do; otherwise the text is the tokenizer's own."""
+        ids = list(ids)
+        if skip_special_tokens or not spaces_between_special_tokens:
+            return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+        parts, run = [], []
+        for t in ids:
+            if t in self.all_special_ids:
+                if run:
+                    parts.append(self.backend.decode(run, skip_special_tokens=False))
+                    run = []
+                parts.append(self.backend.decode([t], skip_special_tokens=False))
+            else:
+                run.append(t)
+        if run:
+            parts.append(self.backend.decode(run, skip_special_tokens=False))
+        return " ".join(parts)
 
     def id_to_token(self, token_id: int) -> str | None:
         """The vocabulary entry (e.g. "Ġworld"), not its text; None if out of range."""

@@ -7,6 +7,11 @@ tied embeddings (SmolLM2), Llama-3 RoPE scaling.
 Module names mirror Hugging Face's, except that q/k/v and gate/up are fused
 (`qkv_proj`, `gate_up_proj`); `load_weights` maps checkpoint names onto them.
 The residual stream stays in the model dtype; norms compute in fp32 inside.
+On CUDA the elementwise work of a layer runs as fused Triton kernels (add +
+RMSNorm, rotary in place on the qkv output, SiLU * up), so a decode step
+launches about ten kernels per layer: norm, qkv GEMM, rotary, KV store,
+attention (1-2), o_proj GEMM, add + norm, gate_up GEMM, silu * up, down GEMM.
+The CPU runs the same layers' plain torch ops.
 """
 from __future__ import annotations
 
@@ -24,7 +29,7 @@ from slipstream.layers.embedding import LMHead, VocabEmbedding
 from slipstream.layers.linear import (LinearBase, MergedLinear, QKVLinear,
                                       RowParallelLinear)
 from slipstream.layers.norm import RMSNorm
-from slipstream.layers.rotary import RotaryEmbedding, apply_rotary
+from slipstream.layers.rotary import RotaryEmbedding, StepRotary
 from slipstream.layers.weight_loader import default_weight_loader
 from slipstream.models.registry import family_traits
 from slipstream.quant.base import QuantMethodFor
@@ -71,13 +76,13 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(layer_idx, self.num_heads, self.num_kv_heads, self.head_dim,
                               backend, sliding_window=config.sliding_window)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: StepRotary, batch: ForwardBatch) -> torch.Tensor:
         # x: [num_tokens, hidden] -> [num_tokens, hidden]
         h, hk = self.num_heads, self.num_heads + self.num_kv_heads
         qkv = self.qkv_proj(x).view(x.shape[0], hk + self.num_kv_heads, self.head_dim)
-        # Rotate the q and k heads together: one set of elementwise ops per layer.
-        qk = apply_rotary(qkv[:, :hk], cos, sin)       # [num_tokens, heads + kv_heads, head_dim]
+        # Rotate the q and k heads together: one kernel (in place, on CUDA) or one
+        # set of elementwise ops per layer.
+        qk = rope(qkv[:, :hk])                          # [num_tokens, heads + kv_heads, head_dim]
         o = self.attn(qk[:, :h], qk[:, h:], qkv[:, hk:], batch)  # [num_tokens, heads, head_dim]
         return self.o_proj(o.flatten(1))
 
@@ -109,8 +114,8 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
-                sin: torch.Tensor, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: StepRotary,
+                batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [num_tokens, hidden], the previous sublayer's output; residual: the
         stream before it (None at layer 0, where x is the embedding).
         Returns (mlp output, residual stream before it); their sum is the layer's output."""
@@ -119,7 +124,7 @@ class LlamaDecoderLayer(nn.Module):
             x = self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, cos, sin, batch)
+        x = self.self_attn(x, rope, batch)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -139,11 +144,11 @@ class LlamaModel(nn.Module):
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         # -> final normed hidden states [num_tokens, hidden]
-        cos, sin = self.rotary_emb.lookup(batch.positions)  # [num_tokens, 1, head_dim], once a step
+        rope = self.rotary_emb.for_step(batch.positions)  # once a step, shared by every layer
         x = self.embed_tokens(batch.input_ids)
         residual = None
         for layer in self.layers:
-            x, residual = layer(x, residual, cos, sin, batch)
+            x, residual = layer(x, residual, rope, batch)
         x, _ = self.norm(x, residual)
         return x
 

@@ -2,8 +2,19 @@
 
 The pool is one tensor [num_layers, 2, num_blocks, block_size, num_kv_heads,
 head_dim]; each attention layer gets views of its K and V halves.
+
+On CUDA the pool gets what `gpu_memory_utilization` leaves after the weights
+and the peak working memory of one step, which is measured, not guessed: a
+profiling forward of a full token budget (and the logits and sampling of a full
+batch of sequences) runs before the pool exists. The same run compiles and
+tunes the prefill kernels for every query-length bucket, so no serving step
+autotunes.
 """
 from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
 
 import torch
 
@@ -29,8 +40,110 @@ def activation_reserve_bytes(mc: ModelConfig, sc: SchedulerConfig, dtype: torch.
     return 2 * t * per_token * elem + 4 * sc.max_num_seqs * mc.vocab_size * 4
 
 
+log = logging.getLogger("slipstream")
+
+
+@dataclass
+class KVPlan:
+    num_blocks: int
+    block_size: int
+    kv_bytes_per_token: int
+    peak_activation_bytes: int   # measured on CUDA; the estimate elsewhere
+    max_model_len: int
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def max_concurrency(self) -> float:
+        """How many sequences of max_model_len tokens fit at once."""
+        return self.capacity_tokens / self.max_model_len
+
+    def describe(self) -> str:
+        return (f"KV cache: {self.num_blocks} blocks of {self.block_size} tokens = "
+                f"{self.capacity_tokens} tokens ({self.capacity_tokens * self.kv_bytes_per_token / 2**30:.2f} GiB), "
+                f"{self.max_concurrency:.1f}x concurrency at {self.max_model_len} tokens per sequence; "
+                f"step working memory {self.peak_activation_bytes / 2**20:.0f} MiB")
+
+
+def plan_kv_cache(model, config) -> KVPlan:
+    """Size the KV pool for `model` (weights loaded) under `config`."""
+    mc, sc, cc = config.model_config, config.scheduler, config.cache
+    dtype, device = config.dtype, config.device
+    reserve = activation_reserve_bytes(mc, sc, dtype)
+    if device.type == "cuda" and cc.num_blocks is None:
+        reserve = profile_step_memory(model, config)
+    n = num_kv_blocks(cc, mc, sc, dtype, device, reserve)
+    plan = KVPlan(n, cc.block_size, kv_bytes_per_token(mc, dtype), reserve, sc.max_model_len)
+    log.info(plan.describe())
+    return plan
+
+
+@torch.inference_mode()
+def profile_step_memory(model, config) -> int:
+    """Peak bytes one step allocates beyond the weights: a forward of a full
+    token budget over a scratch KV pool, then logits and top-p sampling of
+    `max_num_seqs` rows. Also warms up every prefill kernel bucket."""
+    from slipstream.batch import ForwardBatch
+    from slipstream.layers.sampler import Sampler, SamplingBatch
+    from slipstream.sampling_params import SamplingParams
+    mc, sc, cc = config.model_config, config.scheduler, config.cache
+    device = config.device
+    tokens = sc.max_num_batched_tokens
+    bs = cc.block_size
+    per_seq = min(tokens, sc.max_model_len)
+    num_seqs = -(-tokens // per_seq)
+    blocks_per_seq = -(-per_seq // bs)
+    scratch = allocate_kv_cache(num_seqs * blocks_per_seq, cc, mc, config.dtype, device)
+    layers = model.attention_layers()
+    for i, layer in enumerate(layers):
+        layer.k_cache, layer.v_cache = scratch[i, 0], scratch[i, 1]
+    torch.cuda.synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    # One query-length bucket per power of two: compiles (and tunes) each once.
+    for q in sorted({min(1 << k, per_seq) for k in range(0, math.ceil(math.log2(per_seq)) + 1)}):
+        n = min(num_seqs, max(1, tokens // q))
+        lens = [q] * n
+        model.backend.prepare(_dummy_batch(ForwardBatch, lens, blocks_per_seq, bs, device))
+        model(_dummy_batch(ForwardBatch, lens, blocks_per_seq, bs, device))
+    rows = sc.max_num_seqs
+    logits = model.compute_logits(torch.zeros(rows, mc.hidden_size, dtype=config.dtype, device=device))
+    params = [SamplingParams(temperature=0.7, top_p=0.9, top_k=50)] * rows
+    Sampler()(logits, SamplingBatch.build(params, [[0]] * rows, [[0]] * rows, [None] * rows,
+                                          mc.vocab_size, device))
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - base
+    del scratch, logits
+    for layer in layers:
+        layer.k_cache = layer.v_cache = None
+    torch.cuda.empty_cache()
+    return int(peak * 1.1)
+
+
+def _dummy_batch(cls, lens: list[int], blocks_per_seq: int, bs: int, device):
+    n = len(lens)
+    loc = [0]
+    for q in lens:
+        loc.append(loc[-1] + q)
+    t = loc[-1]
+    pos = torch.cat([torch.arange(q) for q in lens])
+    seq = torch.repeat_interleave(torch.arange(n), torch.tensor(lens))
+    tables = torch.arange(n * blocks_per_seq, dtype=torch.int32).view(n, blocks_per_seq)
+    slots = tables.long()[seq, pos // bs] * bs + pos % bs
+    i32 = dict(dtype=torch.int32, device=device)
+    b = cls(input_ids=torch.zeros(t, dtype=torch.int64, device=device), positions=pos.to(device),
+            query_start_loc=torch.tensor(loc, **i32), seq_lens=torch.tensor(lens, **i32),
+            context_lens=torch.zeros(n, **i32), slot_mapping=slots.to(device),
+            block_tables=tables.to(device), logits_indices=torch.tensor([t - 1], device=device),
+            max_query_len=max(lens), max_seq_len=max(lens), query_lens_cpu=lens, seq_lens_cpu=lens,
+            num_decode_seqs=n if max(lens) == 1 else 0)
+    return b
+
+
 def num_kv_blocks(cc: CacheConfig, mc: ModelConfig, sc: SchedulerConfig,
-                  dtype: torch.dtype, device: torch.device) -> int:
+                  dtype: torch.dtype, device: torch.device, reserve: int | None = None) -> int:
     per_block = kv_bytes_per_token(mc, dtype) * cc.block_size
     if cc.num_blocks is not None:
         n = cc.num_blocks
@@ -41,7 +154,9 @@ def num_kv_blocks(cc: CacheConfig, mc: ModelConfig, sc: SchedulerConfig,
         free, total = torch.cuda.mem_get_info(device)
         others = total - free - torch.cuda.memory_reserved(device)
         budget = int(total * cc.gpu_memory_utilization) - others - torch.cuda.memory_allocated(device)
-        n = (budget - activation_reserve_bytes(mc, sc, dtype)) // per_block
+        if reserve is None:
+            reserve = activation_reserve_bytes(mc, sc, dtype)
+        n = (budget - reserve) // per_block
     else:
         n = (cc.cpu_kv_cache_bytes or DEFAULT_CPU_KV_BYTES) // per_block
     need = -(-sc.max_model_len // cc.block_size)

@@ -1,111 +1,196 @@
-"""SchedulerOutput -> one forward pass -> sampled tokens (StepOutput)."""
+"""SchedulerOutput -> one forward pass -> sampled tokens.
+
+`execute` only launches: it applies the step's deltas to the persistent input
+batch, packs and copies the inputs, runs the model (replaying a CUDA graph for
+decode-only steps), samples, and starts one non-blocking copy of the sampled
+ids to pinned host memory. It returns a `StepHandle`; `resolve` waits for that
+copy (the step's only wait on the device) and turns it into a `StepOutput`.
+Between the two the host is free to schedule and launch the next step.
+"""
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from slipstream.attention.selector import create_backend
 from slipstream.config import EngineConfig
-from slipstream.engine.scheduler import ScheduledRequest, SchedulerOutput
-from slipstream.layers.sampler import Sampler, SamplingBatch, compute_prompt_logprobs
+from slipstream.layers.sampler import Sampler, compute_prompt_logprobs
 from slipstream.models.registry import model_class
 from slipstream.runner import memory
-from slipstream.batch import build_forward_batch
+from slipstream.runner.cuda_graph import DecodeGraphs
+from slipstream.runner.input_batch import InputBatch, StepPlan
+from slipstream.runner.sampling_state import SamplingState
+from slipstream.step_data import SchedulerOutput, StepOutput, TokenLogprobs
 
 
 @dataclass
-class TokenLogprobs:
-    """Log-probabilities at one position: the chosen token's, its rank, and
-    the top alternatives (ids and log-probs, best first)."""
-    token_id: int
-    logprob: float
-    rank: int
-    top_ids: list[int]
-    top_logprobs: list[float]
-
-
-@dataclass
-class StepOutput:
-    sampled: dict[str, int] = field(default_factory=dict)
-    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
-    # request id -> (index of the first prompt position scored, records)
-    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
+class StepHandle:
+    """A launched step: what `resolve` needs once its copies land."""
+    req_ids: list[str]                  # requests that sampled, in row order of `tokens`
+    rows: np.ndarray
+    tokens: torch.Tensor                # [num_samples] int64, host (pinned on CUDA)
+    logprobs: tuple | None              # host (ids, logprobs, ranks) tensors, or None
+    logprob_req: dict[str, int]         # request id -> its row in `logprobs`, with k
+    prompt_logprobs: dict[str, tuple]   # request id -> (start, host tensors, k)
+    done: torch.cuda.Event | None
 
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, weights, quant_method_for=None):
         self.config = config
         self.device, self.dtype = config.device, config.dtype
-        mc = config.model_config
+        mc, sc, cc = config.model_config, config.scheduler, config.cache
         self.backend = create_backend(config.attention_backend, self.device)
         with torch.device(self.device), _default_dtype(self.dtype):
             self.model = model_class(mc.architecture)(mc, self.backend, quant_method_for)
-        self.model.load_weights(weights)
+        load_into = getattr(weights, "load_into", None)   # random weights (loader/dummy.py)
+        load_into(self.model) if load_into else self.model.load_weights(weights)
         self.model.eval()
-        self.num_blocks = memory.num_kv_blocks(config.cache, mc, config.scheduler, self.dtype, self.device)
-        self.kv_cache = memory.allocate_kv_cache(self.num_blocks, config.cache, mc, self.dtype, self.device)
+        self.vocab_size = mc.vocab_size
+        self.sampler = Sampler()
+        self.plan = memory.plan_kv_cache(self.model, config)
+        self.num_blocks = self.plan.num_blocks
+        self.kv_cache = memory.allocate_kv_cache(self.num_blocks, cc, mc, self.dtype, self.device)
         for i, layer in enumerate(self.model.attention_layers()):
             layer.k_cache, layer.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
-        self.sampler = Sampler()
-        self.vocab_size = mc.vocab_size
+        self.input_batch = InputBatch(sc.max_num_seqs, sc.max_model_len, sc.max_num_batched_tokens,
+                                      cc.block_size, self.device)
+        self.sampling = SamplingState(sc.max_num_seqs, mc.vocab_size, self.device)
+        self._prompt_lp: dict[str, int] = {}   # request id -> k, while its prompt is scored
+        # Seeded streams of preempted requests, until they come back.
+        self._parked: dict[str, torch.Generator] = {}
+        self.graphs = None
+        if (self.device.type == "cuda" and not config.enforce_eager
+                and self.backend.name == "triton"):
+            self.graphs = DecodeGraphs(self.model, self.backend, mc, sc.max_num_seqs, sc.max_model_len)
+
+    # ---- state ------------------------------------------------------------
+
+    def _update_states(self, sched: SchedulerOutput) -> dict[str, int]:
+        ib = self.input_batch
+        preempted = set(sched.preempted_req_ids)
+        for rid in sched.finished_req_ids:
+            row = ib.remove(rid)
+            if row is not None:
+                if rid in preempted and self.sampling.generators[row] is not None:
+                    self._parked[rid] = self.sampling.generators[row]
+                self.sampling.remove(row)
+            self._prompt_lp.pop(rid, None)
+            if rid not in preempted:
+                self._parked.pop(rid, None)
+        starts = {}
+        for r in sched.new_requests:
+            row = ib.add(r.req_id, r.prompt_token_ids, r.output_token_ids, r.block_ids)
+            self.sampling.add(row, r.params, r.prompt_token_ids, r.output_token_ids, r.eos_token_ids,
+                              self._parked.pop(r.req_id, None))
+            if r.params.prompt_logprobs is not None:
+                self._prompt_lp[r.req_id] = r.params.prompt_logprobs
+            starts[r.req_id] = r.num_computed_tokens
+        for r in sched.cached_requests:
+            ib.append_blocks(ib.row_of[r.req_id], r.new_block_ids)
+            starts[r.req_id] = r.num_computed_tokens
+        return starts
+
+    # ---- one step -----------------------------------------------------------
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> StepOutput:
-        scheduled = sched.scheduled
-        prompt_rows = [self._prompt_logprob_offsets(s) for s in scheduled]
-        batch = build_forward_batch(scheduled, self.config.cache.block_size, self.device, prompt_rows)
-        self.backend.prepare(batch)
-        hidden = self.model(batch)                                   # [num_tokens, hidden]
-        logits = self.model.compute_logits(hidden[batch.logits_indices])  # [num_rows, vocab] fp32
-        samplers = [s for s in scheduled if s.samples]
-        out = StepOutput()
-        if samplers:
-            out = self._sample(samplers, logits[:len(samplers)], out)
-        if any(prompt_rows):
-            self._prompt_logprobs(scheduled, prompt_rows, logits[len(samplers):], out)
-        return out
+    def execute(self, sched: SchedulerOutput) -> StepHandle:
+        starts = self._update_states(sched)
+        counts = sched.num_scheduled_tokens
+        bucket = None
+        if self.graphs is not None and not self._prompt_lp and all(n == 1 for n in counts.values()):
+            bucket = self.graphs.bucket_for(len(counts))
+        plan = self.input_batch.plan(sched, starts, num_pad_seqs=bucket or 0,
+                                     graph=bucket is not None)
+        batch = plan.batch
+        if plan.num_pending:  # tokens sampled by a step whose output the host has not seen
+            batch.input_ids[plan.pending_dst] = self.input_batch.last_sampled[plan.pending_src]
+        if bucket is not None:
+            hidden = self.graphs.run(batch, bucket)                      # [bucket, hidden]
+        else:
+            self.backend.prepare(batch)
+            hidden = self.model(batch)                                   # [num_tokens, hidden]
+        handle = StepHandle(plan.sample_req_ids, plan.sample_rows, None, None, {}, {}, None)
+        if len(plan.sample_rows):
+            logits = self.model.compute_logits(hidden[batch.logits_indices])  # [S, vocab] fp32
+            self._sample(plan, logits, handle)
+        if self._prompt_lp:
+            self._score_prompts(plan, hidden, handle)
+        if self.device.type == "cuda":
+            handle.done = torch.cuda.Event()
+            handle.done.record()
+        return handle
 
-    def _sample(self, samplers: list[ScheduledRequest], logits: torch.Tensor,
-                out: StepOutput) -> StepOutput:
-        reqs = [s.request for s in samplers]
-        sb = SamplingBatch.build(
-            [r.params for r in reqs], [r.prompt_token_ids for r in reqs],
-            [r.output_token_ids for r in reqs], [r.generator for r in reqs],
-            self.vocab_size, self.device, self.config.model_config.eos_token_ids)
+    def _sample(self, plan: StepPlan, logits: torch.Tensor, handle: StepHandle) -> None:
+        sb = self.sampling.build(plan.sample_rows)
         result = self.sampler(logits, sb)
-        tokens = result.sampled_token_ids.tolist()  # the step's one host sync
-        for r, t in zip(reqs, tokens):
-            out.sampled[r.request_id] = t
+        sampled = result.sampled_token_ids                                # [S] int64
+        self.input_batch.last_sampled.index_copy_(0, sb.rows, sampled)
+        self.sampling.record_sampled(sb, plan.sample_rows, sampled)
+        handle.tokens = _to_host(sampled)
         if result.logprobs is not None:
-            entries = _unpack(result.logprobs)
-            for i, r in enumerate(reqs):
-                if r.params.logprobs is not None:
-                    out.logprobs[r.request_id] = _trim(entries[i], r.params.logprobs)
+            lp = result.logprobs
+            handle.logprobs = (_to_host(lp.token_ids), _to_host(lp.logprobs), _to_host(lp.ranks))
+            for i, rid in enumerate(plan.sample_req_ids):
+                k = int(self.sampling.num_logprobs[plan.sample_rows[i]])
+                if k >= -1:
+                    handle.logprob_req[rid] = (i, k)
+
+    def _score_prompts(self, plan: StepPlan, hidden: torch.Tensor, handle: StepHandle) -> None:
+        """Log-probabilities of the prompt tokens this step's chunks predict."""
+        ib = self.input_batch
+        loc = 0
+        for rid, row, start, n in zip(plan.req_ids, plan.rows, plan.starts, plan.query_lens):
+            k = self._prompt_lp.get(rid)
+            last = min(start + n, ib.num_prompt[row] - 1)   # position t scores token t + 1
+            if k is not None and last > start:
+                m = int(last - start)
+                targets = torch.from_numpy(ib.token_ids[row, start + 1:start + 1 + m].copy())
+                lp = compute_prompt_logprobs(
+                    self.model.compute_logits(hidden[loc:loc + m]), targets.to(self.device), k)
+                handle.prompt_logprobs[rid] = (int(start), (_to_host(lp.token_ids),
+                                               _to_host(lp.logprobs), _to_host(lp.ranks)), k)
+            if k is not None and start + n >= ib.num_prompt[row]:
+                self._prompt_lp.pop(rid)
+            loc += int(n)
+
+    def resolve(self, handle: StepHandle) -> StepOutput:
+        """Wait for the step's copies and return its tokens (host)."""
+        if handle.done is not None:
+            handle.done.synchronize()
+        out = StepOutput()
+        ib = self.input_batch
+        tokens = handle.tokens.tolist() if handle.tokens is not None else []
+        for rid, row, t in zip(handle.req_ids, handle.rows, tokens):
+            out.sampled[rid] = [t]
+            if ib.req_ids[row] == rid:
+                ib.append_known(row, [t])
+        if handle.logprobs is not None:
+            ids, vals, ranks = (x.tolist() for x in handle.logprobs)
+            for rid, (i, k) in handle.logprob_req.items():
+                out.logprobs[rid] = [_record(ids[i], vals[i], ranks[i], k)]
+        for rid, (start, (ids, vals, ranks), k) in handle.prompt_logprobs.items():
+            ids, vals, ranks = ids.tolist(), vals.tolist(), ranks.tolist()
+            out.prompt_logprobs[rid] = (start, [_record(a, b, c, k) for a, b, c in zip(ids, vals, ranks)])
         return out
 
-    @staticmethod
-    def _prompt_logprob_offsets(s: ScheduledRequest) -> list[int]:
-        """Offsets of this step's new tokens whose logits score a prompt token."""
-        req = s.request
-        if not req.wants_prompt_logprobs:
-            return []
-        last = min(s.context_len + s.num_new_tokens, req.num_prompt_tokens - 1)
-        return list(range(0, max(0, last - s.context_len)))
 
-    def _prompt_logprobs(self, scheduled, prompt_rows, logits: torch.Tensor, out: StepOutput) -> None:
-        row = 0
-        for s, offsets in zip(scheduled, prompt_rows):
-            if not offsets:
-                continue
-            req = s.request
-            start = s.context_len + offsets[0] + 1
-            targets = torch.tensor(req.prompt_token_ids[start:start + len(offsets)], device=logits.device)
-            lp = compute_prompt_logprobs(logits[row:row + len(offsets)], targets, req.params.prompt_logprobs)
-            out.prompt_logprobs[req.request_id] = (
-                start - 1, [_trim(e, req.params.prompt_logprobs) for e in _unpack(lp)])
-            row += len(offsets)
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """A non-blocking copy into pinned memory (a plain view on the CPU)."""
+    if t.device.type != "cuda":
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
+
+
+def _record(ids: list[int], vals: list[float], rank: int, k: int) -> TokenLogprobs:
+    """Column 0 is the chosen token, then the top alternatives; keep k of them."""
+    top = len(ids) - 1 if k < 0 else k
+    return TokenLogprobs(ids[0], vals[0], rank, ids[1:1 + top], vals[1:1 + top])
 
 
 @contextlib.contextmanager
@@ -117,15 +202,3 @@ def _default_dtype(dtype: torch.dtype):
         yield
     finally:
         torch.set_default_dtype(old)
-
-
-def _unpack(lp) -> list[TokenLogprobs]:
-    """LogprobsTensors (column 0: the chosen token; then the top-k) -> host records."""
-    ids, vals, ranks = lp.tolists()
-    return [TokenLogprobs(i[0], v[0], r, i[1:], v[1:]) for i, v, r in zip(ids, vals, ranks)]
-
-
-def _trim(e: TokenLogprobs, k: int) -> TokenLogprobs:
-    if k < 0:  # -1: the whole vocabulary
-        return e
-    return TokenLogprobs(e.token_id, e.logprob, e.rank, e.top_ids[:k], e.top_logprobs[:k])

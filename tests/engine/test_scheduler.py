@@ -20,11 +20,25 @@ def sched(num_blocks=16, budget=8, max_seqs=8, chunked=True, caching=True):
                                      max_model_len=64, enable_chunked_prefill=chunked), kv), kv
 
 
+class Step:
+    """A schedule's plain step data, read back per request: (id, new tokens, context)."""
+
+    def __init__(self, s, out):
+        self.out = out
+        ctx = {r.req_id: r.num_computed_tokens for r in out.new_requests}
+        ctx.update({r.req_id: r.num_computed_tokens for r in out.cached_requests})
+        self.rows = [(rid, n, ctx[rid]) for rid, n in out.num_scheduled_tokens.items()]
+        self.samples = [rid for rid, n, c in self.rows if s.requests[rid].num_pending]
+
+    @property
+    def ids(self):
+        return [r[0] for r in self.rows]
+
+
 def run_step(s, token=7):
-    out = s.schedule()
-    sampled = {x.request.request_id: token for x in out.scheduled if x.samples}
-    s.update(out, sampled)
-    return out
+    step = Step(s, s.schedule())
+    s.update({rid: [token] for rid in step.samples})
+    return step
 
 
 def test_chunked_prefill_splits_long_prompt_and_mixes_with_decode():
@@ -33,16 +47,16 @@ def test_chunked_prefill_splits_long_prompt_and_mixes_with_decode():
     s.add_request(a)
     s.add_request(b)
     out = run_step(s)
-    assert [(x.request.request_id, x.num_new_tokens, x.context_len) for x in out.scheduled] == \
-        [("a", 3, 0), ("b", 5, 0)]
-    assert [x.samples for x in out.scheduled] == [True, False]
+    assert out.rows == [("a", 3, 0), ("b", 5, 0)]
+    assert out.samples == ["a"]
+    assert [r.req_id for r in out.out.new_requests] == ["a", "b"]
     out = run_step(s)
     # a decodes one token; b continues its prompt with the rest of the budget
-    assert [(x.request.request_id, x.num_new_tokens, x.context_len) for x in out.scheduled] == \
-        [("a", 1, 3), ("b", 7, 5)]
+    assert out.rows == [("a", 1, 3), ("b", 7, 5)]
+    assert not out.out.new_requests and [r.req_id for r in out.out.cached_requests] == ["a", "b"]
     out = run_step(s)
-    assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("a", 1), ("b", 1)]
-    assert out.scheduled[1].samples
+    assert [(rid, n) for rid, n, _ in out.rows] == [("a", 1), ("b", 1)]
+    assert "b" in out.samples
 
 
 def test_no_chunking_waits_for_budget():
@@ -50,7 +64,7 @@ def test_no_chunking_waits_for_budget():
     s.add_request(make("a", 6))
     s.add_request(make("b", 6, first=200))
     out = run_step(s)
-    assert [x.request.request_id for x in out.scheduled] == ["a"]
+    assert out.ids == ["a"]
 
 
 def test_max_num_seqs_limits_running():
@@ -58,7 +72,7 @@ def test_max_num_seqs_limits_running():
     for i, r in enumerate("abc"):
         s.add_request(make(r, 2, first=10 * i))
     out = run_step(s)
-    assert len(out.scheduled) == 2 and len(s.waiting) == 1
+    assert len(out.rows) == 2 and len(s.waiting) == 1
 
 
 def test_preemption_frees_newest_and_recomputes_later():
@@ -70,14 +84,17 @@ def test_preemption_frees_newest_and_recomputes_later():
     assert kv.pool.num_free_blocks == 0
     out = run_step(s)  # both decode at position 7 (still inside block 2)
     out = run_step(s)  # position 8 needs a new block for a: b is preempted
-    assert out.preempted == ["b"]
     assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0
-    assert [x.request.request_id for x in out.scheduled] == ["a"]
+    assert out.ids == ["a"]
+    # the same step tells the runner to drop b's state
+    assert out.out.preempted_req_ids == ["b"] and out.out.finished_req_ids == ["b"]
     while a.status == RequestStatus.RUNNING:
         run_step(s)
-    # b comes back and recomputes prompt + its 2 generated tokens
+    # b comes back as a new request and recomputes prompt + its 2 generated tokens
     out = s.schedule()
-    assert out.scheduled[0].request is b and out.scheduled[0].num_new_tokens == b.num_tokens
+    new = out.new_requests[0]
+    assert new.req_id == "b" and out.num_scheduled_tokens["b"] == b.num_tokens
+    assert new.output_token_ids == [7, 7] and new.num_computed_tokens == 0
 
 
 def test_prefix_hit_skips_cached_blocks_and_leaves_last_token():
@@ -89,13 +106,12 @@ def test_prefix_hit_skips_cached_blocks_and_leaves_last_token():
     b = make("b", 9, max_tokens=1)  # same prompt
     s.add_request(b)
     out = run_step(s)
-    x = out.scheduled[0]
-    assert x.context_len == 8 and x.num_new_tokens == 1  # two full blocks hit
+    assert out.rows == [("b", 1, 8)]  # two full blocks hit
     assert b.status.is_finished
     c = make("c", 8, max_tokens=1)  # prompt fully cached: the last block is recomputed
     s.add_request(c)
-    out = s.schedule()
-    assert out.scheduled[0].context_len == 4 and out.scheduled[0].num_new_tokens == 4
+    out = Step(s, s.schedule())
+    assert out.rows == [("c", 4, 4)]
 
 
 def test_no_block_leak_after_finish_and_abort():
@@ -110,3 +126,40 @@ def test_no_block_leak_after_finish_and_abort():
     assert kv.pool.num_free_blocks == 16
     assert all(b.ref_cnt == 0 for b in kv.pool.blocks)
     assert not kv._blocks
+
+
+def test_overlapped_schedule_runs_ahead_of_pending_tokens():
+    """A step scheduled before the previous step's token is known decodes the
+    pending token; a request whose pending token reaches max_tokens is not
+    scheduled again; the output equals the in-order run."""
+    s, kv = sched(budget=16)
+    a = make("a", 3, max_tokens=3)
+    s.add_request(a)
+    first = Step(s, s.schedule())          # prompt, samples token 1 (pending)
+    assert a.num_pending == 1 and first.samples == ["a"]
+    second = Step(s, s.schedule())         # decodes pending token 1 before it is known
+    assert second.rows == [("a", 1, 3)] and a.num_pending == 2
+    s.update({"a": [7]})                   # token 1 lands
+    third = Step(s, s.schedule())          # token 3 would be the last: still scheduled
+    assert third.rows == [("a", 1, 4)] and a.num_pending == 2
+    s.update({"a": [8]})
+    assert Step(s, s.schedule()).rows == []  # pending token 3 is the last one
+    s.update({"a": [9]})
+    assert a.output_token_ids == [7, 8, 9] and a.status == RequestStatus.FINISHED_LENGTH
+    assert kv.pool.num_free_blocks == 16
+
+
+def test_tokens_of_a_finished_request_still_in_flight_are_dropped():
+    s, kv = sched(budget=16)
+    a = make("a", 3, max_tokens=8)
+    s.add_request(a)
+    s.schedule()
+    s.schedule()                            # in flight: the prompt's token and one decode
+    s.update({"a": [0]})                    # EOS
+    assert a.status == RequestStatus.FINISHED_STOPPED
+    assert s.update({"a": [5]}) == []       # the extra step's token is discarded
+    assert a.output_token_ids == [0]
+    assert s.schedule().finished_req_ids == []   # nothing runs: the news waits for a step
+    s.add_request(make("b", 2))
+    out = s.schedule()
+    assert out.finished_req_ids == ["a"] and list(out.num_scheduled_tokens) == ["b"]

@@ -131,3 +131,23 @@ def test_chat_template(default_tokenizer):
                     "<|im_start|>assistant\n")
     ids = default_tokenizer.encode(text, add_special_tokens=False)
     assert ids.count(1) == 3 and ids.count(2) == 2
+
+
+def test_spaces_between_special_tokens(default_tokenizer):
+    from slipstream.engine.detokenizer import IncrementalDetokenizer
+    from slipstream.sampling_params import SamplingParams
+    tok = default_tokenizer
+    ids = tok.encode("<|im_start|>user\nhi<|im_end|>", add_special_tokens=False)
+    assert ids[0] in tok.all_special_ids and ids[-1] in tok.all_special_ids
+    assert tok.decode(ids, skip_special_tokens=False) == "<|im_start|>user\nhi<|im_end|>"
+    spaced = tok.decode(ids, skip_special_tokens=False, spaces_between_special_tokens=True)
+    assert spaced == "<|im_start|> user\nhi <|im_end|>"
+    assert tok.decode(ids, spaces_between_special_tokens=True) == "user\nhi"
+    # The detokenizer honours the sampling parameter, token by token.
+    for flag, expect in ((True, spaced), (False, "<|im_start|>user\nhi<|im_end|>")):
+        d = IncrementalDetokenizer(tok, [], SamplingParams(skip_special_tokens=False,
+                                                           spaces_between_special_tokens=flag))
+        for t in ids:
+            d.add_tokens([t])
+        d.flush()
+        assert d.text == expect

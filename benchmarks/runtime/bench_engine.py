@@ -1,0 +1,264 @@
+"""The engine's step runtime on a GPU, against the ceilings and the previous
+engine measured in the same run (Llama-3-8B shape, random bf16 weights).
+
+    python benchmarks/runtime/bench_engine.py --out DIR [--stages latency,throughput,prefix,old]
+        [--old PATH]   # a checkout of the previous engine's `slipstream/` parent folder
+
+Each stage runs in its own process (a fresh GPU memory pool) and writes JSON:
+  latency     decode at batch 1..128 (128-token prompts, 128 outputs, greedy):
+              tokens/s, step time, the roofline step time (weight + KV bytes over
+              the copy bandwidth measured in the same process), and the share of
+              wall time the GPU is busy (profiler kernel time over wall time);
+              batch 1 and 64 also with --enforce-eager
+  throughput  1,000 ShareGPT-like requests (prompt 50-1,500, output 20-800 tokens,
+              fixed seed) at once, with the analysis layer's roofline bound of the
+              steps the scheduler ran
+  old         the same 1,000 requests through the previous engine (`--old`), its
+              model filled with random weights in place
+  prefix      64 requests sharing a 2,000-token prompt against 64 distinct prompts
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL = "llama-3-8b"
+NUM_PROMPTS = 1000
+
+
+def _llm(**kw):
+    from slipstream import LLM
+    opts = dict(load_format="dummy", dtype="bfloat16", max_num_seqs=256,
+                enforce_eager=os.environ.get("BENCH_EAGER") == "1")
+    opts.update(kw)
+    return LLM(MODEL, **opts)
+
+
+def _busy_share(engine, batch: int) -> float:
+    """GPU kernel time over wall time for decode steps of `batch` requests."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    from slipstream import SamplingParams
+    params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request({"prompt_token_ids": [(7 * i + j) % 1000 + 1 for j in range(128)]}, params)
+    for _ in range(20):     # prompts and the first decodes
+        engine.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(20):
+            engine.step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    kernel_us = sum(e.self_device_time_total for e in prof.key_averages())
+    while engine.has_unfinished_requests():
+        engine.step()
+    return kernel_us / 1e6 / wall
+
+
+def stage_latency(out: Path, eager: bool) -> dict:
+    import torch
+    from slipstream.analysis.hardware import measure_copy_bandwidth
+    from slipstream.bench import latency
+    llm = _llm(enforce_eager=eager or os.environ.get("BENCH_EAGER") == "1")
+    bw = measure_copy_bandwidth(torch.device("cuda"))
+    batches = [1, 64] if eager else [1, 8, 16, 32, 64, 128]
+    rows = []
+    for b in batches:
+        args = SimpleNamespace(batch_size=b, input_len=128, output_len=128, num_iters_warmup=1,
+                               num_iters=3, dataset_seed=b)
+        r = latency.run(llm.engine, args, bw)
+        r["roofline_step_s"] = r["decode_step_bytes"] / bw
+        r["step_over_roofline"] = r["decode_step_s"] / r["roofline_step_s"]
+        if b in (1, 64):
+            r["gpu_busy_share"] = _busy_share(llm.engine, b)
+        rows.append(r)
+        print(latency.report(r), f"busy {r.get('gpu_busy_share')}", flush=True)
+    return {"copy_bandwidth_GBps": bw / 1e9, "eager": eager, "rows": rows,
+            "graphs": sorted(map(list, llm.engine.runner.graphs.graphs)) if llm.engine.runner.graphs else None,
+            "kv": llm.engine.runner.plan.describe()}
+
+
+def _requests(seed: int = 0):
+    from slipstream.bench.dataset import sharegpt_like_requests
+    return sharegpt_like_requests(NUM_PROMPTS, 128256, 8192, seed)
+
+
+def _timed_steps(llm, reqs) -> dict:
+    """The requests at once through the engine's step loop, each step timed."""
+    from slipstream import SamplingParams
+    engine = llm.engine
+    engine.step_stats = []
+    for r in reqs:
+        engine.add_request({"prompt_token_ids": r.prompt_token_ids},
+                           SamplingParams(max_tokens=r.output_len, temperature=0, ignore_eos=True))
+    times, kinds = [], []
+    t0 = time.perf_counter()
+    while engine.has_unfinished_requests():
+        t = time.perf_counter()
+        n = len(engine.step_stats)
+        engine.step()
+        times.append(time.perf_counter() - t)
+        s = engine.step_stats[n] if len(engine.step_stats) > n else None
+        kinds.append("none" if s is None else "decode" if s.num_decode_seqs == s.num_seqs else "mixed")
+    elapsed = time.perf_counter() - t0
+    engine.step_stats = None
+    by = {k: sum(t for t, kk in zip(times, kinds) if kk == k) for k in ("decode", "mixed", "none")}
+    slow = sorted(zip(times, kinds, range(len(times))), reverse=True)[:12]
+    return {"elapsed_s": elapsed, "seconds_by_step_kind": by, "steps": len(times),
+            "slowest_steps": [(round(t * 1e3, 1), k, i) for t, k, i in slow],
+            "median_step_ms": {k: 1e3 * statistics.median([t for t, kk in zip(times, kinds) if kk == k] or [0])
+                               for k in ("decode", "mixed")}}
+
+
+def stage_throughput(out: Path) -> dict:
+    import torch
+    from slipstream.analysis.hardware import (HardwareProfile, measure_copy_bandwidth,
+                                              measure_matmul_rate)
+    from slipstream.bench import throughput
+    llm = _llm()
+    dev = torch.device("cuda")
+    hw = HardwareProfile("H200", measure_copy_bandwidth(dev), measure_matmul_rate(dev, torch.bfloat16),
+                         source="measured in this process")
+    reqs = _requests()
+    # A first pass of other prompts (no prefix-cache hits later): kernels compile,
+    # graphs are captured.
+    cold = _timed_steps(llm, _requests(seed=1))
+    print("cold", cold, flush=True)
+    args = SimpleNamespace(dataset="sharegpt-like", num_prompts=NUM_PROMPTS, dataset_seed=0,
+                           input_len=None, output_len=None)
+    res = throughput.run(llm, args, hw)
+    print(throughput.report(res), flush=True)
+    res["cold_pass"] = cold
+    res["graphs_captured"] = len(llm.engine.runner.graphs.graphs)
+    (out / "requests.json").write_text(json.dumps([[r.prompt_token_ids, r.output_len] for r in reqs]))
+    return res
+
+
+def stage_prefix(out: Path) -> dict:
+    import random
+    from slipstream import SamplingParams
+    llm = _llm()
+    rng = random.Random(0)
+    shared = [rng.randrange(1, 128000) for _ in range(2000)]
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    res = {}
+    for name in ("distinct", "shared"):
+        llm.generate([{"prompt_token_ids": [rng.randrange(1, 128000) for _ in range(2016)]}],
+                     params, use_tqdm=False)   # warm-up
+        prompts = []
+        for i in range(64):
+            head = shared if name == "shared" else [rng.randrange(1, 128000) for _ in range(2000)]
+            prompts.append({"prompt_token_ids": head + [rng.randrange(1, 128000) for _ in range(16)]})
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        res[name] = {"seconds": time.perf_counter() - t0,
+                     "cached_tokens": sum(o.num_cached_tokens for o in outs)}
+    res["speedup"] = res["distinct"]["seconds"] / res["shared"]["seconds"]
+    print(res, flush=True)
+    return res
+
+
+def stage_old(out: Path) -> dict:
+    """The previous engine (imported from --old), its model filled in place."""
+    import torch
+    from slipstream import LLM, SamplingParams
+    from slipstream.config import ModelConfig
+    import slipstream.engine.engine as eng
+    from slipstream.models.llama import LlamaForCausalLM
+
+    hf = dict(architectures=["LlamaForCausalLM"], vocab_size=128256, hidden_size=4096,
+              intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+              num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0,
+              rms_norm_eps=1e-5)
+
+    class Tok:
+        eos_token_ids = ()
+
+        def decode(self, ids, skip_special_tokens=True):
+            return " ".join(map(str, ids))
+
+        def encode(self, text, add_special_tokens=True):
+            return [int(t) for t in text.split()]
+
+    class Files:
+        path = Path(MODEL)
+        config = ModelConfig.from_hf_config(hf)
+
+        def weights(self):
+            return iter(())
+
+        def tokenizer(self):
+            return Tok()
+
+    def fill(self, weights):
+        g = torch.Generator(device="cuda").manual_seed(0)
+        for name, p in self.named_parameters():
+            if "norm" in name:
+                p.data.fill_(1.0)
+            else:
+                p.data.uniform_(-0.035, 0.035, generator=g)
+
+    eng.open_model = lambda model: Files()
+    LlamaForCausalLM.load_weights = fill
+    llm = LLM(MODEL, dtype="bfloat16", max_num_seqs=256)
+    reqs = json.loads((out / "requests.json").read_text())
+    prompts = [{"prompt_token_ids": p} for p, _ in reqs]
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for _, n in reqs]
+    llm.generate(prompts[:8], params[:8], use_tqdm=False)   # warm-up
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - t0
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    res = {"elapsed_s": elapsed, "output_tokens": n_out, "output_tokens_per_s": n_out / elapsed,
+           "requests_per_s": len(reqs) / elapsed}
+    print(res, flush=True)
+    return res
+
+
+STAGES = {"latency": lambda o: stage_latency(o, False), "latency_eager": lambda o: stage_latency(o, True),
+          "throughput": stage_throughput, "prefix": stage_prefix, "old": stage_old}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--stages", default="latency,latency_eager,throughput,old,prefix")
+    ap.add_argument("--old", type=Path, default=None)
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    a.out.mkdir(parents=True, exist_ok=True)
+    if a.worker:
+        t0 = time.perf_counter()
+        res = STAGES[a.worker](a.out)
+        res["stage_seconds"] = time.perf_counter() - t0
+        (a.out / f"{a.worker}.json").write_text(json.dumps(res, indent=1, default=str))
+        return 0
+    import torch
+    meta = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+            "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "commit": os.environ.get("COMMIT", "unknown"), "model": f"{MODEL} shape, random bf16 weights"}
+    (a.out / "meta.json").write_text(json.dumps(meta, indent=1))
+    for stage in a.stages.split(","):
+        env = dict(os.environ)
+        path = str(a.old) if stage == "old" else str(ROOT)
+        env["PYTHONPATH"] = path + os.pathsep + env.get("PYTHONPATH", "")
+        here = Path(__file__).resolve()
+        print(f"== {stage}", flush=True)
+        rc = subprocess.call([sys.executable, str(here), "--out", str(a.out), "--worker", stage],
+                             env=env, cwd=path)
+        print(f"== {stage}: exit {rc}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

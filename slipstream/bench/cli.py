@@ -1,0 +1,141 @@
+"""`slipstream bench latency | throughput`: the argument parsers and the runs.
+
+Flags follow vLLM's benchmark scripts: `--model`, `--load-format`,
+`--batch-size`, `--input-len`, `--output-len`, `--num-prompts`,
+`--dataset-seed`, `--output-json`, plus the engine options of `EngineArgs`
+as `--option-name` (booleans as `--x/--no-x`). Without `--model` the default
+model runs. torch is imported only when a benchmark runs, so the options are
+listed here rather than read from EngineArgs (which imports torch); a test
+checks that the list covers every field.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import fields
+from pathlib import Path
+
+# Set by the benchmark's own flags.
+_NOT_FLAGS = {"model", "load_format"}
+# EngineArgs field -> (type, default, help); bool fields become --x/--no-x.
+ENGINE_OPTIONS = {
+    "dtype": (str, "auto", "auto, bfloat16, float16 or float32"),
+    "device": (str, "auto", "auto, cpu or cuda[:N]"),
+    "max_model_len": (int, None, "context limit (default: the model's)"),
+    "block_size": (int, 16, "tokens per KV block"),
+    "max_num_seqs": (int, 256, "requests running at once"),
+    "max_num_batched_tokens": (int, None, "token budget per step (default 2048)"),
+    "enable_prefix_caching": (bool, True, "reuse KV blocks of shared prompt prefixes"),
+    "enable_chunked_prefill": (bool, True, "split long prompts across steps"),
+    "num_kv_blocks": (int, None, "fixed KV pool size"),
+    "kv_cache_memory": (int, None, "bytes for the KV pool on the CPU"),
+    "gpu_memory_utilization": (float, 0.90, "share of GPU memory the engine may use"),
+    "attention_backend": (str, None, "torch or triton (default: triton on CUDA)"),
+    "quantization": (str, "auto", "quantization scheme (auto: GGUF blocks on the CPU, else none)"),
+    "enforce_eager": (bool, False, "run decode steps eagerly (no CUDA graphs)"),
+    "async_scheduling": (bool, None, "overlap host work with the device (default: on for CUDA)"),
+    "seed": (int, 0, "seed of unseeded sampling and of dummy weights"),
+}
+
+
+def add_parsers(bench_subparsers) -> None:
+    from slipstream.bench import latency, throughput
+    for name, module, help_ in (
+            ("latency", latency, "time prefill and decode of one batch of random prompts"),
+            ("throughput", throughput, "requests/s and tokens/s of many requests at once")):
+        p = bench_subparsers.add_parser(name, help=help_, description=module.__doc__.split("\n\n")[0],
+                                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        module.add_arguments(p)
+        _common_arguments(p)
+        p.set_defaults(func=run_latency if name == "latency" else run_throughput)
+
+
+def _common_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", "-m", default=None,
+                   help="a Hugging Face folder, a .gguf file, or with --load-format dummy a "
+                        "preset name such as llama-3-8b (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
+                   help="dummy: random weights of the model's shape")
+    p.add_argument("--dataset-seed", type=int, default=0, help="seed of the random prompts")
+    p.add_argument("--output-json", type=Path, default=None, help="write the results here")
+    _engine_arguments(p.add_argument_group("engine options (EngineArgs)"))
+
+
+def _engine_arguments(g) -> None:
+    for name, (kind, default, help_) in ENGINE_OPTIONS.items():
+        flag = "--" + name.replace("_", "-")
+        if kind is bool:
+            g.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_)
+        else:
+            g.add_argument(flag, type=kind, default=default, help=help_)
+
+
+def _engine_args(args):
+    from slipstream.engine.args import EngineArgs
+    kw = {name: getattr(args, name) for name in ENGINE_OPTIONS}
+    return EngineArgs(model=args.model, load_format=args.load_format, **kw)
+
+
+def _make_llm(args):
+    from slipstream.llm import LLM
+    ea = _engine_args(args)
+    t0 = time.perf_counter()
+    opts = {f.name: getattr(ea, f.name) for f in fields(ea) if f.name != "model"}
+    llm = LLM(ea.model, **opts)
+    cfg = llm.engine.config
+    print(f"loaded {cfg.model} ({cfg.model_config.architecture}, "
+          f"{str(cfg.dtype).removeprefix('torch.')}, {cfg.device}, weights: {args.load_format}) "
+          f"in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+    return llm
+
+
+def _meta(llm, args) -> dict:
+    import torch
+    cfg = llm.engine.config
+    dev = torch.device(cfg.device)
+    return {"model": cfg.model, "load_format": args.load_format,
+            "dtype": str(cfg.dtype).removeprefix("torch."), "device": str(dev),
+            "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+            "torch": torch.__version__,
+            "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+def _write(args, res: dict) -> None:
+    if args.output_json is not None:
+        args.output_json.parent.mkdir(parents=True, exist_ok=True)
+        args.output_json.write_text(json.dumps(res, indent=1))
+        print(f"wrote {args.output_json}", file=sys.stderr)
+
+
+def run_latency(args) -> int:
+    import torch
+    from slipstream.analysis.hardware import measure_copy_bandwidth
+    from slipstream.bench import latency
+    latency.validate(args)
+    llm = _make_llm(args)
+    dev = torch.device(llm.engine.config.device)
+    copy_bw = measure_copy_bandwidth(dev) if dev.type == "cuda" else None
+    res = {"meta": _meta(llm, args), **latency.run(llm.engine, args, copy_bw)}
+    print(latency.report(res))
+    _write(args, res)
+    return 0
+
+
+def run_throughput(args) -> int:
+    import torch
+    from slipstream.analysis.hardware import (HardwareProfile, device_name,
+                                              measure_copy_bandwidth, measure_matmul_rate)
+    from slipstream.bench import throughput
+    llm = _make_llm(args)
+    cfg = llm.engine.config
+    dev = torch.device(cfg.device)
+    # The bound uses this device's ceilings, measured now, for the engine's dtype.
+    name = device_name(dev)
+    hw = HardwareProfile(name, measure_copy_bandwidth(dev), measure_matmul_rate(dev, cfg.dtype),
+                         source=f"measured on {name}")
+    res = {"meta": _meta(llm, args), **throughput.run(llm, args, hw)}
+    print(throughput.report(res))
+    _write(args, res)
+    return 0

@@ -1,0 +1,67 @@
+"""CUDA graphs for decode steps: one launch replays the whole forward.
+
+A decode step of an 8B model issues hundreds of kernels; launching them from
+Python costs more than the GPU needs to run them at small batch sizes. Each
+decode step is padded to a batch-size bucket (1, 2, 4, 8, 16, 24, 32, ... up to
+`max_num_seqs`) and replays a graph captured for that bucket. The graph reads
+its inputs from the input batch's static buffers and its attention metadata is
+fixed per graph: the split-KV count is chosen for a context class (the next
+power of two of the longest context, at least 512), so the key is
+(bucket, splits). Graphs are captured on first use (an eager run of the same
+step first compiles any kernel), all in one memory pool.
+"""
+from __future__ import annotations
+
+import torch
+
+from slipstream.batch import ForwardBatch
+from slipstream.config import ModelConfig
+
+
+def graph_buckets(max_num_seqs: int) -> list[int]:
+    sizes = [1, 2, 4] + list(range(8, max_num_seqs + 8, 8))
+    return sorted({min(s, max_num_seqs) for s in sizes})
+
+
+class DecodeGraphs:
+    def __init__(self, model, backend, mc: ModelConfig, max_num_seqs: int, max_model_len: int):
+        from slipstream.kernels.decode_attention import choose_num_splits
+        self.model, self.backend = model, backend
+        self.buckets = graph_buckets(max_num_seqs)
+        self.max_model_len = max_model_len
+        self._group = mc.num_attention_heads // mc.num_key_value_heads
+        self._kv_heads = mc.num_key_value_heads
+        self._choose = choose_num_splits
+        self.pool = torch.cuda.graph_pool_handle()
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+
+    def bucket_for(self, num_seqs: int) -> int | None:
+        for b in self.buckets:
+            if b >= num_seqs:
+                return b
+        return None
+
+    def splits_for(self, bucket: int, max_seq_len: int) -> int:
+        context_class = min(max(512, 1 << max(max_seq_len - 1, 1).bit_length()), self.max_model_len)
+        return self._choose(bucket, self._kv_heads, context_class, group=self._group)
+
+    def run(self, batch: ForwardBatch, bucket: int) -> torch.Tensor:
+        """batch: a decode step padded to `bucket` sequences, in the static buffers.
+        Returns the final hidden states [bucket, hidden] (valid until the next replay)."""
+        splits = self.splits_for(bucket, batch.max_seq_len)
+        batch.decode_splits = splits
+        key = (bucket, splits)
+        entry = self.graphs.get(key)
+        if entry is None:
+            # Eager first: compiles kernels for these shapes and computes this step
+            # (the replay below recomputes the same values).
+            self.backend.prepare(batch)
+            self.model(batch)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                self.backend.prepare(batch)
+                out = self.model(batch)
+            entry = self.graphs[key] = (graph, out)
+        graph, out = entry
+        graph.replay()
+        return out

@@ -1,0 +1,75 @@
+"""The GPU step runtime (CUDA only; run on the device with the benchmarks):
+a step launches with no host-device sync, and CUDA graphs and overlapped
+scheduling change no output."""
+import pytest
+import torch
+
+from slipstream import SamplingParams
+from tests.engine.conftest import random_prompts
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+EVERYTHING = [
+    SamplingParams(max_tokens=24, temperature=0, logprobs=2, ignore_eos=True),
+    SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=1, ignore_eos=True),
+    SamplingParams(max_tokens=24, temperature=1.0, top_k=5, min_p=0.05, seed=2, logprobs=0,
+                   ignore_eos=True),
+    SamplingParams(max_tokens=24, temperature=0.7, repetition_penalty=1.3, frequency_penalty=0.4,
+                   presence_penalty=0.2, seed=3, ignore_eos=True),
+    SamplingParams(max_tokens=24, temperature=0.9, min_tokens=20, stop_token_ids=[5, 6]),
+    SamplingParams(max_tokens=24, temperature=0.6),
+]
+
+
+def _llm(folder, **kw):
+    from slipstream import LLM
+    opts = dict(dtype="float32", device="cuda", max_model_len=256, block_size=16, num_kv_blocks=64)
+    opts.update(kw)
+    return LLM(str(folder), **opts)
+
+
+def test_a_step_with_every_sampling_parameter_launches_without_a_sync(tiny_folder):
+    folder, _ = tiny_folder("llama")
+    llm = _llm(folder, dtype="bfloat16")
+    engine = llm.engine
+    prompts = random_prompts(len(EVERYTHING), 265, 30, 60, seed=3)
+    for i, (p, sp) in enumerate(zip(prompts, EVERYTHING)):
+        engine.add_request(p, sp, request_id=str(i))
+    runner = engine.runner
+    for _ in range(4):      # prompts, first decodes: kernels compile, the graph is captured
+        engine.step()
+    launched = 0
+    for _ in range(6):
+        sched = engine.scheduler.schedule()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            handle = runner.execute(sched)     # everything the step does before its one wait
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        launched += 1
+        engine._inflight, previous = handle, engine._inflight
+        if previous is not None:
+            engine._collect(previous)
+    assert launched == 6 and runner.graphs is not None and runner.graphs.graphs
+    for rid in list(engine.scheduler.requests):
+        engine.abort_request(rid)
+
+
+def _outputs(llm, prompts, params):
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return [(o.outputs[0].token_ids, [max(d.values(), key=lambda x: x.logprob).logprob
+                                      for d in o.outputs[0].logprobs or []]) for o in outs]
+
+
+@pytest.mark.parametrize("kw", [dict(enforce_eager=True), dict(async_scheduling=False),
+                                dict(enforce_eager=True, async_scheduling=False)])
+def test_graphs_and_overlap_change_no_output(tiny_folder, kw):
+    folder, _ = tiny_folder("llama")
+    prompts = random_prompts(13, 265, 5, 90, seed=4)   # 13 requests: padded to bucket 16
+    params = [SamplingParams(max_tokens=20, temperature=0, logprobs=1, ignore_eos=True)] * 6 + \
+             [SamplingParams(max_tokens=20, temperature=0.8, seed=i, ignore_eos=True) for i in range(7)]
+    base = _outputs(_llm(folder), prompts, params)
+    other = _outputs(_llm(folder, **kw), prompts, params)
+    assert [t for t, _ in other] == [t for t, _ in base]
+    for (_, a), (_, b) in zip(base, other):
+        assert a == pytest.approx(b, abs=1e-4)
