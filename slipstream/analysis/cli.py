@@ -56,17 +56,24 @@ def run_model(argv: list[str]) -> int:
     sc = Scenario(args.batch, args.context, args.prompt,
                   Precisions.parse(args.weight_dtype, args.kv_dtype), args.compute_dtype)
     data = analyze(spec, hw, sc)
+    plot_error = None
     if args.plot:
         from slipstream.analysis.plots import plot_roofline
         phases = {"prefill": step_bound(spec, hw, Workload.prefill(sc.prompt), sc.precisions,
                                         sc.compute_dtype).ops(),
                   "decode": decode_bound(spec, hw, sc.batch, sc.context, sc.precisions,
                                          sc.compute_dtype).ops()}
-        data["plot"] = str(plot_roofline(
-            hw, phases, args.plot, compute_dtype=sc.compute_dtype,
-            title=f"{spec.name} on {hw.name}: prefill N={sc.prompt}, "
-                  f"decode B={sc.batch} L={sc.context}"))
+        try:
+            data["plot"] = str(plot_roofline(
+                hw, phases, args.plot, compute_dtype=sc.compute_dtype,
+                title=f"{spec.name} on {hw.name}: prefill N={sc.prompt}, "
+                      f"decode B={sc.batch} L={sc.context}"))
+        except ValueError as e:   # e.g. no matplotlib: the analysis itself still stands
+            plot_error = e
     print(json.dumps(data, indent=2) if args.json else render_text(spec, hw, sc, data))
+    if plot_error is not None:
+        print(f"error: no chart written: {plot_error}", file=sys.stderr)
+        return 2
     if args.plot and not args.json:
         print(f"\nroofline chart written to {data['plot']}")
     return 0

@@ -7,6 +7,11 @@ context), and a batch of decodes is gathered and attended in one SDPA call.
 That call reads every slot of the requests' padded block tables; the masked
 ones must hold finite values, which holds because the KV pool is allocated
 zeroed and only ever written with finite K/V.
+
+On the CPU, decode steps run `kernels.cpu_attention` instead when it is
+built: it reads each request's blocks in place (no gather of the context, no
+padded tables), and a prompt with nothing cached attends over its own K/V
+without reading them back from the cache.
 """
 from __future__ import annotations
 
@@ -14,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from slipstream.attention.base import AttentionLayerInfo, register_backend
-from slipstream.kernels import reference
+from slipstream.kernels import cpu_attention, reference
 from slipstream.batch import ForwardBatch
 
 
@@ -29,11 +34,22 @@ class TorchAttentionBackend:
             loc.append(loc[-1] + n)
         self._query_start_loc = loc
         self._decode_mask = None   # built by the first layer that needs it
+        self._cpu_kernel = None    # whether cpu_attention serves this step (asked once)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 layer: AttentionLayerInfo, batch: ForwardBatch) -> torch.Tensor:
         # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
+        if self._cpu_kernel is None:
+            self._cpu_kernel = cpu_attention.supported(layer.k_cache, q.shape[-1])
+        if batch.is_decode_only and batch.tree_mask is None and self._cpu_kernel:
+            # stores this step's K/V and attends, in one call
+            return cpu_attention.decode_attention(q, layer.k_cache, layer.v_cache, batch.seq_lens,
+                                                  batch.block_tables, layer.scale, layer.sliding_window,
+                                                  k, v, batch.slot_mapping)
         reference.store_kv(k, v, layer.k_cache, layer.v_cache, batch.slot_mapping)
+        if (batch.num_seqs == 1 and batch.tree_mask is None and self._cpu_kernel
+                and batch.seq_lens_cpu[0] == q.shape[0]):
+            return self._fresh_prompt(q, k, v, layer)
         if batch.is_decode_only and batch.tree_mask is None:
             if batch.num_seqs > 1:
                 return self._batched_decode(q, layer, batch)
@@ -42,6 +58,21 @@ class TorchAttentionBackend:
         return reference.paged_attention(
             q, layer.k_cache, layer.v_cache, self._query_start_loc, batch.seq_lens_cpu,
             batch.block_tables, layer.scale, layer.sliding_window, batch.tree_mask)
+
+    @staticmethod
+    def _fresh_prompt(q, k, v, layer) -> torch.Tensor:
+        # one prompt, nothing cached before it: causal attention over its own k, v
+        n = q.shape[0]
+        mask = None
+        if layer.sliding_window is not None and n > layer.sliding_window:
+            pos = torch.arange(n, device=q.device)
+            d = pos[:, None] - pos[None, :]
+            mask = (d >= 0) & (d < layer.sliding_window)
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1), k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype),
+            attn_mask=mask, is_causal=mask is None, scale=layer.scale,
+            enable_gqa=layer.num_heads != layer.num_kv_heads)
+        return o.transpose(0, 1)
 
     @staticmethod
     def _single_decode(q, layer, batch) -> torch.Tensor:

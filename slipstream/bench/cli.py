@@ -33,7 +33,7 @@ ENGINE_OPTIONS = {
     "kv_cache_memory": (int, None, "bytes for the KV pool on the CPU"),
     "gpu_memory_utilization": (float, 0.90, "share of GPU memory the engine may use"),
     "attention_backend": (str, None, "torch or triton (default: triton on CUDA)"),
-    "quantization": (str, None, "quantization scheme"),
+    "quantization": (str, "auto", "quantization scheme (auto: GGUF blocks on the CPU, else none)"),
     "enforce_eager": (bool, False, "run decode steps eagerly (no CUDA graphs)"),
     "async_scheduling": (bool, None, "overlap host work with the device (default: on for CUDA)"),
     "seed": (int, 0, "seed of unseeded sampling and of dummy weights"),

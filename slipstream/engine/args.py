@@ -24,7 +24,8 @@ class EngineArgs:
     kv_cache_memory: int | None = None      # bytes for the KV pool on the CPU
     gpu_memory_utilization: float = 0.90
     attention_backend: str | None = None
-    quantization: str | None = None
+    # a scheme of quant/; "auto": GGUF blocks kept at run time on a CPU (quant/gguf.py)
+    quantization: str | None = "auto"
     enforce_eager: bool = False
     async_scheduling: bool | None = None
     seed: int = 0
@@ -40,6 +41,13 @@ class EngineArgs:
             raise ValueError(f"load_format: expected 'auto' or 'dummy', got {self.load_format!r}")
         device = resolve_device(self.device)
         dtype = resolve_dtype(self.dtype, device)
+        quantization = self.quantization
+        if quantization == "auto":   # GGUF blocks at run time on a CPU (quant/gguf.py), else dense
+            from slipstream.quant.gguf import runs_quantized
+            real = self.load_format == "auto"   # dummy weights are dense
+            quantization = "gguf" if real and runs_quantized(self.model, device) else None
+            if quantization and self.dtype in (None, "auto"):
+                dtype = torch.float32   # the kernels take fp32 activations; weights stay in blocks
         max_len = self.max_model_len or mc.max_position_embeddings
         if max_len < 2:
             raise ValueError("max_model_len must be at least 2")
@@ -85,7 +93,7 @@ class EngineArgs:
                                       enable_chunked_prefill=self.enable_chunked_prefill),
             parallel=ParallelConfig(tensor_parallel_size=tp),
             attention_backend=self.attention_backend,
-            quantization=self.quantization,
+            quantization=quantization,
             enforce_eager=self.enforce_eager,
             async_scheduling=self.async_scheduling,
             seed=self.seed,

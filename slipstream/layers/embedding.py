@@ -6,6 +6,11 @@ are zero padding). The embedding looks up the ids in its range, zeroes the
 rest and sums over ranks with one all-reduce (exactly one rank contributes
 each row, so the sum is exact); the LM head computes its slice of the logits
 and all-gathers them.
+
+Either may instead hold a quantization method that keeps the table quantized
+(one with `supports_embedding`, e.g. GGUF blocks on the CPU; one process
+only): lookups then go through `method.embedding(layer, ids)` and the LM
+head's product through `method.apply(layer, hidden)`.
 """
 from __future__ import annotations
 
@@ -15,6 +20,13 @@ from torch import nn
 
 from slipstream.distributed import comm
 from slipstream.layers.weight_loader import copy_checked
+
+
+def _table_quant(quant_method, tp_size: int):
+    if quant_method is not None and tp_size > 1:
+        raise ValueError("a quantized embedding table is not sharded across tensor-parallel "
+                         "ranks yet; use quantization=None with tensor_parallel_size > 1")
+    return quant_method
 
 
 class _VocabShard(nn.Module):
@@ -58,12 +70,18 @@ class _VocabShard(nn.Module):
 
 
 class VocabEmbedding(_VocabShard):
-    def __init__(self, vocab_size: int, hidden_size: int, tp=None):
+    def __init__(self, vocab_size: int, hidden_size: int, tp=None, quant_method=None):
         super().__init__(vocab_size, hidden_size, tp)
-        self.weight = self._new_weight()
+        self.quant_method = _table_quant(quant_method, self.tp_size)
+        if self.quant_method is None:
+            self.weight = self._new_weight()
+        else:
+            self.quant_method.create_weights(self, hidden_size, [vocab_size], torch.get_default_dtype())
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         # input_ids: [num_tokens] int64 -> [num_tokens, hidden_size]
+        if self.quant_method is not None:
+            return self.quant_method.embedding(self, input_ids)
         if self.tp_size == 1:
             return F.embedding(input_ids, self.weight)
         outside = (input_ids < self.vocab_start) | (input_ids >= self.vocab_end)
@@ -77,13 +95,27 @@ class LMHead(_VocabShard):
     (one tensor, kept shared by `.to()`), so there is nothing to load for it."""
 
     def __init__(self, vocab_size: int, hidden_size: int, tied_to: VocabEmbedding | None = None,
-                 tp=None):
+                 tp=None, quant_method=None):
         super().__init__(vocab_size, hidden_size, tp)
         self.tied = tied_to is not None
-        self.weight = tied_to.weight if tied_to is not None else self._new_weight()
+        # the module whose weight the product reads (a list: not a submodule)
+        self._owner = [tied_to if tied_to is not None else self]
+        if tied_to is not None:
+            self.weight = tied_to.weight
+            self.quant_method = tied_to.quant_method
+        else:
+            self.quant_method = _table_quant(quant_method, self.tp_size)
+            if self.quant_method is None:
+                self.weight = self._new_weight()
+            else:
+                self.quant_method.create_weights(self, hidden_size, [vocab_size],
+                                                 torch.get_default_dtype())
+                self.bias = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [n, hidden_size] -> logits [n, vocab_size] in fp32 (matmul in the model dtype)
+        if self.quant_method is not None:
+            return self.quant_method.apply(self._owner[0], hidden).float()
         logits = F.linear(hidden, self.weight).float()           # [n, rows_per_rank]
         if self.tp_size == 1:
             return logits

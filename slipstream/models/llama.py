@@ -63,6 +63,12 @@ def _tp_size(tp) -> int:
     return 1 if tp is None else tp.size
 
 
+def _table_method(quant_method_for: QuantMethodFor, prefix: str):
+    """The method for an embedding table, if the scheme has one that serves tables."""
+    method = quant_method_for(prefix)
+    return method if getattr(method, "supports_embedding", False) else None
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int, backend: AttentionBackend,
                  quant_method_for: QuantMethodFor, prefix: str, tp=None):
@@ -143,7 +149,8 @@ class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, backend: AttentionBackend,
                  quant_method_for: QuantMethodFor, tp=None):
         super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, tp,
+                                           _table_method(quant_method_for, "model.embed_tokens"))
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
                                       config.rope_theta, config.rope_scaling)
         self.layers = nn.ModuleList(
@@ -177,7 +184,8 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(config, backend, quant_method_for or _no_quant, tp)
         self.lm_head = LMHead(config.vocab_size, config.hidden_size,
                               tied_to=self.model.embed_tokens if config.tie_word_embeddings
-                              else None, tp=tp)
+                              else None, tp=tp,
+                              quant_method=_table_method(quant_method_for or _no_quant, "lm_head"))
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """One step over `batch` (writes its K/V into the caches)

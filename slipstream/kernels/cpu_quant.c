@@ -1,0 +1,661 @@
+/* CPU kernels over GGUF-quantized weights, compiled at first use by
+ * kernels/cpu_library.py with `cc -O3 -march=native` (so each machine gets its
+ * own vector width: AVX2, AVX-512, ...), loaded with ctypes.
+ *
+ * Weights stay in GGUF's block layout, row-major: a row of `cols` elements is
+ * cols / QK blocks of BLOCK_BYTES bytes; rows are contiguous. Activations and
+ * outputs are fp32.
+ *
+ *   ss_matmul     y[m, rows] = x[m, cols] @ W^T, W given as segments (fused
+ *                 q/k/v or gate/up shards, each with its own format) whose rows
+ *                 are stacked along the output.
+ *   ss_dequant    W -> fp32 [rows, cols] (large-m products go through BLAS).
+ *   ss_get_rows   embedding lookup: the rows `ids` of W, dequantized.
+ *   ss_decode_attention  one new token per sequence over the paged KV cache
+ *                 (no gather: blocks are read in place, online softmax).
+ *
+ * Threads: a small pool of spinning workers. Work is split into chunks that
+ * threads claim with an atomic counter; the caller takes chunks too and waits
+ * only for chunks that were claimed. A worker the OS has descheduled claims
+ * nothing, so it never holds the others at a barrier (OpenMP's barriers make a
+ * shared 2-core machine collapse to a few tokens a second).
+ */
+#include <stdint.h>
+#include <string.h>
+#include <stdlib.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <sched.h>
+#include <unistd.h>
+#include <time.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define CPU_RELAX() _mm_pause()
+#else
+#define CPU_RELAX() ((void)0)
+#endif
+
+/* ---- formats (ggml type ids) ------------------------------------------ */
+enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q8_0 = 8,
+       T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30 };
+
+static inline float h2f(const uint8_t *p) {
+    uint16_t h; memcpy(&h, p, 2);
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    uint32_t s = (uint32_t)(h >> 15) << 31, e = (h >> 10) & 31, m = h & 1023, u;
+    if (e == 0) {
+        if (m == 0) u = s;
+        else { e = 113; while (!(m & 1024)) { m <<= 1; e--; } u = s | (e << 23) | ((m & 1023) << 13); }
+    } else if (e == 31) u = s | 0x7f800000u | (m << 13);
+    else u = s | ((e + 112) << 23) | (m << 13);
+    float f; memcpy(&f, &u, 4); return f;
+#endif
+}
+
+static inline float bf2f(uint16_t b) { uint32_t u = (uint32_t)b << 16; float f; memcpy(&f, &u, 4); return f; }
+
+static int block_elems(int t) { return (t == T_Q4_K || t == T_Q5_K || t == T_Q6_K) ? 256 : (t == T_F32 || t == T_F16 || t == T_BF16) ? 1 : 32; }
+static int block_bytes(int t) {
+    switch (t) {
+    case T_F32: return 4; case T_F16: case T_BF16: return 2;
+    case T_Q4_0: return 18; case T_Q4_1: return 20; case T_Q8_0: return 34;
+    case T_Q4_K: return 144; case T_Q5_K: return 176; case T_Q6_K: return 210;
+    }
+    return 0;
+}
+
+int ss_supported(int t) { return block_bytes(t) > 0; }
+
+static inline void scale_min_k4(int j, const uint8_t *q, uint8_t *d, uint8_t *m) {
+    if (j < 4) { *d = q[j] & 63; *m = q[j + 4] & 63; }
+    else { *d = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4); *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4); }
+}
+
+/* One block -> block_elems(t) floats. */
+static void dequant_block(int t, const uint8_t *b, float *y) {
+    switch (t) {
+    case T_F32: memcpy(y, b, 4); return;
+    case T_F16: y[0] = h2f(b); return;
+    case T_BF16: { uint16_t v; memcpy(&v, b, 2); y[0] = bf2f(v); return; }
+    case T_Q4_0: {
+        float d = h2f(b); const uint8_t *q = b + 2;
+        for (int i = 0; i < 16; i++) { y[i] = ((q[i] & 15) - 8) * d; y[i + 16] = ((q[i] >> 4) - 8) * d; }
+        return; }
+    case T_Q4_1: {
+        float d = h2f(b), m = h2f(b + 2); const uint8_t *q = b + 4;
+        for (int i = 0; i < 16; i++) { y[i] = (q[i] & 15) * d + m; y[i + 16] = (q[i] >> 4) * d + m; }
+        return; }
+    case T_Q8_0: {
+        float d = h2f(b); const int8_t *q = (const int8_t *)(b + 2);
+        for (int i = 0; i < 32; i++) y[i] = q[i] * d;
+        return; }
+    case T_Q4_K: case T_Q5_K: {
+        float d = h2f(b), dmin = h2f(b + 2); const uint8_t *sc = b + 4;
+        const uint8_t *qh = b + 16, *ql = t == T_Q5_K ? b + 48 : b + 16;
+        for (int j = 0, is = 0; j < 256; j += 64, is += 2) {
+            uint8_t s1, m1, s2, m2;
+            scale_min_k4(is, sc, &s1, &m1); scale_min_k4(is + 1, sc, &s2, &m2);
+            float d1 = d * s1, n1 = dmin * m1, d2 = d * s2, n2 = dmin * m2;
+            int u1 = 1 << is, u2 = 2 << is;
+            for (int l = 0; l < 32; l++) {
+                int h1 = t == T_Q5_K ? ((qh[l] & u1) ? 16 : 0) : 0;
+                int h2 = t == T_Q5_K ? ((qh[l] & u2) ? 16 : 0) : 0;
+                y[j + l] = d1 * ((ql[l] & 15) + h1) - n1;
+                y[j + 32 + l] = d2 * ((ql[l] >> 4) + h2) - n2;
+            }
+            ql += 32;
+        }
+        return; }
+    case T_Q6_K: {
+        const uint8_t *ql = b, *qh = b + 128; const int8_t *sc = (const int8_t *)(b + 192);
+        float d = h2f(b + 208);
+        for (int n = 0; n < 256; n += 128) {
+            for (int l = 0; l < 32; l++) {
+                int is = l / 16;
+                int q1 = (int)((ql[l] & 15) | (((qh[l] >> 0) & 3) << 4)) - 32;
+                int q2 = (int)((ql[l + 32] & 15) | (((qh[l] >> 2) & 3) << 4)) - 32;
+                int q3 = (int)((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
+                int q4 = (int)((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
+                y[n + l] = d * sc[is] * q1; y[n + l + 32] = d * sc[is + 2] * q2;
+                y[n + l + 64] = d * sc[is + 4] * q3; y[n + l + 96] = d * sc[is + 6] * q4;
+            }
+            ql += 64; qh += 32; sc += 8;
+        }
+        return; }
+    }
+}
+
+/* ---- dot products of one weight row with int8-quantized activations ---- */
+/* As llama.cpp does: x is quantized once per call to int8 in blocks of 32
+ * (scale dx, and sx = dx * sum of the block's int8 values), and each weight
+ * block's integers meet x's in an integer dot product:
+ *   Q4_0: d * dx * (sum u*qx - 8 * sum qx)      (u: the 4-bit value, 0..15)
+ *   Q4_1: d * dx * sum u*qx + m * sx
+ *   Q8_0: d * dx * sum w*qx                                                 */
+typedef struct { const int8_t *q; const float *d; const float *s; } qx_t;
+
+#if defined(__AVX2__)
+static inline __m256i nibbles(const uint8_t *q) {
+    /* 16 bytes -> 32 values: low nibbles are elements 0..15, high ones 16..31 */
+    __m128i b = _mm_loadu_si128((const __m128i *)q), m = _mm_set1_epi8(15);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), m), _mm_and_si128(b, m));
+}
+static inline __m256i dot_u8_i8(__m256i u, __m256i s) {   /* -> 8 int32 partial sums */
+#if defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+#elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+static inline float hsum(__m256 v) {
+    __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    a = _mm_add_ps(a, _mm_movehl_ps(a, a));
+    a = _mm_add_ss(a, _mm_movehdup_ps(a));
+    return _mm_cvtss_f32(a);
+}
+#endif
+
+/* AVX-512 (BW + DQ): two 32-blocks per step for one row of x (decode). */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
+#define SS_AVX512 1
+static inline __m512i nibbles2(const uint8_t *q0, const uint8_t *q1) {
+    /* two blocks' 16 nibble bytes -> 64 values in x order: b0 lo, b0 hi, b1 lo, b1 hi */
+    __m256i v = _mm256_set_m128i(_mm_loadu_si128((const __m128i *)q1), _mm_loadu_si128((const __m128i *)q0));
+    __m256i m = _mm256_set1_epi8(15);
+    __m512i t = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(v, m)),
+                                   _mm256_and_si256(_mm256_srli_epi16(v, 4), m), 1);
+    return _mm512_shuffle_i64x2(t, t, _MM_SHUFFLE(3, 1, 2, 0));
+}
+static inline __m512i dot512_u8_i8(__m512i u, __m512i s) {
+#if defined(__AVX512VNNI__)
+    return _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, s);
+#else
+    return _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1));
+#endif
+}
+static inline __m512 two_scales(float a, float b) {
+    return _mm512_insertf32x8(_mm512_set1_ps(a), _mm256_set1_ps(b), 1);
+}
+#endif
+
+static float dot_q4_0(const uint8_t *w, qx_t x, int64_t nb) {
+#if defined(SS_AVX512)
+    __m512 acc = _mm512_setzero_ps(); float off = 0; int64_t b = 0;
+    for (; b + 2 <= nb; b += 2, w += 36) {
+        __m512i s = dot512_u8_i8(nibbles2(w + 2, w + 20), _mm512_loadu_si512(x.q + 32 * b));
+        float d0 = h2f(w), d1 = h2f(w + 18);
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), two_scales(d0 * x.d[b], d1 * x.d[b + 1]), acc);
+        off += d0 * x.s[b] + d1 * x.s[b + 1];
+    }
+    float total = _mm512_reduce_add_ps(acc) - 8 * off;
+    for (; b < nb; b++, w += 18) {
+        const uint8_t *q = w + 2; const int8_t *v = x.q + 32 * b; int si = 0;
+        for (int i = 0; i < 16; i++) si += ((q[i] & 15) - 8) * v[i] + ((q[i] >> 4) - 8) * v[i + 16];
+        total += h2f(w) * x.d[b] * si;
+    }
+    return total;
+#elif defined(__AVX2__)
+    __m256 acc = _mm256_setzero_ps(); float off = 0;
+    for (int64_t b = 0; b < nb; b++, w += 18) {
+        __m256i s = dot_u8_i8(nibbles(w + 2), _mm256_loadu_si256((const __m256i *)(x.q + 32 * b)));
+        float d = h2f(w);
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(d * x.d[b]), acc);
+        off += d * x.s[b];
+    }
+    return hsum(acc) - 8 * off;
+#else
+    float total = 0;
+    for (int64_t b = 0; b < nb; b++, w += 18) {
+        const uint8_t *q = w + 2; const int8_t *v = x.q + 32 * b; int s = 0;
+        for (int i = 0; i < 16; i++) s += ((q[i] & 15) - 8) * v[i] + ((q[i] >> 4) - 8) * v[i + 16];
+        total += h2f(w) * x.d[b] * s;
+    }
+    return total;
+#endif
+}
+
+static float dot_q4_1(const uint8_t *w, qx_t x, int64_t nb) {
+#if defined(SS_AVX512)
+    __m512 acc = _mm512_setzero_ps(); float off = 0; int64_t b = 0;
+    for (; b + 2 <= nb; b += 2, w += 40) {
+        __m512i s = dot512_u8_i8(nibbles2(w + 4, w + 24), _mm512_loadu_si512(x.q + 32 * b));
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), two_scales(h2f(w) * x.d[b], h2f(w + 20) * x.d[b + 1]), acc);
+        off += h2f(w + 2) * x.s[b] + h2f(w + 22) * x.s[b + 1];
+    }
+    float total = _mm512_reduce_add_ps(acc) + off;
+    for (; b < nb; b++, w += 20) {
+        const uint8_t *q = w + 4; const int8_t *v = x.q + 32 * b; int si = 0;
+        for (int i = 0; i < 16; i++) si += (q[i] & 15) * v[i] + (q[i] >> 4) * v[i + 16];
+        total += h2f(w) * x.d[b] * si + h2f(w + 2) * x.s[b];
+    }
+    return total;
+#elif defined(__AVX2__)
+    __m256 acc = _mm256_setzero_ps(); float off = 0;
+    for (int64_t b = 0; b < nb; b++, w += 20) {
+        __m256i s = dot_u8_i8(nibbles(w + 4), _mm256_loadu_si256((const __m256i *)(x.q + 32 * b)));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(h2f(w) * x.d[b]), acc);
+        off += h2f(w + 2) * x.s[b];
+    }
+    return hsum(acc) + off;
+#else
+    float total = 0;
+    for (int64_t b = 0; b < nb; b++, w += 20) {
+        const uint8_t *q = w + 4; const int8_t *v = x.q + 32 * b; int s = 0;
+        for (int i = 0; i < 16; i++) s += (q[i] & 15) * v[i] + (q[i] >> 4) * v[i + 16];
+        total += h2f(w) * x.d[b] * s + h2f(w + 2) * x.s[b];
+    }
+    return total;
+#endif
+}
+
+static float dot_q8_0(const uint8_t *w, qx_t x, int64_t nb) {
+#if defined(SS_AVX512)
+    __m512 acc = _mm512_setzero_ps(); int64_t b = 0;
+    for (; b + 2 <= nb; b += 2, w += 68) {
+        __m512i a = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(w + 2))),
+                                       _mm256_loadu_si256((const __m256i *)(w + 36)), 1);
+        __m512i v = _mm512_loadu_si512(x.q + 32 * b);
+        /* |a| * (sign(a) * v): AVX-512 has no sign_epi8; negate v where a < 0 */
+        __mmask64 neg = _mm512_movepi8_mask(a);
+        __m512i s = dot512_u8_i8(_mm512_abs_epi8(a), _mm512_mask_sub_epi8(v, neg, _mm512_setzero_si512(), v));
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), two_scales(h2f(w) * x.d[b], h2f(w + 34) * x.d[b + 1]), acc);
+    }
+    float total = _mm512_reduce_add_ps(acc);
+    for (; b < nb; b++, w += 34) {
+        const int8_t *q = (const int8_t *)(w + 2), *v = x.q + 32 * b; int si = 0;
+        for (int i = 0; i < 32; i++) si += q[i] * v[i];
+        total += h2f(w) * x.d[b] * si;
+    }
+    return total;
+#elif defined(__AVX2__)
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++, w += 34) {
+        __m256i a = _mm256_loadu_si256((const __m256i *)(w + 2));
+        __m256i v = _mm256_loadu_si256((const __m256i *)(x.q + 32 * b));
+        __m256i s = dot_u8_i8(_mm256_sign_epi8(a, a), _mm256_sign_epi8(v, a));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(h2f(w) * x.d[b]), acc);
+    }
+    return hsum(acc);
+#else
+    float total = 0;
+    for (int64_t b = 0; b < nb; b++, w += 34) {
+        const int8_t *q = (const int8_t *)(w + 2), *v = x.q + 32 * b; int s = 0;
+        for (int i = 0; i < 32; i++) s += q[i] * v[i];
+        total += h2f(w) * x.d[b] * s;
+    }
+    return total;
+#endif
+}
+
+/* x [m, cols] -> int8 blocks of 32 with their scales and scaled sums. */
+static void quantize_x(const float *x, int64_t n, int8_t *q, float *d, float *s) {
+    for (int64_t b = 0; b < n / 32; b++) {
+        const float *v = x + 32 * b;
+        float amax = 0;
+        for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(v[i]));
+        float scale = amax / 127, inv = amax > 0 ? 127 / amax : 0;
+        int sum = 0;
+        for (int i = 0; i < 32; i++) { int t = (int)lrintf(v[i] * inv); q[32 * b + i] = (int8_t)t; sum += t; }
+        d[b] = scale; s[b] = scale * sum;
+    }
+}
+
+static float dot_f(const float *a, const float *x, int64_t n) {
+    float acc[16] = {0}; int64_t i = 0;
+    for (; i + 16 <= n; i += 16) for (int l = 0; l < 16; l++) acc[l] += a[i + l] * x[i + l];
+    float s = 0; for (int l = 0; l < 16; l++) s += acc[l];
+    for (; i < n; i++) s += a[i] * x[i];
+    return s;
+}
+
+/* ---- the thread pool --------------------------------------------------- */
+#define MAX_THREADS 256
+typedef void (*chunk_fn)(void *args, int64_t chunk);
+static struct {
+    chunk_fn fn; void *args; int64_t n_chunks;
+    _Atomic uint64_t ticket;     /* generation << 32 | next chunk */
+    _Atomic int64_t done;
+    _Atomic int sleeping;
+    _Atomic int stop;
+    int n_workers;
+    pthread_t threads[MAX_THREADS];
+    pthread_mutex_t mu; pthread_cond_t cv;
+} P = { .mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER };
+
+static int claim(uint32_t gen, int64_t n) {
+    uint64_t t = atomic_load_explicit(&P.ticket, memory_order_acquire);
+    for (;;) {
+        if ((uint32_t)(t >> 32) != gen || (int64_t)(t & 0xffffffffu) >= n) return -1;
+        if (atomic_compare_exchange_weak_explicit(&P.ticket, &t, t + 1, memory_order_acq_rel, memory_order_acquire))
+            return (int)(t & 0xffffffffu);
+    }
+}
+
+static void run_chunks(uint32_t gen) {
+    chunk_fn fn = P.fn; void *args = P.args; int64_t n = P.n_chunks;
+    int c;
+    while ((c = claim(gen, n)) >= 0) {
+        fn(args, c);
+        atomic_fetch_add_explicit(&P.done, 1, memory_order_release);
+    }
+}
+
+static double now_s(void) { struct timespec ts; clock_gettime(CLOCK_MONOTONIC, &ts); return ts.tv_sec + 1e-9 * ts.tv_nsec; }
+
+static void *worker(void *arg) {
+    (void)arg;
+    uint32_t seen = 0;
+    while (!atomic_load(&P.stop)) {
+        double t0 = now_s();
+        uint32_t gen;
+        int spins = 0;
+        /* spin about 0.5 ms for the next job (the gap between two kernels of a step),
+         * yielding the core now and then, then sleep until woken */
+        while ((gen = (uint32_t)(atomic_load_explicit(&P.ticket, memory_order_acquire) >> 32)) == seen) {
+            if (atomic_load(&P.stop)) return NULL;
+            CPU_RELAX();
+            if (++spins % 256 == 0) sched_yield();
+            if (spins % 1024 == 0 && now_s() - t0 > 5e-4) {
+                pthread_mutex_lock(&P.mu);
+                atomic_fetch_add(&P.sleeping, 1);
+                while ((uint32_t)(atomic_load(&P.ticket) >> 32) == seen && !atomic_load(&P.stop))
+                    pthread_cond_wait(&P.cv, &P.mu);
+                atomic_fetch_sub(&P.sleeping, 1);
+                pthread_mutex_unlock(&P.mu);
+            }
+        }
+        seen = gen;
+        run_chunks(gen);
+    }
+    return NULL;
+}
+
+static uint32_t generation = 0;
+/* One job at a time: a second caller thread runs its job alone. */
+static pthread_mutex_t busy = PTHREAD_MUTEX_INITIALIZER;
+
+static void parallel_for(chunk_fn fn, void *args, int64_t n_chunks) {
+    if (P.n_workers == 0 || n_chunks <= 1 || pthread_mutex_trylock(&busy) != 0) {
+        for (int64_t c = 0; c < n_chunks; c++) fn(args, c);
+        return;
+    }
+    P.fn = fn; P.args = args; P.n_chunks = n_chunks;
+    atomic_store_explicit(&P.done, 0, memory_order_relaxed);
+    uint32_t gen = ++generation;
+    atomic_store_explicit(&P.ticket, (uint64_t)gen << 32, memory_order_release);
+    if (atomic_load(&P.sleeping)) {
+        pthread_mutex_lock(&P.mu); pthread_cond_broadcast(&P.cv); pthread_mutex_unlock(&P.mu);
+    }
+    run_chunks(gen);
+    /* every chunk is claimed now; wait for those still running elsewhere */
+    /* a chunk still running belongs to a thread that may have lost its core: let it have ours */
+    for (int spins = 0; atomic_load_explicit(&P.done, memory_order_acquire) < n_chunks; spins++) {
+        CPU_RELAX();
+        if (spins % 64 == 63) sched_yield();
+    }
+    pthread_mutex_unlock(&busy);
+}
+
+/* A forked child has none of the workers: it runs alone until set_threads. */
+static void after_fork_child(void) {
+    P.n_workers = 0;
+    pthread_mutex_init(&busy, NULL); pthread_mutex_init(&P.mu, NULL); pthread_cond_init(&P.cv, NULL);
+}
+__attribute__((constructor)) static void register_fork_handler(void) { pthread_atfork(NULL, NULL, after_fork_child); }
+
+static void stop_workers(void) {
+    if (!P.n_workers) return;
+    atomic_store(&P.stop, 1);
+    pthread_mutex_lock(&P.mu); pthread_cond_broadcast(&P.cv); pthread_mutex_unlock(&P.mu);
+    for (int i = 0; i < P.n_workers; i++) pthread_join(P.threads[i], NULL);
+    P.n_workers = 0;
+    atomic_store(&P.stop, 0);
+}
+
+/* n_threads counts the calling thread. */
+int ss_set_threads(int n_threads) {
+    if (n_threads < 1) n_threads = 1;
+    if (n_threads > MAX_THREADS) n_threads = MAX_THREADS;
+    if (n_threads - 1 == P.n_workers) return n_threads;
+    stop_workers();
+    generation = (uint32_t)(atomic_load(&P.ticket) >> 32);
+    for (int i = 0; i < n_threads - 1; i++) {
+        if (pthread_create(&P.threads[i], NULL, worker, NULL) != 0) break;
+        P.n_workers++;
+    }
+    return P.n_workers + 1;
+}
+
+int ss_get_threads(void) { return P.n_workers + 1; }
+
+/* ---- matmul ------------------------------------------------------------ */
+/* Four rows of x meet each weight block while it is in registers, so the
+ * nibbles are unpacked once per four products (prefill), and once for m = 1. */
+#if defined(__AVX2__)
+static void dot4_q(int t, const uint8_t *w, const qx_t *x, int nx, int64_t nb, float *out) {
+    __m256 acc[4] = { _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps() };
+    float off[4] = {0, 0, 0, 0};
+    int bb = t == T_Q4_0 ? 18 : t == T_Q4_1 ? 20 : 34;
+    for (int64_t b = 0; b < nb; b++, w += bb) {
+        float d = h2f(w);
+        __m256i u, sgn = _mm256_setzero_si256();
+        if (t == T_Q8_0) { sgn = _mm256_loadu_si256((const __m256i *)(w + 2)); u = _mm256_sign_epi8(sgn, sgn); }
+        else u = nibbles(w + (t == T_Q4_1 ? 4 : 2));
+        float m = t == T_Q4_1 ? h2f(w + 2) : t == T_Q4_0 ? -8 * d : 0;
+        for (int i = 0; i < nx; i++) {
+            __m256i v = _mm256_loadu_si256((const __m256i *)(x[i].q + 32 * b));
+            if (t == T_Q8_0) v = _mm256_sign_epi8(v, sgn);
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8_i8(u, v)), _mm256_set1_ps(d * x[i].d[b]), acc[i]);
+            off[i] += m * x[i].s[b];
+        }
+    }
+    for (int i = 0; i < nx; i++) out[i] = hsum(acc[i]) + off[i];
+}
+#endif
+
+static float dot_q(int t, const uint8_t *w, qx_t x, int64_t nb) {
+    return t == T_Q4_1 ? dot_q4_1(w, x, nb) : t == T_Q4_0 ? dot_q4_0(w, x, nb) : dot_q8_0(w, x, nb);
+}
+
+#define MAX_SEG 8
+#define M_BLOCK 64
+typedef struct {
+    int n_seg; int type[MAX_SEG]; const uint8_t *w[MAX_SEG]; int64_t rows[MAX_SEG];
+    int64_t cols, m, ldy, chunk_rows, total_rows;
+    const float *x; const int8_t *xq; const float *xd, *xs; float *y;
+} mm_args;
+
+static int int8_path(int t) { return t == T_Q4_0 || t == T_Q4_1 || t == T_Q8_0; }
+
+static void mm_rows(mm_args *a, int s, int64_t base, int64_t lo, int64_t hi, float *rowbuf) {
+    int t = a->type[s], qk = block_elems(t), bb = block_bytes(t);
+    int64_t nb = a->cols / qk, row_bytes = nb * bb, nbx = a->cols / 32;
+    for (int64_t i0 = 0; i0 < a->m; i0 += M_BLOCK) {
+        int64_t i1 = i0 + M_BLOCK < a->m ? i0 + M_BLOCK : a->m;
+        for (int64_t r = lo; r < hi; r++) {
+            const uint8_t *w = a->w[s] + (r - base) * row_bytes;
+            if (int8_path(t)) {
+                for (int64_t i = i0; i < i1; ) {
+                    qx_t xq[4]; int nx = i1 - i < 4 ? (int)(i1 - i) : 4;
+                    for (int k = 0; k < nx; k++) {
+                        xq[k].q = a->xq + (i + k) * a->cols; xq[k].d = a->xd + (i + k) * nbx; xq[k].s = a->xs + (i + k) * nbx;
+                    }
+                    float v[4];
+#if defined(__AVX2__)
+                    if (nx > 1) dot4_q(t, w, xq, nx, nb, v); else v[0] = dot_q(t, w, xq[0], nb);
+#else
+                    for (int k = 0; k < nx; k++) v[k] = dot_q(t, w, xq[k], nb);
+#endif
+                    for (int k = 0; k < nx; k++) a->y[(i + k) * a->ldy + r] = v[k];
+                    i += nx;
+                }
+            } else {   /* other formats: dequantize the row once, then fp32 dots */
+                const float *wf = (const float *)w;
+                if (t != T_F32) {
+                    for (int64_t b = 0; b < nb; b++) dequant_block(t, w + b * bb, rowbuf + b * qk);
+                    wf = rowbuf;
+                }
+                for (int64_t i = i0; i < i1; i++) a->y[i * a->ldy + r] = dot_f(wf, a->x + i * a->cols, a->cols);
+            }
+        }
+    }
+}
+
+static void mm_chunk(void *a_, int64_t c) {
+    mm_args *a = a_;
+    int64_t r0 = c * a->chunk_rows, r1 = r0 + a->chunk_rows;
+    if (r1 > a->total_rows) r1 = a->total_rows;
+    float stackbuf[4096], *rowbuf = stackbuf;
+    if (a->cols > 4096) rowbuf = malloc(a->cols * sizeof(float));
+    int64_t base = 0;
+    for (int s = 0; s < a->n_seg; base += a->rows[s], s++) {
+        int64_t lo = r0 > base ? r0 : base, hi = r1 < base + a->rows[s] ? r1 : base + a->rows[s];
+        if (lo < hi) mm_rows(a, s, base, lo, hi, rowbuf);
+    }
+    if (rowbuf != stackbuf) free(rowbuf);
+}
+
+/* y[i, r] (row stride ldy) = sum_k x[i, k] * W[r, k] for the m rows of x.
+ * Returns 0, or -1 on an unsupported format or shape. */
+int ss_matmul(int n_seg, const int *types, const uint8_t *const *ws, const int64_t *rows,
+              int64_t cols, const float *x, int64_t m, float *y, int64_t ldy) {
+    if (n_seg < 1 || n_seg > MAX_SEG || m < 1) return -1;
+    mm_args a = { .n_seg = n_seg, .cols = cols, .m = m, .ldy = ldy, .x = x, .y = y };
+    int64_t total = 0;
+    int need_xq = 0;
+    for (int s = 0; s < n_seg; s++) {
+        if (!ss_supported(types[s]) || cols % block_elems(types[s])) return -1;
+        a.type[s] = types[s]; a.w[s] = ws[s]; a.rows[s] = rows[s]; total += rows[s];
+        need_xq |= int8_path(types[s]);
+    }
+    /* int8 copies of x for the 32-block formats */
+    int8_t xq_stack[4 * 2048]; float xd_stack[4 * 64], xs_stack[4 * 64];
+    int8_t *xq = xq_stack; float *xd = xd_stack, *xs = xs_stack; void *heap = NULL;
+    if (need_xq && m * cols > 4 * 2048) {
+        heap = malloc(m * cols + 64 + 2 * sizeof(float) * (m * cols / 32 + 1));
+        if (!heap) return -1;
+        xq = heap; xd = (float *)((char *)heap + ((m * cols + 63) & ~63)); xs = xd + m * cols / 32;
+    }
+    if (need_xq)
+        for (int64_t i = 0; i < m; i++)
+            quantize_x(x + i * cols, cols, xq + i * cols, xd + i * (cols / 32), xs + i * (cols / 32));
+    a.xq = xq; a.xd = xd; a.xs = xs; a.total_rows = total;
+    /* ~16 chunks a thread: small enough that a late thread costs little */
+    int64_t nt = P.n_workers + 1, chunk = total / (16 * nt);
+    if (chunk < 4) chunk = 4;
+    a.chunk_rows = chunk;
+    parallel_for(mm_chunk, &a, (total + chunk - 1) / chunk);
+    free(heap);
+    return 0;
+}
+
+/* ---- dequantization and row lookup ------------------------------------ */
+typedef struct { int type; const uint8_t *w; int64_t cols; const int64_t *ids; float *out; int64_t chunk, n; } dq_args;
+
+static void dequant_row(int t, const uint8_t *w, int64_t cols, float *out) {
+    int qk = block_elems(t), bb = block_bytes(t);
+    for (int64_t b = 0; b < cols / qk; b++) dequant_block(t, w + b * bb, out + b * qk);
+}
+
+static void dq_chunk(void *a_, int64_t c) {
+    dq_args *a = a_;
+    int64_t row_bytes = a->cols / block_elems(a->type) * block_bytes(a->type);
+    for (int64_t i = c * a->chunk; i < (c + 1) * a->chunk && i < a->n; i++) {
+        int64_t r = a->ids ? a->ids[i] : i;
+        dequant_row(a->type, a->w + r * row_bytes, a->cols, a->out + i * a->cols);
+    }
+}
+
+int ss_dequant(int type, const uint8_t *w, int64_t rows, int64_t cols, float *out) {
+    if (!ss_supported(type) || cols % block_elems(type)) return -1;
+    dq_args a = { type, w, cols, NULL, out, (rows + 63) / 64, rows };
+    parallel_for(dq_chunk, &a, (rows + a.chunk - 1) / a.chunk);
+    return 0;
+}
+
+/* out[i] = dequantized row ids[i]; ids are checked by the caller. */
+int ss_get_rows(int type, const uint8_t *w, int64_t cols, const int64_t *ids, int64_t n, float *out) {
+    if (!ss_supported(type) || cols % block_elems(type)) return -1;
+    dq_args a = { type, w, cols, ids, out, 1, n };
+    if (n < 64) { for (int64_t i = 0; i < n; i++) dq_chunk(&a, i); return 0; }
+    parallel_for(dq_chunk, &a, n);
+    return 0;
+}
+
+/* ---- decode attention over the paged cache ----------------------------- */
+/* q [num_seqs, num_heads, head_dim] fp32; caches [num_blocks, block_size,
+ * num_kv_heads, head_dim] fp32 (kv_bf16 = 0) or bf16 (1); block_tables
+ * [num_seqs, table_stride] int32; out like q. The query of sequence s sits at
+ * position seq_lens[s] - 1 and sees keys max(0, seq_len - window) .. seq_len - 1. */
+typedef struct {
+    const float *q; int64_t q_stride; const void *kc, *vc; int kv_bf16;
+    const int32_t *tables; int64_t table_stride; const int32_t *seq_lens;
+    int nh, nkv, hd, bs; float scale; int64_t window; float *out;
+} attn_args;
+
+static inline void load_row(const void *base, int bf16, int64_t off, int hd, float *dst) {
+    if (bf16) { const uint16_t *p = (const uint16_t *)base + off; for (int i = 0; i < hd; i++) dst[i] = bf2f(p[i]); }
+    else memcpy(dst, (const float *)base + off, hd * sizeof(float));
+}
+
+static void attn_chunk(void *a_, int64_t c) {
+    attn_args *a = a_;
+    int64_t s = c / a->nh; int h = (int)(c % a->nh), kvh = h / (a->nh / a->nkv), hd = a->hd;
+    const float *q = a->q + s * a->q_stride + h * hd;
+    float *o = a->out + c * hd;
+    int64_t n = a->seq_lens[s], lo = a->window > 0 && n > a->window ? n - a->window : 0;
+    const int32_t *table = a->tables + s * a->table_stride;
+    float acc[512], kr[512], vr[512], mx = -INFINITY, den = 0;
+    for (int i = 0; i < hd; i++) acc[i] = 0;
+    for (int64_t j = lo; j < n; j++) {
+        int64_t off = (((int64_t)table[j / a->bs] * a->bs + j % a->bs) * a->nkv + kvh) * hd;
+        load_row(a->kc, a->kv_bf16, off, hd, kr);
+        float sc = dot_f(kr, q, hd) * a->scale;
+        load_row(a->vc, a->kv_bf16, off, hd, vr);
+        if (sc > mx) {
+            float f = expf(mx - sc);
+            den *= f; for (int i = 0; i < hd; i++) acc[i] *= f;
+            mx = sc;
+        }
+        float p = expf(sc - mx);
+        den += p;
+        for (int i = 0; i < hd; i++) acc[i] += p * vr[i];
+    }
+    for (int i = 0; i < hd; i++) o[i] = acc[i] / den;
+}
+
+static inline uint16_t f2bf(float f) {   /* round to nearest even, as torch does */
+    uint32_t u; memcpy(&u, &f, 4);
+    if ((u & 0x7fffffff) > 0x7f800000) return (uint16_t)((u >> 16) | 64);   /* NaN stays NaN */
+    return (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16);
+}
+
+static void store_row(void *cache, int bf16, int64_t off, const float *src, int64_t n) {
+    if (bf16) { uint16_t *p = (uint16_t *)cache + off; for (int64_t i = 0; i < n; i++) p[i] = f2bf(src[i]); }
+    else memcpy((float *)cache + off, src, n * sizeof(float));
+}
+
+/* q: token s's heads start at q + s * q_stride (heads contiguous). When k_new is
+ * given, each sequence's new K/V (rows k_new + s * k_stride, v_new + s * v_stride,
+ * kv heads contiguous) are first written to cache slot slots[s] (-1: skipped). */
+int ss_decode_attention(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
+                        int kv_bf16, const int32_t *tables, int64_t table_stride, const int32_t *seq_lens,
+                        int64_t num_seqs, int nh, int nkv, int hd, int bs, float scale, int64_t window,
+                        const float *k_new, int64_t k_stride, const float *v_new, int64_t v_stride,
+                        const int64_t *slots, float *out) {
+    if (hd > 512 || nkv < 1 || nh % nkv) return -1;
+    if (k_new)
+        for (int64_t s = 0; s < num_seqs; s++) {
+            if (slots[s] < 0) continue;
+            store_row((void *)k_cache, kv_bf16, slots[s] * nkv * hd, k_new + s * k_stride, (int64_t)nkv * hd);
+            store_row((void *)v_cache, kv_bf16, slots[s] * nkv * hd, v_new + s * v_stride, (int64_t)nkv * hd);
+        }
+    attn_args a = { q, q_stride, k_cache, v_cache, kv_bf16, tables, table_stride, seq_lens, nh, nkv, hd, bs, scale, window, out };
+    parallel_for(attn_chunk, &a, num_seqs * nh);
+    return 0;
+}

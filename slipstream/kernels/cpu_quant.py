@@ -1,0 +1,98 @@
+"""CPU products with GGUF-quantized weights (launchers for `cpu_quant.c`).
+
+A `QuantMatrix` is a weight W [rows, cols] kept in GGUF's block layout: one or
+more segments (the q/k/v or gate/up shards of a fused layer, each in its own
+format) stacked along the rows. Each segment's data is a uint8 tensor
+[seg_rows, row_bytes], often a view of the memory-mapped file.
+
+    y = qm.matmul(x)          # x: [m, cols] fp32 -> [m, rows] fp32
+    w = qm.dequantize()       # [rows, cols] fp32
+    e = qm.get_rows(ids)      # ids: [n] int64 -> [n, cols] fp32
+
+Every m runs the kernel: x is quantized to int8 blocks once, and each weight
+block meets four rows of x while it sits in registers. The twins in
+`cpu_reference.py` dequantize with the `gguf` package's numpy code.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from slipstream.kernels import cpu_library
+
+# ggml type id -> (elements per block, bytes per block)
+BLOCKS = {0: (1, 4), 1: (1, 2), 30: (1, 2), 2: (32, 18), 3: (32, 20), 8: (32, 34),
+          12: (256, 144), 13: (256, 176), 14: (256, 210)}
+QUANTIZED = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
+
+
+def row_bytes(qtype: int, cols: int) -> int:
+    qk, nbytes = BLOCKS[qtype]
+    if cols % qk:
+        raise ValueError(f"{cols} columns is not a whole number of {qk}-element blocks")
+    return cols // qk * nbytes
+
+
+class QuantMatrix:
+    def __init__(self, segments: list[tuple[int, torch.Tensor]], cols: int):
+        """segments: (ggml type id, uint8 [seg_rows, row_bytes]) in output order."""
+        lib = cpu_library.load()
+        if lib is None:
+            raise RuntimeError(f"CPU kernels unavailable: {cpu_library.error()}")
+        if not 1 <= len(segments) <= 8:
+            raise ValueError("a QuantMatrix holds 1 to 8 segments")
+        self.cols = cols
+        self.segments = []
+        for qtype, data in segments:
+            if qtype not in BLOCKS:
+                raise ValueError(f"ggml type {qtype} has no CPU kernel")
+            data = data.contiguous()
+            if data.dtype != torch.uint8 or data.dim() != 2 or data.shape[1] != row_bytes(qtype, cols):
+                raise ValueError(f"segment of type {qtype}: expected uint8 [rows, {row_bytes(qtype, cols)}], "
+                                 f"got {data.dtype} {tuple(data.shape)}")
+            self.segments.append((qtype, data))
+        self.rows = sum(d.shape[0] for _, d in self.segments)
+        n = len(self.segments)
+        # argument arrays built once; the data tensors they point into live in self.segments
+        self._types = (ctypes.c_int * n)(*[q for q, _ in self.segments])
+        self._ptrs = (ctypes.c_void_p * n)(*[d.data_ptr() for _, d in self.segments])
+        self._rows = (ctypes.c_int64 * n)(*[d.shape[0] for _, d in self.segments])
+        self._lib = lib
+
+    @property
+    def nbytes(self) -> int:
+        return sum(d.numel() for _, d in self.segments)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [m, cols] fp32 -> [m, rows] fp32
+        assert x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] == self.cols
+        x = x.contiguous()
+        m = x.shape[0]
+        y = torch.empty(m, self.rows, dtype=torch.float32)
+        rc = self._lib.ss_matmul(len(self.segments), self._types, self._ptrs, self._rows, self.cols,
+                                 x.data_ptr(), m, y.data_ptr(), self.rows)
+        assert rc == 0, "ss_matmul rejected its arguments"
+        return y
+
+    def dequantize(self) -> torch.Tensor:
+        # -> [rows, cols] fp32
+        out = torch.empty(self.rows, self.cols, dtype=torch.float32)
+        r = 0
+        for qtype, data in self.segments:
+            n = data.shape[0]
+            rc = self._lib.ss_dequant(qtype, data.data_ptr(), n, self.cols, out[r:].data_ptr())
+            assert rc == 0
+            r += n
+        return out
+
+    def get_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        # ids: [n] int64, each in [0, rows) -> [n, cols] fp32
+        assert len(self.segments) == 1, "row lookup is for unfused matrices (embeddings)"
+        ids = ids.to(torch.int64).contiguous()
+        qtype, data = self.segments[0]
+        out = torch.empty(ids.shape[0], self.cols, dtype=torch.float32)
+        rc = self._lib.ss_get_rows(qtype, data.data_ptr(), self.cols, ids.data_ptr(), ids.shape[0],
+                                   out.data_ptr())
+        assert rc == 0
+        return out

@@ -1,0 +1,125 @@
+"""CPU kernels over GGUF blocks (kernels/cpu_quant.c) against their twins in
+kernels/cpu_reference.py, which dequantize with the gguf package's numpy code.
+
+Blocks are random bytes with finite, positive fp16 scales, so every bit pattern
+of the quantized values is exercised.
+"""
+import pytest
+import torch
+
+from slipstream.kernels import cpu_library, cpu_reference
+from slipstream.kernels.cpu_quant import BLOCKS, QUANTIZED, QuantMatrix
+
+if cpu_library.load() is None:
+    pytest.skip(f"CPU kernels unavailable: {cpu_library.error()}", allow_module_level=True)
+
+# byte offsets of each format's fp16 scales inside a block
+_HALVES = {2: (0,), 3: (0, 2), 8: (0,), 12: (0, 2), 13: (0, 2), 14: (208,)}
+# The 32-block formats multiply int8-quantized activations (as llama.cpp does): each
+# product is off by at most half an int8 step of each x block, summed over the row.
+# Bound used: 2% of the largest |y| (measured: under 0.7%). K-quants dot in fp32: 1e-5.
+INT8_TOL, FP32_TOL = 2e-2, 1e-5
+
+
+def random_blocks(qtype: int, rows: int, cols: int, gen: torch.Generator) -> torch.Tensor:
+    qk, nbytes = BLOCKS[qtype]
+    data = torch.randint(0, 256, (rows, cols // qk, nbytes), dtype=torch.uint8, generator=gen)
+    for off in _HALVES[qtype]:
+        scale = (torch.rand(rows, cols // qk, generator=gen) * 0.02 + 1e-3).half()
+        data[..., off:off + 2] = scale.view(torch.uint8).view(rows, cols // qk, 2)
+    return data.reshape(rows, -1)
+
+
+def _tol(qtype: int) -> float:
+    return INT8_TOL if qtype in (2, 3, 8) else FP32_TOL
+
+
+@pytest.mark.parametrize("qtype", sorted(QUANTIZED), ids=lambda q: QUANTIZED[q])
+@pytest.mark.parametrize("m", [1, 3, 9])
+def test_matmul_matches_dequantize_then_matmul(qtype, m):
+    gen = torch.Generator().manual_seed(qtype * 10 + m)
+    cols = 512
+    data = random_blocks(qtype, 40, cols, gen)
+    x = torch.randn(m, cols, generator=gen)
+    y = QuantMatrix([(qtype, data)], cols).matmul(x)
+    ref = cpu_reference.quant_matmul([(qtype, data)], cols, x)
+    assert y.shape == (m, 40)
+    assert (y - ref).abs().max() <= _tol(qtype) * ref.abs().max()
+
+
+@pytest.mark.parametrize("qtype", [2, 3, 8], ids=lambda q: QUANTIZED[q])
+def test_odd_block_count(qtype):
+    """Rows of 7 blocks: the two-block AVX-512 steps leave one block over."""
+    gen = torch.Generator().manual_seed(qtype + 100)
+    data = random_blocks(qtype, 9, 224, gen)
+    for m in (1, 5):
+        x = torch.randn(m, 224, generator=gen)
+        ref = cpu_reference.quant_matmul([(qtype, data)], 224, x)
+        y = QuantMatrix([(qtype, data)], 224).matmul(x)
+        assert (y - ref).abs().max() <= INT8_TOL * ref.abs().max()
+
+
+def test_fused_segments_of_different_formats():
+    """q/k/v of a Q4_K_M file: shards in different formats, one call."""
+    gen = torch.Generator().manual_seed(1)
+    cols = 256
+    segs = [(12, random_blocks(12, 24, cols, gen)), (14, random_blocks(14, 8, cols, gen)),
+            (3, random_blocks(3, 8, cols, gen)), (8, random_blocks(8, 5, cols, gen))]
+    x = torch.randn(2, cols, generator=gen)
+    y = QuantMatrix(segs, cols).matmul(x)
+    ref = cpu_reference.quant_matmul(segs, cols, x)
+    assert y.shape == (2, 45)
+    assert (y - ref).abs().max() <= INT8_TOL * ref.abs().max()
+
+
+@pytest.mark.parametrize("qtype", sorted(QUANTIZED), ids=lambda q: QUANTIZED[q])
+def test_dequantize_and_row_lookup(qtype):
+    gen = torch.Generator().manual_seed(qtype)
+    data = random_blocks(qtype, 12, 256, gen)
+    qm = QuantMatrix([(qtype, data)], 256)
+    ref = cpu_reference.dequantize(qtype, data, 256)
+    # fp32 dequantization: equal up to the rounding of a fused multiply-add
+    torch.testing.assert_close(qm.dequantize(), ref, rtol=1e-6, atol=1e-7)
+    ids = torch.tensor([11, 0, 5, 5])
+    torch.testing.assert_close(qm.get_rows(ids), ref[ids], rtol=1e-6, atol=1e-7)
+
+
+def test_rejects_a_wrong_layout():
+    with pytest.raises(ValueError, match="expected uint8"):
+        QuantMatrix([(3, torch.zeros(4, 19, dtype=torch.uint8))], 32)
+    with pytest.raises(ValueError, match="whole number"):
+        QuantMatrix([(12, torch.zeros(4, 144, dtype=torch.uint8))], 100)
+
+
+def test_threads_give_the_same_result():
+    gen = torch.Generator().manual_seed(7)
+    data = random_blocks(3, 300, 256, gen)
+    x = torch.randn(5, 256, generator=gen)
+    qm = QuantMatrix([(3, data)], 256)
+    before = cpu_library.set_threads(None)
+    try:
+        cpu_library.set_threads(1)
+        one = qm.matmul(x)
+        cpu_library.set_threads(3)
+        three = qm.matmul(x)
+    finally:
+        cpu_library.set_threads(before)
+    assert torch.equal(one, three)
+
+
+@pytest.mark.parametrize("arch", ["haswell", "x86-64"])
+def test_other_cpus(arch, tmp_path):
+    """The kernels built for an AVX2-only CPU and for one without vector extensions
+    (the paths this machine would not take) pass the same tests."""
+    import os
+    import platform
+    import subprocess
+    import sys
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("x86 targets")
+    env = dict(os.environ, SLIPSTREAM_CPU_ARCH=arch, SLIPSTREAM_CACHE=str(tmp_path))
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
+                        "-k", "not other_cpus", "tests/kernels/test_cpu_attention.py"],
+                       env=env, capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "skipped" not in r.stdout.splitlines()[-1], r.stdout[-500:]

@@ -1,0 +1,99 @@
+"""The `slipstream` command line: answers without torch where it can, checks
+options before loading, and guides a first run (chat template, empty prompt,
+context limit, analyze without matplotlib)."""
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from slipstream.cli import COMMANDS, main
+
+ROOT = Path(__file__).resolve().parents[1]
+_PROBE = ("import sys, time; t = time.perf_counter(); from slipstream.cli import main\n"
+          "try:\n    rc = main(sys.argv[1:])\nexcept SystemExit as e:\n    rc = e.code\n"
+          "print('RESULT', rc, 'torch' in sys.modules, round(time.perf_counter() - t, 3))")
+
+
+def _probe(*argv):
+    """Run the CLI in a fresh interpreter: (exit code, torch imported?, seconds, stderr)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    r = subprocess.run([sys.executable, "-c", _PROBE, *argv], capture_output=True, text=True, env=env, cwd=ROOT)
+    last = [line for line in r.stdout.splitlines() if line.startswith("RESULT")][-1].split()
+    return int(last[1]), last[2] == "True", float(last[3]), r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["generate", "--help"], ["chat", "--help"]])
+def test_help_without_torch(argv):
+    rc, torch_loaded, seconds, out = _probe(*argv)
+    assert rc == 0 and not torch_loaded
+    assert "usage: slipstream" in out
+    assert seconds < 5   # generous for a loaded CI machine; about 0.05 s idle
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--max-tokens", "-1"], "--max-tokens must be at least 1, got -1"),
+    (["--max-tokens", "0"], "--max-tokens must be at least 1"),
+    (["--temperature", "-1"], "--temperature must be in [0.0, inf], got -1.0"),
+    (["--top-p", "0"], "--top-p must be in (0.0, 1.0], got 0.0"),
+    (["--top-k", "-3"], "--top-k must be"),
+    (["--min-p", "2"], "--min-p must be in [0.0, 1.0]"),
+    (["--repetition-penalty", "0"], "--repetition-penalty must be in (0.0"),
+    (["--threads", "0"], "argument --threads: must be at least 1, got 0"),
+    (["--max-model-len", "1"], "argument --max-model-len: must be at least 2"),
+    (["--dtype", "f32"], "argument --dtype: invalid choice: 'f32'"),
+    (["--device", "gpu"], "argument --device: expected auto, cpu, cuda or cuda:N"),
+])
+def test_option_errors_come_before_any_load(argv, message):
+    rc, torch_loaded, seconds, out = _probe("generate", "hello", *argv)
+    assert rc == 2 and message in out, out
+    assert not torch_loaded, "the model (and torch) must not load for a bad option"
+    assert seconds < 5
+
+
+@pytest.mark.parametrize("chat", [[], ["--chat"], ["--raw"]])
+def test_empty_prompt_is_refused_the_same_way(chat):
+    rc, torch_loaded, _, out = _probe("generate", "  ", *chat)
+    assert rc == 2 and "the prompt is empty" in out and not torch_loaded
+
+
+def test_every_command_has_a_module_with_add_parser():
+    import importlib
+    for name, (module, help_text) in COMMANDS.items():
+        mod = importlib.import_module(module)
+        assert callable(getattr(mod, "add_parser", None) or mod.add_parsers) and help_text
+
+
+def test_raw_prompt_on_a_chat_model_gets_the_hint(capsys):
+    rc = main(["generate", "What is the capital of Japan?", "--raw", "-t", "0", "--max-tokens", "8",
+               "--max-model-len", "128"])
+    err = capsys.readouterr().err
+    assert rc == 0
+    assert "drop --raw" in err and "chat template" in err
+    assert "loaded llama in" in err   # the load time is reported
+
+
+def test_chat_template_is_applied_by_default(capsys):
+    rc = main(["generate", "What is the capital of Japan?", "-t", "0", "--max-tokens", "12",
+               "--max-model-len", "128"])
+    out = capsys.readouterr()
+    assert rc == 0 and "Tokyo" in out.out
+    assert "drop --raw" not in out.err
+
+
+def test_context_limit_is_reported(capsys):
+    rc = main(["generate", "Count from one to one hundred:", "--raw", "-t", "0", "--max-tokens", "200",
+               "--max-model-len", "24"])
+    err = capsys.readouterr().err
+    assert rc == 0 and "stopped at the context limit of 24 tokens" in err
+
+
+def test_analyze_prints_the_analysis_without_matplotlib(capsys, monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)   # import matplotlib -> ImportError
+    rc = main(["analyze", "llama-3-8b", "--plot", str(tmp_path / "r.png")])
+    out = capsys.readouterr()
+    assert rc == 2
+    assert "llama-3-8b" in out.out and "lm_head" in out.out   # the analysis came out first
+    assert "matplotlib" in out.err and not (tmp_path / "r.png").exists()
