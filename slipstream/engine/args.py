@@ -44,7 +44,8 @@ class EngineArgs:
         quantization = self.quantization
         if quantization == "auto":   # GGUF blocks at run time on a CPU (quant/gguf.py), else dense
             from slipstream.quant.gguf import runs_quantized
-            real = self.load_format == "auto"   # dummy weights are dense
+            # Dummy weights are dense; so are tensor-parallel shards (not quantized yet).
+            real = self.load_format == "auto" and self.tensor_parallel_size == 1
             quantization = "gguf" if real and runs_quantized(self.model, device) else None
             if quantization and self.dtype in (None, "auto"):
                 dtype = torch.float32   # the kernels take fp32 activations; weights stay in blocks
@@ -74,9 +75,9 @@ class EngineArgs:
         if tp > 1:
             from slipstream.distributed.parallel import check_shardable
             check_shardable(mc, tp)
-            if self.quantization is not None:
+            if quantization is not None:
                 raise ValueError(f"tensor_parallel_size={tp}: quantized layers are not sharded "
-                                 f"yet; drop quantization={self.quantization!r} or use 1")
+                                 f"yet; use quantization=None or tensor_parallel_size=1")
         return EngineConfig(
             model=model_path,
             model_config=mc,
