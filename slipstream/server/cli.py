@@ -8,7 +8,7 @@ import time
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    from slipstream.cli import _engine_options
+    from slipstream.commands.options import add_engine_options
     p = subparsers.add_parser(
         "serve", help="serve the OpenAI API (completions, chat, streaming) and a chat page",
         description="An OpenAI-compatible server: POST /v1/completions, POST /v1/chat/completions, "
@@ -36,10 +36,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     e.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling")
     e.add_argument("--gpu-memory-utilization", type=float, default=0.90,
                    help="share of GPU memory the engine may use")
-    e.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     e.add_argument("--async-scheduling", choices=("auto", "on", "off"), default="auto",
                    help="overlap host work with the device's step (auto: on with CUDA)")
-    _engine_options(p)
+    add_engine_options(p)
     p.set_defaults(func=run)
     return p
 
@@ -68,10 +67,11 @@ def make_engine(args):
                 gpu_memory_utilization=args.gpu_memory_utilization,
                 enforce_eager=args.enforce_eager,
                 async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling])
-    # Options other parts of the CLI may add (e.g. --load-format, --quantization).
-    for name in ("load_format", "quantization"):
-        if getattr(args, name, None) is not None and name in names:
-            opts[name] = getattr(args, name)
+    opts.update(load_format=args.load_format, tensor_parallel_size=args.tensor_parallel_size,
+                quantization=None if args.quantization == "none" else args.quantization)
+    if args.threads is not None:
+        import torch
+        torch.set_num_threads(args.threads)
     return Engine(EngineArgs(**{k: v for k, v in opts.items() if k in names}))
 
 

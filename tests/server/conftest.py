@@ -120,8 +120,13 @@ TINY_ARGS = ["--dtype", "float32", "--device", "cpu", "--block-size", "4", "--nu
 
 @pytest.fixture(scope="session")
 def default_server(tmp_path_factory):
-    """The default model (SmolLM2-135M GGUF): real text for client and browser tests."""
-    server = ServerProcess(["--device", "cpu", "--max-model-len", "1024", "--max-num-seqs", "16"],
+    """The default model (SmolLM2-135M GGUF): real text for client and browser tests.
+    Dequantized weights: with the file's Q4_1 blocks and int8 activations (the CPU
+    default) the greedy answer to "What is the capital of France?" is "L'Étoile, la
+    Cité, la Nation", as llama.cpp answers too; dequantized, it is "Paris", which
+    the tests look for."""
+    server = ServerProcess(["--device", "cpu", "--max-model-len", "1024", "--max-num-seqs", "16",
+                            "--quantization", "none"],
                            tmp_path_factory.mktemp("logs") / "default.log")
     yield server
     server.stop()

@@ -120,7 +120,8 @@ def test_queue_limit_answers_503(engine):
     srv = InProcessServer(engine, max_queued=1)   # 1 running + 1 queued
     try:
         async def scenario():
-            body = {"prompt": [5, 6], "max_tokens": 300, "ignore_eos": True}
+            # Long enough that both still run when the third arrives, on any CPU.
+            body = {"prompt": [5, 6], "max_tokens": 1000, "ignore_eos": True}
             first = [asyncio.create_task(_collect(srv.url, "/v1/completions", body))
                      for _ in range(2)]
             await asyncio.sleep(0.3)
