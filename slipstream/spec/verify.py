@@ -1,0 +1,175 @@
+"""One verifier for every proposer: greedy matching and lossless rejection
+sampling, over chains and trees, for a batch of requests at once.
+
+Stochastic rule (Leviathan et al. / Chen et al., generalised to trees as in
+SpecInfer's multi-step speculative sampling): standing at verification row r
+with target distribution p, try r's children in order; child x, drawn from q,
+is accepted with probability min(1, p(x) / q(x)); after a rejection
+p <- norm(max(0, p - q)) and the next sibling is tried against that residual.
+When a child is accepted the walk descends into it with the target's p there;
+when every child is rejected the request's last token is drawn from the
+residual; at a leaf (all accepted) a bonus token is drawn from p. Each step of
+the walk emits exactly p's distribution, so the output is distributed as the
+target's own samples, whatever the draft. Greedy rows take p = one-hot(argmax):
+a child is accepted iff it is the argmax, which is plain greedy decoding.
+
+No host sync: the walk loops over the tree's depth and the widest sibling
+group, both host ints, with every per-request decision a masked tensor op.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from slipstream.layers.sampler import (SamplingBatch, apply_min_p, apply_top_k_top_p,
+                                       random_sample)
+from slipstream.sampling_params import SAMPLING_EPS
+from slipstream.spec.tree import TreeBatch
+
+
+@dataclass
+class VerifyOutput:
+    tokens: torch.Tensor          # [B, D + 1] int64: accepted drafts, then the last token; -1 pad
+    num_accepted: torch.Tensor    # [B] int64, draft tokens accepted (tokens emitted = this + 1)
+    accepted_nodes: torch.Tensor  # [B, D] int64 node indices of the accepted path; -1 pad
+    last_row: torch.Tensor        # [B] int64 verification row the walk ended on (0 = root)
+
+
+def target_probs(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+    """The distribution the plain sampler draws from, row by row.
+
+    logits: [R, V] float32 (penalties, if any, already applied); sb has R rows.
+    Returns [R, V] float32: one-hot(argmax) for greedy rows; otherwise softmax
+    after temperature, min-p, top-k and top-p, in the Sampler's order."""
+    logits = logits.float()
+    greedy = None if sb.all_random else logits.argmax(dim=-1)
+    if sb.all_greedy:
+        return torch.nn.functional.one_hot(greedy, logits.shape[1]).float()
+    temperature = torch.where(sb.temperature < SAMPLING_EPS, 1.0, sb.temperature)
+    logits = logits / temperature.unsqueeze(1)
+    if sb.min_p is not None:
+        logits = apply_min_p(logits, sb.min_p)
+    probs = apply_top_k_top_p(logits, sb.top_k, sb.max_top_k, sb.top_p).softmax(dim=-1)
+    if greedy is None:
+        return probs
+    hot = torch.nn.functional.one_hot(greedy, logits.shape[1]).float()
+    return torch.where((sb.temperature < SAMPLING_EPS).unsqueeze(1), hot, probs)
+
+
+def _finish(trees: TreeBatch, path: torch.Tensor, last: torch.Tensor,
+            cur: torch.Tensor) -> VerifyOutput:
+    b = path.shape[0]
+    rows = torch.arange(b, device=path.device)
+    num_accepted = (path >= 0).sum(dim=1)
+    drafted = trees.tokens[rows[:, None], (path + 1).clamp_min(0)]    # [B, D]
+    drafted = torch.where(path >= 0, drafted, -1)
+    tokens = torch.cat([drafted, drafted.new_full((b, 1), -1)], dim=1)
+    tokens.scatter_(1, num_accepted[:, None], last[:, None])
+    return VerifyOutput(tokens, num_accepted, path, cur)
+
+
+def verify_greedy(target_argmax: torch.Tensor, trees: TreeBatch) -> VerifyOutput:
+    """target_argmax: [B, N + 1] int64, the target's argmax at each
+    verification row. Accept the child equal to the argmax, descend, repeat."""
+    b, device = target_argmax.shape[0], target_argmax.device
+    rows = torch.arange(b, device=device)
+    cur = torch.zeros(b, dtype=torch.int64, device=device)
+    live = torch.ones(b, dtype=torch.bool, device=device)
+    path = torch.full((b, trees.depth), -1, dtype=torch.int64, device=device)
+    for level in range(trees.depth):
+        want = target_argmax[rows, cur]                              # [B]
+        kids = trees.children[rows, cur]                             # [B, K]
+        match = (kids > 0) & (trees.tokens[rows[:, None], kids] == want[:, None])
+        found = live & match.any(dim=1)
+        # The first matching sibling (tokens of siblings may repeat in a tree).
+        child = kids.gather(1, match.int().argmax(dim=1, keepdim=True)).squeeze(1)
+        cur = torch.where(found, child, cur)
+        path[:, level] = torch.where(found, child - 1, -1)
+        live = found
+    return _finish(trees, path, target_argmax[rows, cur], cur)
+
+
+def _uniforms(trees: TreeBatch, generators: dict[int, torch.Generator],
+              device: torch.device) -> torch.Tensor:
+    """[B, N + 1] uniforms, one per node (each node is tried at most once). A
+    seeded row draws exactly its own node count from its generator, so its
+    tokens do not depend on what else shares the batch."""
+    u = torch.empty(len(trees.num_nodes), trees.tokens.shape[1], device=device)
+    if len(generators) < u.shape[0]:
+        u.uniform_()
+    for row, g in generators.items():
+        n = trees.num_nodes[row]
+        draw = torch.empty(n, device=g.device).uniform_(generator=g)
+        u[row, 1:n + 1].copy_(draw, non_blocking=True)
+    return u
+
+
+def verify_sampled(probs: torch.Tensor, trees: TreeBatch,
+                   generators: dict[int, torch.Generator] | None = None) -> VerifyOutput:
+    """probs: [B, N + 1, V] float32, the target distribution at each
+    verification row (`target_probs`). Multi-candidate rejection sampling as
+    in the module docstring; trees.draft_probs None means one-hot drafts.
+    generators: row -> the request's generator (seeded requests)."""
+    generators = generators or {}
+    b, _, v = probs.shape
+    device = probs.device
+    rows = torch.arange(b, device=device)
+    k = max(trees.max_children, 1)
+    u = _uniforms(trees, generators, device)
+    cur = torch.zeros(b, dtype=torch.int64, device=device)
+    live = torch.ones(b, dtype=torch.bool, device=device)
+    path = torch.full((b, trees.depth), -1, dtype=torch.int64, device=device)
+    final = probs[:, 0].clone()
+    for level in range(trees.depth + 1):
+        p = probs[rows, cur]                                         # [B, V]
+        moved = torch.zeros_like(live)
+        for s in range(k if level < trees.depth else 0):
+            child = trees.children[rows, cur, s]                     # [B], 0 = none
+            trying = live & ~moved & (child > 0)
+            x = trees.tokens[rows, child]                            # [B]
+            px = p.gather(1, x[:, None]).squeeze(1)
+            if trees.draft_probs is None:
+                qx = torch.ones_like(px)
+                residual = p.scatter(1, x[:, None], 0.0)
+            else:
+                q = trees.draft_probs[rows, child]                   # [B, V]
+                qx = q.gather(1, x[:, None]).squeeze(1)
+                residual = (p - q).clamp_min(0.0)
+            ok = trying & (u[rows, child] * qx < px)
+            # A rejection is impossible where the residual has no mass (p <= q
+            # everywhere means p == q); the guard only keeps rounding from
+            # dividing by zero.
+            mass = residual.sum(dim=1, keepdim=True)
+            residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p)
+            p = torch.where((trying & ~ok)[:, None], residual, p)
+            cur = torch.where(ok, child, cur)
+            path[:, level] = torch.where(ok, child - 1, path[:, level])
+            moved |= ok
+        ends = live & ~moved
+        final = torch.where(ends[:, None], p, final)
+        live = moved
+    last = random_sample(final, generators)
+    return _finish(trees, path, last, cur)
+
+
+def verify(logits: torch.Tensor, trees: TreeBatch, sb: SamplingBatch) -> VerifyOutput:
+    """logits: [B, N + 1, V] at each request's verification rows (pad rows
+    beyond a request's nodes are never read); sb: one row per request."""
+    b, r, v = logits.shape
+    if sb.all_greedy:
+        return verify_greedy(logits.argmax(dim=-1), trees)
+    expanded = _repeat_rows(sb, r)
+    probs = target_probs(logits.reshape(b * r, v), expanded).view(b, r, v)
+    return verify_sampled(probs, trees, sb.generators)
+
+
+def _repeat_rows(sb: SamplingBatch, r: int) -> SamplingBatch:
+    """The batch's per-row settings, each row repeated r times (for target_probs)."""
+    def rep(t):
+        return None if t is None else t.repeat_interleave(r, dim=0)
+    return SamplingBatch(
+        num_rows=sb.num_rows * r, all_greedy=sb.all_greedy, all_random=sb.all_random,
+        temperature=rep(sb.temperature), top_k=rep(sb.top_k), max_top_k=sb.max_top_k,
+        top_p=rep(sb.top_p), min_p=rep(sb.min_p), generators={}, penalties=None,
+        min_tokens_mask=None, max_num_logprobs=None)

@@ -1,0 +1,190 @@
+"""The verifier reproduces the target distribution exactly.
+
+A toy target p(. | prefix) and draft q(. | prefix) over a 4-token vocabulary
+are random tables. Each trial drafts a tree from q, verifies it, and - where
+the round emitted fewer than L = depth + 1 tokens - finishes the sequence by
+plain sampling from p, so the first L tokens of a lossless verifier follow
+p(t1) p(t2 | t1) p(t3 | t1 t2) exactly. Test: Pearson chi-square over the
+4^3 = 64 outcomes of 200k trials (fixed seed), p-value > 1e-3. The negative
+controls (a verifier told the wrong q; a residual never updated) must fail
+the same test with p-value < 1e-12, which shows the test has the power to
+see a lossy rule.
+"""
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from slipstream.spec.tree import DraftTree, TreeBatch
+from slipstream.spec.verify import verify_greedy, verify_sampled
+
+V, L, TRIALS = 4, 3, 200_000
+
+
+def _table(seed, sharp=1.5, zero_some=False):
+    g = np.random.default_rng(seed)
+    out = {}
+    for n in range(L):
+        for prefix in itertools.product(range(V), repeat=n):
+            logits = g.normal(0, sharp, V)
+            if zero_some:  # a target that gives some tokens probability 0 (top-k like)
+                logits[g.choice(V, 1)] = -np.inf
+            p = np.exp(logits - logits.max())
+            out[prefix] = p / p.sum()
+    return out
+
+
+def _draw(rng, dist_rows):
+    """One draw per row of [n, V] probabilities."""
+    c = dist_rows.cumsum(axis=1)
+    return (rng.random((dist_rows.shape[0], 1)) * c[:, -1:] > c).sum(axis=1)
+
+
+def _run(tree_parents, p_tab, q_tab, deterministic=False, claimed_q_tab=None, seed=0):
+    """Draft TRIALS trees, verify them in one batch, finish to L tokens."""
+    rng = np.random.default_rng(seed)
+    n = len(tree_parents)
+    shape_tree = DraftTree(torch.zeros(n, dtype=torch.int64), tuple(tree_parents))
+    depth = shape_tree.depth
+    tokens = np.zeros((TRIALS, n + 1), dtype=np.int64)
+    prefixes = [[()] * TRIALS]          # prefix of each verification row, per trial
+    for j, par in enumerate(tree_parents):
+        pre = prefixes[par + 1]
+        qrows = np.stack([q_tab[pr] for pr in pre])
+        if deterministic:
+            # The i-th sibling takes the i-th most likely draft token.
+            rank = sum(1 for jj in range(j) if tree_parents[jj] == par)
+            tokens[:, j + 1] = np.argsort(-qrows, axis=1, kind="stable")[:, rank]
+        else:
+            tokens[:, j + 1] = _draw(rng, qrows)
+        prefixes.append([pr + (int(t),) for pr, t in zip(pre, tokens[:, j + 1])])
+    probs = np.stack([np.stack([p_tab[pr] for pr in col]) for col in prefixes], axis=1)
+    batch = TreeBatch.stack([shape_tree], "cpu")
+    claimed = claimed_q_tab or q_tab
+    q = None
+    if not deterministic:
+        q = np.zeros((TRIALS, n + 1, V), dtype=np.float32)
+        for j, par in enumerate(tree_parents):
+            q[:, j + 1] = np.stack([claimed[pr] for pr in prefixes[par + 1]])
+        q = torch.from_numpy(q)
+    trees = TreeBatch(torch.from_numpy(tokens), batch.children.expand(TRIALS, -1, -1), q,
+                      [n] * TRIALS, depth, batch.max_children)
+    torch.manual_seed(seed)
+    out = verify_sampled(torch.from_numpy(probs).float(), trees)
+    emitted = out.tokens.numpy()
+    count = out.num_accepted.numpy() + 1
+    seqs = np.zeros((TRIALS, L), dtype=np.int64)
+    for i in range(L):
+        have = count > i
+        seqs[have, i] = emitted[have, i]
+        need = np.nonzero(~have)[0]
+        for pr in set(tuple(seqs[t, :i]) for t in need):
+            rows = need[(seqs[need, :i] == np.array(pr, dtype=np.int64)).all(axis=1)]
+            seqs[rows, i] = _draw(rng, np.tile(p_tab[pr], (len(rows), 1)))
+    return seqs, out
+
+
+def _pvalue(seqs, p_tab):
+    idx = (seqs * V ** np.arange(L - 1, -1, -1)).sum(axis=1)
+    observed = np.bincount(idx, minlength=V ** L)
+    expected = np.zeros(V ** L)
+    for seq in itertools.product(range(V), repeat=L):
+        pr = np.prod([p_tab[seq[:i]][seq[i]] for i in range(L)])
+        expected[int(np.dot(seq, V ** np.arange(L - 1, -1, -1)))] = pr * TRIALS
+    keep = expected > 0
+    assert observed[~keep].sum() == 0, "emitted a sequence of target probability 0"
+    stat = ((observed[keep] - expected[keep]) ** 2 / expected[keep]).sum()
+    dof = keep.sum() - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
+                                         torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+CHAIN = [-1, 0]                 # two draft tokens
+TREE = [-1, -1, 0, 0, 1]        # two siblings at the root, two and one below
+
+
+@pytest.mark.parametrize("parents", [CHAIN, TREE], ids=["chain", "tree"])
+@pytest.mark.parametrize("deterministic", [False, True], ids=["sampled-q", "one-hot-q"])
+def test_rejection_sampling_is_lossless(parents, deterministic):
+    p_tab, q_tab = _table(1), _table(2)
+    seqs, out = _run(parents, p_tab, q_tab, deterministic)
+    assert _pvalue(seqs, p_tab) > 1e-3
+    # Every acceptance length occurs (the test exercises each branch of the walk).
+    assert set(out.num_accepted.tolist()) == {0, 1, 2}
+
+
+def test_lossless_with_a_bad_draft_and_zero_probability_targets():
+    # The draft is nearly uniform and the target forbids one token per prefix.
+    p_tab, q_tab = _table(3, sharp=3.0, zero_some=True), _table(4, sharp=0.1)
+    seqs, out = _run(TREE, p_tab, q_tab)
+    assert _pvalue(seqs, p_tab) > 1e-3
+    assert out.num_accepted.float().mean() < 1.0
+
+
+def test_negative_control_wrong_q_is_detected():
+    p_tab, q_tab = _table(1), _table(2)
+    seqs, _ = _run(TREE, p_tab, q_tab, claimed_q_tab=_table(5))
+    assert _pvalue(seqs, p_tab) < 1e-12
+
+
+def test_negative_control_no_residual_update_is_detected(monkeypatch):
+    # Rejections resample from p itself instead of norm(max(0, p - q)).
+    real = torch.Tensor.clamp_min
+
+    def no_residual(self, m):
+        return real(self, m) * 0 if self.dim() == 2 and self.shape[1] == V else real(self, m)
+    monkeypatch.setattr(torch.Tensor, "clamp_min", no_residual)
+    p_tab, q_tab = _table(1), _table(2)
+    seqs, _ = _run(CHAIN, p_tab, q_tab)
+    monkeypatch.undo()
+    assert _pvalue(seqs, p_tab) < 1e-12
+
+
+def test_greedy_accepts_the_argmax_path_and_adds_the_bonus():
+    #          root
+    #        /      \
+    #      n0=5     n1=7
+    #      |        |
+    #      n2=3     n3=2
+    tree = DraftTree(torch.tensor([5, 7, 3, 2]), (-1, -1, 0, 1))
+    chain = DraftTree.chain([4, 4, 4])
+    none = DraftTree.empty()
+    tb = TreeBatch.stack([tree, chain, none, tree], "cpu")
+    # argmax per verification row (root first); pad rows are never read.
+    argmax = torch.tensor([[7, 9, 2, 9, 8],     # root->7 (n1), n1->2 (n3), n3 leaf -> bonus 8
+                           [4, 4, 1, 0, 0],     # 4 accepted, 4 accepted, then 1 != 4 -> emit 1
+                           [6, 0, 0, 0, 0],     # no draft: the plain greedy token
+                           [1, 0, 0, 0, 0]])    # nothing matches at the root
+    out = verify_greedy(argmax, tb)
+    assert out.num_accepted.tolist() == [2, 2, 0, 0]
+    # The chain makes the batch 3 deep: 4 token columns, 3 path columns.
+    assert out.tokens.tolist() == [[7, 2, 8, -1], [4, 4, 1, -1], [6, -1, -1, -1], [1, -1, -1, -1]]
+    assert out.accepted_nodes.tolist() == [[1, 3, -1], [0, 1, -1], [-1, -1, -1], [-1, -1, -1]]
+    assert out.last_row.tolist() == [4, 2, 0, 0]
+
+
+def test_ragged_batch_sampled_equals_each_alone():
+    # Each row's walk depends on its own inputs only: requests accepting 0,
+    # some and all drafts in one batch get what they would alone.
+    g = torch.Generator().manual_seed(0)
+    trees = [DraftTree.chain([1, 2, 3]), DraftTree.chain([0, 0]), DraftTree.empty(),
+             DraftTree(torch.tensor([3, 1, 2]), (-1, -1, 0))]
+    probs = []
+    for t in trees:
+        rows = torch.rand(t.num_nodes + 1, 5, generator=g)
+        probs.append(rows / rows.sum(1, keepdim=True))
+    # Make tree 0 accept all (p = one-hot on its drafts), tree 1 reject at once.
+    probs[0][:3] = torch.nn.functional.one_hot(torch.tensor([1, 2, 3]), 5).float()
+    probs[1][0] = torch.tensor([0.0, 0.5, 0.5, 0.0, 0.0])
+    width = 4
+    padded = torch.stack([torch.cat([p, p[:1].expand(width - p.shape[0], -1)]) for p in probs])
+    gens = {i: torch.Generator().manual_seed(10 + i) for i in range(4)}
+    together = verify_sampled(padded, TreeBatch.stack(trees, "cpu"), gens)
+    for i, t in enumerate(trees):
+        alone = verify_sampled(probs[i][None], TreeBatch.stack([t], "cpu"),
+                               {0: torch.Generator().manual_seed(10 + i)})
+        n = int(alone.num_accepted)
+        assert int(together.num_accepted[i]) == n
+        assert together.tokens[i, :n + 1].tolist() == alone.tokens[0, :n + 1].tolist()
+    assert together.num_accepted[0] == 3 and together.num_accepted[1] == 0
