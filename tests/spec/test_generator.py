@@ -105,3 +105,44 @@ def test_random_trees_greedy_is_plain_greedy(tiny_target, plain, monkeypatch):
     gen = SpeculativeGenerator(tiny_target, RandomTreeProposer(96, _oracle(plain)),
                                num_blocks=64, block_size=4)
     assert gen.generate(PROMPTS, GREEDY) != plain
+
+
+def _eagle_for(target, seed=0):
+    from slipstream.spec.eagle import EagleHead, EagleProposer, EagleShape
+    c = target.config
+    torch.manual_seed(seed)
+    head = EagleHead(EagleShape(c.hidden_size, c.num_attention_heads, c.num_key_value_heads,
+                                c.head_dim, 64, c.rope_theta, c.max_position_embeddings)).eval()
+    return EagleProposer(head, target.model.embed_tokens, target.compute_logits,
+                         depth=4, topk=3, beam=2, max_nodes=8)
+
+
+def test_eagle_dynamic_tree_greedy_is_plain_greedy(tiny_target, plain):
+    stats = SpecStats()
+    proposer = _eagle_for(tiny_target)
+    gen = SpeculativeGenerator(tiny_target, proposer, num_blocks=64, block_size=4)
+    assert gen.generate(PROMPTS, GREEDY, stats) == plain
+    assert stats.drafted == 8 * stats.rounds and stats.accepted > 0
+    assert not proposer.kv   # released
+
+
+def test_medusa_static_tree_greedy_is_plain_greedy(tiny_target, plain):
+    from slipstream.spec.medusa import MedusaHeads, MedusaProposer
+    torch.manual_seed(0)
+    heads = MedusaHeads(tiny_target.config.hidden_size, 3)
+    heads.w2.data.normal_(0, 0.05)
+    stats = SpecStats()
+    gen = SpeculativeGenerator(tiny_target, MedusaProposer(heads, tiny_target.compute_logits,
+                                                           (3, 2, 1)),
+                               num_blocks=64, block_size=4)
+    assert gen.generate(PROMPTS, GREEDY, stats) == plain
+    assert stats.drafted == (3 + 6 + 6) * stats.rounds and stats.accepted > 0
+
+
+def test_sampling_with_seed_is_reproducible_and_runs_every_proposer(tiny_target, tiny_draft):
+    params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=8, seed=3, ignore_eos=True)
+    for make in (lambda: NgramProposer(3), lambda: DraftModelProposer(tiny_draft, 3, 64, 4),
+                 lambda: _eagle_for(tiny_target)):
+        a = SpeculativeGenerator(tiny_target, make(), 64, 4).generate(PROMPTS[:2], params)
+        b = SpeculativeGenerator(tiny_target, make(), 64, 4).generate(PROMPTS[:2], params)
+        assert a == b and all(len(o) == 8 for o in a)

@@ -1,0 +1,224 @@
+"""EAGLE: a one-layer draft head that runs autoregressively over the target's
+features, with a dynamic draft tree (EAGLE-2).
+
+The head reads pairs (f_j, t_{j+1}): the target's final hidden state at
+position j and the token that followed it, fuses them
+(fc([embed(t_{j+1}) ; f_j])), runs one decoder layer (attention over its own
+K/V of the earlier pairs), and its normed output f^_{j+1} is a guess at the
+target's next feature; the target's frozen LM head turns it into draft logits
+for token j + 2. Drafting feeds f^ back in as the next pair's feature.
+
+Tree (EAGLE-2): level 1 holds the top-k tokens after the root; each level the
+`beam` nodes of highest cumulative draft log-probability are expanded by
+their top-k children; after `depth` levels the `max_nodes` best nodes overall
+(their ancestors included, since a child never scores above its parent) form
+the tree. Drafts are deterministic (q one-hot).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from slipstream.layers.rotary import RotaryEmbedding, apply_rotary
+from slipstream.spec.base import ProposeRequest, register_proposer
+from slipstream.spec.tree import DraftTree
+
+
+@dataclass(frozen=True)
+class EagleShape:
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rope_theta: float = 10000.0
+    max_position: int = 8192
+    eps: float = 1e-5
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
+
+
+class EagleHead(nn.Module):
+    def __init__(self, s: EagleShape):
+        super().__init__()
+        self.shape = s
+        h, d = s.hidden_size, s.head_dim
+        self.fc = nn.Linear(2 * h, h, bias=False)
+        self.q = nn.Linear(h, s.num_heads * d, bias=False)
+        self.k = nn.Linear(h, s.num_kv_heads * d, bias=False)
+        self.v = nn.Linear(h, s.num_kv_heads * d, bias=False)
+        self.o = nn.Linear(s.num_heads * d, h, bias=False)
+        self.gate_up = nn.Linear(h, 2 * s.intermediate_size, bias=False)
+        self.down = nn.Linear(s.intermediate_size, h, bias=False)
+        self.attn_norm = nn.Parameter(torch.ones(h))
+        self.mlp_norm = nn.Parameter(torch.ones(h))
+        self.out_norm = nn.Parameter(torch.ones(h))
+        self.rotary = RotaryEmbedding(d, s.max_position, s.rope_theta)
+
+    def forward(self, emb: torch.Tensor, feat: torch.Tensor, positions: torch.Tensor,
+                past: tuple[torch.Tensor, torch.Tensor] | None, mask: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """emb, feat: [T, hidden]; positions: [T]; past: K, V [C, kv_heads, head_dim];
+        mask: [T, C + T] bool (None: causal over the T new rows, all of past).
+        Returns (predicted features [T, hidden], K [T, kv_heads, d], V [T, kv_heads, d])."""
+        s = self.shape
+        t = emb.shape[0]
+        x = self.fc(torch.cat([emb, feat], dim=-1))
+        a = _rms(x, self.attn_norm, s.eps)
+        cos, sin = self.rotary.lookup(positions)
+        q = apply_rotary(self.q(a).view(t, s.num_heads, s.head_dim), cos, sin)
+        k = apply_rotary(self.k(a).view(t, s.num_kv_heads, s.head_dim), cos, sin)
+        v = self.v(a).view(t, s.num_kv_heads, s.head_dim)
+        kk, vv = (k, v) if past is None else (torch.cat([past[0], k]), torch.cat([past[1], v]))
+        if mask is None:
+            c = kk.shape[0] - t
+            mask = torch.ones(t, c + t, dtype=torch.bool, device=x.device)
+            mask[:, c:] = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1), kk.transpose(0, 1), vv.transpose(0, 1), attn_mask=mask,
+            enable_gqa=s.num_heads != s.num_kv_heads).transpose(0, 1)
+        x = x + self.o(o.reshape(t, -1))
+        g, u = self.gate_up(_rms(x, self.mlp_norm, s.eps)).chunk(2, dim=-1)
+        x = x + self.down(F.silu(g) * u)
+        return _rms(x, self.out_norm, s.eps), k, v
+
+    def save(self, path: str | Path) -> None:
+        from safetensors.torch import save_file
+        tensors = {n: p.detach().half().contiguous() for n, p in self.named_parameters()}
+        meta = {k: str(v) for k, v in self.shape.__dict__.items()}
+        save_file(tensors, str(path), metadata={"kind": "eagle", **meta})
+
+    @classmethod
+    def load(cls, path: str | Path, device="cpu", dtype=torch.float32) -> "EagleHead":
+        from safetensors import safe_open
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata()
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+        types = EagleShape.__annotations__
+        shape = EagleShape(**{k: (float if types[k] == "float" else int)(v)
+                              for k, v in meta.items() if k in types})
+        with torch.device(device):
+            head = cls(shape)
+        head.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, strict=False)
+        return head.to(dtype).requires_grad_(False).eval()
+
+
+class EagleProposer:
+    needs_hidden = True
+
+    def __init__(self, head: EagleHead, embed, lm_head, depth: int = 5, topk: int = 4,
+                 beam: int = 4, max_nodes: int = 16):
+        if min(depth, topk, beam, max_nodes) < 1:
+            raise ValueError("eagle depth, topk, beam and max_nodes must be at least 1")
+        self.head, self.embed, self.lm_head = head, embed, lm_head
+        self.depth, self.topk, self.beam, self.max_nodes = depth, topk, beam, max_nodes
+        self.kv: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def release(self, request_id: str) -> None:
+        self.kv.pop(request_id, None)
+
+    @torch.inference_mode()
+    def propose(self, requests: list[ProposeRequest]) -> list[DraftTree]:
+        return [self._one(r) for r in requests]
+
+    def _catch_up(self, r: ProposeRequest) -> torch.Tensor:
+        """Run the real pairs new since the last call; returns f^ after the root."""
+        dt = self.head.fc.weight.dtype
+        m, length = r.hidden.shape[0], len(r.token_ids)
+        past = self.kv.get(r.request_id)
+        cached = 0 if past is None else past[0].shape[0]
+        # Pairs j in [L - 1 - m, L - 1); the cache may hold rejected drafts' rows
+        # past the first new j only if the runner skipped a call: keep what is real.
+        first = length - 1 - m
+        if cached < first:
+            raise ValueError(f"eagle: request {r.request_id!r} skipped target states "
+                             f"{cached}..{first - 1}; pass every state since the last call")
+        if past is not None and cached > first:
+            past = (past[0][:first], past[1][:first])
+        dev = r.hidden.device
+        toks = torch.tensor(list(r.token_ids[first + 1:length]), device=dev)
+        pos = torch.arange(first, length - 1, device=dev)
+        f, k, v = self.head(self.embed(toks).to(dt), r.hidden.to(dt), pos, past, None)
+        self.kv[r.request_id] = (k, v) if past is None else (torch.cat([past[0], k]),
+                                                             torch.cat([past[1], v]))
+        return f[-1]
+
+    def _one(self, r: ProposeRequest) -> DraftTree:
+        root_feat = self._catch_up(r)
+        dt = root_feat.dtype
+        past_k, past_v = self.kv[r.request_id]
+        ctx = past_k.shape[0]                     # pairs 0 .. L - 2 are real
+        dev = root_feat.device
+        # Candidates: parallel lists; parent -1 = root.
+        tok, par, score, level = [], [], [], []
+        logp = torch.log_softmax(self.lm_head(root_feat[None]).float(), -1)[0]
+        top = logp.topk(self.topk)
+        for t, s in zip(top.indices.tolist(), top.values.tolist()):
+            tok.append(t), par.append(-1), score.append(s), level.append(1)
+        feats: dict[int, torch.Tensor] = {}       # candidate -> predicted feature from its parent
+        for c in range(len(tok)):
+            feats[c] = root_feat
+        expanded: list[int] = []                  # candidates run through the head, in order
+        ks, vs = [], []
+        frontier = list(range(len(tok)))
+        for lvl in range(1, self.depth):
+            frontier = sorted(frontier, key=lambda c: -score[c])[:self.beam]
+            if not frontier:
+                break
+            rows = {c: len(expanded) + i for i, c in enumerate(frontier)}
+            # A frontier node sees the real pairs, its expanded ancestors, itself.
+            n_old = len(expanded)
+            mask = torch.zeros(len(frontier), ctx + n_old + len(frontier), dtype=torch.bool,
+                               device=dev)
+            mask[:, :ctx] = True
+            for i, c in enumerate(frontier):
+                mask[i, ctx + n_old + i] = True
+                a = par[c]
+                while a >= 0:
+                    mask[i, ctx + expanded.index(a)] = True
+                    a = par[a]
+            toks = torch.tensor([tok[c] for c in frontier], device=dev)
+            feat_in = torch.stack([feats[c] for c in frontier])
+            pos = torch.full((len(frontier),), ctx - 1 + lvl, device=dev)
+            kk = torch.cat([past_k] + ks) if ks else past_k
+            vv = torch.cat([past_v] + vs) if vs else past_v
+            f, k, v = self.head(self.embed(toks).to(dt), feat_in, pos, (kk, vv), mask)
+            ks.append(k), vs.append(v)
+            expanded.extend(frontier)
+            logp = torch.log_softmax(self.lm_head(f).float(), -1)
+            top = logp.topk(self.topk)
+            new = []
+            for i, c in enumerate(frontier):
+                for t, s in zip(top.indices[i].tolist(), top.values[i].tolist()):
+                    new.append(len(tok))
+                    tok.append(t), par.append(c), score.append(score[c] + s)
+                    level.append(lvl + 1)
+                    feats[new[-1]] = f[i]
+            frontier = new
+        # Keep the best max_nodes; close under ancestors; order by level.
+        keep = set(sorted(range(len(tok)), key=lambda c: (-score[c], level[c]))[:self.max_nodes])
+        for c in list(keep):
+            a = par[c]
+            while a >= 0 and a not in keep:
+                keep.add(a)
+                a = par[a]
+        order = sorted(keep, key=lambda c: (level[c], -score[c]))
+        index = {c: j for j, c in enumerate(order)}
+        return DraftTree(torch.tensor([tok[c] for c in order], device=dev),
+                         tuple(index[par[c]] if par[c] >= 0 else -1 for c in order))
+
+
+@register_proposer("eagle")
+def _make(spec, device, dtype, target=None, **_):
+    from slipstream.spec.heads import resolve_head
+    head = EagleHead.load(resolve_head(spec.model, "eagle"), device, dtype)
+    return EagleProposer(head, target.model.embed_tokens, target.compute_logits,
+                         spec.num_speculative_tokens, spec.eagle_topk, spec.eagle_beam,
+                         spec.eagle_max_nodes)

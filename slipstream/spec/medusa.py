@@ -1,0 +1,96 @@
+"""Medusa: K extra heads on the target's last hidden state.
+
+Head i (1-based) maps the hidden state h that chose the root (position
+L - 2, see spec/base.py) to a guess at the token i places after the root:
+    logits_i = lm_head(h + W2_i SiLU(W1_i h))
+with the target's own frozen LM head. W2 starts at zero, so an untrained head
+repeats the target's next-token guess. The draft tree is static: the
+Cartesian product of each head's top-k (`topk[i]` for head i), nodes ordered
+by depth so parents come first; drafts are deterministic (q one-hot).
+"""
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from slipstream.spec.base import ProposeRequest, register_proposer
+from slipstream.spec.tree import DraftTree
+
+
+class MedusaHeads(nn.Module):
+    def __init__(self, hidden_size: int, num_heads: int):
+        super().__init__()
+        self.hidden_size, self.num_heads = hidden_size, num_heads
+        self.w1 = nn.Parameter(torch.randn(num_heads, hidden_size, hidden_size) / hidden_size ** 0.5)
+        self.w2 = nn.Parameter(torch.zeros(num_heads, hidden_size, hidden_size))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        # h: [n, hidden] -> per-head states [n, num_heads, hidden]
+        x = h.to(self.w1.dtype)
+        inner = F.silu(torch.einsum("nh,khd->nkd", x, self.w1))
+        return x.unsqueeze(1) + torch.einsum("nkd,kde->nke", inner, self.w2)
+
+    def save(self, path: str | Path) -> None:
+        from safetensors.torch import save_file
+        save_file({"w1": self.w1.detach().half().contiguous(),
+                   "w2": self.w2.detach().half().contiguous()},
+                  str(path), metadata={"kind": "medusa", "num_heads": str(self.num_heads)})
+
+    @classmethod
+    def load(cls, path: str | Path, device="cpu", dtype=torch.float32) -> "MedusaHeads":
+        from safetensors.torch import load_file
+        t = load_file(str(path))
+        heads = cls(t["w1"].shape[1], t["w1"].shape[0])
+        heads.w1.data, heads.w2.data = t["w1"].to(device, dtype), t["w2"].to(device, dtype)
+        return heads.requires_grad_(False)
+
+
+def static_tree(topk: tuple[int, ...]) -> tuple[tuple[int, ...], list[tuple[int, ...]]]:
+    """The Cartesian-product tree: (parents, rank path of each node), nodes
+    level by level. Node with rank path (r1, .., rd) holds head d's r_d-th token."""
+    paths: list[tuple[int, ...]] = []
+    for depth in range(1, len(topk) + 1):
+        paths.extend(itertools.product(*(range(k) for k in topk[:depth])))
+    index = {p: j for j, p in enumerate(paths)}
+    parents = tuple(index[p[:-1]] if len(p) > 1 else -1 for p in paths)
+    return parents, paths
+
+
+class MedusaProposer:
+    needs_hidden = True
+
+    def __init__(self, heads: MedusaHeads, lm_head, topk: tuple[int, ...] = (3, 2, 1, 1)):
+        if len(topk) > heads.num_heads or min(topk, default=0) < 1:
+            raise ValueError(f"medusa topk {topk}: one k >= 1 per head, at most "
+                             f"{heads.num_heads} heads")
+        self.heads, self.lm_head = heads, lm_head
+        self.topk = tuple(topk)
+        self.parents, paths = static_tree(self.topk)
+        # Node j takes column (head d-1, rank r_d) of the flattened per-head top-k.
+        width = max(self.topk)
+        self.pick = torch.tensor([(len(p) - 1) * width + p[-1] for p in paths])
+
+    @torch.inference_mode()
+    def propose(self, requests: list[ProposeRequest]) -> list[DraftTree]:
+        if not requests:
+            return []
+        h = torch.stack([r.hidden[-1] for r in requests])              # [B, hidden]
+        states = self.heads(h)[:, :len(self.topk)]                      # [B, depth, hidden]
+        logits = self.lm_head(states.flatten(0, 1).to(h.dtype))         # [B * depth, V]
+        top = logits.topk(max(self.topk), dim=-1).indices.view(len(requests), -1)
+        tokens = top[:, self.pick.to(top.device)]                       # [B, nodes]
+        return [DraftTree(tokens[i], self.parents) for i in range(len(requests))]
+
+    def release(self, request_id: str) -> None:
+        pass
+
+
+@register_proposer("medusa")
+def _make(spec, device, dtype, target=None, **_):
+    from slipstream.spec.heads import resolve_head
+    heads = MedusaHeads.load(resolve_head(spec.model, "medusa"), device, dtype)
+    return MedusaProposer(heads, target.compute_logits, spec.medusa_topk)
