@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("slipstream.server.cli", "an OpenAI-compatible HTTP server"),
     "quantize": ("slipstream.quant.cli", "quantize a checkpoint (RTN, GPTQ, AWQ, SmoothQuant, mixed)"),
     "eval": ("slipstream.eval.cli", "evaluate a model (perplexity)"),
+    "train-draft": ("slipstream.spec.cli", "train Medusa / EAGLE draft heads on the target's answers"),
 }
 
 

@@ -91,3 +91,52 @@ def breakeven_batch(alpha: float, gamma: int, c: float, critical_batch: float) -
     if tau <= gamma * c + 1.0:
         return 0.0
     return critical_batch * (tau - gamma * c) / (gamma + 1)
+
+
+def alpha_from_tau(tau: float, gamma: int) -> float:
+    """Invert expected_tokens: the per-position acceptance alpha that gives
+    `tau` tokens per round with gamma drafts (a measured tau in, alpha out)."""
+    _check(0.0, gamma)
+    if not 1.0 <= tau <= gamma + 1.0:
+        raise ValueError(f"tau must lie in [1, gamma + 1 = {gamma + 1}], got {tau}")
+    lo, hi = 0.0, 1.0
+    for _ in range(60):  # expected_tokens grows with alpha
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if expected_tokens(mid, gamma) < tau else (lo, mid)
+    return (lo + hi) / 2
+
+
+def round_speedup(tau: float, verify_tokens: float, draft_cost: float, batch: float,
+                  critical_batch: float) -> float:
+    """Measured form of speedup_at_batch, for any draft shape (chain or tree):
+    a round emits `tau` tokens per request and costs `draft_cost` (draft time
+    in units of one plain decode step at batch 1) plus a target step over
+    batch x verify_tokens tokens; plain decode costs max(1, B / Bc) per token."""
+    plain = max(1.0, batch / critical_batch)
+    spec = draft_cost + max(1.0, batch * verify_tokens / critical_batch)
+    return tau * plain / spec
+
+
+def best_gamma_at_batch(alpha: float, c: float, batch: float, critical_batch: float,
+                        max_gamma: int = 16) -> int:
+    """The auto-off rule: the chain length with the highest speedup at this
+    batch size on the roofline model, or 0 (speculation off) when no length
+    beats plain decoding."""
+    best, best_s = 0, 1.0
+    for g in range(1, max_gamma + 1):
+        s = speedup_at_batch(alpha, g, c, batch, critical_batch)
+        if s > best_s * (1 + 1e-12):
+            best, best_s = g, s
+    return best
+
+
+def critical_batch_for(model_config, hardware, context: int = 1024,
+                       weight_bytes_per_param: float = 2.0) -> float:
+    """Bc for the roofline rule: the decode batch at which a step of this model
+    turns compute-bound on `hardware` (KV reads at `context` counted); when KV
+    traffic keeps it memory-bound at any batch, the weight-only bound."""
+    from slipstream.analysis.model_spec import ModelSpec
+    from slipstream.analysis.roofline import critical_batch_size, weights_critical_batch
+    spec = ModelSpec.from_model_config(model_config)
+    bc = critical_batch_size(spec, hardware, context)
+    return float(bc) if bc is not None else weights_critical_batch(hardware, weight_bytes_per_param)

@@ -97,3 +97,34 @@ def test_invalid_inputs():
     for bad in ((1.2, 4, 0.1), (0.5, -1, 0.1), (0.5, 4, -0.1), (0.5, 2.5, 0.1)):
         with pytest.raises(ValueError):
             specdec.speedup(*bad)
+
+
+@pytest.mark.parametrize("alpha, gamma", [(0.3, 2), (0.8, 4), (0.95, 7)])
+def test_alpha_from_tau_inverts_expected_tokens(alpha, gamma):
+    tau = specdec.expected_tokens(alpha, gamma)
+    assert specdec.alpha_from_tau(tau, gamma) == pytest.approx(alpha, abs=1e-9)
+
+
+def test_auto_off_rule():
+    # Small batch, good draft: speculate; the best length is the argmax of speedup_at_batch.
+    g = specdec.best_gamma_at_batch(0.8, 0.05, 1, 64)
+    speeds = [specdec.speedup_at_batch(0.8, k, 0.05, 1, 64) for k in range(1, 17)]
+    assert g == 1 + int(np.argmax(speeds)) and speeds[g - 1] > 1
+    # Past the break-even batch every length loses: off.
+    for gamma in range(1, 17):
+        assert specdec.speedup_at_batch(0.8, gamma, 0.05, 256, 64) < 1
+    assert specdec.best_gamma_at_batch(0.8, 0.05, 256, 64) == 0
+    # A draft as slow as the target never pays.
+    assert specdec.best_gamma_at_batch(0.5, 1.0, 1, 64) == 0
+    # The measured form agrees with the chain model: tau from alpha, gamma + 1 verify tokens.
+    tau = specdec.expected_tokens(0.8, 4)
+    assert specdec.round_speedup(tau, 5, 4 * 0.05, 8, 64) == pytest.approx(
+        specdec.speedup_at_batch(0.8, 4, 0.05, 8, 64))
+
+
+def test_critical_batch_from_the_roofline():
+    from slipstream.analysis.hardware import GPUS
+    from tests.models.tiny_models import make_hf_model, model_config_of
+    mc = model_config_of(make_hf_model("llama2"))
+    bc = specdec.critical_batch_for(mc, GPUS["H200"], context=16)
+    assert bc > 1
