@@ -62,6 +62,27 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class SpecConfig:
+    """Speculative decoding (spec/). method None: off."""
+    method: str | None = None            # draft | ngram | medusa | eagle
+    num_speculative_tokens: int = 4      # chain length; tree depth for eagle
+    model: str | None = None             # draft model, or a Medusa / EAGLE head file
+    draft_num_layers: int | None = None  # draft = the first N layers of `model` (early exit)
+    draft_num_blocks: int = 1024         # the draft model's own KV pool
+    ngram_max: int = 4
+    ngram_min: int = 1
+    medusa_topk: tuple[int, ...] = (3, 2, 1, 1)
+    eagle_topk: int = 4
+    eagle_beam: int = 4
+    eagle_max_nodes: int = 16
+    auto_off: bool = True                # skip drafting when the roofline predicts no gain
+
+    @property
+    def enabled(self) -> bool:
+        return self.method is not None
+
+
+@dataclass(frozen=True)
 class ParallelConfig:
     tensor_parallel_size: int = 1
 
@@ -79,6 +100,7 @@ class EngineConfig:
     quantization: str | None = None        # a scheme of quant/ (None: dense weights)
     enforce_eager: bool = False            # no CUDA graphs
     async_scheduling: bool | None = None   # overlap host and device; None: on for CUDA
+    speculative: SpecConfig = field(default_factory=SpecConfig)
     seed: int = 0
 
 

@@ -48,6 +48,10 @@ class SchedulerOutput:
     # the runner drops their state.
     finished_req_ids: list[str] = field(default_factory=list)
     preempted_req_ids: list[str] = field(default_factory=list)
+    # Speculative decoding: request id -> (draft token ids, parent of each: -1 =
+    # the request's last token), verified after that token this step; the
+    # request's num_scheduled_tokens is 1 + len(draft).
+    spec_drafts: dict[str, tuple[list[int], tuple[int, ...]]] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -66,6 +70,8 @@ class StepOutput:
     logprobs: dict[str, list["TokenLogprobs"]] = field(default_factory=dict)
     # request id -> (index of the first prompt position scored, records)
     prompt_logprobs: dict[str, tuple[int, list["TokenLogprobs"]]] = field(default_factory=dict)
+    # Drafts proposed for each request's next step (same form as spec_drafts).
+    drafts: dict[str, tuple[list[int], tuple[int, ...]]] = field(default_factory=dict)
 
 
 @dataclass

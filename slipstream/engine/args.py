@@ -6,7 +6,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from slipstream.config import (CacheConfig, EngineConfig, ModelConfig, ParallelConfig,
-                               SchedulerConfig, resolve_device, resolve_dtype)
+                               SchedulerConfig, SpecConfig, resolve_device, resolve_dtype)
 
 
 @dataclass
@@ -28,6 +28,13 @@ class EngineArgs:
     quantization: str | None = "auto"
     enforce_eager: bool = False
     async_scheduling: bool | None = None
+    # Speculative decoding (vLLM's names): method draft | ngram | medusa | eagle.
+    speculative_method: str | None = None
+    speculative_model: str | None = None
+    num_speculative_tokens: int | None = None
+    speculative_draft_layers: int | None = None
+    speculative_tree: str | None = None      # medusa: "3,2,1,1" top-k per head; eagle: "topk,beam,nodes"
+    speculative_auto_off: bool = True
     seed: int = 0
     load_format: str = "auto"                # "auto": the model's weights; "dummy": random
     tensor_parallel_size: int = 1            # ranks sharing each layer (distributed/)
@@ -97,5 +104,38 @@ class EngineArgs:
             quantization=quantization,
             enforce_eager=self.enforce_eager,
             async_scheduling=self.async_scheduling,
+            speculative=self.spec_config(),
             seed=self.seed,
         )
+
+    def spec_config(self) -> SpecConfig:
+        method = self.speculative_method
+        if method is None:
+            if self.speculative_model or self.num_speculative_tokens:
+                raise ValueError("speculative_model / num_speculative_tokens need speculative_method")
+            return SpecConfig()
+        methods = ("draft", "ngram", "medusa", "eagle")
+        if method not in methods:
+            raise ValueError(f"speculative_method: unknown {method!r}; choose from "
+                             f"{', '.join(methods)}")
+        k = 4 if self.num_speculative_tokens is None else self.num_speculative_tokens
+        if not 1 <= k <= 16:
+            raise ValueError(f"num_speculative_tokens must be in [1, 16], got {k}")
+        if self.speculative_draft_layers is not None and method != "draft":
+            raise ValueError("speculative_draft_layers applies to speculative_method='draft'")
+        extra = {}
+        if self.speculative_tree:
+            try:
+                nums = tuple(int(x) for x in self.speculative_tree.split(","))
+            except ValueError:
+                nums = ()
+            if method == "medusa" and nums and min(nums) >= 1:
+                extra = dict(medusa_topk=nums)
+            elif method == "eagle" and len(nums) == 3 and min(nums) >= 1:
+                extra = dict(eagle_topk=nums[0], eagle_beam=nums[1], eagle_max_nodes=nums[2])
+            else:
+                raise ValueError(f"speculative_tree {self.speculative_tree!r}: medusa takes top-k "
+                                 "per head ('3,2,1,1'), eagle 'topk,beam,max_nodes' ('4,4,16')")
+        return SpecConfig(method=method, num_speculative_tokens=k, model=self.speculative_model,
+                          draft_num_layers=self.speculative_draft_layers,
+                          auto_off=self.speculative_auto_off, **extra)

@@ -74,6 +74,8 @@ class Engine:
                                  else async_sched)
         # One StepStats per step that ran a forward, once a benchmark sets a list here.
         self.step_stats: list[StepStats] | None = None
+        # A speculating step needs the previous step's tokens to draft: no overlap.
+        self.async_scheduling &= not self.config.speculative.enabled
         mc = self.config.model_config
         self.eos_token_ids = tuple(dict.fromkeys(mc.eos_token_ids + tuple(self.tokenizer.eos_token_ids)))
 
@@ -186,7 +188,7 @@ class Engine:
             recorded.extend(entries[max(0, len(recorded) - start):])
         before = {rid: self._seqs[rid].request.num_output_tokens
                   for rid in result.sampled if rid in self._seqs}
-        advanced = self.scheduler.update(result.sampled)
+        advanced = self.scheduler.update(result.sampled, result.drafts)
         touched: dict[str, _Parent] = {}
         now = time.monotonic()
         for req in advanced:

@@ -45,6 +45,10 @@ class Request:
         self.num_computed_tokens = 0
         # Tokens being sampled by launched steps whose output has not arrived.
         self.num_pending = 0
+        # Speculative decoding: the draft proposed for the next step, and the
+        # number of draft tokens the step in flight verifies.
+        self.spec_draft: tuple[list[int], tuple[int, ...]] | None = None
+        self.num_spec_scheduled = 0
         self.num_cached_tokens = 0   # prompt tokens found in the prefix cache on admission
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None

@@ -78,10 +78,15 @@ class Scheduler:
             if n <= 0:
                 i += 1
                 continue
-            ok, preempted = self._allocate_or_preempt(req, n)
+            draft = self._take_draft(req, n, budget)
+            ok, preempted = self._allocate_or_preempt(req, n + len(draft[0]))
             preempted_now |= preempted
             if not ok:
                 break
+            if draft[0]:
+                out.spec_drafts[req.request_id] = draft
+                req.num_spec_scheduled = len(draft[0])
+                n += len(draft[0])
             scheduled.append((req, n))
             budget -= n
             i += 1
@@ -110,12 +115,26 @@ class Scheduler:
         for req, n in scheduled:
             self._emit(req, n, out)
             req.num_computed_tokens += n
-            if req.num_computed_tokens == req.num_tokens + req.num_pending:
+            # Draft tokens lie past the request's tokens; the step samples when
+            # it reaches the last real one.
+            if req.num_computed_tokens - req.num_spec_scheduled == req.num_tokens + req.num_pending:
                 req.num_pending += 1   # this step samples its next token
         if scheduled:  # the ids that left reach the runner with the next step it runs
             out.finished_req_ids, self._gone = self._gone, []
             out.preempted_req_ids, self._preempted = self._preempted, []
         return out
+
+    def _take_draft(self, req: Request, n: int, budget: int) -> tuple[list[int], tuple[int, ...]]:
+        """The request's draft, cut to what fits: the token budget, max_tokens
+        (verification emits up to len + 1 tokens) and the context length. A
+        tree's first m nodes are a tree (parents precede children)."""
+        draft, req.spec_draft = req.spec_draft, None
+        if draft is None or n != 1 or req.num_pending:
+            return [], ()
+        room = min(budget - 1, req.max_tokens - req.num_output_tokens - 1,
+                   self.config.max_model_len - req.num_tokens)
+        m = max(0, min(len(draft[0]), room))
+        return list(draft[0][:m]), tuple(draft[1][:m])
 
     def _emit(self, req: Request, n: int, out: SchedulerOutput) -> None:
         rid = req.request_id
@@ -156,20 +175,30 @@ class Scheduler:
         self._preempted.append(req.request_id)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
+        req.spec_draft, req.num_spec_scheduled = None, 0
         req.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    def update(self, sampled: dict[str, list[int]]) -> list[Request]:
+    def update(self, sampled: dict[str, list[int]],
+               drafts: dict[str, tuple[list[int], tuple[int, ...]]] | None = None) -> list[Request]:
         """Append a step's sampled tokens, apply token-level stops, and free
-        finished requests. Returns the requests that got new tokens."""
+        finished requests. With speculation, a request's list holds its
+        accepted drafts then one more token; the rejected drafts' cache
+        positions are given back (their slots are rewritten later), and the
+        next step's draft is stored. Returns the requests that got new tokens."""
         advanced = []
         for rid, tokens in sampled.items():
             req = self.requests.get(rid)
             if req is None:          # finished or aborted while the step ran
                 continue
             req.num_pending -= 1
+            if req.num_spec_scheduled:
+                req.num_computed_tokens -= req.num_spec_scheduled - (len(tokens) - 1)
+                req.num_spec_scheduled = 0
             if req.status.is_finished:
                 continue
+            if drafts:
+                req.spec_draft = drafts.get(rid)
             for t in tokens:
                 req.append_token(t)
                 if req.check_stop():

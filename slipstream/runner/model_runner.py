@@ -10,7 +10,9 @@ Between the two the host is free to schedule and launch the next step.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, replace
+import dataclasses
+import time
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -38,6 +40,7 @@ class StepHandle:
     logprob_req: dict[str, int]         # request id -> its row in `logprobs`, with k
     prompt_logprobs: dict[str, tuple]   # request id -> (start, host tensors, k)
     done: torch.cuda.Event | None
+    spec_tokens: dict[str, list[int]] = field(default_factory=dict)  # verified drafts + 1
 
 
 class ModelRunner:
@@ -79,6 +82,14 @@ class ModelRunner:
                 and self.backend.name == "triton"):
             self.graphs = DecodeGraphs(self.model, self.backend, rank_config.model_config,
                                        sc.max_num_seqs, sc.max_model_len)
+        self.speculator = None
+        if config.speculative.enabled:
+            if tp is not None:
+                raise ValueError("speculative_method: speculative decoding does not run under "
+                                 "tensor parallelism yet")
+            from slipstream.spec.speculator import Speculator
+            self.speculator = Speculator(config, self.model, self.kv_cache, self.input_batch,
+                                         self.sampling)
 
     # ---- state ------------------------------------------------------------
 
@@ -94,8 +105,12 @@ class ModelRunner:
             self._prompt_lp.pop(rid, None)
             if rid not in preempted:
                 self._parked.pop(rid, None)
+            if self.speculator is not None:
+                self.speculator.remove(rid)
         starts = {}
         for r in sched.new_requests:
+            if self.speculator is not None:
+                self.speculator.add(r.req_id, r.params)
             row = ib.add(r.req_id, r.prompt_token_ids, r.output_token_ids, r.block_ids)
             self.sampling.add(row, r.params, r.prompt_token_ids, r.output_token_ids, r.eos_token_ids,
                               self._parked.pop(r.req_id, None))
@@ -111,7 +126,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> StepHandle:
+        t0 = time.perf_counter()
         starts = self._update_states(sched)
+        spec = self.speculator
+        if spec is not None:
+            spec.stage(sched.spec_drafts, starts)
         counts = sched.num_scheduled_tokens
         bucket = None
         if self.graphs is not None and not self._prompt_lp and all(n == 1 for n in counts.values()):
@@ -119,6 +138,8 @@ class ModelRunner:
         plan = self.input_batch.plan(sched, starts, num_pad_seqs=bucket or 0,
                                      graph=bucket is not None)
         batch = plan.batch
+        if spec is not None:
+            spec.patch(plan)
         if plan.num_pending:  # tokens sampled by a step whose output the host has not seen
             batch.input_ids[plan.pending_dst] = self.input_batch.last_sampled[plan.pending_src]
         if bucket is not None:
@@ -127,14 +148,28 @@ class ModelRunner:
             self.backend.prepare(batch)
             hidden = self.model(batch)                                   # [num_tokens, hidden]
         handle = StepHandle(plan.sample_req_ids, plan.sample_rows, None, None, {}, {}, None)
+        logits_indices = batch.logits_indices
+        if spec is not None:
+            handle.spec_tokens = spec.verify(plan, hidden)
+            spec.keep_hidden(plan, hidden)
+            if handle.spec_tokens:  # the rest sample as usual
+                keep = [i for i, r in enumerate(plan.sample_req_ids) if r not in handle.spec_tokens]
+                plan = dataclasses.replace(plan, sample_rows=plan.sample_rows[keep],
+                                           sample_req_ids=[plan.sample_req_ids[i] for i in keep])
+                logits_indices = logits_indices[keep]
+                handle.req_ids, handle.rows = plan.sample_req_ids, plan.sample_rows
         if len(plan.sample_rows):
-            logits = self.model.compute_logits(hidden[batch.logits_indices])  # [S, vocab] fp32
+            logits = self.model.compute_logits(hidden[logits_indices])  # [S, vocab] fp32
             self._sample(plan, logits, handle)
         if self._prompt_lp:
             self._score_prompts(plan, hidden, handle)
         if self.device.type == "cuda":
             handle.done = torch.cuda.Event()
             handle.done.record()
+        if spec is not None:
+            if handle.done is not None:
+                handle.done.synchronize()
+            spec.governor.observe_step(time.perf_counter() - t0)
         return handle
 
     def _sample(self, plan: StepPlan, logits: torch.Tensor, handle: StepHandle) -> None:
@@ -184,6 +219,9 @@ class ModelRunner:
             out.sampled[rid] = [t]
             if ib.req_ids[row] == rid:
                 ib.append_known(row, [t])
+        out.sampled.update(handle.spec_tokens)   # the input batch already holds them
+        if self.speculator is not None and out.sampled:
+            out.drafts = self.speculator.propose(list(out.sampled), self.input_batch.num_reqs)
         if handle.logprobs is not None:
             ids, vals, ranks = (x.tolist() for x in handle.logprobs)
             for rid, (i, k) in handle.logprob_req.items():

@@ -129,32 +129,39 @@ class EagleProposer:
         return [self._one(r) for r in requests]
 
     def _catch_up(self, r: ProposeRequest) -> torch.Tensor:
-        """Run the real pairs new since the last call; returns f^ after the root."""
+        """Run the real pairs new since the last call; returns f^ after the root.
+        State per request: K, V of pairs [start, start + len). The runner may
+        hand over fewer states than the whole history (prefix-cache hits,
+        speculation paused): a gap restarts the head's context at the first
+        pair it is given, which only costs acceptance."""
         dt = self.head.fc.weight.dtype
         m, length = r.hidden.shape[0], len(r.token_ids)
+        first = length - 1 - m                     # pairs j in [first, L - 1)
         past = self.kv.get(r.request_id)
-        cached = 0 if past is None else past[0].shape[0]
-        # Pairs j in [L - 1 - m, L - 1); the cache may hold rejected drafts' rows
-        # past the first new j only if the runner skipped a call: keep what is real.
-        first = length - 1 - m
-        if cached < first:
-            raise ValueError(f"eagle: request {r.request_id!r} skipped target states "
-                             f"{cached}..{first - 1}; pass every state since the last call")
-        if past is not None and cached > first:
-            past = (past[0][:first], past[1][:first])
+        if past is not None:
+            k0, v0, start = past
+            end = start + k0.shape[0]
+            if end < first or first < start:
+                past = None
+            elif end > first:                      # states sent twice: keep one copy
+                past = (k0[:first - start], v0[:first - start], start)
+        start = first if past is None else past[2]
         dev = r.hidden.device
         toks = torch.tensor(list(r.token_ids[first + 1:length]), device=dev)
         pos = torch.arange(first, length - 1, device=dev)
-        f, k, v = self.head(self.embed(toks).to(dt), r.hidden.to(dt), pos, past, None)
-        self.kv[r.request_id] = (k, v) if past is None else (torch.cat([past[0], k]),
-                                                             torch.cat([past[1], v]))
+        f, k, v = self.head(self.embed(toks).to(dt), r.hidden.to(dt), pos,
+                            None if past is None else past[:2], None)
+        if past is not None:
+            k, v = torch.cat([past[0], k]), torch.cat([past[1], v])
+        self.kv[r.request_id] = (k, v, start)
         return f[-1]
 
     def _one(self, r: ProposeRequest) -> DraftTree:
         root_feat = self._catch_up(r)
         dt = root_feat.dtype
-        past_k, past_v = self.kv[r.request_id]
-        ctx = past_k.shape[0]                     # pairs 0 .. L - 2 are real
+        past_k, past_v, start = self.kv[r.request_id]
+        ctx = past_k.shape[0]                     # real pairs held: start .. L - 2
+        base = len(r.token_ids) - 1               # absolute position of the first draft pair
         dev = root_feat.device
         # Candidates: parallel lists; parent -1 = root.
         tok, par, score, level = [], [], [], []
@@ -186,7 +193,7 @@ class EagleProposer:
                     a = par[a]
             toks = torch.tensor([tok[c] for c in frontier], device=dev)
             feat_in = torch.stack([feats[c] for c in frontier])
-            pos = torch.full((len(frontier),), ctx - 1 + lvl, device=dev)
+            pos = torch.full((len(frontier),), base - 1 + lvl, device=dev)
             kk = torch.cat([past_k] + ks) if ks else past_k
             vv = torch.cat([past_v] + vs) if vs else past_v
             f, k, v = self.head(self.embed(toks).to(dt), feat_in, pos, (kk, vv), mask)

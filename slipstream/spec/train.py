@@ -43,7 +43,7 @@ def read_prompts(path: str | Path | None = None) -> list[str]:
 
 
 def make_samples(model, tokenizer, prompts: list[str], max_tokens: int = 128,
-                 batch_size: int = 16, progress=None) -> list[Sample]:
+                 batch_size: int = 32, progress=None) -> list[Sample]:
     """Answer each prompt with the target (greedy) and record its features."""
     ids = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": p}]),
                             add_special_tokens=False) for p in prompts]

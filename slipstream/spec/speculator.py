@@ -1,0 +1,192 @@
+"""The runner's side of speculative decoding.
+
+Per step, with drafts the scheduler granted (`SchedulerOutput.spec_drafts`):
+  stage:   write each request's draft tokens after its root in the persistent
+           input batch, so the ordinary packing lays out root + drafts with
+           consecutive slots (row j of a request at slot context + j);
+  patch:   tree positions (context + depth) and the tree mask;
+  verify:  target logits at every root/draft row -> `spec.verify` (greedy or
+           rejection sampling); the accepted path's K/V moved into place
+           (trees); the input batch rolled back to the tokens really emitted;
+  propose: drafts for the next step of every request that sampled, unless the
+           governor turns speculation off at this batch size.
+The scheduler rolls `num_computed_tokens` back past the rejected drafts when
+the step's tokens arrive (their KV slots are simply rewritten later).
+Speculating steps run synchronously: the next drafts need this step's tokens.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from slipstream.spec.base import ProposeRequest
+from slipstream.spec.generator import SpecStats, apply_kv_moves
+from slipstream.spec.governor import SpecGovernor
+from slipstream.spec.selector import create_proposer
+from slipstream.spec.tree import DraftTree, TreeBatch
+from slipstream.spec.verify import verify
+
+
+class Speculator:
+    def __init__(self, config, model, kv_cache: torch.Tensor, input_batch, sampling):
+        spec = config.speculative
+        self.config = spec
+        self.model, self.kv_cache = model, kv_cache
+        self.ib, self.sampling = input_batch, sampling
+        self.device = config.device
+        self.block_size = config.cache.block_size
+        self.proposer = create_proposer(spec.method, spec=spec, device=config.device,
+                                        dtype=config.dtype, target=model,
+                                        block_size=config.cache.block_size)
+        self.governor = SpecGovernor(spec, config.model_config, config.device)
+        self.stats = SpecStats()
+        self.eligible: dict[str, bool] = {}    # request id -> may speculate at all
+        self.hidden: dict[str, list[torch.Tensor]] = {}
+        self._step_trees: dict[str, DraftTree] = {}
+
+    # ---- request life -------------------------------------------------------
+
+    def add(self, req_id: str, params) -> None:
+        # Penalties and log-probabilities would have to follow each draft path;
+        # such requests decode plainly. min_tokens is checked per step.
+        self.eligible[req_id] = not params.has_penalties and params.logprobs is None
+
+    def remove(self, req_id: str) -> None:
+        self.eligible.pop(req_id, None)
+        self.hidden.pop(req_id, None)
+        self.proposer.release(req_id)
+
+    # ---- before the forward ---------------------------------------------------
+
+    def stage(self, drafts: dict, starts: dict[str, int]) -> None:
+        """Write the granted drafts into the input batch (host)."""
+        self._step_trees = {}
+        ib = self.ib
+        for rid, (tokens, parents) in drafts.items():
+            row, s, m = ib.row_of[rid], starts[rid], len(tokens)
+            assert ib.num_known[row] == ib.num_tokens[row] == s + 1, "root must be known"
+            ib.token_ids[row, s + 1:s + 1 + m] = tokens
+            ib.num_known[row] = ib.num_tokens[row] = s + 1 + m
+            self._step_trees[rid] = DraftTree(torch.tensor(tokens, dtype=torch.int64),
+                                              tuple(parents))
+
+    def patch(self, plan) -> None:
+        """Depth positions and the tree mask for steps that verify trees."""
+        trees = self._step_trees
+        if not trees or all(t.is_chain for t in trees.values()):
+            return
+        batch = plan.batch
+        width = batch.max_query_len
+        mask = torch.ones(len(batch.query_lens_cpu), width, width, dtype=torch.bool).tril_()
+        loc = 0
+        pos_idx, pos_val = [], []
+        for i, (rid, s, q) in enumerate(zip(plan.req_ids, plan.starts, plan.query_lens)):
+            t = trees.get(rid)
+            if t is not None and not t.is_chain:
+                n = t.num_nodes + 1
+                mask[i, :n, :n] = t.ancestor_mask("cpu")
+                pos_idx.extend(range(loc + 1, loc + n))
+                pos_val.extend(int(s) + d for d in t.depths)
+            loc += int(q)
+        idx = torch.tensor(pos_idx, device=batch.positions.device)
+        batch.positions[idx] = torch.tensor(pos_val, device=batch.positions.device)
+        batch.tree_mask = mask.to(batch.positions.device)
+
+    # ---- after the forward ------------------------------------------------------
+
+    def verify(self, plan, hidden: torch.Tensor) -> dict[str, list[int]]:
+        """Verify every staged draft; returns request id -> emitted tokens."""
+        trees = self._step_trees
+        if not trees:
+            return {}
+        ib = self.ib
+        loc = np.concatenate([[0], np.cumsum(plan.query_lens)])
+        order = [i for i, rid in enumerate(plan.req_ids) if rid in trees]
+        rids = [plan.req_ids[i] for i in order]
+        tlist = [trees[r] for r in rids]
+        width = max(t.num_nodes for t in tlist) + 1
+        rows = torch.tensor([[int(loc[i]) + min(j, t.num_nodes) for j in range(width)]
+                             for i, t in zip(order, tlist)], device=hidden.device)
+        logits = self.model.compute_logits(hidden[rows.flatten()]).view(len(rids), width, -1)
+        sb = self.sampling.build(plan.rows[order])
+        out = verify(logits, TreeBatch.stack(tlist, hidden.device), sb)
+        emitted_all = out.tokens.tolist()          # the step's host sync
+        num_acc = out.num_accepted.tolist()
+        paths = out.accepted_nodes.tolist()
+        emitted: dict[str, list[int]] = {}
+        last = []
+        for j, (i, rid, t) in enumerate(zip(order, rids, tlist)):
+            a, row, s = num_acc[j], plan.rows[i], int(plan.starts[i])
+            path = paths[j][:a]
+            moves = t.kv_moves(path)
+            if moves:
+                apply_kv_moves(self.kv_cache, ib.block_table[row].tolist(), self.block_size, s,
+                               moves)
+            toks = emitted_all[j][:a + 1]
+            emitted[rid] = toks
+            last.append(toks[-1])
+            ib.token_ids[row, s + 1:s + 2 + a] = toks
+            ib.num_known[row] = ib.num_tokens[row] = s + 2 + a
+            if self.proposer.needs_hidden:
+                keep = [int(loc[i])] + [int(loc[i]) + node + 1 for node in path]
+                self.hidden.setdefault(rid, []).append(hidden[keep])
+            self.stats.rounds += 1
+            self.stats.drafted += t.num_nodes
+            self.stats.accepted += a
+            self.stats.emitted += a + 1
+            self.stats.record(t.depth, a)
+        spec_rows = plan.rows[order]
+        ib.last_sampled[torch.as_tensor(spec_rows, device=ib.last_sampled.device)] = \
+            torch.tensor(last, device=ib.last_sampled.device)
+        self.sampling.num_outputs[spec_rows] += np.asarray(num_acc) + 1
+        self.governor.observe_round(sum(num_acc) + len(rids), len(rids),
+                                    sum(t.num_nodes for t in tlist))
+        return emitted
+
+    def keep_hidden(self, plan, hidden: torch.Tensor) -> None:
+        """Record the target states of the step's ordinary (non-draft) rows."""
+        if not self.proposer.needs_hidden:
+            return
+        loc = 0
+        for rid, q in zip(plan.req_ids, plan.query_lens):
+            q = int(q)
+            if rid not in self._step_trees and self.eligible.get(rid):
+                self.hidden.setdefault(rid, []).append(hidden[loc:loc + q])
+            loc += q
+
+    def propose(self, req_ids: list[str], num_running: int) -> dict:
+        """Drafts for the next step of requests that just got tokens."""
+        ib = self.ib
+        k = self.governor.num_tokens(num_running)
+        if k == 0:
+            # Off for now: keep only recent states (EAGLE restarts its context
+            # from what it is given; Medusa reads the last one).
+            for parts in self.hidden.values():
+                if len(parts) > 64:
+                    del parts[:-64]
+            return {}
+        reqs = []
+        for rid in req_ids:
+            row = ib.row_of.get(rid)
+            if row is None or not self.eligible.get(rid):
+                continue
+            if self.sampling.num_outputs[row] < self.sampling.min_tokens[row]:
+                continue
+            n = int(ib.num_known[row])
+            hidden = None
+            if self.proposer.needs_hidden:
+                parts = self.hidden.pop(rid, [])
+                hidden = torch.cat(parts) if parts else None
+                if hidden is None:
+                    continue
+            reqs.append(ProposeRequest(rid, ib.token_ids[row, :n].tolist(), hidden, k))
+        if not reqs:
+            return {}
+        t0 = time.perf_counter()
+        trees = self.proposer.propose(reqs)
+        self.stats.draft_time += time.perf_counter() - t0
+        self.governor.observe_draft(time.perf_counter() - t0)
+        return {r.request_id: (t.tokens.tolist(), t.parents)
+                for r, t in zip(reqs, trees) if t.num_nodes}
