@@ -67,6 +67,8 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
                    help="split each layer over N processes (N GPUs on CUDA; gloo on the CPU)")
     g.add_argument("--enforce-eager", action="store_true",
                    help="run decode steps eagerly (no CUDA graphs)")
+    from slipstream.spec.cli import add_spec_options
+    add_spec_options(p)
 
 
 def add_sampling_options(p: argparse.ArgumentParser) -> None:
@@ -108,13 +110,15 @@ def make_engine(args):
         torch.set_num_threads(args.threads)
     from slipstream.engine.args import EngineArgs
     from slipstream.engine.engine import Engine
+    from slipstream.spec.cli import spec_engine_args
     t1 = time.perf_counter()
     engine = Engine(EngineArgs(
         model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
         attention_backend=args.attention_backend, kv_cache_memory=args.kv_cache_memory,
         enable_prefix_caching=not args.no_prefix_caching, load_format=args.load_format,
         quantization=None if args.quantization == "none" else args.quantization,
-        tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager))
+        tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager,
+        **spec_engine_args(args)))
     cfg = engine.config
     quant = "dense"
     layer = getattr(engine.runner.model, "lm_head", None)

@@ -136,6 +136,22 @@ class EngineArgs:
             else:
                 raise ValueError(f"speculative_tree {self.speculative_tree!r}: medusa takes top-k "
                                  "per head ('3,2,1,1'), eagle 'topk,beam,max_nodes' ('4,4,16')")
+        cfg_nodes = _tree_nodes(method, extra)
+        if cfg_nodes > 63:
+            raise ValueError(f"speculative_tree: {cfg_nodes} draft nodes; the tree-attention "
+                             "kernel verifies at most 63 (64 rows with the root)")
         return SpecConfig(method=method, num_speculative_tokens=k, model=self.speculative_model,
                           draft_num_layers=self.speculative_draft_layers,
                           auto_off=self.speculative_auto_off, **extra)
+
+
+def _tree_nodes(method: str, extra: dict) -> int:
+    if method == "medusa":
+        nodes, width = 0, 1
+        for k in extra.get("medusa_topk", SpecConfig.medusa_topk):
+            width *= k
+            nodes += width
+        return nodes
+    if method == "eagle":
+        return extra.get("eagle_max_nodes", SpecConfig.eagle_max_nodes)
+    return 0

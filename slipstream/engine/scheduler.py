@@ -112,6 +112,9 @@ class Scheduler:
             self.running.append(req)
             scheduled.append((req, n))
             budget -= n
+        if out.spec_drafts and any(n > 1 and r.request_id not in out.spec_drafts
+                                   for r, n in scheduled):
+            scheduled = [self._chain_only(r, n, out) for r, n in scheduled]
         for req, n in scheduled:
             self._emit(req, n, out)
             req.num_computed_tokens += n
@@ -135,6 +138,27 @@ class Scheduler:
                    self.config.max_model_len - req.num_tokens)
         m = max(0, min(len(draft[0]), room))
         return list(draft[0][:m]), tuple(draft[1][:m])
+
+    @staticmethod
+    def _chain_only(req: Request, n: int, out: SchedulerOutput) -> tuple[Request, int]:
+        """Trees are verified in steps of decodes only (the tree-attention
+        kernel takes at most 64 query rows per request); in a step with prompt
+        chunks a tree is cut to its leftmost branch, a chain."""
+        draft = out.spec_drafts.get(req.request_id)
+        if draft is None or all(p == j - 1 for j, p in enumerate(draft[1])):
+            return req, n
+        tokens, parents = draft
+        path, cur = [], -1
+        while True:
+            nxt = next((j for j, p in enumerate(parents) if p == cur), None)
+            if nxt is None:
+                break
+            path.append(nxt)
+            cur = nxt
+        chain = [tokens[j] for j in path]
+        out.spec_drafts[req.request_id] = (chain, tuple(range(-1, len(chain) - 1)))
+        req.num_spec_scheduled = len(chain)
+        return req, 1 + len(chain)
 
     def _emit(self, req: Request, n: int, out: SchedulerOutput) -> None:
         rid = req.request_id

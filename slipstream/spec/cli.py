@@ -27,3 +27,30 @@ def run(args: argparse.Namespace) -> int:
     train_draft(args.method, args.model, args.out, args.prompts, args.max_tokens, args.epochs,
                 args.seed)
     return 0
+
+
+def add_spec_options(p: argparse.ArgumentParser) -> None:
+    """The speculative-decoding engine options, for generate / chat / serve / bench."""
+    g = p.add_argument_group("speculative decoding")
+    g.add_argument("--speculative-method", default=None, choices=["draft", "ngram", "medusa", "eagle"],
+                   help="draft tokens with a draft model, prompt lookup, Medusa heads or an EAGLE head")
+    g.add_argument("--speculative-model", default=None,
+                   help="the draft model (draft) or head file (medusa, eagle; default: the heads "
+                        "shipped for the default model)")
+    g.add_argument("--num-speculative-tokens", type=int, default=None,
+                   help="draft length (EAGLE: tree depth); default 4")
+    g.add_argument("--speculative-draft-layers", type=int, default=None,
+                   help="draft with the first N layers of --speculative-model (early exit)")
+    g.add_argument("--spec-tree", default=None,
+                   help="tree shape: medusa top-k per head ('3,2,1,1'), eagle 'topk,beam,nodes'")
+    g.add_argument("--no-spec-auto-off", action="store_true",
+                   help="speculate even where the roofline model predicts no gain")
+
+
+def spec_engine_args(args: argparse.Namespace) -> dict:
+    return dict(speculative_method=args.speculative_method,
+                speculative_model=args.speculative_model,
+                num_speculative_tokens=args.num_speculative_tokens,
+                speculative_draft_layers=args.speculative_draft_layers,
+                speculative_tree=args.spec_tree,
+                speculative_auto_off=not args.no_spec_auto_off)

@@ -163,3 +163,18 @@ def test_tokens_of_a_finished_request_still_in_flight_are_dropped():
     s.add_request(make("b", 2))
     out = s.schedule()
     assert out.finished_req_ids == ["a"] and list(out.num_scheduled_tokens) == ["b"]
+
+
+def test_tree_drafts_become_chains_in_steps_with_prompt_chunks():
+    from slipstream.engine.scheduler import Scheduler
+    from slipstream.step_data import SchedulerOutput
+
+    class R:
+        request_id = "a"
+        num_spec_scheduled = 3
+    out = SchedulerOutput()
+    #      root -> 0 (7) -> 2 (9)
+    #           -> 1 (8)
+    out.spec_drafts["a"] = ([7, 8, 9], (-1, -1, 0))
+    req, n = Scheduler._chain_only(R(), 4, out)
+    assert n == 3 and out.spec_drafts["a"] == ([7, 9], (-1, 0)) and req.num_spec_scheduled == 2

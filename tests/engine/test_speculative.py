@@ -41,15 +41,18 @@ def _heads(tmp_path, folder):
     return tmp_path / "m.safetensors", tmp_path / "e.safetensors"
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft", "draft-self", "medusa", "eagle"])
+@pytest.mark.parametrize("method", ["ngram", "draft", "draft-self", "medusa", "eagle",
+                                    "eagle-chunked"])
 def test_greedy_speculation_equals_plain_decoding(folder, plain, method, tmp_path):
     kw = dict(speculative_method=method.split("-")[0], num_speculative_tokens=3,
               speculative_auto_off=False)
+    if method == "eagle-chunked":  # prompt chunks share steps with drafts: trees cut to chains
+        kw.update(max_num_batched_tokens=24)
     if method == "draft":
         kw.update(speculative_model=str(folder), speculative_draft_layers=1)
     elif method == "draft-self":   # the target drafts for itself: every draft is accepted
         kw.update(speculative_model=str(folder))
-    elif method in ("medusa", "eagle"):
+    elif method.startswith(("medusa", "eagle")):
         m, e = _heads(tmp_path, folder)
         kw.update(speculative_model=str(m if method == "medusa" else e),
                   speculative_tree="2,2,1" if method == "medusa" else "3,2,6")
@@ -108,3 +111,5 @@ def test_speculative_options_are_checked(folder):
         make_llm(folder, speculative_method="ngram", num_speculative_tokens=0)
     with pytest.raises(ValueError, match="speculative_tree"):
         make_llm(folder, speculative_method="eagle", speculative_tree="3,2")
+    with pytest.raises(ValueError, match="at most 63"):
+        make_llm(folder, speculative_method="medusa", speculative_tree="4,4,4")

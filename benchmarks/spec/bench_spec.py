@@ -1,0 +1,178 @@
+"""Speculative decoding on the default model: tau, acceptance per position and
+wall-clock speedup over plain decoding measured in the same run.
+
+Each prompt (one per line, chat template applied) is generated greedily at
+batch 1, first plainly and then with each method; a method's outputs must be
+token-identical to the plain ones (reported as `identical`: on CPU fp32 a
+mismatch is a bug; in bf16, batched verification and one-token decoding may
+round differently and flip a near-tie). With `--batch 64` the same is done
+with 64 requests at once (prompts repeated), the auto-off rule in charge.
+
+    python benchmarks/spec/bench_spec.py --device cpu --max-tokens 64
+    python benchmarks/spec/bench_spec.py --device cuda --batch 1 64       # H200
+    python benchmarks/spec/bench_spec.py --smoke                          # tiny model, seconds
+
+Writes results.json and results.md to --out (default benchmarks/spec/results).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parents[1]))
+
+METHODS = {
+    # name -> engine options
+    "ngram": dict(speculative_method="ngram", num_speculative_tokens=4),
+    "draft": dict(speculative_method="draft", num_speculative_tokens=3,
+                  speculative_draft_layers=8),
+    "medusa": dict(speculative_method="medusa", speculative_tree="3,2,1"),
+    "eagle": dict(speculative_method="eagle", num_speculative_tokens=5,
+                  speculative_tree="4,4,16"),
+}
+
+
+def _tiny_model(folder: Path) -> tuple[str, dict]:
+    """A tiny random Llama (and its Medusa / EAGLE heads) for --smoke."""
+    import torch
+    from tests.engine.conftest import build_hf_model
+    from tests.loader.checkpoints import write_hf_tokenizer
+    from slipstream.loader import open_model
+    from slipstream.spec.eagle import EagleHead, EagleShape
+    from slipstream.spec.medusa import MedusaHeads
+    folder.mkdir(parents=True, exist_ok=True)
+    build_hf_model("llama").save_pretrained(folder)
+    write_hf_tokenizer(folder)
+    c = open_model(str(folder)).config
+    torch.manual_seed(0)
+    heads = folder.parent / "heads"     # not inside the model folder: its loader reads every file
+    heads.mkdir(exist_ok=True)
+    MedusaHeads(c.hidden_size, 3).save(heads / "medusa.safetensors")
+    EagleHead(EagleShape(c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+                         64, c.rope_theta, c.max_position_embeddings)).save(heads / "eagle.safetensors")
+    return str(folder), {"medusa": str(heads / "medusa.safetensors"),
+                         "eagle": str(heads / "eagle.safetensors"), "draft": str(folder)}
+
+
+def _run(llm, prompts, params, batch: int) -> tuple[list[list[int]], float, int]:
+    t0 = time.perf_counter()
+    outs = []
+    for i in range(0, len(prompts), batch):
+        res = llm.generate(prompts[i:i + batch], params, use_tqdm=False)
+        outs.extend(o.outputs[0].token_ids for o in res)
+    secs = time.perf_counter() - t0
+    return outs, secs, sum(len(o) for o in outs)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
+    ap.add_argument("--methods", default="ngram,draft,medusa,eagle")
+    ap.add_argument("--prompts", default=str(HERE / "prompts.txt"))
+    ap.add_argument("--num-prompts", type=int, default=None)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--batch", type=int, nargs="+", default=[1])
+    ap.add_argument("--auto-off", action="store_true",
+                    help="let the roofline rule switch speculation off (always on at batch > 1)")
+    ap.add_argument("--smoke", action="store_true", help="tiny random model, few tokens")
+    ap.add_argument("--out", default=str(HERE / "results"))
+    args = ap.parse_args(argv)
+
+    import torch
+    from slipstream import LLM, SamplingParams
+
+    heads = {}
+    model = args.model
+    if args.smoke:
+        import tempfile
+        model, heads = _tiny_model(Path(tempfile.mkdtemp()) / "smoke-model")
+        args.max_tokens, args.num_prompts = min(args.max_tokens, 12), args.num_prompts or 3
+    texts = [s.strip() for s in Path(args.prompts).read_text().splitlines() if s.strip()]
+    texts = texts[:args.num_prompts] if args.num_prompts else texts
+    common = dict(device=args.device, dtype=args.dtype, max_model_len=256 if args.smoke else 1024,
+                  seed=0)
+    if args.device == "cpu":
+        common["kv_cache_memory"] = 256 << 20
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+
+    base = LLM(model, **common)
+    tok = base.get_tokenizer()
+    prompts = [{"prompt_token_ids": tok.encode(tok.apply_chat_template(
+        [{"role": "user", "content": t}]), add_special_tokens=False)} for t in texts]
+    cfg = base.engine.config
+    env = dict(device=args.device, device_name=(torch.cuda.get_device_name() if args.device == "cuda"
+                                                else platform.processor() or platform.machine()),
+               dtype=str(cfg.dtype).removeprefix("torch."), torch=torch.__version__,
+               model=cfg.model, prompts=len(prompts), max_tokens=args.max_tokens,
+               attention_backend=base.engine.runner.backend.name)
+    results = []
+    for batch in args.batch:
+        reps = max(1, -(-batch // len(prompts))) if batch > 1 else 1
+        ps = (prompts * reps)[:max(batch, len(prompts))] if batch > 1 else prompts
+        _run(base, ps[:1], SamplingParams(temperature=0.0, max_tokens=4), 1)   # warm-up
+        ref, plain_s, n_tok = _run(base, ps, params, batch)
+        row = dict(batch=batch, method="plain", tokens=n_tok, seconds=round(plain_s, 3),
+                   tokens_per_s=round(n_tok / plain_s, 2), speedup=1.0)
+        results.append(row)
+        print(json.dumps(row), flush=True)
+        for name in args.methods.split(","):
+            opts = dict(METHODS[name])
+            if name in heads:
+                opts["speculative_model"] = heads[name]
+            if name == "draft" and args.smoke:
+                opts["speculative_draft_layers"] = 1
+            opts["speculative_auto_off"] = args.auto_off or batch > 1
+            try:
+                llm = LLM(model, **common, **opts)
+            except ValueError as e:   # e.g. no trained head ships for this model
+                row = dict(batch=batch, method=name, error=str(e))
+                results.append(row)
+                print(json.dumps(row), flush=True)
+                continue
+            _run(llm, ps[:1], SamplingParams(temperature=0.0, max_tokens=4), 1)
+            spec = llm.engine.runner.speculator
+            spec.stats.__init__()
+            outs, secs, n = _run(llm, ps, params, batch)
+            st = spec.stats
+            row = dict(batch=batch, method=name, options=opts, tokens=n, seconds=round(secs, 3),
+                       tokens_per_s=round(n / secs, 2), speedup=round(plain_s / secs * n / n_tok, 3),
+                       identical=sum(a == b for a, b in zip(outs, ref)) / len(ref),
+                       rounds=st.rounds, tau=round(st.tau, 3),
+                       mean_accepted=round(st.accepted / max(st.rounds, 1), 3),
+                       drafted_per_round=round(st.drafted / max(st.rounds, 1), 2),
+                       acceptance_per_position=[round(a, 3) for a in st.acceptance_per_position],
+                       draft_seconds=round(st.draft_time, 3))
+            results.append(row)
+            print(json.dumps(row), flush=True)
+            del llm
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = "smoke" if args.smoke else f"results_{args.device}"
+    (out / f"{stem}.json").write_text(json.dumps(dict(env=env, results=results), indent=1))
+    lines = [f"# Speculative decoding, {env['device_name']} ({args.device}, {env['dtype']})", "",
+             f"{env['prompts']} chat prompts, greedy, {args.max_tokens} tokens each; torch "
+             f"{env['torch']}; speedup = plain seconds / method seconds in the same run.", "",
+             "| batch | method | tok/s | speedup | tau | accepted/round | drafted/round | "
+             "acceptance by position | identical |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        if "error" in r:
+            lines.append(f"| {r['batch']} | {r['method']} | error: {r['error']} |||||||")
+            continue
+        lines.append(f"| {r['batch']} | {r['method']} | {r['tokens_per_s']} | {r['speedup']} | "
+                     f"{r.get('tau', '')} | {r.get('mean_accepted', '')} | "
+                     f"{r.get('drafted_per_round', '')} | {r.get('acceptance_per_position', '')} | "
+                     f"{r.get('identical', '')} |")
+    (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
