@@ -113,31 +113,38 @@ def main(argv=None) -> int:
                model=cfg.model, prompts=len(prompts), max_tokens=args.max_tokens,
                attention_backend=base.engine.runner.backend.name)
     results = []
+    sets, plain = {}, {}
+    _run(base, prompts[:1], SamplingParams(temperature=0.0, max_tokens=4), 1)   # warm-up
     for batch in args.batch:
-        reps = max(1, -(-batch // len(prompts))) if batch > 1 else 1
-        ps = (prompts * reps)[:max(batch, len(prompts))] if batch > 1 else prompts
-        _run(base, ps[:1], SamplingParams(temperature=0.0, max_tokens=4), 1)   # warm-up
+        reps = -(-batch // len(prompts))
+        ps = (prompts * reps)[:batch] if batch > len(prompts) else prompts
+        sets[batch] = ps
         ref, plain_s, n_tok = _run(base, ps, params, batch)
+        plain[batch] = (ref, plain_s, n_tok)
         row = dict(batch=batch, method="plain", tokens=n_tok, seconds=round(plain_s, 3),
                    tokens_per_s=round(n_tok / plain_s, 2), speedup=1.0)
         results.append(row)
         print(json.dumps(row), flush=True)
-        for name in args.methods.split(","):
-            opts = dict(METHODS[name])
-            if name in heads:
-                opts["speculative_model"] = heads[name]
-            if name == "draft" and args.smoke:
-                opts["speculative_draft_layers"] = 1
-            opts["speculative_auto_off"] = args.auto_off or batch > 1
-            try:
-                llm = LLM(model, **common, **opts)
-            except ValueError as e:   # e.g. no trained head ships for this model
-                row = dict(batch=batch, method=name, error=str(e))
-                results.append(row)
-                print(json.dumps(row), flush=True)
-                continue
-            _run(llm, ps[:1], SamplingParams(temperature=0.0, max_tokens=4), 1)
-            spec = llm.engine.runner.speculator
+    del base
+    for name in args.methods.split(","):
+        opts = dict(METHODS[name])
+        if name in heads:
+            opts["speculative_model"] = heads[name]
+        if name == "draft" and args.smoke:
+            opts["speculative_draft_layers"] = 1
+        try:
+            llm = LLM(model, **common, **opts, speculative_auto_off=args.auto_off)
+        except ValueError as e:   # e.g. no trained head ships for this model
+            row = dict(method=name, error=str(e))
+            results.append(row)
+            print(json.dumps(row), flush=True)
+            continue
+        spec = llm.engine.runner.speculator
+        _run(llm, prompts[:1], SamplingParams(temperature=0.0, max_tokens=4), 1)
+        for batch in args.batch:
+            ps, (ref, plain_s, n_tok) = sets[batch], plain[batch]
+            # At batch > 1 the roofline rule decides (the target: never slower than plain).
+            spec.governor.auto_off = args.auto_off or batch > 1
             spec.stats.__init__()
             outs, secs, n = _run(llm, ps, params, batch)
             st = spec.stats
@@ -151,7 +158,7 @@ def main(argv=None) -> int:
                        draft_seconds=round(st.draft_time, 3))
             results.append(row)
             print(json.dumps(row), flush=True)
-            del llm
+        del llm
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = "smoke" if args.smoke else f"results_{args.device}"
@@ -161,9 +168,9 @@ def main(argv=None) -> int:
              f"{env['torch']}; speedup = plain seconds / method seconds in the same run.", "",
              "| batch | method | tok/s | speedup | tau | accepted/round | drafted/round | "
              "acceptance by position | identical |", "|---|---|---|---|---|---|---|---|---|"]
-    for r in results:
+    for r in sorted(results, key=lambda r: r.get("batch", 0)):
         if "error" in r:
-            lines.append(f"| {r['batch']} | {r['method']} | error: {r['error']} |||||||")
+            lines.append(f"| | {r['method']} | error: {r['error']} |||||||")
             continue
         lines.append(f"| {r['batch']} | {r['method']} | {r['tokens_per_s']} | {r['speedup']} | "
                      f"{r.get('tau', '')} | {r.get('mean_accepted', '')} | "

@@ -23,11 +23,17 @@ class DraftKVCache:
         # [layers, 2, blocks, block_size, kv_heads, head_dim], zeroed (finite) like the target's.
         self.pool = torch.zeros(len(layers), 2, num_blocks, block_size, first.num_kv_heads,
                                 first.head_dim, dtype=dtype, device=self.device)
-        for i, layer in enumerate(layers):
-            layer.k_cache, layer.v_cache = self.pool[i, 0], self.pool[i, 1]
+        self.layers = layers
+        self.bind()
         self.free = list(range(num_blocks - 1, -1, -1))
         self.tables: dict[str, list[int]] = {}
         self.num_cached: dict[str, int] = {}
+
+    def bind(self) -> None:
+        """Point the model's attention layers at this pool (a model may serve
+        several caches, e.g. answering prompts and then scoring them)."""
+        for i, layer in enumerate(self.layers):
+            layer.k_cache, layer.v_cache = self.pool[i, 0], self.pool[i, 1]
 
     def release(self, request_id: str) -> None:
         self.free.extend(self.tables.pop(request_id, []))
@@ -48,6 +54,7 @@ class DraftKVCache:
         or None for c .. c + q - 1). Query row t of a request writes slot c + t
         and sees the c cached tokens plus, with `tree_masks[i]` [q, q], the rows
         it marks (else rows <= t). Logits rows: every query row."""
+        self.bind()
         bs = self.block_size
         ids, positions, slots, qlens, seqlens, ctx, tables = [], [], [], [], [], [], []
         for rid, tokens, c, pos in entries:
