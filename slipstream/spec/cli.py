@@ -15,6 +15,8 @@ def add_parser(sub) -> None:
     p.add_argument("--max-tokens", type=int, default=96, help="answer length per prompt")
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--data-cache", default=None,
+                   help="keep the target's answers and features in this file and reuse them")
     p.add_argument("--out", default="slipstream/spec/weights",
                    help="directory for <model>.<method>.safetensors")
     p.set_defaults(func=run)
@@ -25,7 +27,7 @@ def run(args: argparse.Namespace) -> int:
     if args.max_tokens < 2 or args.epochs < 1:
         raise ValueError("--max-tokens must be >= 2 and --epochs >= 1")
     train_draft(args.method, args.model, args.out, args.prompts, args.max_tokens, args.epochs,
-                args.seed)
+                args.seed, data_cache=args.data_cache)
     return 0
 
 

@@ -181,7 +181,7 @@ def _eagle_loss(f_hat, target_f, target_p, w, keep) -> torch.Tensor:
 
 def train_draft(methods: list[str], model_path: str | None, out_dir: str | Path,
                 prompts: str | None, max_tokens: int, epochs: int, seed: int = 0,
-                log=print) -> list[Path]:
+                log=print, data_cache: str | None = None) -> list[Path]:
     """The `slipstream train-draft` command: data (once), training, safetensors."""
     from slipstream.loader import open_model
     from slipstream.spec.draft_model import load_draft_model
@@ -193,9 +193,21 @@ def train_draft(methods: list[str], model_path: str | None, out_dir: str | Path,
     model = load_draft_model(model_path, "cpu", torch.float32)
     texts = read_prompts(prompts)
     t0 = time.perf_counter()
-    from tqdm.auto import tqdm
-    with tqdm(total=len(texts), desc="target answers") as bar:
-        samples = make_samples(model, files.tokenizer(), texts, max_tokens, progress=bar.update)
+    key = dict(model=str(files.path), prompts=texts, max_tokens=max_tokens)
+    cached = Path(data_cache) if data_cache else None
+    samples = None
+    if cached is not None and cached.is_file():
+        blob = torch.load(cached, weights_only=True)
+        if blob["key"] == repr(key):
+            samples = [Sample(t, f, int(a)) for t, f, a in blob["samples"]]
+            log(f"samples from {cached}")
+    if samples is None:
+        from tqdm.auto import tqdm
+        with tqdm(total=len(texts), desc="target answers") as bar:
+            samples = make_samples(model, files.tokenizer(), texts, max_tokens, progress=bar.update)
+        if cached is not None:
+            torch.save({"key": repr(key), "samples": [(s.tokens, s.features, s.answer_start)
+                                                        for s in samples]}, cached)
     log(f"{len(samples)} samples, {sum(s.tokens.shape[0] - s.answer_start for s in samples)} "
         f"answer tokens in {time.perf_counter() - t0:.0f} s")
     stem = Path(model_path).stem if model_path else "smollm2-135m-instruct"
