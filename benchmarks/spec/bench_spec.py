@@ -1,40 +1,24 @@
-"""Speculative decoding on the default model: tau, acceptance per position and
-wall-clock speedup over plain decoding measured in the same run.
+"""Speculative decoding on the default model (the script form of
+`slipstream bench spec`): tau, acceptance per position and wall-clock speedup
+over plain decoding, the two alternating prompt by prompt in one process.
 
-Each prompt (one per line, chat template applied) is generated greedily at
-batch 1, first plainly and then with each method; a method's outputs must be
-token-identical to the plain ones (reported as `identical`: on CPU fp32 a
-mismatch is a bug; in bf16, batched verification and one-token decoding may
-round differently and flip a near-tie). With `--batch 64` the same is done
-with 64 requests at once (prompts repeated), the auto-off rule in charge.
+    python benchmarks/spec/bench_spec.py --device cpu --num-prompts 4 --max-tokens 48
+    python benchmarks/spec/bench_spec.py --device cuda --batch 1 64 --max-tokens 128   # H200
+    python benchmarks/spec/bench_spec.py --smoke                # tiny random model, seconds
 
-    python benchmarks/spec/bench_spec.py --device cpu --max-tokens 64
-    python benchmarks/spec/bench_spec.py --device cuda --batch 1 64       # H200
-    python benchmarks/spec/bench_spec.py --smoke                          # tiny model, seconds
-
-Writes results.json and results.md to --out (default benchmarks/spec/results).
+Writes results_<device>.{json,md} (smoke.{json,md} for --smoke) to --out
+(default benchmarks/spec/results). Outputs are checked token for token
+against plain decoding (`identical`; in bf16 a near-tie may flip, since
+batched verification and one-token decoding round differently).
 """
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import sys
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))
-
-METHODS = {
-    # name -> engine options
-    "ngram": dict(speculative_method="ngram", num_speculative_tokens=4),
-    "draft": dict(speculative_method="draft", num_speculative_tokens=3,
-                  speculative_draft_layers=8),
-    "medusa": dict(speculative_method="medusa", speculative_tree="3,2,1"),
-    "eagle": dict(speculative_method="eagle", num_speculative_tokens=5,
-                  speculative_tree="4,4,16"),
-}
 
 
 def _tiny_model(folder: Path) -> tuple[str, dict]:
@@ -59,146 +43,19 @@ def _tiny_model(folder: Path) -> tuple[str, dict]:
                          "eagle": str(heads / "eagle.safetensors"), "draft": str(folder)}
 
 
-def _run(llm, prompts, params, batch: int) -> tuple[list[list[int]], float, int]:
-    t0 = time.perf_counter()
-    outs = []
-    for i in range(0, len(prompts), batch):
-        res = llm.generate(prompts[i:i + batch], params, use_tqdm=False)
-        outs.extend(o.outputs[0].token_ids for o in res)
-    secs = time.perf_counter() - t0
-    return outs, secs, sum(len(o) for o in outs)
-
-
-def _interleaved(base, llm, prompts, params, batch: int):
-    """Plain and speculative runs alternate batch by batch, so that load from
-    other processes on a shared machine hits both alike."""
-    plain_s = spec_s = 0.0
-    ref, outs = [], []
-    for i in range(0, len(prompts), batch):
-        chunk = prompts[i:i + batch]
-        r, s, _ = _run(base, chunk, params, batch)
-        o, t, _ = _run(llm, chunk, params, batch)
-        ref += r
-        outs += o
-        plain_s += s
-        spec_s += t
-    return ref, plain_s, outs, spec_s
-
-
 def main(argv=None) -> int:
+    from slipstream.spec import bench
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
-    ap.add_argument("--methods", default="ngram,draft,medusa,eagle")
-    ap.add_argument("--prompts", default=str(HERE / "prompts.txt"))
-    ap.add_argument("--num-prompts", type=int, default=None)
-    ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--batch", type=int, nargs="+", default=[1])
-    ap.add_argument("--auto-off", action="store_true",
-                    help="let the roofline rule switch speculation off (always on at batch > 1)")
+    bench.add_arguments(ap)
     ap.add_argument("--smoke", action="store_true", help="tiny random model, few tokens")
-    ap.add_argument("--out", default=str(HERE / "results"))
+    ap.set_defaults(out=str(HERE / "results"))
     args = ap.parse_args(argv)
-
-    import torch
-    from slipstream import LLM, SamplingParams
-
-    heads = {}
-    model = args.model
     if args.smoke:
         import tempfile
         model, heads = _tiny_model(Path(tempfile.mkdtemp()) / "smoke-model")
         args.max_tokens, args.num_prompts = min(args.max_tokens, 12), args.num_prompts or 3
-    texts = [s.strip() for s in Path(args.prompts).read_text().splitlines() if s.strip()]
-    texts = texts[:args.num_prompts] if args.num_prompts else texts
-    common = dict(device=args.device, dtype=args.dtype, max_model_len=256 if args.smoke else 1024,
-                  seed=0)
-    if args.device == "cpu":
-        common["kv_cache_memory"] = 256 << 20
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-
-    base = LLM(model, **common)
-    tok = base.get_tokenizer()
-    prompts = [{"prompt_token_ids": tok.encode(tok.apply_chat_template(
-        [{"role": "user", "content": t}]), add_special_tokens=False)} for t in texts]
-    cfg = base.engine.config
-    env = dict(device=args.device, device_name=(torch.cuda.get_device_name() if args.device == "cuda"
-                                                else platform.processor() or platform.machine()),
-               dtype=str(cfg.dtype).removeprefix("torch."), torch=torch.__version__,
-               model=cfg.model, prompts=len(prompts), max_tokens=args.max_tokens,
-               attention_backend=base.engine.runner.backend.name)
-    results = []
-    sets = {}
-    _run(base, prompts[:1], SamplingParams(temperature=0.0, max_tokens=4), 1)   # warm-up
-    for batch in args.batch:
-        reps = -(-batch // len(prompts))
-        ps = (prompts * reps)[:batch] if batch > len(prompts) else prompts
-        sets[batch] = ps
-        ref, plain_s, n_tok = _run(base, ps, params, batch)
-        row = dict(batch=batch, method="plain", tokens=n_tok, seconds=round(plain_s, 3),
-                   tokens_per_s=round(n_tok / plain_s, 2), speedup=1.0)
-        results.append(row)
-        print(json.dumps(row), flush=True)
-    for name in args.methods.split(","):
-        opts = dict(METHODS[name])
-        if name in heads:
-            opts["speculative_model"] = heads[name]
-        if name == "draft" and args.smoke:
-            opts["speculative_draft_layers"] = 1
-        try:
-            llm = LLM(model, **common, **opts, speculative_auto_off=args.auto_off)
-        except ValueError as e:   # e.g. no trained head ships for this model
-            row = dict(method=name, error=str(e))
-            results.append(row)
-            print(json.dumps(row), flush=True)
-            continue
-        spec = llm.engine.runner.speculator
-        _run(llm, prompts[:1], SamplingParams(temperature=0.0, max_tokens=4), 1)
-        for batch in args.batch:
-            ps = sets[batch]
-            # At batch > 1 the roofline rule decides (the target: never slower than plain).
-            spec.governor.auto_off = args.auto_off or batch > 1
-            spec.stats.__init__()
-            ref, plain_s, outs, secs = _interleaved(base, llm, ps, params, batch)
-            n, n_tok = sum(len(o) for o in outs), sum(len(o) for o in ref)
-            st = spec.stats
-            row = dict(batch=batch, method=name, options=opts, tokens=n, seconds=round(secs, 3),
-                       tokens_per_s=round(n / secs, 2),
-                       plain_tokens_per_s=round(n_tok / plain_s, 2),
-                       speedup=round(plain_s / secs * n / n_tok, 3),
-                       identical=sum(a == b for a, b in zip(outs, ref)) / len(ref),
-                       rounds=st.rounds, tau=round(st.tau, 3),
-                       mean_accepted=round(st.accepted / max(st.rounds, 1), 3),
-                       drafted_per_round=round(st.drafted / max(st.rounds, 1), 2),
-                       acceptance_per_position=[round(a, 3) for a in st.acceptance_per_position],
-                       draft_seconds=round(st.draft_time, 3))
-            results.append(row)
-            print(json.dumps(row), flush=True)
-        del llm
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = "smoke" if args.smoke else f"results_{args.device}"
-    (out / f"{stem}.json").write_text(json.dumps(dict(env=env, results=results), indent=1))
-    lines = [f"# Speculative decoding, {env['device_name']} ({args.device}, {env['dtype']})", "",
-             f"{env['prompts']} chat prompts, greedy, {args.max_tokens} tokens each; torch "
-             f"{env['torch']}; speedup = plain seconds / method seconds, the two runs alternating "
-             "prompt by prompt in one process (plain tok/s is the interleaved plain run).", "",
-             "| batch | method | tok/s | plain tok/s | speedup | tau | accepted/round | "
-             "drafted/round | acceptance by position | identical |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in sorted(results, key=lambda r: r.get("batch", 0)):
-        if "error" in r:
-            lines.append(f"| | {r['method']} | error: {r['error']} ||||||||")
-            continue
-        lines.append(f"| {r['batch']} | {r['method']} | {r['tokens_per_s']} | "
-                     f"{r.get('plain_tokens_per_s', '')} | {r['speedup']} | "
-                     f"{r.get('tau', '')} | {r.get('mean_accepted', '')} | "
-                     f"{r.get('drafted_per_round', '')} | {r.get('acceptance_per_position', '')} | "
-                     f"{r.get('identical', '')} |")
-    (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    return 0
+        return bench.run(args, model, heads, stem="smoke")
+    return bench.run(args)
 
 
 if __name__ == "__main__":

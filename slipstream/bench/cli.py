@@ -38,6 +38,12 @@ ENGINE_OPTIONS = {
     "async_scheduling": (bool, None, "overlap host work with the device (default: on for CUDA)"),
     "seed": (int, 0, "seed of unseeded sampling and of dummy weights"),
     "tensor_parallel_size": (int, 1, "processes sharing each layer (GPUs on CUDA)"),
+    "speculative_method": (str, None, "draft, ngram, medusa or eagle (speculative decoding)"),
+    "speculative_model": (str, None, "draft model folder or Medusa / EAGLE head file"),
+    "num_speculative_tokens": (int, None, "draft length (EAGLE: tree depth)"),
+    "speculative_draft_layers": (int, None, "draft with the first N layers of the model"),
+    "speculative_tree": (str, None, "medusa top-k per head '3,2,1,1'; eagle 'topk,beam,nodes'"),
+    "speculative_auto_off": (bool, True, "stop drafting where the roofline predicts no gain"),
 }
 
 
@@ -53,6 +59,8 @@ def add_parsers(bench_subparsers) -> None:
         p.set_defaults(func=run_latency if name == "latency" else run_throughput)
     from slipstream.bench import serve   # a client of a running server (standard library only)
     serve.add_parser(bench_subparsers)
+    from slipstream.spec.cli import add_bench_parser
+    add_bench_parser(bench_subparsers)
 
 
 def _common_arguments(p: argparse.ArgumentParser) -> None:

@@ -150,6 +150,12 @@ class Engine:
         stop = getattr(self.runner, "shutdown", None)
         if stop is not None:
             stop()
+    @property
+    def spec_stats(self):
+        """Speculative decoding counters (spec.generator.SpecStats: rounds, tau,
+        acceptance per position, draft time), or None when speculation is off."""
+        spec = self.runner.speculator
+        return None if spec is None else spec.stats
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._parents) or self._inflight is not None

@@ -56,3 +56,13 @@ def spec_engine_args(args: argparse.Namespace) -> dict:
                 speculative_draft_layers=args.speculative_draft_layers,
                 speculative_tree=args.spec_tree,
                 speculative_auto_off=not args.no_spec_auto_off)
+
+
+def add_bench_parser(bench_subparsers) -> None:
+    """`slipstream bench spec`."""
+    from slipstream.spec import bench
+    p = bench_subparsers.add_parser("spec", help="speculative decoding: tau, acceptance and "
+                                    "speedup over plain decoding per method",
+                                    description=bench.__doc__.split("\n\n")[0])
+    bench.add_arguments(p)
+    p.set_defaults(func=bench.run)

@@ -1,0 +1,177 @@
+"""`slipstream bench spec`: speculative decoding against plain decoding.
+
+Each prompt (one per line, chat template applied) is answered greedily at
+the given batch sizes, plainly and with each method, the two runs
+alternating prompt by prompt in one process; reported per method: tokens/s,
+speedup over the interleaved plain run, tau (tokens per verification round),
+accepted and drafted tokens per round, acceptance at each draft depth, and
+the fraction of outputs token-identical to plain decoding.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+DEFAULT_PROMPTS = Path(__file__).resolve().parents[2] / "benchmarks" / "spec" / "prompts.txt"
+
+METHODS = {
+    # name -> engine options
+    "ngram": dict(speculative_method="ngram", num_speculative_tokens=4),
+    "draft": dict(speculative_method="draft", num_speculative_tokens=3,
+                  speculative_draft_layers=8),
+    "medusa": dict(speculative_method="medusa", speculative_tree="3,2,1"),
+    "eagle": dict(speculative_method="eagle", num_speculative_tokens=5,
+                  speculative_tree="4,4,16"),
+}
+
+
+def _run(llm, prompts, params, batch: int) -> tuple[list[list[int]], float, int]:
+    t0 = time.perf_counter()
+    outs = []
+    for i in range(0, len(prompts), batch):
+        res = llm.generate(prompts[i:i + batch], params, use_tqdm=False)
+        outs.extend(o.outputs[0].token_ids for o in res)
+    secs = time.perf_counter() - t0
+    return outs, secs, sum(len(o) for o in outs)
+
+
+def _interleaved(base, llm, prompts, params, batch: int):
+    """Plain and speculative runs alternate batch by batch, so that load from
+    other processes on a shared machine hits both alike."""
+    plain_s = spec_s = 0.0
+    ref, outs = [], []
+    for i in range(0, len(prompts), batch):
+        chunk = prompts[i:i + batch]
+        r, s, _ = _run(base, chunk, params, batch)
+        o, t, _ = _run(llm, chunk, params, batch)
+        ref += r
+        outs += o
+        plain_s += s
+        spec_s += t
+    return ref, plain_s, outs, spec_s
+
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
+    p.add_argument("--speculative-method", "--methods", dest="methods",
+                   default="ngram,draft,medusa,eagle", help="comma-separated methods")
+    p.add_argument("--prompts", default=None, help="one prompt per line "
+                   "(default: benchmarks/spec/prompts.txt, or the training prompts)")
+    p.add_argument("--num-prompts", type=int, default=None)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--batch", type=int, nargs="+", default=[1])
+    p.add_argument("--auto-off", action="store_true",
+                   help="let the roofline rule switch speculation off (always on at batch > 1)")
+    p.add_argument("--out", default=None, help="directory for results_<device>.{json,md}")
+
+
+def run(args, model=None, heads: dict | None = None, stem: str | None = None) -> int:
+    """`model`/`heads` override --model and the shipped heads (the smoke test)."""
+    heads = heads or {}
+    model = model if model is not None else args.model
+    import torch
+    from slipstream import LLM, SamplingParams
+
+    smoke = stem == "smoke"
+    prompts_file = Path(args.prompts) if args.prompts else DEFAULT_PROMPTS
+    if not prompts_file.is_file():   # an installed package has no benchmarks/ folder
+        prompts_file = Path(__file__).parent / "data" / "train_prompts.txt"
+    texts = [s.strip() for s in prompts_file.read_text().splitlines() if s.strip()]
+    texts = texts[:args.num_prompts] if args.num_prompts else texts
+    common = dict(device=args.device, dtype=args.dtype, max_model_len=256 if smoke else 1024,
+                  seed=0)
+    if args.device == "cpu":
+        common["kv_cache_memory"] = 256 << 20
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+
+    base = LLM(model, **common)
+    tok = base.get_tokenizer()
+    prompts = [{"prompt_token_ids": tok.encode(tok.apply_chat_template(
+        [{"role": "user", "content": t}]), add_special_tokens=False)} for t in texts]
+    cfg = base.engine.config
+    env = dict(device=args.device, device_name=(torch.cuda.get_device_name() if args.device == "cuda"
+                                                else platform.processor() or platform.machine()),
+               dtype=str(cfg.dtype).removeprefix("torch."), torch=torch.__version__,
+               model=cfg.model, prompts=len(prompts), max_tokens=args.max_tokens,
+               attention_backend=base.engine.runner.backend.name)
+    results = []
+    sets = {}
+    _run(base, prompts[:1], SamplingParams(temperature=0.0, max_tokens=4), 1)   # warm-up
+    for batch in args.batch:
+        reps = -(-batch // len(prompts))
+        ps = (prompts * reps)[:batch] if batch > len(prompts) else prompts
+        sets[batch] = ps
+        ref, plain_s, n_tok = _run(base, ps, params, batch)
+        row = dict(batch=batch, method="plain", tokens=n_tok, seconds=round(plain_s, 3),
+                   tokens_per_s=round(n_tok / plain_s, 2), speedup=1.0)
+        results.append(row)
+        print(json.dumps(row), flush=True)
+    for name in args.methods.split(","):
+        opts = dict(METHODS[name])
+        if name in heads:
+            opts["speculative_model"] = heads[name]
+        if name == "draft" and smoke:
+            opts["speculative_draft_layers"] = 1
+        try:
+            llm = LLM(model, **common, **opts, speculative_auto_off=args.auto_off)
+        except ValueError as e:   # e.g. no trained head ships for this model
+            row = dict(method=name, error=str(e))
+            results.append(row)
+            print(json.dumps(row), flush=True)
+            continue
+        spec = llm.engine.runner.speculator
+        _run(llm, prompts[:1], SamplingParams(temperature=0.0, max_tokens=4), 1)
+        for batch in args.batch:
+            ps = sets[batch]
+            # At batch > 1 the roofline rule decides (the target: never slower than plain).
+            spec.governor.auto_off = args.auto_off or batch > 1
+            spec.stats.__init__()
+            ref, plain_s, outs, secs = _interleaved(base, llm, ps, params, batch)
+            n, n_tok = sum(len(o) for o in outs), sum(len(o) for o in ref)
+            st = spec.stats
+            row = dict(batch=batch, method=name, options=opts, tokens=n, seconds=round(secs, 3),
+                       tokens_per_s=round(n / secs, 2),
+                       plain_tokens_per_s=round(n_tok / plain_s, 2),
+                       speedup=round(plain_s / secs * n / n_tok, 3),
+                       identical=sum(a == b for a, b in zip(outs, ref)) / len(ref),
+                       rounds=st.rounds, tau=round(st.tau, 3),
+                       mean_accepted=round(st.accepted / max(st.rounds, 1), 3),
+                       drafted_per_round=round(st.drafted / max(st.rounds, 1), 2),
+                       acceptance_per_position=[round(a, 3) for a in st.acceptance_per_position],
+                       draft_seconds=round(st.draft_time, 3))
+            results.append(row)
+            print(json.dumps(row), flush=True)
+        del llm
+    stem = stem or f"results_{args.device}"
+    if args.out is None:
+        print(json.dumps(dict(env=env, results=results), indent=1))
+        return 0
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps(dict(env=env, results=results), indent=1))
+    lines = [f"# Speculative decoding, {env['device_name']} ({args.device}, {env['dtype']})", "",
+             f"{env['prompts']} chat prompts, greedy, {args.max_tokens} tokens each; torch "
+             f"{env['torch']}; speedup = plain seconds / method seconds, the two runs alternating "
+             "prompt by prompt in one process (plain tok/s is the interleaved plain run).", "",
+             "| batch | method | tok/s | plain tok/s | speedup | tau | accepted/round | "
+             "drafted/round | acceptance by position | identical |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted(results, key=lambda r: r.get("batch", 0)):
+        if "error" in r:
+            lines.append(f"| | {r['method']} | error: {r['error']} ||||||||")
+            continue
+        lines.append(f"| {r['batch']} | {r['method']} | {r['tokens_per_s']} | "
+                     f"{r.get('plain_tokens_per_s', '')} | {r['speedup']} | "
+                     f"{r.get('tau', '')} | {r.get('mean_accepted', '')} | "
+                     f"{r.get('drafted_per_round', '')} | {r.get('acceptance_per_position', '')} | "
+                     f"{r.get('identical', '')} |")
+    (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
