@@ -87,11 +87,17 @@ def run(args, model=None, heads: dict | None = None, stem: str | None = None) ->
     texts = texts[:args.num_prompts] if args.num_prompts else texts
     common = dict(device=args.device, dtype=args.dtype, max_model_len=256 if smoke else 1024,
                   seed=0)
+    base_extra, spec_extra = {}, {}
     if args.device == "cpu":
         common["kv_cache_memory"] = 256 << 20
+    else:
+        # Two engines live at once (plain and one method). gpu_memory_utilization
+        # is the process's share of the card: the second engine's pool gets what
+        # is left of its share after the first.
+        base_extra, spec_extra = dict(gpu_memory_utilization=0.3), dict(gpu_memory_utilization=0.65)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
 
-    base = LLM(model, **common)
+    base = LLM(model, **common, **base_extra)
     tok = base.get_tokenizer()
     prompts = [{"prompt_token_ids": tok.encode(tok.apply_chat_template(
         [{"role": "user", "content": t}]), add_special_tokens=False)} for t in texts]
@@ -120,7 +126,7 @@ def run(args, model=None, heads: dict | None = None, stem: str | None = None) ->
         if name == "draft" and smoke:
             opts["speculative_draft_layers"] = 1
         try:
-            llm = LLM(model, **common, **opts, speculative_auto_off=args.auto_off)
+            llm = LLM(model, **common, **spec_extra, **opts, speculative_auto_off=args.auto_off)
         except ValueError as e:   # e.g. no trained head ships for this model
             row = dict(method=name, error=str(e))
             results.append(row)
@@ -148,7 +154,11 @@ def run(args, model=None, heads: dict | None = None, stem: str | None = None) ->
                        draft_seconds=round(st.draft_time, 3))
             results.append(row)
             print(json.dumps(row), flush=True)
-        del llm
+        del llm, spec
+        import gc
+        gc.collect()
+        if args.device != "cpu":
+            torch.cuda.empty_cache()
     stem = stem or f"results_{args.device}"
     if args.out is None:
         print(json.dumps(dict(env=env, results=results), indent=1))
