@@ -53,7 +53,7 @@ class ModelRunner:
         self.device, self.dtype = config.device, config.dtype
         mc, sc, cc = config.model_config, config.scheduler, config.cache
         self.backend = create_backend(config.attention_backend, self.device)
-        with torch.device(self.device), _default_dtype(self.dtype):
+        with torch.device(self.device), default_dtype(self.dtype):
             self.model = model_class(mc.architecture)(mc, self.backend, quant_method_for, tp=tp)
         load_into = getattr(weights, "load_into", None)   # random weights (loader/dummy.py)
         load_into(self.model) if load_into else self.model.load_weights(weights)
@@ -248,7 +248,7 @@ def _record(ids: list[int], vals: list[float], rank: int, k: int) -> TokenLogpro
 
 
 @contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype):
+def default_dtype(dtype: torch.dtype):
     """Build parameters directly in the model dtype (no fp32 copy first)."""
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)

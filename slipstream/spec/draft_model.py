@@ -13,25 +13,15 @@ one-hot, which the verifier handles losslessly for any sampling settings).
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 
 import torch
 
 from slipstream.attention.selector import create_backend
+from slipstream.runner.model_runner import default_dtype
 from slipstream.spec.base import ProposeRequest, register_proposer
 from slipstream.spec.draft_cache import DraftKVCache
 from slipstream.spec.tree import DraftTree
-
-
-@contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype):
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(old)
 
 
 def load_draft_model(path: str | None, device: torch.device | str, dtype: torch.dtype,
@@ -51,7 +41,7 @@ def load_draft_model(path: str | None, device: torch.device | str, dtype: torch.
         mc = dataclasses.replace(mc, num_hidden_layers=keep)
     device = torch.device(device)
     backend = create_backend(backend_name, device)
-    with torch.device(device), _default_dtype(dtype):
+    with torch.device(device), default_dtype(dtype):
         model = model_class(mc.architecture)(mc, backend)
 
     def weights():
