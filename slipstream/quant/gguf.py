@@ -32,16 +32,11 @@ from slipstream.quant.base import register_scheme
 
 
 def _is_gguf_path(model) -> bool:
+    from slipstream.loader import is_gguf
     if model is None:
         return True     # the default model is a GGUF file
     path = Path(model).expanduser()
-    if not path.is_file():
-        return False
-    try:
-        with open(path, "rb") as f:
-            return f.read(4) == b"GGUF"
-    except OSError:
-        return False
+    return path.is_file() and is_gguf(path)
 
 
 def runs_quantized(model, device: torch.device) -> bool:
