@@ -50,6 +50,7 @@ class KVPlan:
     kv_bytes_per_token: int
     peak_activation_bytes: int   # measured on CUDA; the estimate elsewhere
     max_model_len: int
+    measured: bool = False
 
     @property
     def capacity_tokens(self) -> int:
@@ -64,7 +65,8 @@ class KVPlan:
         return (f"KV cache: {self.num_blocks} blocks of {self.block_size} tokens = "
                 f"{self.capacity_tokens} tokens ({self.capacity_tokens * self.kv_bytes_per_token / 2**30:.2f} GiB), "
                 f"{self.max_concurrency:.1f}x concurrency at {self.max_model_len} tokens per sequence; "
-                f"step working memory {self.peak_activation_bytes / 2**20:.0f} MiB")
+                f"step working memory {self.peak_activation_bytes / 2**20:.0f} MiB "
+                f"({'measured' if self.measured else 'estimated'})")
 
 
 def plan_kv_cache(model, config) -> KVPlan:
@@ -72,10 +74,12 @@ def plan_kv_cache(model, config) -> KVPlan:
     mc, sc, cc = config.model_config, config.scheduler, config.cache
     dtype, device = config.dtype, config.device
     reserve = activation_reserve_bytes(mc, sc, dtype)
-    if device.type == "cuda" and cc.num_blocks is None:
+    measured = device.type == "cuda"
+    if measured:   # also compiles and tunes the prefill kernels, whatever sizes the pool
         reserve = profile_step_memory(model, config)
     n = num_kv_blocks(cc, mc, sc, dtype, device, reserve)
-    plan = KVPlan(n, cc.block_size, kv_bytes_per_token(mc, dtype), reserve, sc.max_model_len)
+    plan = KVPlan(n, cc.block_size, kv_bytes_per_token(mc, dtype), reserve, sc.max_model_len,
+                  measured)
     log.info(plan.describe())
     return plan
 
