@@ -140,30 +140,8 @@ def rel_err(out, ref) -> float:
 
 def graph_ms(calls, replays=10, min_calls=32) -> float:
     """Median ms per call of `calls` (different weight copies) replayed in a CUDA graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for f in calls:
-            f()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    rounds = math.ceil(min_calls / len(calls))
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(rounds):
-            for f in calls:
-                f()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times) / (rounds * len(calls))
+    from benchmarks.cuda_timing import graph_timer
+    return graph_timer(calls, min_calls, replays)()
 
 
 def cpu_ms(calls) -> float:

@@ -40,29 +40,8 @@ BF16_TOL = dict(atol=2e-2, rtol=1.6e-2)
 
 def _graph_timer(fn, reps: int = 20, replays: int = 15):
     """Median ms per call of `fn` captured `reps` times in one CUDA graph."""
-    import torch
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / reps)
-    return statistics.median(times)
+    from benchmarks.cuda_timing import graph_timer
+    return graph_timer([fn], reps, replays)()
 
 
 def _cpu_timer(fn, reps: int = 2):
