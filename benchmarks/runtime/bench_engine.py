@@ -16,6 +16,8 @@ Each stage runs in its own process (a fresh GPU memory pool) and writes JSON:
   old         the same 1,000 requests through the previous engine (`--old`), its
               model filled with random weights in place
   prefix      64 requests sharing a 2,000-token prompt against 64 distinct prompts
+  profile     the kernels of a decode step at batch 1 and 64 (graphs on): name,
+              launches per step, mean and total microseconds per step
 """
 from __future__ import annotations
 
@@ -225,7 +227,53 @@ def stage_old(out: Path) -> dict:
     return res
 
 
-STAGES = {"latency": lambda o: stage_latency(o, False), "latency_eager": lambda o: stage_latency(o, True),
+def _kernel_table(engine, batch: int, steps: int = 20) -> dict:
+    """Kernel launches and device time per decode step of `batch` requests."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    from slipstream import SamplingParams
+    params = SamplingParams(max_tokens=3 * steps, temperature=0, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request({"prompt_token_ids": [(7 * i + j) % 1000 + 1 for j in range(128)]}, params)
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    rows = []
+    for e in prof.key_averages():
+        if e.self_device_time_total <= 0:
+            continue
+        rows.append({"kernel": e.key[:120], "per_step": e.count / steps,
+                     "mean_us": e.self_device_time_total / max(e.count, 1),
+                     "us_per_step": e.self_device_time_total / steps})
+    rows.sort(key=lambda r: -r["us_per_step"])
+    while engine.has_unfinished_requests():
+        engine.step()
+    return {"batch": batch, "wall_ms_per_step": 1e3 * wall / steps,
+            "kernel_ms_per_step": sum(r["us_per_step"] for r in rows) / 1e3,
+            "launches_per_step": sum(r["per_step"] for r in rows), "kernels": rows}
+
+
+def stage_profile(out: Path) -> dict:
+    llm = _llm()
+    res = {}
+    for b in (1, 64):
+        t = _kernel_table(llm.engine, b)
+        res[f"batch{b}"] = t
+        print(f"batch {b}: wall {t['wall_ms_per_step']:.3f} ms/step, kernels {t['kernel_ms_per_step']:.3f} ms, "
+              f"{t['launches_per_step']:.0f} launches", flush=True)
+        for r in t["kernels"][:25]:
+            print(f"  {r['us_per_step']:9.1f} us {r['per_step']:6.1f}x {r['mean_us']:8.2f} us  {r['kernel']}",
+                  flush=True)
+    return res
+
+
+STAGES = {"profile": stage_profile, "latency": lambda o: stage_latency(o, False), "latency_eager": lambda o: stage_latency(o, True),
           "throughput": stage_throughput, "prefix": stage_prefix, "old": stage_old}
 
 
