@@ -11,7 +11,9 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 PYTHON=${PYTHON:-python}
 MODEL=${MODEL:-llama-3-8b}
-SERVE_ARGS=${SERVE_ARGS:---load-format dummy --dtype bfloat16 --max-num-seqs 256}
+# --max-queued-requests: room for every request of a burst (`inf`) at once; the
+# default (1,024 beyond --max-num-seqs) answers 503 to the rest, by design.
+SERVE_ARGS=${SERVE_ARGS:---load-format dummy --dtype bfloat16 --max-num-seqs 256 --max-queued-requests 4096}
 PORT=${PORT:-8000}
 NUM=${NUM:-2000}
 RATES=${RATES:-16,inf}

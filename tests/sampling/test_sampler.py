@@ -244,3 +244,19 @@ def test_input_logits_are_not_modified():
     sample(params, logits, prompts=[[1, 2, 3]] * 4)
     assert torch.equal(logits, before)
     assert math.isfinite(logits.sum().item())
+
+
+def test_row_argmax_two_pass_equals_argmax_with_ties():
+    """The chunked argmax of CUDA rows gives torch.argmax's answer, the first
+    index of the maximum, also when the maximum repeats within and across chunks."""
+    from slipstream.layers.sampler import _argmax_chunks, row_argmax
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 12 * 256, generator=g)
+    x[1, [5, 700, 3000]] = 9.0      # ties across chunks
+    x[2, [300, 301]] = 9.0          # ties inside one chunk
+    x[3] = 0.0                      # all equal
+    x[4, -1] = 9.0                  # the last index
+    for chunks in (1, 2, 12, 256):
+        assert torch.equal(row_argmax(x, chunks), x.argmax(dim=-1)), chunks
+    assert _argmax_chunks(128256) == 256 and 128256 % 256 == 0
+    assert _argmax_chunks(49152) > 1 and _argmax_chunks(1000) == 1
