@@ -16,7 +16,6 @@ Each stage runs in its own process (a fresh GPU memory pool) and writes JSON:
   old         the same 1,000 requests through the previous engine (`--old`), its
               model filled with random weights in place
   prefix      64 requests sharing a 2,000-token prompt against 64 distinct prompts
-  latency_cublas  batch 1, 8, 64 with the skinny matmul off (F.linear everywhere)
   profile     the kernels of a decode step at batch 1 and 64 (graphs on): name,
               launches per step, mean and total microseconds per step
 """
@@ -68,13 +67,13 @@ def _busy_share(engine, batch: int) -> float:
     return kernel_us / 1e6 / wall
 
 
-def stage_latency(out: Path, eager: bool, batches=(1, 8, 16, 32, 64, 128)) -> dict:
+def stage_latency(out: Path, eager: bool) -> dict:
     import torch
     from slipstream.analysis.hardware import measure_copy_bandwidth
     from slipstream.bench import latency
     llm = _llm(enforce_eager=eager or os.environ.get("BENCH_EAGER") == "1")
     bw = measure_copy_bandwidth(torch.device("cuda"))
-    batches = [1, 64] if eager else list(batches)
+    batches = [1, 64] if eager else [1, 8, 16, 32, 64, 128]
     rows = []
     for b in batches:
         args = SimpleNamespace(batch_size=b, input_len=128, output_len=128, num_iters_warmup=1,
@@ -88,9 +87,7 @@ def stage_latency(out: Path, eager: bool, batches=(1, 8, 16, 32, 64, 128)) -> di
         print(latency.report(r), f"busy {r.get('gpu_busy_share')}", flush=True)
     return {"copy_bandwidth_GBps": bw / 1e9, "eager": eager, "rows": rows,
             "graphs": sorted(map(list, llm.engine.runner.graphs.graphs)) if llm.engine.runner.graphs else None,
-            "kv": llm.engine.runner.plan.describe(),
-            "linear_tuning": llm.engine.runner.linear_tuning,
-            "skinny_gemm": os.environ.get("SLIPSTREAM_DISABLE_SKINNY_GEMM") != "1"}
+            "kv": llm.engine.runner.plan.describe()}
 
 
 def _requests(seed: int = 0):
@@ -276,13 +273,7 @@ def stage_profile(out: Path) -> dict:
     return res
 
 
-def stage_latency_cublas(out: Path) -> dict:
-    """Batch 1, 8, 64 with F.linear everywhere (the skinny matmul off): its share."""
-    os.environ["SLIPSTREAM_DISABLE_SKINNY_GEMM"] = "1"
-    return stage_latency(out, False, (1, 8, 64))
-
-
-STAGES = {"profile": stage_profile, "latency_cublas": stage_latency_cublas, "latency": lambda o: stage_latency(o, False), "latency_eager": lambda o: stage_latency(o, True),
+STAGES = {"profile": stage_profile, "latency": lambda o: stage_latency(o, False), "latency_eager": lambda o: stage_latency(o, True),
           "throughput": stage_throughput, "prefix": stage_prefix, "old": stage_old}
 
 

@@ -178,11 +178,6 @@ MIN_TOKENS_PER_SPLIT = 128
 # Contexts this short run unsplit: the whole attention is a few microseconds,
 # less than launching the merge kernel costs the host.
 UNSPLIT_MAX_LEN = 512
-# In a graph: at batch 1 and a 256-token context, 8 unsplit programs (one per
-# KV head) took 9.2 us a layer on the H200, 30% of the step's non-GEMM time;
-# one 64-token tile per program plus the merge is a few microseconds.
-GRAPH_UNSPLIT_MAX_LEN = 64
-GRAPH_MIN_TOKENS_PER_SPLIT = 64
 MAX_SPLITS = 64
 MAX_TREE_NODES = 64  # one int64 bitmask per node
 
@@ -194,15 +189,11 @@ def _tile_rows(max_query_len: int, group: int) -> tuple[int, int]:
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, *,
-                      max_query_len: int = 1, group: int = 1, sm_count: int | None = None,
-                      unsplit_max_len: int = UNSPLIT_MAX_LEN,
-                      min_tokens_per_split: int = MIN_TOKENS_PER_SPLIT) -> int:
+                      max_query_len: int = 1, group: int = 1, sm_count: int | None = None) -> int:
     """Splits per (request, KV head): as many as fill one wave of program slots
     (a second, partial wave costs a whole split's time), without splits shorter
-    than `min_tokens_per_split`; none for contexts up to `unsplit_max_len`.
-    Inside a CUDA graph the merge kernel costs no host launch, so the graphs use
-    GRAPH_UNSPLIT_MAX_LEN and GRAPH_MIN_TOKENS_PER_SPLIT."""
-    if max_seq_len <= unsplit_max_len:
+    than MIN_TOKENS_PER_SPLIT; none for contexts up to UNSPLIT_MAX_LEN."""
+    if max_seq_len <= UNSPLIT_MAX_LEN:
         return 1
     if sm_count is None:
         sm_count = num_sms() if torch.cuda.is_available() else 132
@@ -210,7 +201,7 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, *,
     programs = max(num_seqs * num_kv_heads * row_blocks, 1)
     per_sm = DEEP_PER_SM if block_m <= 16 else TALL_PER_SM
     want = max(per_sm * sm_count // programs, 1)
-    useful = triton.cdiv(max_seq_len, min_tokens_per_split)
+    useful = triton.cdiv(max_seq_len, MIN_TOKENS_PER_SPLIT)
     return min(want, useful, MAX_SPLITS)
 
 

@@ -172,14 +172,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return out if residual is None else (out, x)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """y = x W^T (+ b) summed in fp32 and rounded once to x's dtype (kernels/skinny_gemm.py)."""
-    y = x.float() @ weight.float().t()
-    if bias is not None:
-        y = y + bias.float()
-    return y.to(x.dtype)
-
-
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """Twin of `kernels.silu_mul`: x [num_tokens, 2 * d] = [gate | up] -> [num_tokens, d]."""
     d = x.shape[-1] // 2

@@ -68,12 +68,6 @@ class UnquantizedLinearMethod:
         pass
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        skinny = getattr(layer, "skinny", None)   # set at start-up by runner/linear_tuning.py
-        if skinny is not None:
-            from slipstream.kernels.skinny_gemm import row_class, skinny_linear
-            config = skinny.get(row_class(x.shape[0]))
-            if config is not None:
-                return skinny_linear(x, layer.weight, layer.bias, config)
         return F.linear(x, layer.weight, layer.bias)
 
 

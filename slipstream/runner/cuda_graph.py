@@ -6,7 +6,7 @@ decode step is padded to a batch-size bucket (1, 2, 4, 8, 16, 24, 32, ... up to
 `max_num_seqs`) and replays a graph captured for that bucket. The graph reads
 its inputs from the input batch's static buffers and its attention metadata is
 fixed per graph: the split-KV count is chosen for a context class (the next
-power of two of the longest context, at least 64), so the key is
+power of two of the longest context, at least 512), so the key is
 (bucket, splits). Graphs are captured on first use (an eager run of the same
 step first compiles any kernel), all in one memory pool.
 """
@@ -42,13 +42,8 @@ class DecodeGraphs:
         return None
 
     def splits_for(self, bucket: int, max_seq_len: int) -> int:
-        from slipstream.kernels.decode_attention import (GRAPH_MIN_TOKENS_PER_SPLIT,
-                                                         GRAPH_UNSPLIT_MAX_LEN)
-        context_class = min(max(GRAPH_UNSPLIT_MAX_LEN, 1 << max(max_seq_len - 1, 1).bit_length()),
-                            self.max_model_len)
-        return self._choose(bucket, self._kv_heads, context_class, group=self._group,
-                            unsplit_max_len=GRAPH_UNSPLIT_MAX_LEN,
-                            min_tokens_per_split=GRAPH_MIN_TOKENS_PER_SPLIT)
+        context_class = min(max(512, 1 << max(max_seq_len - 1, 1).bit_length()), self.max_model_len)
+        return self._choose(bucket, self._kv_heads, context_class, group=self._group)
 
     def run(self, batch: ForwardBatch, bucket: int) -> torch.Tensor:
         """batch: a decode step padded to `bucket` sequences, in the static buffers.

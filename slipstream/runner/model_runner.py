@@ -26,7 +26,6 @@ from slipstream.models.registry import model_class
 from slipstream.runner import memory
 from slipstream.runner.cuda_graph import DecodeGraphs
 from slipstream.runner.input_batch import InputBatch, StepPlan
-from slipstream.runner.linear_tuning import tune_skinny_linears
 from slipstream.runner.sampling_state import SamplingState
 from slipstream.step_data import SchedulerOutput, StepOutput, TokenLogprobs
 
@@ -64,9 +63,6 @@ class ModelRunner:
         rank_config = config
         if tp is not None:
             rank_config = replace(config, model_config=rank_shape(mc, tp.size))
-        self.linear_tuning = {}
-        if self.device.type == "cuda":
-            self.linear_tuning = tune_skinny_linears(self.model, sc.max_num_seqs)
         self.plan = memory.plan_kv_cache(self.model, rank_config)
         if tp is not None:   # rank 0's scheduler hands out block ids valid on every rank
             self.plan.num_blocks = comm.all_reduce_min(self.plan.num_blocks, tp.cpu_group)
