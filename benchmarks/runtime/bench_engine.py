@@ -259,9 +259,55 @@ def _kernel_table(engine, batch: int, steps: int = 20) -> dict:
             "launches_per_step": sum(r["per_step"] for r in rows), "kernels": rows}
 
 
+def _mixed_table(engine, decodes: int = 128, prompt_len: int = 512, prompts: int = 2,
+                 repeats: int = 10) -> dict:
+    """Kernels and wall time of steps that prefill `prompts` new prompts of
+    `prompt_len` tokens beside `decodes` running decodes (eager steps)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    from slipstream import SamplingParams
+    params = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
+    for i in range(decodes):
+        engine.add_request({"prompt_token_ids": [(7 * i + j) % 1000 + 1 for j in range(256)]}, params)
+    for _ in range(8):
+        engine.step()
+    short = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    walls, rows = [], {}
+    for r in range(repeats):
+        for p in range(prompts):
+            engine.add_request({"prompt_token_ids": [(13 * r + 5 * p + j) % 30000 + 1
+                                                     for j in range(prompt_len)]}, short)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            t0 = time.perf_counter()
+            engine.step()
+            engine.step()   # collects the mixed step (overlap: the next one is launched)
+            torch.cuda.synchronize()
+            walls.append(time.perf_counter() - t0)
+        for e in prof.key_averages():
+            if e.self_device_time_total > 0:
+                acc = rows.setdefault(e.key[:120], [0, 0.0])
+                acc[0] += e.count
+                acc[1] += e.self_device_time_total
+    while engine.has_unfinished_requests():
+        engine.step()
+    table = sorted(({"kernel": k, "per_step": c / repeats, "us_per_step": t / repeats}
+                    for k, (c, t) in rows.items()), key=lambda r: -r["us_per_step"])
+    return {"decodes": decodes, "prompt_tokens": prompts * prompt_len,
+            "wall_ms_two_steps": 1e3 * statistics.median(walls),
+            "kernel_ms_two_steps": sum(r["us_per_step"] for r in table) / 1e3,
+            "launches_two_steps": sum(r["per_step"] for r in table), "kernels": table}
+
+
 def stage_profile(out: Path) -> dict:
     llm = _llm()
     res = {}
+    m = res["mixed"] = _mixed_table(llm.engine)
+    print(f"mixed ({m['decodes']} decodes + {m['prompt_tokens']} prompt tokens, then one decode step): "
+          f"wall {m['wall_ms_two_steps']:.2f} ms, kernels {m['kernel_ms_two_steps']:.2f} ms, "
+          f"{m['launches_two_steps']:.0f} launches", flush=True)
+    for r in m["kernels"][:25]:
+        print(f"  {r['us_per_step']:9.1f} us {r['per_step']:6.1f}x  {r['kernel']}", flush=True)
     for b in (1, 64):
         t = _kernel_table(llm.engine, b)
         res[f"batch{b}"] = t
