@@ -260,7 +260,7 @@ def _kernel_table(engine, batch: int, steps: int = 20) -> dict:
 
 
 def _mixed_table(engine, decodes: int = 128, prompt_len: int = 512, prompts: int = 2,
-                 repeats: int = 10) -> dict:
+                 decode_prompt_len: int = 256, repeats: int = 10) -> dict:
     """Kernels and wall time of steps that prefill `prompts` new prompts of
     `prompt_len` tokens beside `decodes` running decodes (eager steps)."""
     import torch
@@ -268,7 +268,8 @@ def _mixed_table(engine, decodes: int = 128, prompt_len: int = 512, prompts: int
     from slipstream import SamplingParams
     params = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
     for i in range(decodes):
-        engine.add_request({"prompt_token_ids": [(7 * i + j) % 1000 + 1 for j in range(256)]}, params)
+        engine.add_request({"prompt_token_ids": [(7 * i + j) % 1000 + 1 for j in range(decode_prompt_len)]},
+                           params)
     for _ in range(8):
         engine.step()
     short = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
