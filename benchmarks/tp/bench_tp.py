@@ -6,10 +6,13 @@ the all-reduce cost, against the copy bandwidth measured in the same run.
 Stages, each in its own process (a fresh GPU memory pool and process group):
   allreduce   2 ranks, NCCL: all-reduce of a decode step's [1, hidden] bf16
               activations (8 KiB for hidden 4096, 16 KiB for 8192) and of 64 MiB,
-              eager and replayed from a CUDA graph; median of many calls
+              eager and replayed from a CUDA graph; median of many calls; the
+              small ones also through the symmetric-memory one-shot all-reduce
   8b-tp1      Llama-3-8B shape, random bf16 weights (seed 0), TP=1
   8b-tp2      the same weights at TP=2: every rank keeps its slice of the tensors
               one process draws, so greedy tokens must equal TP=1's
+  8b-tp2-nccl the same with every all-reduce through NCCL (the symmetric-memory
+              one-shot all-reduce of small tensors off)
   70b-tp2     a 70B-class shape (llama-2-70b: 80 layers, hidden 8192, GQA 64/8), TP=2
 An engine stage generates greedy tokens for 4 fixed prompts (the correctness
 check), then times batch-1 decode (128-token prompt, 160 outputs, median step
@@ -33,7 +36,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-STAGES = ("allreduce", "8b-tp1", "8b-tp2", "70b-tp2")
+STAGES = ("allreduce", "8b-tp1", "8b-tp2", "8b-tp2-nccl", "70b-tp2")
 # Collectives of one decode step on the critical path (analysis/tensor_parallel.py):
 # 2 all-reduces per layer + the embedding's.
 ALL_REDUCES = {"8b": (2 * 32 + 1, "8KiB"), "70b": (2 * 80 + 1, "16KiB")}
@@ -99,6 +102,29 @@ def _allreduce_rank(rank: int, port: int, smoke: bool, queue) -> None:
                 torch.cuda.synchronize()
                 gt.append((time.perf_counter() - t0) / 20)
             row["graph_us"] = statistics.median(gt) * 1e6
+            if nbytes <= 1 << 20:   # the one-shot all-reduce the engine uses for these
+                try:
+                    from slipstream.distributed.symm_all_reduce import SymmAllReduce
+                    ar = SymmAllReduce(dist.group.WORLD, device, dtype)
+                    y = torch.ones_like(x)
+                    ar(y)
+                    torch.cuda.synchronize()
+                    row["symm_correct"] = bool((y == 2).all())
+                    g2 = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(g2):
+                        for _ in range(20):
+                            ar(y)
+                    g2.replay()
+                    torch.cuda.synchronize()
+                    st = []
+                    for _ in range(20):
+                        t0 = time.perf_counter()
+                        g2.replay()
+                        torch.cuda.synchronize()
+                        st.append((time.perf_counter() - t0) / 20)
+                    row["symm_graph_us"] = statistics.median(st) * 1e6
+                except Exception as exc:
+                    row["symm_error"] = repr(exc)[:300]
         row["bus_GBps_eager"] = nbytes / (row["eager_us"] * 1e-6) / 1e9   # 2(N-1)/N = 1 at N=2
         results[label] = row
     if rank == 0:
@@ -131,7 +157,9 @@ def stage_engine(name: str, smoke: bool) -> dict:
     from slipstream import LLM, SamplingParams
     from slipstream.analysis.hardware import measure_copy_bandwidth
     size, tp = name.split("-tp")
-    tp = tp.removesuffix("-eager")
+    tp = tp.removesuffix("-eager").removesuffix("-nccl")
+    if name.endswith("-nccl"):
+        os.environ["SLIPSTREAM_DISABLE_SYMM_ALL_REDUCE"] = "1"
     model = _tiny_model() if smoke else MODELS[size]
     opts = dict(load_format="dummy", seed=0, tensor_parallel_size=int(tp), max_num_seqs=8,
                 max_model_len=512)
@@ -206,11 +234,12 @@ def _markdown(res: dict) -> str:
                                            else "2x H200 (NCCL)"), ""]
     ar = res["stages"].get("allreduce", {})
     if "error" not in ar:
-        lines += ["| all-reduce | eager us | graph us | bus GB/s (eager) |", "|---|---|---|---|"]
+        lines += ["| all-reduce | NCCL eager us | NCCL graph us | one-shot symm graph us | bus GB/s (eager) |",
+                  "|---|---|---|---|---|"]
         for k, r in ar.items():
             if isinstance(r, dict) and "eager_us" in r:
                 lines.append(f"| {k} | {r['eager_us']:.1f} | {r.get('graph_us', float('nan')):.1f} "
-                             f"| {r['bus_GBps_eager']:.1f} |")
+                             f"| {r.get('symm_graph_us', float('nan')):.1f} | {r['bus_GBps_eager']:.1f} |")
         lines.append("")
     lines += ["| stage | decode step ms | tok/s | weights/GPU GB | copy GB/s | share of copy bw |",
               "|---|---|---|---|---|---|"]
@@ -231,6 +260,9 @@ def _markdown(res: dict) -> str:
     s = res.get("speedup_8b_tp2")
     if s:
         lines.append(f"8B batch-1 decode, TP=2 over TP=1: {s:.2f}x (target 1.6x)")
+    s = res.get("speedup_8b_tp2_nccl")
+    if s:
+        lines.append(f"8B batch-1 decode, TP=2 with NCCL only, over TP=1: {s:.2f}x")
     for size, (calls, label) in ALL_REDUCES.items():
         r = ar.get(label) if "error" not in ar else None
         if r:
@@ -246,6 +278,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     ap.add_argument("--smoke", action="store_true", help="CPU, gloo, a tiny model")
     ap.add_argument("--stage", choices=STAGES + ("8b-tp2-eager",), help=argparse.SUPPRESS)
+    ap.add_argument("--stages", default=",".join(STAGES), help="comma-separated subset to run")
     args = ap.parse_args()
     if args.stage:
         fn = stage_allreduce if args.stage == "allreduce" else \
@@ -253,18 +286,21 @@ def main() -> None:
         print(json.dumps(fn(args.smoke)))
         return
     res = {"smoke": args.smoke, "stages": {}}
-    for stage in STAGES:
+    for stage in args.stages.split(","):
         print(f"running {stage} ...", file=sys.stderr, flush=True)
         res["stages"][stage] = _run_stage(stage, args.smoke)
         if "error" in res["stages"][stage]:
             print(res["stages"][stage]["error"], file=sys.stderr)
-    if "error" in res["stages"]["8b-tp2"]:   # isolate CUDA graphs from the rest
+    if "error" in res["stages"].get("8b-tp2", {}):   # isolate CUDA graphs from the rest
         print("running 8b-tp2-eager ...", file=sys.stderr, flush=True)
         res["stages"]["8b-tp2-eager"] = _run_stage("8b-tp2-eager", args.smoke)
-    a, b = res["stages"]["8b-tp1"], res["stages"]["8b-tp2"]
-    if "error" not in a and "error" not in b:
+    a, b = res["stages"].get("8b-tp1", {}), res["stages"].get("8b-tp2", {})
+    if a and b and "error" not in a and "error" not in b:
         res["correctness_8b"] = _compare(a, b)
         res["speedup_8b_tp2"] = a["decode_step_ms"] / b["decode_step_ms"]
+    c = res["stages"].get("8b-tp2-nccl", {})
+    if a and "error" not in a and c and "error" not in c:
+        res["speedup_8b_tp2_nccl"] = a["decode_step_ms"] / c["decode_step_ms"]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(res, indent=2) + "\n")

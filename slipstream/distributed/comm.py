@@ -12,8 +12,23 @@ import torch
 import torch.distributed as dist
 
 
+# group -> its symmetric-memory all-reduce for small tensors (symm_all_reduce.py)
+_SMALL_ALL_REDUCE: dict[int, object] = {}
+
+
+def use_small_all_reduce(group, fn) -> None:
+    """Route `group`'s all-reduces that `fn.fits` to `fn` (None: NCCL only)."""
+    if fn is None:
+        _SMALL_ALL_REDUCE.pop(id(group), None)
+    else:
+        _SMALL_ALL_REDUCE[id(group)] = fn
+
+
 def all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     """Sum `x` over the ranks of `group`, in place; returns `x`."""
+    small = _SMALL_ALL_REDUCE.get(id(group))
+    if small is not None and small.fits(x):
+        return small(x)
     dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group)
     return x
 

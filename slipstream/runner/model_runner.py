@@ -58,6 +58,10 @@ class ModelRunner:
         load_into = getattr(weights, "load_into", None)   # random weights (loader/dummy.py)
         load_into(self.model) if load_into else self.model.load_weights(weights)
         self.model.eval()
+        if tp is not None and self.device.type == "cuda":   # collective: every rank builds it
+            from slipstream.distributed import symm_all_reduce
+            comm.use_small_all_reduce(tp.device_group,
+                                      symm_all_reduce.build(tp.device_group, self.device, self.dtype))
         self.vocab_size = mc.vocab_size
         self.sampler = Sampler()
         rank_config = config
