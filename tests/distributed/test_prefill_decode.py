@@ -11,6 +11,9 @@ import time
 import pytest
 
 from slipstream import SamplingParams
+from slipstream.analysis.flops import Precisions
+from slipstream.analysis.kv_transfer import kv_bytes_per_token
+from slipstream.analysis.model_spec import ModelSpec
 from tests.engine.conftest import build_hf_model, make_llm, random_prompts
 from tests.loader.checkpoints import write_hf_tokenizer
 
@@ -48,13 +51,17 @@ def test_disaggregated_tokens_equal_one_instance(folder):
                 assert abs(la[t].logprob - lb[t].logprob) < 1e-4
         # Every prompt's full blocks but the last token's moved and were used.
         moved = {t.request_id: t for t in pd.transfers}
+        # The analysis layer's bytes per token: 2 layers x K,V x 2 KV heads x 64 x fp32.
+        spec = ModelSpec.from_model_config(pd.engine.config.model_config)
+        per_token = kv_bytes_per_token(spec, Precisions.parse(kv="fp32"))
+        assert per_token == 2 * 2 * 2 * 64 * 4
         assert len(moved) == len(prompts)
         for out in got:
             n = len(out.prompt_token_ids)
             t = moved[out.request_id]
             assert t.tokens == (n - 1) // 4 * 4 == t.imported_tokens
             assert out.num_cached_tokens == t.tokens
-            assert t.bytes == t.tokens * 2 * 2 * 2 * 64 * 4   # tokens x K,V x layers x kv heads x dim x fp32
+            assert t.bytes == t.tokens * per_token
         got_seeded = pd.generate(prompts[:3], seeded, use_tqdm=False)
         assert ([[c.token_ids for c in o.outputs] for o in got_seeded]
                 == [[c.token_ids for c in o.outputs] for o in ref_seeded])
