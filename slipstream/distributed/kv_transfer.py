@@ -141,6 +141,8 @@ def import_blocks(engine, prompt_ids: list[int], blocks: torch.Tensor) -> int:
     The new blocks end up free (reference count 0) at the back of the LRU queue,
     where the next `add_request` of the prompt finds them."""
     pool = engine.kv.pool
+    if blocks.is_cuda:   # received on another stream: keep its memory until the copy below ran
+        blocks.record_stream(torch.cuda.current_stream(blocks.device))
     hashes = prompt_block_hashes(prompt_ids, engine.kv.block_size)[:blocks.shape[2]]
     found = []          # (position, cached block)
     missing = []        # positions to write

@@ -24,6 +24,7 @@ decoding go on, and new ones are refused.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import queue
@@ -182,17 +183,21 @@ class PDEngine:
         """The receiving thread: (header, K/V tensor) pairs into the queue, or the error."""
         link = self.link
         try:
+            stream = contextlib.nullcontext()
             if link.device.type == "cuda":
                 torch.cuda.set_device(link.device)
-            while True:
-                msg = link.recv_message()
-                if msg is None or msg[0] != "kv":
-                    self._rx.put(msg)
-                    continue
-                _, rid, shape, dtype = msg
-                t0 = time.perf_counter()
-                kv = link.recv_tensor(shape, getattr(torch, dtype.removeprefix("torch.")))
-                self._rx.put(("kv", rid, kv, time.perf_counter() - t0))
+                # Its own stream: waiting for a transfer must not wait for the engine's steps.
+                stream = torch.cuda.stream(torch.cuda.Stream(link.device))
+            with stream:
+                while True:
+                    msg = link.recv_message()
+                    if msg is None or msg[0] != "kv":
+                        self._rx.put(msg)
+                        continue
+                    _, rid, shape, dtype = msg
+                    t0 = time.perf_counter()
+                    kv = link.recv_tensor(shape, getattr(torch, dtype.removeprefix("torch.")))
+                    self._rx.put(("kv", rid, kv, time.perf_counter() - t0))
         except Exception as e:  # noqa: BLE001 - the peer went away: handed to the engine thread
             self._rx.put(e)
 
