@@ -262,15 +262,26 @@ def stage_plain(smoke: bool) -> dict:
 
 # ---- driver -------------------------------------------------------------------
 
+# Seconds each stage may take at most, and the whole run: a stuck stage is cut off
+# and reported, and the results are written all the same.
+STAGE_LIMIT_S = {"p2p": 45, "pd": 120, "plain": 100}
+TOTAL_LIMIT_S = 235
+_START = time.perf_counter()
+
+
 def _run_stage(stage: str, smoke: bool) -> dict:
     cmd = [sys.executable, __file__, "--stage", stage] + (["--smoke"] if smoke else [])
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                NCCL_NVLS_ENABLE="0")
     t0 = time.perf_counter()
+    limit = min(STAGE_LIMIT_S[stage], TOTAL_LIMIT_S - (t0 - _START))
+    if limit < 20:
+        return {"error": f"skipped: the run's {TOTAL_LIMIT_S} s were spent"}
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=200)
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=limit)
     except subprocess.TimeoutExpired as e:
-        return {"error": f"timed out after 200 s: {(e.stderr or b'')[-2000:]}"}
+        err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+        return {"error": f"timed out after {limit:.0f} s\n{err[-3000:]}", "wall_s": limit}
     if proc.returncode != 0:
         return {"error": proc.stderr[-3000:], "wall_s": time.perf_counter() - t0}
     result = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -60,7 +60,7 @@ class Transfer:
     prompt_tokens: int
     tokens: int            # tokens whose K/V moved (full blocks)
     bytes: int
-    recv_s: float          # from posting the receive to the data landing
+    recv_s: float          # from posting the receive (the data is gathered by then) to its landing
     import_s: float = 0.0  # writing into the pool
     imported_tokens: int = 0
 

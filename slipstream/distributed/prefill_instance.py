@@ -80,6 +80,8 @@ def prefill_main(store_port: int, args) -> None:
                 if out.finished:
                     ids = prompts.pop(out.request_id)
                     kv = export_blocks(engine, ids)   # [layers, 2, n, block_size, kv_heads, head_dim]
+                    if kv.is_cuda:   # gathered before the header goes: the decode side's
+                        torch.cuda.current_stream(kv.device).synchronize()   # timing is the wire's
                     link.send_message(("kv", out.request_id, tuple(kv.shape), str(kv.dtype)))
                     link.send_tensor(kv)
     except RuntimeError as e:
