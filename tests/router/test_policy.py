@@ -1,0 +1,62 @@
+"""The router's choice: the longest cached prefix, else the lightest load (no processes)."""
+import pytest
+
+from slipstream.router.policy import Router
+
+
+def _router(n=3, **kw) -> Router:
+    r = Router([f"http://h:{i}" for i in range(n)], **kw)
+    for i in r.instances:
+        i.update({"block_size": 4, "cached_block_hashes": []})
+    return r
+
+
+def test_longest_cached_prefix_wins():
+    r = _router()
+    a, b, c = r.instances
+    a.update({"block_size": 4, "cached_block_hashes": [b"\x01".hex()]})
+    b.update({"block_size": 4, "cached_block_hashes": [b"\x01".hex(), b"\x02".hex()]})
+    assert r.choose([b"\x01", b"\x02", b"\x03"]) == (b, 2)
+    assert r.choose([b"\x01", b"\x09"]) in ((a, 1), (b, 1))
+    assert r.block_size == 4
+
+
+def test_no_prefix_goes_to_the_lightest_then_the_least_recently_chosen():
+    r = _router()
+    a, b, c = r.instances
+    a.in_flight, b.in_flight, c.in_flight = 2, 0, 0
+    first, _ = r.choose([])
+    assert first in (b, c)
+    r.routed(first, [])
+    second, _ = r.choose([])
+    assert second in (b, c) and second is not first
+
+
+def test_a_routed_prompt_counts_as_cached_until_a_poll_says_otherwise():
+    r = _router()
+    a = r.instances[0]
+    r.routed(a, [b"\x05", b"\x06"])
+    assert r.choose([b"\x05", b"\x06", b"\x07"]) == (a, 2)
+
+
+def test_load_imbalance_overrides_the_prefix():
+    r = _router(2, max_imbalance=2)
+    a, b = r.instances
+    a.update({"block_size": 4, "cached_block_hashes": [b"\x01".hex()]})
+    a.in_flight = 2
+    assert r.choose([b"\x01"]) == (a, 1)
+    a.in_flight = 3
+    assert r.choose([b"\x01"]) == (b, 0)
+
+
+def test_dead_and_excluded_instances_are_skipped():
+    r = _router(2)
+    a, b = r.instances
+    a.update({"block_size": 4, "cached_block_hashes": [b"\x01".hex()]})
+    a.down("refused")
+    assert r.choose([b"\x01"]) == (b, 0)
+    assert r.choose([b"\x01"], exclude={b.url}) is None
+    with pytest.raises(ValueError, match="--instances"):
+        Router([])
+    with pytest.raises(ValueError, match="twice"):
+        Router(["http://x:1", "http://x:1"])
