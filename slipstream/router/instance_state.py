@@ -7,17 +7,17 @@ and the queue lengths. The router hashes each prompt the same way and sends it
 to the instance holding its longest cached prefix.
 
 The engine thread changes the cache while this runs on the server's loop: the
-hashes are copied in one C-level call (`list(dict)` holds the interpreter lock
-throughout for bytes keys), retried if the dict changed size meanwhile.
+hashes are copied in one C-level call (`BlockPool.cached_hashes`), retried if
+the dict changed size meanwhile.
 """
 from __future__ import annotations
 
 
 def cached_block_hashes(engine) -> list[bytes]:
-    cached = engine.kv.pool._cached
+    pool = engine.kv.pool
     for _ in range(5):
         try:
-            return list(cached)
+            return pool.cached_hashes()
         except RuntimeError:   # changed size during the copy
             continue
     return []

@@ -1,4 +1,9 @@
 """The router's choice: the longest cached prefix, else the lightest load (no processes)."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from slipstream.router.policy import Router
@@ -60,3 +65,17 @@ def test_dead_and_excluded_instances_are_skipped():
         Router([])
     with pytest.raises(ValueError, match="twice"):
         Router(["http://x:1", "http://x:1"])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--instances", "foo"], "'foo' is not an http:// URL"),
+    (["--instances", "http://a:1", "--poll-interval", "0"], "--poll-interval must be positive"),
+    (["--instances", "http://a:1", "--port", "70000"], "--port must be in"),
+])
+def test_router_options_are_checked_before_anything_loads(argv, message):
+    root = Path(__file__).resolve().parents[2]
+    probe = ("import sys; from slipstream.cli import main; rc = main(sys.argv[1:]); "
+             "print('RESULT', rc, 'torch' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", probe, "router", *argv], capture_output=True,
+                       text=True, cwd=root, env={**os.environ, "PYTHONPATH": str(root)})
+    assert "RESULT 2 False" in r.stdout and message in r.stderr
