@@ -323,7 +323,8 @@ def _markdown(res: dict) -> str:
                          f"| {w['itl_p99_ms']:.2f} | {w['makespan_s']:.2f} |")
     if "tokens_equal" in res:
         lines += ["", f"greedy tokens, P/D vs one plain instance (4 prompts x 16): "
-                      f"{'identical' if res['tokens_equal'] else 'DIFFERENT'}"]
+                      f"{'identical' if res['tokens_equal'] else 'DIFFERENT'} (first difference "
+                      f"per prompt: {res['tokens_first_difference']})"]
     return "\n".join(lines) + "\n"
 
 
@@ -352,6 +353,10 @@ def main() -> None:
         pd["transfer"]["estimate_measured_link_s"] = kv_transfer_time(pd["transfer"]["bytes"], link)
     if "tokens" in pd and "tokens" in plain:
         res["tokens_equal"] = pd["tokens"] == plain["tokens"]
+        # bf16 on a GPU: a batch of another composition can flip a near-tie; say where.
+        res["tokens_first_difference"] = [
+            next((i for i, (s, t) in enumerate(zip(x, y)) if s != t), None)
+            for x, y in zip(pd["tokens"], plain["tokens"])]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(res, indent=2) + "\n")

@@ -35,6 +35,18 @@ PREFILL_RANK, DECODE_RANK = 0, 1
 LINK_TIMEOUT = timedelta(seconds=60)
 
 
+@dataclass
+class Transfer:
+    """One prompt's K/V move, as the decode side saw it (`PDEngine.transfers`)."""
+    request_id: str
+    prompt_tokens: int
+    tokens: int            # tokens whose K/V moved (full blocks)
+    bytes: int
+    recv_s: float          # from posting the receive (the data is gathered by then) to its landing
+    import_s: float = 0.0  # writing into the pool
+    imported_tokens: int = 0
+
+
 @dataclass(frozen=True)
 class KVLink:
     """This process's end of the prefill/decode link."""

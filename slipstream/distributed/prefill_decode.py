@@ -31,13 +31,13 @@ import queue
 import threading
 import time
 import weakref
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 import torch.multiprocessing as mp
 
-from slipstream.distributed.kv_transfer import (DECODE_RANK, LINK_TIMEOUT, close_link, import_blocks,
-                                                kv_layout, open_link)
+from slipstream.distributed.kv_transfer import (DECODE_RANK, LINK_TIMEOUT, Transfer, close_link,
+                                                import_blocks, kv_layout, open_link)
 from slipstream.distributed.parallel import host_store
 from slipstream.distributed.prefill_instance import prefill_main
 from slipstream.distributed.worker import cpu_threads_per_rank
@@ -51,18 +51,6 @@ log = logging.getLogger("slipstream")
 
 class PeerDiedError(SlipstreamError, RuntimeError):
     """The other instance of a prefill/decode pair stopped."""
-
-
-@dataclass
-class Transfer:
-    """One prompt's K/V move, as the decode side saw it."""
-    request_id: str
-    prompt_tokens: int
-    tokens: int            # tokens whose K/V moved (full blocks)
-    bytes: int
-    recv_s: float          # from posting the receive (the data is gathered by then) to its landing
-    import_s: float = 0.0  # writing into the pool
-    imported_tokens: int = 0
 
 
 class PDEngine:
