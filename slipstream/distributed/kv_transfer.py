@@ -169,8 +169,10 @@ def import_blocks(engine, prompt_ids: list[int], blocks: torch.Tensor) -> int:
     if new:
         kv = engine.runner.kv_cache
         dst = torch.tensor([b.block_id for b in new], dtype=torch.int64, device=kv.device)
-        src = torch.tensor(missing, dtype=torch.int64, device=blocks.device)
-        kv.index_copy_(2, dst, blocks.index_select(2, src).to(kv.device))
+        if missing != list(range(blocks.shape[2])):   # some were cached already: skip those
+            src = torch.tensor(missing, dtype=torch.int64, device=blocks.device)
+            blocks = blocks.index_select(2, src)
+        kv.index_copy_(2, dst, blocks.to(kv.device))
         for i, b in zip(missing, new):
             pool.cache_block(b, hashes[i])
     # Free in reverse prompt order: the prompt's head is the last to be evicted.
