@@ -238,7 +238,13 @@ class PDEngine:
     def _wait_joined(self, store) -> None:
         deadline = time.monotonic() + LINK_TIMEOUT.total_seconds()
         while not store.check(["pd/joined"]):
-            self._check_alive()   # before joining: most often the import of the user's script
+            if not self._proc.is_alive():   # before joining: most often the user's script
+                self._failed = (f"the prefill instance (pid {self._proc.pid}) exited with code "
+                                f"{self._proc.exitcode} before joining (its error is printed "
+                                "above; a script that starts a prefill/decode pair needs an "
+                                "`if __name__ == '__main__':` guard, since the prefill "
+                                "process imports it)")
+                raise PeerDiedError(self._failed)
             if time.monotonic() > deadline:
                 self._fail(TimeoutError("the prefill instance did not start"))
             time.sleep(0.02)
