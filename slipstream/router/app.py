@@ -30,6 +30,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from slipstream.cache.prefix_cache import BlockHasher
 from slipstream.router import upstream
+from slipstream.router.instance_state import HASH_BYTES
 from slipstream.router.policy import Router
 from slipstream.server.protocol import error_body
 
@@ -103,7 +104,8 @@ class RouterServer:
             return []
         hashes: list[bytes] = []
         BlockHasher(bs).extend(hashes, ids)
-        return hashes[:(len(ids) - 1) // bs]   # an instance never reuses the last token's block
+        # An instance never reuses the last token's block; views hold truncated hashes.
+        return [h[:HASH_BYTES] for h in hashes[:(len(ids) - 1) // bs]]
 
     # ---- proxying ------------------------------------------------------------
 

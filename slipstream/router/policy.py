@@ -1,6 +1,7 @@
 """Where the router sends a request: the longest cached prefix, else the lightest load.
 
 Each instance has a view: the block hashes it reported at its last poll
+(truncated to HASH_BYTES, as are the prompts' hashes compared with them)
 (`GET /v1/cache/state`), plus the hashes of the prompts routed to it since
 (for a while), since a prompt's blocks are cached there as soon as it runs:
 a second request sharing the prefix that comes before the next poll still
@@ -16,6 +17,8 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass, field
+
+from slipstream.router.instance_state import HASH_BYTES, unpack_hashes
 
 # Routed prompts' hashes count as cached there this long without a poll saying so.
 ROUTED_TTL_S = 30.0
@@ -48,10 +51,13 @@ class Instance:
         return n
 
     def update(self, state: dict) -> None:
-        """A poll answered: its hashes replace the reported view."""
+        """A poll answered (instance_state.py): its hashes replace the reported view."""
+        if int(state.get("hash_bytes", HASH_BYTES)) != HASH_BYTES:
+            raise ValueError(f"the instance reports {state['hash_bytes']}-byte block hashes, "
+                             f"this router reads {HASH_BYTES}-byte ones (another version)")
         self.alive, self.last_error = True, None
         self.block_size = int(state["block_size"])
-        self.reported = {bytes.fromhex(h) for h in state.get("cached_block_hashes", ())}
+        self.reported = unpack_hashes(state.get("cached_blocks", ""))
         now = time.monotonic()
         self.routed = {h: t for h, t in self.routed.items() if now - t < ROUTED_TTL_S}
 
