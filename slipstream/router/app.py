@@ -27,6 +27,7 @@ import logging
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
 
 from slipstream.cache.prefix_cache import BlockHasher
 from slipstream.router import upstream
@@ -147,7 +148,9 @@ class RouterServer:
         extra = {"x-slipstream-instance": inst.url}
         media = resp.headers.get("content-type", "application/json")
         if stream and resp.status == 200:
-            return StreamingResponse(self._relay(inst, resp), status_code=200, media_type=media,
+            done = _Release(inst, resp)   # after the stream, also one whose client left early
+            return StreamingResponse(self._relay(inst, resp, done), status_code=200,
+                                     media_type=media, background=BackgroundTask(done),
                                      headers={**extra, "Cache-Control": "no-cache"})
         try:
             content = await resp.read()
@@ -157,7 +160,7 @@ class RouterServer:
             inst.in_flight -= 1
         return Response(content, status_code=resp.status, media_type=media, headers=extra)
 
-    async def _relay(self, inst, resp):
+    async def _relay(self, inst, resp, done: "_Release"):
         try:
             async for chunk in resp.chunks():
                 yield chunk
@@ -166,8 +169,7 @@ class RouterServer:
                              None, "server_error", 502)
             yield f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
         finally:
-            inst.in_flight -= 1
-            resp.close()
+            done()
 
     async def models(self, request: Request):
         headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED}
@@ -180,6 +182,19 @@ class RouterServer:
             except ConnectionError:
                 continue
         return _error(503, "no engine instance is available")
+
+
+class _Release:
+    """Ends a relayed stream once: the instance's in-flight count and its connection."""
+
+    def __init__(self, inst, resp):
+        self.inst, self.resp, self.done = inst, resp, False
+
+    def __call__(self) -> None:
+        if not self.done:
+            self.done = True
+            self.inst.in_flight -= 1
+            self.resp.close()
 
 
 def build_router_app(server: RouterServer) -> FastAPI:

@@ -174,4 +174,5 @@ def test_a_killed_instance_fails_its_stream_and_the_router_goes_on(cluster):
     time.sleep(1.0)
     state = {i["url"]: i for i in router.get("/router/state")["instances"]}
     assert not state[victim]["alive"] and state[inst]["alive"]
+    assert state[victim]["in_flight"] == state[inst]["in_flight"] == 0   # nothing left counted
     assert router.get("/health")["live_instances"] == 1
