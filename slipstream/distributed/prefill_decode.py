@@ -157,11 +157,12 @@ class PDEngine:
 
     def shutdown(self) -> None:
         if self.link is not None and self._failed is None:
-            try:
-                self.link.send_message(None)
+            try:   # not waiting for the send: a prefill process that stopped reading is killed
+                pending = self.link.send_message(None, wait=False)
             except RuntimeError:
-                pass
+                pending = []
             self._proc.join(timeout=10)
+            del pending
         self._failed = self._failed or "the engine was shut down"
         _kill(self._proc)
         close_link()
@@ -187,7 +188,9 @@ class PDEngine:
                         continue
                     _, rid, shape, dtype = msg
                     t0 = time.perf_counter()
-                    kv = link.recv_tensor(shape, getattr(torch, dtype.removeprefix("torch.")))
+                    dtype = getattr(torch, dtype.removeprefix("torch."))
+                    kv = (link.recv_tensor(shape, dtype) if shape[2] else   # none sent: no full block
+                          torch.empty(shape, dtype=dtype, device=link.device))
                     self._rx.put(("kv", rid, kv, time.perf_counter() - t0))
         except Exception as e:  # noqa: BLE001 - the peer went away: handed to the engine thread
             self._rx.put(e)

@@ -83,7 +83,8 @@ def prefill_main(store_port: int, args) -> None:
                     if kv.is_cuda:   # gathered before the header goes: the decode side's
                         torch.cuda.current_stream(kv.device).synchronize()   # timing is the wire's
                     link.send_message(("kv", out.request_id, tuple(kv.shape), str(kv.dtype)))
-                    link.send_tensor(kv)
+                    if kv.shape[2]:   # a prompt shorter than a block and a token moves nothing
+                        link.send_tensor(kv)
     except RuntimeError as e:
         print(f"slipstream prefill instance: stopping: {e}", file=sys.stderr)
         sys.exit(1)

@@ -47,6 +47,7 @@ def _pd(folder, **kw):
 def test_disaggregated_tokens_equal_one_instance(folder):
     prompts = random_prompts(5, 265, 3, 40, seed=1)
     prompts.append({"prompt_token_ids": prompts[0]["prompt_token_ids"] + [5, 6, 7, 8, 9]})
+    prompts.append({"prompt_token_ids": [7, 8, 9, 10]})   # no full block before its last token
     greedy = SamplingParams(max_tokens=8, temperature=0, logprobs=1)
     seeded = SamplingParams(max_tokens=8, temperature=0.9, top_p=0.9, seed=7, n=2)
     ref = make_llm(folder).generate(prompts, greedy, use_tqdm=False)
