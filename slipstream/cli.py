@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "analyze": ("slipstream.analysis.cli", "FLOPs, bytes, roofline bounds; spec-decode theory"),
     "bench": ("slipstream.bench.cli", "benchmarks: latency, throughput, serve, spec"),
     "serve": ("slipstream.server.cli", "an OpenAI-compatible HTTP server"),
+    "router": ("slipstream.router.cli", "a KV-aware router in front of several servers"),
     "quantize": ("slipstream.quant.cli", "quantize a checkpoint (RTN, GPTQ, AWQ, SmoothQuant, mixed)"),
     "eval": ("slipstream.eval.cli", "evaluate a model (perplexity)"),
     "train-draft": ("slipstream.spec.cli", "train Medusa / EAGLE draft heads on the target's answers"),

@@ -3,6 +3,9 @@ the all-reduce cost, against the copy bandwidth measured in the same run.
 
     python benchmarks/tp/bench_tp.py [--out DIR] [--smoke]
 
+(NCCL_NVLS_ENABLE=0 is set for every stage. Each stage has a time limit, the
+whole run at most TOTAL_LIMIT_S, about 4.5 minutes on 2x H200.)
+
 Stages, each in its own process (a fresh GPU memory pool and process group):
   allreduce   2 ranks, NCCL: all-reduce of a decode step's [1, hidden] bf16
               activations (8 KiB for hidden 4096, 16 KiB for 8192) and of 64 MiB,
@@ -208,11 +211,27 @@ def stage_engine(name: str, smoke: bool) -> dict:
 
 # ---- driver -----------------------------------------------------------------
 
+# Seconds each stage may take at most, and the whole run (a stuck stage is cut off and
+# reported, the others still run, and the results are written).
+STAGE_LIMIT_S = {"allreduce": 60, "8b-tp1": 90, "8b-tp2": 90, "8b-tp2-eager": 90, "70b-tp2": 150}
+TOTAL_LIMIT_S = 270
+_START = time.perf_counter()
+
+
 def _run_stage(stage: str, smoke: bool) -> dict:
     cmd = [sys.executable, __file__, "--stage", stage] + (["--smoke"] if smoke else [])
-    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    # NVLink multicast (NVLS) stays off on the two-GPU machine.
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+               NCCL_NVLS_ENABLE="0")
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=280)
+    limit = min(STAGE_LIMIT_S[stage], TOTAL_LIMIT_S - (t0 - _START))
+    if limit < 20:
+        return {"error": f"skipped: the run's {TOTAL_LIMIT_S} s were spent"}
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=limit)
+    except subprocess.TimeoutExpired as e:
+        err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+        return {"error": f"timed out after {limit:.0f} s\n{err[-3000:]}", "wall_s": limit}
     if proc.returncode != 0:
         return {"error": proc.stderr[-3000:], "wall_s": time.perf_counter() - t0}
     result = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -27,6 +27,7 @@ and the theory of speculative decoding (chapter 3.3-3.4).
   analyze specdec --alpha A --gamma G --c C [--gpu H100] [--json]
   analyze measure [--device cuda] [--out profile.json]
   analyze tp MODEL [--gpu H200] [--tp 1 2 4 8] [--link L | --link-bandwidth GB/s --link-latency us]
+  analyze kv-transfer MODEL [--prompt 4096 ...] [--link L | --link-bandwidth GB/s --link-latency us]
   analyze gpus | analyze models
 
 Each form takes --help."""
@@ -115,6 +116,47 @@ def run_tp(argv: list[str]) -> int:
     return 0
 
 
+def _kv_transfer_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="slipstream analyze kv-transfer",
+                                description="Prefill/decode disaggregation: time to move a "
+                                "prompt's KV cache between instances (KV bytes per token x "
+                                "tokens / link bandwidth), against the prompt's prefill time")
+    p.add_argument("model", help="preset, config.json, or model folder")
+    p.add_argument("--prompt", type=int, nargs="+", default=[512, 1024, 4096, 16384],
+                   help="prompt lengths (tokens)")
+    p.add_argument("--block-size", type=int, default=16,
+                   help="KV block size: the full blocks before the last token move")
+    p.add_argument("--gpu", default="H200", help="device of the prefill roofline")
+    p.add_argument("--link", default="h200-nvlink-p2p",
+                   help="h200-nvlink-p2p (measured), pcie5-x16, ib-ndr-400, ethernet-100g")
+    p.add_argument("--link-bandwidth", type=float, help="custom link: GB/s")
+    p.add_argument("--link-latency", type=float, help="custom link: us per transfer")
+    p.add_argument("--kv-dtype", default="bf16", help="KV cache precision")
+    p.add_argument("--json", action="store_true")
+    return p
+
+
+def run_kv_transfer(argv: list[str]) -> int:
+    from dataclasses import asdict
+
+    from slipstream.analysis.kv_transfer import (get_p2p_link, kv_transfer_cost, moved_tokens,
+                                                 render_kv_transfer)
+    args = _kv_transfer_parser().parse_args(argv)
+    spec, hw = resolve_model(args.model), get_hardware(args.gpu)
+    link = get_p2p_link(args.link, args.link_bandwidth and args.link_bandwidth * 1e9,
+                        None if args.link_latency is None else args.link_latency * 1e-6)
+    prec = Precisions.parse("bf16", args.kv_dtype)
+    costs = [kv_transfer_cost(spec, hw, link, moved_tokens(n, args.block_size), prec)
+             for n in args.prompt]
+    if args.json:
+        print(json.dumps({"model": spec.name, "gpu": hw.name, "link": link.name,
+                          "rows": [dict(asdict(c), prompt_tokens=n, time_s=c.time)
+                                   for n, c in zip(args.prompt, costs)]}, indent=2))
+    else:
+        print(render_kv_transfer(spec, hw, link, costs))
+    return 0
+
+
 def _specdec_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="slipstream analyze specdec",
                                 description="Speculative decoding: expected tokens per round, "
@@ -174,6 +216,7 @@ def _table_form(name: str, rows: Callable[[], list[dict]],
 
 FORMS: dict[str, Callable[[list[str]], int]] = {
     "specdec": run_specdec, "measure": run_measure, "tp": run_tp,
+    "kv-transfer": run_kv_transfer,
     "gpus": _table_form("gpus", tables.gpu_rows, tables.render_gpus),
     "models": _table_form("models", tables.model_rows, tables.render_models),
 }

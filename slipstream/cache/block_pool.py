@@ -71,6 +71,11 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self._free[block.block_id] = block
 
+    def cached_hashes(self) -> list[bytes]:
+        """The hashes of the cached blocks (a copy: `list(dict)` of bytes keys runs
+        in one C call, so another thread that caches or evicts meanwhile waits)."""
+        return list(self._cached)
+
     def cache_block(self, block: KVBlock, block_hash: bytes) -> None:
         if not self.enable_caching or block.block_hash is not None:
             return

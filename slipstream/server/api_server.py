@@ -271,6 +271,13 @@ def build_app(engine, model_name: str, api_key: str | None = None, max_queued: i
         body = server.metrics.render(server.async_engine.stats, len(server.async_engine._queues))
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    @app.get("/v1/cache/state")
+    async def cache_state(request: Request):   # for a KV-aware router (slipstream/router/)
+        server.check_auth(request)
+        from slipstream.router.instance_state import instance_state
+        ae = server.async_engine
+        return instance_state(server.engine, ae.stats, ae.num_in_flight)
+
     @app.post("/v1/completions")
     async def completions(request: Request):
         return await server.generate(request, chat=False)

@@ -1,0 +1,110 @@
+"""Prefill/decode disaggregation: the cost of moving a prompt's KV cache.
+
+A prefill instance hands a finished prompt to a decode instance by sending its
+KV cache: every layer's K and V of every prompt token,
+
+    bytes = prompt_tokens x layers x kv_elements_per_token x kv bytes per element
+
+(for Llama-3-8B in bf16: 32 layers x 2 x 8 KV heads x 128 x 2 bytes = 128 KiB a
+token, 512 MiB for a 4k-token prompt), over a point-to-point link in
+
+    time = latency + bytes / bandwidth.
+
+The split pays when that time is small against what the prefill itself costs
+(its roofline time here): the decode instance then never stalls its batch on a
+long prompt, and the prefill instance runs compute-bound prompt batches only.
+slipstream moves the prompt's full blocks but the last token's (the decode
+side computes that one to sample), so `tokens` is what moves, not the prompt.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from slipstream.analysis.flops import Precisions, Workload
+from slipstream.analysis.hardware import HardwareProfile
+from slipstream.analysis.model_spec import ModelSpec
+from slipstream.analysis.roofline import step_bound
+from slipstream.analysis.tensor_parallel import Interconnect
+
+# Point-to-point links. `bus_bandwidth` here is the send/recv bandwidth of one
+# large transfer; `latency` the floor of one call.
+P2P_LINKS: dict[str, Interconnect] = {
+    # The project's tensor-parallel issue: send/recv of 256 MiB between the two
+    # H200s of nvidia-h200-x2 at 356 GB/s (NCCL 2.28, NVLink multicast off); the
+    # per-call floor is taken from its small eager all-reduce (27.7 us).
+    "h200-nvlink-p2p": Interconnect("2x H200 NVLink, NCCL send/recv", 356e9, 27.7e-6,
+                                    "measured on nvidia-h200-x2 (NCCL 2.28)"),
+    # Nominal figures (not measured here): one direction of the link.
+    "pcie5-x16": Interconnect("PCIe 5.0 x16 (nominal)", 64e9, 10e-6, "nominal"),
+    "ib-ndr-400": Interconnect("InfiniBand NDR 400 Gb/s (nominal)", 50e9, 5e-6, "nominal"),
+    "ethernet-100g": Interconnect("100 Gb Ethernet (nominal)", 12.5e9, 20e-6, "nominal"),
+}
+
+
+def get_p2p_link(name: str | None = None, bandwidth: float | None = None,
+                 latency: float | None = None) -> Interconnect:
+    """A preset of P2P_LINKS, or a custom link (bandwidth in bytes/s, latency in s)."""
+    if bandwidth is not None or latency is not None:
+        if not bandwidth or bandwidth <= 0 or latency is None or latency < 0:
+            raise ValueError("a custom link needs a positive bandwidth and a latency >= 0")
+        return Interconnect(f"custom ({bandwidth / 1e9:g} GB/s, {latency * 1e6:g} us)",
+                            bandwidth, latency, "given")
+    key = (name or "h200-nvlink-p2p").lower()
+    if key not in P2P_LINKS:
+        raise ValueError(f"unknown link {name!r}: use one of {', '.join(P2P_LINKS)} or give "
+                         "a bandwidth and a latency")
+    return P2P_LINKS[key]
+
+
+def kv_bytes_per_token(spec: ModelSpec, prec: Precisions = Precisions()) -> float:
+    """KV cache bytes of one token over all layers."""
+    return spec.num_layers * spec.kv_elements_per_token * prec.kv.bytes_per_element
+
+
+def moved_tokens(prompt_tokens: int, block_size: int) -> int:
+    """Tokens whose K/V slipstream moves: the full blocks before the last token's."""
+    if prompt_tokens < 1 or block_size < 1:
+        raise ValueError("prompt_tokens and block_size must be at least 1")
+    return (prompt_tokens - 1) // block_size * block_size
+
+
+@dataclass(frozen=True)
+class KVTransferCost:
+    tokens: int
+    bytes_per_token: float
+    bytes: float
+    time: float            # seconds over the link
+    prefill_time: float    # roofline time of computing the whole prompt (one device)
+
+    @property
+    def share_of_prefill(self) -> float:
+        return self.time / self.prefill_time if self.prefill_time else float("inf")
+
+
+def kv_transfer_time(nbytes: float, link: Interconnect) -> float:
+    return link.latency + nbytes / link.bus_bandwidth
+
+
+def kv_transfer_cost(spec: ModelSpec, hw: HardwareProfile, link: Interconnect, tokens: int,
+                     prec: Precisions = Precisions(), compute_dtype: str = "bf16") -> KVTransferCost:
+    """Moving `tokens` tokens' KV over `link`, against prefilling them on `hw`."""
+    if tokens < 1:
+        raise ValueError(f"tokens must be at least 1, got {tokens}")
+    per_token = kv_bytes_per_token(spec, prec)
+    nbytes = per_token * tokens
+    prefill = step_bound(spec, hw, Workload.prefill(tokens), prec, compute_dtype).whole.time
+    return KVTransferCost(tokens, per_token, nbytes, kv_transfer_time(nbytes, link), prefill)
+
+
+def render_kv_transfer(spec: ModelSpec, hw: HardwareProfile, link: Interconnect,
+                       costs: list[KVTransferCost]) -> str:
+    lines = [f"{spec.name}: KV cache handed from a prefill to a decode instance over "
+             f"{link.name} [{link.bus_bandwidth / 1e9:g} GB/s, {link.latency * 1e6:g} us; "
+             f"{link.source}]; prefill roofline on {hw.name}",
+             f"{'tokens':>7} {'KiB/token':>9} {'MiB moved':>9} {'transfer':>10} "
+             f"{'prefill':>10} {'transfer/prefill':>16}"]
+    for c in costs:
+        lines.append(f"{c.tokens:>7} {c.bytes_per_token / 1024:>9.1f} {c.bytes / 2**20:>9.1f} "
+                     f"{c.time * 1e3:>8.3f}ms {c.prefill_time * 1e3:>8.3f}ms "
+                     f"{c.share_of_prefill * 100:>15.1f}%")
+    return "\n".join(lines)

@@ -1,0 +1,92 @@
+"""The prefill instance of a prefill/decode pair: its process's whole life.
+
+It holds an ordinary `Engine`. A receiving thread takes the decode side's
+messages (("prefill", request id, prompt ids), or None to stop) into a queue;
+the main loop adds each prompt as a 1-token greedy request, steps the engine,
+and as each finishes sends its full blocks' K/V (`kv_transfer.export_blocks`)
+to the decode side: a header message, then the tensor. Its sampled token is
+not used: the decode side computes the prompt's last token and samples itself.
+
+The prompt's blocks are cached (prefix caching is on) and free once the
+request finishes; they are exported right after the step that finished it,
+before any later step can reuse them. With async scheduling the step after
+that one was scheduled while the request still held them, so it cannot have
+been given them either.
+"""
+from __future__ import annotations
+
+import queue
+import sys
+import threading
+from dataclasses import replace
+
+import torch
+
+from slipstream.distributed.kv_transfer import PREFILL_RANK, close_link, export_blocks, kv_layout, open_link
+from slipstream.distributed.parallel import join_store
+from slipstream.distributed.worker import cpu_threads_per_rank
+
+
+def prefill_main(store_port: int, args) -> None:
+    """Entry point of the prefill process (torch.multiprocessing spawn). `args`: EngineArgs."""
+    from slipstream.config import resolve_device
+    from slipstream.engine.engine import Engine
+    from slipstream.sampling_params import SamplingParams
+
+    device = resolve_device(args.device)
+    if device.type == "cpu":
+        torch.set_num_threads(cpu_threads_per_rank(2))
+    store = join_store(store_port, 2)
+    store.set("pd/joined", "1")
+    # Join first: if loading fails, this end's sockets close and the decode side fails at once.
+    link = open_link(PREFILL_RANK, device, store)
+    inbox: queue.Queue = queue.Queue()
+
+    def receive():
+        try:
+            while True:
+                msg = link.recv_message()
+                inbox.put(msg)
+                if msg is None:
+                    return
+        except RuntimeError as e:   # the decode side went away
+            inbox.put(e)
+
+    try:
+        engine = Engine(replace(args, device=str(device)))
+        shape, dtype = kv_layout(engine)
+        link.send_message(("ready", shape, str(dtype)))
+        threading.Thread(target=receive, name="slipstream-prefill-recv", daemon=True).start()
+        params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+        prompts: dict[str, list[int]] = {}
+        while True:
+            idle = not engine.has_unfinished_requests()
+            try:
+                while True:
+                    msg = inbox.get(timeout=0.5) if idle else inbox.get_nowait()
+                    idle = False
+                    if msg is None:
+                        return
+                    if isinstance(msg, BaseException):
+                        raise msg
+                    _, rid, ids = msg
+                    prompts[rid] = ids
+                    engine.add_request({"prompt_token_ids": ids}, params, rid)
+            except queue.Empty:
+                pass
+            if not engine.has_unfinished_requests():
+                continue
+            for out in engine.step():
+                if out.finished:
+                    ids = prompts.pop(out.request_id)
+                    kv = export_blocks(engine, ids)   # [layers, 2, n, block_size, kv_heads, head_dim]
+                    if kv.is_cuda:   # gathered before the header goes: the decode side's
+                        torch.cuda.current_stream(kv.device).synchronize()   # timing is the wire's
+                    link.send_message(("kv", out.request_id, tuple(kv.shape), str(kv.dtype)))
+                    if kv.shape[2]:   # a prompt shorter than a block and a token moves nothing
+                        link.send_tensor(kv)
+    except RuntimeError as e:
+        print(f"slipstream prefill instance: stopping: {e}", file=sys.stderr)
+        sys.exit(1)
+    finally:
+        close_link()

@@ -1,0 +1,135 @@
+"""Prefill/decode disaggregation on the CPU: two processes over gloo.
+
+The decode instance must give exactly the tokens of one plain instance, and must
+have used the moved K/V: each prompt is admitted as a prefix-cache hit of the
+blocks that moved, computing only its tail.
+"""
+import faulthandler
+import os
+import signal
+import time
+
+import pytest
+
+from slipstream import SamplingParams
+from slipstream.analysis.flops import Precisions
+from slipstream.analysis.kv_transfer import kv_bytes_per_token
+from slipstream.analysis.model_spec import ModelSpec
+from tests.engine.conftest import build_hf_model, make_llm, random_prompts
+from tests.loader.checkpoints import write_hf_tokenizer
+
+OPTS = dict(dtype="float32", device="cpu", max_model_len=256, block_size=4, num_kv_blocks=256)
+LIMIT_S = 120
+
+
+@pytest.fixture(autouse=True)
+def never_hang():
+    """A test that hangs (a peer never answering) ends the run with a traceback
+    after LIMIT_S instead of holding CI."""
+    faulthandler.dump_traceback_later(LIMIT_S, exit=True)
+    yield
+    faulthandler.cancel_dump_traceback_later()
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("pd-llama")
+    build_hf_model("llama").save_pretrained(folder)
+    write_hf_tokenizer(folder)
+    return folder
+
+
+def _pd(folder, **kw):
+    from slipstream.distributed.prefill_decode import DisaggregatedLLM
+    return DisaggregatedLLM(str(folder), **{**OPTS, **kw})
+
+
+def test_disaggregated_tokens_equal_one_instance(folder):
+    prompts = random_prompts(5, 265, 3, 40, seed=1)
+    prompts.append({"prompt_token_ids": prompts[0]["prompt_token_ids"] + [5, 6, 7, 8, 9]})
+    prompts.append({"prompt_token_ids": [7, 8, 9, 10]})   # no full block before its last token
+    greedy = SamplingParams(max_tokens=8, temperature=0, logprobs=1)
+    seeded = SamplingParams(max_tokens=8, temperature=0.9, top_p=0.9, seed=7, n=2)
+    ref = make_llm(folder).generate(prompts, greedy, use_tqdm=False)
+    ref_seeded = make_llm(folder).generate(prompts[:3], seeded, use_tqdm=False)
+    pd = _pd(folder)
+    try:
+        got = pd.generate(prompts, greedy, use_tqdm=False)
+        for a, b in zip(ref, got):
+            assert b.outputs[0].token_ids == a.outputs[0].token_ids
+            assert b.outputs[0].text == a.outputs[0].text
+            for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+                t = next(iter(la))
+                assert abs(la[t].logprob - lb[t].logprob) < 1e-4
+        # Every prompt's full blocks but the last token's moved and were used.
+        moved = {t.request_id: t for t in pd.transfers}
+        # The analysis layer's bytes per token: 2 layers x K,V x 2 KV heads x 64 x fp32.
+        spec = ModelSpec.from_model_config(pd.engine.config.model_config)
+        per_token = kv_bytes_per_token(spec, Precisions.parse(kv="fp32"))
+        assert per_token == 2 * 2 * 2 * 64 * 4
+        assert len(moved) == len(prompts)
+        for out in got:
+            n = len(out.prompt_token_ids)
+            t = moved[out.request_id]
+            assert t.tokens == (n - 1) // 4 * 4 == t.imported_tokens
+            assert out.num_cached_tokens == t.tokens
+            assert t.bytes == t.tokens * per_token
+        got_seeded = pd.generate(prompts[:3], seeded, use_tqdm=False)
+        assert ([[c.token_ids for c in o.outputs] for o in got_seeded]
+                == [[c.token_ids for c in o.outputs] for o in ref_seeded])
+        assert not pd.engine.has_unfinished_requests()
+    finally:
+        pd.shutdown()
+
+
+def test_a_killed_prefill_instance_fails_its_requests_within_seconds(folder):
+    from slipstream.distributed.prefill_decode import PeerDiedError
+    pd = _pd(folder)
+    engine = pd.engine
+    try:
+        params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+        decoding = engine.add_request({"prompt_token_ids": [5, 6, 7, 8, 9, 10]}, params)
+        while not engine.engine.has_unfinished_requests():   # its K/V arrived: decoding here
+            engine.step()
+        os.kill(pd.engine._proc.pid, signal.SIGKILL)
+        pd.engine._proc.join(timeout=10)
+        t0 = time.monotonic()
+        with pytest.raises(PeerDiedError, match=r"prefill instance \(pid \d+\) exited with code -9"):
+            engine.add_request({"prompt_token_ids": [11, 12, 13]}, params)
+        assert time.monotonic() - t0 < 5
+        # A request already decoding finishes on the decode instance alone.
+        done = []
+        while engine.engine.has_unfinished_requests():
+            done += [o for o in engine.engine.step() if o.finished]
+        assert [o.request_id for o in done] == [decoding] and len(done[0].outputs[0].token_ids) == 40
+    finally:
+        pd.shutdown()
+
+
+def test_prefill_dying_while_requests_wait_fails_them_not_hangs(folder):
+    from slipstream.distributed.prefill_decode import PeerDiedError
+    pd = _pd(folder)
+    try:
+        proc = pd.engine._proc
+        os.kill(proc.pid, signal.SIGSTOP)     # frozen: the prompts can never come back ...
+        rid = pd.engine.add_request({"prompt_token_ids": list(range(3, 40))},
+                                    SamplingParams(max_tokens=4))
+        pd.engine.step()
+        os.kill(proc.pid, signal.SIGKILL)     # ... then gone
+        t0 = time.monotonic()
+        with pytest.raises(PeerDiedError, match=rf"waiting for their prompt were failed \({rid}\)"):
+            for _ in range(200):
+                pd.engine.step()
+        assert time.monotonic() - t0 < 5
+        assert not pd.engine.has_unfinished_requests()
+    finally:
+        pd.shutdown()
+
+
+def test_options_are_checked(folder):
+    with pytest.raises(ValueError, match="enable_prefix_caching"):
+        _pd(folder, enable_prefix_caching=False)
+    with pytest.raises(ValueError, match="prefill_device"):
+        _pd(folder, prefill_device="cuda:1")
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        _pd(folder, tensor_parallel_size=2)
