@@ -213,7 +213,8 @@ def stage_engine(name: str, smoke: bool) -> dict:
 
 # Seconds each stage may take at most, and the whole run (a stuck stage is cut off and
 # reported, the others still run, and the results are written).
-STAGE_LIMIT_S = {"allreduce": 60, "8b-tp1": 90, "8b-tp2": 90, "8b-tp2-eager": 90, "70b-tp2": 150}
+STAGE_LIMIT_S = {"allreduce": 60, "8b-tp1": 90, "8b-tp2": 90, "8b-tp2-symm": 90, "8b-tp2-eager": 90,
+                 "70b-tp2": 150}
 TOTAL_LIMIT_S = 270
 _START = time.perf_counter()
 
@@ -266,7 +267,9 @@ def _markdown(res: dict) -> str:
               "|---|---|---|---|---|---|"]
     for name in STAGES[1:]:
         r = res["stages"].get(name, {})
-        if "error" in r or not r:
+        if not r:
+            continue   # not run (--stages)
+        if "error" in r:
             lines.append(f"| {name} | failed | | | | |")
             continue
         lines.append(f"| {name} | {r['decode_step_ms']:.3f} | {r['tokens_per_s']:.1f} | "
