@@ -76,6 +76,7 @@ def test_step_exception_fails_only_its_requests(tiny_model_dir, async_scheduling
         calls["n"] += 1
         if calls["fail_at"] is not None and calls["n"] == calls["fail_at"]:
             raise RuntimeError("injected fault")
+        time.sleep(0.01)   # A (at most ~250 steps) must still be running when the fault comes
         return real(*a, **kw)
     setattr(owner, name, faulty)
     srv = InProcessServer(engine)
