@@ -16,29 +16,11 @@ from slipstream.kernels.kv_store import store_kv
 from slipstream.kernels.prefill_attention import prefill_attention
 from slipstream.kernels.tree_attention import ancestor_mask, tree_attention
 from slipstream.quant.kv_quant import KV_FORMATS, dequantize_kv
+from tests.kernels.conftest import quantized_cache
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float16: 4e-3, torch.float32: 1e-4}
 FORMATS = ["int8", "fp8"]
-
-
-def quantized_cache(b, fmt_name):
-    """The batch's caches as codes + scales (NaN scales where nothing was written)."""
-    fmt = KV_FORMATS[fmt_name]
-    out = []
-    for cache in (b.k_cache, b.v_cache):
-        flat = cache.flatten(0, 1).float()
-        written = ~flat.isnan().any(-1).any(-1)
-        codes = torch.zeros(flat.shape, dtype=fmt.storage, device=cache.device)
-        scale = torch.full(flat.shape[:2], float("nan"), device=cache.device)
-        c, s = fmt.quantize(flat[written])
-        codes[written], scale[written] = c, s
-        out += [codes.view(cache.shape), scale.view(cache.shape[:3])]
-    return out  # k codes, k scale, v codes, v scale
-
-
-def dequantized(codes, scale):
-    return dequantize_kv(codes, torch.nan_to_num(scale))
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
