@@ -14,8 +14,8 @@ attention kernels read the codes and apply the scales in registers: K's scale
 multiplies the score column q.k_j, V's the probability p_j before the P.V product.
 
 KIVI (Liu et al., 2024), 2 or 4 bits: keys per channel, values per token, a small
-full-precision window of recent tokens; its paged layout is cache/kivi_cache.py.
-`kivi_fake_quantize` is the one-sequence reference of its numerics.
+full-precision window of recent tokens: numerics in quant/kivi.py, paged layout
+in cache/kivi_cache.py (reference path only, not served by the engine).
 """
 from __future__ import annotations
 
@@ -108,34 +108,11 @@ def dequantize_kv_fp8(q: torch.Tensor, scale: torch.Tensor,
     return dequantize_kv(q, scale, dtype)
 
 
-def asym_fake_quantize(x: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
-    """Asymmetric fake quantization along `dim` (min/max over it)."""
-    qmax = 2 ** bits - 1
-    lo, hi = x.amin(dim, keepdim=True), x.amax(dim, keepdim=True)
-    scale = ((hi - lo) / qmax).clamp_min(1e-10)
-    return (torch.round((x - lo) / scale).clamp(0, qmax)) * scale + lo
-
-
-_asym = asym_fake_quantize
-
-
 def kivi_fake_quantize(k: torch.Tensor, v: torch.Tensor, bits: int, group: int = 32,
                        residual: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """KIVI on one sequence. k, v: [tokens, heads, dim] -> what a KIVI cache returns.
-
-    Keys: per channel over each full group of `group` tokens; values: per token. The
-    last `residual` tokens, and the tokens of an incomplete last key group, stay exact
-    (for keys and values alike): the full-precision window of recent tokens."""
-    if bits not in (2, 4):
-        raise ValueError(f"kv_cache_dtype: KIVI takes 2 or 4 bits, got {bits}")
-    t = k.shape[0]
-    quantized_upto = max(0, ((t - residual) // group) * group)
-    kf, vf = k.float().clone(), v.float().clone()
-    if quantized_upto:
-        kg = kf[:quantized_upto].reshape(quantized_upto // group, group, *k.shape[1:])
-        kf[:quantized_upto] = _asym(kg, bits, dim=1).reshape(quantized_upto, *k.shape[1:])
-        vf[:quantized_upto] = _asym(vf[:quantized_upto], bits, dim=-1)
-    return kf.to(k.dtype), vf.to(v.dtype)
+    """KIVI on one sequence (see quant/kivi.py, the format's reference)."""
+    from slipstream.quant.kivi import kivi_fake_quantize as fake
+    return fake(k, v, bits, group, residual)
 
 
 def fake_quantize_kv(x: torch.Tensor, kv_dtype: str) -> torch.Tensor:
