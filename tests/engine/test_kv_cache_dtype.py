@@ -109,3 +109,20 @@ def test_bad_kv_cache_dtype_named():
                    speculative_method="ngram").create_config("x", mc)
     cfg = EngineArgs(kv_cache_dtype="fp8_e4m3", device="cpu").create_config("x", mc)
     assert cfg.cache.kv_cache_dtype == "fp8"
+
+
+def test_cli_flag_reaches_the_engine(tiny_folder, tmp_path, capsys):
+    import json
+
+    from slipstream.cli import main
+    folder, _ = tiny_folder("llama")
+    text = tmp_path / "t.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog " * 4)
+    ppl = {}
+    for kv in ("auto", "int8"):
+        assert main(["eval", "ppl", str(folder), "--text", str(text), "--context", "32",
+                     "--dtype", "float32", "--device", "cpu", "--json", "--kv-cache-dtype", kv]) == 0
+        ppl[kv] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["ppl"]
+    assert ppl["int8"] != ppl["auto"] and abs(ppl["int8"] / ppl["auto"] - 1) < 0.05
+    with pytest.raises(SystemExit):
+        main(["generate", "--kv-cache-dtype", "int4", "hi"])
