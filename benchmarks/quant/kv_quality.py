@@ -32,7 +32,7 @@ sys.path.insert(0, str(HERE))
 from quality import perplexity  # noqa: E402
 
 ROWS = {
-    "baseline": ({}, "fp32 weights (the Q4_1 GGUF dequantized), fp32 KV cache"),
+    "baseline": ({}, "fp32 weights (the Q4_1 GGUF dequantized at load), fp32 KV cache"),
     "kv-int8": ({"kv_cache_dtype": "int8"}, "int8 KV cache, one scale per token and head"),
     "kv-fp8": ({"kv_cache_dtype": "fp8"}, "fp8 e4m3 KV cache, one scale per token and head"),
     "kivi4": ({"kivi": 4}, "KIVI 4-bit: keys per channel (groups of 32 tokens), values per token"),
@@ -75,8 +75,10 @@ def main(argv=None) -> int:
     ids = tok.encode((HERE / "eval_text.txt").read_text(encoding="utf-8"))
     windows = [ids[i:i + args.context] for i in range(0, len(ids), args.context)]
     windows = [w for w in windows if len(w) > 1]
+    # Dense fp32 weights (the GGUF's Q4_1 blocks dequantized at load), as quality.py's
+    # rows: the GGUF CPU kernels would add their own activation rounding.
     opts = dict(dtype="float32", device="cpu", max_model_len=args.context + 8,
-                enable_prefix_caching=False)
+                enable_prefix_caching=False, quantization=None)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "kv_cache_quality.json"
@@ -100,7 +102,7 @@ def main(argv=None) -> int:
     order = [r for r in ROWS if r in rows]
     results = [rows[r] for r in order]
     base = rows.get("baseline", {}).get("ppl")
-    meta = {"model": "SmolLM2-135M-Instruct (Q4_1 GGUF, fp32 activations)",
+    meta = {"model": "SmolLM2-135M-Instruct (Q4_1 GGUF dequantized to dense fp32 at load)",
             "text": "benchmarks/quant/eval_text.txt", "context": args.context,
             "scoring": "non-overlapping windows, first token of each window unscored",
             "attention": "torch backend: every query reads K/V back from the (quantized) cache",

@@ -174,10 +174,14 @@ WIDE_CONFIG = {"BLOCK_N": 64, "num_warps": 2, "num_stages": 4}  # 1 tile, 39 KB,
 # wgmma with operands in shared memory (116 KB, one program an SM).
 TALL_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 6}
 # 1-byte (int8 / fp8) caches: a 128-key tile moves the bytes of a 64-key 16-bit
-# one, so the same stages keep the same bytes in flight per program. (Chosen by
-# byte count, not measured yet: benchmarks/quant/bench_kv_cache.py sweeps it.)
-QUANT_DEEP_CONFIG = {"BLOCK_N": 128, "num_warps": 4, "num_stages": 4}
-QUANT_WIDE_CONFIG = {"BLOCK_N": 64, "num_warps": 2, "num_stages": 4}
+# one. Compiled for sm_90 (benchmarks/attention/compile_report.py --kv int8):
+# 128 keys, 4 warps, 6 stages keep two such tiles in flight like DEEP (77 KB,
+# 226 registers, no spills, two programs an SM); for many programs, 64 keys in
+# 2 warps keep two 16 KB tiles in flight at five programs an SM (168 registers,
+# 32 bytes of stack). Chosen from the compiled code, not yet timed:
+# benchmarks/quant/bench_kv_cache.py sweeps them on the device.
+QUANT_DEEP_CONFIG = {"BLOCK_N": 128, "num_warps": 4, "num_stages": 6}
+QUANT_WIDE_CONFIG = {"BLOCK_N": 64, "num_warps": 2, "num_stages": 6}
 # Programs per SM in the one wave the split count aims for. Three DEEP programs
 # fit, but two stream faster (H200, B=1 L=32k: 84% of copy bandwidth at 33
 # splits against 80% at 49, benchmarks/attention).
