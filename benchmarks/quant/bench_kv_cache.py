@@ -39,23 +39,18 @@ import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-from slipstream.kernels import reference  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 from slipstream.kernels.decode_attention import (  # noqa: E402
     choose_num_splits, decode_attention, split_kv_scratch)
-from slipstream.kernels.kv_store import store_kv  # noqa: E402
-from slipstream.kernels.prefill_attention import prefill_attention  # noqa: E402
-from slipstream.kernels.tree_attention import ancestor_mask, tree_attention  # noqa: E402
-from slipstream.quant.kv_quant import KV_FORMATS  # noqa: E402
+from kv_cache_checks import (  # noqa: E402
+    HEAD_DIM, HEADS, KV_HEADS, SCALE, correctness, paged, quantize_cache, rel_err)
+from kv_cache_model import KINDS, model_step  # noqa: E402
 
-HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
-SCALE = HEAD_DIM ** -0.5
 L2_BYTES = 256 << 20
-KINDS = ("bf16", "int8", "fp8")
 # (BLOCK_N, num_warps, num_stages) tried for the 1-byte caches; split factors
 # around the automatic count.
 SWEEP = [(64, 2, 4), (64, 2, 6), (64, 4, 6), (128, 4, 4), (128, 4, 6), (128, 4, 8)]
 SPLIT_FACTORS = (0.5, 1.0, 2.0)
-ERR_LIMIT = {"twin": 2e-2, "store_scale": 1e-5}
 
 
 def make_timer(calls, smoke):
@@ -72,122 +67,6 @@ def make_timer(calls, smoke):
             c()
         return (time.perf_counter() - t) * 1e3 / len(calls)
     return wall
-
-
-def rel_err(out, ref) -> float:
-    out, ref = out.double(), ref.double()
-    if not torch.isfinite(out).all():
-        return float("inf")
-    return ((out - ref).norm() / ref.norm()).item()
-
-
-def paged(k, v, gen):
-    """Contiguous K/V [B, L, Hkv, D] -> (k_cache, v_cache, tables) in permuted pages."""
-    b, length, hkv, d = k.shape
-    pages = length // PAGE
-    perm = torch.randperm(b * pages, generator=gen).to(k.device)
-    kc = torch.empty(b * pages, PAGE, hkv, d, dtype=k.dtype, device=k.device)
-    vc = torch.empty_like(kc)
-    kc[perm] = k.reshape(b * pages, PAGE, hkv, d)
-    vc[perm] = v.reshape(b * pages, PAGE, hkv, d)
-    return kc, vc, perm.view(b, pages).to(torch.int32)
-
-
-def quantize_cache(cache, kind):
-    """[blocks, page, heads, dim] -> (codes, scales [blocks, page, heads] fp32)."""
-    if kind == "bf16":
-        return cache, None
-    fmt = KV_FORMATS[kind]
-    codes = torch.empty(cache.shape, dtype=fmt.storage, device=cache.device)
-    scales = torch.empty(cache.shape[:3], dtype=torch.float32, device=cache.device)
-    for i in range(0, cache.shape[0], 4096):   # chunks: the fp32 temporaries stay small
-        c, s = fmt.quantize(cache[i:i + 4096].flatten(0, 1))
-        codes[i:i + 4096] = c.view(codes[i:i + 4096].shape)
-        scales[i:i + 4096] = s.view(scales[i:i + 4096].shape)
-    return codes, scales
-
-
-# --- 1. correctness ----------------------------------------------------------------
-
-def correctness(device, dtype, log, smoke=False) -> dict:
-    gen = torch.Generator().manual_seed(0)
-    res = {}
-    # KV store: a step of 37 tokens into scattered slots.
-    k = (torch.randn(37, KV_HEADS, HEAD_DIM, generator=gen) * 3).to(device, dtype)
-    v = torch.randn(37, KV_HEADS, HEAD_DIM, generator=gen).to(device, dtype)
-    slots = torch.randperm(64 * PAGE, generator=gen)[:37].to(device)
-    slots[5] = -1
-    for kind in ("int8", "fp8"):
-        fmt = KV_FORMATS[kind]
-        got, want = [], []
-        for store, sink in ((store_kv, got), (reference.store_kv, want)):
-            kc = torch.zeros(64, PAGE, KV_HEADS, HEAD_DIM, dtype=fmt.storage, device=device)
-            vc = torch.zeros_like(kc)
-            ks = torch.zeros(64, PAGE, KV_HEADS, device=device)
-            vs = torch.zeros_like(ks)
-            store(k, v, kc, vc, slots, ks, vs)
-            sink += [kc, vc, ks, vs]
-        scale_err = max(rel_err(got[i], want[i]) for i in (2, 3))
-        code_diff = max((got[i].float() - want[i].float()).abs().gt(0).float().mean().item()
-                        for i in (0, 1))
-        res[f"store_{kind}"] = {"scale_rel_err": scale_err, "codes_differing": code_diff,
-                                "ok": scale_err < ERR_LIMIT["store_scale"] and code_diff < 1e-3}
-    # Decode / tree / prefill over a quantized paged cache, every slot holding random
-    # K/V (pages for context + tree nodes; decode reads context + 1 of them).
-    ctx, b, nodes = ([0, 20, 70, 33] if smoke else [0, 100, 2001, 517]), 4, 5
-    lens = [c + 1 for c in ctx]
-    blocks = [-(-(c + nodes) // PAGE) for c in ctx]
-    num_blocks = sum(blocks) + 2
-    tables = torch.zeros(b, max(blocks), dtype=torch.int32)
-    perm = torch.randperm(num_blocks, generator=gen)
-    used = 0
-    for i, n in enumerate(blocks):
-        tables[i, :n] = perm[used:used + n]
-        used += n
-    kc = (torch.randn(num_blocks, PAGE, KV_HEADS, HEAD_DIM, generator=gen)
-          * torch.rand(num_blocks, PAGE, KV_HEADS, 1, generator=gen) * 4).to(device, dtype)
-    vc = torch.randn(num_blocks, PAGE, KV_HEADS, HEAD_DIM, generator=gen).to(device, dtype)
-    tables = tables.to(device)
-    seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
-    q = torch.randn(b, HEADS, HEAD_DIM, generator=gen).to(device, dtype)
-    exact = reference.decode_attention(q.float(), kc.float(), vc.float(), seq_lens, tables, SCALE)
-    tq = torch.randn(b * nodes, HEADS, HEAD_DIM, generator=gen).to(device, dtype)
-    cu_tree = torch.arange(0, b * nodes + 1, nodes, dtype=torch.int32, device=device)
-    tree_lens = torch.tensor([c + nodes for c in ctx], dtype=torch.int32, device=device)
-    masks = ancestor_mask([-1, 0, 0, 1, 2]).expand(b, nodes, nodes).contiguous().to(device)
-    pq = torch.randn(sum(ctx) // 8 + 30, HEADS, HEAD_DIM, generator=gen).to(device, dtype)
-    for kind in ("int8", "fp8"):
-        kq, ks = quantize_cache(kc, kind)
-        vq, vs = quantize_cache(vc, kind)
-        out = decode_attention(q, kq, vq, seq_lens, tables, SCALE, max_seq_len=max(lens),
-                               k_scale=ks, v_scale=vs)
-        twin = reference.decode_attention(q.float(), kq, vq, seq_lens, tables, SCALE,
-                                          k_scale=ks, v_scale=vs)
-        row = {"decode_vs_twin": rel_err(out, twin), "decode_vs_exact_bf16_kv": rel_err(out, exact)}
-        tout = tree_attention(tq, kq, vq, cu_tree, tree_lens, tables, masks, SCALE,
-                              max_query_len=nodes, max_seq_len=int(tree_lens.max()),
-                              k_scale=ks, v_scale=vs)
-        ttwin = reference.tree_attention(tq.float(), kq, vq, cu_tree, tree_lens, tables, masks,
-                                         SCALE, k_scale=ks, v_scale=vs)
-        row["tree_vs_twin"] = rel_err(tout, ttwin)
-        # Prefill: chunks after each context, the context read from the codes.
-        qlens = [pq.shape[0] // b] * b
-        qlens[-1] += pq.shape[0] - sum(qlens)
-        cu = torch.tensor([0] + torch.tensor(qlens).cumsum(0).tolist(), dtype=torch.int32,
-                          device=device)
-        pk = torch.randn(pq.shape[0], KV_HEADS, HEAD_DIM, generator=gen).to(device, dtype)
-        pv = torch.randn_like(pk)
-        ctx_t = torch.tensor(ctx, dtype=torch.int32, device=device)
-        pout = prefill_attention(pq, pk, pv, kq, vq, cu, ctx_t, tables, max(qlens), SCALE,
-                                 k_cache_scale=ks, v_cache_scale=vs)
-        ptwin = reference.prefill_attention(pq.float(), pk.float(), pv.float(), kq, vq, cu, ctx_t,
-                                            tables, SCALE, k_cache_scale=ks, v_cache_scale=vs)
-        row["prefill_vs_twin"] = rel_err(pout, ptwin)
-        row["ok"] = all(v < ERR_LIMIT["twin"] for n, v in row.items() if n.endswith("_twin"))
-        res[kind] = row
-        log(f"correctness {kind}: {row}")
-    res["ok"] = all(r["ok"] for r in res.values() if isinstance(r, dict))
-    return res
 
 
 # --- 2. decode attention -------------------------------------------------------------
@@ -268,93 +147,6 @@ def decode_case(b, length, copy_bw, device, dtype, smoke, log) -> dict:
         row[f"{kind}_best"] = {"config": best[1], **sweep[best[1]]}
         log(f"    {kind} best: {best[1]} x{best[0]:.2f} ({sweep[best[1]]['pct_copy_bw']:.0f}% copy bw)")
     return row
-
-
-# --- 3. model decode step ------------------------------------------------------------------
-
-def model_step(cases, device, dtype, smoke, log) -> list[dict]:
-    from dataclasses import replace
-
-    from slipstream.attention.selector import create_backend
-    from slipstream.batch import ForwardBatch
-    from slipstream.config import ModelConfig, RopeScaling
-    from slipstream.models.llama import LlamaForCausalLM
-    if smoke:
-        mc = ModelConfig("llama", 256, 256, 512, 2, 4, 2, 64, 1024)
-    else:
-        mc = ModelConfig("llama", 128256, 4096, 14336, 32, 32, 8, 128, 8192, 1e-5, 500000.0,
-                         RopeScaling("llama3", 8.0, 1.0, 4.0, 8192))
-        mc = replace(mc, max_position_embeddings=max(length for _, length in cases) + 16)
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = LlamaForCausalLM(mc, create_backend("triton", torch.device(device)), None)
-    finally:
-        torch.set_default_dtype(old)
-    g = torch.Generator(device=device).manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.fill_(1.0) if "norm" in name else p.normal_(0.0, 0.02, generator=g)
-    model.eval()
-    rows = []
-    for b, ctx in cases:
-        blocks = -(-(ctx + 1) // PAGE)
-        tables = torch.arange(b * blocks, dtype=torch.int32, device=device).view(b, blocks)
-        batch = ForwardBatch(
-            input_ids=torch.randint(0, 100, (b,), device=device),
-            positions=torch.full((b,), ctx, dtype=torch.int64, device=device),
-            query_start_loc=torch.arange(b + 1, dtype=torch.int32, device=device),
-            seq_lens=torch.full((b,), ctx + 1, dtype=torch.int32, device=device),
-            context_lens=torch.full((b,), ctx, dtype=torch.int32, device=device),
-            slot_mapping=tables[:, ctx // PAGE].long() * PAGE + ctx % PAGE, block_tables=tables,
-            logits_indices=torch.arange(b, device=device), max_query_len=1, max_seq_len=ctx + 1,
-            query_lens_cpu=[1] * b, seq_lens_cpu=[ctx + 1] * b, num_decode_seqs=b)
-        row = {"B": b, "context": ctx}
-        ref_logits = None
-        for kind in KINDS:
-            torch.manual_seed(1)
-            for layer in model.attention_layers():
-                shape = (b * blocks, PAGE, mc.num_key_value_heads, mc.head_dim)
-                kc, vc = (torch.randn(shape, device=device, dtype=dtype) for _ in range(2))
-                layer.k_cache, layer.k_scale = quantize_cache(kc, kind)
-                layer.v_cache, layer.v_scale = quantize_cache(vc, kind)
-                del kc, vc
-            with torch.inference_mode():
-                model.backend.prepare(batch)
-                run = lambda: model.compute_logits(model(batch)[batch.logits_indices])  # noqa: E731
-                logits = run().float()
-                ref_logits = logits if ref_logits is None else ref_logits
-                cos = torch.nn.functional.cosine_similarity(logits, ref_logits, -1).min().item()
-                if smoke:
-                    ms = make_timer([run], smoke)()
-                else:
-                    for _ in range(2):
-                        run()
-                    torch.cuda.synchronize()
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph):
-                        run()
-                    ts = []
-                    for _ in range(20):
-                        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                        e0.record()
-                        graph.replay()
-                        e1.record()
-                        e1.synchronize()
-                        ts.append(e0.elapsed_time(e1))
-                    ms = sorted(ts)[len(ts) // 2]
-                    del graph
-                row[kind] = {"ms": ms, "tokens_per_s": b / (ms * 1e-3), "logits_cosine_vs_bf16_kv": cos}
-        for layer in model.attention_layers():
-            layer.k_cache = layer.v_cache = layer.k_scale = layer.v_scale = None
-        if device == "cuda":
-            torch.cuda.empty_cache()
-        for kind in KINDS:
-            row[kind]["speedup_vs_bf16_kv"] = row["bf16"]["ms"] / row[kind]["ms"]
-        log(f"  model step {row}")
-        rows.append(row)
-    return rows
 
 
 def markdown(res) -> str:
