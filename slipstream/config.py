@@ -51,6 +51,8 @@ class CacheConfig:
     cpu_kv_cache_bytes: int | None = None
     num_blocks: int | None = None       # overrides the memory-based sizing
     enable_prefix_caching: bool = True
+    # "auto" (the model dtype), "int8" or "fp8": codes + a scale per token and head
+    kv_cache_dtype: str = "auto"
 
 
 @dataclass(frozen=True)

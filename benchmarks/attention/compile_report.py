@@ -11,6 +11,7 @@ flight, 6 keep two).
 
     python benchmarks/attention/compile_report.py decode --block-n 64 --warps 2 --stages 6
     python benchmarks/attention/compile_report.py decode --block-m 64 --tree --warps 4
+    python benchmarks/attention/compile_report.py decode --kv int8 --block-n 128 --warps 4 --stages 4
     python benchmarks/attention/compile_report.py prefill --block-m 128 --block-n 64 \\
         --warps 8 --stages 2 --maxnreg 128 --tma-store
 """
@@ -37,7 +38,9 @@ PTR_ARGS = {  # pointer arguments and their element types
     "Q": "bf16", "KCache": "bf16", "VCache": "bf16", "Out": "bf16", "PartO": "fp32",
     "PartLse": "fp32", "CuSeqlensQ": "i32", "SeqLens": "i32", "BlockTables": "i32",
     "ContextLens": "i32", "TreeBits": "i64", "QScale": "fp32", "KScale": "fp32",
+    "VScale": "fp32", "KCacheScale": "fp32", "VCacheScale": "fp32",
 }
+KV_TYPES = {"bf16": "bf16", "int8": "i8", "fp8": "fp8e4nv"}
 FLOAT_ARGS = {"qk_scale"}
 
 
@@ -65,7 +68,7 @@ def decode_kernel(args):
     from slipstream.kernels import decode_attention as da
     consts = dict(GROUP=args.group, HEAD_DIM=args.head_dim, HEAD_DIM_PAD=args.head_dim,
                   BLOCK_M=args.block_m, BLOCK_N=args.block_n, PAGE_SIZE=args.page_size, SPLIT=True,
-                  SLIDING=False, TREE=args.tree, PDL=False, CHAIN=True)
+                  SLIDING=False, TREE=args.tree, PDL=False, CHAIN=True, QUANT=args.kv != "bf16")
     return da._split_kv_kernel, consts, {}
 
 
@@ -74,7 +77,8 @@ def prefill_kernel(args):
     consts = dict(GROUP=args.group, HEAD_DIM=args.head_dim, HEAD_DIM_PAD=args.head_dim,
                   BLOCK_M=args.block_m, BLOCK_N=args.block_n, PAGE_SIZE=args.page_size,
                   CAUSAL=True, SLIDING=False, NEW_KV=True, USE_TMA=True, FP8=False,
-                  WARP_SPECIALIZE=args.ws, TMA_STORE=args.tma_store, PAIRED=args.paired)
+                  WARP_SPECIALIZE=args.ws, TMA_STORE=args.tma_store, PAIRED=args.paired,
+                  CACHE_QUANT=args.kv != "bf16")
     d = args.head_dim
     descriptors = {"Q": f"tensordesc<bf16[{args.block_m},{d}]>",
                    "K": f"tensordesc<bf16[{args.block_n},{d}]>",
@@ -98,6 +102,7 @@ def ptxas_usage(ptx: str) -> tuple[int, int]:
 
 def report(args) -> dict:
     fn, consts, descriptors = (decode_kernel if args.kernel == "decode" else prefill_kernel)(args)
+    PTR_ARGS["KCache"] = PTR_ARGS["VCache"] = KV_TYPES[args.kv]
     sig, attrs = signature(fn, consts, descriptors)
     src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
                     attrs=attrs)
@@ -133,6 +138,8 @@ def main() -> None:
     ap.add_argument("--tma-store", action="store_true", help="prefill: bulk output store")
     ap.add_argument("--paired", action="store_true", help="prefill: two query blocks a program")
     ap.add_argument("--ws", action="store_true", help="prefill: warp-specialised K/V loop (same PTX on sm_90, Triton 3.6)")
+    ap.add_argument("--kv", choices=tuple(KV_TYPES), default="bf16",
+                    help="KV cache dtype (int8 / fp8: 1-byte codes with per-token scales)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     if args.block_m is None:

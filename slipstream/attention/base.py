@@ -6,6 +6,8 @@ context plus, causally (or by `batch.tree_mask`), to the step's earlier tokens.
 
 KV cache layout, per layer (see `runner/memory.py`):
     k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+    k_scale, v_scale: [num_blocks, block_size, num_kv_heads] fp32 for int8 / fp8
+                      codes (one scale per token and head), else None
 """
 from __future__ import annotations
 
@@ -27,6 +29,10 @@ class AttentionLayerInfo(Protocol):
     sliding_window: int | None
     k_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor
+    # [num_blocks, block_size, num_kv_heads] fp32 when the caches hold int8 / fp8
+    # codes (quant/kv_quant.py), else None
+    k_scale: torch.Tensor | None
+    v_scale: torch.Tensor | None
 
 
 class AttentionBackend(Protocol):

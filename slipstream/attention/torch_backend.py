@@ -12,6 +12,11 @@ On the CPU, decode steps run `kernels.cpu_attention` instead when it is
 built: it reads each request's blocks in place (no gather of the context, no
 padded tables), and a prompt with nothing cached attends over its own K/V
 without reading them back from the cache.
+
+A quantized cache (int8 / fp8 codes, `layer.k_scale` set) takes the reference
+path: K/V are quantized as they are stored, and every query token, a prompt's
+included, attends to the dequantized cache, so the numerics are those of a
+cache read back at every step.
 """
 from __future__ import annotations
 
@@ -39,6 +44,8 @@ class TorchAttentionBackend:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 layer: AttentionLayerInfo, batch: ForwardBatch) -> torch.Tensor:
         # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
+        if layer.k_scale is not None:
+            return self._quantized(q, k, v, layer, batch)
         if self._cpu_kernel is None:
             self._cpu_kernel = cpu_attention.supported(layer.k_cache, q.shape[-1])
         if batch.is_decode_only and batch.tree_mask is None and self._cpu_kernel:
@@ -58,6 +65,16 @@ class TorchAttentionBackend:
         return reference.paged_attention(
             q, layer.k_cache, layer.v_cache, self._query_start_loc, batch.seq_lens_cpu,
             batch.block_tables, layer.scale, layer.sliding_window, batch.tree_mask)
+
+    def _quantized(self, q, k, v, layer, batch) -> torch.Tensor:
+        reference.store_kv(k, v, layer.k_cache, layer.v_cache, batch.slot_mapping,
+                           layer.k_scale, layer.v_scale)
+        if batch.is_decode_only and batch.tree_mask is None and batch.num_seqs > 1:
+            return self._batched_decode(q, layer, batch)
+        return reference.paged_attention(
+            q, layer.k_cache, layer.v_cache, self._query_start_loc, batch.seq_lens_cpu,
+            batch.block_tables, layer.scale, layer.sliding_window, batch.tree_mask,
+            layer.k_scale, layer.v_scale)
 
     @staticmethod
     def _fresh_prompt(q, k, v, layer) -> torch.Tensor:
@@ -88,8 +105,13 @@ class TorchAttentionBackend:
         tables = batch.block_tables.long()
         b = tables.shape[0]
         # [b, blocks, block_size, kv_heads, dim] -> [b, kv_heads, padded_len, dim]
-        k = layer.k_cache[tables].flatten(1, 2).transpose(1, 2)
-        v = layer.v_cache[tables].flatten(1, 2).transpose(1, 2)
+        k = layer.k_cache[tables]
+        v = layer.v_cache[tables]
+        if layer.k_scale is not None:   # codes x per-(token, head) scales, in q's dtype
+            k = (k.float() * layer.k_scale[tables][..., None]).to(q.dtype)
+            v = (v.float() * layer.v_scale[tables][..., None]).to(q.dtype)
+        k = k.flatten(1, 2).transpose(1, 2)
+        v = v.flatten(1, 2).transpose(1, 2)
         if self._decode_mask is None:
             # [b, 1, 1, padded_len]: each request sees its own tokens only.
             self._decode_keys = torch.arange(k.shape[2], device=k.device)

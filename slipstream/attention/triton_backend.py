@@ -8,7 +8,9 @@ Per step (`prepare`) it picks one path from host-side metadata only:
   * prompts and prompt chunks: the FlashAttention-2 prefill kernel;
   * mixed steps: the decode rows (first in the step) go to the split-KV kernel
     and the rest to the prefill kernel, each writing its part of the output.
-Each layer first writes its new K/V into the paged cache (KV store kernel).
+Each layer first writes its new K/V into the paged cache (KV store kernel),
+quantizing them when the cache holds int8 / fp8 codes (`layer.k_scale` set);
+every kernel then reads the codes and scales directly.
 `forward` never reads device memory back, so it adds no host-device sync.
 """
 from __future__ import annotations
@@ -83,12 +85,13 @@ class TritonAttentionBackend:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 layer: AttentionLayerInfo, batch: ForwardBatch) -> torch.Tensor:
         # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
-        store_kv(k, v, layer.k_cache, layer.v_cache, batch.slot_mapping)
+        store_kv(k, v, layer.k_cache, layer.v_cache, batch.slot_mapping, layer.k_scale, layer.v_scale)
         if self._mode == "prefill":
             return prefill_attention(
                 q, k, v, layer.k_cache, layer.v_cache, batch.query_start_loc, batch.context_lens,
                 batch.block_tables, batch.max_query_len, layer.scale,
-                causal=True, sliding_window=layer.sliding_window)
+                causal=True, sliding_window=layer.sliding_window,
+                k_cache_scale=layer.k_scale, v_cache_scale=layer.v_scale)
         if self._mode == "mixed":
             d = batch.num_decode_seqs
             out = torch.empty_like(q)
@@ -97,7 +100,8 @@ class TritonAttentionBackend:
             prefill_attention(
                 q[d:], k[d:], v[d:], layer.k_cache, layer.v_cache, self._prefill_loc,
                 self._prefill_ctx, batch.block_tables[d:], self._prefill_max_q, layer.scale,
-                causal=True, sliding_window=layer.sliding_window, out=out[d:])
+                causal=True, sliding_window=layer.sliding_window, out=out[d:],
+                k_cache_scale=layer.k_scale, v_cache_scale=layer.v_scale)
             return out
         return self._decode(q, layer, batch.query_start_loc, batch.seq_lens, batch.block_tables,
                             batch.num_seqs, batch.max_seq_len, batch.max_query_len,
@@ -110,4 +114,5 @@ class TritonAttentionBackend:
         return split_kv_attention(
             q, layer.k_cache, layer.v_cache, query_start_loc, seq_lens, block_tables,
             max_query_len, layer.scale, splits, sliding_window=layer.sliding_window,
-            tree_bits=self._tree_bits, out=out, scratch=scratch)
+            tree_bits=self._tree_bits, out=out, scratch=scratch, k_scale=layer.k_scale,
+            v_scale=layer.v_scale)

@@ -60,6 +60,9 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
                    help="torch or triton (default: triton on CUDA, torch on the CPU)")
     g.add_argument("--kv-cache-memory", type=_at_least(1), default=None,
                    help="bytes for the KV cache on the CPU (default: 1 GiB, reserved lazily)")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8", "fp8", "fp8_e4m3"),
+                   help="auto (the model dtype), int8 or fp8 (e4m3): 1-byte codes with one scale "
+                        "per token and head, about twice the tokens in the same memory")
     g.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
     g.add_argument("--load-format", default="auto", choices=("auto", "dummy"),
                    help="dummy: random weights of the model's shape (--model may be a preset name)")
@@ -115,6 +118,7 @@ def make_engine(args):
     engine = Engine(EngineArgs(
         model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
         attention_backend=args.attention_backend, kv_cache_memory=args.kv_cache_memory,
+        kv_cache_dtype=args.kv_cache_dtype,
         enable_prefix_caching=not args.no_prefix_caching, load_format=args.load_format,
         quantization=None if args.quantization == "none" else args.quantization,
         tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager,

@@ -23,6 +23,8 @@ class EngineArgs:
     num_kv_blocks: int | None = None
     kv_cache_memory: int | None = None      # bytes for the KV pool on the CPU
     gpu_memory_utilization: float = 0.90
+    # auto (the model dtype), int8 or fp8 (= fp8_e4m3): codes + a scale per token and head
+    kv_cache_dtype: str = "auto"
     attention_backend: str | None = None
     # a scheme of quant/; "auto": GGUF blocks kept at run time on a CPU (quant/gguf.py)
     quantization: str | None = "auto"
@@ -76,6 +78,11 @@ class EngineArgs:
                              f"max_model_len ({max_len})")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        from slipstream.quant.kv_quant import kv_format
+        kv_fmt = kv_format(self.kv_cache_dtype)
+        if kv_fmt.quantized and self.speculative_method is not None:
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r}: speculative decoding runs "
+                             "with a 16-bit KV cache only (kv_cache_dtype='auto')")
         tp = self.tensor_parallel_size
         if not isinstance(tp, int) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be an integer of at least 1, got {tp!r}")
@@ -94,7 +101,8 @@ class EngineArgs:
                               gpu_memory_utilization=self.gpu_memory_utilization,
                               cpu_kv_cache_bytes=self.kv_cache_memory,
                               num_blocks=self.num_kv_blocks,
-                              enable_prefix_caching=self.enable_prefix_caching),
+                              enable_prefix_caching=self.enable_prefix_caching,
+                              kv_cache_dtype=kv_fmt.name),
             scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                       max_num_batched_tokens=budget,
                                       max_model_len=max_len,

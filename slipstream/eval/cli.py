@@ -18,6 +18,8 @@ def add_parser(subparsers) -> None:
                    help="tokens between window starts; each window scores its last STRIDE "
                         "tokens (default context / 2)")
     q.add_argument("--quantization", default=None, help="quantize a float checkpoint at load")
+    q.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8", "fp8", "fp8_e4m3"),
+                   help="KV cache format (int8 / fp8: 1-byte codes, a scale per token and head)")
     q.add_argument("--dtype", default="auto")
     q.add_argument("--device", default="auto")
     q.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -34,6 +36,7 @@ def run(args) -> int:
         raise ValueError(f"text: no such file {args.text!r}")
     llm = LLM(args.model, dtype=args.dtype, device=args.device,
               quantization=args.quantization, max_model_len=args.context + 1,
+              kv_cache_dtype=args.kv_cache_dtype,
               enable_prefix_caching=False)
     ids = llm.engine.tokenizer.encode(path.read_text(encoding="utf-8"))
     if len(ids) < 2:

@@ -10,9 +10,16 @@ Masked scores are set to -1e6 rather than -inf: a row whose first tile is fully
 masked then gets finite garbage that the next real tile wipes out (its rescale
 factor exp2(-1e6 - m) is 0), instead of NaN from (-inf) - (-inf). Every valid
 query row sees at least its own key, so the garbage never survives.
+
+Quantized caches (QUANT: int8 or fp8 e4m3 codes with one fp32 scale per token
+and head, quant/kv_quant.py): the codes are converted to the query dtype in
+registers (exact: |int8| <= 127 and e4m3 fit bf16/fp16), K's scale multiplies
+the score column q.k_j after the dot and V's multiplies the probability p_j
+before the P.V dot, so no dequantized tile is ever materialised.
 """
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -30,11 +37,13 @@ def exact_dot(a, b, acc=None):
 
 
 @triton.jit
-def softmax_tile_update(acc, m_i, l_i, qk, v, qk_scale, mask, MASKED: tl.constexpr):
+def softmax_tile_update(acc, m_i, l_i, qk, v, qk_scale, mask, MASKED: tl.constexpr,
+                        v_scale=1.0, V_SCALED: tl.constexpr = False):
     """Fold one tile of raw scores into the running softmax state.
 
     acc: [M, D] fp32, m_i / l_i: [M] fp32 (log2 domain), qk: [M, N] raw q.k,
-    v: [N, D], mask: [M, N] bool (read only when MASKED).
+    v: [N, D], mask: [M, N] bool (read only when MASKED), v_scale: [N] fp32
+    per-key scales of quantized values (read only when V_SCALED).
     """
     if MASKED:
         qk = tl.where(mask, qk * qk_scale, -1.0e6)
@@ -48,17 +57,21 @@ def softmax_tile_update(acc, m_i, l_i, qk, v, qk_scale, mask, MASKED: tl.constex
     alpha = tl.math.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
+    if V_SCALED:
+        p = p * v_scale[None, :]
     acc = exact_dot(p.to(v.dtype), v, acc)
     return acc, m_new, l_i
 
 
 @triton.jit
-def load_paged_kv(KCache, VCache, block_table_row, start, kv_head, key_end,
+def load_paged_kv(KCache, VCache, KScale, VScale, block_table_row, start, kv_head, key_end,
                   stride_cache_block, stride_cache_slot, stride_cache_head,
+                  stride_scale_block, stride_scale_slot,
                   HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-                  PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr):
+                  PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr, QUANT: tl.constexpr):
     """Gather the cached tokens [start, start + BLOCK_N) of one KV head through
-    the request's block table: K transposed to [D, N], V as [N, D].
+    the request's block table: K transposed to [D, N], V as [N, D], and with
+    QUANT their scales [N], [N] (else placeholders).
 
     `start` is a multiple of BLOCK_N, so when a page holds at least one tile the
     tile lies in one page and one scalar block-table read serves it. Positions
@@ -84,16 +97,26 @@ def load_paged_kv(KCache, VCache, block_table_row, start, kv_head, key_end,
     else:
         k = tl.load(KCache + offs[None, :] + offs_d[:, None])
         v = tl.load(VCache + offs[:, None] + offs_d[None, :])
-    return k, v
+    k_scale = 1.0  # (unread without QUANT)
+    v_scale = 1.0
+    if QUANT:
+        s_offs = page * stride_scale_block + (pos % PAGE_SIZE) * stride_scale_slot + kv_head
+        if MASKED:
+            k_scale = tl.load(KScale + s_offs, mask=key_ok, other=0.0)
+            v_scale = tl.load(VScale + s_offs, mask=key_ok, other=0.0)
+        else:
+            k_scale = tl.load(KScale + s_offs)
+            v_scale = tl.load(VScale + s_offs)
+    return k, v, k_scale, v_scale
 
 
 @triton.jit
-def attend_paged_keys(acc, m_i, l_i, q, KCache, VCache, block_table_row, kv_head,
+def attend_paged_keys(acc, m_i, l_i, q, KCache, VCache, KScale, VScale, block_table_row, kv_head,
                       lo, hi, key_end, q_pos, window, qk_scale,
-                      stride_cb, stride_cs, stride_ch, tree_bits, step_start,
+                      stride_cb, stride_cs, stride_ch, stride_sb, stride_ss, tree_bits, step_start,
                       HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
                       PAGE_SIZE: tl.constexpr, CAUSAL: tl.constexpr, SLIDING: tl.constexpr,
-                      TREE: tl.constexpr, MASKED: tl.constexpr):
+                      TREE: tl.constexpr, MASKED: tl.constexpr, QUANT: tl.constexpr):
     """Attend the query tile to cached keys [lo, hi) (lo a multiple of BLOCK_N).
 
     q: [M, D]; q_pos: [M] positions of the query rows. When MASKED, keys must be
@@ -104,10 +127,13 @@ def attend_paged_keys(acc, m_i, l_i, q, KCache, VCache, block_table_row, kv_head
     """
     for start in tl.range(lo, hi, BLOCK_N):
         start = tl.multiple_of(start, BLOCK_N)
-        k, v = load_paged_kv(KCache, VCache, block_table_row, start, kv_head, key_end,
-                             stride_cb, stride_cs, stride_ch, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N,
-                             PAGE_SIZE, MASKED)
+        k, v, k_scale, v_scale = load_paged_kv(
+            KCache, VCache, KScale, VScale, block_table_row, start, kv_head, key_end,
+            stride_cb, stride_cs, stride_ch, stride_sb, stride_ss, HEAD_DIM, HEAD_DIM_PAD,
+            BLOCK_N, PAGE_SIZE, MASKED, QUANT)
         qk = exact_dot(q, k.to(q.dtype))
+        if QUANT:
+            qk = qk * k_scale[None, :]
         if MASKED:
             pos = start + tl.arange(0, BLOCK_N)
             key_ok = pos < key_end
@@ -122,30 +148,48 @@ def attend_paged_keys(acc, m_i, l_i, q, KCache, VCache, block_table_row, kv_head
                 mask = mask & (pos[None, :] <= q_pos[:, None])
             if SLIDING:
                 mask = mask & (q_pos[:, None] - pos[None, :] < window)
-            acc, m_i, l_i = softmax_tile_update(acc, m_i, l_i, qk, v.to(q.dtype), qk_scale, mask, True)
+            acc, m_i, l_i = softmax_tile_update(acc, m_i, l_i, qk, v.to(q.dtype), qk_scale, mask, True,
+                                                v_scale, QUANT)
         else:  # (q_pos stands in for the unused mask)
-            acc, m_i, l_i = softmax_tile_update(acc, m_i, l_i, qk, v.to(q.dtype), qk_scale, q_pos, False)
+            acc, m_i, l_i = softmax_tile_update(acc, m_i, l_i, qk, v.to(q.dtype), qk_scale, q_pos, False,
+                                                v_scale, QUANT)
     return acc, m_i, l_i
 
 
 @triton.jit
-def attend_paged_range(acc, m_i, l_i, q, KCache, VCache, block_table_row, kv_head,
+def attend_paged_range(acc, m_i, l_i, q, KCache, VCache, KScale, VScale, block_table_row, kv_head,
                        lo, clean_end, hi, key_end, q_pos, window, qk_scale,
-                       stride_cb, stride_cs, stride_ch, tree_bits, step_start,
+                       stride_cb, stride_cs, stride_ch, stride_sb, stride_ss, tree_bits, step_start,
                        HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
                        PAGE_SIZE: tl.constexpr, CAUSAL: tl.constexpr, SLIDING: tl.constexpr,
-                       TREE: tl.constexpr):
+                       TREE: tl.constexpr, QUANT: tl.constexpr):
     """Cached keys [lo, hi): tiles before `clean_end` (every row sees all of
-    them) unmasked, the rest masked. lo and clean_end are multiples of BLOCK_N."""
+    them) unmasked, the rest masked. lo and clean_end are multiples of BLOCK_N.
+    KScale/VScale (read with QUANT): [blocks, page, kv_heads] fp32, head stride 1."""
     acc, m_i, l_i = attend_paged_keys(
-        acc, m_i, l_i, q, KCache, VCache, block_table_row, kv_head, lo, clean_end, key_end, q_pos,
-        window, qk_scale, stride_cb, stride_cs, stride_ch, tree_bits, step_start,
-        HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, PAGE_SIZE, CAUSAL, SLIDING, TREE, False)
+        acc, m_i, l_i, q, KCache, VCache, KScale, VScale, block_table_row, kv_head, lo, clean_end,
+        key_end, q_pos, window, qk_scale, stride_cb, stride_cs, stride_ch, stride_sb, stride_ss,
+        tree_bits, step_start, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, PAGE_SIZE, CAUSAL, SLIDING, TREE,
+        False, QUANT)
     return attend_paged_keys(
-        acc, m_i, l_i, q, KCache, VCache, block_table_row, kv_head, clean_end, hi, key_end, q_pos,
-        window, qk_scale, stride_cb, stride_cs, stride_ch, tree_bits, step_start,
-        HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, PAGE_SIZE, CAUSAL, SLIDING, TREE, True)
+        acc, m_i, l_i, q, KCache, VCache, KScale, VScale, block_table_row, kv_head, clean_end, hi,
+        key_end, q_pos, window, qk_scale, stride_cb, stride_cs, stride_ch, stride_sb, stride_ss,
+        tree_bits, step_start, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, PAGE_SIZE, CAUSAL, SLIDING, TREE,
+        True, QUANT)
 
 
 def next_pow2(n: int) -> int:
     return triton.next_power_of_2(max(int(n), 1))
+
+
+def check_kv_scales(k_cache, v_cache, k_scale, v_scale) -> bool:
+    """Whether the cache is quantized; checks the scale pools' layout if so."""
+    if k_scale is None and v_scale is None:
+        if k_cache.dtype in (torch.int8, torch.float8_e4m3fn):
+            raise ValueError(f"a {k_cache.dtype} KV cache needs its k_scale and v_scale")
+        return False
+    assert k_scale is not None and v_scale is not None
+    assert k_scale.dtype == torch.float32 and k_scale.shape == k_cache.shape[:3]
+    assert k_scale.stride() == v_scale.stride() and k_scale.stride(2) == 1
+    assert k_cache.dtype == v_cache.dtype and k_cache.element_size() == 1
+    return True

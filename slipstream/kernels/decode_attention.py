@@ -15,6 +15,10 @@ The same kernel serves tree verification (tree_attention.py): rows then span
 several query tokens of a request and a per-token bitmask (int64, so trees of
 at most 64 nodes) says which of the step's tokens each may see.
 
+A quantized cache (int8 / fp8 codes, one fp32 scale per token and head) is
+read as codes and dequantized in registers (attention_tile.py): half the bytes
+of a 16-bit cache, plus 4 bytes of scales per 128-dim token head.
+
 The grid depends only on the batch size, the head counts and the split count,
 so a decode step can be captured in a CUDA graph.
 
@@ -34,7 +38,7 @@ import triton.language as tl
 
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from slipstream.kernels.attention_tile import attend_paged_range, next_pow2
+from slipstream.kernels.attention_tile import attend_paged_range, check_kv_scales, next_pow2
 from slipstream.kernels.runtime import interpreting, num_sms, pdl_supported
 
 LOG2E = 1.4426950408889634
@@ -42,18 +46,18 @@ LOG2E = 1.4426950408889634
 
 @triton.jit(do_not_specialize=["num_kv_heads", "num_splits", "qk_scale", "window"])
 def _split_kv_kernel(
-        Q, KCache, VCache, Out, PartO, PartLse,
+        Q, KCache, VCache, KScale, VScale, Out, PartO, PartLse,
         CuSeqlensQ, SeqLens, BlockTables, TreeBits,
         num_kv_heads, num_splits,
         stride_qt, stride_qh, stride_ot, stride_oh,
-        stride_cb, stride_cs, stride_ch, stride_bt,
+        stride_cb, stride_cs, stride_ch, stride_sb, stride_ss, stride_bt,
         stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
         stride_tb,
         qk_scale, window,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
         SPLIT: tl.constexpr, SLIDING: tl.constexpr, TREE: tl.constexpr, PDL: tl.constexpr,
-        CHAIN: tl.constexpr):
+        CHAIN: tl.constexpr, QUANT: tl.constexpr):
     if PDL:  # let the merge kernel launch now; it waits for this grid before reading
         gdc_launch_dependents()
     seq = tl.program_id(0)
@@ -111,9 +115,9 @@ def _split_kv_kernel(
     if SLIDING:
         clean = lo_pos
     acc, m_i, l_i = attend_paged_range(
-        acc, m_i, l_i, q, KCache, VCache, bt_row, kv_head, lo_pos, clean, hi_pos, hi, q_pos,
-        window, qk_scale, stride_cb, stride_cs, stride_ch, tree_bits, ctx, HEAD_DIM,
-        HEAD_DIM_PAD, BLOCK_N, PAGE_SIZE, True, SLIDING, TREE)
+        acc, m_i, l_i, q, KCache, VCache, KScale, VScale, bt_row, kv_head, lo_pos, clean, hi_pos,
+        hi, q_pos, window, qk_scale, stride_cb, stride_cs, stride_ch, stride_sb, stride_ss,
+        tree_bits, ctx, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, PAGE_SIZE, True, SLIDING, TREE, QUANT)
 
     if not SPLIT:
         out = acc / l_i[:, None]
@@ -169,6 +173,15 @@ WIDE_CONFIG = {"BLOCK_N": 64, "num_warps": 2, "num_stages": 4}  # 1 tile, 39 KB,
 # Taller tiles (several tree nodes x heads): one warpgroup, so the dots run on
 # wgmma with operands in shared memory (116 KB, one program an SM).
 TALL_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 6}
+# 1-byte (int8 / fp8) caches: a 128-key tile moves the bytes of a 64-key 16-bit
+# one. Compiled for sm_90 (benchmarks/attention/compile_report.py --kv int8):
+# 128 keys, 4 warps, 6 stages keep two such tiles in flight like DEEP (77 KB,
+# 226 registers, no spills, two programs an SM); for many programs, 64 keys in
+# 2 warps keep two 16 KB tiles in flight at five programs an SM (168 registers,
+# 32 bytes of stack). Chosen from the compiled code, not yet timed:
+# benchmarks/quant/bench_kv_cache.py sweeps them on the device.
+QUANT_DEEP_CONFIG = {"BLOCK_N": 128, "num_warps": 4, "num_stages": 6}
+QUANT_WIDE_CONFIG = {"BLOCK_N": 64, "num_warps": 2, "num_stages": 6}
 # Programs per SM in the one wave the split count aims for. Three DEEP programs
 # fit, but two stream faster (H200, B=1 L=32k: 84% of copy bandwidth at 33
 # splits against 80% at 49, benchmarks/attention).
@@ -205,13 +218,16 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, *,
     return min(want, useful, MAX_SPLITS)
 
 
-def _launch_config(block_m: int, programs: int, device) -> dict:
+def _launch_config(block_m: int, programs: int, device, quant: bool = False) -> dict:
     if interpreting():
         return INTERPRET_CONFIG
     if block_m > 16:
         return TALL_CONFIG
     # More programs than one wave of deep ones: the shallower config fits more.
-    return DEEP_CONFIG if programs <= DEEP_PER_SM * num_sms(device.index or 0) else WIDE_CONFIG
+    one_wave = programs <= DEEP_PER_SM * num_sms(device.index or 0)
+    if quant:
+        return QUANT_DEEP_CONFIG if one_wave else QUANT_WIDE_CONFIG
+    return DEEP_CONFIG if one_wave else WIDE_CONFIG
 
 
 # --- launcher -------------------------------------------------------------------
@@ -222,7 +238,8 @@ def split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
                        num_splits: int, sliding_window: int | None = None,
                        tree_bits: torch.Tensor | None = None, out: torch.Tensor | None = None,
                        scratch: tuple[torch.Tensor, torch.Tensor] | None = None,
-                       config: dict | None = None) -> torch.Tensor:
+                       config: dict | None = None, k_scale: torch.Tensor | None = None,
+                       v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Few query tokens per request against the paged cache, split over the KV
     sequence. Shared by decode (one token) and tree verification (a masked tree).
 
@@ -233,6 +250,8 @@ def split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     causal. scratch: (partial out [num_tokens, num_heads, num_splits, head_dim]
     fp32, lse [num_tokens, num_heads, num_splits] fp32). config: overrides of
     the launch config (BLOCK_N, num_warps, num_stages, CHAIN), for benchmarks.
+    k_scale, v_scale: [num_blocks, page_size, num_kv_heads] fp32 when the cache
+    holds int8 / fp8 codes (kernels/kv_store.py writes them), else None.
     returns out: [num_tokens, num_heads, head_dim] in q's dtype.
     """
     num_tokens, num_heads, head_dim = q.shape
@@ -241,14 +260,15 @@ def split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
     assert q.stride(2) == 1 and k_cache.stride(3) == 1 and k_cache.stride() == v_cache.stride()
     assert page_size & (page_size - 1) == 0, "page size must be a power of two"
+    quant = check_kv_scales(k_cache, v_cache, k_scale, v_scale)
     if out is None:
         out = torch.empty_like(q)
     group = num_heads // num_kv_heads
     head_dim_pad = next_pow2(head_dim)
     block_m, row_blocks = _tile_rows(max_query_len, group)
     num_seqs = cu_seqlens_q.shape[0] - 1
-    cfg = {**_launch_config(block_m, num_seqs * num_kv_heads * row_blocks * num_splits, q.device),
-           **(config or {})}
+    cfg = {**_launch_config(block_m, num_seqs * num_kv_heads * row_blocks * num_splits, q.device,
+                            quant), **(config or {})}
     block_n = cfg.pop("BLOCK_N")
     pdl_ok = pdl_supported(q)
     chain = cfg.pop("CHAIN", True) and pdl_ok
@@ -268,16 +288,17 @@ def split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     po_strides = part_o.stride()[:3] if num_splits > 1 else (0, 0, 0)
     pl_strides = part_lse.stride()[:2] if num_splits > 1 else (0, 0)
     _split_kv_kernel[(num_seqs, num_kv_heads * row_blocks, num_splits)](
-        q, k_cache, v_cache, out, part_o, part_lse,
-        cu_seqlens_q, seq_lens, block_tables, tree[0], num_kv_heads, num_splits,
+        q, k_cache, v_cache, *(k_scale, v_scale) if quant else (k_cache, v_cache), out, part_o,
+        part_lse, cu_seqlens_q, seq_lens, block_tables, tree[0], num_kv_heads, num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        *(k_scale.stride()[:2] if quant else (0, 0)), block_tables.stride(0),
         *po_strides, *pl_strides, tree[1],
         scale * LOG2E, sliding_window or 0,
         GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_M=block_m,
         BLOCK_N=block_n, PAGE_SIZE=page_size, SPLIT=num_splits > 1,
         SLIDING=sliding_window is not None, TREE=tree_bits is not None, PDL=pdl, CHAIN=chain,
-        launch_pdl=chain, **cfg)
+        QUANT=quant, launch_pdl=chain, **cfg)
     if num_splits > 1:
         block_d = min(32, head_dim_pad)
         _merge_splits_kernel[(num_tokens, num_heads, triton.cdiv(head_dim, block_d))](
@@ -313,7 +334,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      num_splits: int | None = None, cu_seqlens_q: torch.Tensor | None = None,
                      out: torch.Tensor | None = None,
                      scratch: tuple[torch.Tensor, torch.Tensor] | None = None,
-                     config: dict | None = None) -> torch.Tensor:
+                     config: dict | None = None, k_scale: torch.Tensor | None = None,
+                     v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """One query token per request, attending to its paged context (itself included).
 
     q: [num_seqs, num_heads, head_dim]; seq_lens: [num_seqs] int32; block_tables:
@@ -327,4 +349,5 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         num_splits = choose_num_splits(num_seqs, k_cache.shape[2], max_seq_len,
                                        group=q.shape[1] // k_cache.shape[2])
     return split_kv_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, 1, scale,
-                              num_splits, sliding_window, None, out, scratch, config)
+                              num_splits, sliding_window, None, out, scratch, config,
+                              k_scale, v_scale)

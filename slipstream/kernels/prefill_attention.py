@@ -23,6 +23,11 @@ GQA/MQA: query head h reads KV head h // group; K/V are never repeated in memory
 FP8 (in the spirit of FlashAttention-3): with `q_scale`/`k_scale` given, q and k
 are float8 e4m3 with one scale per token and head (see fp8_attention.py) and
 QK^T runs on the FP8 tensor cores; P.V stays in v's dtype.
+
+Quantized KV cache (CACHE_QUANT: int8 / fp8 codes with one fp32 scale per token
+and head): the cached context is read as codes and dequantized in registers
+(attention_tile.py); the step's own keys come from the fresh `k`/`v` at full
+precision, as they would before being stored.
 """
 from __future__ import annotations
 
@@ -32,7 +37,8 @@ import triton.language as tl
 
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from slipstream.kernels.attention_tile import attend_paged_range, exact_dot, next_pow2, softmax_tile_update
+from slipstream.kernels.attention_tile import (
+    attend_paged_range, check_kv_scales, exact_dot, next_pow2, softmax_tile_update)
 from slipstream.kernels.runtime import capability, interpreting
 
 LOG2E = 1.4426950408889634
@@ -85,17 +91,17 @@ def _new_keys(acc, m_i, l_i, q, q_row_scale, K, V, KScale, k_row0, kv_head,
 # each new specialisation is a compile in the middle of serving.
 @triton.jit(do_not_specialize=["max_query_len", "qk_scale", "window", "tune_key"])
 def _prefill_kernel(
-        Q, K, V, KCache, VCache, Out, OutDesc, QScale, KScale,
+        Q, K, V, KCache, VCache, KCacheScale, VCacheScale, Out, OutDesc, QScale, KScale,
         CuSeqlensQ, ContextLens, BlockTables,
         max_query_len,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-        stride_cb, stride_cs, stride_ch, stride_bt, stride_qst, stride_kst,
+        stride_cb, stride_cs, stride_ch, stride_csb, stride_css, stride_bt, stride_qst, stride_kst,
         qk_scale, window, tune_key,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
         CAUSAL: tl.constexpr, SLIDING: tl.constexpr, NEW_KV: tl.constexpr,
         USE_TMA: tl.constexpr, FP8: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-        TMA_STORE: tl.constexpr, PAIRED: tl.constexpr):
+        TMA_STORE: tl.constexpr, PAIRED: tl.constexpr, CACHE_QUANT: tl.constexpr):
     # Latest (longest causal) query blocks first. Query blocks are the fastest
     # grid axis, so programs running together share one head's K/V in L2.
     # (Measured on an H200, benchmarks/attention: ordering by query block
@@ -117,26 +123,26 @@ def _prefill_kernel(
         if i == 1:
             todo = todo & (pid < last - pid)  # the middle block of an odd count runs once
         if todo:
-            _query_block(Q, K, V, KCache, VCache, Out, OutDesc, QScale, KScale, BlockTables,
-                         m_block, head, seq, q_start, q_len, ctx,
+            _query_block(Q, K, V, KCache, VCache, KCacheScale, VCacheScale, Out, OutDesc, QScale,
+                         KScale, BlockTables, m_block, head, seq, q_start, q_len, ctx,
                          stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-                         stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
-                         stride_qst, stride_kst, qk_scale, window,
+                         stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_csb,
+                         stride_css, stride_bt, stride_qst, stride_kst, qk_scale, window,
                          GROUP, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, PAGE_SIZE, CAUSAL,
-                         SLIDING, NEW_KV, USE_TMA, FP8, WARP_SPECIALIZE, TMA_STORE)
+                         SLIDING, NEW_KV, USE_TMA, FP8, WARP_SPECIALIZE, TMA_STORE, CACHE_QUANT)
 
 
 @triton.jit
-def _query_block(Q, K, V, KCache, VCache, Out, OutDesc, QScale, KScale, BlockTables,
-                 m_block, head, seq, q_start, q_len, ctx,
+def _query_block(Q, K, V, KCache, VCache, KCacheScale, VCacheScale, Out, OutDesc, QScale,
+                 KScale, BlockTables, m_block, head, seq, q_start, q_len, ctx,
                  stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-                 stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
-                 stride_qst, stride_kst, qk_scale, window,
+                 stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_csb, stride_css,
+                 stride_bt, stride_qst, stride_kst, qk_scale, window,
                  GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
                  CAUSAL: tl.constexpr, SLIDING: tl.constexpr, NEW_KV: tl.constexpr,
                  USE_TMA: tl.constexpr, FP8: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-                 TMA_STORE: tl.constexpr):
+                 TMA_STORE: tl.constexpr, CACHE_QUANT: tl.constexpr):
     """BLOCK_M query rows (block m_block of the request's step) of one head:
     attend to the cached context, then to the step's own keys, and store."""
     kv_head = head // GROUP
@@ -178,9 +184,10 @@ def _query_block(Q, K, V, KCache, VCache, Out, OutDesc, QScale, KScale, BlockTab
     q_pos = ctx + offs_m
     # (q_pos stands in for the unused tree bits.)
     acc, m_i, l_i = attend_paged_range(
-        acc, m_i, l_i, q, KCache, VCache, bt_row, kv_head, lo, free_end, hi, paged_end, q_pos,
-        window, qk_scale, stride_cb, stride_cs, stride_ch, q_pos, ctx, HEAD_DIM,
-        HEAD_DIM_PAD, BLOCK_N, PAGE_SIZE, CAUSAL, SLIDING, False)
+        acc, m_i, l_i, q, KCache, VCache, KCacheScale, VCacheScale, bt_row, kv_head, lo, free_end,
+        hi, paged_end, q_pos, window, qk_scale, stride_cb, stride_cs, stride_ch, stride_csb,
+        stride_css, q_pos, ctx, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, PAGE_SIZE, CAUSAL, SLIDING, False,
+        CACHE_QUANT)
 
     # --- the step's own keys, contiguous in k/v ---
     if NEW_KV:
@@ -280,7 +287,7 @@ def _prune(configs, named_args, **kwargs):
 
 
 _prefill_tuned = triton.autotune(PREFILL_CONFIGS, key=["tune_key", "HEAD_DIM", "CAUSAL", "NEW_KV",
-                                                       "SLIDING", "FP8", "USE_TMA"],
+                                                       "SLIDING", "FP8", "USE_TMA", "CACHE_QUANT"],
                                  prune_configs_by={"early_config_prune": _prune})(_prefill_kernel)
 
 
@@ -293,7 +300,8 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor |
                       causal: bool = True, sliding_window: int | None = None,
                       q_scale: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
                       out: torch.Tensor | None = None, config: dict | None = None,
-                      use_tma: bool | None = None) -> torch.Tensor:
+                      use_tma: bool | None = None, k_cache_scale: torch.Tensor | None = None,
+                      v_cache_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Variable-length attention of the step's tokens to their requests' keys.
 
     q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
@@ -303,6 +311,8 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor |
     tokens before the step's); block_tables: [num_seqs, max_blocks] int32.
     max_query_len: host int, sizes the grid. q_scale/k_scale: [num_tokens, heads]
     fp32 when q/k are float8 (FP8 path). config: fixed tile config (benchmarks).
+    k_cache_scale, v_cache_scale: [num_blocks, page_size, num_kv_heads] fp32 when
+    the cache holds int8 / fp8 codes, else None.
     returns out: [num_tokens, num_heads, head_dim] in v's dtype.
     """
     num_tokens, num_heads, head_dim = q.shape
@@ -317,6 +327,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor |
         raise ValueError("the FP8 path needs k, v and both scales")
     assert q.stride(2) == 1 and k_cache.stride(3) == 1 and k_cache.stride() == v_cache.stride()
     assert page_size & (page_size - 1) == 0, "page size must be a power of two"
+    cache_quant = check_kv_scales(k_cache, v_cache, k_cache_scale, v_cache_scale)
     if out is None:
         out = torch.empty(q.shape, dtype=(v if v is not None else q).dtype, device=q.device)
     new_kv = k is not None
@@ -335,18 +346,20 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor |
     if use_tma and out.stride(1) == head_dim and out.stride(2) == 1:
         out_desc = TensorDescriptor(out, [num_tokens, num_heads * head_dim], [out.stride(0), 1],
                                     [1, head_dim])
-    args = (q_arg, k_arg, v_arg, k_cache, v_cache, out, out_desc,
+    cache_scales = (k_cache_scale, v_cache_scale) if cache_quant else (k_cache, v_cache)
+    args = (q_arg, k_arg, v_arg, k_cache, v_cache, *cache_scales, out, out_desc,
             q_scale if fp8 else q, k_scale if fp8 else q,
             cu_seqlens_q, context_lens, block_tables)
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                out.stride(0), out.stride(1),
-               k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+               k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+               *(k_cache_scale.stride()[:2] if cache_quant else (0, 0)), block_tables.stride(0),
                q_scale.stride(0) if fp8 else 0, k_scale.stride(0) if fp8 else 0)
     window = sliding_window if sliding_window is not None else 0
     tune_key = max(int(max_query_len) - 1, 0).bit_length()
     consts = dict(GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
                   PAGE_SIZE=page_size, CAUSAL=causal, SLIDING=sliding_window is not None,
-                  NEW_KV=new_kv, USE_TMA=use_tma, FP8=fp8)
+                  NEW_KV=new_kv, USE_TMA=use_tma, FP8=fp8, CACHE_QUANT=cache_quant)
     num_seqs = cu_seqlens_q.shape[0] - 1
 
     def grid(meta):

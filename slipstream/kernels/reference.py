@@ -10,25 +10,41 @@ import torch.nn.functional as F
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+             slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+             v_scale: torch.Tensor | None = None) -> None:
     """Write new keys/values into the paged cache.
 
     k, v: [num_tokens, num_kv_heads, head_dim]
     k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: [num_tokens] int64, block * block_size + offset; -1 skips a token
+    k_scale, v_scale: [num_blocks, block_size, num_kv_heads] fp32 for a quantized
+    cache (int8 / fp8 codes, quant/kv_quant.py): each token is quantized per head.
     """
     num_blocks, block_size = k_cache.shape[:2]
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
-    k_cache.view(num_blocks * block_size, *k_cache.shape[2:])[slots] = k[keep].to(k_cache.dtype)
-    v_cache.view(num_blocks * block_size, *v_cache.shape[2:])[slots] = v[keep].to(v_cache.dtype)
+    for x, cache, scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+        flat = cache.view(num_blocks * block_size, *cache.shape[2:])
+        if scale is None:
+            flat[slots] = x[keep].to(cache.dtype)
+        else:
+            from slipstream.quant.kv_quant import kv_format_of
+            codes, s = kv_format_of(cache.dtype).quantize(x[keep])
+            flat[slots] = codes
+            scale.view(num_blocks * block_size, scale.shape[2])[slots] = s
 
 
-def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """The first `length` tokens of one request: [length, num_kv_heads, head_dim]."""
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int,
+              scale: torch.Tensor | None = None) -> torch.Tensor:
+    """The first `length` tokens of one request: [length, num_kv_heads, head_dim]
+    (dequantized to fp32 when `scale` [num_blocks, block_size, num_kv_heads] is given)."""
     block_size = cache.shape[1]
     num_blocks = (length + block_size - 1) // block_size
-    return cache[block_table[:num_blocks].long()].flatten(0, 1)[:length]
+    blocks = block_table[:num_blocks].long()
+    x = cache[blocks].flatten(0, 1)[:length]
+    if scale is None:
+        return x
+    return x.float() * scale[blocks].flatten(0, 1)[:length, :, None]
 
 
 def attention_mask(query_len: int, seq_len: int, device: torch.device,
@@ -56,7 +72,8 @@ def attention_mask(query_len: int, seq_len: int, device: torch.device,
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     query_start_loc: list[int], seq_lens: list[int], block_tables: torch.Tensor,
                     scale: float, sliding_window: int | None = None,
-                    tree_mask: torch.Tensor | None = None) -> torch.Tensor:
+                    tree_mask: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                    v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Variable-length attention over a paged KV cache (prefill, chunked prefill,
     decode and tree verification are all this one function).
 
@@ -64,6 +81,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     query_start_loc: num_seqs + 1 host ints; seq_lens: num_seqs host ints.
     block_tables: [num_seqs, max_blocks] int32.
     tree_mask: optional [num_seqs, max_query_len, max_query_len] bool.
+    k_scale, v_scale: the per-(slot, head) scales of a quantized cache, else None.
     returns [num_tokens, num_heads, head_dim] in q's dtype.
     """
     out = torch.empty_like(q)
@@ -72,8 +90,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         qs, qe = query_start_loc[i], query_start_loc[i + 1]
         if qe == qs:
             continue
-        k = gather_kv(k_cache, block_tables[i], seq_len).to(q.dtype)
-        v = gather_kv(v_cache, block_tables[i], seq_len).to(q.dtype)
+        k = gather_kv(k_cache, block_tables[i], seq_len, k_scale).to(q.dtype)
+        v = gather_kv(v_cache, block_tables[i], seq_len, v_scale).to(q.dtype)
         mask = attention_mask(qe - qs, seq_len, q.device, sliding_window,
                               None if tree_mask is None else tree_mask[i])
         o = F.scaled_dot_product_attention(
@@ -87,10 +105,12 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor |
                       k_cache: torch.Tensor, v_cache: torch.Tensor,
                       cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
                       block_tables: torch.Tensor, scale: float, causal: bool = True,
-                      sliding_window: int | None = None) -> torch.Tensor:
+                      sliding_window: int | None = None, k_cache_scale: torch.Tensor | None = None,
+                      v_cache_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Twin of `kernels.prefill_attention`: each request's cached context comes
-    from the paged cache and its step tokens' K/V from `k`/`v` (from the cache
-    too when `k` is None). Non-causal attention sees every key."""
+    from the paged cache (dequantized with the cache scales, if any) and its step
+    tokens' K/V from `k`/`v` at full precision (from the cache too when `k` is
+    None). Non-causal attention sees every key."""
     loc = cu_seqlens_q.tolist()
     ctx = context_lens.tolist()
     out = torch.empty(q.shape, dtype=(v if v is not None else q).dtype, device=q.device)
@@ -101,11 +121,13 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor |
         if n == 0:
             continue
         if k is None:
-            kk = gather_kv(k_cache, block_tables[i], c + n).to(q.dtype)
-            vv = gather_kv(v_cache, block_tables[i], c + n).to(q.dtype)
+            kk = gather_kv(k_cache, block_tables[i], c + n, k_cache_scale).to(q.dtype)
+            vv = gather_kv(v_cache, block_tables[i], c + n, v_cache_scale).to(q.dtype)
         else:
-            kk = torch.cat([gather_kv(k_cache, block_tables[i], c).to(q.dtype), k[qs:qe]])
-            vv = torch.cat([gather_kv(v_cache, block_tables[i], c).to(q.dtype), v[qs:qe]])
+            kk = torch.cat([gather_kv(k_cache, block_tables[i], c, k_cache_scale).to(q.dtype),
+                            k[qs:qe].to(q.dtype)])
+            vv = torch.cat([gather_kv(v_cache, block_tables[i], c, v_cache_scale).to(q.dtype),
+                            v[qs:qe].to(q.dtype)])
         if causal:
             mask = attention_mask(n, c + n, q.device, sliding_window)
         else:
@@ -119,22 +141,24 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor |
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
-                     sliding_window: int | None = None) -> torch.Tensor:
+                     sliding_window: int | None = None, k_scale: torch.Tensor | None = None,
+                     v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Twin of `kernels.decode_attention`: q [num_seqs, num_heads, head_dim], one
     token per request, at position seq_lens[i] - 1 (its K/V already stored)."""
     return paged_attention(q, k_cache, v_cache, list(range(q.shape[0] + 1)), seq_lens.tolist(),
-                           block_tables, scale, sliding_window)
+                           block_tables, scale, sliding_window, None, k_scale, v_scale)
 
 
 def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
                    tree_mask: torch.Tensor, scale: float,
-                   sliding_window: int | None = None) -> torch.Tensor:
+                   sliding_window: int | None = None, k_scale: torch.Tensor | None = None,
+                   v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Twin of `kernels.tree_attention`: each request's query tokens (a draft
     tree, already stored in the cache after its context) see the context and
     the tokens `tree_mask[i]` [max_q, max_q] allows."""
     return paged_attention(q, k_cache, v_cache, cu_seqlens_q.tolist(), seq_lens.tolist(),
-                           block_tables, scale, sliding_window, tree_mask)
+                           block_tables, scale, sliding_window, tree_mask, k_scale, v_scale)
 
 
 def fp8_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -37,12 +37,14 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
                    max_query_len: int, max_seq_len: int, sliding_window: int | None = None,
                    num_splits: int | None = None, out: torch.Tensor | None = None,
                    scratch: tuple[torch.Tensor, torch.Tensor] | None = None,
-                   config: dict | None = None) -> torch.Tensor:
+                   config: dict | None = None, k_scale: torch.Tensor | None = None,
+                   v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """q: [num_tokens, num_heads, head_dim] (the tree nodes of every request,
     their K/V already stored); cu_seqlens_q: [num_seqs + 1] int32; seq_lens:
     [num_seqs] int32 (context + nodes); tree_mask: [num_seqs, max_query_len,
     max_query_len] bool, row t = the nodes node t may see (at most 64 nodes).
-    max_query_len, max_seq_len: host ints. returns [num_tokens, num_heads, head_dim].
+    max_query_len, max_seq_len: host ints. k_scale, v_scale: the scale pools of
+    a quantized (int8 / fp8) cache, else None. returns [num_tokens, num_heads, head_dim].
     """
     if tree_mask.dim() != 3 or tree_mask.shape[1] < max_query_len or tree_mask.shape[2] < max_query_len:
         raise ValueError(f"tree_mask must be [num_seqs, >={max_query_len}, >={max_query_len}], "
@@ -57,4 +59,4 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     return split_kv_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
                               max_query_len, scale, num_splits, sliding_window,
                               pack_tree_mask(tree_mask[:, :max_query_len, :max_query_len]),
-                              out, scratch, config)
+                              out, scratch, config, k_scale, v_scale)

@@ -32,6 +32,10 @@ class Attention(nn.Module):
         # k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+        # A quantized cache's scales, [num_blocks, block_size, num_kv_heads] fp32
+        # (k_cache / v_cache then hold int8 or fp8 codes); None for a 16-bit cache.
+        self.k_scale: torch.Tensor | None = None
+        self.v_scale: torch.Tensor | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 batch: ForwardBatch) -> torch.Tensor:

@@ -1,7 +1,11 @@
 """Sizing and allocating the paged KV pool.
 
 The pool is one tensor [num_layers, 2, num_blocks, block_size, num_kv_heads,
-head_dim]; each attention layer gets views of its K and V halves.
+head_dim]; each attention layer gets views of its K and V halves. With a
+quantized cache (`kv_cache_dtype` int8 / fp8, quant/kv_quant.py) the pool holds
+1-byte codes and a second pool [num_layers, 2, num_blocks, block_size,
+num_kv_heads] fp32 holds one scale per token and head beside them; the sizing
+counts both, so the same memory holds about twice the tokens.
 
 On CUDA the pool gets what `gpu_memory_utilization` leaves after the weights
 and the peak working memory of one step, which is measured, not guessed: a
@@ -20,13 +24,18 @@ import torch
 
 from slipstream.config import CacheConfig, ModelConfig, SchedulerConfig
 from slipstream.errors import SlipstreamError
+from slipstream.quant.kv_quant import kv_format
 
 DEFAULT_CPU_KV_BYTES = 1 << 30
+SCALE_BYTES = 4   # one fp32 scale per token and KV head in a quantized cache
 
 
-def kv_bytes_per_token(mc: ModelConfig, dtype: torch.dtype) -> int:
-    elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * elem
+def kv_bytes_per_token(mc: ModelConfig, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
+    """K and V bytes of one token over all layers, scales included."""
+    fmt = kv_format(kv_cache_dtype)
+    elem = torch.empty((), dtype=fmt.storage or dtype).element_size()
+    per_head = mc.head_dim * elem + (SCALE_BYTES if fmt.quantized else 0)
+    return 2 * mc.num_hidden_layers * mc.num_key_value_heads * per_head
 
 
 def activation_reserve_bytes(mc: ModelConfig, sc: SchedulerConfig, dtype: torch.dtype) -> int:
@@ -51,6 +60,7 @@ class KVPlan:
     peak_activation_bytes: int   # measured on CUDA; the estimate elsewhere
     max_model_len: int
     measured: bool = False
+    kv_cache_dtype: str = "auto"
 
     @property
     def capacity_tokens(self) -> int:
@@ -62,7 +72,8 @@ class KVPlan:
         return self.capacity_tokens / self.max_model_len
 
     def describe(self) -> str:
-        return (f"KV cache: {self.num_blocks} blocks of {self.block_size} tokens = "
+        kind = "" if self.kv_cache_dtype == "auto" else f" {self.kv_cache_dtype}"
+        return (f"KV cache{kind}: {self.num_blocks} blocks of {self.block_size} tokens = "
                 f"{self.capacity_tokens} tokens ({self.capacity_tokens * self.kv_bytes_per_token / 2**30:.2f} GiB), "
                 f"{self.max_concurrency:.1f}x concurrency at {self.max_model_len} tokens per sequence; "
                 f"step working memory {self.peak_activation_bytes / 2**20:.0f} MiB "
@@ -78,8 +89,8 @@ def plan_kv_cache(model, config) -> KVPlan:
     if measured:   # also compiles and tunes the prefill kernels, whatever sizes the pool
         reserve = profile_step_memory(model, config)
     n = num_kv_blocks(cc, mc, sc, dtype, device, reserve)
-    plan = KVPlan(n, cc.block_size, kv_bytes_per_token(mc, dtype), reserve, sc.max_model_len,
-                  measured)
+    plan = KVPlan(n, cc.block_size, kv_bytes_per_token(mc, dtype, cc.kv_cache_dtype), reserve,
+                  sc.max_model_len, measured, kv_format(cc.kv_cache_dtype).name)
     log.info(plan.describe())
     return plan
 
@@ -100,9 +111,9 @@ def profile_step_memory(model, config) -> int:
     num_seqs = -(-tokens // per_seq)
     blocks_per_seq = -(-per_seq // bs)
     scratch = allocate_kv_cache(num_seqs * blocks_per_seq, cc, mc, config.dtype, device)
+    scratch_scales = allocate_kv_scales(num_seqs * blocks_per_seq, cc, mc, device)
     layers = model.attention_layers()
-    for i, layer in enumerate(layers):
-        layer.k_cache, layer.v_cache = scratch[i, 0], scratch[i, 1]
+    bind_kv_cache(layers, scratch, scratch_scales)
     torch.cuda.synchronize(device)
     base = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
@@ -119,9 +130,9 @@ def profile_step_memory(model, config) -> int:
                                           mc.vocab_size, device))
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - base
-    del scratch, logits
+    del scratch, scratch_scales, logits
     for layer in layers:
-        layer.k_cache = layer.v_cache = None
+        layer.k_cache = layer.v_cache = layer.k_scale = layer.v_scale = None
     torch.cuda.empty_cache()
     return int(peak * 1.1)
 
@@ -148,7 +159,7 @@ def _dummy_batch(cls, lens: list[int], blocks_per_seq: int, bs: int, device):
 
 def num_kv_blocks(cc: CacheConfig, mc: ModelConfig, sc: SchedulerConfig,
                   dtype: torch.dtype, device: torch.device, reserve: int | None = None) -> int:
-    per_block = kv_bytes_per_token(mc, dtype) * cc.block_size
+    per_block = kv_bytes_per_token(mc, dtype, cc.kv_cache_dtype) * cc.block_size
     if cc.num_blocks is not None:
         n = cc.num_blocks
     elif device.type == "cuda":
@@ -173,13 +184,35 @@ def num_kv_blocks(cc: CacheConfig, mc: ModelConfig, sc: SchedulerConfig,
 
 def allocate_kv_cache(num_blocks: int, cc: CacheConfig, mc: ModelConfig,
                       dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The pool [layers, 2, blocks, block_size, kv_heads, head_dim] in the model
+    dtype, or in the codes' dtype of a quantized `cc.kv_cache_dtype`."""
+    dtype = kv_format(cc.kv_cache_dtype).storage or dtype
     # Zeroed so that a kernel reading a padded tile never meets NaN bit patterns.
     if device.type == "cpu":
         # calloc'd by numpy: the OS hands out zero pages as they are first touched, so
         # allocating costs no time and resident memory grows only with the tokens cached
         import numpy as np
         shape = (mc.num_hidden_layers, 2, num_blocks, cc.block_size, mc.num_key_value_heads, mc.head_dim)
-        nbytes = kv_bytes_per_token(mc, dtype) * num_blocks * cc.block_size
+        nbytes = kv_bytes_per_token(mc, dtype) * num_blocks * cc.block_size   # codes only
         return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
     return torch.zeros(mc.num_hidden_layers, 2, num_blocks, cc.block_size,
                        mc.num_key_value_heads, mc.head_dim, dtype=dtype, device=device)
+
+
+def allocate_kv_scales(num_blocks: int, cc: CacheConfig, mc: ModelConfig,
+                       device: torch.device) -> torch.Tensor | None:
+    """The scales of a quantized cache, [layers, 2, blocks, block_size, kv_heads]
+    fp32, zeroed (a padded slot dequantizes to 0); None for a 16-bit cache."""
+    if not kv_format(cc.kv_cache_dtype).quantized:
+        return None
+    return torch.zeros(mc.num_hidden_layers, 2, num_blocks, cc.block_size,
+                       mc.num_key_value_heads, dtype=torch.float32, device=device)
+
+
+def bind_kv_cache(layers, pool: torch.Tensor, scales: torch.Tensor | None) -> None:
+    """Point each attention layer at its K/V views of the pool (and scales)."""
+    for i, layer in enumerate(layers):
+        layer.k_cache, layer.v_cache = pool[i, 0], pool[i, 1]
+        layer.k_scale = layer.v_scale = None
+        if scales is not None:
+            layer.k_scale, layer.v_scale = scales[i, 0], scales[i, 1]

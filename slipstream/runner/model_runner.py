@@ -73,8 +73,10 @@ class ModelRunner:
         self.num_blocks = self.plan.num_blocks
         self.kv_cache = memory.allocate_kv_cache(self.num_blocks, cc, rank_config.model_config,
                                                  self.dtype, self.device)
-        for i, layer in enumerate(self.model.attention_layers()):
-            layer.k_cache, layer.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
+        # [layers, 2, blocks, block_size, kv_heads] fp32 beside int8 / fp8 codes, else None
+        self.kv_scales = memory.allocate_kv_scales(self.num_blocks, cc, rank_config.model_config,
+                                                   self.device)
+        memory.bind_kv_cache(self.model.attention_layers(), self.kv_cache, self.kv_scales)
         self.input_batch = InputBatch(sc.max_num_seqs, sc.max_model_len, sc.max_num_batched_tokens,
                                       cc.block_size, self.device)
         self.sampling = SamplingState(sc.max_num_seqs, mc.vocab_size, self.device)

@@ -60,7 +60,7 @@ def make_engine(args):
     names = EngineArgs.field_names()
     opts = dict(model=args.model, dtype=args.dtype, device=args.device,
                 max_model_len=args.max_model_len, attention_backend=args.attention_backend,
-                kv_cache_memory=args.kv_cache_memory,
+                kv_cache_memory=args.kv_cache_memory, kv_cache_dtype=args.kv_cache_dtype,
                 enable_prefix_caching=not args.no_prefix_caching, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 num_kv_blocks=args.num_kv_blocks, block_size=args.block_size, seed=args.seed,

@@ -70,6 +70,22 @@ def make_paged_batch(context_lens, query_lens, num_heads, num_kv_heads, head_dim
                       max(query_lens))
 
 
+def quantized_cache(b, fmt_name):
+    """The batch's caches as codes + scales (NaN scales where nothing was written)."""
+    from slipstream.quant.kv_quant import KV_FORMATS
+    fmt = KV_FORMATS[fmt_name]
+    out = []
+    for cache in (b.k_cache, b.v_cache):
+        flat = cache.flatten(0, 1).float()
+        written = ~flat.isnan().any(-1).any(-1)
+        codes = torch.zeros(flat.shape, dtype=fmt.storage, device=cache.device)
+        scale = torch.full(flat.shape[:2], float("nan"), device=cache.device)
+        c, s = fmt.quantize(flat[written])
+        codes[written], scale[written] = c, s
+        out += [codes.view(cache.shape), scale.view(cache.shape[:3])]
+    return out  # k codes, k scale, v codes, v scale
+
+
 def check_close(out: torch.Tensor, ref: torch.Tensor, atol: float, rtol: float) -> None:
     """Every element written (no NaN left from the poisoned output) and close."""
     assert not out.isnan().any(), "unwritten or NaN elements in the output"

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import triton
 
-from slipstream.kernels.decode_attention import DEEP_CONFIG, TALL_CONFIG, WIDE_CONFIG
+from slipstream.kernels.decode_attention import (
+    DEEP_CONFIG, QUANT_DEEP_CONFIG, QUANT_WIDE_CONFIG, TALL_CONFIG, WIDE_CONFIG)
 
 ROOT = Path(__file__).resolve().parents[2]
 TOOL = ROOT / "benchmarks" / "attention" / "compile_report.py"
@@ -36,3 +37,13 @@ def test_decode_configs_keep_the_tiles_in_flight_they_claim():
 def test_tall_tree_tiles_run_on_wgmma_without_spills():
     tall = _report("--block-m", "64", "--tree", config=TALL_CONFIG)
     assert tall["wgmma"] > 0 and tall["mma_sync"] == 0 and tall["stack_bytes"] == 0
+
+
+def test_one_byte_kv_configs_keep_two_tiles_in_flight():
+    """int8 / fp8 caches: the deep config streams two 128-key tiles (the bytes of
+    two 64-key bf16 tiles) without spills, two programs an SM."""
+    for kv in ("int8", "fp8"):
+        deep = _report("--kv", kv, config=QUANT_DEEP_CONFIG)
+        assert deep["kv_buffers"] == [2] and deep["stack_bytes"] == 0 and deep["programs_per_sm"] >= 2
+    wide = _report("--kv", "int8", config=QUANT_WIDE_CONFIG)
+    assert wide["kv_buffers"] == [2] and wide["programs_per_sm"] >= 4

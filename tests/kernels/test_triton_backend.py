@@ -3,7 +3,8 @@
 mixed step (prompt chunks with and without cached context, plus decode tokens),
 a decode-only step, and a tree-verification step. Both start from the same
 cache, NaN in every unwritten slot; outputs (fp16, 4e-3) and the written caches
-(exact) must agree.
+(exact) must agree. With an int8 / fp8 cache (codes + scales), decode-only and
+tree steps read everything from the cache in both, so they must agree as well.
 """
 from types import SimpleNamespace
 
@@ -13,6 +14,7 @@ import torch
 from slipstream.attention.triton_backend import TritonAttentionBackend
 from slipstream.kernels import reference
 from slipstream.batch import ForwardBatch
+from tests.kernels.conftest import quantized_cache
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -30,24 +32,30 @@ def _step(b, tree_mask=None):
         query_lens_cpu=q_lens, seq_lens_cpu=b.seq_lens.tolist(), tree_mask=tree_mask)
 
 
-def _compare(b, close, window=None, tree_mask=None):
+def _compare(b, close, window=None, tree_mask=None, kv=None):
     num_heads, num_kv_heads, head_dim = b.q.shape[1], b.k.shape[1], b.q.shape[2]
+    caches = [b.k_cache, None, b.v_cache, None] if kv is None else quantized_cache(b, kv)
+    fresh = lambda x: None if x is None else x.clone()  # noqa: E731
     layer = SimpleNamespace(layer_idx=0, num_heads=num_heads, num_kv_heads=num_kv_heads,
                             head_dim=head_dim, scale=head_dim ** -0.5, sliding_window=window,
-                            k_cache=b.k_cache.clone(), v_cache=b.v_cache.clone())
+                            k_cache=caches[0].clone(), v_cache=caches[2].clone(),
+                            k_scale=fresh(caches[1]), v_scale=fresh(caches[3]))
     batch = _step(b, tree_mask)
     backend = TritonAttentionBackend()
     backend.prepare(batch)
     out = backend.forward(b.q, b.k, b.v, layer, batch)
 
-    k_ref, v_ref = b.k_cache.clone(), b.v_cache.clone()
-    reference.store_kv(b.k, b.v, k_ref, v_ref, b.slot_mapping)
-    ref = reference.paged_attention(b.q.float(), k_ref.float(), v_ref.float(),
+    k_ref, ks_ref, v_ref, vs_ref = (fresh(x) for x in caches)
+    reference.store_kv(b.k, b.v, k_ref, v_ref, b.slot_mapping, ks_ref, vs_ref)
+    ref = reference.paged_attention(b.q.float(), k_ref if kv else k_ref.float(),
+                                    v_ref if kv else v_ref.float(),
                                     b.cu_seqlens_q.tolist(), b.seq_lens.tolist(), b.block_tables,
-                                    layer.scale, window, tree_mask)
+                                    layer.scale, window, tree_mask, ks_ref, vs_ref)
     close(out, ref, 4e-3, 4e-3)
-    torch.testing.assert_close(layer.k_cache, k_ref, atol=0, rtol=0, equal_nan=True)
-    torch.testing.assert_close(layer.v_cache, v_ref, atol=0, rtol=0, equal_nan=True)
+    for got, want in ((layer.k_cache, k_ref), (layer.v_cache, v_ref), (layer.k_scale, ks_ref),
+                      (layer.v_scale, vs_ref)):
+        if want is not None:
+            torch.testing.assert_close(got.float(), want.float(), atol=0, rtol=1e-6, equal_nan=True)
 
 
 @pytest.mark.parametrize("window", [None, 11])
@@ -56,15 +64,17 @@ def test_mixed_prefill_and_decode_step(paged_batch, close, window):
     _compare(b, close, window)
 
 
-def test_decode_only_step(paged_batch, close):
+@pytest.mark.parametrize("kv", [None, "int8", "fp8"])
+def test_decode_only_step(paged_batch, close, kv):
     b = paged_batch([0, 24, 600], [1, 1, 1], 8, 2, 64, 16, device=DEVICE, store_new=False)
-    _compare(b, close)
+    _compare(b, close, kv=kv)
 
 
-def test_tree_step(paged_batch, close):
+@pytest.mark.parametrize("kv", [None, "int8"])
+def test_tree_step(paged_batch, close, kv):
     b = paged_batch([12, 40], [3, 2], 4, 1, 64, 16, device=DEVICE, store_new=False)
     mask = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)  # root + 2 children
     tree = torch.zeros(2, 3, 3, dtype=torch.bool)
     tree[0] = mask
     tree[1, :2, :2] = mask[:2, :2]
-    _compare(b, close, tree_mask=tree.to(DEVICE))
+    _compare(b, close, tree_mask=tree.to(DEVICE), kv=kv)
