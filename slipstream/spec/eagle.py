@@ -68,14 +68,9 @@ class EagleHead(nn.Module):
         """emb, feat: [T, hidden]; positions: [T]; past: K, V [C, kv_heads, head_dim];
         mask: [T, C + T] bool (None: causal over the T new rows, all of past).
         Returns (predicted features [T, hidden], K [T, kv_heads, d], V [T, kv_heads, d])."""
-        s = self.shape
         t = emb.shape[0]
-        x = self.fc(torch.cat([emb, feat], dim=-1))
-        a = _rms(x, self.attn_norm, s.eps)
-        cos, sin = self.rotary.lookup(positions)
-        q = apply_rotary(self.q(a).view(t, s.num_heads, s.head_dim), cos, sin)
-        k = apply_rotary(self.k(a).view(t, s.num_kv_heads, s.head_dim), cos, sin)
-        v = self.v(a).view(t, s.num_kv_heads, s.head_dim)
+        x = self.fuse(emb, feat)
+        q, k, v = self.qkv(x, *self.rotary.lookup(positions))
         kk, vv = (k, v) if past is None else (torch.cat([past[0], k]), torch.cat([past[1], v]))
         if mask is None:
             c = kk.shape[0] - t
@@ -83,11 +78,31 @@ class EagleHead(nn.Module):
             mask[:, c:] = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
         o = F.scaled_dot_product_attention(
             q.transpose(0, 1), kk.transpose(0, 1), vv.transpose(0, 1), attn_mask=mask,
-            enable_gqa=s.num_heads != s.num_kv_heads).transpose(0, 1)
-        x = x + self.o(o.reshape(t, -1))
+            enable_gqa=self.shape.num_heads != self.shape.num_kv_heads).transpose(0, 1)
+        return self.finish(x, o), k, v
+
+    # The layer in three parts (training runs them over [batch, T, ...] with its own masks).
+    def fuse(self, emb: torch.Tensor, feat: torch.Tensor) -> torch.Tensor:
+        """[..., hidden] each -> the fused input [..., hidden]."""
+        return self.fc(torch.cat([emb, feat], dim=-1))
+
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x: [..., T, hidden]; cos, sin: [T, 1, head_dim] -> q [..., T, heads, d],
+        k, v [..., T, kv_heads, d] (q and k rotated)."""
+        s = self.shape
+        a = _rms(x, self.attn_norm, s.eps)
+        q = apply_rotary(self.q(a).unflatten(-1, (s.num_heads, s.head_dim)), cos, sin)
+        k = apply_rotary(self.k(a).unflatten(-1, (s.num_kv_heads, s.head_dim)), cos, sin)
+        return q, k, self.v(a).unflatten(-1, (s.num_kv_heads, s.head_dim))
+
+    def finish(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """x: [..., hidden] fused input; o: [..., heads, d] attention output ->
+        the predicted features [..., hidden]."""
+        s = self.shape
+        x = x + self.o(o.flatten(-2))
         g, u = self.gate_up(_rms(x, self.mlp_norm, s.eps)).chunk(2, dim=-1)
         x = x + self.down(F.silu(g) * u)
-        return _rms(x, self.out_norm, s.eps), k, v
+        return _rms(x, self.out_norm, s.eps)
 
     def save(self, path: str | Path) -> None:
         from safetensors.torch import save_file
