@@ -26,9 +26,9 @@ if [ -n "${SMOKE:-}" ]; then
 else
   DEV=cuda
   # ~3900 prompts x 160 tokens (~630k answer tokens); EAGLE 8 epochs, 4 drafting depths trained.
-  TRAIN="--device cuda --max-tokens 160 --epochs 8 --ttt-steps 4 --max-num-seqs 512 --batch-tokens 32768"
+  TRAIN="--device cuda --max-tokens 160 --epochs 8 --ttt-steps 4 --max-num-seqs 256 --batch-tokens 16384"
   BENCH="--device cuda --batch 1 64 --max-tokens 128 --eagle-depth 6 --eagle-tree 8,8,48"
-  T_TRAIN=${T_TRAIN:-220}; T_BENCH=${T_BENCH:-300}
+  T_TRAIN=${T_TRAIN:-170}; T_BENCH=${T_BENCH:-180}
 fi
 { date -u; nvidia-smi -L 2>/dev/null; $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; git rev-parse HEAD 2>/dev/null; } > "$OUT/env.txt" 2>&1
 

@@ -39,9 +39,23 @@ def make_samples(model_path, prompts: list[str], max_tokens: int, device: str, s
         f"(engine load included)")
     model = llm.engine.runner.model
     seqs = [torch.tensor(p + a) for p, a in zip(ids, answers)]
-    feats = features_of_many(model, seqs)
-    samples = Samples.pack(seqs, feats, [len(p) for p in ids])
-    agree = check_alignment(model, samples)
+    try:
+        feats = features_of_many(model, seqs)
+        samples = Samples.pack(seqs, feats, [len(p) for p in ids])
+        agree = check_alignment(model, samples)
+    except Exception as e:     # noqa: BLE001 - retried once below
+        log(f"features with the {model.backend.name} attention backend failed: {e!r}")
+        agree, samples = 0.0, None
+    if agree < 0.5 and model.backend.name != "torch":
+        # One retry on the plain PyTorch attention backend.
+        from slipstream.attention.selector import create_backend
+        log(f"features: agreement {agree:.3f}; retrying with the torch attention backend")
+        model.backend = create_backend("torch", next(model.parameters()).device)
+        for layer in model.attention_layers():
+            layer.backend = model.backend
+        feats = features_of_many(model, seqs)
+        samples = Samples.pack(seqs, feats, [len(p) for p in ids])
+        agree = check_alignment(model, samples)
     lm_w, emb_w = dense_output_weights(model)
     log(f"features: {samples.tokens.shape[0]} positions in {time.perf_counter() - t1:.1f} s; "
         f"target argmax = next answer token at {agree:.3f} of answer positions")
