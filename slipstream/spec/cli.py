@@ -20,6 +20,8 @@ def add_parser(sub) -> None:
                    help="EAGLE training-time-test passes (drafting depths trained)")
     p.add_argument("--batch-tokens", type=int, default=16384, help="EAGLE tokens per batch")
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--draft-vocab", type=int, default=16384,
+                   help="draft only the N tokens most frequent in the answers (0: all)")
     p.add_argument("--max-num-seqs", type=int, default=256,
                    help="requests the engine answers at once")
     p.add_argument("--device", default="auto", help="auto | cuda | cpu")
@@ -35,13 +37,15 @@ def run(args: argparse.Namespace) -> int:
     from slipstream.spec.train_run import train_draft
     if args.max_tokens < 2 or args.epochs < 1 or args.ttt_steps < 1:
         raise ValueError("--max-tokens must be >= 2, --epochs and --ttt-steps >= 1")
+    if args.draft_vocab < 0:
+        raise ValueError("--draft-vocab must be >= 0")
     if args.num_prompts is not None and args.num_prompts < 1:
         raise ValueError("--num-prompts must be >= 1")
     train_draft(args.method, args.model, args.out, args.prompts, args.max_tokens, args.epochs,
                 args.seed, data_cache=args.data_cache, device=args.device,
                 num_prompts=args.num_prompts, medusa_epochs=args.medusa_epochs,
                 ttt_steps=args.ttt_steps, batch_tokens=args.batch_tokens, lr=args.lr,
-                max_num_seqs=args.max_num_seqs)
+                max_num_seqs=args.max_num_seqs, draft_vocab=args.draft_vocab)
     return 0
 
 

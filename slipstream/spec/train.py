@@ -3,7 +3,8 @@
 Data (spec/train_data.py): the target answers the shipped prompts greedily
 through the engine; one packed forward gives its final hidden state f_j at
 every position. Losses are taken where drafting happens (the answers), with
-the target's frozen LM head W (dense, [V, hidden]) over the full vocabulary;
+the target's frozen LM head W (dense, [V, hidden]) over the draft vocabulary
+(heads.py; all tokens without one);
 the labels are the answer tokens, i.e. the target's own argmax.
 
   Medusa head i: cross-entropy of W head_i(f_j) against token j + 1 + i.
@@ -46,6 +47,22 @@ def split(s: Samples, val_fraction: float = 0.03, max_val: int = 128) -> tuple[l
     return list(range(n - v)), list(range(n - v, n))
 
 
+def restrict(lm_w: torch.Tensor, vocab: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The LM head rows of the draft vocabulary, and a map token id -> column
+    (-100 for tokens outside it, which the losses then skip)."""
+    if vocab is None:
+        return lm_w, None
+    remap = torch.full((lm_w.shape[0],), -100, dtype=torch.int64)
+    remap[vocab.cpu()] = torch.arange(vocab.shape[0])
+    return lm_w[vocab.to(lm_w.device)], remap
+
+
+def _relabel(labels: torch.Tensor, remap: torch.Tensor | None) -> torch.Tensor:
+    if remap is None:
+        return labels
+    return torch.where(labels >= 0, remap.to(labels.device)[labels.clamp_min(0)], -100)
+
+
 def _bar(total: int, desc: str):
     from tqdm.auto import tqdm
     return tqdm(total=total, desc=desc, mininterval=1.0)
@@ -68,11 +85,15 @@ def medusa_rows(s: Samples, seqs: list[int], num_heads: int) -> tuple[torch.Tens
 
 
 def train_medusa(lm_w: torch.Tensor, s: Samples, num_heads: int = 3, epochs: int = 2,
-                 lr: float = 1e-3, batch: int = 4096, log=print, checkpoint=None) -> MedusaHeads:
+                 lr: float = 1e-3, batch: int = 4096, log=print, checkpoint=None,
+                 vocab: torch.Tensor | None = None) -> MedusaHeads:
+    """vocab: the draft vocabulary (None: all tokens)."""
     dev = s.features.device
+    lm_w, remap = restrict(lm_w, vocab)
     tr, va = split(s)
     x_idx, y = medusa_rows(s, tr, num_heads)
     vx, vy = medusa_rows(s, va, num_heads) if va else (x_idx[:2048], y[:2048])
+    y, vy = _relabel(y, remap), _relabel(vy, remap)
     x_idx, y, vx, vy = x_idx.to(dev), y.to(dev), vx.to(dev), vy.to(dev)
     heads = MedusaHeads(lm_w.shape[1], num_heads).to(dev)
     # clone(): normal tensors even when the inputs were made under inference_mode
@@ -188,7 +209,8 @@ def ttt_features(head: EagleHead, e: torch.Tensor, feat: torch.Tensor, steps: in
     return outs
 
 
-def eagle_passes(head: EagleHead, emb_w, lm_w, tok, feats, answer_starts, ttt_steps: int):
+def eagle_passes(head: EagleHead, emb_w, lm_w, tok, feats, answer_starts, ttt_steps: int,
+                 remap: torch.Tensor | None = None):
     """The training-time-test passes over one padded batch (tok [B, t], -100
     past the end; feats [B, t, h]). Returns per pass (loss, top-1 hits, rows)."""
     b, t = tok.shape
@@ -196,23 +218,30 @@ def eagle_passes(head: EagleHead, emb_w, lm_w, tok, feats, answer_starts, ttt_st
     e = F.embedding(tok[:, 1:].clamp_min(0), emb_w)       # t_{j+1}
     target_f = feats[:, 1:].float()                       # f_{j+1}
     label = torch.cat([tok[:, 2:], tok.new_full((b, 1), -100)], dim=1)   # t_{j+2}
+    label = _relabel(label, remap)                        # its draft-vocabulary column
     j = torch.arange(n, device=tok.device)
     in_answer = j[None] >= (answer_starts[:, None] - 2)
     out = []
     for step, f in enumerate(ttt_features(head, e, feats[:, :-1].float(), ttt_steps)):
         valid = (label >= 0) & in_answer & (j[None] >= step)
+        rows = valid.sum()                                # stays on the device: no sync
         logits = F.linear(f[valid], lm_w)
-        ce = F.cross_entropy(logits.float(), label[valid])
-        reg = F.smooth_l1_loss(f[valid].float(), target_f[valid])
+        ce = F.cross_entropy(logits, label[valid], reduction="sum") / rows.clamp_min(1)
+        reg = F.smooth_l1_loss(f[valid].float(), target_f[valid], reduction="sum") / (
+            rows.clamp_min(1) * f.shape[-1])
         hits = (logits.argmax(-1) == label[valid]).sum()
-        out.append((ce + 0.1 * reg, hits, int(valid.sum())))
+        out.append((ce + 0.1 * reg, hits, rows))
     return out
 
 
 def train_eagle(lm_w: torch.Tensor, emb_w: torch.Tensor, s: Samples, model_config,
                 epochs: int = 6, lr: float = 1e-3, ttt_steps: int = 3, batch_tokens: int = 16384,
-                intermediate_size: int | None = None, log=print, checkpoint=None) -> EagleHead:
+                intermediate_size: int | None = None, log=print, checkpoint=None,
+                vocab: torch.Tensor | None = None) -> EagleHead:
+    """vocab: the draft vocabulary (None: all tokens)."""
     dev = s.features.device
+    lm_w, remap = restrict(lm_w, vocab)
+    remap = None if remap is None else remap.to(dev)
     tr, va = split(s)
     head = EagleHead(eagle_shape_for(model_config, intermediate_size)).to(dev)
     # Rotary tables stay fp32 buffers; the head's weights train in fp32 under autocast.
@@ -228,7 +257,7 @@ def train_eagle(lm_w: torch.Tensor, emb_w: torch.Tensor, s: Samples, model_confi
             for group in eagle_batches(s, tr, batch_tokens, shuffle=True):
                 tok, feats, a = _pad(s, group, dev)
                 with autocast(dev):
-                    res = eagle_passes(head, emb, w, tok, feats, a, ttt_steps)
+                    res = eagle_passes(head, emb, w, tok, feats, a, ttt_steps, remap)
                     loss = sum(wt * r[0] for wt, r in zip(weights, res)) / sum(weights)
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
@@ -236,7 +265,7 @@ def train_eagle(lm_w: torch.Tensor, emb_w: torch.Tensor, s: Samples, model_confi
                 opt.step()
                 sched.step()
                 bar.update(1)
-            acc = eagle_accuracy(head, emb, w, s, va or tr[:64], ttt_steps, batch_tokens)
+            acc = eagle_accuracy(head, emb, w, s, va or tr[:64], ttt_steps, batch_tokens, remap)
             log(f"eagle epoch {epoch + 1}/{epochs}: loss {loss.item():.3f}, "
                 f"held-out top-1 by depth {[round(x, 3) for x in acc]}")
             if checkpoint is not None:
@@ -246,7 +275,7 @@ def train_eagle(lm_w: torch.Tensor, emb_w: torch.Tensor, s: Samples, model_confi
 
 @torch.no_grad()
 def eagle_accuracy(head, emb, w, s: Samples, seqs: list[int], ttt_steps: int,
-                   batch_tokens: int) -> list[float]:
+                   batch_tokens: int, remap: torch.Tensor | None = None) -> list[float]:
     """Top-1 agreement with the target at each drafting depth (teacher-forced
     tokens, the head's own features): a proxy for acceptance by depth."""
     hits, rows = [0] * ttt_steps, [0] * ttt_steps
@@ -254,8 +283,8 @@ def eagle_accuracy(head, emb, w, s: Samples, seqs: list[int], ttt_steps: int,
     for group in eagle_batches(s, seqs, batch_tokens, shuffle=False):
         tok, feats, a = _pad(s, group, dev)
         with autocast(dev):
-            res = eagle_passes(head, emb, w, tok, feats, a, ttt_steps)
+            res = eagle_passes(head, emb, w, tok, feats, a, ttt_steps, remap)
         for i, (_, h, n) in enumerate(res):
             hits[i] += int(h)
-            rows[i] += n
+            rows[i] += int(n)
     return [h / max(n, 1) for h, n in zip(hits, rows)]

@@ -7,12 +7,14 @@ works too with small settings (`--num-prompts`, `--max-tokens`).
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 
 import torch
 
 from slipstream.spec import train as T
+from slipstream.spec.heads import top_tokens
 from slipstream.spec.train_data import (Samples, answer_prompts, check_alignment,
                                         dense_output_weights, features_of_many, read_prompts)
 
@@ -73,7 +75,7 @@ def train_draft(methods: list[str], model_path: str | None, out_dir: str | Path,
                 data_cache: str | None = None, device: str = "auto",
                 num_prompts: int | None = None, medusa_epochs: int | None = None,
                 ttt_steps: int = 3, batch_tokens: int = 16384, lr: float = 1e-3,
-                max_num_seqs: int = 256) -> list[Path]:
+                max_num_seqs: int = 256, draft_vocab: int = 16384) -> list[Path]:
     for method in methods:
         if method not in ("medusa", "eagle"):
             raise ValueError(f"method: train-draft trains 'medusa' or 'eagle', got {method!r}")
@@ -110,20 +112,31 @@ def train_draft(methods: list[str], model_path: str | None, out_dir: str | Path,
 
     def logged(msg: str) -> None:
         report["log"].append(msg)
-        log(msg)
+        if log is print:    # between progress-bar updates, on the bar's stream
+            from tqdm.auto import tqdm
+            tqdm.write(msg, file=sys.stderr)
+        else:
+            log(msg)
 
+    vocab = None
+    if draft_vocab:
+        answers = torch.cat([samples.tokens[o + a:o + n] for o, n, a in zip(
+            samples.offsets.tolist(), samples.lengths.tolist(), samples.answer_starts.tolist())])
+        vocab, cover = top_tokens(answers, draft_vocab, lm_w.shape[0])
+        report["draft_vocab"], report["draft_vocab_coverage"] = vocab.shape[0], round(cover, 5)
+        logged(f"draft vocabulary: {vocab.shape[0]} tokens cover {cover:.4f} of answer tokens")
     outs = []
     for method in methods:
         t0 = time.perf_counter()
         out = out_dir / f"{stem}.{method}.safetensors"
-        save = (lambda m, out=out: m.save(out))
+        save = (lambda m, out=out: m.save(out, vocab))
         if method == "medusa":
             T.train_medusa(lm_w, samples, epochs=report["medusa_epochs"], lr=lr, log=logged,
-                           checkpoint=save)
+                           checkpoint=save, vocab=vocab)
         else:
             T.train_eagle(lm_w, emb_w, samples, config, epochs=epochs, lr=lr,
                           ttt_steps=ttt_steps, batch_tokens=batch_tokens, log=logged,
-                          checkpoint=save)
+                          checkpoint=save, vocab=vocab)
         report[f"{method}_seconds"] = round(time.perf_counter() - t0, 1)
         logged(f"wrote {out} ({time.perf_counter() - t0:.0f} s of training)")
         outs.append(out)

@@ -108,3 +108,26 @@ def test_eagle_training_learns_and_round_trips(tiny_target, tmp_path):
     assert again.shape == head.shape
     p = EagleProposer(again, tiny_target.model.embed_tokens, tiny_target.compute_logits, 3, 2, 2, 5)
     assert p is not None
+
+
+def test_draft_vocabulary_round_trips_and_drafts_only_its_tokens(tiny_target, tmp_path):
+    from slipstream.spec.heads import DraftLMHead, read_draft_vocab, top_tokens
+    from slipstream.spec.train import restrict
+    vocab, cover = top_tokens(torch.tensor([5, 5, 5, 9, 9, 2, 7]), 3, 100)
+    assert vocab.tolist() == [2, 5, 9] or vocab.tolist() == [5, 7, 9]
+    assert abs(cover - 6 / 7) < 1e-6
+    lm, _ = dense_output_weights(tiny_target)
+    w, remap = restrict(lm, torch.tensor([3, 10, 40]))
+    assert torch.equal(w, lm[[3, 10, 40]]) and remap[10] == 1 and remap[11] == -100
+    head = EagleHead(eagle_shape_for(tiny_target.config, 64))
+    head.save(tmp_path / "e.safetensors", torch.tensor([3, 10, 40, 41]))
+    v = read_draft_vocab(tmp_path / "e.safetensors")
+    assert v.tolist() == [3, 10, 40, 41]
+    dl = DraftLMHead(tiny_target, v, torch.float32, "cpu")
+    h = torch.randn(2, tiny_target.config.hidden_size)
+    assert torch.allclose(dl(h), tiny_target.compute_logits(h)[:, v], atol=1e-4)
+    p = EagleProposer(EagleHead.load(tmp_path / "e.safetensors"), tiny_target.model.embed_tokens,
+                      dl, 3, 2, 2, 5)
+    from slipstream.spec.base import ProposeRequest
+    tree = p.propose([ProposeRequest("r", [1, 2, 3, 4], torch.randn(3, h.shape[1]))])[0]
+    assert tree.num_nodes == 5 and set(tree.tokens.tolist()) <= {3, 10, 40, 41}
