@@ -166,10 +166,10 @@ class ModelRunner:
         if self.device.type == "cuda":
             handle.done = torch.cuda.Event()
             handle.done.record()
-        if spec is not None:
+        if spec is not None and not spec.overlapping:   # timed for the auto-off rule
             if handle.done is not None:
                 handle.done.synchronize()
-            spec.governor.observe_step(time.perf_counter() - t0)
+            spec.step_done(plan, time.perf_counter() - t0)
         return handle
 
     def _sample(self, plan: StepPlan, logits: torch.Tensor, handle: StepHandle) -> None:

@@ -45,6 +45,9 @@ class Speculator:
         self.eligible: dict[str, bool] = {}    # request id -> may speculate at all
         self.hidden: dict[str, list[torch.Tensor]] = {}
         self._step_trees: dict[str, DraftTree] = {}
+        self._planned: int | None = None       # draft budget the engine planned for this step
+        self.last_proposed = False             # the last propose call made drafts
+        self.overlapping = False               # set by the engine: this step runs async
 
     # ---- request life -------------------------------------------------------
 
@@ -153,22 +156,56 @@ class Speculator:
         for rid, q in zip(plan.req_ids, plan.query_lens):
             q = int(q)
             if rid not in self._step_trees and self.eligible.get(rid):
-                self.hidden.setdefault(rid, []).append(hidden[loc:loc + q])
+                # A copy: a replayed CUDA graph rewrites its output buffer next step.
+                self.hidden.setdefault(rid, []).append(hidden[loc:loc + q].clone())
             loc += q
+
+    def step_done(self, plan, seconds: float) -> None:
+        """Time of the step just run, for the governor: a plain decode step,
+        a step where every request verified drafts, or neither."""
+        n = len(plan.req_ids)
+        if not n:
+            return
+        spec_rows = sum(rid in self._step_trees for rid in plan.req_ids)
+        if spec_rows == n:
+            kind = "spec"
+        elif spec_rows == 0 and all(int(q) == 1 for q in plan.query_lens):
+            kind = "plain"
+        else:
+            kind = None
+        self.governor.observe_step(seconds, n, kind)
+
+    def wants_overlap(self, num_running: int) -> bool:
+        """Called by the engine before each step: decides the draft budget for
+        the drafts made after this step. True when none will be made and the
+        step carries none, so the engine may overlap it with the next one
+        (async scheduling); drafting needs the step's tokens first."""
+        self._planned = self.governor.num_tokens(num_running)
+        return self._planned == 0 and not self.last_proposed
+
+    def _trim_hidden(self) -> None:
+        # Off for now: keep only recent states (EAGLE restarts its context
+        # from what it is given; Medusa reads the last one).
+        for parts in self.hidden.values():
+            if len(parts) > 64:
+                del parts[:-64]
 
     def propose(self, req_ids: list[str], num_running: int) -> dict:
         """Drafts for the next step of requests that just got tokens."""
         ib = self.ib
-        k = self.governor.num_tokens(num_running)
+        if self._planned is not None:       # the engine asked the governor this step
+            k, self._planned = self._planned, None
+        else:
+            k = self.governor.num_tokens(num_running)
+        self.last_proposed = False
         if k == 0:
-            # Off for now: keep only recent states (EAGLE restarts its context
-            # from what it is given; Medusa reads the last one).
-            for parts in self.hidden.values():
-                if len(parts) > 64:
-                    del parts[:-64]
+            self._trim_hidden()
             return {}
+        limit = self.governor.request_limit
         reqs = []
         for rid in req_ids:
+            if limit is not None and len(reqs) >= limit:
+                break
             row = ib.row_of.get(rid)
             if row is None or not self.eligible.get(rid):
                 continue
@@ -186,7 +223,10 @@ class Speculator:
             return {}
         t0 = time.perf_counter()
         trees = self.proposer.propose(reqs)
-        self.stats.draft_time += time.perf_counter() - t0
-        self.governor.observe_draft(time.perf_counter() - t0)
-        return {r.request_id: (t.tokens.tolist(), t.parents)
-                for r, t in zip(reqs, trees) if t.num_nodes}
+        drafts = {r.request_id: (t.tokens.tolist(), t.parents)
+                  for r, t in zip(reqs, trees) if t.num_nodes}
+        seconds = time.perf_counter() - t0
+        self.stats.draft_time += seconds
+        self.governor.observe_draft(seconds, len(reqs))
+        self.last_proposed = bool(drafts)
+        return drafts
