@@ -45,6 +45,7 @@ class Speculator:
         self.eligible: dict[str, bool] = {}    # request id -> may speculate at all
         self.hidden: dict[str, list[torch.Tensor]] = {}
         self._step_trees: dict[str, DraftTree] = {}
+        self._static_masks: dict[tuple, torch.Tensor] = {}   # tree masks CUDA graphs read
         self._planned: int | None = None       # draft budget the engine planned for this step
         self.last_proposed = False             # the last propose call made drafts
         self.overlapping = False               # set by the engine: this step runs async
@@ -75,10 +76,22 @@ class Speculator:
             self._step_trees[rid] = DraftTree(torch.tensor(tokens, dtype=torch.int64),
                                               tuple(parents))
 
-    def patch(self, plan) -> None:
-        """Depth positions and the tree mask for steps that verify trees."""
+    def graphable(self, counts: dict[str, int]) -> bool:
+        """A step a CUDA graph can run: one request, verifying drafts, and
+        nothing else (the graph is keyed by its row count)."""
+        from slipstream.kernels.decode_attention import MAX_TREE_NODES
+        if len(counts) != 1 or len(self._step_trees) != 1:
+            return False
+        rid, n = next(iter(counts.items()))
+        t = self._step_trees.get(rid)
+        return t is not None and n == t.num_nodes + 1 <= MAX_TREE_NODES
+
+    def patch(self, plan, static: bool = False) -> None:
+        """Depth positions and the tree mask for steps that verify trees.
+        static: a CUDA-graph step, whose mask (chains included) lives in a
+        buffer per row count that the graph reads."""
         trees = self._step_trees
-        if not trees or all(t.is_chain for t in trees.values()):
+        if not trees or (not static and all(t.is_chain for t in trees.values())):
             return
         batch = plan.batch
         width = batch.max_query_len
@@ -93,9 +106,18 @@ class Speculator:
                 pos_idx.extend(range(loc + 1, loc + n))
                 pos_val.extend(int(s) + d for d in t.depths)
             loc += int(q)
-        idx = torch.tensor(pos_idx, device=batch.positions.device)
-        batch.positions[idx] = torch.tensor(pos_val, device=batch.positions.device)
-        batch.tree_mask = mask.to(batch.positions.device)
+        dev = batch.positions.device
+        if pos_idx:
+            batch.positions[torch.tensor(pos_idx, device=dev)] = torch.tensor(pos_val, device=dev)
+        if static:
+            buf = self._static_masks.get(mask.shape)
+            if buf is None:
+                buf = self._static_masks[mask.shape] = torch.empty(mask.shape, dtype=torch.bool,
+                                                                   device=dev)
+            buf.copy_(mask)
+            batch.tree_mask = buf
+        else:
+            batch.tree_mask = mask.to(dev)
 
     # ---- after the forward ------------------------------------------------------
 

@@ -139,3 +139,35 @@ def test_async_steps_while_speculation_is_off_stay_exact(folder, plain, method, 
     assert any(overlapped) and not all(overlapped)
     assert spec.stats.rounds > 0            # probe rounds verified drafts
     assert_no_leak(llm)
+
+
+def test_single_request_tree_steps_take_the_graph_path_exactly(folder, tmp_path):
+    """The CUDA-graph path for one request verifying a tree (static inputs,
+    the tree mask in a per-size buffer, chains as trees) gives the eager
+    outputs; on the CPU a stand-in runs the forward where a graph would replay."""
+    m, e = _heads(tmp_path, folder)
+    prompts = _prompts()[:2]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in make_llm(folder).generate(prompts, params,
+                                                                        use_tqdm=False)]
+    for kw in (dict(speculative_method="eagle", speculative_model=str(e),
+                    speculative_tree="3,2,6"),
+               dict(speculative_method="ngram")):
+        llm = make_llm(folder, num_speculative_tokens=3, speculative_auto_off=False, **kw)
+        runner = llm.engine.runner
+        seen = []
+
+        class Graphs:
+            def bucket_for(self, n):
+                return None
+
+            def run_tree(self, batch):
+                assert batch.tree_mask is not None and batch.block_tables.shape[0] == 1
+                seen.append(batch.input_ids.shape[0])
+                runner.backend.prepare(batch)
+                return runner.model(batch)
+
+        runner.graphs = Graphs()
+        got = [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+        assert got == want and seen
+        assert_no_leak(llm)
