@@ -27,7 +27,7 @@ else
   DEV=cuda
   # ~3900 prompts x 160 tokens (~630k answer tokens); EAGLE 8 epochs, 4 drafting depths trained.
   TRAIN="--device cuda --max-tokens 160 --epochs 8 --ttt-steps 4 --max-num-seqs 256 --batch-tokens 16384"
-  BENCH="--device cuda --batch 1 64 --max-tokens 128 --eagle-depth 6 --eagle-tree 8,8,48"
+  BENCH="--device cuda --batch 1 64 --max-tokens 128 --eagle-depth 6 --eagle-tree 8,8,48 --speculative-method eagle,medusa,ngram,draft"
   T_TRAIN=${T_TRAIN:-170}; T_BENCH=${T_BENCH:-180}
 fi
 { date -u; nvidia-smi -L 2>/dev/null; $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; git rev-parse HEAD 2>/dev/null; } > "$OUT/env.txt" 2>&1
@@ -35,7 +35,7 @@ fi
 echo "== train-draft $TRAIN" | tee "$OUT/train.log"
 timeout "$T_TRAIN" $PY -m slipstream.cli train-draft $TRAIN --out "$OUT/heads" 2>&1 \
   | tr '\r' '\n' | grep -v '^\s*$' >> "$OUT/train.log"
-echo "train-draft exit: ${PIPESTATUS[0]}" | tee -a "$OUT/train.log"
+echo "train-draft exit: ${PIPESTATUS[0]} at $(date -u +%T)" | tee -a "$OUT/train.log"
 
 HEADS=""
 for m in medusa eagle; do
@@ -45,5 +45,5 @@ done
 
 echo "== bench_spec $BENCH $HEADS" | tee "$OUT/bench.log"
 timeout "$T_BENCH" $PY benchmarks/spec/bench_spec.py $BENCH $HEADS --out "$OUT" >> "$OUT/bench.log" 2>&1
-echo "bench exit: $?" | tee -a "$OUT/bench.log"
+echo "bench exit: $? at $(date -u +%T)" | tee -a "$OUT/bench.log"
 cat "$OUT"/results_*.md 2>/dev/null
