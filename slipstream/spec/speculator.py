@@ -171,16 +171,28 @@ class Speculator:
         return emitted
 
     def keep_hidden(self, plan, hidden: torch.Tensor) -> None:
-        """Record the target states of the step's ordinary (non-draft) rows."""
+        """Record the target states of the step's ordinary (non-draft) rows:
+        one gather for the whole step (a copy: a replayed CUDA graph rewrites
+        its output buffer), split per request. While steps overlap (speculation
+        off) only each request's last row is kept: EAGLE restarts its context
+        after a gap, Medusa reads the last state."""
         if not self.proposer.needs_hidden:
             return
+        rids, idx, counts = [], [], []
         loc = 0
         for rid, q in zip(plan.req_ids, plan.query_lens):
             q = int(q)
             if rid not in self._step_trees and self.eligible.get(rid):
-                # A copy: a replayed CUDA graph rewrites its output buffer next step.
-                self.hidden.setdefault(rid, []).append(hidden[loc:loc + q].clone())
+                first = loc + q - 1 if self.overlapping else loc
+                rids.append(rid)
+                idx.extend(range(first, loc + q))
+                counts.append(loc + q - first)
             loc += q
+        if not rids:
+            return
+        kept = hidden[torch.tensor(idx, device=hidden.device)]
+        for rid, part in zip(rids, kept.split(counts)):
+            self.hidden.setdefault(rid, []).append(part)
 
     def step_done(self, plan, seconds: float) -> None:
         """Time of the step just run, for the governor: a plain decode step,
