@@ -75,6 +75,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eagle-tree", default=None,
                    help="EAGLE tree 'topk,beam,nodes' (default 4,4,16)")
     p.add_argument("--eagle-depth", type=int, default=None, help="EAGLE tree depth (default 5)")
+    p.add_argument("--medusa-tree", default=None, help="Medusa top-k per head (default 3,2,1)")
+    p.add_argument("--ngram-tokens", type=int, default=None, help="n-gram chain length (default 4)")
 
 
 def run(args, model=None, heads: dict | None = None, stem: str | None = None) -> int:
@@ -135,6 +137,10 @@ def run(args, model=None, heads: dict | None = None, stem: str | None = None) ->
             opts["speculative_tree"] = args.eagle_tree
         if name == "eagle" and getattr(args, "eagle_depth", None):
             opts["num_speculative_tokens"] = args.eagle_depth
+        if name == "medusa" and getattr(args, "medusa_tree", None):
+            opts["speculative_tree"] = args.medusa_tree
+        if name == "ngram" and getattr(args, "ngram_tokens", None):
+            opts["num_speculative_tokens"] = args.ngram_tokens
         if name in heads:
             opts["speculative_model"] = heads[name]
         if name == "draft" and smoke:
