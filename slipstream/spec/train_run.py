@@ -33,8 +33,9 @@ def make_samples(model_path, prompts: list[str], max_tokens: int, device: str, s
                  max_num_seqs: int = 256, log=print):
     """-> (Samples on `device`, model config, LM head [V, h], embeddings [V, h])."""
     t0 = time.perf_counter()
-    longest = 64 + max(len(p) for p in prompts) // 2 + max_tokens   # bytes bound the tokens
-    llm = _engine(model_path, device, max(256, longest), max_num_seqs, seed)
+    # Characters bound a prompt's tokens; 64 for the chat template around it.
+    longest = 64 + max(len(p) for p in prompts) + max_tokens
+    llm = _engine(model_path, device, max(1024, longest), max_num_seqs, seed)
     ids, answers = answer_prompts(llm, prompts, max_tokens)
     t1 = time.perf_counter()
     log(f"answers: {len(ids)} prompts x {max_tokens} tokens in {t1 - t0:.1f} s "
