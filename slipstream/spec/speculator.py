@@ -174,15 +174,18 @@ class Speculator:
         """Record the target states of the step's ordinary (non-draft) rows:
         one gather for the whole step (a copy: a replayed CUDA graph rewrites
         its output buffer), split per request. While steps overlap (speculation
-        off) only each request's last row is kept: EAGLE restarts its context
-        after a gap, Medusa reads the last state."""
+        off) only the last row of as many requests as a probe drafts for is
+        kept: EAGLE restarts its context after a gap, Medusa reads the last
+        state, and the others draft again one step after speculation resumes."""
         if not self.proposer.needs_hidden:
             return
         rids, idx, counts = [], [], []
         loc = 0
+        # While overlapping only the requests a probe round would draft for.
+        room = self.governor.probe_requests if self.overlapping else len(plan.req_ids)
         for rid, q in zip(plan.req_ids, plan.query_lens):
             q = int(q)
-            if rid not in self._step_trees and self.eligible.get(rid):
+            if len(rids) < room and rid not in self._step_trees and self.eligible.get(rid):
                 first = loc + q - 1 if self.overlapping else loc
                 rids.append(rid)
                 idx.extend(range(first, loc + q))
