@@ -27,7 +27,7 @@ else
   DEV=cuda
   # ~3900 prompts x 160 tokens (~630k answer tokens); EAGLE 10 epochs, 4 drafting depths trained.
   TRAIN="--device cuda --max-tokens 160 --epochs 10 --medusa-epochs 4 --ttt-steps 4 --max-num-seqs 256 --batch-tokens 8192"
-  BENCH="--device cuda --batch 1 64 --max-tokens 128 --eagle-depth 6 --eagle-tree 8,8,48 --speculative-method eagle,medusa,ngram,draft"
+  BENCH="--device cuda --batch 1 64 --max-tokens 128 --eagle-depth 6 --eagle-tree 8,8,48 --medusa-tree 4,3,2 --speculative-method eagle,medusa,ngram,draft"
   T_TRAIN=${T_TRAIN:-170}; T_BENCH=${T_BENCH:-180}
 fi
 { date -u; nvidia-smi -L 2>/dev/null; $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; git rev-parse HEAD 2>/dev/null; } > "$OUT/env.txt" 2>&1

@@ -137,9 +137,12 @@ class Speculator:
         logits = self.model.compute_logits(hidden[rows.flatten()]).view(len(rids), width, -1)
         sb = self.sampling.build(plan.rows[order])
         out = verify(logits, TreeBatch.stack(tlist, hidden.device), sb)
-        emitted_all = out.tokens.tolist()          # the step's host sync
-        num_acc = out.num_accepted.tolist()
-        paths = out.accepted_nodes.tolist()
+        # The step's one host transfer: tokens [B, D + 1] | accepted [B, 1] | path [B, D].
+        d = out.accepted_nodes.shape[1]
+        packed = torch.cat([out.tokens, out.num_accepted[:, None], out.accepted_nodes], 1).tolist()
+        emitted_all = [r[:d + 1] for r in packed]
+        num_acc = [r[d + 1] for r in packed]
+        paths = [r[d + 2:] for r in packed]
         emitted: dict[str, list[int]] = {}
         last = []
         for j, (i, rid, t) in enumerate(zip(order, rids, tlist)):
