@@ -18,8 +18,9 @@ on its hardware) scales the nearest measured one; with nothing measured at
 all, the roofline rule alone decides (`round_speedup`).
 
 While speculation is on, every `plain_every`-th step runs plainly to keep
-plain(B) measured; while it is off, every `probe_every`-th step drafts for at
-most `probe_requests` requests so tau keeps being measured at little cost.
+plain(B) measured; while it is off, every `probe_every`-th step (or rarer,
+keeping probes under 2% of the time) drafts for at most `probe_requests`
+requests so tau keeps being measured at little cost.
 Chains also get their length from the roofline (best_gamma_at_batch with
 alpha inferred from tau).
 """
@@ -115,6 +116,17 @@ class SpecGovernor:
         spec = spec if spec is not None else plain * roof
         return self.tau * plain / (spec + self.draft_per_request * batch)
 
+    def _probe_interval(self, batch: int) -> int:
+        """Steps between probes: `probe_every`, or more where a probe (one
+        request's verification and drafting) costs more than 2% of that many
+        plain steps (on a CPU a 16-node verification costs several steps)."""
+        one_spec, one_plain = self.spec_time.get(1), self.plain_time.get(1)
+        plain = self._scaled(self.plain_time, batch, 1.0)
+        if one_spec is None or one_plain is None or not plain:
+            return self.probe_every
+        extra = max(one_spec - one_plain, 0.0) + (self.draft_per_request or 0.0)
+        return max(self.probe_every, int(50 * extra / plain) + 1)
+
     def num_tokens(self, batch: int) -> int:
         """Draft budget per request for the next step (0: do not speculate);
         sets `request_limit` for probe rounds. Call once per step."""
@@ -126,7 +138,7 @@ class SpecGovernor:
             return self.k
         if s <= 1.0:
             self._off_steps += 1
-            if self._off_steps % self.probe_every:
+            if self._off_steps % self._probe_interval(batch):
                 self.last_k = 0
                 return 0
             self.request_limit = self.probe_requests   # a probe keeps tau measured

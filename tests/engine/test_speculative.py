@@ -126,7 +126,7 @@ def test_async_steps_while_speculation_is_off_stay_exact(folder, plain, method, 
     llm = make_llm(folder, **kw)
     spec = llm.engine.runner.speculator
     gov = spec.governor
-    gov.probe_every = 3                     # probes often: many switches in 20 tokens
+    gov._probe_interval = lambda batch: 3   # probes often: many switches in 20 tokens
     overlapped = []
     real = spec.wants_overlap
     spec.wants_overlap = lambda n: overlapped.append(real(n)) or overlapped[-1]

@@ -73,3 +73,14 @@ def test_auto_off_can_be_disabled():
                      model_config_of(make_hf_model("llama2")), torch.device("cpu"))
     g.observe_round(1, 1, 4); g.observe_draft(1.0); g.observe_step(0.01, 1, "spec")
     assert g.num_tokens(10_000) == 4
+
+
+def test_expensive_probes_are_spaced_out():
+    g = _gov("medusa", probe_every=4)
+    g.observe_round(emitted=1, requests=1, drafted=15)
+    g.observe_draft(0.001)
+    g.observe_step(0.070, 1, "spec")      # a 16-row verification costs 7 plain steps
+    g.observe_step(0.010, 1, "plain")
+    assert g._probe_interval(1) == int(50 * 0.061 / 0.010) + 1
+    asks = [g.num_tokens(1) for _ in range(2 * g._probe_interval(1))]
+    assert asks.count(0) == len(asks) - 2
