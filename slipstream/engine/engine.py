@@ -74,7 +74,9 @@ class Engine:
                                  else async_sched)
         # One StepStats per step that ran a forward, once a benchmark sets a list here.
         self.step_stats: list[StepStats] | None = None
-        # A speculating step needs the previous step's tokens to draft: no overlap.
+        # A speculating step needs the previous step's tokens to draft: no overlap,
+        # except for steps the speculator leaves plain (`_overlap_this_step`).
+        self._async_allowed = self.async_scheduling
         self.async_scheduling &= not self.config.speculative.enabled
         mc = self.config.model_config
         self.eos_token_ids = tuple(dict.fromkeys(mc.eos_token_ids + tuple(self.tokenizer.eos_token_ids)))
@@ -169,6 +171,15 @@ class Engine:
         step's output is collected while the device runs this one: outputs lag
         the launches by one step, and the host work of scheduling, packing
         inputs, stop checks and detokenizing hides behind device time."""
+        overlap, drained = self.async_scheduling, []
+        spec = getattr(self.runner, "speculator", None)
+        if spec is not None and self._async_allowed:
+            overlap = spec.wants_overlap(len(self.scheduler.running))
+            spec.overlapping = overlap
+            if not overlap and self._inflight is not None:
+                # Drafting needs the in-flight step's tokens: collect it first.
+                previous, self._inflight = self._inflight, None
+                drained = self._collect(previous)
         sched = self.scheduler.schedule()
         handle = None
         if not sched.is_empty:
@@ -178,8 +189,8 @@ class Engine:
         elif self._inflight is None and self.scheduler.has_unfinished:
             raise RuntimeError("no request could be scheduled: the KV cache is too small "
                                "for the waiting requests")
-        if not self.async_scheduling:
-            return self._collect(handle) if handle is not None else []
+        if not overlap:
+            return drained + (self._collect(handle) if handle is not None else [])
         previous, self._inflight = self._inflight, handle
         return self._collect(previous) if previous is not None else []
 

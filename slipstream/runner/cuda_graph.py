@@ -65,3 +65,48 @@ class DecodeGraphs:
         graph, out = entry
         graph.replay()
         return out
+
+    # ---- one request verifying a draft tree --------------------------------------
+
+    trees_enabled = True   # off after a captured tree step disagreed with its eager run
+
+    def run_tree(self, batch: ForwardBatch) -> torch.Tensor | None:
+        """batch: one request's root + draft nodes (T rows) with `tree_mask` and
+        positions set, in the static buffers (tree masks of one T share a static
+        buffer). Returns the final hidden states [T, hidden] (valid until the next
+        replay), or None when tree graphs are off: the caller then runs eagerly.
+        A new graph is checked once against the eager forward of the same step."""
+        if not self.trees_enabled:
+            return None
+        t = batch.input_ids.shape[0]
+        context_class = min(max(512, 1 << max(batch.max_seq_len - 1, 1).bit_length()),
+                            self.max_model_len)
+        splits = self._choose(1, self._kv_heads, context_class, max_query_len=t,
+                              group=self._group)
+        batch.decode_splits = splits
+        key = ("tree", t, splits)
+        entry = self.graphs.get(key)
+        if entry is None:
+            try:
+                self.backend.prepare(batch)
+                eager = self.model(batch).clone()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool):
+                    self.backend.prepare(batch)
+                    out = self.model(batch)
+                graph.replay()
+                err = (out.float() - eager.float()).abs().max().item()
+                scale = eager.float().abs().max().item()
+                if not err <= 0.02 * max(scale, 1.0):
+                    raise RuntimeError(f"replay differs from the eager forward by {err:.3g}")
+            except Exception as e:   # noqa: BLE001 - eager verification stays correct
+                import warnings
+                warnings.warn(f"CUDA graphs for tree verification are off: {e!r}")
+                self.trees_enabled = False
+                return None
+            entry = self.graphs[key] = (graph, out)
+            return out
+        graph, out = entry
+        graph.replay()
+        return out
+

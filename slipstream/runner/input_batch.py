@@ -208,9 +208,9 @@ class InputBatch:
         tables = st.tables(True)
         tables[:B, :width] = self.block_table[rows, :width]
         tables[B:B_pad, :width] = 0
+        n32 = 3 * (st.S + 1) + B_pad * st.W
         if st.copied is not None:
             st.d64.copy_(st.h64, non_blocking=True)
-            n32 = 3 * (st.S + 1) + B_pad * st.W
             st.d32[:n32].copy_(st.h32[:n32], non_blocking=True)
             st.copied.record()
         if graph:  # the graph's inputs live at fixed addresses

@@ -141,16 +141,22 @@ class ModelRunner:
         bucket = None
         if self.graphs is not None and not self._prompt_lp and all(n == 1 for n in counts.values()):
             bucket = self.graphs.bucket_for(len(counts))
-        plan = self.input_batch.plan(sched, starts, num_pad_seqs=bucket or 0,
-                                     graph=bucket is not None)
+        # One request verifying drafts: a CUDA graph per row count (spec/speculator.py).
+        tree_graph = (bucket is None and self.graphs is not None and spec is not None
+                      and not self._prompt_lp and spec.graphable(counts))
+        plan = self.input_batch.plan(sched, starts, num_pad_seqs=bucket or int(tree_graph),
+                                     graph=bucket is not None or tree_graph)
         batch = plan.batch
         if spec is not None:
-            spec.patch(plan)
+            spec.patch(plan, static=tree_graph)
         if plan.num_pending:  # tokens sampled by a step whose output the host has not seen
             batch.input_ids[plan.pending_dst] = self.input_batch.last_sampled[plan.pending_src]
+        hidden = None
         if bucket is not None:
             hidden = self.graphs.run(batch, bucket)                      # [bucket, hidden]
-        else:
+        elif tree_graph:
+            hidden = self.graphs.run_tree(batch)                         # None: graphs off
+        if hidden is None:
             self.backend.prepare(batch)
             hidden = self.model(batch)                                   # [num_tokens, hidden]
         handle = StepHandle(plan.sample_req_ids, plan.sample_rows, None, None, {}, {}, None)
@@ -172,10 +178,10 @@ class ModelRunner:
         if self.device.type == "cuda":
             handle.done = torch.cuda.Event()
             handle.done.record()
-        if spec is not None:
+        if spec is not None and not spec.overlapping:   # timed for the auto-off rule
             if handle.done is not None:
                 handle.done.synchronize()
-            spec.governor.observe_step(time.perf_counter() - t0)
+            spec.step_done(plan, time.perf_counter() - t0)
         return handle
 
     def _sample(self, plan: StepPlan, logits: torch.Tensor, handle: StepHandle) -> None:

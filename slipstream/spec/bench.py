@@ -70,11 +70,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--auto-off", action="store_true",
                    help="let the roofline rule switch speculation off (always on at batch > 1)")
     p.add_argument("--out", default=None, help="directory for results_<device>.{json,md}")
+    p.add_argument("--medusa-head", default=None, help="Medusa head file (default: shipped)")
+    p.add_argument("--eagle-head", default=None, help="EAGLE head file (default: shipped)")
+    p.add_argument("--eagle-tree", default=None,
+                   help="EAGLE tree 'topk,beam,nodes' (default 4,4,16)")
+    p.add_argument("--eagle-depth", type=int, default=None, help="EAGLE tree depth (default 5)")
+    p.add_argument("--medusa-tree", default=None, help="Medusa top-k per head (default 3,2,1)")
+    p.add_argument("--ngram-tokens", type=int, default=None, help="n-gram chain length (default 4)")
 
 
 def run(args, model=None, heads: dict | None = None, stem: str | None = None) -> int:
     """`model`/`heads` override --model and the shipped heads (the smoke test)."""
-    heads = heads or {}
+    heads = dict(heads or {})
+    for name in ("medusa", "eagle"):
+        if getattr(args, f"{name}_head", None):
+            heads[name] = getattr(args, f"{name}_head")
     model = model if model is not None else args.model
     import torch
     from slipstream import LLM, SamplingParams
@@ -120,49 +130,78 @@ def run(args, model=None, heads: dict | None = None, stem: str | None = None) ->
         results.append(row)
         print(json.dumps(row), flush=True)
     for name in args.methods.split(","):
+        if name not in METHODS:
+            raise ValueError(f"--speculative-method: unknown {name!r}; choose from {sorted(METHODS)}")
         opts = dict(METHODS[name])
+        if name == "eagle" and getattr(args, "eagle_tree", None):
+            opts["speculative_tree"] = args.eagle_tree
+        if name == "eagle" and getattr(args, "eagle_depth", None):
+            opts["num_speculative_tokens"] = args.eagle_depth
+        if name == "medusa" and getattr(args, "medusa_tree", None):
+            opts["speculative_tree"] = args.medusa_tree
+        if name == "ngram" and getattr(args, "ngram_tokens", None):
+            opts["num_speculative_tokens"] = args.ngram_tokens
         if name in heads:
             opts["speculative_model"] = heads[name]
         if name == "draft" and smoke:
             opts["speculative_draft_layers"] = 1
         try:
-            llm = LLM(model, **common, **spec_extra, **opts, speculative_auto_off=args.auto_off)
-        except ValueError as e:   # e.g. no trained head ships for this model
-            row = dict(method=name, error=str(e))
+            _method(LLM, model, common, spec_extra, opts, args, prompts, sets, base, params,
+                    name, results)
+        except Exception as e:   # one method failing must not lose the others' rows
+            import traceback
+            traceback.print_exc()
+            row = dict(method=name, error=f"{type(e).__name__}: {e}"[:300])
             results.append(row)
             print(json.dumps(row), flush=True)
-            continue
-        spec = llm.engine.runner.speculator
-        _run(llm, prompts[:1], SamplingParams(temperature=0.0, max_tokens=4), 1)
-        for batch in args.batch:
-            ps = sets[batch]
-            # At batch > 1 the roofline rule decides (the target: never slower than plain).
-            spec.governor.auto_off = args.auto_off or batch > 1
-            spec.stats.__init__()
-            ref, plain_s, outs, secs = _interleaved(base, llm, ps, params, batch)
-            n, n_tok = sum(len(o) for o in outs), sum(len(o) for o in ref)
-            st = spec.stats
-            row = dict(batch=batch, method=name, options=opts, tokens=n, seconds=round(secs, 3),
-                       tokens_per_s=round(n / secs, 2),
-                       plain_tokens_per_s=round(n_tok / plain_s, 2),
-                       speedup=round(plain_s / secs * n / n_tok, 3),
-                       identical=sum(a == b for a, b in zip(outs, ref)) / len(ref),
-                       rounds=st.rounds, tau=round(st.tau, 3),
-                       mean_accepted=round(st.accepted / max(st.rounds, 1), 3),
-                       drafted_per_round=round(st.drafted / max(st.rounds, 1), 2),
-                       acceptance_per_position=[round(a, 3) for a in st.acceptance_per_position],
-                       draft_seconds=round(st.draft_time, 3))
-            results.append(row)
-            print(json.dumps(row), flush=True)
-        del llm, spec
         import gc
         gc.collect()
         if args.device != "cpu":
             torch.cuda.empty_cache()
-    stem = stem or f"results_{args.device}"
+        _write(args, stem or f"results_{args.device}", env, results, quiet=True)
+    _write(args, stem or f"results_{args.device}", env, results)
+    return 0
+
+
+def _method(LLM, model, common, spec_extra, opts, args, prompts, sets, base, params, name,
+            results) -> None:
+    try:
+        llm = LLM(model, **common, **spec_extra, **opts, speculative_auto_off=args.auto_off)
+    except ValueError as e:   # e.g. no trained head ships for this model
+        row = dict(method=name, error=str(e))
+        results.append(row)
+        print(json.dumps(row), flush=True)
+        return
+    from slipstream import SamplingParams
+    spec = llm.engine.runner.speculator
+    _run(llm, prompts[:1], SamplingParams(temperature=0.0, max_tokens=4), 1)
+    for batch in args.batch:
+        ps = sets[batch]
+        # At batch > 1 the roofline rule decides (the target: never slower than plain).
+        spec.governor.auto_off = args.auto_off or batch > 1
+        spec.stats.__init__()
+        ref, plain_s, outs, secs = _interleaved(base, llm, ps, params, batch)
+        n, n_tok = sum(len(o) for o in outs), sum(len(o) for o in ref)
+        st = spec.stats
+        row = dict(batch=batch, method=name, options=opts, tokens=n, seconds=round(secs, 3),
+                   tokens_per_s=round(n / secs, 2),
+                   plain_tokens_per_s=round(n_tok / plain_s, 2),
+                   speedup=round(plain_s / secs * n / n_tok, 3),
+                   identical=sum(a == b for a, b in zip(outs, ref)) / len(ref),
+                   rounds=st.rounds, tau=round(st.tau, 3),
+                   mean_accepted=round(st.accepted / max(st.rounds, 1), 3),
+                   drafted_per_round=round(st.drafted / max(st.rounds, 1), 2),
+                   acceptance_per_position=[round(a, 3) for a in st.acceptance_per_position],
+                   draft_seconds=round(st.draft_time, 3))
+        results.append(row)
+        print(json.dumps(row), flush=True)
+
+
+def _write(args, stem: str, env: dict, results: list, quiet: bool = False) -> None:
     if args.out is None:
-        print(json.dumps(dict(env=env, results=results), indent=1))
-        return 0
+        if not quiet:
+            print(json.dumps(dict(env=env, results=results), indent=1))
+        return
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{stem}.json").write_text(json.dumps(dict(env=env, results=results), indent=1))
@@ -183,5 +222,5 @@ def run(args, model=None, heads: dict | None = None, stem: str | None = None) ->
                      f"{r.get('drafted_per_round', '')} | {r.get('acceptance_per_position', '')} | "
                      f"{r.get('identical', '')} |")
     (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    return 0
+    if not quiet:
+        print("\n".join(lines))

@@ -6,28 +6,46 @@ import argparse
 
 def add_parser(sub) -> None:
     p = sub.add_parser("train-draft", help="train Medusa or EAGLE draft heads on the "
-                       "target's own answers (CPU)")
+                       "target's own answers (GPU if there is one, else CPU)")
     p.add_argument("--method", nargs="+", default=["medusa", "eagle"],
                    choices=["medusa", "eagle"], help="which heads to train")
     p.add_argument("--model", default=None, help="target model (default: SmolLM2-135M-Instruct)")
     p.add_argument("--prompts", default=None,
                    help="prompt file, one per line (default: the shipped training prompts)")
-    p.add_argument("--max-tokens", type=int, default=96, help="answer length per prompt")
-    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--num-prompts", type=int, default=None, help="use only the first N prompts")
+    p.add_argument("--max-tokens", type=int, default=160, help="answer length per prompt")
+    p.add_argument("--epochs", type=int, default=6, help="EAGLE epochs")
+    p.add_argument("--medusa-epochs", type=int, default=None, help="default: half of --epochs")
+    p.add_argument("--ttt-steps", type=int, default=3,
+                   help="EAGLE training-time-test passes (drafting depths trained)")
+    p.add_argument("--batch-tokens", type=int, default=16384, help="EAGLE tokens per batch")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--draft-vocab", type=int, default=16384,
+                   help="draft only the N tokens most frequent in the answers (0: all)")
+    p.add_argument("--max-num-seqs", type=int, default=256,
+                   help="requests the engine answers at once")
+    p.add_argument("--device", default="auto", help="auto | cuda | cpu")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--data-cache", default=None,
                    help="keep the target's answers and features in this file and reuse them")
     p.add_argument("--out", default="slipstream/spec/weights",
-                   help="directory for <model>.<method>.safetensors")
+                   help="directory for <model>.<method>.safetensors and <model>.train.json")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from slipstream.spec.train import train_draft
-    if args.max_tokens < 2 or args.epochs < 1:
-        raise ValueError("--max-tokens must be >= 2 and --epochs >= 1")
+    from slipstream.spec.train_run import train_draft
+    if args.max_tokens < 2 or args.epochs < 1 or args.ttt_steps < 1:
+        raise ValueError("--max-tokens must be >= 2, --epochs and --ttt-steps >= 1")
+    if args.draft_vocab < 0:
+        raise ValueError("--draft-vocab must be >= 0")
+    if args.num_prompts is not None and args.num_prompts < 1:
+        raise ValueError("--num-prompts must be >= 1")
     train_draft(args.method, args.model, args.out, args.prompts, args.max_tokens, args.epochs,
-                args.seed, data_cache=args.data_cache)
+                args.seed, data_cache=args.data_cache, device=args.device,
+                num_prompts=args.num_prompts, medusa_epochs=args.medusa_epochs,
+                ttt_steps=args.ttt_steps, batch_tokens=args.batch_tokens, lr=args.lr,
+                max_num_seqs=args.max_num_seqs, draft_vocab=args.draft_vocab)
     return 0
 
 

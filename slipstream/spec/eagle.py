@@ -41,8 +41,9 @@ class EagleShape:
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
+    # One fused op (drafting is launch-bound on a GPU); the weight in x's dtype,
+    # so that mixed dtypes under autocast (training) meet one dtype.
+    return F.rms_norm(x, (x.shape[-1],), w.to(x.dtype), eps)
 
 
 class EagleHead(nn.Module):
@@ -68,14 +69,9 @@ class EagleHead(nn.Module):
         """emb, feat: [T, hidden]; positions: [T]; past: K, V [C, kv_heads, head_dim];
         mask: [T, C + T] bool (None: causal over the T new rows, all of past).
         Returns (predicted features [T, hidden], K [T, kv_heads, d], V [T, kv_heads, d])."""
-        s = self.shape
         t = emb.shape[0]
-        x = self.fc(torch.cat([emb, feat], dim=-1))
-        a = _rms(x, self.attn_norm, s.eps)
-        cos, sin = self.rotary.lookup(positions)
-        q = apply_rotary(self.q(a).view(t, s.num_heads, s.head_dim), cos, sin)
-        k = apply_rotary(self.k(a).view(t, s.num_kv_heads, s.head_dim), cos, sin)
-        v = self.v(a).view(t, s.num_kv_heads, s.head_dim)
+        x = self.fuse(emb, feat)
+        q, k, v = self.qkv(x, *self.rotary.lookup(positions))
         kk, vv = (k, v) if past is None else (torch.cat([past[0], k]), torch.cat([past[1], v]))
         if mask is None:
             c = kk.shape[0] - t
@@ -83,15 +79,37 @@ class EagleHead(nn.Module):
             mask[:, c:] = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
         o = F.scaled_dot_product_attention(
             q.transpose(0, 1), kk.transpose(0, 1), vv.transpose(0, 1), attn_mask=mask,
-            enable_gqa=s.num_heads != s.num_kv_heads).transpose(0, 1)
-        x = x + self.o(o.reshape(t, -1))
+            enable_gqa=self.shape.num_heads != self.shape.num_kv_heads).transpose(0, 1)
+        return self.finish(x, o), k, v
+
+    # The layer in three parts (training runs them over [batch, T, ...] with its own masks).
+    def fuse(self, emb: torch.Tensor, feat: torch.Tensor) -> torch.Tensor:
+        """[..., hidden] each -> the fused input [..., hidden]."""
+        return self.fc(torch.cat([emb, feat], dim=-1))
+
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x: [..., T, hidden]; cos, sin: [T, 1, head_dim] -> q [..., T, heads, d],
+        k, v [..., T, kv_heads, d] (q and k rotated)."""
+        s = self.shape
+        a = _rms(x, self.attn_norm, s.eps)
+        q = apply_rotary(self.q(a).unflatten(-1, (s.num_heads, s.head_dim)), cos, sin)
+        k = apply_rotary(self.k(a).unflatten(-1, (s.num_kv_heads, s.head_dim)), cos, sin)
+        return q, k, self.v(a).unflatten(-1, (s.num_kv_heads, s.head_dim))
+
+    def finish(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """x: [..., hidden] fused input; o: [..., heads, d] attention output ->
+        the predicted features [..., hidden]."""
+        s = self.shape
+        x = x + self.o(o.flatten(-2))
         g, u = self.gate_up(_rms(x, self.mlp_norm, s.eps)).chunk(2, dim=-1)
         x = x + self.down(F.silu(g) * u)
-        return _rms(x, self.out_norm, s.eps), k, v
+        return _rms(x, self.out_norm, s.eps)
 
-    def save(self, path: str | Path) -> None:
+    def save(self, path: str | Path, draft_vocab: torch.Tensor | None = None) -> None:
         from safetensors.torch import save_file
         tensors = {n: p.detach().half().contiguous() for n, p in self.named_parameters()}
+        if draft_vocab is not None:
+            tensors["draft_vocab"] = draft_vocab.to(torch.int32).contiguous()
         meta = {k: str(v) for k, v in self.shape.__dict__.items()}
         save_file(tensors, str(path), metadata={"kind": "eagle", **meta})
 
@@ -106,7 +124,8 @@ class EagleHead(nn.Module):
                               for k, v in meta.items() if k in types})
         with torch.device(device):
             head = cls(shape)
-        head.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, strict=False)
+        head.load_state_dict({k: v.to(dtype) for k, v in tensors.items() if k != "draft_vocab"},
+                             strict=False)
         return head.to(dtype).requires_grad_(False).eval()
 
 
@@ -115,11 +134,15 @@ class EagleProposer:
 
     def __init__(self, head: EagleHead, embed, lm_head, depth: int = 5, topk: int = 4,
                  beam: int = 4, max_nodes: int = 16):
+        """lm_head: features [n, hidden] -> logits [n, V'] (the target's LM head,
+        or a `heads.DraftLMHead` over a draft vocabulary, whose `token_ids`
+        maps columns to token ids)."""
         if min(depth, topk, beam, max_nodes) < 1:
             raise ValueError("eagle depth, topk, beam and max_nodes must be at least 1")
         self.head, self.embed, self.lm_head = head, embed, lm_head
+        self.token_ids = getattr(lm_head, "token_ids", lambda cols: cols)
         self.depth, self.topk, self.beam, self.max_nodes = depth, topk, beam, max_nodes
-        self.kv: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.kv: dict[str, tuple[torch.Tensor, torch.Tensor, int]] = {}
 
     def release(self, request_id: str) -> None:
         self.kv.pop(request_id, None)
@@ -157,58 +180,56 @@ class EagleProposer:
         return f[-1]
 
     def _one(self, r: ProposeRequest) -> DraftTree:
+        """EAGLE-2's dynamic tree, built on the device; one host transfer at the end."""
         root_feat = self._catch_up(r)
-        dt = root_feat.dtype
-        past_k, past_v, start = self.kv[r.request_id]
-        ctx = past_k.shape[0]                     # real pairs held: start .. L - 2
+        dt, dev = root_feat.dtype, root_feat.device
+        past_k, past_v, _ = self.kv[r.request_id]
+        ctx = past_k.shape[0]                     # real pairs held
         base = len(r.token_ids) - 1               # absolute position of the first draft pair
-        dev = root_feat.device
-        # Candidates: parallel lists; parent -1 = root.
-        tok, par, score, level = [], [], [], []
+        k = self.topk
         logp = torch.log_softmax(self.lm_head(root_feat[None]).float(), -1)[0]
-        top = logp.topk(self.topk)
-        for t, s in zip(top.indices.tolist(), top.values.tolist()):
-            tok.append(t), par.append(-1), score.append(s), level.append(1)
-        feats: dict[int, torch.Tensor] = {}       # candidate -> predicted feature from its parent
-        for c in range(len(tok)):
-            feats[c] = root_feat
-        expanded: list[int] = []                  # candidates run through the head, in order
-        ks, vs = [], []
-        frontier = list(range(len(tok)))
+        top = logp.topk(min(k, logp.shape[-1]))
+        # Candidates level by level: draft-vocabulary column, cumulative
+        # log-probability, parent (global candidate index, -1: the root).
+        cols, scores, parents = [top.indices], [top.values], [torch.full_like(top.indices, -1)]
+        feat_in = root_feat.expand(top.indices.shape[0], -1)   # per candidate of the level
+        src = None                                # expanded row of each candidate's parent
+        anc = torch.zeros(0, 0, dtype=torch.bool, device=dev)  # ancestors among expanded rows
+        ks, vs = [past_k], [past_v]
+        offset = 0                                # global index of the level's first candidate
         for lvl in range(1, self.depth):
-            frontier = sorted(frontier, key=lambda c: -score[c])[:self.beam]
-            if not frontier:
-                break
-            rows = {c: len(expanded) + i for i, c in enumerate(frontier)}
+            sc = scores[-1]
+            fr = sc.topk(min(self.beam, sc.shape[0])).indices   # the level's best: expand them
+            b, e = fr.shape[0], anc.shape[0]
+            if src is None:
+                anc_new = torch.zeros(b, e, dtype=torch.bool, device=dev)
+            else:
+                s = src[fr]
+                anc_new = anc[s] | F.one_hot(s, e).bool()
             # A frontier node sees the real pairs, its expanded ancestors, itself.
-            n_old = len(expanded)
-            mask = torch.zeros(len(frontier), ctx + n_old + len(frontier), dtype=torch.bool,
-                               device=dev)
-            mask[:, :ctx] = True
-            for i, c in enumerate(frontier):
-                mask[i, ctx + n_old + i] = True
-                a = par[c]
-                while a >= 0:
-                    mask[i, ctx + expanded.index(a)] = True
-                    a = par[a]
-            toks = torch.tensor([tok[c] for c in frontier], device=dev)
-            feat_in = torch.stack([feats[c] for c in frontier])
-            pos = torch.full((len(frontier),), base - 1 + lvl, device=dev)
-            kk = torch.cat([past_k] + ks) if ks else past_k
-            vv = torch.cat([past_v] + vs) if vs else past_v
-            f, k, v = self.head(self.embed(toks).to(dt), feat_in, pos, (kk, vv), mask)
-            ks.append(k), vs.append(v)
-            expanded.extend(frontier)
+            mask = torch.cat([torch.ones(b, ctx, dtype=torch.bool, device=dev), anc_new,
+                              torch.eye(b, dtype=torch.bool, device=dev)], dim=1)
+            anc = torch.cat([torch.cat([anc, anc.new_zeros(e, b)], 1),
+                             torch.cat([anc_new, anc.new_zeros(b, b)], 1)], 0)
+            toks = self.token_ids(cols[-1][fr])
+            pos = torch.full((b,), base - 1 + lvl, device=dev)
+            f, kn, vn = self.head(self.embed(toks).to(dt), feat_in[fr], pos,
+                                  (torch.cat(ks), torch.cat(vs)), mask)
+            ks.append(kn), vs.append(vn)
             logp = torch.log_softmax(self.lm_head(f).float(), -1)
-            top = logp.topk(self.topk)
-            new = []
-            for i, c in enumerate(frontier):
-                for t, s in zip(top.indices[i].tolist(), top.values[i].tolist()):
-                    new.append(len(tok))
-                    tok.append(t), par.append(c), score.append(score[c] + s)
-                    level.append(lvl + 1)
-                    feats[new[-1]] = f[i]
-            frontier = new
+            top = logp.topk(min(k, logp.shape[-1]))              # [b, k]
+            kk = top.indices.shape[1]
+            cols.append(top.indices.flatten())
+            scores.append((sc[fr][:, None] + top.values).flatten())
+            parents.append((offset + fr).repeat_interleave(kk))
+            feat_in = f.repeat_interleave(kk, dim=0)
+            src = torch.arange(e, e + b, device=dev).repeat_interleave(kk)
+            offset += sc.shape[0]
+        levels = torch.cat([torch.full_like(c, i + 1) for i, c in enumerate(cols)])
+        table = torch.stack([self.token_ids(torch.cat(cols)).double(), torch.cat(scores).double(),
+                             torch.cat(parents).double(), levels.double()]).cpu().tolist()
+        tok, score, par, level = table
+        par = [int(p) for p in par]
         # Keep the best max_nodes; close under ancestors; order by level.
         keep = set(sorted(range(len(tok)), key=lambda c: (-score[c], level[c]))[:self.max_nodes])
         for c in list(keep):
@@ -218,14 +239,16 @@ class EagleProposer:
                 a = par[a]
         order = sorted(keep, key=lambda c: (level[c], -score[c]))
         index = {c: j for j, c in enumerate(order)}
-        return DraftTree(torch.tensor([tok[c] for c in order], device=dev),
+        return DraftTree(torch.tensor([int(tok[c]) for c in order], device=dev),
                          tuple(index[par[c]] if par[c] >= 0 else -1 for c in order))
 
 
 @register_proposer("eagle")
 def _make(spec, device, dtype, target=None, **_):
-    from slipstream.spec.heads import resolve_head
-    head = EagleHead.load(resolve_head(spec.model, "eagle"), device, dtype)
-    return EagleProposer(head, target.model.embed_tokens, target.compute_logits,
+    from slipstream.spec.heads import DraftLMHead, read_draft_vocab, resolve_head
+    path = resolve_head(spec.model, "eagle")
+    head = EagleHead.load(path, device, dtype)
+    lm_head = DraftLMHead(target, read_draft_vocab(path), dtype, device)
+    return EagleProposer(head, target.model.embed_tokens, lm_head,
                          spec.num_speculative_tokens, spec.eagle_topk, spec.eagle_beam,
                          spec.eagle_max_nodes)

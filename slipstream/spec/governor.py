@@ -1,14 +1,28 @@
 """When speculation pays: the auto-off rule, fed with measurements.
 
-The analysis layer's roofline model (`analysis.specdec.round_speedup`) gives
-the speedup of a round from the measured tokens per round (tau), the tokens
-verified per request, the draft cost in units of a memory-bound target step,
-the batch size and the critical batch Bc of the device (from the roofline of
-the model on its hardware profile). Drafts are asked for only while the
-predicted speedup at the current batch size exceeds 1; while off, every
-`probe_every`-th step still drafts so tau keeps being measured. Chains also
-get their length from the rule (best_gamma_at_batch with alpha inferred from
-tau).
+A round at batch B pays when
+
+    tau * plain(B)  >  spec(B) + draft_per_request * B
+
+with tau the measured tokens per request per round, plain(B) the measured
+time of a plain decode step, spec(B) that of a step verifying every
+request's drafts, and the drafting cost charged per request (proposers
+that draft request by request, like EAGLE, cost that; batched ones cost
+less, so the rule errs towards plain decoding). Every term is measured in the
+engine as it runs (steps are timed per batch-size bucket, powers of two), so
+the rule sees what the roofline cannot: a verification step that runs
+eagerly while plain decode replays a CUDA graph, or CPU kernels whose cost
+grows with the tokens of a step. Where a bucket has no measurement yet, the
+analysis layer's roofline (`analysis.specdec`: critical batch Bc of the model
+on its hardware) scales the nearest measured one; with nothing measured at
+all, the roofline rule alone decides (`round_speedup`).
+
+While speculation is on, every `plain_every`-th step runs plainly to keep
+plain(B) measured; while it is off, every `probe_every`-th step (or rarer,
+keeping probes under 2% of the time) drafts for at most `probe_requests`
+requests so tau keeps being measured at little cost.
+Chains also get their length from the roofline (best_gamma_at_batch with
+alpha inferred from tau).
 """
 from __future__ import annotations
 
@@ -31,46 +45,92 @@ def hardware_for(device: torch.device) -> HardwareProfile:
     return CPU_DEFAULT
 
 
+def bucket(batch: int) -> int:
+    return 1 << max(int(batch) - 1, 0).bit_length()
+
+
 class SpecGovernor:
-    def __init__(self, spec, model_config, device: torch.device, probe_every: int = 16,
-                 decay: float = 0.9):
+    def __init__(self, spec, model_config, device: torch.device, probe_every: int = 64,
+                 plain_every: int = 64, probe_requests: int = 1, decay: float = 0.9):
         self.spec = spec
         self.k = spec.num_speculative_tokens
         self.auto_off = spec.auto_off
         self.chain = spec.method in ("draft", "ngram")
         self.critical_batch = specdec.critical_batch_for(model_config, hardware_for(device))
-        self.probe_every, self.decay = probe_every, decay
-        self.tau: float | None = None          # tokens per request per round (EMA)
-        self.verify_tokens: float | None = None
-        self.draft_time: float | None = None   # seconds per propose call (EMA)
-        self.step_time: float | None = None    # seconds per target step (EMA)
+        self.probe_every, self.plain_every = probe_every, plain_every
+        self.probe_requests, self.decay = probe_requests, decay
+        self.tau: float | None = None            # tokens per request per round (EMA)
+        self.verify_tokens: float | None = None  # rows verified per request (EMA)
+        self.draft_per_request: float | None = None   # seconds (EMA)
+        self.plain_time: dict[int, float] = {}   # bucket -> seconds per plain decode step
+        self.spec_time: dict[int, float] = {}    # bucket -> seconds per all-verifying step
         self._off_steps = 0
+        self._on_steps = 0
         self.last_k = self.k
+        self.request_limit: int | None = None    # requests to draft for this step (probes)
 
     def _ema(self, old: float | None, new: float) -> float:
         return new if old is None else self.decay * old + (1 - self.decay) * new
+
+    # ---- measurements --------------------------------------------------------
 
     def observe_round(self, emitted: int, requests: int, drafted: int) -> None:
         self.tau = self._ema(self.tau, emitted / requests)
         self.verify_tokens = self._ema(self.verify_tokens, 1 + drafted / requests)
 
-    def observe_draft(self, seconds: float) -> None:
-        self.draft_time = self._ema(self.draft_time, seconds)
+    def observe_draft(self, seconds: float, requests: int = 1) -> None:
+        self.draft_per_request = self._ema(self.draft_per_request, seconds / max(requests, 1))
 
-    def observe_step(self, seconds: float) -> None:
-        self.step_time = self._ema(self.step_time, seconds)
+    def observe_step(self, seconds: float, batch: int, kind: str | None) -> None:
+        """kind: 'plain' (every request decoded one token), 'spec' (every
+        request verified drafts) or None (prefill, mixed: not recorded)."""
+        table = {"plain": self.plain_time, "spec": self.spec_time}.get(kind)
+        if table is not None:
+            b = bucket(batch)
+            table[b] = self._ema(table.get(b), seconds)
+
+    # ---- the rule ----------------------------------------------------------------
+
+    def _scaled(self, table: dict[int, float], batch: int, tokens: float) -> float | None:
+        """The measured time at batch's bucket, else the nearest measured bucket's
+        scaled by the roofline (max(1, B * tokens / Bc))."""
+        b = bucket(batch)
+        if b in table:
+            return table[b]
+        if not table:
+            return None
+        near = min(table, key=lambda x: abs(x.bit_length() - b.bit_length()))
+        bc = self.critical_batch
+        return table[near] * max(1.0, batch * tokens / bc) / max(1.0, near * tokens / bc)
 
     def predicted_speedup(self, batch: int) -> float | None:
-        if None in (self.tau, self.verify_tokens, self.draft_time, self.step_time):
+        if None in (self.tau, self.verify_tokens, self.draft_per_request):
             return None
-        bc = self.critical_batch
-        # The measured step ran at roughly max(1, B vt / Bc) memory-bound step units.
-        unit = self.step_time / max(1.0, batch * self.verify_tokens / bc)
-        return specdec.round_speedup(self.tau, self.verify_tokens, self.draft_time / unit,
-                                     batch, bc)
+        vt, bc = self.verify_tokens, self.critical_batch
+        plain = self._scaled(self.plain_time, batch, 1.0)
+        spec = self._scaled(self.spec_time, batch, vt)
+        if plain is None and spec is None:
+            return None
+        roof = max(1.0, batch * vt / bc) / max(1.0, batch / bc)   # spec step / plain step
+        plain = plain if plain is not None else spec / roof
+        spec = spec if spec is not None else plain * roof
+        return self.tau * plain / (spec + self.draft_per_request * batch)
+
+    def _probe_interval(self, batch: int) -> int:
+        """Steps between probes: `probe_every`, or more where a probe (one
+        request's verification and drafting) costs more than 2% of that many
+        plain steps (on a CPU a 16-node verification costs several steps)."""
+        one_spec, one_plain = self.spec_time.get(1), self.plain_time.get(1)
+        plain = self._scaled(self.plain_time, batch, 1.0)
+        if one_spec is None or one_plain is None or not plain:
+            return self.probe_every
+        extra = max(one_spec - one_plain, 0.0) + (self.draft_per_request or 0.0)
+        return max(self.probe_every, int(50 * extra / plain) + 1)
 
     def num_tokens(self, batch: int) -> int:
-        """Draft budget per request for the next step (0: do not speculate)."""
+        """Draft budget per request for the next step (0: do not speculate);
+        sets `request_limit` for probe rounds. Call once per step."""
+        self.request_limit = None
         if not self.auto_off:
             return self.k
         s = self.predicted_speedup(batch)
@@ -78,19 +138,23 @@ class SpecGovernor:
             return self.k
         if s <= 1.0:
             self._off_steps += 1
-            if self._off_steps % self.probe_every:
+            if self._off_steps % self._probe_interval(batch):
                 self.last_k = 0
                 return 0
-            return self.k        # a probe round keeps tau measured
+            self.request_limit = self.probe_requests   # a probe keeps tau measured
+            return self.k
         self._off_steps = 0
+        self._on_steps += 1
+        if bucket(batch) not in self.plain_time or self._on_steps % self.plain_every == 0:
+            self.last_k = 0      # a plain step keeps plain(B) measured
+            return 0
         k = self.k
         if self.chain and self.last_k:
             gamma = max(1, round(self.verify_tokens - 1))
             tau = min(max(self.tau, 1.0), gamma + 1.0)
             alpha = specdec.alpha_from_tau(tau, gamma)
-            bc = self.critical_batch
-            unit = self.step_time / max(1.0, batch * self.verify_tokens / bc)
-            c = self.draft_time / unit / max(gamma, 1)
-            k = max(1, specdec.best_gamma_at_batch(alpha, c, batch, bc, self.k))
+            plain = self._scaled(self.plain_time, batch, 1.0)
+            c = self.draft_per_request * batch / plain / max(gamma, 1)
+            k = max(1, specdec.best_gamma_at_batch(alpha, c, batch, self.critical_batch, self.k))
         self.last_k = k
         return k

@@ -34,11 +34,13 @@ class MedusaHeads(nn.Module):
         inner = F.silu(torch.einsum("nh,khd->nkd", x, self.w1))
         return x.unsqueeze(1) + torch.einsum("nkd,kde->nke", inner, self.w2)
 
-    def save(self, path: str | Path) -> None:
+    def save(self, path: str | Path, draft_vocab: torch.Tensor | None = None) -> None:
         from safetensors.torch import save_file
-        save_file({"w1": self.w1.detach().half().contiguous(),
-                   "w2": self.w2.detach().half().contiguous()},
-                  str(path), metadata={"kind": "medusa", "num_heads": str(self.num_heads)})
+        tensors = {"w1": self.w1.detach().half().contiguous(),
+                   "w2": self.w2.detach().half().contiguous()}
+        if draft_vocab is not None:
+            tensors["draft_vocab"] = draft_vocab.to(torch.int32).contiguous()
+        save_file(tensors, str(path), metadata={"kind": "medusa", "num_heads": str(self.num_heads)})
 
     @classmethod
     def load(cls, path: str | Path, device="cpu", dtype=torch.float32) -> "MedusaHeads":
@@ -67,7 +69,8 @@ class MedusaProposer:
         if len(topk) > heads.num_heads or min(topk, default=0) < 1:
             raise ValueError(f"medusa topk {topk}: one k >= 1 per head, at most "
                              f"{heads.num_heads} heads")
-        self.heads, self.lm_head = heads, lm_head
+        self.heads, self.lm_head = heads, lm_head       # lm_head: as EagleProposer's
+        self.token_ids = getattr(lm_head, "token_ids", lambda cols: cols)
         self.topk = tuple(topk)
         self.parents, paths = static_tree(self.topk)
         # Node j takes column (head d-1, rank r_d) of the flattened per-head top-k.
@@ -82,7 +85,7 @@ class MedusaProposer:
         states = self.heads(h)[:, :len(self.topk)]                      # [B, depth, hidden]
         logits = self.lm_head(states.flatten(0, 1).to(h.dtype))         # [B * depth, V]
         top = logits.topk(max(self.topk), dim=-1).indices.view(len(requests), -1)
-        tokens = top[:, self.pick.to(top.device)]                       # [B, nodes]
+        tokens = self.token_ids(top[:, self.pick.to(top.device)])      # [B, nodes]
         return [DraftTree(tokens[i], self.parents) for i in range(len(requests))]
 
     def release(self, request_id: str) -> None:
@@ -91,6 +94,8 @@ class MedusaProposer:
 
 @register_proposer("medusa")
 def _make(spec, device, dtype, target=None, **_):
-    from slipstream.spec.heads import resolve_head
-    heads = MedusaHeads.load(resolve_head(spec.model, "medusa"), device, dtype)
-    return MedusaProposer(heads, target.compute_logits, spec.medusa_topk)
+    from slipstream.spec.heads import DraftLMHead, read_draft_vocab, resolve_head
+    path = resolve_head(spec.model, "medusa")
+    heads = MedusaHeads.load(path, device, dtype)
+    lm_head = DraftLMHead(target, read_draft_vocab(path), dtype, device)
+    return MedusaProposer(heads, lm_head, spec.medusa_topk)

@@ -45,6 +45,10 @@ class Speculator:
         self.eligible: dict[str, bool] = {}    # request id -> may speculate at all
         self.hidden: dict[str, list[torch.Tensor]] = {}
         self._step_trees: dict[str, DraftTree] = {}
+        self._static_masks: dict[tuple, torch.Tensor] = {}   # tree masks CUDA graphs read
+        self._planned: int | None = None       # draft budget the engine planned for this step
+        self.last_proposed = False             # the last propose call made drafts
+        self.overlapping = False               # set by the engine: this step runs async
 
     # ---- request life -------------------------------------------------------
 
@@ -72,10 +76,22 @@ class Speculator:
             self._step_trees[rid] = DraftTree(torch.tensor(tokens, dtype=torch.int64),
                                               tuple(parents))
 
-    def patch(self, plan) -> None:
-        """Depth positions and the tree mask for steps that verify trees."""
+    def graphable(self, counts: dict[str, int]) -> bool:
+        """A step a CUDA graph can run: one request, verifying drafts, and
+        nothing else (the graph is keyed by its row count)."""
+        from slipstream.kernels.decode_attention import MAX_TREE_NODES
+        if len(counts) != 1 or len(self._step_trees) != 1:
+            return False
+        rid, n = next(iter(counts.items()))
+        t = self._step_trees.get(rid)
+        return t is not None and n == t.num_nodes + 1 <= MAX_TREE_NODES
+
+    def patch(self, plan, static: bool = False) -> None:
+        """Depth positions and the tree mask for steps that verify trees.
+        static: a CUDA-graph step, whose mask (chains included) lives in a
+        buffer per row count that the graph reads."""
         trees = self._step_trees
-        if not trees or all(t.is_chain for t in trees.values()):
+        if not trees or (not static and all(t.is_chain for t in trees.values())):
             return
         batch = plan.batch
         width = batch.max_query_len
@@ -90,9 +106,18 @@ class Speculator:
                 pos_idx.extend(range(loc + 1, loc + n))
                 pos_val.extend(int(s) + d for d in t.depths)
             loc += int(q)
-        idx = torch.tensor(pos_idx, device=batch.positions.device)
-        batch.positions[idx] = torch.tensor(pos_val, device=batch.positions.device)
-        batch.tree_mask = mask.to(batch.positions.device)
+        dev = batch.positions.device
+        if pos_idx:
+            batch.positions[torch.tensor(pos_idx, device=dev)] = torch.tensor(pos_val, device=dev)
+        if static:
+            buf = self._static_masks.get(mask.shape)
+            if buf is None:
+                buf = self._static_masks[mask.shape] = torch.empty(mask.shape, dtype=torch.bool,
+                                                                   device=dev)
+            buf.copy_(mask)
+            batch.tree_mask = buf
+        else:
+            batch.tree_mask = mask.to(dev)
 
     # ---- after the forward ------------------------------------------------------
 
@@ -112,9 +137,12 @@ class Speculator:
         logits = self.model.compute_logits(hidden[rows.flatten()]).view(len(rids), width, -1)
         sb = self.sampling.build(plan.rows[order])
         out = verify(logits, TreeBatch.stack(tlist, hidden.device), sb)
-        emitted_all = out.tokens.tolist()          # the step's host sync
-        num_acc = out.num_accepted.tolist()
-        paths = out.accepted_nodes.tolist()
+        # The step's one host transfer: tokens [B, D + 1] | accepted [B, 1] | path [B, D].
+        d = out.accepted_nodes.shape[1]
+        packed = torch.cat([out.tokens, out.num_accepted[:, None], out.accepted_nodes], 1).tolist()
+        emitted_all = [r[:d + 1] for r in packed]
+        num_acc = [r[d + 1] for r in packed]
+        paths = [r[d + 2:] for r in packed]
         emitted: dict[str, list[int]] = {}
         last = []
         for j, (i, rid, t) in enumerate(zip(order, rids, tlist)):
@@ -146,29 +174,78 @@ class Speculator:
         return emitted
 
     def keep_hidden(self, plan, hidden: torch.Tensor) -> None:
-        """Record the target states of the step's ordinary (non-draft) rows."""
+        """Record the target states of the step's ordinary (non-draft) rows:
+        one gather for the whole step (a copy: a replayed CUDA graph rewrites
+        its output buffer), split per request. While steps overlap (speculation
+        off) only the last row of as many requests as a probe drafts for is
+        kept: EAGLE restarts its context after a gap, Medusa reads the last
+        state, and the others draft again one step after speculation resumes."""
         if not self.proposer.needs_hidden:
             return
+        rids, idx, counts = [], [], []
         loc = 0
+        # While overlapping only the requests a probe round would draft for.
+        room = self.governor.probe_requests if self.overlapping else len(plan.req_ids)
         for rid, q in zip(plan.req_ids, plan.query_lens):
             q = int(q)
-            if rid not in self._step_trees and self.eligible.get(rid):
-                self.hidden.setdefault(rid, []).append(hidden[loc:loc + q])
+            if len(rids) < room and rid not in self._step_trees and self.eligible.get(rid):
+                first = loc + q - 1 if self.overlapping else loc
+                rids.append(rid)
+                idx.extend(range(first, loc + q))
+                counts.append(loc + q - first)
             loc += q
+        if not rids:
+            return
+        kept = hidden[torch.tensor(idx, device=hidden.device)]
+        for rid, part in zip(rids, kept.split(counts)):
+            self.hidden.setdefault(rid, []).append(part)
+
+    def step_done(self, plan, seconds: float) -> None:
+        """Time of the step just run, for the governor: a plain decode step,
+        a step where every request verified drafts, or neither."""
+        n = len(plan.req_ids)
+        if not n:
+            return
+        spec_rows = sum(rid in self._step_trees for rid in plan.req_ids)
+        if spec_rows == n:
+            kind = "spec"
+        elif spec_rows == 0 and all(int(q) == 1 for q in plan.query_lens):
+            kind = "plain"
+        else:
+            kind = None
+        self.governor.observe_step(seconds, n, kind)
+
+    def wants_overlap(self, num_running: int) -> bool:
+        """Called by the engine before each step: decides the draft budget for
+        the drafts made after this step. True when none will be made and the
+        step carries none, so the engine may overlap it with the next one
+        (async scheduling); drafting needs the step's tokens first."""
+        self._planned = self.governor.num_tokens(num_running)
+        return self._planned == 0 and not self.last_proposed
+
+    def _trim_hidden(self) -> None:
+        # Off for now: keep only recent states (EAGLE restarts its context
+        # from what it is given; Medusa reads the last one).
+        for parts in self.hidden.values():
+            if len(parts) > 64:
+                del parts[:-64]
 
     def propose(self, req_ids: list[str], num_running: int) -> dict:
         """Drafts for the next step of requests that just got tokens."""
         ib = self.ib
-        k = self.governor.num_tokens(num_running)
+        if self._planned is not None:       # the engine asked the governor this step
+            k, self._planned = self._planned, None
+        else:
+            k = self.governor.num_tokens(num_running)
+        self.last_proposed = False
         if k == 0:
-            # Off for now: keep only recent states (EAGLE restarts its context
-            # from what it is given; Medusa reads the last one).
-            for parts in self.hidden.values():
-                if len(parts) > 64:
-                    del parts[:-64]
+            self._trim_hidden()
             return {}
+        limit = self.governor.request_limit
         reqs = []
         for rid in req_ids:
+            if limit is not None and len(reqs) >= limit:
+                break
             row = ib.row_of.get(rid)
             if row is None or not self.eligible.get(rid):
                 continue
@@ -186,7 +263,10 @@ class Speculator:
             return {}
         t0 = time.perf_counter()
         trees = self.proposer.propose(reqs)
-        self.stats.draft_time += time.perf_counter() - t0
-        self.governor.observe_draft(time.perf_counter() - t0)
-        return {r.request_id: (t.tokens.tolist(), t.parents)
-                for r, t in zip(reqs, trees) if t.num_nodes}
+        drafts = {r.request_id: (t.tokens.tolist(), t.parents)
+                  for r, t in zip(reqs, trees) if t.num_nodes}
+        seconds = time.perf_counter() - t0
+        self.stats.draft_time += seconds
+        self.governor.observe_draft(seconds, len(reqs))
+        self.last_proposed = bool(drafts)
+        return drafts

@@ -1,226 +1,290 @@
 """Training Medusa heads and the EAGLE head on the target's own outputs.
 
-Data: each prompt (chat template applied) is answered by the target itself
-(greedy), then one target forward over prompt + answer gives the final hidden
-state at every position. Losses are taken on the answer only, where drafting
-happens:
-  Medusa head i: cross-entropy of lm_head(head_i(f_j)) against token j + 1 + i.
-  EAGLE: from pairs (f_j, t_{j+1}) predict f_{j+1}: smooth-L1 to the real
-    feature plus cross-entropy against the target's distribution at j + 1.
-    Training-time test (EAGLE-3's idea): a second pass feeds the head its own
-    predicted features in place of the real ones, the regime of drafting
-    steps 2 and later, and adds its losses.
+Data (spec/train_data.py): the target answers the shipped prompts greedily
+through the engine; one packed forward gives its final hidden state f_j at
+every position. Losses are taken where drafting happens (the answers), with
+the target's frozen LM head W (dense, [V, hidden]) over the draft vocabulary
+(heads.py; all tokens without one);
+the labels are the answer tokens, i.e. the target's own argmax.
+
+  Medusa head i: cross-entropy of W head_i(f_j) against token j + 1 + i.
+  EAGLE: pair j = (f_j, t_{j+1}) predicts f_{j+1}, whose logits should pick
+    t_{j+2}. Training-time test (EAGLE-3): `ttt_steps` passes, pass s being
+    drafting depth s + 1: pair j's feature is the head's own prediction from
+    pass s - 1 (row j - 1), and row j attends to the real pairs <= j - s plus
+    its own draft ancestors (pass i row j - s + i), exactly the context the
+    head sees when it drafts. Loss per pass: cross-entropy plus a small
+    smooth-L1 on the feature.
+
+Both train in large batches on the training device (bf16 autocast on CUDA,
+fp32 master weights), AdamW with a one-cycle schedule, a held-out slice of
+sequences for top-1 accuracy per head / per depth, a progress bar, and a
+safetensors checkpoint after every epoch.
 """
 from __future__ import annotations
 
+import contextlib
 import math
-import time
-from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from slipstream.sampling_params import SamplingParams
-from slipstream.spec.draft_cache import DraftKVCache
 from slipstream.spec.eagle import EagleHead, EagleShape
-from slipstream.spec.generator import SpeculativeGenerator
 from slipstream.spec.medusa import MedusaHeads
-
-PROMPTS = Path(__file__).parent / "data" / "train_prompts.txt"
-
-
-@dataclass
-class Sample:
-    tokens: torch.Tensor    # [T] int64, prompt + answer
-    features: torch.Tensor  # [T, hidden] float32, the target's final hidden states
-    answer_start: int       # first answer position
+from slipstream.spec.train_data import Samples
 
 
-def read_prompts(path: str | Path | None = None) -> list[str]:
-    lines = Path(path or PROMPTS).read_text().splitlines()
-    return [s.strip() for s in lines if s.strip()]
+def autocast(device: torch.device):
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
 
 
-def make_samples(model, tokenizer, prompts: list[str], max_tokens: int = 128,
-                 batch_size: int = 32, progress=None) -> list[Sample]:
-    """Answer each prompt with the target (greedy) and record its features."""
-    ids = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": p}]),
-                            add_special_tokens=False) for p in prompts]
-    longest = max(len(i) for i in ids) + max_tokens
-    gen = SpeculativeGenerator(model, None, num_blocks=batch_size * -(-longest // 16) + 1,
-                               block_size=16)
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    samples = []
-    for s in range(0, len(ids), batch_size):
-        chunk = ids[s:s + batch_size]
-        answers = gen.generate(chunk, params)
-        for prompt, answer in zip(chunk, answers):
-            tokens = torch.tensor(prompt + answer)
-            samples.append(Sample(tokens, features_of(model, tokens), len(prompt)))
-        if progress is not None:
-            progress(len(chunk))
-    return samples
+def split(s: Samples, val_fraction: float = 0.03, max_val: int = 128) -> tuple[list[int], list[int]]:
+    """Sequence indices (train, held out); the last few sequences are held out."""
+    n = len(s)
+    v = min(max_val, int(n * val_fraction)) if n >= 8 else 0
+    return list(range(n - v)), list(range(n - v, n))
 
 
-@torch.inference_mode()
-def features_of(model, tokens: torch.Tensor) -> torch.Tensor:
-    """tokens: [T] -> the target's final hidden states [T, hidden] float32."""
-    cache = DraftKVCache(model, -(-tokens.shape[0] // 16), 16,
-                         next(model.parameters()).dtype, next(model.parameters()).device)
-    batch = cache.batch([("x", tokens, 0, None)])
-    model.backend.prepare(batch)
-    return model(batch).float().cpu()
+def restrict(lm_w: torch.Tensor, vocab: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The LM head rows of the draft vocabulary, and a map token id -> column
+    (-100 for tokens outside it, which the losses then skip)."""
+    if vocab is None:
+        return lm_w, None
+    remap = torch.full((lm_w.shape[0],), -100, dtype=torch.int64)
+    remap[vocab.cpu()] = torch.arange(vocab.shape[0])
+    return lm_w[vocab.to(lm_w.device)], remap
 
 
-def _lm_weight(model) -> torch.Tensor:
-    return model.lm_head.weight.detach().float().cpu()
+def _relabel(labels: torch.Tensor, remap: torch.Tensor | None) -> torch.Tensor:
+    if remap is None:
+        return labels
+    return torch.where(labels >= 0, remap.to(labels.device)[labels.clamp_min(0)], -100)
 
 
-def train_vocab(samples: list[Sample], model, extra: int = 1024) -> torch.Tensor:
-    """The training softmax runs over a reduced vocabulary (as EAGLE-3's draft
-    vocabulary does): every token of the data plus the `extra` tokens the LM
-    head rates highest on average over the answers. Sorted ids [V']."""
-    seen = torch.cat([s.tokens for s in samples]).unique()
-    feats = torch.cat([s.features[s.answer_start:] for s in samples])
-    mean_logits = (feats @ _lm_weight(model).T).mean(0)
-    top = mean_logits.topk(min(extra, mean_logits.shape[0])).indices
-    return torch.cat([seen, top]).unique()
+def _bar(total: int, desc: str):
+    from tqdm.auto import tqdm
+    return tqdm(total=total, desc=desc, mininterval=1.0)
 
 
-def train_medusa(model, samples: list[Sample], num_heads: int = 3, epochs: int = 2,
-                 lr: float = 1e-3, batch: int = 256, log=print) -> MedusaHeads:
-    vocab = train_vocab(samples, model)
-    w = _lm_weight(model)[vocab]
-    remap = torch.full((model.config.vocab_size,), -100, dtype=torch.int64)
-    remap[vocab] = torch.arange(vocab.shape[0])
-    heads = MedusaHeads(w.shape[1], num_heads)
+# ---- Medusa ---------------------------------------------------------------------
+
+def medusa_rows(s: Samples, seqs: list[int], num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(feature rows [M], labels [M, num_heads]) for roots at answer positions:
+    row j (f_j chose t_{j+1}); head i's label is t_{j+1+i}, -100 past the end."""
+    rows, labels = [], []
+    for q in seqs:
+        off, ln, a = int(s.offsets[q]), int(s.lengths[q]), int(s.answer_starts[q])
+        j = torch.arange(off + max(a - 1, 0), off + ln - 2)
+        want = j[:, None] + 1 + torch.arange(1, num_heads + 1)[None]
+        ok = want < off + ln
+        labels.append(torch.where(ok, s.tokens[want.clamp_max(off + ln - 1)], -100))
+        rows.append(j)
+    return torch.cat(rows), torch.cat(labels)
+
+
+def train_medusa(lm_w: torch.Tensor, s: Samples, num_heads: int = 3, epochs: int = 2,
+                 lr: float = 1e-3, batch: int = 4096, log=print, checkpoint=None,
+                 vocab: torch.Tensor | None = None) -> MedusaHeads:
+    """vocab: the draft vocabulary (None: all tokens)."""
+    dev = s.features.device
+    lm_w, remap = restrict(lm_w, vocab)
+    tr, va = split(s)
+    x_idx, y = medusa_rows(s, tr, num_heads)
+    vx, vy = medusa_rows(s, va, num_heads) if va else (x_idx[:2048], y[:2048])
+    y, vy = _relabel(y, remap), _relabel(vy, remap)
+    x_idx, y, vx, vy = x_idx.to(dev), y.to(dev), vx.to(dev), vy.to(dev)
+    heads = MedusaHeads(lm_w.shape[1], num_heads).to(dev)
+    # clone(): normal tensors even when the inputs were made under inference_mode
+    w = lm_w.to(dev, torch.bfloat16 if dev.type == "cuda" else torch.float32).clone()
     opt = torch.optim.AdamW(heads.parameters(), lr=lr, weight_decay=0.0)
-    xs, ys = [], []
-    for s in samples:
-        t = s.tokens.shape[0]
-        for j in range(max(0, s.answer_start - 1), t - 2):
-            xs.append(s.features[j])
-            ys.append([s.tokens[j + 1 + i].item() if j + 1 + i < t else -100
-                       for i in range(1, num_heads + 1)])
-    x, y = torch.stack(xs), torch.tensor(ys)
-    y = torch.where(y >= 0, remap[y.clamp_min(0)], -100)
-    steps = epochs * math.ceil(x.shape[0] / batch)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, lr, total_steps=steps)
-    step = 0
-    for epoch in range(epochs):
-        order = torch.randperm(x.shape[0])
-        for b in range(0, x.shape[0], batch):
-            idx = order[b:b + batch]
-            logits = heads(x[idx]) @ w.T                          # [n, heads, V]
-            loss = F.cross_entropy(logits.flatten(0, 1), y[idx].flatten(), ignore_index=-100)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            sched.step()
-            step += 1
-        with torch.no_grad():
-            acc = (heads(x[:2048]) @ w.T).argmax(-1).eq(y[:2048]).float().mean(0)
-        log(f"medusa epoch {epoch + 1}/{epochs}: loss {loss.item():.3f}, "
-            f"top-1 per head {[round(a, 3) for a in acc.tolist()]}")
+    steps_per = math.ceil(x_idx.shape[0] / batch)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, lr, total_steps=epochs * steps_per)
+    with _bar(epochs * steps_per, "medusa") as bar:
+        for epoch in range(epochs):
+            order = torch.randperm(x_idx.shape[0], device=dev)
+            for b in range(0, order.shape[0], batch):
+                idx = order[b:b + batch]
+                with autocast(dev):
+                    logits = F.linear(heads(s.features[x_idx[idx]].float()), w)   # [n, K, V]
+                    loss = F.cross_entropy(logits.flatten(0, 1).float(), y[idx].flatten(),
+                                           ignore_index=-100)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                sched.step()
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False) if b == 0 else None
+            acc = medusa_accuracy(heads, w, s.features, vx, vy)
+            log(f"medusa epoch {epoch + 1}/{epochs}: loss {loss.item():.3f}, "
+                f"held-out top-1 per head {[round(a, 3) for a in acc]}")
+            if checkpoint is not None:
+                checkpoint(heads)
     return heads.requires_grad_(False)
 
 
-def eagle_shape_for(model, intermediate_size: int | None = None) -> EagleShape:
-    c = model.config
+@torch.no_grad()
+def medusa_accuracy(heads, w, feats, rows, labels, chunk: int = 4096) -> list[float]:
+    hits = torch.zeros(labels.shape[1], device=labels.device)
+    n = (labels >= 0).sum(0).clamp_min(1)
+    for b in range(0, rows.shape[0], chunk):
+        with autocast(feats.device):
+            pred = F.linear(heads(feats[rows[b:b + chunk]].float()), w).argmax(-1)
+        hits += (pred == labels[b:b + chunk]).sum(0)
+    return (hits / n).tolist()
+
+
+# ---- EAGLE ------------------------------------------------------------------------
+
+def eagle_shape_for(model_config, intermediate_size: int | None = None) -> EagleShape:
+    c = model_config
     return EagleShape(c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
                       intermediate_size or c.intermediate_size, c.rope_theta,
                       c.max_position_embeddings, c.rms_norm_eps)
 
 
-def train_eagle(model, samples: list[Sample], epochs: int = 4, lr: float = 1e-3,
-                intermediate_size: int | None = None, ttt: bool = True, log=print) -> EagleHead:
-    w = _lm_weight(model)[train_vocab(samples, model)]
-    emb = model.model.embed_tokens.weight.detach().float().cpu()
-    head = EagleHead(eagle_shape_for(model, intermediate_size))
-    opt = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, lr, total_steps=epochs * len(samples))
-    for epoch in range(epochs):
-        tot, hits, n = 0.0, 0, 0
-        for i in torch.randperm(len(samples)).tolist():
-            s = samples[i]
-            t = s.tokens.shape[0]
-            feats, toks = s.features, s.tokens
-            pos = torch.arange(t - 1)
-            e = emb[toks[1:]]                                           # pair j: t_{j+1}
-            target_f = feats[1:]                                        # f_{j+1}
-            with torch.no_grad():
-                target_p = (target_f @ w.T).softmax(-1)
-            keep = pos >= max(0, s.answer_start - 2)
-            f_hat, _, _ = head(e, feats[:-1], pos, None, None)
-            loss = _eagle_loss(f_hat, target_f, target_p, w, keep)
-            if ttt:
-                # Pair j's feature is now the head's own guess at f_j (f_hat[j - 1]).
-                fed = torch.cat([feats[:1], f_hat[:-1]])
-                f2, _, _ = head(e, fed, pos, None, None)
-                loss = loss + _eagle_loss(f2, target_f, target_p, w, keep)
-            opt.zero_grad()
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
-            opt.step()
-            sched.step()
-            with torch.no_grad():
-                hits += ((f_hat[keep] @ w.T).argmax(-1) == target_p[keep].argmax(-1)).sum().item()
-                n += int(keep.sum())
-                tot += loss.item()
-        log(f"eagle epoch {epoch + 1}/{epochs}: loss {tot / len(samples):.3f}, "
-            f"next-token top-1 {hits / max(n, 1):.3f}")
+def eagle_batches(s: Samples, seqs: list[int], batch_tokens: int, shuffle: bool):
+    """Groups of sequences of similar length, about batch_tokens padded tokens each."""
+    order = sorted(seqs, key=lambda q: int(s.lengths[q]))
+    groups, cur, longest = [], [], 0
+    for q in order:
+        ln = int(s.lengths[q])
+        if cur and max(longest, ln) * (len(cur) + 1) > batch_tokens:
+            groups.append(cur)
+            cur, longest = [], 0
+        cur.append(q)
+        longest = max(longest, ln)
+    if cur:
+        groups.append(cur)
+    if shuffle:
+        groups = [groups[i] for i in torch.randperm(len(groups)).tolist()]
+    return groups
+
+
+def _pad(s: Samples, group: list[int], dev) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> tokens [B, T] (-100 past the end), features [B, T, h], answer starts [B]."""
+    t = max(int(s.lengths[q]) for q in group)
+    tok = torch.full((len(group), t), -100, dtype=torch.int64)
+    idx = torch.zeros(len(group), t, dtype=torch.int64)
+    for i, q in enumerate(group):
+        off, ln = int(s.offsets[q]), int(s.lengths[q])
+        tok[i, :ln] = s.tokens[off:off + ln]
+        idx[i, :ln] = torch.arange(off, off + ln)
+        idx[i, ln:] = off + ln - 1
+    return tok.to(dev), s.features[idx.to(s.features.device)], s.answer_starts[group].to(dev)
+
+
+def ttt_mask(t: int, step: int, device) -> torch.Tensor:
+    """[t, (step + 1) t] bool: row j of pass `step` sees real keys <= j - step
+    and, in pass i (1 <= i <= step), key j - step + i."""
+    j = torch.arange(t, device=device)[:, None]
+    c = torch.arange(t, device=device)[None]
+    parts = [c <= j - step] + [c == j - step + i for i in range(1, step + 1)]
+    return torch.cat(parts, dim=1)
+
+
+def ttt_features(head: EagleHead, e: torch.Tensor, feat: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    """e, feat: [B, n, hidden], pair j = (feat[:, j], e[:, j]) at position j.
+    Returns the predicted features of each training-time-test pass [B, n, hidden]:
+    pass s row j is what the head computes when it drafts at depth s + 1 after
+    the real pairs <= j - s (see the module docstring)."""
+    sh = head.shape
+    n = e.shape[1]
+    cos, sin = head.rotary.lookup(torch.arange(n, device=e.device))
+    rep = sh.num_heads // sh.num_kv_heads
+    keys, vals, outs = [], [], []
+    for step in range(steps):
+        x = head.fuse(e, feat)
+        q, k, v = head.qkv(x, cos, sin)
+        keys.append(k.repeat_interleave(rep, dim=2))
+        vals.append(v.repeat_interleave(rep, dim=2))
+        kk, vv = torch.cat(keys, dim=1), torch.cat(vals, dim=1)
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), kk.transpose(1, 2),
+                                           vv.transpose(1, 2),
+                                           attn_mask=ttt_mask(n, step, e.device)).transpose(1, 2)
+        f = head.finish(x, o)
+        outs.append(f)
+        feat = torch.cat([feat[:, :1], f[:, :-1]], dim=1)   # pair j now gets f^_j
+    return outs
+
+
+def eagle_passes(head: EagleHead, emb_w, lm_w, tok, feats, answer_starts, ttt_steps: int,
+                 remap: torch.Tensor | None = None):
+    """The training-time-test passes over one padded batch (tok [B, t], -100
+    past the end; feats [B, t, h]). Returns per pass (loss, top-1 hits, rows)."""
+    b, t = tok.shape
+    n = t - 1                                             # pairs j = 0 .. t - 2
+    e = F.embedding(tok[:, 1:].clamp_min(0), emb_w)       # t_{j+1}
+    target_f = feats[:, 1:].float()                       # f_{j+1}
+    label = torch.cat([tok[:, 2:], tok.new_full((b, 1), -100)], dim=1)   # t_{j+2}
+    label = _relabel(label, remap)                        # its draft-vocabulary column
+    j = torch.arange(n, device=tok.device)
+    in_answer = j[None] >= (answer_starts[:, None] - 2)
+    out = []
+    for step, f in enumerate(ttt_features(head, e, feats[:, :-1].float(), ttt_steps)):
+        valid = (label >= 0) & in_answer & (j[None] >= step)
+        rows = valid.sum()                                # stays on the device: no sync
+        logits = F.linear(f[valid], lm_w)
+        ce = F.cross_entropy(logits, label[valid], reduction="sum") / rows.clamp_min(1)
+        reg = F.smooth_l1_loss(f[valid].float(), target_f[valid], reduction="sum") / (
+            rows.clamp_min(1) * f.shape[-1])
+        hits = (logits.argmax(-1) == label[valid]).sum()
+        out.append((ce + 0.1 * reg, hits, rows))
+    return out
+
+
+def train_eagle(lm_w: torch.Tensor, emb_w: torch.Tensor, s: Samples, model_config,
+                epochs: int = 6, lr: float = 1e-3, ttt_steps: int = 3, batch_tokens: int = 16384,
+                intermediate_size: int | None = None, log=print, checkpoint=None,
+                vocab: torch.Tensor | None = None) -> EagleHead:
+    """vocab: the draft vocabulary (None: all tokens)."""
+    dev = s.features.device
+    lm_w, remap = restrict(lm_w, vocab)
+    remap = None if remap is None else remap.to(dev)
+    tr, va = split(s)
+    head = EagleHead(eagle_shape_for(model_config, intermediate_size)).to(dev)
+    # Rotary tables stay fp32 buffers; the head's weights train in fp32 under autocast.
+    wdt = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    w, emb = lm_w.to(dev, wdt).clone(), emb_w.to(dev, wdt).clone()   # normal tensors
+    opt = torch.optim.AdamW([p for p in head.parameters()], lr=lr, weight_decay=0.0)
+    groups = eagle_batches(s, tr, batch_tokens, shuffle=False)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, lr, total_steps=epochs * len(groups),
+                                                pct_start=0.1)
+    weights = [0.8 ** i for i in range(ttt_steps)]
+    with _bar(epochs * len(groups), "eagle") as bar:
+        for epoch in range(epochs):
+            for group in eagle_batches(s, tr, batch_tokens, shuffle=True):
+                tok, feats, a = _pad(s, group, dev)
+                with autocast(dev):
+                    res = eagle_passes(head, emb, w, tok, feats, a, ttt_steps, remap)
+                    loss = sum(wt * r[0] for wt, r in zip(weights, res)) / sum(weights)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+                opt.step()
+                sched.step()
+                bar.update(1)
+            acc = eagle_accuracy(head, emb, w, s, va or tr[:64], ttt_steps, batch_tokens, remap)
+            log(f"eagle epoch {epoch + 1}/{epochs}: loss {loss.item():.3f}, "
+                f"held-out top-1 by depth {[round(x, 3) for x in acc]}")
+            if checkpoint is not None:
+                checkpoint(head)
     return head.requires_grad_(False).eval()
 
 
-def _eagle_loss(f_hat, target_f, target_p, w, keep) -> torch.Tensor:
-    logp = torch.log_softmax(f_hat[keep] @ w.T, -1)
-    ce = -(target_p[keep] * logp).sum(-1).mean()
-    return F.smooth_l1_loss(f_hat[keep], target_f[keep]) + 0.1 * ce
-
-
-def train_draft(methods: list[str], model_path: str | None, out_dir: str | Path,
-                prompts: str | None, max_tokens: int, epochs: int, seed: int = 0,
-                log=print, data_cache: str | None = None) -> list[Path]:
-    """The `slipstream train-draft` command: data (once), training, safetensors."""
-    from slipstream.loader import open_model
-    from slipstream.spec.draft_model import load_draft_model
-    for method in methods:
-        if method not in ("medusa", "eagle"):
-            raise ValueError(f"method: train-draft trains 'medusa' or 'eagle', got {method!r}")
-    torch.manual_seed(seed)
-    files = open_model(model_path)
-    model = load_draft_model(model_path, "cpu", torch.float32)
-    texts = read_prompts(prompts)
-    t0 = time.perf_counter()
-    key = dict(model=str(files.path), prompts=texts, max_tokens=max_tokens)
-    cached = Path(data_cache) if data_cache else None
-    samples = None
-    if cached is not None and cached.is_file():
-        blob = torch.load(cached, weights_only=True)
-        if blob["key"] == repr(key):
-            samples = [Sample(t, f, int(a)) for t, f, a in blob["samples"]]
-            log(f"samples from {cached}")
-    if samples is None:
-        from tqdm.auto import tqdm
-        with tqdm(total=len(texts), desc="target answers") as bar:
-            samples = make_samples(model, files.tokenizer(), texts, max_tokens, progress=bar.update)
-        if cached is not None:
-            torch.save({"key": repr(key), "samples": [(s.tokens, s.features, s.answer_start)
-                                                        for s in samples]}, cached)
-    log(f"{len(samples)} samples, {sum(s.tokens.shape[0] - s.answer_start for s in samples)} "
-        f"answer tokens in {time.perf_counter() - t0:.0f} s")
-    stem = Path(model_path).stem if model_path else "smollm2-135m-instruct"
-    outs = []
-    for method in methods:
-        t0 = time.perf_counter()
-        if method == "medusa":
-            trained = train_medusa(model, samples, epochs=epochs, log=log)
-        else:
-            trained = train_eagle(model, samples, epochs=epochs, log=log)
-        out = Path(out_dir) / f"{stem}.{method}.safetensors"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        trained.save(out)
-        log(f"wrote {out} ({time.perf_counter() - t0:.0f} s of training)")
-        outs.append(out)
-    return outs
+@torch.no_grad()
+def eagle_accuracy(head, emb, w, s: Samples, seqs: list[int], ttt_steps: int,
+                   batch_tokens: int, remap: torch.Tensor | None = None) -> list[float]:
+    """Top-1 agreement with the target at each drafting depth (teacher-forced
+    tokens, the head's own features): a proxy for acceptance by depth."""
+    hits, rows = [0] * ttt_steps, [0] * ttt_steps
+    dev = s.features.device
+    for group in eagle_batches(s, seqs, batch_tokens, shuffle=False):
+        tok, feats, a = _pad(s, group, dev)
+        with autocast(dev):
+            res = eagle_passes(head, emb, w, tok, feats, a, ttt_steps, remap)
+        for i, (_, h, n) in enumerate(res):
+            hits[i] += int(h)
+            rows[i] += int(n)
+    return [h / max(n, 1) for h, n in zip(hits, rows)]

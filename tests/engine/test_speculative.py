@@ -113,3 +113,61 @@ def test_speculative_options_are_checked(folder):
         make_llm(folder, speculative_method="eagle", speculative_tree="3,2")
     with pytest.raises(ValueError, match="at most 63"):
         make_llm(folder, speculative_method="medusa", speculative_tree="4,4,4")
+
+
+@pytest.mark.parametrize("method", ["ngram", "eagle"])
+def test_async_steps_while_speculation_is_off_stay_exact(folder, plain, method, tmp_path):
+    """With async scheduling allowed, steps the governor leaves plain overlap;
+    switching between overlapped plain steps and speculating steps (probes)
+    keeps every output token-identical."""
+    kw = dict(speculative_method=method, num_speculative_tokens=3, async_scheduling=True)
+    if method == "eagle":
+        kw.update(speculative_model=str(_heads(tmp_path, folder)[1]), speculative_tree="3,2,6")
+    llm = make_llm(folder, **kw)
+    spec = llm.engine.runner.speculator
+    gov = spec.governor
+    gov._probe_interval = lambda batch: 3   # probes often: many switches in 20 tokens
+    overlapped = []
+    real = spec.wants_overlap
+    spec.wants_overlap = lambda n: overlapped.append(real(n)) or overlapped[-1]
+    # Measurements that make the rule say off (verification 10x a plain step).
+    gov.observe_round(2, 1, 3); gov.observe_draft(0.001)
+    for b in (1, 2, 4, 8):
+        gov.observe_step(0.1, b, "spec"); gov.observe_step(0.01, b, "plain")
+    outs = llm.generate(_prompts(), GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == plain
+    assert any(overlapped) and not all(overlapped)
+    assert spec.stats.rounds > 0            # probe rounds verified drafts
+    assert_no_leak(llm)
+
+
+def test_single_request_tree_steps_take_the_graph_path_exactly(folder, tmp_path):
+    """The CUDA-graph path for one request verifying a tree (static inputs,
+    the tree mask in a per-size buffer, chains as trees) gives the eager
+    outputs; on the CPU a stand-in runs the forward where a graph would replay."""
+    m, e = _heads(tmp_path, folder)
+    prompts = _prompts()[:2]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in make_llm(folder).generate(prompts, params,
+                                                                        use_tqdm=False)]
+    for kw in (dict(speculative_method="eagle", speculative_model=str(e),
+                    speculative_tree="3,2,6"),
+               dict(speculative_method="ngram")):
+        llm = make_llm(folder, num_speculative_tokens=3, speculative_auto_off=False, **kw)
+        runner = llm.engine.runner
+        seen = []
+
+        class Graphs:
+            def bucket_for(self, n):
+                return None
+
+            def run_tree(self, batch):
+                assert batch.tree_mask is not None and batch.block_tables.shape[0] == 1
+                seen.append(batch.input_ids.shape[0])
+                runner.backend.prepare(batch)
+                return runner.model(batch)
+
+        runner.graphs = Graphs()
+        got = [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+        assert got == want and seen
+        assert_no_leak(llm)

@@ -149,7 +149,7 @@ def test_sampling_with_seed_is_reproducible_and_runs_every_proposer(tiny_target,
 
 
 def test_two_caches_on_one_model_do_not_collide(tiny_target, plain):
-    from slipstream.spec.train import features_of
+    from slipstream.spec.train_data import features_of
     a = SpeculativeGenerator(tiny_target, None, num_blocks=64, block_size=4)
     features_of(tiny_target, torch.tensor(PROMPTS[1]))   # binds the layers to its own pool
     assert a.generate(PROMPTS, GREEDY) == plain

@@ -2,41 +2,85 @@
 import torch
 
 from slipstream.config import SpecConfig
-from slipstream.spec.governor import SpecGovernor
+from slipstream.spec.governor import SpecGovernor, bucket
 from tests.models.tiny_models import make_hf_model, model_config_of
 
 
-def _gov(method="ngram", k=4):
+def _gov(method="ngram", k=4, probe_every=4):
     g = SpecGovernor(SpecConfig(method=method, num_speculative_tokens=k),
-                     model_config_of(make_hf_model("llama2")), torch.device("cpu"), probe_every=4)
+                     model_config_of(make_hf_model("llama2")), torch.device("cpu"),
+                     probe_every=probe_every, plain_every=1000)
     g.critical_batch = 32.0
     return g
 
 
-def test_speculates_until_measured_then_follows_the_roofline():
+def test_buckets_are_powers_of_two():
+    assert [bucket(b) for b in (1, 2, 3, 4, 5, 64, 65)] == [1, 2, 4, 4, 8, 64, 128]
+
+
+def test_speculates_until_measured_then_measures_plain_then_follows_measurements():
     g = _gov()
     assert g.num_tokens(1) == 4                   # nothing measured: try
-    g.observe_round(emitted=4, requests=1, drafted=4)   # tau 4 with 4 drafts: alpha ~ 0.93
+    g.observe_round(emitted=4, requests=1, drafted=4)   # tau 4
     g.observe_draft(0.0001)
-    g.observe_step(0.01)
+    g.observe_step(0.012, 1, "spec")
+    assert g.num_tokens(1) == 0                   # plain(1) unknown: one plain step
+    g.observe_step(0.010, 1, "plain")
     assert g.num_tokens(1) >= 1
-    assert g.predicted_speedup(1) > 2
+    assert abs(g.predicted_speedup(1) - 4 * 0.010 / (0.012 + 0.0001)) < 1e-9
     # At a batch far past Bc the 5 verified tokens per request cost 5x: off,
-    # except for a probe round every 4th step.
-    asks = [g.num_tokens(512) for _ in range(8)]
+    # except for a probe round every 4th step, which drafts for one request.
+    asks, limits = [], []
+    for _ in range(8):
+        asks.append(g.num_tokens(512))
+        limits.append(g.request_limit)
     assert asks.count(0) == 6 and asks.count(4) == 2
+    assert [lim for a, lim in zip(asks, limits) if a] == [1, 1]
+
+
+def test_slow_verification_switches_off_even_below_the_critical_batch():
+    # What the roofline cannot see: the verify step costs 5x a plain step.
+    g = _gov("eagle")
+    g.observe_round(emitted=3, requests=1, drafted=16)
+    g.observe_draft(0.001)
+    g.observe_step(0.050, 1, "spec")
+    g.observe_step(0.010, 1, "plain")
+    assert g.predicted_speedup(1) < 1 and g.num_tokens(1) == 0
+
+
+def test_per_request_drafting_cost_turns_large_batches_off():
+    g = _gov("eagle")
+    g.observe_round(emitted=4, requests=1, drafted=16)
+    g.observe_draft(0.001)
+    g.observe_step(0.006, 1, "spec")
+    g.observe_step(0.002, 1, "plain")
+    assert g.predicted_speedup(1) > 1
+    g.observe_step(0.004, 64, "plain")
+    # 64 requests drafted one by one cost 64 x 1 ms against a 4 ms plain step.
+    assert g.predicted_speedup(64) < 0.1 and g.num_tokens(64) == 0
 
 
 def test_a_useless_draft_is_switched_off_at_batch_one():
     g = _gov("eagle")
     g.observe_round(emitted=1, requests=1, drafted=16)  # nothing accepted
     g.observe_draft(0.02)
-    g.observe_step(0.01)
+    g.observe_step(0.01, 1, "spec")
     assert g.predicted_speedup(1) < 1 and g.num_tokens(1) == 0
 
 
 def test_auto_off_can_be_disabled():
     g = SpecGovernor(SpecConfig(method="ngram", auto_off=False),
                      model_config_of(make_hf_model("llama2")), torch.device("cpu"))
-    g.observe_round(1, 1, 4); g.observe_draft(1.0); g.observe_step(0.01)
+    g.observe_round(1, 1, 4); g.observe_draft(1.0); g.observe_step(0.01, 1, "spec")
     assert g.num_tokens(10_000) == 4
+
+
+def test_expensive_probes_are_spaced_out():
+    g = _gov("medusa", probe_every=4)
+    g.observe_round(emitted=1, requests=1, drafted=15)
+    g.observe_draft(0.001)
+    g.observe_step(0.070, 1, "spec")      # a 16-row verification costs 7 plain steps
+    g.observe_step(0.010, 1, "plain")
+    assert g._probe_interval(1) == int(50 * 0.061 / 0.010) + 1
+    asks = [g.num_tokens(1) for _ in range(2 * g._probe_interval(1))]
+    assert asks.count(0) == len(asks) - 2

@@ -1,25 +1,90 @@
-"""Head training on a tiny target: losses fall and the heads load back."""
+"""Head training on a tiny target: data packing, the training-time-test passes
+against the head's drafting path, losses fall, and the heads load back."""
 import torch
 
 from slipstream.spec.eagle import EagleHead, EagleProposer
 from slipstream.spec.medusa import MedusaHeads
-from slipstream.spec.train import Sample, features_of, train_eagle, train_medusa
+from slipstream.spec.train import (eagle_shape_for, medusa_rows, train_eagle, train_medusa,
+                                   ttt_features, ttt_mask)
+from slipstream.spec.train_data import (Samples, check_alignment, dense_output_weights,
+                                        features_of, features_of_many)
 
 
-def _samples(model, n=6, length=24):
+def _samples(model, n=6, length=24) -> Samples:
     g = torch.Generator().manual_seed(0)
-    out = []
+    seqs = []
     for _ in range(n):
         # A repeating pattern: learnable from the features.
         base = torch.randint(0, 96, (5,), generator=g)
-        tokens = base.repeat(length // 5 + 1)[:length]
-        out.append(Sample(tokens, features_of(model, tokens), 4))
-    return out
+        seqs.append(base.repeat(length // 5 + 1)[:length])
+    return Samples.pack(seqs, features_of_many(model, seqs, max_tokens_per_forward=40),
+                        [4] * n)
+
+
+def test_packed_features_equal_one_sequence_at_a_time(tiny_target):
+    seqs = [torch.arange(3, 3 + n) % 90 for n in (7, 19, 5, 12)]
+    many = features_of_many(tiny_target, seqs, max_tokens_per_forward=24)
+    for s, f in zip(seqs, many):
+        assert torch.allclose(f.float(), features_of(tiny_target, s), atol=1e-4)
+
+
+def test_dense_weights_and_alignment_check(tiny_target):
+    lm, emb = dense_output_weights(tiny_target)
+    h = torch.randn(3, tiny_target.config.hidden_size)
+    assert torch.allclose(h @ lm.T, tiny_target.compute_logits(h).float(), atol=1e-4)
+    assert torch.equal(emb[5], tiny_target.model.embed_tokens.weight[5].float())
+    # Greedy answers line up with their features; a shifted copy does not.
+    seq = [7, 8, 9]
+    for _ in range(12):
+        f = features_of(tiny_target, torch.tensor(seq))
+        seq.append(int(tiny_target.compute_logits(f[-1:]).argmax()))
+    good = Samples.pack([torch.tensor(seq)], [features_of(tiny_target, torch.tensor(seq))], [3])
+    assert check_alignment(tiny_target, good) == 1.0
+    bad = Samples.pack([torch.tensor(seq)], [features_of(tiny_target, torch.tensor(seq)).roll(1, 0)], [3])
+    assert check_alignment(tiny_target, bad) < 1.0
+
+
+def test_medusa_rows_label_the_tokens_after_the_root():
+    s = Samples.pack([torch.arange(10, 16)], [torch.zeros(6, 4)], [3])
+    rows, labels = medusa_rows(s, [0], 2)
+    # roots at answer positions: feature rows 2..3; head i labels token row + 1 + i
+    assert rows.tolist() == [2, 3]
+    assert labels.tolist() == [[14, 15], [15, -100]]
+
+
+def test_ttt_mask_matches_drafting_context():
+    m = ttt_mask(4, 2, "cpu")
+    # row 3 of pass 2: real keys 0..1, pass-1 key 2, pass-2 key 3
+    assert m[3].nonzero().flatten().tolist() == [0, 1, 4 + 2, 8 + 3]
+    assert m.any(dim=1).all()
+
+
+def test_ttt_passes_compute_what_drafting_computes(tiny_target):
+    torch.manual_seed(0)
+    shape = eagle_shape_for(tiny_target.config, 64)
+    head = EagleHead(shape).eval()
+    n, h = 9, shape.hidden_size
+    e, feat = torch.randn(1, n, h), torch.randn(1, n, h)
+    with torch.no_grad():
+        passes = ttt_features(head, e, feat, 3)
+        for j in range(2, n):
+            # Drafting: real pairs 0 .. j - 2, then depth 2 and 3 along one chain.
+            r = j - 2
+            f, k, v = head(e[0, :r + 1], feat[0, :r + 1], torch.arange(r + 1), None, None)
+            assert torch.allclose(f[-1], passes[0][0, r], atol=1e-5)
+            x = f[-1]
+            for depth in (1, 2):
+                f2, k2, v2 = head(e[0, r + depth:r + depth + 1], x[None],
+                                  torch.tensor([r + depth]), (k, v), None)
+                k, v = torch.cat([k, k2]), torch.cat([v, v2])
+                assert torch.allclose(f2[0], passes[depth][0, r + depth], atol=1e-5)
+                x = f2[0]
 
 
 def test_medusa_training_learns_and_round_trips(tiny_target, tmp_path):
     logs = []
-    heads = train_medusa(tiny_target, _samples(tiny_target), num_heads=2, epochs=30, lr=3e-3,
+    lm, _ = dense_output_weights(tiny_target)
+    heads = train_medusa(lm, _samples(tiny_target), num_heads=2, epochs=30, lr=3e-3,
                          batch=64, log=logs.append)
     first, last = logs[0], logs[-1]
     assert float(last.split("loss ")[1].split(",")[0]) < float(first.split("loss ")[1].split(",")[0])
@@ -31,12 +96,38 @@ def test_medusa_training_learns_and_round_trips(tiny_target, tmp_path):
 
 def test_eagle_training_learns_and_round_trips(tiny_target, tmp_path):
     logs = []
-    head = train_eagle(tiny_target, _samples(tiny_target), epochs=8, lr=3e-3,
-                       intermediate_size=64, log=logs.append)
-    acc = [float(line.rsplit(" ", 1)[1]) for line in logs]
-    assert acc[-1] > acc[0] + 0.15
+    lm, emb = dense_output_weights(tiny_target)
+    saved = []
+    head = train_eagle(lm, emb, _samples(tiny_target), tiny_target.config, epochs=8, lr=3e-3,
+                       ttt_steps=2, batch_tokens=64, intermediate_size=64, log=logs.append,
+                       checkpoint=lambda m: saved.append(1))
+    acc = [eval(line.split("depth ")[1]) for line in logs]
+    assert acc[-1][0] > acc[0][0] + 0.15 and len(saved) == 8
     head.save(tmp_path / "e.safetensors")
     again = EagleHead.load(tmp_path / "e.safetensors")
     assert again.shape == head.shape
     p = EagleProposer(again, tiny_target.model.embed_tokens, tiny_target.compute_logits, 3, 2, 2, 5)
     assert p is not None
+
+
+def test_draft_vocabulary_round_trips_and_drafts_only_its_tokens(tiny_target, tmp_path):
+    from slipstream.spec.heads import DraftLMHead, read_draft_vocab, top_tokens
+    from slipstream.spec.train import restrict
+    vocab, cover = top_tokens(torch.tensor([5, 5, 5, 9, 9, 2, 7]), 3, 100)
+    assert vocab.tolist() == [2, 5, 9] or vocab.tolist() == [5, 7, 9]
+    assert abs(cover - 6 / 7) < 1e-6
+    lm, _ = dense_output_weights(tiny_target)
+    w, remap = restrict(lm, torch.tensor([3, 10, 40]))
+    assert torch.equal(w, lm[[3, 10, 40]]) and remap[10] == 1 and remap[11] == -100
+    head = EagleHead(eagle_shape_for(tiny_target.config, 64))
+    head.save(tmp_path / "e.safetensors", torch.tensor([3, 10, 40, 41]))
+    v = read_draft_vocab(tmp_path / "e.safetensors")
+    assert v.tolist() == [3, 10, 40, 41]
+    dl = DraftLMHead(tiny_target, v, torch.float32, "cpu")
+    h = torch.randn(2, tiny_target.config.hidden_size)
+    assert torch.allclose(dl(h), tiny_target.compute_logits(h)[:, v], atol=1e-4)
+    p = EagleProposer(EagleHead.load(tmp_path / "e.safetensors"), tiny_target.model.embed_tokens,
+                      dl, 3, 2, 2, 5)
+    from slipstream.spec.base import ProposeRequest
+    tree = p.propose([ProposeRequest("r", [1, 2, 3, 4], torch.randn(3, h.shape[1]))])[0]
+    assert tree.num_nodes == 5 and set(tree.tokens.tolist()) <= {3, 10, 40, 41}

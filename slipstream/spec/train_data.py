@@ -1,0 +1,156 @@
+"""Training data for draft heads: the target's own answers and its features.
+
+1. Answers: every prompt (chat template applied) is answered greedily by the
+   target through the engine (`LLM.generate`: continuous batching, CUDA
+   graphs on a GPU), `ignore_eos` so that every answer has the same length.
+2. Features: one forward of the target over each prompt + answer gives its
+   final hidden state at every position. Many sequences are packed into one
+   varlen forward (`features_of_many`), on the engine's own model (the weights
+   the heads will read at run time), over a KV pool of the trainer's own.
+   A check follows: at answer positions the target's argmax must be the next
+   answer token (it produced them greedily), else the features are misaligned.
+
+`Samples` holds everything packed: tokens [N], features [N, hidden] on the
+training device, and per sequence its offset, length and answer start.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from slipstream.spec.draft_cache import DraftKVCache
+
+PROMPTS = Path(__file__).parent / "data" / "train_prompts.txt"
+
+
+@dataclass
+class Samples:
+    tokens: torch.Tensor     # [N] int64, all sequences back to back (prompt + answer)
+    features: torch.Tensor   # [N, hidden], the target's final hidden states
+    offsets: torch.Tensor    # [S] int64, first row of each sequence
+    lengths: torch.Tensor    # [S] int64
+    answer_starts: torch.Tensor  # [S] int64, first answer position within its sequence
+
+    def __len__(self) -> int:
+        return self.offsets.shape[0]
+
+    @property
+    def num_answer_tokens(self) -> int:
+        return int((self.lengths - self.answer_starts).sum())
+
+    def to(self, device) -> "Samples":
+        return Samples(*(getattr(self, k).to(device) for k in
+                         ("tokens", "features", "offsets", "lengths", "answer_starts")))
+
+    @classmethod
+    def pack(cls, seqs: list[torch.Tensor], features: list[torch.Tensor],
+             answer_starts: list[int]) -> "Samples":
+        lengths = torch.tensor([s.shape[0] for s in seqs])
+        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)[:-1]])
+        return cls(torch.cat(seqs).cpu(), torch.cat(features), offsets, lengths,
+                   torch.tensor(answer_starts))
+
+
+def read_prompts(path: str | Path | None = None) -> list[str]:
+    lines = Path(path or PROMPTS).read_text().splitlines()
+    return [s.strip() for s in lines if s.strip()]
+
+
+def answer_prompts(llm, prompts: list[str], max_tokens: int) -> tuple[list[list[int]], list[list[int]]]:
+    """(prompt ids, greedy answer ids) per prompt, through the engine."""
+    from slipstream.sampling_params import SamplingParams
+    tok = llm.get_tokenizer()
+    ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]),
+                      add_special_tokens=False) for p in prompts]
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": i} for i in ids], params, use_tqdm=True)
+    return ids, [list(o.outputs[0].token_ids) for o in outs]
+
+
+@torch.inference_mode()
+def features_of_many(model, seqs: list[torch.Tensor], max_tokens_per_forward: int = 16384,
+                     progress=None) -> list[torch.Tensor]:
+    """seqs: [T_i] int64 each -> the target's final hidden states [T_i, hidden]
+    (the model's dtype, on its device), many sequences per forward."""
+    param = next(model.parameters())
+    device = param.device
+    dtype = torch.get_default_dtype() if param.dtype == torch.uint8 else param.dtype
+    bs, max_seqs = 16, 1024
+    longest = max(s.shape[0] for s in seqs)
+    budget = max(max_tokens_per_forward, longest)
+    # Each sequence wastes at most one partial block.
+    cache = DraftKVCache(model, budget // bs + min(max_seqs, len(seqs)) + 1, bs,
+                         _cache_dtype(model, dtype), device)
+    out: list[torch.Tensor | None] = [None] * len(seqs)
+    order = sorted(range(len(seqs)), key=lambda i: -seqs[i].shape[0])
+    i = 0
+    while i < len(order):
+        chunk, n = [], 0
+        while (i < len(order) and len(chunk) < max_seqs
+               and (not chunk or n + seqs[order[i]].shape[0] <= budget)):
+            chunk.append(order[i])
+            n += seqs[order[i]].shape[0]
+            i += 1
+        entries = [(f"s{j}", seqs[j].to(device), 0, None) for j in chunk]
+        batch = cache.batch(entries)
+        model.backend.prepare(batch)
+        hidden = model(batch)
+        at = 0
+        for j in chunk:
+            t = seqs[j].shape[0]
+            out[j] = hidden[at:at + t].clone()
+            at += t
+            cache.release(f"s{j}")
+        if progress is not None:
+            progress(len(chunk))
+    return out
+
+
+def _cache_dtype(model, dtype: torch.dtype) -> torch.dtype:
+    layer = model.attention_layers()[0]
+    kc = getattr(layer, "k_cache", None)
+    return kc.dtype if isinstance(kc, torch.Tensor) and kc.numel() else dtype
+
+
+def features_of(model, tokens: torch.Tensor) -> torch.Tensor:
+    """tokens: [T] -> the target's final hidden states [T, hidden] float32 (CPU)."""
+    return features_of_many(model, [tokens])[0].float().cpu()
+
+
+@torch.inference_mode()
+def check_alignment(model, s: Samples, max_rows: int = 4096) -> float:
+    """Fraction of answer positions (up to max_rows) where the target's argmax
+    over the feature at position j is token j + 1: ~1 for greedy answers."""
+    rows = []
+    for off, ln, a in zip(s.offsets.tolist(), s.lengths.tolist(), s.answer_starts.tolist()):
+        rows.extend(range(off + a, off + ln - 1))
+        if len(rows) >= max_rows:
+            break
+    rows = torch.tensor(rows[:max_rows])
+    feats = s.features[rows.to(s.features.device)]
+    dev = next(model.parameters()).device
+    logits = model.compute_logits(feats.to(dev, _act_dtype(model)))
+    return (logits.argmax(-1).cpu() == s.tokens[rows + 1]).float().mean().item()
+
+
+def _act_dtype(model) -> torch.dtype:
+    p = next(model.parameters())
+    return torch.get_default_dtype() if p.dtype == torch.uint8 else p.dtype
+
+
+@torch.inference_mode()
+def dense_output_weights(model) -> tuple[torch.Tensor, torch.Tensor]:
+    """(LM head [V, hidden], token embeddings [V, hidden]) as dense float32
+    matrices, whatever the model stores (dense or quantized blocks): the LM
+    head is read back as its outputs on the identity, the embeddings by looking
+    every token up."""
+    dev = next(model.parameters()).device
+    h = model.config.hidden_size
+    eye = torch.eye(h, device=dev, dtype=_act_dtype(model))
+    lm = model.compute_logits(eye).float().T.contiguous()                   # [V, h]
+    vocab = lm.shape[0]
+    emb = torch.cat([model.model.embed_tokens(torch.arange(s, min(s + 8192, vocab), device=dev))
+                     for s in range(0, vocab, 8192)]).float()
+    return lm, emb

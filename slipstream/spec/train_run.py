@@ -1,0 +1,146 @@
+"""`slipstream train-draft`: data (once, optionally cached), training, safetensors.
+
+On a GPU the whole run (answers through the engine, packed feature forwards,
+both heads trained in large bf16-autocast batches) takes minutes; on a CPU it
+works too with small settings (`--num-prompts`, `--max-tokens`).
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from slipstream.spec import train as T
+from slipstream.spec.heads import top_tokens
+from slipstream.spec.train_data import (Samples, answer_prompts, check_alignment,
+                                        dense_output_weights, features_of_many, read_prompts)
+
+
+def _engine(model_path, device: str, max_len: int, max_num_seqs: int, seed: int):
+    from slipstream import LLM
+    opts = dict(device=device, max_model_len=max_len, seed=seed, max_num_seqs=max_num_seqs)
+    if device == "cpu":
+        opts["kv_cache_memory"] = 256 << 20
+    else:
+        opts["gpu_memory_utilization"] = 0.3     # the rest: features and training
+    return LLM(model_path, **opts)
+
+
+def make_samples(model_path, prompts: list[str], max_tokens: int, device: str, seed: int = 0,
+                 max_num_seqs: int = 256, log=print):
+    """-> (Samples on `device`, model config, LM head [V, h], embeddings [V, h])."""
+    t0 = time.perf_counter()
+    # Characters bound a prompt's tokens; 64 for the chat template around it.
+    longest = 64 + max(len(p) for p in prompts) + max_tokens
+    llm = _engine(model_path, device, max(1024, longest), max_num_seqs, seed)
+    ids, answers = answer_prompts(llm, prompts, max_tokens)
+    t1 = time.perf_counter()
+    log(f"answers: {len(ids)} prompts x {max_tokens} tokens in {t1 - t0:.1f} s "
+        f"(engine load included)")
+    model = llm.engine.runner.model
+    seqs = [torch.tensor(p + a) for p, a in zip(ids, answers)]
+    try:
+        feats = features_of_many(model, seqs)
+        samples = Samples.pack(seqs, feats, [len(p) for p in ids])
+        agree = check_alignment(model, samples)
+    except Exception as e:     # noqa: BLE001 - retried once below
+        log(f"features with the {model.backend.name} attention backend failed: {e!r}")
+        agree, samples = 0.0, None
+    if agree < 0.5 and model.backend.name != "torch":
+        # One retry on the plain PyTorch attention backend.
+        from slipstream.attention.selector import create_backend
+        log(f"features: agreement {agree:.3f}; retrying with the torch attention backend")
+        model.backend = create_backend("torch", next(model.parameters()).device)
+        for layer in model.attention_layers():
+            layer.backend = model.backend
+        feats = features_of_many(model, seqs)
+        samples = Samples.pack(seqs, feats, [len(p) for p in ids])
+        agree = check_alignment(model, samples)
+    lm_w, emb_w = dense_output_weights(model)
+    log(f"features: {samples.tokens.shape[0]} positions in {time.perf_counter() - t1:.1f} s; "
+        f"target argmax = next answer token at {agree:.3f} of answer positions")
+    if agree < 0.5:
+        raise RuntimeError(f"features do not line up with the answers ({agree:.3f} agreement)")
+    config = model.config
+    del llm, model
+    if device != "cpu":
+        torch.cuda.empty_cache()
+    return samples, config, lm_w, emb_w
+
+
+def train_draft(methods: list[str], model_path: str | None, out_dir: str | Path,
+                prompts: str | None, max_tokens: int, epochs: int, seed: int = 0, log=print,
+                data_cache: str | None = None, device: str = "auto",
+                num_prompts: int | None = None, medusa_epochs: int | None = None,
+                ttt_steps: int = 3, batch_tokens: int = 16384, lr: float = 1e-3,
+                max_num_seqs: int = 256, draft_vocab: int = 16384) -> list[Path]:
+    for method in methods:
+        if method not in ("medusa", "eagle"):
+            raise ValueError(f"method: train-draft trains 'medusa' or 'eagle', got {method!r}")
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(seed)
+    texts = read_prompts(prompts)
+    texts = texts[:num_prompts] if num_prompts else texts
+    t_start = time.perf_counter()
+    key = repr(dict(model=str(model_path), prompts=texts, max_tokens=max_tokens))
+    cached = Path(data_cache) if data_cache else None
+    samples = None
+    if cached is not None and cached.is_file():
+        blob = torch.load(cached, weights_only=False)
+        if blob["key"] == key:
+            samples, config, lm_w, emb_w = blob["data"]
+            samples = samples.to(device)
+            log(f"samples from {cached}")
+    if samples is None:
+        samples, config, lm_w, emb_w = make_samples(model_path, texts, max_tokens, device, seed,
+                                                    max_num_seqs, log)
+        if cached is not None:
+            torch.save({"key": key, "data": (samples.to("cpu"), config, lm_w.cpu(), emb_w.cpu())},
+                       cached)
+    t_data = time.perf_counter() - t_start
+    log(f"{len(samples)} samples, {samples.num_answer_tokens} answer tokens ({t_data:.0f} s)")
+    stem = Path(model_path).stem.lower() if model_path else "smollm2-135m-instruct"
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    report = dict(device=device, prompts=len(texts), max_tokens=max_tokens,
+                  answer_tokens=samples.num_answer_tokens, data_seconds=round(t_data, 1),
+                  epochs=epochs, medusa_epochs=medusa_epochs or max(1, epochs // 2),
+                  ttt_steps=ttt_steps, batch_tokens=batch_tokens, lr=lr, seed=seed, log=[])
+
+    def logged(msg: str) -> None:
+        report["log"].append(msg)
+        if log is print:    # between progress-bar updates, on the bar's stream
+            from tqdm.auto import tqdm
+            tqdm.write(msg, file=sys.stderr)
+        else:
+            log(msg)
+
+    vocab = None
+    if draft_vocab:
+        answers = torch.cat([samples.tokens[o + a:o + n] for o, n, a in zip(
+            samples.offsets.tolist(), samples.lengths.tolist(), samples.answer_starts.tolist())])
+        vocab, cover = top_tokens(answers, draft_vocab, lm_w.shape[0])
+        report["draft_vocab"], report["draft_vocab_coverage"] = vocab.shape[0], round(cover, 5)
+        logged(f"draft vocabulary: {vocab.shape[0]} tokens cover {cover:.4f} of answer tokens")
+    outs = []
+    for method in methods:
+        t0 = time.perf_counter()
+        out = out_dir / f"{stem}.{method}.safetensors"
+        save = (lambda m, out=out: m.save(out, vocab))
+        if method == "medusa":
+            T.train_medusa(lm_w, samples, epochs=report["medusa_epochs"], lr=lr, log=logged,
+                           checkpoint=save, vocab=vocab)
+        else:
+            T.train_eagle(lm_w, emb_w, samples, config, epochs=epochs, lr=lr,
+                          ttt_steps=ttt_steps, batch_tokens=batch_tokens, log=logged,
+                          checkpoint=save, vocab=vocab)
+        report[f"{method}_seconds"] = round(time.perf_counter() - t0, 1)
+        logged(f"wrote {out} ({time.perf_counter() - t0:.0f} s of training)")
+        outs.append(out)
+    report["total_seconds"] = round(time.perf_counter() - t_start, 1)
+    (out_dir / f"{stem}.train.json").write_text(json.dumps(report, indent=1))
+    return outs
