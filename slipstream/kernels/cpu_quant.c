@@ -659,3 +659,6 @@ int ss_decode_attention(const float *q, int64_t q_stride, const void *k_cache, c
     parallel_for(attn_chunk, &a, num_seqs * nh);
     return 0;
 }
+
+/* ---- a whole decode step ------------------------------------------------ */
+#include "cpu_decoder.c"
