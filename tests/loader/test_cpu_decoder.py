@@ -46,22 +46,29 @@ def _compare(a, b):
 
 @needs_kernels
 def test_default_model_fused_decode_matches_layer_by_layer(monkeypatch):
-    """The two paths differ only in the order of fp32 sums (norms, rotary), but the
+    """The first decode step after the same prefill, 6 prompts decoding together.
+    The two paths differ only in the order of fp32 sums (norms, rotary), but the
     int8 rounding of activations before each product makes 30 layers sensitive to
-    that: nudging the embeddings of the layer-by-layer path by a relative 1e-6 moves
-    its top-10 log-probs over 12 steps by up to 0.66 (mean ~0.05). Measured between
-    the two paths: up to 0.39, same greedy tokens. Bounds: 0.5 and mean 0.1. (The
-    tiny two-layer models below agree to 1e-6 with Q4 blocks.)"""
+    that: nudging the step's embeddings by a relative 1e-7 moves the layer-by-layer
+    path's top-10 log-probs by up to 0.27 (mean 0.065). Measured between the two
+    paths: up to 0.37, mean 0.073 (later steps may part at a near tie, so only the
+    first is compared). Bounds: 0.6 and mean 0.15; a wrong rotary, norm or cache
+    slot moves them by whole units. (Tiny two-layer models agree to 1e-6.)"""
     count = _Counting(monkeypatch)
     llm = LLM(device="cpu", max_model_len=256)
-    p = SamplingParams(max_tokens=12, temperature=0, logprobs=10, ignore_eos=True)
-    fused = _run(llm, PROMPTS, p, True, monkeypatch)
-    assert count.calls >= 11      # every decode step (one batch of 3 sequences each)
-    calls = count.calls
-    plain = _run(llm, PROMPTS, p, False, monkeypatch)
-    assert count.calls == calls
-    worst, mean = _compare(fused, plain)
-    assert worst < 0.5 and mean < 0.1, (worst, mean)
+    prompts = PROMPTS + ["1, 1, 2, 3, 5, 8,", "Once upon a time", "import numpy as np\n"]
+    p = SamplingParams(max_tokens=2, temperature=0, logprobs=10, ignore_eos=True)
+    fused = _run(llm, prompts, p, True, monkeypatch)
+    assert count.calls == 1       # the decode step, all 6 sequences in one call
+    plain = _run(llm, prompts, p, False, monkeypatch)
+    assert count.calls == 1
+    diffs = []
+    for x, y in zip(fused, plain):
+        lx, ly = x.logprobs[1], y.logprobs[1]
+        common = set(lx) & set(ly)
+        assert len(common) >= 8
+        diffs += [abs(lx[i].logprob - ly[i].logprob) for i in common]
+    assert max(diffs) < 0.6 and sum(diffs) / len(diffs) < 0.15, diffs
 
 
 @needs_kernels
