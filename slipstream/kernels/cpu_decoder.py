@@ -81,6 +81,7 @@ class CPUDecoder:
             scale=attn.scale, window=attn.sliding_window or 0, cos=rope.cos.data_ptr(),
             sin=rope.sin.data_ptr(), final_norm=model.norm.weight.data_ptr(), layers=self._layers)
         self._caches: list = []                # the KV tensors the structures point to
+        self._attns = [layer.self_attn.attn for layer in model.layers]
         self._lib = cpu_library.load()
 
     @classmethod
@@ -113,10 +114,9 @@ class CPUDecoder:
 
     def _bind_caches(self) -> bool:
         """Point the structures at the layers' current KV caches; False if unsupported."""
-        caches = [(l.self_attn.attn.k_cache, l.self_attn.attn.v_cache) for l in self.model.layers]
-        if len(caches) == len(self._caches) and all(
-                k is k0 and v is v0 for (k, v), (k0, v0) in zip(caches, self._caches)):
+        if self._caches and all(a.k_cache is k and a.v_cache is v for a, (k, v) in zip(self._attns, self._caches)):
             return True
+        caches = [(a.k_cache, a.v_cache) for a in self._attns]
         k0 = caches[0][0]
         if k0 is None or k0.device.type != "cpu" or k0.dtype not in (torch.float32, torch.bfloat16):
             return False
