@@ -58,11 +58,12 @@ static inline float h2f(const uint8_t *p) {
 static inline float bf2f(uint16_t b) { uint32_t u = (uint32_t)b << 16; float f; memcpy(&f, &u, 4); return f; }
 
 #define T_Q4X16 100   /* Q4_0 / Q4_1 repacked in groups of 16 rows: cpu_q4x16.c */
+#define T_Q8X16 101   /* Q8_0 repacked in groups of 16 rows: cpu_q8x16.c */
 static int block_elems(int t) { return (t == T_Q4_K || t == T_Q5_K || t == T_Q6_K) ? 256 : (t == T_F32 || t == T_F16 || t == T_BF16) ? 1 : 32; }
 static int block_bytes(int t) {
     switch (t) {
     case T_F32: return 4; case T_F16: case T_BF16: return 2;
-    case T_Q4_0: return 18; case T_Q4_1: case T_Q4X16: return 20; case T_Q8_0: return 34;
+    case T_Q4_0: return 18; case T_Q4_1: case T_Q4X16: return 20; case T_Q8_0: case T_Q8X16: return 34;
     case T_Q4_K: return 144; case T_Q5_K: return 176; case T_Q6_K: return 210;
     }
     return 0;
@@ -436,6 +437,7 @@ int ss_get_threads(void) { return P.n_workers + 1; }
 
 /* ---- Q4 weights repacked for 16 rows at a time ---------------------------- */
 #include "cpu_q4x16.c"
+#include "cpu_q8x16.c"
 
 /* ---- matmul ------------------------------------------------------------ */
 /* Four rows of x meet each weight block while it is in registers, so the
@@ -474,12 +476,12 @@ typedef struct {
     const float *x; const int8_t *xq; const float *xd, *xs; float *y;
 } mm_args;
 
-static int int8_path(int t) { return t == T_Q4_0 || t == T_Q4_1 || t == T_Q8_0 || t == T_Q4X16; }
+static int int8_path(int t) { return t == T_Q4_0 || t == T_Q4_1 || t == T_Q8_0 || t == T_Q4X16 || t == T_Q8X16; }
 
 static void mm_rows(mm_args *a, int s, int64_t base, int64_t lo, int64_t hi, float *rowbuf) {
     int t = a->type[s], qk = block_elems(t), bb = block_bytes(t);
     int64_t nb = a->cols / qk, row_bytes = nb * bb, nbx = a->cols / 32;
-    if (t == T_Q4X16) {   /* lo - base and hi - base are multiples of 16 */
+    if (t == T_Q4X16 || t == T_Q8X16) {   /* lo - base and hi - base are multiples of 16 */
         for (int64_t i0 = 0; i0 < a->m; i0 += M_BLOCK) {
             int64_t i1 = i0 + M_BLOCK < a->m ? i0 + M_BLOCK : a->m;
             for (int64_t r = lo; r < hi; r += 16)
@@ -488,7 +490,8 @@ static void mm_rows(mm_args *a, int s, int64_t base, int64_t lo, int64_t hi, flo
                     for (int k = 0; k < nx; k++) {
                         xq[k].q = a->xq + (i + k) * a->cols; xq[k].d = a->xd + (i + k) * nbx; xq[k].s = a->xs + (i + k) * nbx;
                     }
-                    x16_group(a->w[s] + (r - base) * row_bytes, nb, xq, nx, a->y + i * a->ldy + r, a->ldy);
+                    if (t == T_Q4X16) x16_group(a->w[s] + (r - base) * row_bytes, nb, xq, nx, a->y + i * a->ldy + r, a->ldy);
+                    else x16_q8_group(a->w[s] + (r - base) * row_bytes, nb, xq, nx, a->y + i * a->ldy + r, a->ldy);
                 }
         }
         return;
@@ -548,7 +551,7 @@ int ss_matmul(int n_seg, const int *types, const uint8_t *const *ws, const int64
     int need_xq = 0;
     for (int s = 0; s < n_seg; s++) {
         if (!ss_supported(types[s]) || cols % block_elems(types[s])) return -1;
-        if (types[s] == T_Q4X16 && (rows[s] % 16 || total % 16)) return -1;
+        if ((types[s] == T_Q4X16 || types[s] == T_Q8X16) && (rows[s] % 16 || total % 16)) return -1;
         a.type[s] = types[s]; a.w[s] = ws[s]; a.rows[s] = rows[s]; total += rows[s];
         need_xq |= int8_path(types[s]);
     }
@@ -587,6 +590,7 @@ static void dq_chunk(void *a_, int64_t c) {
     for (int64_t i = c * a->chunk; i < (c + 1) * a->chunk && i < a->n; i++) {
         int64_t r = a->ids ? a->ids[i] : i;
         if (a->type == T_Q4X16) x16_dequant_row(a->w, r, a->cols / 32, a->out + i * a->cols);
+        else if (a->type == T_Q8X16) x16_q8_dequant_row(a->w, r, a->cols / 32, a->out + i * a->cols);
         else dequant_row(a->type, a->w + r * row_bytes, a->cols, a->out + i * a->cols);
     }
 }

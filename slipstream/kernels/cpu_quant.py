@@ -25,7 +25,7 @@ from slipstream.kernels import cpu_library
 BLOCKS = {0: (1, 4), 1: (1, 2), 30: (1, 2), 2: (32, 18), 3: (32, 20), 8: (32, 34),
           12: (256, 144), 13: (256, 176), 14: (256, 210)}
 QUANTIZED = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
-Q4X16 = 100    # Q4_0 / Q4_1 repacked by `cpu_q4x16.c` (kernel-internal)
+Q4X16, Q8X16 = 100, 101    # Q4_0 / Q4_1 and Q8_0 repacked by cpu_q4x16.c / cpu_q8x16.c (kernel-internal)
 
 
 def row_bytes(qtype: int, cols: int) -> int:
@@ -55,11 +55,11 @@ class QuantMatrix:
             self.segments.append((qtype, data))
         self.rows = sum(d.shape[0] for _, d in self.segments)
         self._lib = lib
-        # what the products read: Q4_0 / Q4_1 repacked for 16 rows at a time where
+        # what the products read: Q4_0 / Q4_1 / Q8_0 repacked for 16 rows at a time where
         # every segment has whole groups of 16 rows, else the file's blocks
         self.kernel_segments = self.segments
         if all(d.shape[0] % 16 == 0 for _, d in self.segments) and cols % 32 == 0:
-            self.kernel_segments = [self._repack(q, d) if q in (2, 3) else (q, d) for q, d in self.segments]
+            self.kernel_segments = [self._repack(q, d) if q in (2, 3, 8) else (q, d) for q, d in self.segments]
         n = len(self.segments)
         # argument arrays built once; the data tensors they point into live in kernel_segments
         self._types = (ctypes.c_int * n)(*[q for q, _ in self.kernel_segments])
@@ -67,11 +67,17 @@ class QuantMatrix:
         self._rows = (ctypes.c_int64 * n)(*[d.shape[0] for _, d in self.kernel_segments])
 
     def _repack(self, qtype: int, data: torch.Tensor) -> tuple[int, torch.Tensor]:
-        # -> (Q4X16, uint8 [rows, row_bytes]: 16 rows' blocks interleaved, as many bytes)
-        out = torch.empty(data.shape[0], self.cols // 32 * 20, dtype=torch.uint8)
-        rc = self._lib.ss_repack_q4x16(qtype, data.data_ptr(), data.shape[0], self.cols, out.data_ptr())
-        assert rc == 0, "ss_repack_q4x16 rejected its arguments"
-        return Q4X16, out
+        # -> (kernel type, uint8 [rows, row_bytes]: 16 rows' blocks interleaved)
+        if qtype == 8:
+            out = torch.empty_like(data)
+            rc = self._lib.ss_repack_q8x16(data.data_ptr(), data.shape[0], self.cols, out.data_ptr())
+            kind = Q8X16
+        else:   # Q4_0 gains an offset: 20 bytes a block, as Q4_1
+            out = torch.empty(data.shape[0], self.cols // 32 * 20, dtype=torch.uint8)
+            rc = self._lib.ss_repack_q4x16(qtype, data.data_ptr(), data.shape[0], self.cols, out.data_ptr())
+            kind = Q4X16
+        assert rc == 0, "repacking rejected its arguments"
+        return kind, out
 
     @property
     def nbytes(self) -> int:
