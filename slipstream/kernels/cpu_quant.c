@@ -299,10 +299,12 @@ static void quantize_x(const float *x, int64_t n, int8_t *q, float *d, float *s)
     for (int64_t b = 0; b < n / 32; b++) {
         const float *v = x + 32 * b;
         float amax = 0;
-        for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(v[i]));
+        for (int i = 0; i < 32; i++) { float a = fabsf(v[i]); amax = a > amax ? a : amax; }   /* inlined, vectorized */
         float scale = amax / 127, inv = amax > 0 ? 127 / amax : 0;
         int sum = 0;
-        for (int i = 0; i < 32; i++) { int t = (int)lrintf(v[i] * inv); q[32 * b + i] = (int8_t)t; sum += t; }
+        /* rintf (no errno, unlike lrintf) compiles to one rounding instruction: the same
+         * round-half-to-even result for |v * inv| <= 127 */
+        for (int i = 0; i < 32; i++) { int t = (int)rintf(v[i] * inv); q[32 * b + i] = (int8_t)t; sum += t; }
         d[b] = scale; s[b] = scale * sum;
     }
 }
@@ -619,7 +621,7 @@ int ss_get_rows(int type, const uint8_t *w, int64_t cols, const int64_t *ids, in
 typedef struct {
     const float *q; int64_t q_stride; const void *kc, *vc; int kv_bf16;
     const int32_t *tables; int64_t table_stride; const int32_t *seq_lens;
-    int nh, nkv, hd, bs; float scale; int64_t window; float *out;
+    int nh, nkv, hd, bs; float scale; int64_t window; float *out; int gsz;
 } attn_args;
 
 static inline void load_row(const void *base, int bf16, int64_t off, int hd, float *dst) {
@@ -627,30 +629,61 @@ static inline void load_row(const void *base, int bf16, int64_t off, int hd, flo
     else memcpy(dst, (const float *)base + off, hd * sizeof(float));
 }
 
+/* Chunk c: sequence s, KV head kvh, and a group of gsz of the query heads that
+ * share it (each K/V row is read once for the group). Keys go in tiles of 64:
+ * the tile's scores, then the running max, denominator and accumulators are
+ * rescaled once a tile (not once a key), then the tile's V rows are added. */
+#define ATT_TILE 64
+#define ATT_GROUP 8
 static void attn_chunk(void *a_, int64_t c) {
     attn_args *a = a_;
-    int64_t s = c / a->nh; int h = (int)(c % a->nh), kvh = h / (a->nh / a->nkv), hd = a->hd;
-    const float *q = a->q + s * a->q_stride + h * hd;
-    float *o = a->out + c * hd;
+    int G = a->nh / a->nkv, parts = (G + a->gsz - 1) / a->gsz, hd = a->hd;
+    int64_t s = c / ((int64_t)a->nkv * parts);
+    int kvh = (int)(c / parts % a->nkv), h0 = kvh * G + (int)(c % parts) * a->gsz;
+    int ng = h0 + a->gsz <= (kvh + 1) * G ? a->gsz : (kvh + 1) * G - h0;
     int64_t n = a->seq_lens[s], lo = a->window > 0 && n > a->window ? n - a->window : 0;
     const int32_t *table = a->tables + s * a->table_stride;
-    float acc[512], kr[512], vr[512], mx = -INFINITY, den = 0;
-    for (int i = 0; i < hd; i++) acc[i] = 0;
-    for (int64_t j = lo; j < n; j++) {
-        int64_t off = (((int64_t)table[j / a->bs] * a->bs + j % a->bs) * a->nkv + kvh) * hd;
-        load_row(a->kc, a->kv_bf16, off, hd, kr);
-        float sc = dot_f(kr, q, hd) * a->scale;
-        load_row(a->vc, a->kv_bf16, off, hd, vr);
-        if (sc > mx) {
-            float f = expf(mx - sc);
-            den *= f; for (int i = 0; i < hd; i++) acc[i] *= f;
-            mx = sc;
-        }
-        float p = expf(sc - mx);
-        den += p;
-        for (int i = 0; i < hd; i++) acc[i] += p * vr[i];
+    const float *q[ATT_GROUP];
+    float acc[ATT_GROUP][512], sc[ATT_GROUP][ATT_TILE], mx[ATT_GROUP], den[ATT_GROUP];
+    float kr[512], vr[512];
+    for (int g = 0; g < ng; g++) {
+        q[g] = a->q + s * a->q_stride + (int64_t)(h0 + g) * hd;
+        mx[g] = -INFINITY; den[g] = 0;
+        for (int i = 0; i < hd; i++) acc[g][i] = 0;
     }
-    for (int i = 0; i < hd; i++) o[i] = acc[i] / den;
+    for (int64_t t0 = lo; t0 < n; t0 += ATT_TILE) {
+        int nt = n - t0 < ATT_TILE ? (int)(n - t0) : ATT_TILE;
+        for (int j = 0; j < nt; j++) {
+            int64_t t = t0 + j, off = (((int64_t)table[t / a->bs] * a->bs + t % a->bs) * a->nkv + kvh) * hd;
+            const float *kp = (const float *)a->kc + off;
+            if (a->kv_bf16) { load_row(a->kc, 1, off, hd, kr); kp = kr; }   /* fp32 rows: in place */
+            for (int g = 0; g < ng; g++) sc[g][j] = dot_f(kp, q[g], hd) * a->scale;
+        }
+        for (int g = 0; g < ng; g++) {
+            float m = mx[g];
+            for (int j = 0; j < nt; j++) m = sc[g][j] > m ? sc[g][j] : m;
+            if (m > mx[g]) {
+                float f = expf(mx[g] - m);   /* 0 on the first tile */
+                den[g] *= f;
+                for (int i = 0; i < hd; i++) acc[g][i] *= f;
+                mx[g] = m;
+            }
+            for (int j = 0; j < nt; j++) { sc[g][j] = expf(sc[g][j] - m); den[g] += sc[g][j]; }
+        }
+        for (int j = 0; j < nt; j++) {
+            int64_t t = t0 + j, off = (((int64_t)table[t / a->bs] * a->bs + t % a->bs) * a->nkv + kvh) * hd;
+            const float *vp = (const float *)a->vc + off;
+            if (a->kv_bf16) { load_row(a->vc, 1, off, hd, vr); vp = vr; }
+            for (int g = 0; g < ng; g++) {
+                float p = sc[g][j], *ac = acc[g];
+                for (int i = 0; i < hd; i++) ac[i] += p * vp[i];
+            }
+        }
+    }
+    for (int g = 0; g < ng; g++) {
+        float *o = a->out + (s * a->nh + h0 + g) * hd;
+        for (int i = 0; i < hd; i++) o[i] = acc[g][i] / den[g];
+    }
 }
 
 static inline uint16_t f2bf(float f) {   /* round to nearest even, as torch does */
@@ -679,8 +712,13 @@ int ss_decode_attention(const float *q, int64_t q_stride, const void *k_cache, c
             store_row((void *)k_cache, kv_bf16, slots[s] * nkv * hd, k_new + s * k_stride, (int64_t)nkv * hd);
             store_row((void *)v_cache, kv_bf16, slots[s] * nkv * hd, v_new + s * v_stride, (int64_t)nkv * hd);
         }
-    attn_args a = { q, q_stride, k_cache, v_cache, kv_bf16, tables, table_stride, seq_lens, nh, nkv, hd, bs, scale, window, out };
-    parallel_for(attn_chunk, &a, num_seqs * nh);
+    attn_args a = { q, q_stride, k_cache, v_cache, kv_bf16, tables, table_stride, seq_lens, nh, nkv, hd, bs, scale, window, out, 0 };
+    /* query heads per chunk: a whole GQA group (at most ATT_GROUP), halved while
+     * that leaves fewer than 4 chunks a thread */
+    int G = nh / nkv, gsz = G < ATT_GROUP ? G : ATT_GROUP;
+    while (gsz > 1 && num_seqs * nkv * ((G + gsz - 1) / gsz) < 4 * (P.n_workers + 1)) gsz = (gsz + 1) / 2;
+    a.gsz = gsz;
+    parallel_for(attn_chunk, &a, num_seqs * nkv * ((G + gsz - 1) / gsz));
     return 0;
 }
 

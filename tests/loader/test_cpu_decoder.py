@@ -77,8 +77,9 @@ def test_default_model_fused_decode_matches_layer_by_layer(monkeypatch):
 def test_tiny_models_fused_decode_matches_layer_by_layer(tmp_path, tiny_model, monkeypatch, arch, qtype,
                                                          window):
     """q/k/v biases (qwen2), a sliding window shorter than the context, sequences of
-    different lengths decoding together. Measured: Q4 blocks agree to 1e-6, Q8_0
-    (whose int8 products meet more rounding) to 1.2e-3; bound 5e-3."""
+    different lengths decoding together. Measured: 1e-6 to 5.6e-3 (an int8 rounding
+    of an activation flipped by the order of fp32 sums); the fused path with the
+    window one token short moves them by 0.33. Bound 0.03."""
     count = _Counting(monkeypatch)
     path = write_gguf(tmp_path / "m.gguf", tiny_model(arch), qtype, arch=arch)
     llm = LLM(model=str(path), dtype="float32", device="cpu", quantization="gguf")
@@ -91,4 +92,4 @@ def test_tiny_models_fused_decode_matches_layer_by_layer(tmp_path, tiny_model, m
     assert count.calls >= 9
     plain = _run(llm, prompts, p, False, monkeypatch)
     worst, _ = _compare(fused, plain)
-    assert worst < 5e-3, worst
+    assert worst < 0.03, worst
