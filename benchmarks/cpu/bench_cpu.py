@@ -81,8 +81,13 @@ class Slipstream:
 class LlamaCpp:
     def __init__(self, model, threads, _):
         from llama_cpp import Llama
-        self.llm = Llama(model_path=str(model), n_ctx=2048, n_batch=512, n_ubatch=512, n_threads=threads,
-                         n_threads_batch=threads, logits_all=True, verbose=False)
+        # logits of the last position only, as a user's generate gets them (with
+        # logits_all the LM head would run on every prompt token); the perplexity
+        # pass opens a second instance that keeps all logits
+        self.args = dict(model_path=str(model), n_ctx=2048, n_batch=512, n_ubatch=512, n_threads=threads,
+                         n_threads_batch=threads, verbose=False)
+        self.llm = Llama(**self.args, logits_all=False)
+        self.scorer = None
         self.label = "GGUF blocks"
 
     def generate(self, ids, n):
@@ -95,9 +100,13 @@ class LlamaCpp:
 
     def nll(self, ids):
         import numpy as np
-        self.llm.reset()
-        self.llm.eval(ids)
-        logits = np.asarray(self.llm.scores[:len(ids)], dtype=np.float64)
+        if self.scorer is None:
+            from llama_cpp import Llama
+            self.llm = None
+            self.scorer = Llama(**self.args, logits_all=True)
+        self.scorer.reset()
+        self.scorer.eval(ids)
+        logits = np.asarray(self.scorer.scores[:len(ids)], dtype=np.float64)
         logits -= logits.max(axis=1, keepdims=True)
         lse = np.log(np.exp(logits).sum(axis=1))
         lp = logits[np.arange(len(ids) - 1), ids[1:]] - lse[:-1]
