@@ -17,6 +17,10 @@
  */
 #define T_Q4X16 100
 #define X16_BYTES 320
+/* Software prefetch this far ahead in the weight stream (bytes): the hardware
+ * prefetchers stop at 4 KiB boundaries; measured on the default model at 1
+ * thread, all products of a decode step ~20% faster with it. */
+#define PF_AHEAD 2048
 
 /* fp16 bits of a float that fp16 holds exactly (no rounding needed) */
 static uint16_t f2h_exact(float f) {
@@ -68,6 +72,7 @@ static void x16_group(const uint8_t *w, int64_t nb, const qx_t *x, int nx, float
     for (int i = 0; i < nx; i++) acc[i] = _mm512_setzero_ps();
     const __m512i low = _mm512_set1_epi8(15);
     for (int64_t b = 0; b < nb; b++, w += X16_BYTES) {
+        for (int l = 0; l < X16_BYTES; l += 64) _mm_prefetch((const char *)w + PF_AHEAD + l, _MM_HINT_T0);
         __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)w));
         __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + 32)));
         __m512i lo[4], hi[4];
@@ -106,6 +111,8 @@ static void x16_group(const uint8_t *w, int64_t nb, const qx_t *x, int nx, float
         for (int i = 0; i < nx; i++) acc[i] = _mm256_setzero_ps();
         const __m256i low = _mm256_set1_epi8(15);
         for (int64_t b = 0; b < nb; b++, p += X16_BYTES) {
+            if (half == 0)
+                for (int l = 0; l < X16_BYTES; l += 64) _mm_prefetch((const char *)p + PF_AHEAD + l, _MM_HINT_T0);
             __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16 * half)));
             __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 32 + 16 * half)));
             __m256i lo[4], hi[4];

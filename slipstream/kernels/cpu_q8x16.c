@@ -43,6 +43,7 @@ static void x16_q8_group(const uint8_t *w, int64_t nb, const qx_t *x, int nx, fl
     __m512 acc[4];
     for (int i = 0; i < nx; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++, w += X8_BYTES) {
+        for (int l = 0; l < X8_BYTES; l += 64) _mm_prefetch((const char *)w + PF_AHEAD + l, _MM_HINT_T0);
         __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)w));
         __m512i v[8];
         for (int j = 0; j < 8; j++) v[j] = _mm512_loadu_si512(w + 32 + 64 * j);
@@ -73,6 +74,8 @@ static void x16_q8_group(const uint8_t *w, int64_t nb, const qx_t *x, int nx, fl
         __m256 acc[4];
         for (int i = 0; i < nx; i++) acc[i] = _mm256_setzero_ps();
         for (int64_t b = 0; b < nb; b++, p += X8_BYTES) {
+            if (half == 0)
+                for (int l = 0; l < X8_BYTES; l += 64) _mm_prefetch((const char *)p + PF_AHEAD + l, _MM_HINT_T0);
             __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16 * half)));
             __m256i v[8];
             for (int j = 0; j < 8; j++) v[j] = _mm256_loadu_si256((const __m256i *)(p + 32 + 64 * j + 32 * half));
