@@ -569,8 +569,10 @@ int ss_matmul(int n_seg, const int *types, const uint8_t *const *ws, const int64
         for (int64_t i = 0; i < m; i++)
             quantize_x(x + i * cols, cols, xq + i * cols, xd + i * (cols / 32), xs + i * (cols / 32));
     a.xq = xq; a.xd = xd; a.xs = xs; a.total_rows = total;
-    /* ~16 chunks a thread: small enough that a late thread costs little */
-    int64_t nt = P.n_workers + 1, chunk = total / (16 * nt);
+    /* ~4 chunks a thread: enough that a late thread costs little, long enough that
+     * each thread streams its weights in runs the prefetchers follow (16 chunks a
+     * thread, interleaved between threads, made 2-thread decode products ~1.5x slower) */
+    int64_t nt = P.n_workers + 1, chunk = total / (4 * nt);
     chunk = chunk < 16 ? 16 : chunk / 16 * 16;   /* whole groups of a repacked segment */
     a.chunk_rows = chunk;
     parallel_for(mm_chunk, &a, (total + chunk - 1) / chunk);
