@@ -2,13 +2,16 @@
 
     python benchmarks/cpu/bench_cpu.py [--threads 2] [--out benchmarks/cpu/results] [--smoke]
 
-Each engine runs in its own process (so load time and peak memory are its own),
-one after the other, and measures:
+Each engine runs in its own process (so load time and peak memory are its own);
+the processes are loaded one after the other, then the driver takes decode and
+prefill samples round by round, every engine once a round (the order turning),
+so load from other users of a shared machine falls on all engines alike.
+Measured:
   - load: seconds from the load call to a model ready to run (imports excluded,
     reported apart);
   - decode: batch-1 greedy decode tokens/s, = 128 / (t(129 tokens) - t(1 token)) for
-    the same prompt, so prefill and the first token cancel out (median of 3);
-  - prefill: tokens/s over a 512-token prompt, to the first generated token (median of 3);
+    the same prompt, so prefill and the first token cancel out (median of the rounds);
+  - prefill: tokens/s over a 512-token prompt, to the first generated token (median of the rounds);
   - peak RSS after load, decode and prefill (ru_maxrss; before the perplexity pass,
     whose 1024 x vocabulary logits would dominate it);
   - perplexity: 4 windows of 1,024 tokens of a fixed text, every token scored but
@@ -78,8 +81,13 @@ class Slipstream:
 class LlamaCpp:
     def __init__(self, model, threads, _):
         from llama_cpp import Llama
-        self.llm = Llama(model_path=str(model), n_ctx=2048, n_batch=512, n_ubatch=512, n_threads=threads,
-                         n_threads_batch=threads, logits_all=True, verbose=False)
+        # logits of the last position only, as a user's generate gets them (with
+        # logits_all the LM head would run on every prompt token); the perplexity
+        # pass opens a second instance that keeps all logits
+        self.args = dict(model_path=str(model), n_ctx=2048, n_batch=512, n_ubatch=512, n_threads=threads,
+                         n_threads_batch=threads, verbose=False)
+        self.llm = Llama(**self.args, logits_all=False)
+        self.scorer = None
         self.label = "GGUF blocks"
 
     def generate(self, ids, n):
@@ -92,9 +100,13 @@ class LlamaCpp:
 
     def nll(self, ids):
         import numpy as np
-        self.llm.reset()
-        self.llm.eval(ids)
-        logits = np.asarray(self.llm.scores[:len(ids)], dtype=np.float64)
+        if self.scorer is None:
+            from llama_cpp import Llama
+            self.llm = None
+            self.scorer = Llama(**self.args, logits_all=True)
+        self.scorer.reset()
+        self.scorer.eval(ids)
+        logits = np.asarray(self.scorer.scores[:len(ids)], dtype=np.float64)
         logits -= logits.max(axis=1, keepdims=True)
         lse = np.log(np.exp(logits).sum(axis=1))
         lp = logits[np.arange(len(ids) - 1), ids[1:]] - lse[:-1]
@@ -132,7 +144,9 @@ ENGINES = {"slipstream": (Slipstream, "auto"), "slipstream-dense": (Slipstream, 
            "llama.cpp": (LlamaCpp, None), "transformers": (Transformers, None)}
 
 
-def run_engine(name: str, model: str, threads: int, ids_path: str, smoke: bool) -> dict:
+def serve(name: str, model: str, threads: int, ids_path: str, smoke: bool) -> None:
+    """One engine in its own process: load, then answer the driver's commands (one a
+    line on stdin, one JSON line on stdout each) until 'quit'."""
     t0 = time.perf_counter()
     cls, arg = ENGINES[name]
     data = json.loads(Path(ids_path).read_text())
@@ -147,29 +161,98 @@ def run_engine(name: str, model: str, threads: int, ids_path: str, smoke: bool) 
     t0 = time.perf_counter()
     eng = cls(model, threads, arg)
     load = time.perf_counter() - t0
-    rounds = 1 if smoke else 3
     n_decode = 8 if smoke else 128
     eng.generate(prompt, 2)   # warm-up
-    short, long = [], []
-    for _ in range(rounds):
-        t = time.perf_counter(); eng.generate(prompt, 1); short.append(time.perf_counter() - t)
-        t = time.perf_counter(); eng.generate(prompt, n_decode + 1); long.append(time.perf_counter() - t)
-    decode = n_decode / (_median(long) - _median(short))
-    pre = []
-    for _ in range(rounds):
-        t = time.perf_counter(); eng.generate(long_prompt, 1); pre.append(time.perf_counter() - t)
-    prefill = len(long_prompt) / _median(pre)
-    rss = _rss_mb()
-    nll = count = 0
-    for w in windows:
-        a, b = eng.nll(w)
-        nll += a
-        count += b
-    import math
-    return {"engine": name, "weights": eng.label, "import_s": t_import, "load_s": load,
-            "decode_tok_s": decode, "prefill_tok_s": prefill, "prefill_tokens": len(long_prompt),
-            "peak_rss_mb": rss, "perplexity": math.exp(nll / count), "scored_tokens": count,
-            "decode_times_s": {"1": short, str(n_decode + 1): long}, "prefill_times_s": pre}
+    eng.generate(long_prompt[:64], 1)
+
+    def reply(obj):
+        sys.stdout.write("RESULT " + json.dumps(obj) + "\n")
+        sys.stdout.flush()
+
+    reply({"engine": name, "weights": eng.label, "import_s": t_import, "load_s": load})
+    for line in sys.stdin:
+        cmd = line.strip()
+        if cmd == "decode":      # one sample: t(n + 1 tokens) - t(1 token), same prompt
+            t = time.perf_counter(); eng.generate(prompt, 1); short = time.perf_counter() - t
+            t = time.perf_counter(); eng.generate(prompt, n_decode + 1); long = time.perf_counter() - t
+            reply({"short": short, "long": long, "tok_s": n_decode / (long - short)})
+        elif cmd == "prefill":
+            t = time.perf_counter(); eng.generate(long_prompt, 1); dt = time.perf_counter() - t
+            reply({"s": dt, "tok_s": len(long_prompt) / dt})
+        elif cmd == "rss":
+            reply({"peak_rss_mb": _rss_mb()})
+        elif cmd == "nll":
+            nll = count = 0
+            for w in windows:
+                a, b = eng.nll(w)
+                nll += a
+                count += b
+            reply({"nll": nll, "scored_tokens": count})
+        else:
+            return
+
+
+class Worker:
+    """The driver's handle on one engine's process."""
+
+    def __init__(self, name, model, threads, ids_path, smoke, env):
+        cmd = [sys.executable, __file__, "--threads", str(threads), "--serve", name, model, ids_path]
+        self.name = name
+        self.proc = subprocess.Popen(cmd + (["--smoke"] if smoke else []), stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, env=env)
+        self.info = self._read()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            if line.startswith("RESULT "):
+                return json.loads(line[7:])
+        raise RuntimeError(f"{self.name} exited (code {self.proc.wait()})")
+
+    def ask(self, cmd: str) -> dict:
+        self.proc.stdin.write(cmd + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self):
+        try:
+            self.proc.stdin.write("quit\n")
+            self.proc.stdin.close()
+        except OSError:
+            pass
+        self.proc.wait()
+
+
+def measure(workers: list[Worker], rounds: int) -> list[dict]:
+    """Decode and prefill samples taken round by round, the engines' order turning
+    each round, so load from other processes falls on all of them alike."""
+    samples = {w.name: {"decode": [], "prefill": []} for w in workers}
+    loads = []
+    for r in range(rounds):
+        order = workers[r % len(workers):] + workers[:r % len(workers)]
+        for w in order:
+            samples[w.name]["decode"].append(w.ask("decode"))
+        for w in order:
+            samples[w.name]["prefill"].append(w.ask("prefill"))
+        print(f"  round {r + 1}/{rounds}: " + ", ".join(
+            f"{w.name} {samples[w.name]['decode'][-1]['tok_s']:.1f} / {samples[w.name]['prefill'][-1]['tok_s']:.0f}"
+            for w in workers) + " tok/s decode / prefill; load " + f"{os.getloadavg()[0]:.2f}", flush=True)
+        loads.append(os.getloadavg()[0])
+    rows = []
+    for w in workers:
+        dec, pre = samples[w.name]["decode"], samples[w.name]["prefill"]
+        n = len(dec)
+        short, long = [d["short"] for d in dec], [d["long"] for d in dec]
+        rows.append(dict(w.info, decode_tok_s=_median([d["tok_s"] for d in dec]),
+                         prefill_tok_s=_median([p["tok_s"] for p in pre]),
+                         decode_samples_tok_s=[d["tok_s"] for d in dec],
+                         prefill_samples_tok_s=[p["tok_s"] for p in pre], rounds=n,
+                         decode_times_s={"1": short, "long": long}))
+    for w, row in zip(workers, rows):
+        row.update(w.ask("rss"))
+        nll = w.ask("nll")
+        import math
+        row.update(perplexity=math.exp(nll["nll"] / nll["scored_tokens"]), scored_tokens=nll["scored_tokens"])
+    return rows, loads
 
 
 # ---- the driver ---------------------------------------------------------------------
@@ -234,8 +317,8 @@ def render(meta: dict, rows: list[dict]) -> str:
             f"- perplexity text: {meta['text']} (sha256 {meta['text_sha256']}, {meta['text_tokens']} tokens), "
             "4 windows of " + f"{meta['window']} tokens, each window's first token unscored, same ids for all",
             f"- decode: batch 1, greedy, {meta['decode_tokens']} tokens, (t({meta['decode_tokens'] + 1}) - t(1)) "
-            "over the same prompt, median of 3; prefill: one prompt of "
-            f"{rows[0]['prefill_tokens']} tokens to its first output token, median of 3",
+            f"over the same prompt; prefill: one prompt of {meta['prefill_tokens']} tokens to its first "
+            f"output token; medians of {meta['rounds']} rounds, engines interleaved within each round",
             "", "| engine | weights | load s | decode tok/s | vs llama.cpp | prefill tok/s | vs llama.cpp "
             "| peak RSS MB | perplexity | vs llama.cpp |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
@@ -245,6 +328,13 @@ def render(meta: dict, rows: list[dict]) -> str:
         out.append(f"| {r['engine']} | {r['weights']} | {r['load_s']:.2f} | {r['decode_tok_s']:.1f} | {rel('decode_tok_s')} "
                    f"| {r['prefill_tok_s']:.0f} | {rel('prefill_tok_s')} | {r['peak_rss_mb']:.0f} "
                    f"| {r['perplexity']:.4f} | {ppl} |")
+    out += ["", "Samples (tok/s, round by round): " + "; ".join(
+        f"{r['engine']} decode {' '.join(f'{x:.1f}' for x in r['decode_samples_tok_s'])}, prefill "
+        f"{' '.join(f'{x:.0f}' for x in r['prefill_samples_tok_s'])}" for r in rows),
+        "", "1-minute load average after each round: " + " ".join(f"{x:.2f}" for x in meta["loadavg_rounds"])]
+    if "kernel_build_s" in meta:
+        out += ["", f"slipstream's CPU kernels were built (or found in the cache) before the engines "
+                f"loaded: {meta['kernel_build_s']:.2f} s, not in load (a first run on a machine pays it once)."]
     out += ["", "Import time (not in load): " + ", ".join(f"{r['engine']} {r['import_s']:.1f} s" for r in rows), ""]
     return "\n".join(out)
 
@@ -258,10 +348,11 @@ def main() -> int:
                     "Debian ships in /usr/share/common-licenses)")
     ap.add_argument("--engines", default=",".join(ENGINES))
     ap.add_argument("--smoke", action="store_true", help="tiny sizes: checks that every engine runs")
-    ap.add_argument("--one", nargs=3, metavar=("ENGINE", "MODEL", "IDS"), help=argparse.SUPPRESS)
+    ap.add_argument("--rounds", type=int, default=5, help="decode and prefill samples per engine, interleaved")
+    ap.add_argument("--serve", nargs=3, metavar=("ENGINE", "MODEL", "IDS"), help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.one:
-        print("RESULT " + json.dumps(run_engine(args.one[0], args.one[1], args.threads, args.one[2], args.smoke)))
+    if args.serve:
+        serve(args.serve[0], args.serve[1], args.threads, args.serve[2], args.smoke)
         return 0
     sys.path.insert(0, str(ROOT))
     from slipstream.loader import default_model_path
@@ -270,7 +361,8 @@ def main() -> int:
             "threads": args.threads, "model": model}
     ids = token_ids(model, Path(args.text), args.smoke)
     meta.update({k: ids[k] for k in ("text", "text_sha256", "text_tokens")},
-                window=len(ids["windows"][0]), decode_tokens=8 if args.smoke else 128)
+                window=len(ids["windows"][0]), decode_tokens=8 if args.smoke else 128,
+                rounds=1 if args.smoke else args.rounds, prefill_tokens=len(ids["prefill"]))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     ids_path = out / "token_ids.json"
@@ -290,23 +382,29 @@ def main() -> int:
         import transformers
         versions["transformers"] = transformers.__version__
     meta["versions"] = ", ".join(f"{k} {v}" for k, v in versions.items())
-    rows = []
+    if "slipstream" in engines or "slipstream-dense" in engines:
+        # a first run compiles the CPU kernels (cached after): built here, timed apart
+        from slipstream.kernels import cpu_library
+        t0 = time.perf_counter()
+        cpu_library.load()
+        meta["kernel_build_s"] = time.perf_counter() - t0
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS=str(args.threads))
-    for name in engines:
-        print(f"{name} ...", flush=True)
-        cmd = [sys.executable, __file__, "--threads", str(args.threads), "--one", name, model, str(ids_path)]
-        r = subprocess.run(cmd + (["--smoke"] if args.smoke else []), capture_output=True, text=True, env=env)
-        line = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
-        if r.returncode != 0 or not line:
-            print(f"{name} failed:\n{r.stderr[-3000:]}", file=sys.stderr)
+    workers = []
+    for name in engines:    # loaded one after the other: each load time is the engine's own
+        print(f"loading {name} ...", flush=True)
+        try:
+            workers.append(Worker(name, model, args.threads, str(ids_path), args.smoke, env))
+        except RuntimeError as e:
+            print(f"{name} failed: {e}", file=sys.stderr)
             continue
-        rows.append(json.loads(line[-1][7:]))
-        (out / "partial.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-        print(f"  {rows[-1]['decode_tok_s']:.1f} tok/s decode, {rows[-1]['prefill_tok_s']:.0f} tok/s prefill, "
-              f"load {rows[-1]['load_s']:.2f} s, ppl {rows[-1]['perplexity']:.4f}", flush=True)
+        print(f"  load {workers[-1].info['load_s']:.2f} s (import {workers[-1].info['import_s']:.2f} s)", flush=True)
+    try:
+        rows, meta["loadavg_rounds"] = measure(workers, 1 if args.smoke else args.rounds)
+    finally:
+        for w in workers:
+            w.close()
     meta["loadavg_end"] = os.getloadavg()
     ids_path.unlink()
-    (out / "partial.json").unlink(missing_ok=True)
     (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     md = render(meta, rows)
     (out / "results.md").write_text(md)

@@ -24,6 +24,7 @@ import tempfile
 from pathlib import Path
 
 _SOURCE = Path(__file__).with_name("cpu_quant.c")
+_INCLUDED = [Path(__file__).with_name(n) for n in ("cpu_q4x16.c", "cpu_q8x16.c", "cpu_decoder.c")]   # #included by _SOURCE
 # SLIPSTREAM_CPU_ARCH picks another target (tests build `haswell`, an AVX2-only CPU,
 # and `x86-64`, no vector extensions, to check the paths this machine would not take).
 _ARCH = os.environ.get("SLIPSTREAM_CPU_ARCH", "native")
@@ -43,6 +44,9 @@ _SIGNATURES = {
     "ss_get_rows": ([_i32, _p, _i64, _p, _i64, _p], _i32),
     "ss_decode_attention": ([_p, _i64, _p, _p, _i32, _p, _i64, _p, _i64, _i32, _i32, _i32, _i32, _f32,
                              _i64, _p, _i64, _p, _i64, _p, _p], _i32),
+    "ss_repack_q4x16": ([_i32, _p, _i64, _i64, _p], _i32),
+    "ss_repack_q8x16": ([_p, _i64, _i64, _p], _i32),
+    "ss_decode_step": ([_p, _p, _i64, _p, _p, _i64, _p, _p], _i32),
 }
 
 
@@ -76,7 +80,8 @@ def _compiler() -> str | None:
 
 def _build(cc: str) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256(_SOURCE.read_bytes() + version.encode() + _cpu_flags().encode()
+    source = b"".join(p.read_bytes() for p in [_SOURCE, *_INCLUDED])
+    key = hashlib.sha256(source + version.encode() + _cpu_flags().encode()
                          + " ".join(_FLAGS).encode()).hexdigest()[:16]
     out = _cache_dir() / f"cpu_quant-{key}.so"
     if out.exists():

@@ -57,11 +57,13 @@ static inline float h2f(const uint8_t *p) {
 
 static inline float bf2f(uint16_t b) { uint32_t u = (uint32_t)b << 16; float f; memcpy(&f, &u, 4); return f; }
 
+#define T_Q4X16 100   /* Q4_0 / Q4_1 repacked in groups of 16 rows: cpu_q4x16.c */
+#define T_Q8X16 101   /* Q8_0 repacked in groups of 16 rows: cpu_q8x16.c */
 static int block_elems(int t) { return (t == T_Q4_K || t == T_Q5_K || t == T_Q6_K) ? 256 : (t == T_F32 || t == T_F16 || t == T_BF16) ? 1 : 32; }
 static int block_bytes(int t) {
     switch (t) {
     case T_F32: return 4; case T_F16: case T_BF16: return 2;
-    case T_Q4_0: return 18; case T_Q4_1: return 20; case T_Q8_0: return 34;
+    case T_Q4_0: return 18; case T_Q4_1: case T_Q4X16: return 20; case T_Q8_0: case T_Q8X16: return 34;
     case T_Q4_K: return 144; case T_Q5_K: return 176; case T_Q6_K: return 210;
     }
     return 0;
@@ -297,10 +299,12 @@ static void quantize_x(const float *x, int64_t n, int8_t *q, float *d, float *s)
     for (int64_t b = 0; b < n / 32; b++) {
         const float *v = x + 32 * b;
         float amax = 0;
-        for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(v[i]));
+        for (int i = 0; i < 32; i++) { float a = fabsf(v[i]); amax = a > amax ? a : amax; }   /* inlined, vectorized */
         float scale = amax / 127, inv = amax > 0 ? 127 / amax : 0;
         int sum = 0;
-        for (int i = 0; i < 32; i++) { int t = (int)lrintf(v[i] * inv); q[32 * b + i] = (int8_t)t; sum += t; }
+        /* rintf (no errno, unlike lrintf) compiles to one rounding instruction: the same
+         * round-half-to-even result for |v * inv| <= 127 */
+        for (int i = 0; i < 32; i++) { int t = (int)rintf(v[i] * inv); q[32 * b + i] = (int8_t)t; sum += t; }
         d[b] = scale; s[b] = scale * sum;
     }
 }
@@ -433,6 +437,10 @@ int ss_set_threads(int n_threads) {
 
 int ss_get_threads(void) { return P.n_workers + 1; }
 
+/* ---- Q4 weights repacked for 16 rows at a time ---------------------------- */
+#include "cpu_q4x16.c"
+#include "cpu_q8x16.c"
+
 /* ---- matmul ------------------------------------------------------------ */
 /* Four rows of x meet each weight block while it is in registers, so the
  * nibbles are unpacked once per four products (prefill), and once for m = 1. */
@@ -470,11 +478,26 @@ typedef struct {
     const float *x; const int8_t *xq; const float *xd, *xs; float *y;
 } mm_args;
 
-static int int8_path(int t) { return t == T_Q4_0 || t == T_Q4_1 || t == T_Q8_0; }
+static int int8_path(int t) { return t == T_Q4_0 || t == T_Q4_1 || t == T_Q8_0 || t == T_Q4X16 || t == T_Q8X16; }
 
 static void mm_rows(mm_args *a, int s, int64_t base, int64_t lo, int64_t hi, float *rowbuf) {
     int t = a->type[s], qk = block_elems(t), bb = block_bytes(t);
     int64_t nb = a->cols / qk, row_bytes = nb * bb, nbx = a->cols / 32;
+    if (t == T_Q4X16 || t == T_Q8X16) {   /* lo - base and hi - base are multiples of 16 */
+        for (int64_t i0 = 0; i0 < a->m; i0 += M_BLOCK) {
+            int64_t i1 = i0 + M_BLOCK < a->m ? i0 + M_BLOCK : a->m;
+            for (int64_t r = lo; r < hi; r += 16)
+                for (int64_t i = i0; i < i1; i += 4) {
+                    qx_t xq[4]; int nx = i1 - i < 4 ? (int)(i1 - i) : 4;
+                    for (int k = 0; k < nx; k++) {
+                        xq[k].q = a->xq + (i + k) * a->cols; xq[k].d = a->xd + (i + k) * nbx; xq[k].s = a->xs + (i + k) * nbx;
+                    }
+                    if (t == T_Q4X16) x16_group(a->w[s] + (r - base) * row_bytes, nb, xq, nx, a->y + i * a->ldy + r, a->ldy);
+                    else x16_q8_group(a->w[s] + (r - base) * row_bytes, nb, xq, nx, a->y + i * a->ldy + r, a->ldy);
+                }
+        }
+        return;
+    }
     for (int64_t i0 = 0; i0 < a->m; i0 += M_BLOCK) {
         int64_t i1 = i0 + M_BLOCK < a->m ? i0 + M_BLOCK : a->m;
         for (int64_t r = lo; r < hi; r++) {
@@ -530,6 +553,7 @@ int ss_matmul(int n_seg, const int *types, const uint8_t *const *ws, const int64
     int need_xq = 0;
     for (int s = 0; s < n_seg; s++) {
         if (!ss_supported(types[s]) || cols % block_elems(types[s])) return -1;
+        if ((types[s] == T_Q4X16 || types[s] == T_Q8X16) && (rows[s] % 16 || total % 16)) return -1;
         a.type[s] = types[s]; a.w[s] = ws[s]; a.rows[s] = rows[s]; total += rows[s];
         need_xq |= int8_path(types[s]);
     }
@@ -545,9 +569,11 @@ int ss_matmul(int n_seg, const int *types, const uint8_t *const *ws, const int64
         for (int64_t i = 0; i < m; i++)
             quantize_x(x + i * cols, cols, xq + i * cols, xd + i * (cols / 32), xs + i * (cols / 32));
     a.xq = xq; a.xd = xd; a.xs = xs; a.total_rows = total;
-    /* ~16 chunks a thread: small enough that a late thread costs little */
-    int64_t nt = P.n_workers + 1, chunk = total / (16 * nt);
-    if (chunk < 4) chunk = 4;
+    /* ~4 chunks a thread: enough that a late thread costs little, long enough that
+     * each thread streams its weights in runs the prefetchers follow (16 chunks a
+     * thread, interleaved between threads, made 2-thread decode products ~1.5x slower) */
+    int64_t nt = P.n_workers + 1, chunk = total / (4 * nt);
+    chunk = chunk < 16 ? 16 : chunk / 16 * 16;   /* whole groups of a repacked segment */
     a.chunk_rows = chunk;
     parallel_for(mm_chunk, &a, (total + chunk - 1) / chunk);
     free(heap);
@@ -567,7 +593,9 @@ static void dq_chunk(void *a_, int64_t c) {
     int64_t row_bytes = a->cols / block_elems(a->type) * block_bytes(a->type);
     for (int64_t i = c * a->chunk; i < (c + 1) * a->chunk && i < a->n; i++) {
         int64_t r = a->ids ? a->ids[i] : i;
-        dequant_row(a->type, a->w + r * row_bytes, a->cols, a->out + i * a->cols);
+        if (a->type == T_Q4X16) x16_dequant_row(a->w, r, a->cols / 32, a->out + i * a->cols);
+        else if (a->type == T_Q8X16) x16_q8_dequant_row(a->w, r, a->cols / 32, a->out + i * a->cols);
+        else dequant_row(a->type, a->w + r * row_bytes, a->cols, a->out + i * a->cols);
     }
 }
 
@@ -595,7 +623,7 @@ int ss_get_rows(int type, const uint8_t *w, int64_t cols, const int64_t *ids, in
 typedef struct {
     const float *q; int64_t q_stride; const void *kc, *vc; int kv_bf16;
     const int32_t *tables; int64_t table_stride; const int32_t *seq_lens;
-    int nh, nkv, hd, bs; float scale; int64_t window; float *out;
+    int nh, nkv, hd, bs; float scale; int64_t window; float *out; int gsz;
 } attn_args;
 
 static inline void load_row(const void *base, int bf16, int64_t off, int hd, float *dst) {
@@ -603,30 +631,61 @@ static inline void load_row(const void *base, int bf16, int64_t off, int hd, flo
     else memcpy(dst, (const float *)base + off, hd * sizeof(float));
 }
 
+/* Chunk c: sequence s, KV head kvh, and a group of gsz of the query heads that
+ * share it (each K/V row is read once for the group). Keys go in tiles of 64:
+ * the tile's scores, then the running max, denominator and accumulators are
+ * rescaled once a tile (not once a key), then the tile's V rows are added. */
+#define ATT_TILE 64
+#define ATT_GROUP 8
 static void attn_chunk(void *a_, int64_t c) {
     attn_args *a = a_;
-    int64_t s = c / a->nh; int h = (int)(c % a->nh), kvh = h / (a->nh / a->nkv), hd = a->hd;
-    const float *q = a->q + s * a->q_stride + h * hd;
-    float *o = a->out + c * hd;
+    int G = a->nh / a->nkv, parts = (G + a->gsz - 1) / a->gsz, hd = a->hd;
+    int64_t s = c / ((int64_t)a->nkv * parts);
+    int kvh = (int)(c / parts % a->nkv), h0 = kvh * G + (int)(c % parts) * a->gsz;
+    int ng = h0 + a->gsz <= (kvh + 1) * G ? a->gsz : (kvh + 1) * G - h0;
     int64_t n = a->seq_lens[s], lo = a->window > 0 && n > a->window ? n - a->window : 0;
     const int32_t *table = a->tables + s * a->table_stride;
-    float acc[512], kr[512], vr[512], mx = -INFINITY, den = 0;
-    for (int i = 0; i < hd; i++) acc[i] = 0;
-    for (int64_t j = lo; j < n; j++) {
-        int64_t off = (((int64_t)table[j / a->bs] * a->bs + j % a->bs) * a->nkv + kvh) * hd;
-        load_row(a->kc, a->kv_bf16, off, hd, kr);
-        float sc = dot_f(kr, q, hd) * a->scale;
-        load_row(a->vc, a->kv_bf16, off, hd, vr);
-        if (sc > mx) {
-            float f = expf(mx - sc);
-            den *= f; for (int i = 0; i < hd; i++) acc[i] *= f;
-            mx = sc;
-        }
-        float p = expf(sc - mx);
-        den += p;
-        for (int i = 0; i < hd; i++) acc[i] += p * vr[i];
+    const float *q[ATT_GROUP];
+    float acc[ATT_GROUP][512], sc[ATT_GROUP][ATT_TILE], mx[ATT_GROUP], den[ATT_GROUP];
+    float kr[512], vr[512];
+    for (int g = 0; g < ng; g++) {
+        q[g] = a->q + s * a->q_stride + (int64_t)(h0 + g) * hd;
+        mx[g] = -INFINITY; den[g] = 0;
+        for (int i = 0; i < hd; i++) acc[g][i] = 0;
     }
-    for (int i = 0; i < hd; i++) o[i] = acc[i] / den;
+    for (int64_t t0 = lo; t0 < n; t0 += ATT_TILE) {
+        int nt = n - t0 < ATT_TILE ? (int)(n - t0) : ATT_TILE;
+        for (int j = 0; j < nt; j++) {
+            int64_t t = t0 + j, off = (((int64_t)table[t / a->bs] * a->bs + t % a->bs) * a->nkv + kvh) * hd;
+            const float *kp = (const float *)a->kc + off;
+            if (a->kv_bf16) { load_row(a->kc, 1, off, hd, kr); kp = kr; }   /* fp32 rows: in place */
+            for (int g = 0; g < ng; g++) sc[g][j] = dot_f(kp, q[g], hd) * a->scale;
+        }
+        for (int g = 0; g < ng; g++) {
+            float m = mx[g];
+            for (int j = 0; j < nt; j++) m = sc[g][j] > m ? sc[g][j] : m;
+            if (m > mx[g]) {
+                float f = expf(mx[g] - m);   /* 0 on the first tile */
+                den[g] *= f;
+                for (int i = 0; i < hd; i++) acc[g][i] *= f;
+                mx[g] = m;
+            }
+            for (int j = 0; j < nt; j++) { sc[g][j] = expf(sc[g][j] - m); den[g] += sc[g][j]; }
+        }
+        for (int j = 0; j < nt; j++) {
+            int64_t t = t0 + j, off = (((int64_t)table[t / a->bs] * a->bs + t % a->bs) * a->nkv + kvh) * hd;
+            const float *vp = (const float *)a->vc + off;
+            if (a->kv_bf16) { load_row(a->vc, 1, off, hd, vr); vp = vr; }
+            for (int g = 0; g < ng; g++) {
+                float p = sc[g][j], *ac = acc[g];
+                for (int i = 0; i < hd; i++) ac[i] += p * vp[i];
+            }
+        }
+    }
+    for (int g = 0; g < ng; g++) {
+        float *o = a->out + (s * a->nh + h0 + g) * hd;
+        for (int i = 0; i < hd; i++) o[i] = acc[g][i] / den[g];
+    }
 }
 
 static inline uint16_t f2bf(float f) {   /* round to nearest even, as torch does */
@@ -655,7 +714,15 @@ int ss_decode_attention(const float *q, int64_t q_stride, const void *k_cache, c
             store_row((void *)k_cache, kv_bf16, slots[s] * nkv * hd, k_new + s * k_stride, (int64_t)nkv * hd);
             store_row((void *)v_cache, kv_bf16, slots[s] * nkv * hd, v_new + s * v_stride, (int64_t)nkv * hd);
         }
-    attn_args a = { q, q_stride, k_cache, v_cache, kv_bf16, tables, table_stride, seq_lens, nh, nkv, hd, bs, scale, window, out };
-    parallel_for(attn_chunk, &a, num_seqs * nh);
+    attn_args a = { q, q_stride, k_cache, v_cache, kv_bf16, tables, table_stride, seq_lens, nh, nkv, hd, bs, scale, window, out, 0 };
+    /* query heads per chunk: a whole GQA group (at most ATT_GROUP), halved while
+     * that leaves fewer than 4 chunks a thread */
+    int G = nh / nkv, gsz = G < ATT_GROUP ? G : ATT_GROUP;
+    while (gsz > 1 && num_seqs * nkv * ((G + gsz - 1) / gsz) < 4 * (P.n_workers + 1)) gsz = (gsz + 1) / 2;
+    a.gsz = gsz;
+    parallel_for(attn_chunk, &a, num_seqs * nkv * ((G + gsz - 1) / gsz));
     return 0;
 }
+
+/* ---- a whole decode step ------------------------------------------------ */
+#include "cpu_decoder.c"

@@ -157,11 +157,19 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(config, i, backend, quant_method_for, f"model.layers.{i}", tp)
             for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # CPU decode steps over GGUF blocks: kernels/cpu_decoder.py, built at the
+        # first CPU step (False: this model does not qualify).
+        self.cpu_decoder = None
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         # -> final normed hidden states [num_tokens, hidden]
-        rope = self.rotary_emb.for_step(batch.positions)  # once a step, shared by every layer
         x = self.embed_tokens(batch.input_ids)
+        if self.cpu_decoder is None and x.device.type == "cpu":
+            from slipstream.kernels.cpu_decoder import CPUDecoder
+            self.cpu_decoder = CPUDecoder.build(self) or False
+        if self.cpu_decoder and self.cpu_decoder.accepts(batch):
+            return self.cpu_decoder(x, batch)   # the whole step in one C call (same math)
+        rope = self.rotary_emb.for_step(batch.positions)  # once a step, shared by every layer
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, rope, batch)

@@ -24,6 +24,29 @@ def test_decode_attention_matches_reference(dtype, window):
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)   # fp32 inside both
 
 
+@pytest.mark.parametrize("window", [None, 100])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_long_contexts_and_large_head_groups(window, threads):
+    """Keys over several 64-key tiles, 10 query heads a KV head (more than one
+    chunk's group of 8); the head groups a chunk takes depend on the threads."""
+    gen = torch.Generator().manual_seed(5)
+    heads, kv_heads, dim, bs, blocks = 20, 2, 64, 16, 32
+    k_cache = torch.randn(blocks, bs, kv_heads, dim, generator=gen)
+    v_cache = torch.randn(blocks, bs, kv_heads, dim, generator=gen)
+    seq_lens = [150, 70, 3]
+    tables = torch.randperm(blocks, generator=gen)[:30].view(3, 10).to(torch.int32)
+    q = torch.randn(3, heads, dim, generator=gen)
+    before = cpu_library.set_threads(None)
+    try:
+        cpu_library.set_threads(threads)
+        out = cpu_attention.decode_attention(q, k_cache, v_cache, torch.tensor(seq_lens, dtype=torch.int32),
+                                             tables, 0.125, window)
+    finally:
+        cpu_library.set_threads(before)
+    ref = cpu_reference.decode_attention(q, k_cache, v_cache, seq_lens, tables, 0.125, window)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_store_then_attend_in_one_call(dtype):
     """The new K/V (strided views, as the model passes them) are written to their

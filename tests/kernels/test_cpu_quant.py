@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from slipstream.kernels import cpu_library, cpu_reference
-from slipstream.kernels.cpu_quant import BLOCKS, QUANTIZED, QuantMatrix
+from slipstream.kernels.cpu_quant import BLOCKS, Q4X16, Q8X16, QUANTIZED, QuantMatrix
 
 if cpu_library.load() is None:
     pytest.skip(f"CPU kernels unavailable: {cpu_library.error()}", allow_module_level=True)
@@ -36,15 +36,36 @@ def _tol(qtype: int) -> float:
 
 @pytest.mark.parametrize("qtype", sorted(QUANTIZED), ids=lambda q: QUANTIZED[q])
 @pytest.mark.parametrize("m", [1, 3, 9])
-def test_matmul_matches_dequantize_then_matmul(qtype, m):
-    gen = torch.Generator().manual_seed(qtype * 10 + m)
+@pytest.mark.parametrize("rows", [40, 48])
+def test_matmul_matches_dequantize_then_matmul(qtype, m, rows):
+    """48 rows: Q4_0 / Q4_1 / Q8_0 run repacked for 16 rows at a time (cpu_q4x16.c,
+    cpu_q8x16.c); 40 rows: as stored."""
+    gen = torch.Generator().manual_seed(qtype * 10 + m + rows)
     cols = 512
-    data = random_blocks(qtype, 40, cols, gen)
+    data = random_blocks(qtype, rows, cols, gen)
     x = torch.randn(m, cols, generator=gen)
-    y = QuantMatrix([(qtype, data)], cols).matmul(x)
+    qm = QuantMatrix([(qtype, data)], cols)
+    assert (qm.kernel_segments[0][0] in (Q4X16, Q8X16)) == (qtype in (2, 3, 8) and rows % 16 == 0)
+    y = qm.matmul(x)
     ref = cpu_reference.quant_matmul([(qtype, data)], cols, x)
-    assert y.shape == (m, 40)
+    assert y.shape == (m, rows)
     assert (y - ref).abs().max() <= _tol(qtype) * ref.abs().max()
+
+
+@pytest.mark.parametrize("qtype", [2, 3, 8], ids=lambda q: QUANTIZED[q])
+def test_repacked_blocks_hold_the_same_weights(qtype):
+    """The repacked layouts dequantized row by row equal the file's blocks dequantized
+    (Q4_0's offset -8 d is exact in fp16)."""
+    gen = torch.Generator().manual_seed(qtype + 50)
+    data = random_blocks(qtype, 32, 256, gen)
+    data.view(32, 8, -1)[::3, :, 1] |= 0x80     # some negative scales
+    qm = QuantMatrix([(qtype, data)], 256)
+    kind, packed = qm.kernel_segments[0]
+    # Q4_0 gains an offset (20 bytes a block, as Q4_1); Q8_0 keeps its 34
+    assert (kind, packed.shape) == ((Q8X16, (32, 272)) if qtype == 8 else (Q4X16, (32, 160)))
+    out = torch.empty(32, 256)
+    assert cpu_library.load().ss_dequant(kind, packed.data_ptr(), 32, 256, out.data_ptr()) == 0
+    torch.testing.assert_close(out, cpu_reference.dequantize(qtype, data, 256), rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("qtype", [2, 3, 8], ids=lambda q: QUANTIZED[q])
@@ -107,16 +128,18 @@ def test_threads_give_the_same_result():
     assert torch.equal(one, three)
 
 
-@pytest.mark.parametrize("arch", ["haswell", "x86-64"])
+@pytest.mark.parametrize("arch", ["haswell", "x86-64", "skylake-avx512"])
 def test_other_cpus(arch, tmp_path):
-    """The kernels built for an AVX2-only CPU and for one without vector extensions
-    (the paths this machine would not take) pass the same tests."""
+    """The kernels built for an AVX2-only CPU, for one without vector extensions and
+    for AVX-512 without VNNI (paths this machine may not take) pass the same tests."""
     import os
     import platform
     import subprocess
     import sys
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("x86 targets")
+    if arch == "skylake-avx512" and "avx512bw" not in cpu_library._cpu_flags().split():
+        pytest.skip("this CPU runs no AVX-512")
     env = dict(os.environ, SLIPSTREAM_CPU_ARCH=arch, SLIPSTREAM_CACHE=str(tmp_path))
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
                         "-k", "not other_cpus", "tests/kernels/test_cpu_attention.py"],

@@ -1,0 +1,102 @@
+/* A whole decode step of a Llama-family model in one call (included by
+ * cpu_quant.c, so it shares its kernels and thread pool).
+ *
+ * Every sequence brings one token. For each layer:
+ *   h = rmsnorm(r) * w1;  qkv = h @ Wqkv^T (+ b);  rotary on the q and k heads;
+ *   k, v -> the paged cache at the token's slot;  o = attention over the cache;
+ *   r += o @ Wo^T (+ b);  h = rmsnorm(r) * w2;  gu = h @ Wgu^T;
+ *   r += (silu(g) * u) @ Wd^T
+ * and at the end x = rmsnorm(r) * wf. The residual stream r starts as the
+ * embeddings in x. All fp32; the products are `ss_matmul`'s (int8 activations
+ * for the 32-block formats), so the result is that of the layer-by-layer path
+ * up to the order of fp32 sums. Twin: the model's own forward (torch ops and
+ * the same kernels one by one).
+ */
+
+typedef struct {                 /* one product: W given as 1..MAX_SEG segments */
+    int32_t n_seg; int32_t type[MAX_SEG]; const uint8_t *w[MAX_SEG]; int64_t rows[MAX_SEG];
+    const float *bias;           /* [rows] or NULL */
+} ss_linear_t;
+
+typedef struct {
+    ss_linear_t qkv, o, gate_up, down;
+    const float *norm1, *norm2;  /* [hidden] */
+    void *k_cache, *v_cache;     /* [num_blocks, block_size, nkv, hd], fp32 or bf16 */
+} ss_layer_t;
+
+typedef struct {
+    int32_t n_layers, hidden, nh, nkv, hd, inter, block_size, kv_bf16;
+    float eps, scale; int64_t window;      /* window 0: none */
+    const float *cos, *sin;                /* [max_position, hd]: [cos|cos], [-sin|sin] */
+    const float *final_norm;               /* [hidden] */
+    const ss_layer_t *layers;
+} ss_model_t;
+
+static int lin(const ss_linear_t *l, int64_t cols, const float *x, int64_t m, float *y) {
+    int64_t rows = 0;
+    for (int s = 0; s < l->n_seg; s++) rows += l->rows[s];
+    int rc = ss_matmul(l->n_seg, l->type, l->w, l->rows, cols, x, m, y, rows);
+    if (rc == 0 && l->bias)
+        for (int64_t i = 0; i < m; i++) for (int64_t r = 0; r < rows; r++) y[i * rows + r] += l->bias[r];
+    return rc;
+}
+
+static void rmsnorm(const float *x, const float *w, int64_t n, float eps, float *out) {
+    float ss = 0;
+    for (int64_t i = 0; i < n; i++) ss += x[i] * x[i];
+    float inv = 1.0f / sqrtf(ss / n + eps);
+    for (int64_t i = 0; i < n; i++) out[i] = w[i] * (x[i] * inv);
+}
+
+/* x [heads, hd] rotated in place: x * cos + [x2 | x1] * sin (sin signed) */
+static void rotary(float *x, int heads, int hd, const float *cos, const float *sin) {
+    int half = hd / 2;
+    for (int h = 0; h < heads; h++, x += hd)
+        for (int i = 0; i < half; i++) {
+            float a = x[i], b = x[i + half];
+            x[i] = a * cos[i] + b * sin[i];
+            x[i + half] = b * cos[i + half] + a * sin[i + half];
+        }
+}
+
+/* x: [b, hidden] embeddings in, final normed hidden states out. Returns 0, or -1
+ * on arguments the kernels reject. */
+int ss_decode_step(const ss_model_t *m, float *x, int64_t b, const int64_t *positions,
+                   const int32_t *tables, int64_t table_stride, const int32_t *seq_lens,
+                   const int64_t *slots) {
+    int64_t H = m->hidden, hd = m->hd, nq = (int64_t)m->nh * hd, nkvd = (int64_t)m->nkv * hd;
+    int64_t wqkv = nq + 2 * nkvd, I = m->inter;
+    if (hd > 512 || m->nkv < 1 || m->nh % m->nkv || hd % 2) return -1;
+    int64_t need = b * (H + H + wqkv + nq + 2 * I + I);
+    float *buf = malloc(need * sizeof(float));
+    if (!buf) return -1;
+    float *r = buf, *h = r + b * H, *qkv = h + b * H, *att = qkv + b * wqkv, *gu = att + b * nq, *act = gu + b * 2 * I;
+    memcpy(r, x, b * H * sizeof(float));
+    int rc = 0;
+    for (int l = 0; l < m->n_layers && rc == 0; l++) {
+        const ss_layer_t *L = &m->layers[l];
+        for (int64_t i = 0; i < b; i++) rmsnorm(r + i * H, L->norm1, H, m->eps, h + i * H);
+        if ((rc = lin(&L->qkv, H, h, b, qkv))) break;
+        for (int64_t i = 0; i < b; i++) {
+            const float *c = m->cos + positions[i] * hd, *s = m->sin + positions[i] * hd;
+            rotary(qkv + i * wqkv, m->nh + m->nkv, (int)hd, c, s);
+        }
+        rc = ss_decode_attention(qkv, wqkv, L->k_cache, L->v_cache, m->kv_bf16, tables, table_stride,
+                                 seq_lens, b, m->nh, m->nkv, (int)hd, m->block_size, m->scale, m->window,
+                                 qkv + nq, wqkv, qkv + nq + nkvd, wqkv, slots, att);
+        if (rc || (rc = lin(&L->o, nq, att, b, h))) break;
+        for (int64_t i = 0; i < b * H; i++) r[i] += h[i];
+        for (int64_t i = 0; i < b; i++) rmsnorm(r + i * H, L->norm2, H, m->eps, h + i * H);
+        if ((rc = lin(&L->gate_up, H, h, b, gu))) break;
+        for (int64_t i = 0; i < b; i++) {
+            const float *g = gu + i * 2 * I, *u = g + I;
+            for (int64_t j = 0; j < I; j++) act[i * I + j] = g[j] / (1.0f + expf(-g[j])) * u[j];
+        }
+        if ((rc = lin(&L->down, I, act, b, h))) break;
+        for (int64_t i = 0; i < b * H; i++) r[i] += h[i];
+    }
+    if (rc == 0)
+        for (int64_t i = 0; i < b; i++) rmsnorm(r + i * H, m->final_norm, H, m->eps, x + i * H);
+    free(buf);
+    return rc;
+}

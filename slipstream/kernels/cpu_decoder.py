@@ -1,0 +1,151 @@
+"""A whole decode step of a Llama-family model in one C call (launcher for `cpu_decoder.c`).
+
+On the CPU a batch-1 decode step of a small model is mostly Python: ~10 torch
+ops and kernel calls per layer, each a few microseconds of interpreter and
+dispatcher time, add up to as much as the products themselves. `CPUDecoder`
+describes the model to the C code once (pointers to the GGUF blocks, norms,
+rotary tables, KV caches, in ctypes structures), and a decode step is then
+one call: every layer's norm, q/k/v product, rotary, KV store, attention over
+the paged cache, output product, norm, gate/up product, SiLU * up and down
+product, and the final norm.
+
+It serves a model whose every linear layer holds a `QuantMatrix` (the GGUF
+scheme on a CPU with the kernels built), fp32 activations and an fp32 or bf16
+KV cache, batches where each sequence brings one token and no tree mask.
+Everything else takes the model's own forward, which is also its twin
+(`tests/test_cpu_decoder.py` compares the two).
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from slipstream.kernels import cpu_library
+from slipstream.kernels.cpu_quant import QuantMatrix
+
+MAX_SEG = 8
+enabled = True      # False: every step takes the model's forward (tests compare the two)
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [("n_seg", ctypes.c_int32), ("type", ctypes.c_int32 * MAX_SEG),
+                ("w", ctypes.c_void_p * MAX_SEG), ("rows", ctypes.c_int64 * MAX_SEG),
+                ("bias", ctypes.c_void_p)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear),
+                ("norm1", ctypes.c_void_p), ("norm2", ctypes.c_void_p),
+                ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p)]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [("n_layers", ctypes.c_int32), ("hidden", ctypes.c_int32), ("nh", ctypes.c_int32),
+                ("nkv", ctypes.c_int32), ("hd", ctypes.c_int32), ("inter", ctypes.c_int32),
+                ("block_size", ctypes.c_int32), ("kv_bf16", ctypes.c_int32),
+                ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("window", ctypes.c_int64),
+                ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("final_norm", ctypes.c_void_p),
+                ("layers", ctypes.POINTER(_Layer))]
+
+
+def _fp32(t: torch.Tensor | None) -> bool:
+    return t is None or (t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous())
+
+
+def _linear(layer) -> _Linear | None:
+    qm = getattr(layer, "gguf_weight", None)
+    bias = getattr(layer, "bias", None)
+    if not isinstance(qm, QuantMatrix) or not _fp32(bias):
+        return None
+    lin = _Linear(n_seg=len(qm.segments))
+    for i, (qtype, data) in enumerate(qm.segments):
+        lin.type[i], lin.w[i], lin.rows[i] = qtype, data.data_ptr(), data.shape[0]
+    lin.bias = bias.data_ptr() if bias is not None else None
+    return lin
+
+
+class CPUDecoder:
+    """Build with `CPUDecoder.build(llama_model)`; None when the model does not qualify."""
+
+    def __init__(self, model, layers: list[_Layer]):
+        self.model = model                     # a LlamaModel (holds every tensor pointed to)
+        self._layers = (_Layer * len(layers))(*layers)
+        first = model.layers[0]
+        attn = first.self_attn.attn
+        rope = model.rotary_emb
+        self._struct = _Model(
+            n_layers=len(layers), hidden=first.input_layernorm.weight.shape[0], nh=attn.num_heads,
+            nkv=attn.num_kv_heads, hd=attn.head_dim,
+            inter=first.mlp.down_proj.gguf_weight.cols, eps=first.input_layernorm.eps,
+            scale=attn.scale, window=attn.sliding_window or 0, cos=rope.cos.data_ptr(),
+            sin=rope.sin.data_ptr(), final_norm=model.norm.weight.data_ptr(), layers=self._layers)
+        self._caches: list = []                # the KV tensors the structures point to
+        self._attns = [layer.self_attn.attn for layer in model.layers]
+        self._lib = cpu_library.load()
+
+    @classmethod
+    def build(cls, model) -> "CPUDecoder | None":
+        if cpu_library.load() is None:
+            return None
+        rope = model.rotary_emb
+        tensors = [rope.cos, rope.sin, model.norm.weight]
+        layers = []
+        for layer in model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            parts = [_linear(attn.qkv_proj), _linear(attn.o_proj), _linear(mlp.gate_up_proj),
+                     _linear(mlp.down_proj)]
+            if any(p is None for p in parts):
+                return None
+            n1, n2 = layer.input_layernorm, layer.post_attention_layernorm
+            if n1.eps != n2.eps or n1.eps != model.norm.eps:
+                return None
+            tensors += [n1.weight, n2.weight]
+            layers.append(_Layer(*parts, norm1=n1.weight.data_ptr(), norm2=n2.weight.data_ptr()))
+        if not all(_fp32(t) for t in tensors):
+            return None
+        a0 = model.layers[0].self_attn.attn
+        if any((l.self_attn.attn.num_heads, l.self_attn.attn.num_kv_heads, l.self_attn.attn.head_dim,
+                l.self_attn.attn.scale, l.self_attn.attn.sliding_window)
+               != (a0.num_heads, a0.num_kv_heads, a0.head_dim, a0.scale, a0.sliding_window)
+               for l in model.layers):
+            return None
+        return cls(model, layers)
+
+    def _bind_caches(self) -> bool:
+        """Point the structures at the layers' current KV caches; False if unsupported."""
+        if self._caches and all(a.k_cache is k and a.v_cache is v for a, (k, v) in zip(self._attns, self._caches)):
+            return True
+        caches = [(a.k_cache, a.v_cache) for a in self._attns]
+        k0 = caches[0][0]
+        if k0 is None or k0.device.type != "cpu" or k0.dtype not in (torch.float32, torch.bfloat16):
+            return False
+        for (k, v), st in zip(caches, self._layers):
+            if k.dtype != k0.dtype or v.dtype != k0.dtype or not (k.is_contiguous() and v.is_contiguous()) \
+                    or k.shape[1:] != k0.shape[1:] or v.shape != k.shape:
+                return False
+            st.k_cache, st.v_cache = k.data_ptr(), v.data_ptr()
+        self._struct.block_size = k0.shape[1]
+        self._struct.kv_bf16 = int(k0.dtype == torch.bfloat16)
+        self._caches = caches
+        return True
+
+    def accepts(self, batch) -> bool:
+        return (enabled and batch.is_decode_only and batch.tree_mask is None
+                and batch.input_ids.device.type == "cpu"
+                and batch.max_seq_len <= self.model.rotary_emb.max_position and self._bind_caches())
+
+    def __call__(self, x: torch.Tensor, batch) -> torch.Tensor:
+        """x: [num_seqs, hidden] fp32 embeddings -> final normed hidden states, same shape."""
+        x = x.contiguous() if x.dtype == torch.float32 else x.float().contiguous()
+        positions = batch.positions if batch.positions.dtype == torch.int64 else batch.positions.long()
+        lens = batch.seq_lens if batch.seq_lens.dtype == torch.int32 else batch.seq_lens.int()
+        tables = batch.block_tables if batch.block_tables.dtype == torch.int32 else batch.block_tables.int()
+        slots = batch.slot_mapping if batch.slot_mapping.dtype == torch.int64 else batch.slot_mapping.long()
+        positions, lens, tables, slots = (t.contiguous() for t in (positions, lens, tables, slots))
+        rc = self._lib.ss_decode_step(ctypes.byref(self._struct), x.data_ptr(), x.shape[0],
+                                      positions.data_ptr(), tables.data_ptr(), tables.shape[1],
+                                      lens.data_ptr(), slots.data_ptr())
+        if rc != 0:
+            raise RuntimeError("ss_decode_step rejected its arguments")
+        return x
