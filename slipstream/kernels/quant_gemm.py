@@ -57,8 +57,8 @@ def _centred_weights(codes, z, BITS: tl.constexpr, DT: tl.constexpr):
 
 @triton.jit
 def _int_weight_gemm_kernel(X, QW, Scales, Zeros, Y, M, N, K, num_groups,
-                            stride_xm, stride_qn, stride_ym, split_k,
-                            BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr,
+                            stride_xm, stride_qn, stride_ym, split_k, group,
+                            BITS: tl.constexpr, HAS_ZEROS: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                             BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     pid_m, pid_n = _grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -88,7 +88,7 @@ def _int_weight_gemm_kernel(X, QW, Scales, Zeros, Y, M, N, K, num_groups,
         else:
             codes = tl.load(QW + rn64[:, None] * stride_qn + rk[None, :],
                             mask=n_ok[:, None] & k_ok[None, :], other=0)
-        g = k0 // GROUP
+        g = k0 // group
         s = tl.load(Scales + rn64 * num_groups + g, mask=n_ok, other=0.0)
         if HAS_ZEROS:
             z = tl.load(Zeros + rn64 * num_groups + g, mask=n_ok, other=0).to(tl.float32)
@@ -190,8 +190,8 @@ def _launch_int_weight(x, qweight, scales, qzeros, bits, group_cols, config):
     out = y if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
     _int_weight_gemm_kernel[(tiles, split)](
         x, qweight, scales, qzeros if qzeros is not None else scales, out, m, n, k,
-        scales.shape[1], x.stride(0), qweight.stride(0), n, split,
-        BITS=bits, GROUP=group_cols, HAS_ZEROS=qzeros is not None, GROUP_M=8, **cfg)
+        scales.shape[1], x.stride(0), qweight.stride(0), n, split, group_cols,
+        BITS=bits, HAS_ZEROS=qzeros is not None, GROUP_M=8, **cfg)
     if split > 1:
         block = 1024
         _sum_splits_kernel[(triton.cdiv(m * n, block),)](out, y, m * n, split, BLOCK=block,
