@@ -21,9 +21,16 @@ from slipstream.layers.linear import LinearBase
 from slipstream.models.llama import LlamaForCausalLM
 
 
+# The calibration set that ships with slipstream (data/README.md): prose written for it,
+# then text sampled from the default model over a broad set of prompts
+# (benchmarks/quant/make_calibration.py), about 28,000 tokens together.
+DEFAULT_CALIBRATION_FILES = ("data/calibration.txt", "data/calibration_generated.txt")
+
+
 def default_calibration_text() -> str:
-    """The calibration text that ships with slipstream (written for it; see its header)."""
-    return resources.files("slipstream.quant").joinpath("data/calibration.txt").read_text("utf-8")
+    """The calibration text that ships with slipstream."""
+    root = resources.files("slipstream.quant")
+    return "\n\n".join(root.joinpath(f).read_text("utf-8") for f in DEFAULT_CALIBRATION_FILES)
 
 
 def token_windows(tokenizer, text: str, seq_len: int, max_windows: int) -> list[list[int]]:

@@ -60,14 +60,40 @@ def _one_thread(device: torch.device):
 
 def gptq_quantize(w: torch.Tensor, h: torch.Tensor, bits: int, group_size: int | None = 128,
                   sym: bool = False, block_size: int = 128, damp: float = 0.01,
-                  act_order: bool = False) -> tuple[QTensor, torch.Tensor | None]:
+                  act_order: bool = False, clip_grid: int = 0
+                  ) -> tuple[QTensor, torch.Tensor | None]:
     """w: [out, in]; h: [in, in] -> (QTensor over the columns in quantization order,
-    perm [in] int64 when act_order else None). group_size None: one group per row."""
+    perm [in] int64 when act_order else None). group_size None: one group per row.
+    clip_grid > 0: each group's range is searched (see group_qparams)."""
     with _one_thread(w.device):
-        return _gptq(w, h, bits, group_size, sym, block_size, damp, act_order)
+        return _gptq(w, h, bits, group_size, sym, block_size, damp, act_order, clip_grid)
 
 
-def _gptq(w, h, bits, group_size, sym, block_size, damp, act_order):
+def group_qparams(w: torch.Tensor, d: torch.Tensor, bits: int, sym: bool, grid: int,
+                  min_ratio: float = 0.5) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, zero) [rows, 1] of one group w [rows, cols]: with grid > 0 the range is shrunk
+    by the ratio in [min_ratio, 1] (grid + 1 steps) minimizing each row's rounding error
+    weighted by d [cols] = diag(H) (GPTQ's `mse` option, Hessian-weighted: a column's
+    rounding error costs the output d_j times its square)."""
+    s, z, _ = compute_qparams(w, bits, sym, "channel")
+    if grid <= 0:
+        return s, z
+    best = None
+    for i in range(grid + 1):
+        r = 1.0 - (1.0 - min_ratio) * i / grid
+        si, zi, _ = compute_qparams(w, bits, sym, "channel", clip=r)
+        q = (quantize_codes(w, si, zi, bits).float() - zi) * si
+        err = ((q - w).pow(2) * d[None, :]).sum(1, keepdim=True)
+        if best is None:
+            best, s, z = err, si, zi
+        else:
+            better = err < best
+            best = torch.where(better, err, best)
+            s, z = torch.where(better, si, s), torch.where(better, zi, z)
+    return s, z
+
+
+def _gptq(w, h, bits, group_size, sym, block_size, damp, act_order, clip_grid=0):
     out_f, in_f = w.shape
     group = in_f if group_size is None else min(group_size, in_f)   # last group may be narrower
     W = w.detach().float().clone()
@@ -80,6 +106,7 @@ def _gptq(w, h, bits, group_size, sym, block_size, damp, act_order):
         perm = torch.argsort(torch.diag(H), descending=True)
         W, H = W[:, perm], H[perm][:, perm]
     H += damp * torch.diag(H).mean() * torch.eye(in_f)
+    diag = torch.diag(H).clone()
     U = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
 
     codes = torch.zeros(out_f, in_f, dtype=torch.uint8)
@@ -96,7 +123,8 @@ def _gptq(w, h, bits, group_size, sym, block_size, damp, act_order):
             if col % group == 0:
                 # The group's range from its current (error-updated) weights.
                 ahead = torch.cat([W1[:, i:], W[:, i2:]], dim=1)[:, :group]
-                s, z, _ = compute_qparams(ahead, bits, sym, "channel")
+                s, z = group_qparams(ahead, diag[col:col + ahead.shape[1]], bits, sym,
+                                     clip_grid)
                 scale[:, col // group], zero[:, col // group] = s[:, 0], z[:, 0]
             g = col // group
             s, z = scale[:, g:g + 1], zero[:, g:g + 1]
