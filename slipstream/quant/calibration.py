@@ -45,6 +45,10 @@ def token_windows(tokenizer, text: str, seq_len: int, max_windows: int) -> list[
     return windows[:max_windows]
 
 
+class _StopForward(Exception):
+    """Raised by a statistics hook to end a forward whose remaining layers are not needed."""
+
+
 class InputStats:
     """Running statistics of one linear layer's inputs x [tokens, in]."""
 
@@ -122,16 +126,25 @@ class CalibrationModel:
         return [(emb(torch.tensor(w, device=self.device)), None) for w in windows]
 
     @torch.no_grad()
-    def run_layer(self, i: int, states: list, observe: dict[str, InputStats] | None = None
-                  ) -> list:
+    def run_layer(self, i: int, states: list, observe: dict[str, InputStats] | None = None,
+                  stop_early: bool = False) -> list:
         """Run decoder layer i on every window's state; with `observe`, feed each named
-        linear layer's inputs to its InputStats. Returns the states entering layer i + 1."""
+        linear layer's inputs to its InputStats. Returns the states entering layer i + 1;
+        with `stop_early`, each window's forward stops once every observed layer has seen
+        its input (statistics only, e.g. for the first layers of a decoder layer), and
+        nothing is returned."""
         hooks = []
+        pending: set[str] = set()
+
+        def hook(name, stats, args):
+            stats.add(args[0])
+            pending.discard(name)
+            if stop_early and not pending:
+                raise _StopForward
         for name, module in self.linear_layers(i).items():
             if observe is not None and name in observe:
-                stats = observe[name]
                 hooks.append(module.register_forward_pre_hook(
-                    lambda m, args, stats=stats: stats.add(args[0])))
+                    lambda m, args, name=name, stats=observe[name]: hook(name, stats, args)))
         layer = self.layers[i]
         out = []
         try:
@@ -142,12 +155,16 @@ class CalibrationModel:
                 cache = torch.zeros(1, n, *self._cache_shape, dtype=x.dtype, device=self.device)
                 layer.self_attn.attn.k_cache, layer.self_attn.attn.v_cache = cache, cache.clone()
                 rope = self.model.model.rotary_emb.for_step(batch.positions)
-                out.append(layer(x, residual, rope, batch))
+                pending.update(observe or ())
+                try:
+                    out.append(layer(x, residual, rope, batch))
+                except _StopForward:
+                    pass
         finally:
             for h in hooks:
                 h.remove()
             layer.self_attn.attn.k_cache = layer.self_attn.attn.v_cache = None
-        return out
+        return [] if stop_early else out
 
     @torch.no_grad()
     def logits(self, states: list) -> list[torch.Tensor]:

@@ -36,7 +36,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--calib", default=None, help="calibration text file (default: a text "
                    "shipped with slipstream)")
     p.add_argument("--seq-len", type=int, default=512, help="tokens per calibration window")
-    p.add_argument("--num-windows", type=int, default=64, help="calibration windows at most")
+    p.add_argument("--num-windows", type=int, default=32, help="calibration windows at most")
     p.add_argument("--alpha", type=float, default=None,
                    help="SmoothQuant migration strength in [0, 1] for every layer (default: "
                         "searched per layer on the calibration data)")

@@ -41,7 +41,7 @@ class QuantizeOptions:
     alpha: float | None = None         # SmoothQuant strength; None: searched per fold site
     awq_grid: int = 20
     seq_len: int = 512
-    num_windows: int = 64
+    num_windows: int = 32              # 16,384 tokens: ~10x the widest layer input here
     avg_bits: float = 3.5              # mixed precision: average bits budget
     # 2 bits is allowed but not a default: on SmolLM2-135M, layers at 2 bits cost far more
     # perplexity than their own output error predicts (benchmarks/quant/README.md).
@@ -155,7 +155,7 @@ def quantize_layers(cm: CalibrationModel, windows: list[list[int]], opts: Quanti
             for stage in STAGES:
                 names = [f"{p}.{n}" for n in stage]
                 stats = {n: InputStats(linears[n].input_size, hessian=True) for n in names}
-                cm.run_layer(i, states, stats)
+                cm.run_layer(i, states, stats, stop_early=True)
                 for n in names:
                     report.layers[n] = _gptq_install(linears[n], linears[n].weight.data.float(),
                                                      stats[n].hessian, bits_of(n), opts)
