@@ -14,7 +14,8 @@ weight-only methods are scored with their dequantized weights in dense layers, w
 computes the same log-probs (see densify_weight_only) at a fraction of the CPU time.
 
 Calibration (GPTQ, AWQ, SmoothQuant, mixed): the set that ships with slipstream
-(slipstream/quant/data/, about 28,700 tokens), windows of 512 tokens; it shares no text
+(slipstream/quant/data/, about 28,700 tokens), 16 windows of 512 tokens spread over it
+(the default of QuantizeOptions and `slipstream quantize`); it shares no text
 with the evaluation file (tests/quant/test_calibration_data.py). Per-token NLLs go to
 OUT/nll/ (not committed); quality_report.py turns them into bootstrap intervals.
 
@@ -26,6 +27,7 @@ import argparse
 import json
 import platform
 import sys
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -38,13 +40,15 @@ from quality_report import bootstrap, markdown, save_nll  # noqa: E402
 
 # name -> (load-time scheme, or `slipstream quantize` options), description
 METHODS = {
-    "baseline": ({}, "fp32 (the Q4_1 GGUF dequantized)"),
+    "baseline": ({"quantization": None}, "fp32 (the Q4_1 GGUF dequantized)"),
     "rtn-w4g128": ({"quantization": "rtn-int4"}, "RTN int4, asymmetric, group 128, at load"),
     "gptq-w4g128": ({"quantize": dict(method="gptq", bits=4)},
                     "GPTQ int4 g128: act-order, true-sequential, range search, damp 0.01"),
     "gptq-w4g128-plain": ({"quantize": dict(method="gptq", bits=4, act_order=False,
                                             true_sequential=False, clip_grid=0)},
                           "GPTQ int4 g128 without act-order, true-sequential, range search"),
+    "gptq-w4g128-static": ({"quantize": dict(method="gptq", bits=4, static_groups=True)},
+                           "GPTQ int4 g128 as above, static groups (codes in input order)"),
     "awq-w4g128": ({"quantize": dict(method="awq", bits=4)},
                    "AWQ int4 g128: scales at 4 sites per layer + clipping search"),
     "awq-w4g128-noclip": ({"quantize": dict(method="awq", bits=4, clip_grid=0)},
@@ -135,6 +139,9 @@ def main(argv=None) -> int:
                     help="calibration text file (default: the one shipped with slipstream)")
     ap.add_argument("--merge", action="store_true",
                     help="keep the other methods' rows of an existing quality.json")
+    ap.add_argument("--collect", default=None,
+                    help="comma-separated result folders of earlier runs (e.g. run in parallel "
+                         "with --methods subsets): their rows and NLLs join this run's table")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch CPU threads (1: on a shared 2-core machine, more threads only "
                          "wait for each other)")
@@ -158,7 +165,7 @@ def main(argv=None) -> int:
                 enable_prefix_caching=False)
     rows = []
     tmp = Path(tempfile.mkdtemp())
-    for name in args.methods.split(","):
+    for name in [m for m in args.methods.split(",") if m]:
         spec, desc = {**METHODS, **OPTIONAL}[name]
         t0 = time.perf_counter()
         info = {}
@@ -179,7 +186,7 @@ def main(argv=None) -> int:
             del cm
             llm = LLM(str(path), **opts)
         elif "kv" in spec:
-            llm = LLM(model, **opts)
+            llm = LLM(model, **opts, quantization=None)   # dense fp32, not the GGUF blocks
             simulate_kv_cache(llm, spec["kv"])
         else:
             llm = LLM(model, **opts, **spec)
@@ -196,6 +203,14 @@ def main(argv=None) -> int:
         print(f"{name:24s} ppl {ppl:8.4f}  ({n} tokens, prepared in {prep:.0f} s)", flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    for d in (args.collect.split(",") if args.collect else []):
+        d = Path(d)
+        got = {r["method"]: r for r in json.loads((d / "quality.json").read_text())["results"]}
+        rows = [r for r in rows if r["method"] not in got] + list(got.values())
+        for name in got:
+            if (d / "nll" / f"{name}.txt").is_file():
+                (out / "nll").mkdir(parents=True, exist_ok=True)
+                shutil.copy(d / "nll" / f"{name}.txt", out / "nll" / f"{name}.txt")
     if args.merge and (out / "quality.json").is_file():
         new = {r["method"]: r for r in rows}
         old = json.loads((out / "quality.json").read_text())["results"]
@@ -205,8 +220,9 @@ def main(argv=None) -> int:
     meta = {"model": "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to fp32 = baseline)",
             "text": "benchmarks/quant/eval_text.txt", "context": args.context,
             "scoring": "non-overlapping windows, first token of each window unscored",
-            "calibration": args.calib or "the default set shipped with slipstream "
-                           "(slipstream/quant/data/, about 28,700 tokens), windows of 512",
+            "calibration": (args.calib or "the default set shipped with slipstream "
+                            "(slipstream/quant/data/)") + ": 16 windows of 512 tokens spread over "
+                           "it (8,192 tokens, QuantizeOptions' default)",
             "machine": platform.processor() or platform.machine(), "torch": torch.__version__}
     noise = bootstrap(out, rows)
     for r in rows:

@@ -34,7 +34,8 @@ def default_calibration_text() -> str:
 
 
 def token_windows(tokenizer, text: str, seq_len: int, max_windows: int) -> list[list[int]]:
-    """Consecutive windows of `seq_len` tokens (the last one may be shorter, >= seq_len / 2)."""
+    """Windows of `seq_len` consecutive tokens (the last one may be shorter, >= seq_len / 2);
+    with more than `max_windows`, that many spread evenly over the text."""
     if seq_len < 2:
         raise ValueError(f"seq_len: expected at least 2, got {seq_len}")
     ids = tokenizer.encode(text)
@@ -42,7 +43,10 @@ def token_windows(tokenizer, text: str, seq_len: int, max_windows: int) -> list[
     windows = [w for w in windows if len(w) >= max(2, seq_len // 2)]
     if not windows:
         raise ValueError(f"calibration text: {len(ids)} tokens, too short for one window")
-    return windows[:max_windows]
+    if len(windows) > max_windows:   # spread over the whole text, not only its beginning
+        step = len(windows) / max_windows
+        windows = [windows[int(i * step)] for i in range(max_windows)]
+    return windows
 
 
 class _StopForward(Exception):

@@ -29,6 +29,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--no-true-sequential", dest="true_sequential", action="store_false",
                    help="GPTQ: quantize all of a decoder layer from its unquantized inputs "
                         "(default: qkv, o, gate_up, down in turn, each from quantized inputs)")
+    p.add_argument("--static-groups", action="store_true",
+                   help="GPTQ act-order: fix every group's range up front so the codes stay in "
+                        "input order (no gather of the layer's input at run time)")
     p.add_argument("--damp", type=float, default=0.01,
                    help="GPTQ: Hessian damping, a fraction of its mean diagonal (default 0.01)")
     p.add_argument("--clip-grid", type=int, default=20,
@@ -36,7 +39,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--calib", default=None, help="calibration text file (default: a text "
                    "shipped with slipstream)")
     p.add_argument("--seq-len", type=int, default=512, help="tokens per calibration window")
-    p.add_argument("--num-windows", type=int, default=32, help="calibration windows at most")
+    p.add_argument("--num-windows", type=int, default=16, help="calibration windows at most")
     p.add_argument("--alpha", type=float, default=None,
                    help="SmoothQuant migration strength in [0, 1] for every layer (default: "
                         "searched per layer on the calibration data)")
@@ -69,7 +72,8 @@ def run(args) -> int:
     opts = QuantizeOptions(method=args.method, bits=args.bits,
                            group_size=args.group_size or None, sym=args.sym,
                            act_order=args.act_order, true_sequential=args.true_sequential,
-                           damp=args.damp, clip_grid=args.clip_grid,
+                           static_groups=args.static_groups, damp=args.damp,
+                           clip_grid=args.clip_grid,
                            alpha=args.alpha, seq_len=args.seq_len,
                            num_windows=args.num_windows, avg_bits=args.avg_bits,
                            mixed_bits=_bit_list(args.mixed_bits))

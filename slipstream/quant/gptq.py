@@ -60,13 +60,18 @@ def _one_thread(device: torch.device):
 
 def gptq_quantize(w: torch.Tensor, h: torch.Tensor, bits: int, group_size: int | None = 128,
                   sym: bool = False, block_size: int = 128, damp: float = 0.01,
-                  act_order: bool = False, clip_grid: int = 0
+                  act_order: bool = False, clip_grid: int = 0, static_groups: bool = False
                   ) -> tuple[QTensor, torch.Tensor | None]:
     """w: [out, in]; h: [in, in] -> (QTensor over the columns in quantization order,
     perm [in] int64 when act_order else None). group_size None: one group per row.
-    clip_grid > 0: each group's range is searched (see group_qparams)."""
+    clip_grid > 0: each group's range is searched (see group_qparams).
+    static_groups (with act_order): every group's range is fixed up front from the weights
+    in input order, so the codes are stored in input order and perm is None (the layer
+    needs no gather of its input at run time); the quantization itself still runs in
+    act-order."""
     with _one_thread(w.device):
-        return _gptq(w, h, bits, group_size, sym, block_size, damp, act_order, clip_grid)
+        return _gptq(w, h, bits, group_size, sym, block_size, damp, act_order, clip_grid,
+                     static_groups and act_order)
 
 
 def group_qparams(w: torch.Tensor, d: torch.Tensor, bits: int, sym: bool, grid: int,
@@ -93,7 +98,8 @@ def group_qparams(w: torch.Tensor, d: torch.Tensor, bits: int, sym: bool, grid: 
     return s, z
 
 
-def _gptq(w, h, bits, group_size, sym, block_size, damp, act_order, clip_grid=0):
+def _gptq(w, h, bits, group_size, sym, block_size, damp, act_order, clip_grid=0,
+          static=False):
     out_f, in_f = w.shape
     group = in_f if group_size is None else min(group_size, in_f)   # last group may be narrower
     W = w.detach().float().clone()
@@ -113,6 +119,15 @@ def _gptq(w, h, bits, group_size, sym, block_size, damp, act_order, clip_grid=0)
     n_groups = -(-in_f // group)
     scale = torch.zeros(out_f, n_groups)
     zero = torch.zeros(out_f, n_groups)
+    # Column in quantization order -> (stored column, its group).
+    where = perm if static else torch.arange(in_f)
+    if static:
+        w_in, d_in = torch.empty_like(W), torch.empty_like(diag)
+        w_in[:, perm], d_in[perm] = W, diag
+        for g in range(n_groups):
+            cols = slice(g * group, min((g + 1) * group, in_f))
+            s, z = group_qparams(w_in[:, cols], d_in[cols], bits, sym, clip_grid)
+            scale[:, g], zero[:, g] = s[:, 0], z[:, 0]
     for i1 in range(0, in_f, block_size):
         i2 = min(i1 + block_size, in_f)
         W1 = W[:, i1:i2].clone()
@@ -120,23 +135,24 @@ def _gptq(w, h, bits, group_size, sym, block_size, damp, act_order, clip_grid=0)
         U1 = U[i1:i2, i1:i2]
         for i in range(i2 - i1):
             col = i1 + i
-            if col % group == 0:
+            if not static and col % group == 0:
                 # The group's range from its current (error-updated) weights.
                 ahead = torch.cat([W1[:, i:], W[:, i2:]], dim=1)[:, :group]
                 s, z = group_qparams(ahead, diag[col:col + ahead.shape[1]], bits, sym,
                                      clip_grid)
                 scale[:, col // group], zero[:, col // group] = s[:, 0], z[:, 0]
-            g = col // group
+            stored = int(where[col])
+            g = stored // group
             s, z = scale[:, g:g + 1], zero[:, g:g + 1]
             wcol = W1[:, i:i + 1]
             q = quantize_codes(wcol, s, z, bits)                     # [out, 1]
-            codes[:, col] = q[:, 0]
+            codes[:, stored] = q[:, 0]
             deq = (q.float() - z) * s
             e = (wcol - deq) / U1[i, i]
             W1[:, i:] -= e * U1[i:i + 1, i:]
             err1[:, i] = e[:, 0]
         W[:, i2:] -= err1 @ U[i1:i2, i2:]
-    return QTensor(codes, scale, zero, bits, group), perm
+    return QTensor(codes, scale, zero, bits, group), None if static else perm
 
 
 def layer_error(w: torch.Tensor, w_hat: torch.Tensor, x: torch.Tensor) -> float:

@@ -35,13 +35,14 @@ class QuantizeOptions:
     sym: bool = False
     act_order: bool = True             # GPTQ: columns by decreasing Hessian diagonal
     true_sequential: bool = True       # GPTQ: qkv, o, gate_up, down each see quantized inputs
+    static_groups: bool = False        # GPTQ act-order: ranges fixed up front, no run-time perm
     damp: float = 0.01
     block_size: int = 128
     clip_grid: int = 20                # GPTQ / AWQ: range-clipping search steps (0: none)
     alpha: float | None = None         # SmoothQuant strength; None: searched per fold site
     awq_grid: int = 20
     seq_len: int = 512
-    num_windows: int = 32              # 16,384 tokens: ~10x the widest layer input here
+    num_windows: int = 16              # 8,192 tokens: over 5x the widest layer input here
     avg_bits: float = 3.5              # mixed precision: average bits budget
     # 2 bits is allowed but not a default: on SmolLM2-135M, layers at 2 bits cost far more
     # perplexity than their own output error predicts (benchmarks/quant/README.md).
@@ -136,7 +137,7 @@ STAGES = (("self_attn.qkv_proj",), ("self_attn.o_proj",), ("mlp.gate_up_proj",),
 def _gptq_install(module, w, h, bits, opts) -> dict:
     group = layer_group_cols(module.input_size, opts.group_size)
     qt, perm = gptq_quantize(w, h, bits, group, opts.sym, opts.block_size, opts.damp,
-                             opts.act_order, opts.clip_grid)
+                             opts.act_order, opts.clip_grid, opts.static_groups)
     return _install_int(module, qt, perm, bits, opts.group_size, opts.sym)
 
 

@@ -38,6 +38,13 @@ def test_gptq_output_error_is_below_rtn(bits, group):
     qa, pa = gptq_quantize(w, acc.value(), bits, group, act_order=True)
     assert sorted(pa.tolist()) == list(range(256))
     assert layer_error(w, dequantized_in_input_order(qa, pa), x) < e_rtn
+    # Static groups: act-order quantization, codes stored in input order (no permutation).
+    qs, ps = gptq_quantize(w, acc.value(), bits, group, act_order=True, static_groups=True)
+    assert ps is None and layer_error(w, qs.dequantize(), x) < 0.7 * e_rtn
+    # The Hessian-weighted range search lowers the output error further.
+    qc, pc = gptq_quantize(w, acc.value(), bits, group, act_order=True, clip_grid=20)
+    assert layer_error(w, dequantized_in_input_order(qc, pc), x) <= \
+        1.05 * layer_error(w, dequantized_in_input_order(qa, pa), x)
 
 
 def test_gptq_on_uncorrelated_inputs_is_close_to_rtn_and_exact_weights_stay():
