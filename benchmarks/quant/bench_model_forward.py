@@ -44,7 +44,7 @@ LLAMA3_8B = ModelConfig(architecture="llama", vocab_size=128256, hidden_size=409
 TINY = ModelConfig(architecture="llama", vocab_size=256, hidden_size=256, intermediate_size=512,
                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                    head_dim=64, max_position_embeddings=1024)
-SCHEMES = ["bf16", "rtn-int4", "int8", "w8a8", "fp8"]
+SCHEMES = ["bf16", "rtn-int4", "rtn-int4-head8", "int8", "w8a8", "fp8"]
 BLOCK = 16
 
 
