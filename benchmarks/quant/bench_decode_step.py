@@ -14,9 +14,9 @@ engine quantizes the random bf16 weights at load by the scheme's own path, warms
 profiling, which also tunes the quantized GEMMs' launch configurations), captures its decode
 CUDA graphs, and is then timed as a user sees it (scheduler, sampler and host work included):
 
-* decode at batch 1: a 128-token prompt of random ids, 256 tokens generated (greedy,
+* decode at batch 1: a 128-token prompt of random ids, 128 tokens generated (greedy,
   ignore_eos); the same with fresh ids to the first token only (the prefill); decode step =
-  (whole - prefill) / 255; median of --iters runs -> tokens/s;
+  (whole - prefill) / 127; median of --iters runs -> tokens/s;
 * prefill: a 2048-token prompt of fresh random ids to its first token; median of --iters
   -> prompt tokens/s.
 
@@ -66,7 +66,7 @@ def one_scheme(scheme: str, smoke: bool, iters: int, model: str) -> dict:
 
     from slipstream import LLM, SamplingParams
     device = "cpu" if smoke else "cuda"
-    prompt_len, gen, prefill_len = (16, 12, 64) if smoke else (128, 256, 2048)
+    prompt_len, gen, prefill_len = (16, 12, 64) if smoke else (128, 128, 2048)
     t0 = time.perf_counter()
     llm = LLM(model, load_format="dummy", quantization=None if scheme == "bf16" else scheme,
               dtype="float32" if smoke else "bfloat16", device=device, max_num_seqs=1,
@@ -164,7 +164,7 @@ def markdown(meta, rows) -> str:
     lines = [f"# Engine decode (batch 1) and prefill by weight format ({meta['device']}, "
              f"{meta['model']})", "",
              "Through `LLM(..., load_format=\"dummy\", quantization=...)`: scheduler, sampler and "
-             "CUDA graphs included. Decode: 128-token prompt, 256 greedy tokens, batch 1; "
+             "CUDA graphs included. Decode: 128-token prompt, 128 greedy tokens, batch 1; "
              "prefill: one 2048-token prompt (smoke: smaller). Medians of the timed runs.", "",
              "| scheme | decode tok/s | x bf16 | prefill tok/s | x bf16 | first 32 ids = bf16 | "
              "target |", "| --- | ---: | ---: | ---: | ---: | ---: | --- |"]
