@@ -178,7 +178,8 @@ def main(argv=None) -> int:
             for key in ("awq_alpha", "smoothquant_alpha"):
                 if key in report.info:   # how often each alpha was chosen
                     vals = list(report.info[key].values())
-                    info[key + "_histogram"] = {str(a): vals.count(a) for a in sorted(set(vals))}
+                    info[key + "_histogram"] = {str(a): vals.count(a)
+                                                for a in sorted(set(vals), key=str)}
             if "allocation" in info:
                 info["allocation"] = {k: v for k, v in info["allocation"].items() if k != "bits"}
                 bits = list(report.info["allocation"]["bits"].values())

@@ -12,8 +12,7 @@ nothing extra; it computes exactly what the original computes before rounding.
 
 alpha is either one value for every layer or searched per fold site (`search_alpha`):
 the value on a grid in [0, 1] whose int8 W8A8 product has the smallest output error on
-calibration inputs (alpha 0 is no smoothing, so the search never does worse than none
-on those inputs). The smoothed weights
+calibration inputs, or no smoothing at all if that is better on those inputs. The smoothed weights
 are then int8 per output channel and the activations int8 per token at run time
 (quant/w8a8.py).
 """
@@ -69,20 +68,23 @@ def w8a8_output_error(x: torch.Tensor, weights: list[torch.Tensor], s: torch.Ten
 
 
 def search_alpha(x: torch.Tensor, act_absmax: torch.Tensor, weights: list[torch.Tensor],
-                 grid: int = 10, tie=None) -> tuple[float, torch.Tensor, list[float]]:
-    """The migration strength alpha in {0, 1/grid, ..., 1} with the smallest W8A8 output
-    error on the calibration sample x [n, in] -> (alpha, s, errors). `tie(v, op)` makes
-    per-channel statistics equal where one scale must serve several channels (GQA)."""
+                 grid: int = 10, tie=None) -> tuple[float | None, torch.Tensor, list[float]]:
+    """The migration strength with the smallest W8A8 output error on the calibration sample
+    x [n, in]: no smoothing (alpha None, s = 1), then alpha in {0, 1/grid, ..., 1}
+    -> (alpha, s, errors in that order). `tie(v, op)` makes per-channel statistics equal
+    where one scale must serve several channels (GQA)."""
     tie = tie or (lambda v, op: v)
     a_max = tie(act_absmax.float(), "max")
     w_max = tie(torch.stack([w.float().abs().amax(0) for w in weights]).amax(0), "max")
-    errors, best = [], None
+    ones = torch.ones_like(a_max)
+    best = (w8a8_output_error(x, weights, ones), None, ones)
+    errors = [best[0]]
     for i in range(grid + 1):
         alpha = i / grid
         s = (a_max.clamp_min(1e-5).pow(alpha) / w_max.clamp_min(1e-5).pow(1.0 - alpha))
         s = s.clamp_min(1e-5)
         err = w8a8_output_error(x, weights, s)
         errors.append(err)
-        if best is None or err < best[0]:
+        if err < best[0]:
             best = (err, alpha, s)
     return best[1], best[2], errors
