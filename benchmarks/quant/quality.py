@@ -202,11 +202,14 @@ def main(argv=None) -> int:
         rows.append({"method": name, "description": desc, "ppl": ppl, "tokens": n,
                      "prepare_s": round(prep, 1), **({"info": info} if info else {})})
         print(f"{name:24s} ppl {ppl:8.4f}  ({n} tokens, prepared in {prep:.0f} s)", flush=True)
+        # The rows so far, in case the run is stopped (--collect reads them too).
+        (Path(args.out) / "quality.partial.json").write_text(json.dumps({"results": rows}))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for d in (args.collect.split(",") if args.collect else []):
         d = Path(d)
-        got = {r["method"]: r for r in json.loads((d / "quality.json").read_text())["results"]}
+        f = d / "quality.json" if (d / "quality.json").is_file() else d / "quality.partial.json"
+        got = {r["method"]: r for r in json.loads(f.read_text())["results"]}
         rows = [r for r in rows if r["method"] not in got] + list(got.values())
         for name in got:
             if (d / "nll" / f"{name}.txt").is_file():
@@ -216,8 +219,8 @@ def main(argv=None) -> int:
         new = {r["method"]: r for r in rows}
         old = json.loads((out / "quality.json").read_text())["results"]
         rows = [new.pop(r["method"], r) for r in old] + list(new.values())
-        order = list(METHODS) + list(OPTIONAL)
-        rows.sort(key=lambda r: order.index(r["method"]) if r["method"] in order else len(order))
+    order = list(METHODS) + list(OPTIONAL)
+    rows.sort(key=lambda r: order.index(r["method"]) if r["method"] in order else len(order))
     meta = {"model": "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to fp32 = baseline)",
             "text": "benchmarks/quant/eval_text.txt", "context": args.context,
             "scoring": "non-overlapping windows, first token of each window unscored",
