@@ -85,7 +85,7 @@ class IntWeightMethod:
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, in] -> [num_tokens, out]
         if getattr(layer, "perm", None) is not None:
-            x = x[:, layer.perm.long()]
+            x = x.index_select(1, layer.perm)        # int32 indices: no conversion kernel
         zeros = layer.qzeros if not self.sym else None
         if x.is_cuda and self.bits in (4, 8):
             from slipstream.kernels.quant_gemm import int_weight_gemm

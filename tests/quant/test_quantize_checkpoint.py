@@ -34,8 +34,9 @@ def dense(tiny_llama):
 
 
 @pytest.mark.parametrize("opts,tol", [
-    (dict(method="gptq", bits=4), 0.8),
-    (dict(method="gptq", bits=4, act_order=True, sym=True), 0.8),
+    (dict(method="gptq", bits=4, act_order=False, true_sequential=False, clip_grid=0), 0.8),
+    (dict(method="gptq", bits=4, sym=True), 0.8),      # act-order, true-sequential, clipping
+    (dict(method="gptq", bits=4, static_groups=True), 0.8),
     (dict(method="awq", bits=4), 0.8),
     (dict(method="smoothquant"), 0.15),
     (dict(method="mixed", avg_bits=5.0, mixed_bits=(4, 8)), 0.8),
@@ -55,6 +56,9 @@ def test_quantize_save_load_round_trip(tiny_llama, dense, tmp_path, opts, tol):
                                atol=2e-4, rtol=0)
     # ... which stays close to the dense model (same tolerances as the load-time schemes).
     assert (loaded - dense).abs().mean() < tol
+    perms = [m for m in llm.engine.runner.model.modules() if hasattr(m, "perm")]
+    if q.method == "gptq":   # act-order stores a permutation unless its groups are static
+        assert bool(perms) == (q.act_order and not q.static_groups)
     if q.method == "mixed":
         alloc = report.info["allocation"]
         assert alloc["avg_bits_exact"] <= 5.0 and alloc["objective_exact"] <= \
