@@ -91,7 +91,8 @@ def _time_calls(calls, min_calls: int = 24, replays: int = 3) -> float:
     torch.cuda.synchronize()
     rounds = math.ceil(min_calls / len(calls))
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    # thread_local: work other threads of the engine issue meanwhile is not part of it
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
         for _ in range(rounds):
             for c in calls:
                 c()
