@@ -67,8 +67,12 @@ METHODS = {
     "kv-int8": ({"kv": "int8"}, "fp32 weights, KV cache int8 per token and head (simulated)"),
     "kv-fp8": ({"kv": "fp8"}, "fp32 weights, KV cache fp8 e4m3 per token and head (simulated)"),
 }
-# Rows outside this run's list (e.g. from an earlier run kept by --merge).
-OPTIONAL = {"mixed-3.5bit-with-2bit": ({"quantize": dict(method="mixed", avg_bits=3.5,
+# Rows outside the default list: ablations, earlier experiments (kept by --merge).
+OPTIONAL = {
+    "gptq-w4g128-damp0.1": ({"quantize": dict(method="gptq", bits=4, damp=0.1)},
+                            "GPTQ int4 g128 as gptq-w4g128, damping 0.1"),
+    "gptq-w4g128-noclip": ({"quantize": dict(method="gptq", bits=4, clip_grid=0)},
+                           "GPTQ int4 g128 as gptq-w4g128, no range search"),"mixed-3.5bit-with-2bit": ({"quantize": dict(method="mixed", avg_bits=3.5,
                                                           mixed_bits=(2, 3, 4, 8))},
                                         "per-layer bits in {2,3,4,8} at 3.5 average, GPTQ")}
 
