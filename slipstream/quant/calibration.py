@@ -56,13 +56,14 @@ class _StopForward(Exception):
 class InputStats:
     """Running statistics of one linear layer's inputs x [tokens, in]."""
 
-    def __init__(self, in_features: int, hessian: bool = True, max_rows: int = 512):
+    def __init__(self, in_features: int, hessian: bool = True, max_rows: int = 512,
+                 row_stride: int = 16):
         self.n = 0
         self.h = torch.zeros(in_features, in_features, dtype=torch.float64) if hessian else None
         self.abs_sum = torch.zeros(in_features, dtype=torch.float64)
         self.abs_max = torch.zeros(in_features)
         self.rows: list[torch.Tensor] = []
-        self.max_rows = max_rows
+        self.max_rows, self.row_stride = max_rows, row_stride
 
     def add(self, x: torch.Tensor) -> None:
         x = x.detach().reshape(-1, x.shape[-1]).float().cpu()
@@ -72,8 +73,9 @@ class InputStats:
         self.abs_max = torch.maximum(self.abs_max, x.abs().amax(0))
         have = sum(r.shape[0] for r in self.rows)
         if have < self.max_rows:
-            # Every 4th row of each window: spread over positions, not only the first.
-            self.rows.append(x[::4][:self.max_rows - have].clone())
+            # Every 16th row of each window: 16 windows of 512 give 512 rows spread over all
+            # of them (and over positions), not only the first windows.
+            self.rows.append(x[::self.row_stride][:self.max_rows - have].clone())
         self.n += x.shape[0]
 
     @property
