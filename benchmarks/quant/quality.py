@@ -44,23 +44,14 @@ METHODS = {
     "rtn-w4g128": ({"quantization": "rtn-int4"}, "RTN int4, asymmetric, group 128, at load"),
     "gptq-w4g128": ({"quantize": dict(method="gptq", bits=4)},
                     "GPTQ int4 g128: act-order, true-sequential, range search, damp 0.01"),
-    "gptq-w4g128-plain": ({"quantize": dict(method="gptq", bits=4, act_order=False,
-                                            true_sequential=False, clip_grid=0)},
-                          "GPTQ int4 g128 without act-order, true-sequential, range search"),
-    "gptq-w4g128-static": ({"quantize": dict(method="gptq", bits=4, static_groups=True)},
-                           "GPTQ int4 g128 as above, static groups (codes in input order)"),
     "awq-w4g128": ({"quantize": dict(method="awq", bits=4)},
                    "AWQ int4 g128: scales at 4 sites per layer + clipping search"),
-    "awq-w4g128-noclip": ({"quantize": dict(method="awq", bits=4, clip_grid=0)},
-                          "AWQ int4 g128, scales only (no clipping search)"),
     "rtn-w3g128": ({"quantization": "rtn-int3"}, "RTN int3 g128, at load"),
     "gptq-w3g128": ({"quantize": dict(method="gptq", bits=3)}, "GPTQ int3 g128 (as w4)"),
     "int8-w8a16": ({"quantization": "int8"}, "int8 weights per channel, at load"),
     "w8a8-int8": ({"quantization": "w8a8"}, "int8 W8A8 without smoothing, at load"),
     "smoothquant-w8a8": ({"quantize": dict(method="smoothquant")},
                          "SmoothQuant int8 W8A8, 4 sites per layer, alpha searched per site"),
-    "smoothquant-w8a8-a0.5": ({"quantize": dict(method="smoothquant", alpha=0.5)},
-                              "SmoothQuant int8 W8A8, 4 sites per layer, alpha 0.5"),
     "fp8-w8a8": ({"quantization": "fp8"}, "fp8 e4m3 W8A8, at load"),
     "mixed-3.5bit": ({"quantize": dict(method="mixed", avg_bits=3.5)},
                      "per-layer bits in {3,4,8} at 3.5 average, GPTQ (as w4)"),
@@ -69,12 +60,23 @@ METHODS = {
 }
 # Rows outside the default list: ablations, earlier experiments (kept by --merge).
 OPTIONAL = {
+    "gptq-w4g128-plain": ({"quantize": dict(method="gptq", bits=4, act_order=False,
+                                            true_sequential=False, clip_grid=0)},
+                          "GPTQ int4 g128 without act-order, true-sequential, range search"),
+    "gptq-w4g128-static": ({"quantize": dict(method="gptq", bits=4, static_groups=True)},
+                           "GPTQ int4 g128 as gptq-w4g128, static groups (codes in input order)"),
+    "awq-w4g128-noclip": ({"quantize": dict(method="awq", bits=4, clip_grid=0)},
+                          "AWQ int4 g128, scales only (no clipping search)"),
+    "smoothquant-w8a8-a0.5": ({"quantize": dict(method="smoothquant", alpha=0.5)},
+                              "SmoothQuant int8 W8A8, 4 sites per layer, alpha 0.5"),
     "gptq-w4g128-damp0.1": ({"quantize": dict(method="gptq", bits=4, damp=0.1)},
                             "GPTQ int4 g128 as gptq-w4g128, damping 0.1"),
     "gptq-w4g128-noclip": ({"quantize": dict(method="gptq", bits=4, clip_grid=0)},
-                           "GPTQ int4 g128 as gptq-w4g128, no range search"),"mixed-3.5bit-with-2bit": ({"quantize": dict(method="mixed", avg_bits=3.5,
-                                                          mixed_bits=(2, 3, 4, 8))},
-                                        "per-layer bits in {2,3,4,8} at 3.5 average, GPTQ")}
+                           "GPTQ int4 g128 as gptq-w4g128, no range search"),
+    "mixed-3.5bit-with-2bit": ({"quantize": dict(method="mixed", avg_bits=3.5,
+                                                 mixed_bits=(2, 3, 4, 8))},
+                               "per-layer bits in {2,3,4,8} at 3.5 average, GPTQ"),
+}
 
 
 def simulate_kv_cache(llm, kv_dtype: str) -> None:
@@ -138,7 +140,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=str(HERE / "results"))
     ap.add_argument("--context", type=int, default=512)
-    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--methods", default=",".join(METHODS),
+                    help=f"comma-separated; also: {', '.join(OPTIONAL)}")
     ap.add_argument("--calib", default=None,
                     help="calibration text file (default: the one shipped with slipstream)")
     ap.add_argument("--merge", action="store_true",
@@ -223,7 +226,8 @@ def main(argv=None) -> int:
         new = {r["method"]: r for r in rows}
         old = json.loads((out / "quality.json").read_text())["results"]
         rows = [new.pop(r["method"], r) for r in old] + list(new.values())
-    order = list(METHODS) + list(OPTIONAL)
+    order = [o for m in METHODS for o in [m] + [k for k in OPTIONAL if k.startswith(m + "-")]]
+    order += [k for k in OPTIONAL if k not in order]
     rows.sort(key=lambda r: order.index(r["method"]) if r["method"] in order else len(order))
     meta = {"model": "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to fp32 = baseline)",
             "text": "benchmarks/quant/eval_text.txt", "context": args.context,
