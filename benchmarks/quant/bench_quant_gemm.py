@@ -9,12 +9,16 @@
    of interleaved rounds: bf16 F.linear (cuBLAS), w4a16 (ours, int4 group 128 asym),
    w8a16 (ours, int8 per channel), W8A8 int8 (ours; torch._int_mm where it runs),
    W8A8 fp8 (torch._scaled_mm, row-wise scales). Activation quantization (per-token
-   scale + cast) is timed separately and included in the W8A8 totals.
+   scale + cast, one Triton kernel) is timed separately and included in the W8A8 totals.
+   Our kernels pick their launch configuration by timing a fixed candidate set on their
+   first call at each (shape, batch bucket) (kernels/quant_tuning.py), as they do in the
+   engine's warm-up; the chosen configurations are written to the results.
    Reported: time, speedup over bf16, weight+activation bytes / time in GB/s and as a
    share of the measured copy bandwidth, TFLOP/s.
-4. The matmul part of one decode step (32 layers x the four shapes) at each batch.
+4. The matmul part of one step (32 layers x the four shapes) at each batch; batch 2048
+   stands for a prefill chunk (the W8A8 target: prefill >= 1.5x bf16).
 
-    python benchmarks/quant/bench_quant_gemm.py [--out DIR]      # H200, < 5 minutes
+    python benchmarks/quant/bench_quant_gemm.py [--out DIR]      # H200, about 2 minutes
     TRITON_INTERPRET=1 python benchmarks/quant/bench_quant_gemm.py --smoke   # CPU check
 """
 from __future__ import annotations
@@ -32,14 +36,15 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from slipstream.kernels import reference                          # noqa: E402
+from slipstream.kernels import quant_tuning, reference            # noqa: E402
+from slipstream.kernels.quant_act import quantize_rows              # noqa: E402
 from slipstream.kernels.quant_gemm import int_weight_gemm, w8a8_gemm  # noqa: E402
 from slipstream.quant.primitives import (pack_codes, quantize, quantize_fp8_rows,  # noqa: E402
                                          quantize_int8_rows)
 
 # Llama-3-8B linear layers (N, K): fused qkv, o, fused gate+up, down.
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
-BATCHES = [1, 4, 16, 32, 64, 128, 256]
+BATCHES = [1, 16, 64, 2048]
 SMOKE_SHAPES = {"qkv": (96, 64), "down": (64, 192)}
 SMOKE_BATCHES = [1, 20]
 L2_BYTES = 50 << 20
@@ -79,9 +84,11 @@ def contenders(x, W, device):
     c["w8a16"] = (lambda: int_weight_gemm(x, q8, s8, None, 8, k),
                   q8.numel() + s8.numel() * 4 + x_bytes + out_bytes)
     wi8, wsi8 = W["i8"]
-    c["w8a8-int8"] = (lambda: w8a8_gemm(*quantize_int8_rows(x), wi8, wsi8, x.dtype),
+    quant = quantize_rows if device == "cuda" else \
+        lambda t, kind: quantize_int8_rows(t) if kind == "int8" else quantize_fp8_rows(t)
+    c["w8a8-int8"] = (lambda: w8a8_gemm(*quant(x, "int8"), wi8, wsi8, x.dtype),
                       wi8.numel() + x_bytes + out_bytes)
-    c["act-quant-int8"] = (lambda: quantize_int8_rows(x), x_bytes * 2)
+    c["act-quant-int8"] = (lambda: quant(x, "int8"), x_bytes * 3 // 2)
     if device == "cuda":
         if m > 16:   # torch._int_mm needs m > 16 on CUDA
             wt = wi8.t()
@@ -91,27 +98,15 @@ def contenders(x, W, device):
         wft, wsf = wf8.t(), wsf8.view(1, -1)
 
         def fp8():
-            xq, xs = quantize_fp8_rows(x)
+            xq, xs = quant(x, "fp8")
             return torch._scaled_mm(xq, wft, scale_a=xs, scale_b=wsf, out_dtype=x.dtype)
         c["w8a8-fp8"] = (fp8, wf8.numel() + x_bytes + out_bytes)
     return c
 
 
 def _int_mm_scaled(x, wt, ws):
-    xq, xs = quantize_int8_rows(x)
+    xq, xs = quantize_rows(x, "int8")
     return (torch._int_mm(xq, wt).float() * xs * ws[None, :]).to(x.dtype)
-
-
-def sweep_configs(m):
-    """A few w4a16 tile shapes per batch class; the best per (shape, m) is reported."""
-    if m <= 16:
-        return [dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st)
-                for bn in (32, 64, 128) for bk in (64, 128) for w in (4,) for st in (3, 5)]
-    if m <= 64:
-        return [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=st)
-                for bm in (32, 64) for bn in (64, 128) for bk in (64, 128) for st in (3, 4)]
-    return [dict(BLOCK_M=128, BLOCK_N=bn, BLOCK_K=bk, num_warps=8, num_stages=st)
-            for bn in (128, 256) for bk in (32, 64) for st in (3, 4)]
 
 
 def references(x, W):
@@ -206,31 +201,6 @@ def main(argv=None) -> int:
             for _ in range(1 if args.smoke else args.rounds):
                 for c, calls in timers.items():
                     times[c].append(cpu_ms(calls) if args.smoke else graph_ms(calls))
-            timer = cpu_ms if args.smoke else graph_ms
-            if (args.smoke or m in (1, 16, 64, 256)) and "w4a16" not in failed:
-                best = None
-                qw, s4, z4 = base["w4"]
-                for cfg in sweep_configs(m)[:2] if args.smoke else sweep_configs(m):
-                    try:
-                        err = rel_err(int_weight_gemm(x, qw, s4, z4, 4, 128, cfg).float(),
-                                      refs["w4a16"])
-                        if err >= 2e-2:
-                            continue
-                        calls = [lambda W=W, cfg=cfg: int_weight_gemm(x, *W["w4"], 4, 128, cfg)
-                                 for W in weights]
-                        ms = timer(calls)
-                    except Exception as e:   # e.g. out of shared memory for this tile shape
-                        print(f"  config {cfg} skipped: {type(e).__name__}", flush=True)
-                        continue
-                    if best is None or ms < best[0]:
-                        best = (ms, cfg)
-                if best is not None:
-                    cfg = best[1]
-                    times["w4a16-best"] = [timer([lambda W=W, cfg=cfg: int_weight_gemm(
-                        x, *W["w4"], 4, 128, cfg) for W in weights]) for _ in range(1 if args.smoke else args.rounds)]
-                    cons["w4a16-best"] = cons["w4a16"]
-                    res.setdefault("w4a16_best_configs", []).append(
-                        {"shape": name, "m": m, "config": cfg})
             bf16_ms = statistics.median(times["bf16"])
             for c, ts in times.items():
                 ms = statistics.median(ts)
@@ -246,6 +216,8 @@ def main(argv=None) -> int:
             print(f"{name:8s} m={m:<4d} {line}", flush=True)
         del weights
     res["decode_step_matmuls"] = step_totals(res["timing"], batches, shapes)
+    res["tuned_configs"] = [{"key": [str(v) for v in key], "config": cfg}
+                            for key, cfg in quant_tuning.tuned_configs().items()]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = "quant_gemm_smoke" if args.smoke else "quant_gemm"
@@ -282,13 +254,14 @@ def markdown(res) -> str:
         lines.append(f"| {r['shape']} | {r['m']} | {r['kernel']} | {r['ms'] * 1e3:.1f} | "
                      f"{r['speedup_vs_bf16']:.2f} | {r['GB_per_s']:.0f} | {r['pct_copy_bw']:.0f} | "
                      f"{r['TFLOP_per_s']:.1f} |")
-    lines += ["", "## Matmuls of one decode step (32 layers x 4 shapes)", "",
+    lines += ["", "## Matmuls of one step (32 layers x 4 shapes)", "",
               "| m | kernel | ms | x bf16 |", "| ---: | --- | ---: | ---: |"]
     for r in res["decode_step_matmuls"]:
         lines.append(f"| {r['m']} | {r['kernel']} | {r['ms']:.3f} | {r['speedup_vs_bf16']:.2f} |")
-    if res.get("w4a16_best_configs"):
-        lines += ["", "## w4a16: best tile configuration of the sweep (default: w4a16 rows)", ""]
-        lines += [f"- {c['shape']} m={c['m']}: {c['config']}" for c in res["w4a16_best_configs"]]
+    if res.get("tuned_configs"):
+        lines += ["", "## Launch configurations chosen by tuning (kernel, N, K, ..., batch bucket)",
+                  ""]
+        lines += [f"- {', '.join(c['key'])}: {c['config']}" for c in res["tuned_configs"]]
     bad = [c for c in res["correctness"] if not c["ok"]]
     lines += ["", f"Correctness (bf16 vs PyTorch twin, rel. Frobenius error < 2e-2, fp8 3e-2): "
               f"{len(res['correctness']) - len(bad)} of {len(res['correctness'])} passed."]

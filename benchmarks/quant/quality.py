@@ -13,9 +13,11 @@ fp8) runs its runtime path (per-token activation quantization, int32 or fp8 prod
 weight-only methods are scored with their dequantized weights in dense layers, which
 computes the same log-probs (see densify_weight_only) at a fraction of the CPU time.
 
-Calibration (GPTQ, AWQ, SmoothQuant, mixed): the text that ships with slipstream
-(slipstream/quant/data/calibration.txt), windows of 256 tokens; it shares no text
-with the evaluation file.
+Calibration (GPTQ, AWQ, SmoothQuant, mixed): the set that ships with slipstream
+(slipstream/quant/data/, about 28,700 tokens), 16 windows of 512 tokens spread over it
+(the default of QuantizeOptions and `slipstream quantize`); it shares no text
+with the evaluation file (tests/quant/test_calibration_data.py). Per-token NLLs go to
+OUT/nll/ (not committed); quality_report.py turns them into bootstrap intervals.
 
     PYTHONPATH=. python benchmarks/quant/quality.py [--out benchmarks/quant/results]
 """
@@ -23,9 +25,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import platform
 import sys
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -33,31 +35,47 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+from quality_report import bootstrap, markdown, save_nll  # noqa: E402
 
 # name -> (load-time scheme, or `slipstream quantize` options), description
 METHODS = {
-    "baseline": ({}, "fp32 (the Q4_1 GGUF dequantized)"),
+    "baseline": ({"quantization": None}, "fp32 (the Q4_1 GGUF dequantized)"),
     "rtn-w4g128": ({"quantization": "rtn-int4"}, "RTN int4, asymmetric, group 128, at load"),
-    "gptq-w4g128": ({"quantize": dict(method="gptq", bits=4)}, "GPTQ int4 g128"),
-    "gptq-w4g128-actorder": ({"quantize": dict(method="gptq", bits=4, act_order=True)},
-                             "GPTQ int4 g128, act-order"),
-    "awq-w4g128": ({"quantize": dict(method="awq", bits=4)}, "AWQ int4 g128"),
+    "gptq-w4g128": ({"quantize": dict(method="gptq", bits=4)},
+                    "GPTQ int4 g128: act-order, true-sequential, range search, damp 0.01"),
+    "awq-w4g128": ({"quantize": dict(method="awq", bits=4)},
+                   "AWQ int4 g128: scales at 4 sites per layer + clipping search"),
     "rtn-w3g128": ({"quantization": "rtn-int3"}, "RTN int3 g128, at load"),
-    "gptq-w3g128": ({"quantize": dict(method="gptq", bits=3)}, "GPTQ int3 g128"),
+    "gptq-w3g128": ({"quantize": dict(method="gptq", bits=3)}, "GPTQ int3 g128 (as w4)"),
     "int8-w8a16": ({"quantization": "int8"}, "int8 weights per channel, at load"),
     "w8a8-int8": ({"quantization": "w8a8"}, "int8 W8A8 without smoothing, at load"),
-    "smoothquant-w8a8": ({"quantize": dict(method="smoothquant", alpha=0.5)},
-                         "SmoothQuant alpha 0.5, int8 W8A8"),
-    "smoothquant-w8a8-a0.8": ({"quantize": dict(method="smoothquant", alpha=0.8)},
-                              "SmoothQuant alpha 0.8, int8 W8A8"),
+    "smoothquant-w8a8": ({"quantize": dict(method="smoothquant")},
+                         "SmoothQuant int8 W8A8, 4 sites per layer, alpha searched per site"),
     "fp8-w8a8": ({"quantization": "fp8"}, "fp8 e4m3 W8A8, at load"),
     "mixed-3.5bit": ({"quantize": dict(method="mixed", avg_bits=3.5)},
-                     "per-layer bits in {3,4,8} at 3.5 average, GPTQ"),
+                     "per-layer bits in {3,4,8} at 3.5 average, GPTQ (as w4)"),
+    "kv-int8": ({"kv": "int8"}, "fp32 weights, KV cache int8 per token and head (simulated)"),
+    "kv-fp8": ({"kv": "fp8"}, "fp32 weights, KV cache fp8 e4m3 per token and head (simulated)"),
+}
+# Rows outside the default list: ablations, earlier experiments (kept by --merge).
+OPTIONAL = {
+    "gptq-w4g128-plain": ({"quantize": dict(method="gptq", bits=4, act_order=False,
+                                            true_sequential=False, clip_grid=0)},
+                          "GPTQ int4 g128 without act-order, true-sequential, range search"),
+    "gptq-w4g128-static": ({"quantize": dict(method="gptq", bits=4, static_groups=True)},
+                           "GPTQ int4 g128 as gptq-w4g128, static groups (codes in input order)"),
+    "awq-w4g128-noclip": ({"quantize": dict(method="awq", bits=4, clip_grid=0)},
+                          "AWQ int4 g128, scales only (no clipping search)"),
+    "smoothquant-w8a8-a0.5": ({"quantize": dict(method="smoothquant", alpha=0.5)},
+                              "SmoothQuant int8 W8A8, 4 sites per layer, alpha 0.5"),
+    "gptq-w4g128-damp0.1": ({"quantize": dict(method="gptq", bits=4, damp=0.1)},
+                            "GPTQ int4 g128 as gptq-w4g128, damping 0.1"),
+    "gptq-w4g128-noclip": ({"quantize": dict(method="gptq", bits=4, clip_grid=0)},
+                           "GPTQ int4 g128 as gptq-w4g128, no range search"),
     "mixed-3.5bit-with-2bit": ({"quantize": dict(method="mixed", avg_bits=3.5,
                                                  mixed_bits=(2, 3, 4, 8))},
                                "per-layer bits in {2,3,4,8} at 3.5 average, GPTQ"),
-    "kv-int8": ({"kv": "int8"}, "fp32 weights, KV cache int8 per token and head (simulated)"),
-    "kv-fp8": ({"kv": "fp8"}, "fp32 weights, KV cache fp8 e4m3 per token and head (simulated)"),
 }
 
 
@@ -110,27 +128,27 @@ def densify_weight_only(llm) -> int:
     return swapped
 
 
-def perplexity(llm, windows: list[list[int]]) -> tuple[float, int]:
+def perplexity(llm, windows: list[list[int]]) -> tuple[float, list[float]]:
+    from quality_report import nll_of, ppl_of
     from slipstream import SamplingParams
     sp = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0)
-    outs = llm.generate([{"prompt_token_ids": w} for w in windows], sp, use_tqdm=False)
-    nll, n = 0.0, 0
-    for o in outs:
-        for pos, t in zip(o.prompt_logprobs[1:], o.prompt_token_ids[1:]):
-            nll -= pos[t].logprob
-            n += 1
-    return math.exp(nll / n), n
+    nll = nll_of(llm.generate([{"prompt_token_ids": w} for w in windows], sp, use_tqdm=False))
+    return ppl_of(nll), nll
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=str(HERE / "results"))
     ap.add_argument("--context", type=int, default=512)
-    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--methods", default=",".join(METHODS),
+                    help=f"comma-separated; also: {', '.join(OPTIONAL)}")
     ap.add_argument("--calib", default=None,
                     help="calibration text file (default: the one shipped with slipstream)")
     ap.add_argument("--merge", action="store_true",
                     help="keep the other methods' rows of an existing quality.json")
+    ap.add_argument("--collect", default=None,
+                    help="comma-separated result folders of earlier runs (e.g. run in parallel "
+                         "with --methods subsets): their rows and NLLs join this run's table")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch CPU threads (1: on a shared 2-core machine, more threads only "
                          "wait for each other)")
@@ -154,15 +172,21 @@ def main(argv=None) -> int:
                 enable_prefix_caching=False)
     rows = []
     tmp = Path(tempfile.mkdtemp())
-    for name in args.methods.split(","):
-        spec, desc = METHODS[name]
+    for name in [m for m in args.methods.split(",") if m]:
+        spec, desc = {**METHODS, **OPTIONAL}[name]
         t0 = time.perf_counter()
         info = {}
         if "quantize" in spec:
             q = QuantizeOptions(**spec["quantize"])
             cm, report = quantize_model(files, q, calib_text)
             path = save_quantized(cm.model, files, tmp / name, report.layers, q.method)
-            info = {k: v for k, v in report.info.items() if k not in ("awq_alpha",)}
+            info = {k: v for k, v in report.info.items()
+                    if k not in ("awq_alpha", "smoothquant_alpha")}
+            for key in ("awq_alpha", "smoothquant_alpha"):
+                if key in report.info:   # how often each alpha was chosen
+                    vals = list(report.info[key].values())
+                    info[key + "_histogram"] = {str(a): vals.count(a)
+                                                for a in sorted(set(vals), key=str)}
             if "allocation" in info:
                 info["allocation"] = {k: v for k, v in info["allocation"].items() if k != "bits"}
                 bits = list(report.info["allocation"]["bits"].values())
@@ -170,7 +194,7 @@ def main(argv=None) -> int:
             del cm
             llm = LLM(str(path), **opts)
         elif "kv" in spec:
-            llm = LLM(model, **opts)
+            llm = LLM(model, **opts, quantization=None)   # dense fp32, not the GGUF blocks
             simulate_kv_cache(llm, spec["kv"])
         else:
             llm = LLM(model, **opts, **spec)
@@ -178,32 +202,46 @@ def main(argv=None) -> int:
         if swapped:
             info["weight_only_layers_scored_dense_dequantized"] = swapped
         prep = time.perf_counter() - t0
-        ppl, n = perplexity(llm, windows)
+        ppl, nll = perplexity(llm, windows)
+        n = len(nll)
+        save_nll(Path(args.out), name, nll)
         del llm
         rows.append({"method": name, "description": desc, "ppl": ppl, "tokens": n,
                      "prepare_s": round(prep, 1), **({"info": info} if info else {})})
         print(f"{name:24s} ppl {ppl:8.4f}  ({n} tokens, prepared in {prep:.0f} s)", flush=True)
+        # The rows so far, in case the run is stopped (--collect reads them too).
+        (Path(args.out) / "quality.partial.json").write_text(json.dumps({"results": rows}))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    for d in (args.collect.split(",") if args.collect else []):
+        d = Path(d)
+        f = d / "quality.json" if (d / "quality.json").is_file() else d / "quality.partial.json"
+        got = {r["method"]: r for r in json.loads(f.read_text())["results"]}
+        rows = [r for r in rows if r["method"] not in got] + list(got.values())
+        for name in got:
+            if (d / "nll" / f"{name}.txt").is_file():
+                (out / "nll").mkdir(parents=True, exist_ok=True)
+                shutil.copy(d / "nll" / f"{name}.txt", out / "nll" / f"{name}.txt")
     if args.merge and (out / "quality.json").is_file():
         new = {r["method"]: r for r in rows}
         old = json.loads((out / "quality.json").read_text())["results"]
         rows = [new.pop(r["method"], r) for r in old] + list(new.values())
-        rows.sort(key=lambda r: list(METHODS).index(r["method"]) if r["method"] in METHODS
-                  else len(METHODS))
-    base = next((r["ppl"] for r in rows if r["method"] == "baseline"), None)
+    order = [o for m in METHODS for o in [m] + [k for k in OPTIONAL if k.startswith(m + "-")]]
+    order += [k for k in OPTIONAL if k not in order]
+    rows.sort(key=lambda r: order.index(r["method"]) if r["method"] in order else len(order))
     meta = {"model": "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to fp32 = baseline)",
             "text": "benchmarks/quant/eval_text.txt", "context": args.context,
             "scoring": "non-overlapping windows, first token of each window unscored",
+            "calibration": (args.calib or "the default set shipped with slipstream "
+                            "(slipstream/quant/data/)") + ": 16 windows of 512 tokens spread over "
+                           "it (8,192 tokens, QuantizeOptions' default)",
             "machine": platform.processor() or platform.machine(), "torch": torch.__version__}
-    (out / "quality.json").write_text(json.dumps({"meta": meta, "results": rows}, indent=1))
-    lines = [f"# Perplexity by quantization method\n", f"{meta['model']}; text {meta['text']}, "
-             f"{rows[0]['tokens']} tokens scored, windows of {args.context} ({meta['scoring']}).\n",
-             "| method | description | ppl | vs baseline |", "| --- | --- | ---: | ---: |"]
+    noise = bootstrap(out, rows)
     for r in rows:
-        rel = f"{100 * (r['ppl'] / base - 1):+.2f}%" if base else ""
-        lines.append(f"| {r['method']} | {r['description']} | {r['ppl']:.4f} | {rel} |")
-    (out / "quality.md").write_text("\n".join(lines) + "\n")
+        if r["method"] in noise:
+            r["noise"] = noise[r["method"]]
+    (out / "quality.json").write_text(json.dumps({"meta": meta, "results": rows}, indent=1))
+    (out / "quality.md").write_text(markdown(meta, rows, noise))
     return 0
 
 

@@ -19,7 +19,10 @@ import torch
 import triton
 import triton.language as tl
 
+from slipstream.kernels import quant_tuning
 from slipstream.kernels import runtime  # noqa: F401  (interpreter fixes for CPU tests)
+from slipstream.kernels.quant_tuning import (default_config, int_weight_candidates,
+                                             split_k_for, w8a8_candidates)
 
 
 @triton.jit
@@ -35,12 +38,29 @@ def _grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP
 
 
 @triton.jit
+def _centred_weights(codes, z, BITS: tl.constexpr, DT: tl.constexpr):
+    """codes (uint8 [BN, BK], values < 2^BITS) and zero points z (fp32 [BN]) -> code - zero
+    in DT, exactly, without integer-to-float conversions (they run at a quarter of the
+    ALU rate and would bound a batch-1 GEMV): the code is OR-ed into the mantissa of a
+    power of two (fp16 1024 + code, bf16 128 + code for 4 bits, fp32 2^23 + code), read as
+    a float, and the zero point plus that power subtracted (exact: small integers)."""
+    if DT == tl.float16:
+        v = (codes.to(tl.int16) | 0x6400).to(tl.float16, bitcast=True)
+        return v - (z + 1024.0).to(tl.float16)[:, None]
+    elif DT == tl.bfloat16 and BITS == 4:
+        v = (codes.to(tl.int16) | 0x4300).to(tl.bfloat16, bitcast=True)
+        return v - (z + 128.0).to(tl.bfloat16)[:, None]
+    else:
+        v = (codes.to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True)
+        return (v - (z + 8388608.0)[:, None]).to(DT)
+
+
+@triton.jit
 def _int_weight_gemm_kernel(X, QW, Scales, Zeros, Y, M, N, K, num_groups,
-                            stride_xm, stride_qn, stride_ym,
-                            BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr,
+                            stride_xm, stride_qn, stride_ym, split_k, group,
+                            BITS: tl.constexpr, HAS_ZEROS: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                            SPLIT_K: tl.constexpr):
+                            BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     pid_m, pid_n = _grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     split = tl.program_id(1)
 
@@ -52,7 +72,7 @@ def _int_weight_gemm_kernel(X, QW, Scales, Zeros, Y, M, N, K, num_groups,
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     # Split-K (few output tiles, e.g. decode): program `split` takes a run of K tiles.
     k_tiles = tl.cdiv(K, BLOCK_K)
-    per_split = tl.cdiv(k_tiles, SPLIT_K)
+    per_split = tl.cdiv(k_tiles, split_k)
     k_begin = split * per_split * BLOCK_K
     k_end = min(K, (split + 1) * per_split * BLOCK_K)
     for k0 in range(k_begin, k_end, BLOCK_K):
@@ -64,24 +84,33 @@ def _int_weight_gemm_kernel(X, QW, Scales, Zeros, Y, M, N, K, num_groups,
             rb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
             packed = tl.load(QW + rn64[:, None] * stride_qn + rb[None, :],
                              mask=n_ok[:, None] & (rb < K // 2)[None, :], other=0)
-            lo = packed & 0xF
-            hi = (packed >> 4) & 0xF
-            codes = tl.interleave(lo, hi)                    # [BLOCK_N, BLOCK_K]
+            codes = tl.interleave(packed & 0xF, packed >> 4)   # [BLOCK_N, BLOCK_K]
         else:
             codes = tl.load(QW + rn64[:, None] * stride_qn + rk[None, :],
                             mask=n_ok[:, None] & k_ok[None, :], other=0)
-        g = k0 // GROUP
+        g = k0 // group
         s = tl.load(Scales + rn64 * num_groups + g, mask=n_ok, other=0.0)
         if HAS_ZEROS:
             z = tl.load(Zeros + rn64 * num_groups + g, mask=n_ok, other=0).to(tl.float32)
         else:
             z = tl.full((BLOCK_N,), 2 ** (BITS - 1), tl.float32)
-        w = (codes.to(tl.float32) - z[:, None]).to(x.dtype)  # exact: |code - zero| < 256
+        w = _centred_weights(codes, z, BITS, X.dtype.element_ty)
         acc += tl.dot(x, tl.trans(w)) * s[None, :]
-    # With SPLIT_K > 1, Y is an fp32 workspace [SPLIT_K, M, N] summed by the launcher.
+    # With split_k > 1, Y is an fp32 workspace [split_k, M, N] summed by _sum_splits_kernel.
     Y += split.to(tl.int64) * M * stride_ym
     tl.store(Y + rm[:, None].to(tl.int64) * stride_ym + rn[None, :],
              acc.to(Y.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _sum_splits_kernel(W, Y, total, split_k, BLOCK: tl.constexpr):
+    """Y (flat, output dtype) = sum over the split_k fp32 partial results W [split_k, total]."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < total
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in range(0, split_k):
+        acc += tl.load(W + s * total + offs, mask=ok, other=0.0)
+    tl.store(Y + offs, acc.to(Y.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -109,21 +138,6 @@ def _w8a8_gemm_kernel(XQ, XS, WQ, WS, Y, M, N, K, stride_xm, stride_wn, stride_y
              y.to(Y.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-# ---- tuning: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) by token count --------------
-
-def default_config(m: int, k_block_limit: int) -> dict:
-    """Decode-sized M: thin row tiles, wide K steps (a GEMV streaming the weight);
-    prefill-sized M: square tensor-core tiles."""
-    bk = min(128, k_block_limit)
-    if m <= 16:
-        cfg = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=bk, num_warps=4, num_stages=4)
-    elif m <= 64:
-        cfg = dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=bk, num_warps=4, num_stages=4)
-    else:
-        cfg = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=min(64, bk), num_warps=8, num_stages=3)
-    return cfg
-
-
 def _k_block_limit(k: int, group: int) -> int:
     """The largest power-of-two BLOCK_K (16..128) that divides the group (tiles never
     straddle two groups); any when one group covers the row."""
@@ -140,7 +154,7 @@ def int_weight_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
                     config: dict | None = None) -> torch.Tensor:
     """x: [m, k] fp16/bf16/fp32; qweight: uint8 [n, k // 2] (4 bits) or [n, k] (8 bits);
     scales: fp32 [n, ceil(k / group_cols)]; qzeros: uint8 like scales, or None (symmetric)
-    -> y [m, n] in x's dtype."""
+    -> y [m, n] in x's dtype. `config` fixes the launch (tests, sweeps); otherwise tuned."""
     if bits not in (4, 8):
         raise ValueError(f"bits: the Triton kernel takes 4 or 8, got {bits}")
     m, k = x.shape
@@ -151,47 +165,68 @@ def int_weight_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
     assert qzeros is None or (qzeros.shape == scales.shape and qzeros.is_contiguous())
     if m == 0:
         return torch.empty(m, n, dtype=x.dtype, device=x.device)
-    cfg = dict(config or default_config(m, _k_block_limit(k, group_cols)))
+    limit = _k_block_limit(k, group_cols)
+    if config is None:
+
+        def timed_calls(cfg, copies):
+            return [lambda w=w: _launch_int_weight(x, *w, bits, group_cols, cfg) for w in copies]
+        config = quant_tuning.choose(
+            ("int_weight", n, k, bits, group_cols, qzeros is not None, x.dtype), m, x.device,
+            default_config(m, limit), lambda: int_weight_candidates(m, n, k, limit, x.device),
+            (qweight, scales, qzeros), timed_calls)
+    return _launch_int_weight(x, qweight, scales, qzeros, bits, group_cols, config)
+
+
+def _launch_int_weight(x, qweight, scales, qzeros, bits, group_cols, config):
+    m, k = x.shape
+    n = qweight.shape[0]
+    cfg = dict(config)
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     split = cfg.pop("SPLIT_K", None)
     if split is None:
         split = split_k_for(tiles, triton.cdiv(k, cfg["BLOCK_K"]), x.device)
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device) if split == 1 else \
-        torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    out = y if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
     _int_weight_gemm_kernel[(tiles, split)](
-        x, qweight, scales, qzeros if qzeros is not None else scales, y, m, n, k,
-        scales.shape[1], x.stride(0), qweight.stride(0), n,
-        BITS=bits, GROUP=group_cols, HAS_ZEROS=qzeros is not None, GROUP_M=8, SPLIT_K=split,
-        **cfg)
-    return y if split == 1 else y.sum(0).to(x.dtype)
-
-
-def split_k_for(tiles: int, k_tiles: int, device: torch.device) -> int:
-    """Split K when the output tiles alone cannot fill the GPU: aim at two programs per SM,
-    keeping at least 4 K tiles per program. Always 1 off CUDA."""
-    if device.type != "cuda" or tiles >= 132:
-        return 1
-    from slipstream.kernels.runtime import num_sms
-    want = -(-2 * num_sms(device.index or 0) // tiles)
-    return max(1, min(want, k_tiles // 4, 16))
+        x, qweight, scales, qzeros if qzeros is not None else scales, out, m, n, k,
+        scales.shape[1], x.stride(0), qweight.stride(0), n, split, group_cols,
+        BITS=bits, HAS_ZEROS=qzeros is not None, GROUP_M=8, **cfg)
+    if split > 1:
+        block = 1024
+        _sum_splits_kernel[(triton.cdiv(m * n, block),)](out, y, m * n, split, BLOCK=block,
+                                                         num_warps=4)
+    return y
 
 
 def w8a8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
               out_dtype: torch.dtype, config: dict | None = None) -> torch.Tensor:
     """xq: int8 [m, k]; x_scale: fp32 [m, 1]; wq: int8 [n, k]; w_scale: fp32 [n]
-    -> [m, n] out_dtype."""
+    -> [m, n] out_dtype. `config` fixes the launch; otherwise tuned on CUDA."""
     m, k = xq.shape
     n = wq.shape[0]
     assert xq.dtype == torch.int8 and wq.dtype == torch.int8 and wq.shape[1] == k
     assert xq.stride(1) == 1 and wq.stride(1) == 1
-    y = torch.empty(m, n, dtype=out_dtype, device=xq.device)
     if m == 0:
-        return y
-    cfg = dict(config or default_config(m, 128))
-    if config is None and m > 64:
-        cfg["BLOCK_K"] = 128
+        return torch.empty(m, n, dtype=out_dtype, device=xq.device)
+    xs, ws = x_scale.reshape(-1), w_scale.reshape(-1)
+    if config is None:
+        default = default_config(m, 128)
+        if m > 64:
+            default["BLOCK_K"] = 128
+
+        def timed_calls(cfg, copies):
+            return [lambda w=w: _launch_w8a8(xq, xs, *w, out_dtype, cfg) for w in copies]
+        config = quant_tuning.choose(("w8a8", n, k, out_dtype), m, xq.device, default,
+                                     lambda: w8a8_candidates(m), (wq, ws), timed_calls)
+    return _launch_w8a8(xq, xs, wq, ws, out_dtype, config)
+
+
+def _launch_w8a8(xq, xs, wq, ws, out_dtype, cfg):
+    m, k = xq.shape
+    n = wq.shape[0]
+    y = torch.empty(m, n, dtype=out_dtype, device=xq.device)
     grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
-    _w8a8_gemm_kernel[grid](xq, x_scale.reshape(-1).contiguous(), wq, w_scale.contiguous(), y,
-                            m, n, k, xq.stride(0), wq.stride(0), y.stride(0), GROUP_M=8, **cfg)
+    _w8a8_gemm_kernel[grid](xq, xs, wq, ws, y, m, n, k, xq.stride(0), wq.stride(0), y.stride(0),
+                            GROUP_M=8, **cfg)
     return y

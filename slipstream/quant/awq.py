@@ -9,10 +9,14 @@ s_j, an exact equivalence before rounding:
 
 with s = mean|x|^alpha, alpha chosen on a grid in [0, 1] to minimize the layer's
 output error on calibration inputs once W diag(s) is quantized. The division of x
-is folded into the operation that produces x: the RMSNorm weight before qkv_proj
-and gate_up_proj, the rows of up_proj before down_proj, the rows of v_proj before
-o_proj when every query head has its own value head (with GQA a value channel
-feeds several heads' o_proj columns, which would need one shared scale: skipped).
+is folded into the operation that produces x (quant/folding.py): the RMSNorm weight
+before qkv_proj and gate_up_proj, the rows of up_proj before down_proj, the rows of
+v_proj before o_proj (with GQA one scale per value channel, shared by the heads of
+its group).
+
+Then AWQ's clipping search (`search_clip`): each group's range is shrunk by the ratio
+whose quantized weights give the smallest output error on the calibration inputs
+(outliers in a group of 128 stretch its step for the other 127 weights).
 """
 from __future__ import annotations
 
@@ -54,3 +58,33 @@ def search_scales(w: torch.Tensor, x: torch.Tensor, bits: int = 4, group_size: i
         errors.append((x @ w_hat.t() - y).pow(2).mean().item())
     best = min(range(len(alphas)), key=errors.__getitem__)
     return AWQSearch(awq_scales(mean, alphas[best]), alphas[best], errors, alphas)
+
+
+def search_clip(w: torch.Tensor, x: torch.Tensor, bits: int = 4, group_size: int = 128,
+                sym: bool = False, grid: int = 10, min_ratio: float = 0.5) -> torch.Tensor:
+    """AWQ's weight clipping: per (output row, group), the max-|w| shrink ratio in
+    [min_ratio, 1] whose quantized group gives the smallest output error on x. Returns w
+    clamped to the chosen ranges (quantize it next). w [out, in], x [n, in]."""
+    w, x = w.float(), x.float()
+    out, cols = w.shape
+    pad = -cols % group_size
+    if pad:   # zero columns leave every range and every product unchanged
+        w = torch.nn.functional.pad(w, (0, pad))
+        x = torch.nn.functional.pad(x, (0, pad))
+    groups = w.shape[1] // group_size
+    wg = w.view(out, groups, group_size)
+    xg = x.view(x.shape[0], groups, group_size)
+    amax = wg.abs().amax(-1, keepdim=True)                      # [out, groups, 1]
+    best_err = torch.full((out, groups), float("inf"))
+    best = amax.clone()
+    for i in range(grid + 1):
+        mx = amax * (1.0 - (1.0 - min_ratio) * i / grid)
+        wc = torch.maximum(torch.minimum(wg, mx), -mx)
+        q = fake_quantize(wc.reshape(out, -1), bits, sym, "group", group_size)
+        dw = (q.view(out, groups, group_size) - wg)             # error of the clipped weights
+        err = torch.einsum("ngk,ogk->nog", xg, dw).pow(2).mean(0)   # [out, groups]
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best = torch.where(better[..., None], mx, best)
+    wc = torch.maximum(torch.minimum(wg, best), -best).reshape(out, -1)
+    return wc[:, :cols]

@@ -21,13 +21,21 @@ from slipstream.layers.linear import LinearBase
 from slipstream.models.llama import LlamaForCausalLM
 
 
+# The calibration set that ships with slipstream (data/README.md): prose written for it,
+# then text sampled from the default model over a broad set of prompts
+# (benchmarks/quant/make_calibration.py), about 28,000 tokens together.
+DEFAULT_CALIBRATION_FILES = ("data/calibration.txt", "data/calibration_generated.txt")
+
+
 def default_calibration_text() -> str:
-    """The calibration text that ships with slipstream (written for it; see its header)."""
-    return resources.files("slipstream.quant").joinpath("data/calibration.txt").read_text("utf-8")
+    """The calibration text that ships with slipstream."""
+    root = resources.files("slipstream.quant")
+    return "\n\n".join(root.joinpath(f).read_text("utf-8") for f in DEFAULT_CALIBRATION_FILES)
 
 
 def token_windows(tokenizer, text: str, seq_len: int, max_windows: int) -> list[list[int]]:
-    """Consecutive windows of `seq_len` tokens (the last one may be shorter, >= seq_len / 2)."""
+    """Windows of `seq_len` consecutive tokens (the last one may be shorter, >= seq_len / 2);
+    with more than `max_windows`, that many spread evenly over the text."""
     if seq_len < 2:
         raise ValueError(f"seq_len: expected at least 2, got {seq_len}")
     ids = tokenizer.encode(text)
@@ -35,19 +43,27 @@ def token_windows(tokenizer, text: str, seq_len: int, max_windows: int) -> list[
     windows = [w for w in windows if len(w) >= max(2, seq_len // 2)]
     if not windows:
         raise ValueError(f"calibration text: {len(ids)} tokens, too short for one window")
-    return windows[:max_windows]
+    if len(windows) > max_windows:   # spread over the whole text, not only its beginning
+        step = len(windows) / max_windows
+        windows = [windows[int(i * step)] for i in range(max_windows)]
+    return windows
+
+
+class _StopForward(Exception):
+    """Raised by a statistics hook to end a forward whose remaining layers are not needed."""
 
 
 class InputStats:
     """Running statistics of one linear layer's inputs x [tokens, in]."""
 
-    def __init__(self, in_features: int, hessian: bool = True, max_rows: int = 512):
+    def __init__(self, in_features: int, hessian: bool = True, max_rows: int = 2048,
+                 row_stride: int = 4):
         self.n = 0
         self.h = torch.zeros(in_features, in_features, dtype=torch.float64) if hessian else None
         self.abs_sum = torch.zeros(in_features, dtype=torch.float64)
         self.abs_max = torch.zeros(in_features)
         self.rows: list[torch.Tensor] = []
-        self.max_rows = max_rows
+        self.max_rows, self.row_stride = max_rows, row_stride
 
     def add(self, x: torch.Tensor) -> None:
         x = x.detach().reshape(-1, x.shape[-1]).float().cpu()
@@ -57,8 +73,9 @@ class InputStats:
         self.abs_max = torch.maximum(self.abs_max, x.abs().amax(0))
         have = sum(r.shape[0] for r in self.rows)
         if have < self.max_rows:
-            # Every 4th row of each window: spread over positions, not only the first.
-            self.rows.append(x[::4][:self.max_rows - have].clone())
+            # Every 4th row of each window: 16 windows of 512 give 2,048 rows spread over
+            # all of them (and over positions), not only the first windows.
+            self.rows.append(x[::self.row_stride][:self.max_rows - have].clone())
         self.n += x.shape[0]
 
     @property
@@ -115,16 +132,25 @@ class CalibrationModel:
         return [(emb(torch.tensor(w, device=self.device)), None) for w in windows]
 
     @torch.no_grad()
-    def run_layer(self, i: int, states: list, observe: dict[str, InputStats] | None = None
-                  ) -> list:
+    def run_layer(self, i: int, states: list, observe: dict[str, InputStats] | None = None,
+                  stop_early: bool = False) -> list:
         """Run decoder layer i on every window's state; with `observe`, feed each named
-        linear layer's inputs to its InputStats. Returns the states entering layer i + 1."""
+        linear layer's inputs to its InputStats. Returns the states entering layer i + 1;
+        with `stop_early`, each window's forward stops once every observed layer has seen
+        its input (statistics only, e.g. for the first layers of a decoder layer), and
+        nothing is returned."""
         hooks = []
+        pending: set[str] = set()
+
+        def hook(name, stats, args):
+            stats.add(args[0])
+            pending.discard(name)
+            if stop_early and not pending:
+                raise _StopForward
         for name, module in self.linear_layers(i).items():
             if observe is not None and name in observe:
-                stats = observe[name]
                 hooks.append(module.register_forward_pre_hook(
-                    lambda m, args, stats=stats: stats.add(args[0])))
+                    lambda m, args, name=name, stats=observe[name]: hook(name, stats, args)))
         layer = self.layers[i]
         out = []
         try:
@@ -135,12 +161,16 @@ class CalibrationModel:
                 cache = torch.zeros(1, n, *self._cache_shape, dtype=x.dtype, device=self.device)
                 layer.self_attn.attn.k_cache, layer.self_attn.attn.v_cache = cache, cache.clone()
                 rope = self.model.model.rotary_emb.for_step(batch.positions)
-                out.append(layer(x, residual, rope, batch))
+                pending.update(observe or ())
+                try:
+                    out.append(layer(x, residual, rope, batch))
+                except _StopForward:
+                    pass
         finally:
             for h in hooks:
                 h.remove()
             layer.self_attn.attn.k_cache = layer.self_attn.attn.v_cache = None
-        return out
+        return [] if stop_early else out
 
     @torch.no_grad()
     def logits(self, states: list) -> list[torch.Tensor]:

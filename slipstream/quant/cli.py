@@ -23,13 +23,26 @@ def add_parser(subparsers) -> None:
     p.add_argument("--group-size", type=int, default=128,
                    help="input columns per scale; 0 = one per output channel (default 128)")
     p.add_argument("--sym", action="store_true", help="symmetric codes (default: asymmetric)")
-    p.add_argument("--act-order", action="store_true", help="GPTQ: quantize columns by "
-                   "decreasing Hessian diagonal")
+    p.add_argument("--no-act-order", dest="act_order", action="store_false",
+                   help="GPTQ: quantize columns in their stored order (default: by decreasing "
+                        "Hessian diagonal)")
+    p.add_argument("--no-true-sequential", dest="true_sequential", action="store_false",
+                   help="GPTQ: quantize all of a decoder layer from its unquantized inputs "
+                        "(default: qkv, o, gate_up, down in turn, each from quantized inputs)")
+    p.add_argument("--static-groups", action="store_true",
+                   help="GPTQ act-order: fix every group's range up front so the codes stay in "
+                        "input order (no gather of the layer's input at run time)")
+    p.add_argument("--damp", type=float, default=0.01,
+                   help="GPTQ: Hessian damping, a fraction of its mean diagonal (default 0.01)")
+    p.add_argument("--clip-grid", type=int, default=20,
+                   help="GPTQ/AWQ: steps of the group-range clipping search; 0: none (default 20)")
     p.add_argument("--calib", default=None, help="calibration text file (default: a text "
                    "shipped with slipstream)")
-    p.add_argument("--seq-len", type=int, default=256, help="tokens per calibration window")
-    p.add_argument("--num-windows", type=int, default=32, help="calibration windows at most")
-    p.add_argument("--alpha", type=float, default=0.5, help="SmoothQuant migration strength")
+    p.add_argument("--seq-len", type=int, default=512, help="tokens per calibration window")
+    p.add_argument("--num-windows", type=int, default=16, help="calibration windows at most")
+    p.add_argument("--alpha", type=float, default=None,
+                   help="SmoothQuant migration strength in [0, 1] for every layer (default: "
+                        "searched per layer on the calibration data)")
     p.add_argument("--avg-bits", type=float, default=3.5, help="mixed: average bits budget")
     p.add_argument("--mixed-bits", default="3,4,8",
                    help="mixed: the bit widths a layer may get (default 3,4,8)")
@@ -58,7 +71,10 @@ def run(args) -> int:
         raise ValueError("group_size: expected 0 (per channel) or a positive number")
     opts = QuantizeOptions(method=args.method, bits=args.bits,
                            group_size=args.group_size or None, sym=args.sym,
-                           act_order=args.act_order, alpha=args.alpha, seq_len=args.seq_len,
+                           act_order=args.act_order, true_sequential=args.true_sequential,
+                           static_groups=args.static_groups, damp=args.damp,
+                           clip_grid=args.clip_grid,
+                           alpha=args.alpha, seq_len=args.seq_len,
                            num_windows=args.num_windows, avg_bits=args.avg_bits,
                            mixed_bits=_bit_list(args.mixed_bits))
     text = read_calibration_text(args.calib)
@@ -70,7 +86,8 @@ def run(args) -> int:
                                 progress=lambda i: bar.update(1))
     bar.close()
     extra = {"options": dict(vars(opts)),
-             "info": {k: v for k, v in report.info.items() if k != "awq_alpha"}}
+             "info": {k: v for k, v in report.info.items()
+                      if k not in ("awq_alpha", "smoothquant_alpha")}}
     out = save_quantized(cm.model, files, args.output, report.layers, args.method, extra)
     print(f"quantized {files.path} with {args.method} in {time.perf_counter() - t0:.1f} s "
           f"-> {out}", file=sys.stderr)

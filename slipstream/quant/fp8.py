@@ -6,7 +6,8 @@ activations quantized per token at run time (dynamic), the product in fp8.
 
 Scheme "fp8" quantizes a float checkpoint as it loads (the format H100/H200 users serve
 with). On CUDA with bf16 activations the product is `torch._scaled_mm` with row-wise scales
-(fp8 tensor cores, fp32 accumulation); elsewhere the plain-PyTorch reference dequantizes and multiplies in
+(fp8 tensor cores, fp32 accumulation) after one Triton kernel quantizes the activations
+(kernels/quant_act.py); elsewhere the plain-PyTorch reference dequantizes and multiplies in
 fp32, which gives the same rounding of the inputs.
 """
 from __future__ import annotations
@@ -55,11 +56,13 @@ class Fp8Method:
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, in] -> [num_tokens, out]
-        xq, xs = quantize_fp8_rows(x)
         if x.is_cuda and x.dtype == torch.bfloat16:   # row-wise scaled_mm outputs bf16
+            from slipstream.kernels.quant_act import quantize_rows
+            xq, xs = quantize_rows(x, "fp8")
             y = torch._scaled_mm(xq, layer.weight_t, scale_a=xs,
                                  scale_b=layer.weight_scale.view(1, -1), out_dtype=x.dtype)
         else:
+            xq, xs = quantize_fp8_rows(x)
             y = fp8_linear_reference(xq, xs, layer.weight, layer.weight_scale, x.dtype)
         return y if layer.bias is None else y + layer.bias
 

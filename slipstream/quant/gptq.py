@@ -60,14 +60,46 @@ def _one_thread(device: torch.device):
 
 def gptq_quantize(w: torch.Tensor, h: torch.Tensor, bits: int, group_size: int | None = 128,
                   sym: bool = False, block_size: int = 128, damp: float = 0.01,
-                  act_order: bool = False) -> tuple[QTensor, torch.Tensor | None]:
+                  act_order: bool = False, clip_grid: int = 0, static_groups: bool = False
+                  ) -> tuple[QTensor, torch.Tensor | None]:
     """w: [out, in]; h: [in, in] -> (QTensor over the columns in quantization order,
-    perm [in] int64 when act_order else None). group_size None: one group per row."""
+    perm [in] int64 when act_order else None). group_size None: one group per row.
+    clip_grid > 0: each group's range is searched (see group_qparams).
+    static_groups (with act_order): every group's range is fixed up front from the weights
+    in input order, so the codes are stored in input order and perm is None (the layer
+    needs no gather of its input at run time); the quantization itself still runs in
+    act-order."""
     with _one_thread(w.device):
-        return _gptq(w, h, bits, group_size, sym, block_size, damp, act_order)
+        return _gptq(w, h, bits, group_size, sym, block_size, damp, act_order, clip_grid,
+                     static_groups and act_order)
 
 
-def _gptq(w, h, bits, group_size, sym, block_size, damp, act_order):
+def group_qparams(w: torch.Tensor, d: torch.Tensor, bits: int, sym: bool, grid: int,
+                  min_ratio: float = 0.5) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, zero) [rows, 1] of one group w [rows, cols]: with grid > 0 the range is shrunk
+    by the ratio in [min_ratio, 1] (grid + 1 steps) minimizing each row's rounding error
+    weighted by d [cols] = diag(H) (GPTQ's `mse` option, Hessian-weighted: a column's
+    rounding error costs the output d_j times its square)."""
+    s, z, _ = compute_qparams(w, bits, sym, "channel")
+    if grid <= 0:
+        return s, z
+    best = None
+    for i in range(grid + 1):
+        r = 1.0 - (1.0 - min_ratio) * i / grid
+        si, zi, _ = compute_qparams(w, bits, sym, "channel", clip=r)
+        q = (quantize_codes(w, si, zi, bits).float() - zi) * si
+        err = ((q - w).pow(2) * d[None, :]).sum(1, keepdim=True)
+        if best is None:
+            best, s, z = err, si, zi
+        else:
+            better = err < best
+            best = torch.where(better, err, best)
+            s, z = torch.where(better, si, s), torch.where(better, zi, z)
+    return s, z
+
+
+def _gptq(w, h, bits, group_size, sym, block_size, damp, act_order, clip_grid=0,
+          static=False):
     out_f, in_f = w.shape
     group = in_f if group_size is None else min(group_size, in_f)   # last group may be narrower
     W = w.detach().float().clone()
@@ -80,12 +112,22 @@ def _gptq(w, h, bits, group_size, sym, block_size, damp, act_order):
         perm = torch.argsort(torch.diag(H), descending=True)
         W, H = W[:, perm], H[perm][:, perm]
     H += damp * torch.diag(H).mean() * torch.eye(in_f)
+    diag = torch.diag(H).clone()
     U = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
 
     codes = torch.zeros(out_f, in_f, dtype=torch.uint8)
     n_groups = -(-in_f // group)
     scale = torch.zeros(out_f, n_groups)
     zero = torch.zeros(out_f, n_groups)
+    # Column in quantization order -> (stored column, its group).
+    where = perm if static else torch.arange(in_f)
+    if static:
+        w_in, d_in = torch.empty_like(W), torch.empty_like(diag)
+        w_in[:, perm], d_in[perm] = W, diag
+        for g in range(n_groups):
+            cols = slice(g * group, min((g + 1) * group, in_f))
+            s, z = group_qparams(w_in[:, cols], d_in[cols], bits, sym, clip_grid)
+            scale[:, g], zero[:, g] = s[:, 0], z[:, 0]
     for i1 in range(0, in_f, block_size):
         i2 = min(i1 + block_size, in_f)
         W1 = W[:, i1:i2].clone()
@@ -93,22 +135,24 @@ def _gptq(w, h, bits, group_size, sym, block_size, damp, act_order):
         U1 = U[i1:i2, i1:i2]
         for i in range(i2 - i1):
             col = i1 + i
-            if col % group == 0:
+            if not static and col % group == 0:
                 # The group's range from its current (error-updated) weights.
                 ahead = torch.cat([W1[:, i:], W[:, i2:]], dim=1)[:, :group]
-                s, z, _ = compute_qparams(ahead, bits, sym, "channel")
+                s, z = group_qparams(ahead, diag[col:col + ahead.shape[1]], bits, sym,
+                                     clip_grid)
                 scale[:, col // group], zero[:, col // group] = s[:, 0], z[:, 0]
-            g = col // group
+            stored = int(where[col])
+            g = stored // group
             s, z = scale[:, g:g + 1], zero[:, g:g + 1]
             wcol = W1[:, i:i + 1]
             q = quantize_codes(wcol, s, z, bits)                     # [out, 1]
-            codes[:, col] = q[:, 0]
+            codes[:, stored] = q[:, 0]
             deq = (q.float() - z) * s
             e = (wcol - deq) / U1[i, i]
             W1[:, i:] -= e * U1[i:i + 1, i:]
             err1[:, i] = e[:, 0]
         W[:, i2:] -= err1 @ U[i1:i2, i2:]
-    return QTensor(codes, scale, zero, bits, group), perm
+    return QTensor(codes, scale, zero, bits, group), None if static else perm
 
 
 def layer_error(w: torch.Tensor, w_hat: torch.Tensor, x: torch.Tensor) -> float:

@@ -85,7 +85,7 @@ class IntWeightMethod:
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, in] -> [num_tokens, out]
         if getattr(layer, "perm", None) is not None:
-            x = x[:, layer.perm.long()]
+            x = x.index_select(1, layer.perm)        # int32 indices: no conversion kernel
         zeros = layer.qzeros if not self.sym else None
         if x.is_cuda and self.bits in (4, 8):
             from slipstream.kernels.quant_gemm import int_weight_gemm
@@ -106,3 +106,35 @@ def set_quantized(layer: nn.Module, codes: torch.Tensor, scale: torch.Tensor,
         layer.register_parameter("qzeros", _param(zero.to(torch.uint8).to(device)))
     if perm is not None:
         layer.register_parameter("perm", _param(perm.to(torch.int32).to(device), None))
+
+
+class IntWeightHeadMethod(IntWeightMethod):
+    """The weight-only method for the LM head (an untied one: a tied head is the embedding
+    table and stays as it is). The head is not a linear layer the loaders post-process, so
+    its dense weight is quantized on the first product, which the engine's warm-up (memory
+    profiling) runs eagerly; it is quantized in chunks of rows to keep the temporaries
+    small. Embedding lookups are not served."""
+    supports_embedding = True      # lets the model hand it the LM head's table
+
+    CHUNK_ROWS = 8192
+
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if not hasattr(layer, "qweight"):
+            if x.is_cuda and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("the LM head must run once eagerly before a CUDA graph "
+                                   "capture (it is quantized on its first product)")
+            self._quantize_head(layer)
+        return super().apply(layer, x)
+
+    def _quantize_head(self, layer: nn.Module) -> None:
+        from slipstream.quant.rtn import rtn_quantize
+        w = layer.weight.data
+        parts = [rtn_quantize(w[i:i + self.CHUNK_ROWS].float(), self.bits, layer.group_cols,
+                              self.sym) for i in range(0, w.shape[0], self.CHUNK_ROWS)]
+        del layer.weight
+        set_quantized(layer, torch.cat([p.codes for p in parts]),
+                      torch.cat([p.scale for p in parts]), torch.cat([p.zero for p in parts]),
+                      self.bits, self.sym, w.device)
+
+    def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        raise ValueError("quantization: this scheme quantizes the LM head, not the embedding")

@@ -18,6 +18,7 @@ import torch
 from slipstream.layers.linear import LinearBase
 from slipstream.quant import awq, smoothquant
 from slipstream.quant.calibration import CalibrationModel, InputStats, token_windows
+from slipstream.quant.folding import fold, layer_sites
 from slipstream.quant.gptq import gptq_quantize
 from slipstream.quant.int_weight import IntWeightMethod, layer_group_cols, set_quantized
 from slipstream.quant.rtn import rtn_quantize
@@ -32,13 +33,16 @@ class QuantizeOptions:
     bits: int = 4
     group_size: int | None = 128
     sym: bool = False
-    act_order: bool = False
+    act_order: bool = True             # GPTQ: columns by decreasing Hessian diagonal
+    true_sequential: bool = True       # GPTQ: qkv, o, gate_up, down each see quantized inputs
+    static_groups: bool = False        # GPTQ act-order: ranges fixed up front, no run-time perm
     damp: float = 0.01
     block_size: int = 128
-    alpha: float = 0.5                 # SmoothQuant migration strength
+    clip_grid: int = 20                # GPTQ / AWQ: range-clipping search steps (0: none)
+    alpha: float | None = None         # SmoothQuant strength; None: searched per fold site
     awq_grid: int = 20
-    seq_len: int = 256
-    num_windows: int = 32
+    seq_len: int = 512
+    num_windows: int = 16              # 8,192 tokens: over 5x the widest layer input here
     avg_bits: float = 3.5              # mixed precision: average bits budget
     # 2 bits is allowed but not a default: on SmolLM2-135M, layers at 2 bits cost far more
     # perplexity than their own output error predicts (benchmarks/quant/README.md).
@@ -49,6 +53,8 @@ class QuantizeOptions:
             raise ValueError(f"method: expected one of {METHODS}, got {self.method!r}")
         if self.method in ("awq",) and self.bits not in (2, 3, 4, 8):
             raise ValueError(f"bits: expected 2, 3, 4 or 8, got {self.bits}")
+        if self.alpha is not None and not 0.0 <= self.alpha <= 1.0:
+            raise ValueError(f"alpha: expected a value in [0, 1] or None, got {self.alpha}")
 
 
 @dataclass
@@ -79,42 +85,60 @@ def _install_w8a8(module: LinearBase) -> dict:
     return {"kind": "w8a8"}
 
 
-def _awq_fold(cm: CalibrationModel, i: int, stats: dict[str, InputStats], opts, info) -> None:
-    """Search AWQ scales for each linear of layer i and fold them into the op before it."""
-    layer = cm.layers[i]
+def _awq_fold(cm: CalibrationModel, i: int, stats: dict[str, InputStats], opts, info) -> dict:
+    """Search AWQ scales for each fold site of layer i and fold them; returns, per consumer
+    name, the scale its calibration inputs must be divided by from now on."""
     p = f"model.layers.{i}"
-    attn, mlp = layer.self_attn, layer.mlp
-    pairs = [("self_attn.qkv_proj", attn.qkv_proj, ("norm", layer.input_layernorm)),
-             ("mlp.gate_up_proj", mlp.gate_up_proj, ("norm", layer.post_attention_layernorm)),
-             ("mlp.down_proj", mlp.down_proj, ("rows", mlp.gate_up_proj, 1))]
-    if attn.num_heads == attn.num_kv_heads:
-        pairs.append(("self_attn.o_proj", attn.o_proj, ("rows", attn.qkv_proj, 2)))
-    for name, module, prev in pairs:
-        st = stats[f"{p}.{name}"]
-        group = layer_group_cols(module.input_size, opts.group_size)
-        res = awq.search_scales(module.weight.data, st.sample, opts.bits, group, opts.sym,
-                                opts.awq_grid, st.abs_mean)
-        info.setdefault("awq_alpha", {})[f"{p}.{name}"] = res.alpha
-        s = res.scales
-        if prev[0] == "norm":
-            smoothquant.fold_into_norm(prev[1].weight.data, [module.weight.data], s)
-        else:   # divide the producing shard's rows (up of gate_up, v of qkv)
-            prod, shard = prev[1], prev[2]
-            off = sum(prod.output_sizes[:shard])
-            rows = prod.weight.data[off:off + prod.output_sizes[shard]]
-            bias = None if prod.bias is None else prod.bias.data[off:off + rows.shape[0]]
-            smoothquant.fold_into_rows(rows, bias, module.weight.data, s)
+    applied = {}
+    for site in layer_sites(cm.layers[i]):
+        st = stats[f"{p}.{site.name}"]
+        group = layer_group_cols(site.consumer.input_size, opts.group_size)
+        res = awq.search_scales(site.consumer.weight.data, st.sample, opts.bits, group, opts.sym,
+                                opts.awq_grid, site.tie_reduce(st.abs_mean, "mean"))
+        info.setdefault("awq_alpha", {})[f"{p}.{site.name}"] = res.alpha
+        fold(site, res.scales)
+        applied[f"{p}.{site.name}"] = res.scales
+    return applied
 
 
-def _smooth(cm: CalibrationModel, i: int, stats: dict[str, InputStats], alpha: float) -> None:
-    layer = cm.layers[i]
+def _awq_clip(module: LinearBase, name: str, x: torch.Tensor, opts) -> None:
+    """AWQ's clipping search on the layer's weight (the q and k rows of qkv_proj are left
+    alone, as in AWQ: their error reaches the output through q k^T, not linearly)."""
+    w = module.weight.data
+    rows = slice(0, w.shape[0])
+    if name.endswith("qkv_proj"):
+        rows = slice(sum(module.output_sizes[:2]), w.shape[0])
+    group = layer_group_cols(module.input_size, opts.group_size)
+    w[rows] = awq.search_clip(w[rows], x, opts.bits, group, opts.sym,
+                              grid=max(1, opts.clip_grid // 2)).to(w.dtype)
+
+
+def _smooth(cm: CalibrationModel, i: int, stats: dict[str, InputStats], alpha, info) -> None:
     p = f"model.layers.{i}"
-    for name, module, norm in (("self_attn.qkv_proj", layer.self_attn.qkv_proj,
-                                layer.input_layernorm),
-                               ("mlp.gate_up_proj", layer.mlp.gate_up_proj,
-                                layer.post_attention_layernorm)):
-        s = smoothquant.smooth_scales(stats[f"{p}.{name}"].abs_max, [module.weight.data], alpha)
-        smoothquant.fold_into_norm(norm.weight.data, [module.weight.data], s)
+    for site in layer_sites(cm.layers[i]):
+        st = stats[f"{p}.{site.name}"]
+        w = [site.consumer.weight.data]
+        if alpha is None:
+            a, s, _ = smoothquant.search_alpha(st.sample, st.abs_max, w, tie=site.tie_reduce)
+        else:
+            a = alpha
+            s = smoothquant.smooth_scales(site.tie_reduce(st.abs_max, "max"), w, alpha)
+            s = site.tie_reduce(s, "max")
+        info.setdefault("smoothquant_alpha", {})[f"{p}.{site.name}"] = a
+        fold(site, s)
+
+
+# GPTQ's true-sequential order: each group of a decoder layer is quantized from the inputs
+# it receives once the groups before it are quantized.
+STAGES = (("self_attn.qkv_proj",), ("self_attn.o_proj",), ("mlp.gate_up_proj",),
+          ("mlp.down_proj",))
+
+
+def _gptq_install(module, w, h, bits, opts) -> dict:
+    group = layer_group_cols(module.input_size, opts.group_size)
+    qt, perm = gptq_quantize(w, h, bits, group, opts.sym, opts.block_size, opts.damp,
+                             opts.act_order, opts.clip_grid, opts.static_groups)
+    return _install_int(module, qt, perm, bits, opts.group_size, opts.sym)
 
 
 def quantize_layers(cm: CalibrationModel, windows: list[list[int]], opts: QuantizeOptions,
@@ -122,31 +146,45 @@ def quantize_layers(cm: CalibrationModel, windows: list[list[int]], opts: Quanti
     """Quantize every decoder layer of `cm.model` in place; returns the per-layer plan."""
     report = QuantizeReport()
     needs_data = opts.method != "rtn"
+    gptq = opts.method in ("gptq", "mixed")
     states = cm.embed(windows) if needs_data else None
     for i in range(len(cm.layers)):
         linears = cm.linear_layers(i)
-        stats = None
-        if needs_data:
-            hessian = opts.method in ("gptq", "mixed")
-            stats = {n: InputStats(m.input_size, hessian=hessian) for n, m in linears.items()}
-            cm.run_layer(i, states, stats)
-        if opts.method == "awq":
-            _awq_fold(cm, i, stats, opts, report.info)
-        if opts.method == "smoothquant":
-            _smooth(cm, i, stats, opts.alpha)
-        for name, module in linears.items():
-            w = module.weight.data.float()
+        p = f"model.layers.{i}"
+        bits_of = lambda name: bits_plan[name] if bits_plan else opts.bits  # noqa: E731
+        if gptq and opts.true_sequential:
+            for stage in STAGES:
+                names = [f"{p}.{n}" for n in stage]
+                stats = {n: InputStats(linears[n].input_size, hessian=True) for n in names}
+                cm.run_layer(i, states, stats, stop_early=True)
+                for n in names:
+                    report.layers[n] = _gptq_install(linears[n], linears[n].weight.data.float(),
+                                                     stats[n].hessian, bits_of(n), opts)
+        else:
+            stats = None
+            scaled = {}
+            if needs_data:
+                stats = {n: InputStats(m.input_size, hessian=gptq) for n, m in linears.items()}
+                cm.run_layer(i, states, stats)
+            if opts.method == "awq":
+                scaled = _awq_fold(cm, i, stats, opts, report.info)
             if opts.method == "smoothquant":
-                report.layers[name] = _install_w8a8(module)
-                continue
-            bits = bits_plan[name] if bits_plan else opts.bits
-            group = layer_group_cols(module.input_size, opts.group_size)
-            if opts.method in ("gptq", "mixed"):
-                qt, perm = gptq_quantize(w, stats[name].hessian, bits, group, opts.sym,
-                                         opts.block_size, opts.damp, opts.act_order)
-            else:   # rtn, awq (AWQ's scales are already folded into w)
-                qt, perm = rtn_quantize(w, bits, group, opts.sym), None
-            report.layers[name] = _install_int(module, qt, perm, bits, opts.group_size, opts.sym)
+                _smooth(cm, i, stats, opts.alpha, report.info)
+            for name, module in linears.items():
+                if opts.method == "smoothquant":
+                    report.layers[name] = _install_w8a8(module)
+                    continue
+                bits = bits_of(name)
+                if gptq:
+                    report.layers[name] = _gptq_install(module, module.weight.data.float(),
+                                                        stats[name].hessian, bits, opts)
+                    continue
+                if opts.method == "awq" and opts.clip_grid > 0:
+                    _awq_clip(module, name, stats[name].sample / scaled[name][None, :], opts)
+                group = layer_group_cols(module.input_size, opts.group_size)
+                qt = rtn_quantize(module.weight.data.float(), bits, group, opts.sym)
+                report.layers[name] = _install_int(module, qt, None, bits, opts.group_size,
+                                                   opts.sym)
         if needs_data and i + 1 < len(cm.layers):
             states = cm.run_layer(i, states)
         if progress is not None:

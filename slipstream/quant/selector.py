@@ -9,6 +9,7 @@ from slipstream.quant.base import QuantMethodFor, registered_schemes
 _BUILTIN: dict[str, str] = {
     "gguf": "slipstream.quant.gguf",
     "rtn-int4": "slipstream.quant.rtn",
+    "rtn-int4-head8": "slipstream.quant.rtn",
     "rtn-int3": "slipstream.quant.rtn",
     "int8": "slipstream.quant.rtn",
     "fp8": "slipstream.quant.fp8",

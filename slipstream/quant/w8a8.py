@@ -10,8 +10,9 @@ quant/smoothquant.py and is folded into the previous RMSNorm (or linear) weights
 run time it costs nothing. Scheme "w8a8" quantizes a float checkpoint at load without
 smoothing; `slipstream quantize --method smoothquant` writes a smoothed one.
 
-The int32 GEMM is the Triton kernel on CUDA, `torch._int_mm` on the CPU (exact integer
-arithmetic in both).
+On CUDA the activations are quantized by one Triton kernel (kernels/quant_act.py) and the
+int32 GEMM is the Triton kernel of kernels/quant_gemm.py; on the CPU `torch._int_mm` (exact
+integer arithmetic in both).
 """
 from __future__ import annotations
 
@@ -56,11 +57,14 @@ class Int8W8A8Method:
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, in] -> [num_tokens, out]
-        xq, xs = quantize_int8_rows(x)
         if x.is_cuda:
+            from slipstream.kernels.quant_act import quantize_rows
             from slipstream.kernels.quant_gemm import w8a8_gemm
+            xq, xs = quantize_rows(x, "int8")
             y = w8a8_gemm(xq, xs, layer.weight, layer.weight_scale, x.dtype)
-        elif hasattr(torch, "_int_mm"):
+            return y if layer.bias is None else y + layer.bias
+        xq, xs = quantize_int8_rows(x)
+        if hasattr(torch, "_int_mm"):
             acc = torch._int_mm(xq, layer.weight_t)            # [num_tokens, out] int32
             y = (acc.float() * xs * layer.weight_scale[None, :]).to(x.dtype)
         else:

@@ -70,3 +70,62 @@ def test_w8a8_gemm_matches_reference(m, n, k, dtype):
     ref = reference.w8a8_linear(xq, xs, wq, ws, torch.float32)
     rtol = 1e-3 if dtype == torch.float16 else 1e-5
     torch.testing.assert_close(y.float().cpu(), ref, atol=rtol, rtol=rtol)
+
+
+# ---- the exact dequantization trick and the activation-quantization kernel ----------------
+
+import triton                        # noqa: E402
+import triton.language as tl         # noqa: E402
+
+from slipstream.kernels.quant_act import quantize_rows            # noqa: E402
+from slipstream.kernels.quant_gemm import _centred_weights        # noqa: E402
+from slipstream.quant.primitives import quantize_fp8_rows         # noqa: E402
+
+
+@triton.jit
+def _centred_probe(C, Z, Out, BITS: tl.constexpr, N: tl.constexpr, K: tl.constexpr):
+    rn = tl.arange(0, N)
+    rk = tl.arange(0, K)
+    codes = tl.load(C + rn[:, None] * K + rk[None, :])
+    z = tl.load(Z + rn).to(tl.float32)
+    tl.store(Out + rn[:, None] * K + rk[None, :],
+             _centred_weights(codes, z, BITS, Out.dtype.element_ty))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_centred_weights_exact(bits, dtype):
+    """code - zero by the float trick is exact in every dtype: every code, every zero."""
+    if dtype == torch.bfloat16 and bits == 4 and DEVICE == "cpu":
+        pytest.skip("Triton's interpreter cannot bitcast to bfloat16 (checked on CUDA and by "
+                    "benchmarks/quant/bench_quant_gemm.py's correctness pass)")
+    top = 2 ** bits
+    codes = torch.arange(16 * 32).remainder(top).to(torch.uint8).view(16, 32)
+    zeros = torch.randint(0, top, (16,), dtype=torch.uint8)
+    out = torch.empty(16, 32, dtype=dtype)
+    args = [t.to(DEVICE) for t in (codes, zeros, out)]
+    _centred_probe[(1,)](*args, BITS=bits, N=16, K=32)
+    want = codes.float() - zeros.float()[:, None]
+    assert torch.equal(args[2].float().cpu(), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_quantize_rows_int8_bit_identical(dtype):
+    x = (torch.randn(6, 300) * 3).to(dtype)
+    x[1] = 0                                             # an all-zero row: the scale floor
+    x[2] = 0
+    x[2, :6] = torch.tensor([0.5, 1.5, 2.5, -0.5, -2.5, 127.0]).to(dtype)   # ties: half to even
+    q, s = quantize_rows(x.to(DEVICE), "int8")
+    qr, sr = quantize_int8_rows(x)
+    assert q.dtype == torch.int8 and s.shape == (6, 1)
+    assert torch.equal(q.cpu(), qr) and torch.equal(s.cpu(), sr)
+    with pytest.raises(ValueError, match="kind"):
+        quantize_rows(x, "int4")
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="Triton's interpreter rounds float8 wrongly")
+def test_quantize_rows_fp8_bit_identical():
+    x = torch.randn(6, 300, device=DEVICE, dtype=torch.bfloat16) * 3
+    q, s = quantize_rows(x, "fp8")
+    qr, sr = quantize_fp8_rows(x)
+    assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8)) and torch.equal(s, sr)

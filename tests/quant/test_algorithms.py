@@ -38,6 +38,13 @@ def test_gptq_output_error_is_below_rtn(bits, group):
     qa, pa = gptq_quantize(w, acc.value(), bits, group, act_order=True)
     assert sorted(pa.tolist()) == list(range(256))
     assert layer_error(w, dequantized_in_input_order(qa, pa), x) < e_rtn
+    # Static groups: act-order quantization, codes stored in input order (no permutation).
+    qs, ps = gptq_quantize(w, acc.value(), bits, group, act_order=True, static_groups=True)
+    assert ps is None and layer_error(w, qs.dequantize(), x) < 0.7 * e_rtn
+    # The Hessian-weighted range search lowers the output error further.
+    qc, pc = gptq_quantize(w, acc.value(), bits, group, act_order=True, clip_grid=20)
+    assert layer_error(w, dequantized_in_input_order(qc, pc), x) <= \
+        1.05 * layer_error(w, dequantized_in_input_order(qa, pa), x)
 
 
 def test_gptq_on_uncorrelated_inputs_is_close_to_rtn_and_exact_weights_stay():
@@ -70,6 +77,33 @@ def test_awq_scale_search_lowers_the_output_error():
     torch.testing.assert_close((x / s) @ (w * s).t(), x @ w.t(), atol=1e-4, rtol=1e-4)
     w_hat = fake_quantize(w * s, 4, False, "group", 64) / s
     assert layer_error(w, w_hat, x) == pytest.approx(min(res.errors), rel=1e-4)
+
+
+def test_awq_clip_search_lowers_the_output_error_and_only_shrinks():
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(256, 160, generator=g)       # 160 = 2 x 64 + a 32-wide last group
+    w = torch.randn(48, 160, generator=g) * 0.05
+    w[::5, 3] = 0.6                             # outliers stretch their groups' ranges
+    wc = awq.search_clip(w, x, bits=4, group_size=64, grid=10)
+    assert wc.shape == w.shape and (wc.abs() <= w.abs() + 1e-7).all()
+    plain = fake_quantize(w, 4, False, "group", 64)
+    clipped = fake_quantize(wc, 4, False, "group", 64)
+    assert layer_error(w, clipped, x) < 0.95 * layer_error(w, plain, x)
+
+
+def test_smoothquant_alpha_search_beats_no_smoothing():
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(256, 64, generator=g)
+    x[:, 5] *= 50.0                              # an activation outlier channel
+    w = torch.randn(32, 64, generator=g)
+    alpha, s, errors = smoothquant.search_alpha(x, x.abs().amax(0), [w], grid=10)
+    assert len(errors) == 12 and errors[0] == smoothquant.w8a8_output_error(x, [w],
+                                                                           torch.ones(64))
+    assert alpha is not None and min(errors) < 0.5 * errors[0]   # errors[0]: no smoothing
+    # A tie (GQA: one scale per value channel) makes the chosen scales equal within groups.
+    tie = lambda v, op: v.view(-1, 2, 8).amax(1, keepdim=True).expand(-1, 2, 8).reshape(-1)  # noqa: E731
+    _, st, _ = smoothquant.search_alpha(x, x.abs().amax(0), [w], grid=4, tie=tie)
+    assert torch.equal(st.view(-1, 2, 8)[:, 0], st.view(-1, 2, 8)[:, 1])
 
 
 def test_smoothquant_scales_flatten_activation_outliers_and_folding_is_exact():

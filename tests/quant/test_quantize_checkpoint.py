@@ -34,8 +34,9 @@ def dense(tiny_llama):
 
 
 @pytest.mark.parametrize("opts,tol", [
-    (dict(method="gptq", bits=4), 0.8),
-    (dict(method="gptq", bits=4, act_order=True, sym=True), 0.8),
+    (dict(method="gptq", bits=4, act_order=False, true_sequential=False, clip_grid=0), 0.8),
+    (dict(method="gptq", bits=4, sym=True), 0.8),      # act-order, true-sequential, clipping
+    (dict(method="gptq", bits=4, static_groups=True), 0.8),
     (dict(method="awq", bits=4), 0.8),
     (dict(method="smoothquant"), 0.15),
     (dict(method="mixed", avg_bits=5.0, mixed_bits=(4, 8)), 0.8),
@@ -55,6 +56,9 @@ def test_quantize_save_load_round_trip(tiny_llama, dense, tmp_path, opts, tol):
                                atol=2e-4, rtol=0)
     # ... which stays close to the dense model (same tolerances as the load-time schemes).
     assert (loaded - dense).abs().mean() < tol
+    perms = [m for m in llm.engine.runner.model.modules() if hasattr(m, "perm")]
+    if q.method == "gptq":   # act-order stores a permutation unless its groups are static
+        assert bool(perms) == (q.act_order and not q.static_groups)
     if q.method == "mixed":
         alloc = report.info["allocation"]
         assert alloc["avg_bits_exact"] <= 5.0 and alloc["objective_exact"] <= \
@@ -62,25 +66,54 @@ def test_quantize_save_load_round_trip(tiny_llama, dense, tmp_path, opts, tol):
         assert set(alloc["bits"].values()) <= {4, 8}
 
 
-def test_smoothquant_folding_keeps_the_float_model(tiny_llama):
-    """Smoothing folded into the norms, before any rounding, changes nothing."""
+@pytest.fixture(scope="module")
+def tiny_qwen2(tmp_path_factory):
+    from tests.engine.conftest import build_hf_model
+    from tests.loader.checkpoints import write_hf_tokenizer
+    folder = tmp_path_factory.mktemp("quant-qwen2")
+    build_hf_model("qwen2").save_pretrained(folder)     # q/k/v biases: v's bias is rescaled
+    write_hf_tokenizer(folder)
+    return folder
+
+
+@pytest.mark.parametrize("model", ["tiny_llama", "tiny_qwen2"])   # both GQA (4 heads, 2 kv)
+@pytest.mark.parametrize("how", ["smooth-0.5", "smooth-search", "awq"])
+def test_folding_keeps_the_float_model(model, how, request):
+    """Scales folded into the norms and into the v and up rows (all four sites of a layer,
+    with GQA one scale per value channel), before any rounding, change nothing."""
     from slipstream.quant.calibration import InputStats, token_windows
-    from slipstream.quant.quantizer import _smooth
-    files = open_model(str(tiny_llama))
+    from slipstream.quant.quantizer import QuantizeOptions, _awq_fold, _smooth
+    files = open_model(str(request.getfixturevalue(model)))
     cm = CalibrationModel(files)
     prompts = random_prompts()
     before = in_memory_logprobs(cm, prompts)
     windows = token_windows(files.tokenizer(), CALIB, 32, 4)
     states = cm.embed(windows)
+    info = {}
     for i in range(len(cm.layers)):
         stats = {n: InputStats(m.input_size, hessian=False)
                  for n, m in cm.linear_layers(i).items()}
         cm.run_layer(i, states, stats)
-        _smooth(cm, i, stats, 0.5)
+        if how == "awq":
+            _awq_fold(cm, i, stats, QuantizeOptions(method="awq", group_size=32), info)
+        else:
+            _smooth(cm, i, stats, 0.5 if how == "smooth-0.5" else None, info)
         states = cm.run_layer(i, states)
     norm = cm.layers[0].input_layernorm.weight
-    assert not torch.allclose(norm, torch.ones_like(norm))
+    assert not torch.allclose(norm, torch.ones_like(norm)) or how == "awq"
+    alphas = info["awq_alpha" if how == "awq" else "smoothquant_alpha"]
+    assert len(alphas) == 4 * len(cm.layers)     # qkv, o, gate_up, down of every layer
+    if how != "awq":   # the v and up rows were rescaled too
+        up = cm.layers[0].mlp.gate_up_proj
+        assert not torch.allclose(up.weight[up.output_sizes[0]:].abs().amax(1),
+                                  dense_up_rows(files)[0].abs().amax(1))
     torch.testing.assert_close(in_memory_logprobs(cm, prompts), before, atol=1e-4, rtol=0)
+
+
+def dense_up_rows(files):
+    cm = CalibrationModel(files)
+    up = cm.layers[0].mlp.gate_up_proj
+    return up.weight[up.output_sizes[0]:], up
 
 
 def test_cli_quantize_rtn_and_load(tiny_llama, dense, tmp_path, capsys):

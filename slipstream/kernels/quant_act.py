@@ -1,0 +1,64 @@
+"""Per-token activation quantization for W8A8 in one kernel: x [m, k] -> (q [m, k],
+scale [m, 1] fp32), q = round(x / scale) in int8 (scale = max|x| / 127) or float8 e4m3
+(scale = max|x| / 448).
+
+The PyTorch twins (quant/primitives.quantize_int8_rows and quantize_fp8_rows) take five
+or six passes over x (abs, amax, divide, round, clamp, cast); here one program per row
+reads its row twice (the maximum, then the quantization; the second read hits the cache)
+and writes the codes and the scale once. The arithmetic is the twin's: an IEEE division
+(div_rn), round half to even (the 1.5 * 2^23 trick, exact for |v| < 2^22), the same
+clamps, so the codes are bit-identical.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from slipstream.kernels import runtime  # noqa: F401  (interpreter fixes for CPU tests)
+
+FP8_E4M3_MAX = 448.0
+
+
+@triton.jit
+def _quantize_rows_kernel(X, Q, S, K, stride_xm, stride_qm, QMAX: tl.constexpr,
+                          EPS: tl.constexpr, FP8: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = X + row * stride_xm
+    amax = tl.zeros((BLOCK,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK):
+        rk = k0 + tl.arange(0, BLOCK)
+        x = tl.load(x_row + rk, mask=rk < K, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(x))
+    scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), QMAX), EPS)
+    tl.store(S + row, scale)
+    for k0 in range(0, K, BLOCK):
+        rk = k0 + tl.arange(0, BLOCK)
+        x = tl.load(x_row + rk, mask=rk < K, other=0.0).to(tl.float32)
+        v = tl.math.div_rn(x, scale)
+        if FP8:
+            q = tl.minimum(tl.maximum(v, -QMAX), QMAX).to(Q.dtype.element_ty)
+        else:
+            v = (v + 12582912.0) - 12582912.0          # round half to even
+            q = tl.minimum(tl.maximum(v, -QMAX), QMAX).to(tl.int8)
+        tl.store(Q + row * stride_qm + rk, q, mask=rk < K)
+
+
+def quantize_rows(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [m, k] (fp16/bf16/fp32, unit stride along k) -> (q [m, k] int8 or float8_e4m3fn,
+    scale [m, 1] fp32). kind: "int8" or "fp8"."""
+    if kind not in ("int8", "fp8"):
+        raise ValueError(f"kind: expected 'int8' or 'fp8', got {kind!r}")
+    m, k = x.shape
+    assert x.stride(1) == 1
+    fp8 = kind == "fp8"
+    q = torch.empty(m, k, dtype=torch.float8_e4m3fn if fp8 else torch.int8, device=x.device)
+    s = torch.empty(m, 1, dtype=torch.float32, device=x.device)
+    if m == 0:
+        return q, s
+    block = min(2048, triton.next_power_of_2(k))
+    _quantize_rows_kernel[(m,)](x, q, s, k, x.stride(0), q.stride(0),
+                                QMAX=FP8_E4M3_MAX if fp8 else 127.0,
+                                EPS=1e-12 if fp8 else 1e-10, FP8=fp8, BLOCK=block,
+                                num_warps=4 if block <= 1024 else 8)
+    return q, s

@@ -1,0 +1,186 @@
+"""Launch configurations of the quantized GEMMs (kernels/quant_gemm.py), chosen by measurement.
+
+The best tile shape of a quantized GEMM depends on the GPU, the weight shape and the number
+of tokens: a batch-1 GEMV is bound by the weight stream and wants many programs in flight
+(narrow N tiles, split-K), a prefill wants large tensor-core tiles. `choose` times a fixed
+candidate set once per (kernel, weight shape, dtype, token-count bucket), keeps the fastest
+and returns it from then on. Tuning happens in eager runs only: the engine's warm-up (the
+memory-profiling forward, the eager run before each CUDA-graph capture) meets every bucket
+before it is captured; during a capture, or for a bucket never tuned, the static default is
+used. No host synchronization happens outside tuning.
+
+Timing: the candidate's calls over several copies of the weight (together more than twice
+the L2 cache, so the weight streams from memory as it does in a decode step), replayed in a
+CUDA graph (launch overhead out), best of a few replays. `SLIPSTREAM_QUANT_TUNE=0` turns
+tuning off (the defaults are used).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+
+import torch
+import triton
+
+log = logging.getLogger(__name__)
+
+_BEST: dict[tuple, dict] = {}
+
+
+def m_bucket(m: int) -> int:
+    """Token counts sharing one configuration: powers of two (1, 2, 4, ..., then 8192+)."""
+    return 1 << max(0, min(m - 1, 8191)).bit_length()
+
+
+def tuning_enabled(device: torch.device) -> bool:
+    from slipstream.kernels.runtime import interpreting
+    return (device.type == "cuda" and not interpreting()
+            and os.environ.get("SLIPSTREAM_QUANT_TUNE", "1") not in ("", "0"))
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def tuned_configs() -> dict[tuple, dict]:
+    """Every configuration chosen so far: (kernel key..., m bucket) -> config."""
+    return dict(_BEST)
+
+
+def choose(key: tuple, m: int, device: torch.device, default: dict, candidates,
+           weights: tuple, timed_calls) -> dict:
+    """The configuration for `key` at `m` tokens. candidates: () -> list of configs;
+    weights: the tensors a call reads (copied for timing); timed_calls(cfg, copies) -> one
+    zero-argument call per copy."""
+    full = key + (m_bucket(m),)
+    cfg = _BEST.get(full)
+    if cfg is not None:
+        return cfg
+    if not tuning_enabled(device) or _capturing(device):
+        return default
+    copies = _weight_copies(weights, device)
+    best = None
+    for cand in candidates():
+        try:
+            ms = _time_calls(timed_calls(cand, copies))
+        except Exception as e:   # e.g. a tile that needs more shared memory than there is
+            log.debug("quantized GEMM config %s skipped: %s", cand, e)
+            continue
+        if best is None or ms < best[0]:
+            best = (ms, cand)
+    del copies
+    cfg = _BEST[full] = best[1] if best is not None else default
+    log.debug("quantized GEMM %s: %s (%.4f ms)", full, cfg, best[0] if best else float("nan"))
+    return cfg
+
+
+def _weight_copies(weights: tuple, device: torch.device) -> list[tuple]:
+    nbytes = sum(t.numel() * t.element_size() for t in weights if t is not None)
+    l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20)
+    count = max(1, min(8, math.ceil(2 * l2 / max(nbytes, 1))))
+    clone = lambda t: None if t is None else t.clone()  # noqa: E731
+    return [weights] + [tuple(clone(t) for t in weights) for _ in range(count - 1)]
+
+
+def _time_calls(calls, min_calls: int = 24, replays: int = 3) -> float:
+    """Milliseconds per call: `calls` compiled and run once eagerly, then captured
+    (repeated to at least `min_calls`) in a CUDA graph; best of `replays` replays."""
+    for c in calls:
+        c()
+    torch.cuda.synchronize()
+    rounds = math.ceil(min_calls / len(calls))
+    graph = torch.cuda.CUDAGraph()
+    # thread_local: work other threads of the engine issue meanwhile is not part of it
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        for _ in range(rounds):
+            for c in calls:
+                c()
+    graph.replay()
+    best = float("inf")
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end))
+    return best / (rounds * len(calls))
+
+
+# ---- candidates and defaults: BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages[, SPLIT_K] ----
+# The defaults serve the CPU interpreter, tuning switched off, and a graph capture that
+# meets a bucket no eager run tuned.
+
+def default_config(m: int, k_block_limit: int) -> dict:
+    """Decode-sized M: thin row tiles, wide K steps (a GEMV streaming the weight);
+    prefill-sized M: square tensor-core tiles."""
+    bk = min(128, k_block_limit)
+    if m <= 16:
+        cfg = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=bk, num_warps=4, num_stages=4)
+    elif m <= 64:
+        cfg = dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=bk, num_warps=4, num_stages=4)
+    else:
+        cfg = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=min(64, bk), num_warps=8, num_stages=3)
+    return cfg
+
+
+def _cfg(bm, bn, bk, warps, stages, **extra) -> dict:
+    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages, **extra)
+
+
+def int_weight_candidates(m: int, n: int, k: int, k_block_limit: int, device) -> list[dict]:
+    """The configurations tuning tries for the weight-only kernel. Batch <= 16: a GEMV
+    bound by the weight stream, which needs many programs in flight: narrow N tiles,
+    deep pipelines, and split-K (partial sums over runs of K, added by a second small
+    kernel) where the output tiles alone are too few for the SMs."""
+    lim = min(128, k_block_limit)
+    if m <= 16:
+        tiles = [_cfg(16, bn, min(bk, lim), w, st) for bn, bk, w, st in (
+            (16, 128, 2, 4), (16, 128, 4, 6), (32, 128, 4, 4), (32, 128, 2, 6), (64, 128, 4, 4),
+            (64, 64, 4, 6), (128, 128, 4, 3), (128, 64, 8, 4))]
+    elif m <= 64:
+        tiles = [_cfg(bm, bn, min(bk, lim), 4, st) for bm, bn, bk, st in (
+            (16, 64, 128, 4), (32, 64, 128, 4), (32, 128, 128, 4), (64, 64, 128, 4),
+            (64, 128, 64, 4), (64, 128, 128, 3))]
+    else:
+        tiles = [_cfg(bm, bn, min(bk, lim), w, st) for bm, bn, bk, w, st in (
+            (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (64, 128, 64, 4, 4),
+            (128, 128, 128, 8, 3), (128, 64, 64, 4, 4), (256, 128, 64, 8, 3))]
+    out, seen = [], set()
+    for t in tiles:
+        n_tiles = triton.cdiv(m, t["BLOCK_M"]) * triton.cdiv(n, t["BLOCK_N"])
+        for split in (1, split_k_for(n_tiles, triton.cdiv(k, t["BLOCK_K"]), device)):
+            c = dict(t, SPLIT_K=split)
+            key = tuple(sorted(c.items()))
+            if key not in seen:
+                seen.add(key)
+                out.append(c)
+    return out
+
+
+def w8a8_candidates(m: int) -> list[dict]:
+    if m <= 16:
+        return [_cfg(16, bn, bk, 4, st) for bn, bk, st in (
+            (32, 128, 4), (64, 128, 4), (128, 128, 3), (32, 256, 3), (64, 256, 3))]
+    if m <= 64:
+        return [_cfg(bm, bn, 128, 4, st) for bm, bn, st in (
+            (32, 64, 4), (32, 128, 4), (64, 64, 4), (64, 128, 4), (64, 128, 3))]
+    return [_cfg(bm, bn, bk, w, st) for bm, bn, bk, w, st in (
+        (128, 128, 128, 8, 3), (128, 256, 128, 8, 3), (128, 128, 64, 4, 4),
+        (64, 128, 128, 4, 4), (256, 128, 128, 8, 3), (128, 128, 128, 4, 4), (128, 256, 64, 8, 4))]
+
+
+def split_k_for(tiles: int, k_tiles: int, device: torch.device) -> int:
+    """Split K when the output tiles alone cannot fill the GPU: aim at two programs per SM,
+    keeping at least 4 K tiles per program. Always 1 off CUDA."""
+    if device.type != "cuda":
+        return 1
+    from slipstream.kernels.runtime import num_sms
+    sms = num_sms(device.index or 0)
+    if tiles >= sms:
+        return 1
+    want = -(-2 * sms // tiles)
+    return max(1, min(want, k_tiles // 4, 16))
+
+

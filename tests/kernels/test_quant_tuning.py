@@ -1,0 +1,92 @@
+"""The launch-configuration tuner of the quantized GEMMs (kernels/quant_tuning.py): it picks
+the fastest candidate once per bucket, skips candidates that fail, never tunes during a
+graph capture or off CUDA; every candidate configuration computes the right product."""
+import pytest
+import torch
+
+from slipstream.kernels import quant_tuning, reference
+from slipstream.kernels.quant_gemm import int_weight_gemm, w8a8_gemm
+from slipstream.kernels.quant_tuning import (choose, int_weight_candidates, m_bucket,
+                                             w8a8_candidates)
+from slipstream.quant.primitives import pack_codes, quantize, quantize_int8_rows
+
+
+def test_m_bucket():
+    assert [m_bucket(m) for m in (1, 2, 3, 4, 5, 16, 17, 24, 2048, 2049, 10 ** 6)] == \
+        [1, 2, 4, 4, 8, 16, 32, 32, 2048, 4096, 8192]
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """Tuning switched on with a fake clock: a call's time is its config's BLOCK_N."""
+    monkeypatch.setattr(quant_tuning, "tuning_enabled", lambda device: True)
+    monkeypatch.setattr(quant_tuning, "_weight_copies", lambda w, device: [w, w])
+    monkeypatch.setattr(quant_tuning, "_time_calls", lambda calls: min(c() for c in calls))
+    monkeypatch.setattr(quant_tuning, "_BEST", {})
+    return monkeypatch
+
+
+def _calls(cfg, copies):
+    def call():
+        if cfg["BLOCK_N"] == 8:
+            raise RuntimeError("out of shared memory")
+        return cfg["BLOCK_N"]
+    return [call for _ in copies]
+
+
+def test_choose_takes_fastest_once_and_skips_failures(fake_gpu):
+    cands = [dict(BLOCK_N=64), dict(BLOCK_N=8), dict(BLOCK_N=32), dict(BLOCK_N=128)]
+    asked = []
+
+    def candidates():
+        asked.append(1)
+        return cands
+    dev = torch.device("cpu")
+    default = dict(BLOCK_N=999)
+    assert choose(("k",), 3, dev, default, candidates, (), _calls) == dict(BLOCK_N=32)
+    assert choose(("k",), 4, dev, default, candidates, (), _calls) == dict(BLOCK_N=32)  # same bucket
+    assert len(asked) == 1
+    assert quant_tuning.tuned_configs() == {("k", 4): dict(BLOCK_N=32)}
+    # Every candidate failing: the default, remembered.
+    assert choose(("j",), 1, dev, default, lambda: [dict(BLOCK_N=8)], (), _calls) == default
+
+
+def test_choose_never_tunes_while_capturing(fake_gpu):
+    fake_gpu.setattr(quant_tuning, "_capturing", lambda device: True)
+    default = dict(BLOCK_N=999)
+    assert choose(("k",), 1, torch.device("cpu"), default,
+                  lambda: pytest.fail("tuned during a capture"), (), _calls) == default
+    assert quant_tuning.tuned_configs() == {}
+
+
+def test_off_cuda_no_tuning():
+    assert not quant_tuning.tuning_enabled(torch.device("cpu"))
+
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize("m", [1, 40])
+def test_every_int_weight_candidate_is_correct(m):
+    n, k, group = 40, 256, 128
+    w = torch.randn(n, k) * 0.1
+    qt = quantize(w, 4, False, "group", group)
+    qw, s, z = (pack_codes(qt.codes, 4).to(DEVICE), qt.scale.float().contiguous().to(DEVICE),
+                qt.zero.to(torch.uint8).contiguous().to(DEVICE))
+    x = torch.randn(m, k, dtype=torch.float16)
+    ref = reference.int_weight_linear(x.float(), qw.cpu(), s.cpu(), z.cpu(), 4, group)
+    cands = int_weight_candidates(m, n, k, 128, torch.device(DEVICE))
+    assert len(cands) >= 6
+    for cfg in cands:
+        y = int_weight_gemm(x.to(DEVICE), qw, s, z, 4, group, cfg)
+        torch.testing.assert_close(y.float().cpu(), ref, atol=2e-2, rtol=2e-2, msg=str(cfg))
+
+
+def test_every_w8a8_decode_candidate_is_correct():
+    xq, xs = quantize_int8_rows(torch.randn(3, 256))
+    wq, ws = quantize_int8_rows(torch.randn(40, 256))
+    ref = reference.w8a8_linear(xq, xs, wq, ws.flatten(), torch.float32)
+    for cfg in w8a8_candidates(3):
+        y = w8a8_gemm(xq.to(DEVICE), xs.to(DEVICE), wq.to(DEVICE), ws.flatten().to(DEVICE),
+                      torch.float32, cfg)
+        torch.testing.assert_close(y.cpu(), ref, atol=1e-5, rtol=1e-5, msg=str(cfg))
