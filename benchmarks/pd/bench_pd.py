@@ -33,13 +33,14 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+from benchmarks.stages import StageRunner  # noqa: E402
 STAGES = ("p2p", "pd", "plain")
 MODEL, BLOCK = "llama-3-8b", 16
 CHECK_PROMPTS = [[(31 * i + 7 * j) % 1000 + 1 for j in range(40 + 24 * i)] for i in range(4)]
@@ -266,27 +267,7 @@ def stage_plain(smoke: bool) -> dict:
 # and reported, and the results are written all the same.
 STAGE_LIMIT_S = {"p2p": 45, "pd": 120, "plain": 100}
 TOTAL_LIMIT_S = 235
-_START = time.perf_counter()
-
-
-def _run_stage(stage: str, smoke: bool) -> dict:
-    cmd = [sys.executable, __file__, "--stage", stage] + (["--smoke"] if smoke else [])
-    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-               NCCL_NVLS_ENABLE="0")
-    t0 = time.perf_counter()
-    limit = min(STAGE_LIMIT_S[stage], TOTAL_LIMIT_S - (t0 - _START))
-    if limit < 20:
-        return {"error": f"skipped: the run's {TOTAL_LIMIT_S} s were spent"}
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=limit)
-    except subprocess.TimeoutExpired as e:
-        err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
-        return {"error": f"timed out after {limit:.0f} s\n{err[-3000:]}", "wall_s": limit}
-    if proc.returncode != 0:
-        return {"error": proc.stderr[-3000:], "wall_s": time.perf_counter() - t0}
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    result["wall_s"] = time.perf_counter() - t0
-    return result
+_STAGES = StageRunner(__file__, STAGE_LIMIT_S, TOTAL_LIMIT_S)
 
 
 def _markdown(res: dict) -> str:
@@ -342,7 +323,7 @@ def main() -> None:
     res = {"smoke": args.smoke, "stages": {}}
     for stage in STAGES:
         print(f"running {stage} ...", file=sys.stderr, flush=True)
-        res["stages"][stage] = _run_stage(stage, args.smoke)
+        res["stages"][stage] = _STAGES.run(stage, args.smoke)
         if "error" in res["stages"][stage]:
             print(res["stages"][stage]["error"], file=sys.stderr)
     p2p, pd, plain = (res["stages"][s] for s in STAGES)

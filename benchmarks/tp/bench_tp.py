@@ -33,13 +33,14 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+from benchmarks.stages import StageRunner  # noqa: E402
 STAGES = ("allreduce", "8b-tp1", "8b-tp2", "8b-tp2-symm", "70b-tp2")
 # Collectives of one decode step on the critical path (analysis/tensor_parallel.py):
 # 2 all-reduces per layer + the embedding's.
@@ -216,28 +217,7 @@ def stage_engine(name: str, smoke: bool) -> dict:
 STAGE_LIMIT_S = {"allreduce": 60, "8b-tp1": 90, "8b-tp2": 90, "8b-tp2-symm": 90, "8b-tp2-eager": 90,
                  "70b-tp2": 150}
 TOTAL_LIMIT_S = 360
-_START = time.perf_counter()
-
-
-def _run_stage(stage: str, smoke: bool) -> dict:
-    cmd = [sys.executable, __file__, "--stage", stage] + (["--smoke"] if smoke else [])
-    # NVLink multicast (NVLS) stays off on the two-GPU machine.
-    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-               NCCL_NVLS_ENABLE="0")
-    t0 = time.perf_counter()
-    limit = min(STAGE_LIMIT_S[stage], TOTAL_LIMIT_S - (t0 - _START))
-    if limit < 20:
-        return {"error": f"skipped: the run's {TOTAL_LIMIT_S} s were spent"}
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=limit)
-    except subprocess.TimeoutExpired as e:
-        err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
-        return {"error": f"timed out after {limit:.0f} s\n{err[-3000:]}", "wall_s": limit}
-    if proc.returncode != 0:
-        return {"error": proc.stderr[-3000:], "wall_s": time.perf_counter() - t0}
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    result["wall_s"] = time.perf_counter() - t0
-    return result
+_STAGES = StageRunner(__file__, STAGE_LIMIT_S, TOTAL_LIMIT_S)
 
 
 def _compare(a: dict, b: dict) -> dict:
@@ -313,12 +293,12 @@ def main() -> None:
     res = {"smoke": args.smoke, "stages": {}}
     for stage in args.stages.split(","):
         print(f"running {stage} ...", file=sys.stderr, flush=True)
-        res["stages"][stage] = _run_stage(stage, args.smoke)
+        res["stages"][stage] = _STAGES.run(stage, args.smoke)
         if "error" in res["stages"][stage]:
             print(res["stages"][stage]["error"], file=sys.stderr)
     if "error" in res["stages"].get("8b-tp2", {}):   # isolate CUDA graphs from the rest
         print("running 8b-tp2-eager ...", file=sys.stderr, flush=True)
-        res["stages"]["8b-tp2-eager"] = _run_stage("8b-tp2-eager", args.smoke)
+        res["stages"]["8b-tp2-eager"] = _STAGES.run("8b-tp2-eager", args.smoke)
     a, b = res["stages"].get("8b-tp1", {}), res["stages"].get("8b-tp2", {})
     if a and b and "error" not in a and "error" not in b:
         res["correctness_8b"] = _compare(a, b)
