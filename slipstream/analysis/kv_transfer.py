@@ -24,7 +24,7 @@ from slipstream.analysis.flops import Precisions, Workload
 from slipstream.analysis.hardware import HardwareProfile
 from slipstream.analysis.model_spec import ModelSpec
 from slipstream.analysis.roofline import step_bound
-from slipstream.analysis.tensor_parallel import Interconnect
+from slipstream.analysis.tensor_parallel import Interconnect, pick_link
 
 # Point-to-point links. `bus_bandwidth` here is the send/recv bandwidth of one
 # large transfer; `latency` the floor of one call.
@@ -43,17 +43,8 @@ P2P_LINKS: dict[str, Interconnect] = {
 
 def get_p2p_link(name: str | None = None, bandwidth: float | None = None,
                  latency: float | None = None) -> Interconnect:
-    """A preset of P2P_LINKS, or a custom link (bandwidth in bytes/s, latency in s)."""
-    if bandwidth is not None or latency is not None:
-        if not bandwidth or bandwidth <= 0 or latency is None or latency < 0:
-            raise ValueError("a custom link needs a positive bandwidth and a latency >= 0")
-        return Interconnect(f"custom ({bandwidth / 1e9:g} GB/s, {latency * 1e6:g} us)",
-                            bandwidth, latency, "given")
-    key = (name or "h200-nvlink-p2p").lower()
-    if key not in P2P_LINKS:
-        raise ValueError(f"unknown link {name!r}: use one of {', '.join(P2P_LINKS)} or give "
-                         "a bandwidth and a latency")
-    return P2P_LINKS[key]
+    """A preset of P2P_LINKS (point-to-point transfers), or a custom link."""
+    return pick_link(P2P_LINKS, "h200-nvlink-p2p", name, bandwidth, latency)
 
 
 def kv_bytes_per_token(spec: ModelSpec, prec: Precisions = Precisions()) -> float:

@@ -47,19 +47,26 @@ LINKS: dict[str, Interconnect] = {
 }
 
 
-def get_link(name: str | None = None, bandwidth: float | None = None,
-             latency: float | None = None) -> Interconnect:
-    """A preset of LINKS, or a custom link (bandwidth in bytes/s, latency in s)."""
+def pick_link(presets: dict[str, Interconnect], default: str, name: str | None = None,
+              bandwidth: float | None = None, latency: float | None = None) -> Interconnect:
+    """A preset of `presets` (`default` when no name), or a custom link (bandwidth in
+    bytes/s, latency in s)."""
     if bandwidth is not None or latency is not None:
         if not bandwidth or bandwidth <= 0 or latency is None or latency < 0:
             raise ValueError("a custom link needs a positive bandwidth and a latency >= 0")
         return Interconnect(f"custom ({bandwidth / 1e9:g} GB/s, {latency * 1e6:g} us)",
                             bandwidth, latency, "given")
-    key = (name or "h200-nvlink-graph").lower()
-    if key not in LINKS:
-        raise ValueError(f"unknown link {name!r}: use one of {', '.join(LINKS)} or give "
+    key = (name or default).lower()
+    if key not in presets:
+        raise ValueError(f"unknown link {name!r}: use one of {', '.join(presets)} or give "
                          "a bandwidth and a latency")
-    return LINKS[key]
+    return presets[key]
+
+
+def get_link(name: str | None = None, bandwidth: float | None = None,
+             latency: float | None = None) -> Interconnect:
+    """A preset of LINKS (collectives), or a custom link."""
+    return pick_link(LINKS, "h200-nvlink-graph", name, bandwidth, latency)
 
 
 def all_reduce_time(nbytes: float, n: int, link: Interconnect) -> float:
