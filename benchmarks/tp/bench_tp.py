@@ -61,6 +61,31 @@ def _tiny_model() -> str:
 
 # ---- all-reduce -------------------------------------------------------------
 
+def _graph_us(call, calls: int = 20) -> float:
+    """Median microseconds per call of `calls` calls captured in one CUDA graph
+    (warmed up on a side stream first), over 20 replays."""
+    import torch
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            call()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            call()
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(20):
+        t0 = time.perf_counter()
+        g.replay()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) / calls)
+    return statistics.median(times) * 1e6
+
+
 def _allreduce_rank(rank: int, port: int, smoke: bool, queue) -> None:
     import torch
     import torch.distributed as dist
@@ -70,7 +95,7 @@ def _allreduce_rank(rank: int, port: int, smoke: bool, queue) -> None:
     dist.init_process_group("gloo" if smoke else "nccl", init_method=f"tcp://127.0.0.1:{port}",
                             rank=rank, world_size=2)
     dtype = torch.float32 if smoke else torch.bfloat16
-    results = {}
+    results, ar = {}, None
     for label, nbytes in (("8KiB", 8 << 10), ("16KiB", 16 << 10), ("64MiB", 64 << 20)):
         x = torch.ones(nbytes // torch.empty((), dtype=dtype).element_size(), dtype=dtype,
                        device=device)
@@ -88,47 +113,18 @@ def _allreduce_rank(rank: int, port: int, smoke: bool, queue) -> None:
             times.append(time.perf_counter() - t0)
         row = {"bytes": nbytes, "eager_us": statistics.median(times) * 1e6}
         if not smoke:   # 20 all-reduces captured in one graph, replayed
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                for _ in range(3):
-                    dist.all_reduce(x)
-            torch.cuda.current_stream().wait_stream(s)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                for _ in range(20):
-                    dist.all_reduce(x)
-            g.replay()
-            torch.cuda.synchronize()
-            gt = []
-            for _ in range(20):
-                t0 = time.perf_counter()
-                g.replay()
-                torch.cuda.synchronize()
-                gt.append((time.perf_counter() - t0) / 20)
-            row["graph_us"] = statistics.median(gt) * 1e6
+            row["graph_us"] = _graph_us(lambda: dist.all_reduce(x))
             if nbytes <= 1 << 20 and os.environ.get("SLIPSTREAM_SYMM_ALL_REDUCE") == "1":
                 # the one-shot all-reduce the engine can use for these (opt-in)
                 try:
-                    from slipstream.distributed.symm_all_reduce import SymmAllReduce
-                    ar = SymmAllReduce(dist.group.WORLD, device, dtype)
+                    if ar is None:   # one buffer (1 MiB) serves every small size
+                        from slipstream.distributed.symm_all_reduce import SymmAllReduce
+                        ar = SymmAllReduce(dist.group.WORLD, device, dtype)
                     y = torch.ones_like(x)
                     ar(y)
                     torch.cuda.synchronize()
                     row["symm_correct"] = bool((y == 2).all())
-                    g2 = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(g2):
-                        for _ in range(20):
-                            ar(y)
-                    g2.replay()
-                    torch.cuda.synchronize()
-                    st = []
-                    for _ in range(20):
-                        t0 = time.perf_counter()
-                        g2.replay()
-                        torch.cuda.synchronize()
-                        st.append((time.perf_counter() - t0) / 20)
-                    row["symm_graph_us"] = statistics.median(st) * 1e6
+                    row["symm_graph_us"] = _graph_us(lambda: ar(y))
                 except Exception as exc:
                     row["symm_error"] = repr(exc)[:300]
         row["bus_GBps_eager"] = nbytes / (row["eager_us"] * 1e-6) / 1e9   # 2(N-1)/N = 1 at N=2
