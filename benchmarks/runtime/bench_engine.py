@@ -46,25 +46,8 @@ def _llm(**kw):
 
 def _busy_share(engine, batch: int) -> float:
     """GPU kernel time over wall time for decode steps of `batch` requests."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-    from slipstream import SamplingParams
-    params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
-    for i in range(batch):
-        engine.add_request({"prompt_token_ids": [(7 * i + j) % 1000 + 1 for j in range(128)]}, params)
-    for _ in range(20):     # prompts and the first decodes
-        engine.step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        t0 = time.perf_counter()
-        for _ in range(20):
-            engine.step()
-        torch.cuda.synchronize()
-        wall = time.perf_counter() - t0
-    kernel_us = sum(e.self_device_time_total for e in prof.key_averages())
-    while engine.has_unfinished_requests():
-        engine.step()
-    return kernel_us / 1e6 / wall
+    t = _kernel_table(engine, batch)
+    return t["kernel_ms_per_step"] / t["wall_ms_per_step"]
 
 
 def stage_latency(out: Path, eager: bool) -> dict:
