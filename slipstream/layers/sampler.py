@@ -20,8 +20,6 @@ tokens whatever else shares the batch.
 """
 from __future__ import annotations
 
-import functools
-
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -29,6 +27,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from slipstream.layers.argmax import row_argmax
 # compute_prompt_logprobs is re-exported: the runner takes its sampling API from here.
 from slipstream.layers.logprobs import (LogprobsTensors, compute_logprobs,  # noqa: F401
                                         compute_prompt_logprobs, gather_logprobs)
@@ -244,32 +243,6 @@ def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -
     # A zero draw would turn a masked token's 0 / 0 into NaN, which argmax prefers.
     noise.clamp_min_(torch.finfo(noise.dtype).tiny)
     return row_argmax(probs.div(noise))
-
-
-@functools.cache
-def _argmax_chunks(vocab: int) -> int:
-    """Chunks a row of `vocab` splits into for a two-pass argmax: the largest
-    divisor up to 256 leaving chunks of at least 128 (1: one pass)."""
-    if vocab < 8192:
-        return 1
-    return max(c for c in range(1, 257) if vocab % c == 0 and vocab // c >= 128)
-
-
-def row_argmax(x: torch.Tensor, chunks: int | None = None) -> torch.Tensor:
-    """x: [rows, vocab] -> [rows] int64, the first index of each row's maximum.
-
-    On CUDA, one argmax kernel runs one block per row: 27 us for one row of a
-    128k vocabulary on the H200, against a few for a pass over chunks of the row
-    (maxima and their indices) and a pass over the chunk maxima."""
-    rows, vocab = x.shape
-    if chunks is None:
-        chunks = _argmax_chunks(vocab) if x.is_cuda else 1
-    if chunks == 1:
-        return x.argmax(dim=-1)
-    width = vocab // chunks
-    vals, idx = x.view(rows, chunks, width).max(dim=-1)
-    best = vals.argmax(dim=-1, keepdim=True)
-    return (best * width + idx.gather(1, best)).squeeze(1)
 
 
 class Sampler(nn.Module):

@@ -249,7 +249,7 @@ def test_input_logits_are_not_modified():
 def test_row_argmax_two_pass_equals_argmax_with_ties():
     """The chunked argmax of CUDA rows gives torch.argmax's answer, the first
     index of the maximum, also when the maximum repeats within and across chunks."""
-    from slipstream.layers.sampler import _argmax_chunks, row_argmax
+    from slipstream.layers.argmax import _argmax_chunks, row_argmax
     g = torch.Generator().manual_seed(0)
     x = torch.randn(6, 12 * 256, generator=g)
     x[1, [5, 700, 3000]] = 9.0      # ties across chunks
