@@ -128,7 +128,13 @@ def test_non_streaming_client_hanging_up_is_aborted(tiny_server):
                          b"application/json\r\nContent-Length: %d\r\n\r\n" % len(data) + data)
             await writer.drain()
             clients.append(writer)
-        await asyncio.sleep(0.5)
+        # Hang up once the requests are generating (not after a fixed time, which a
+        # fast machine would spend making most of their tokens).
+        for _ in range(200):
+            m = await asyncio.to_thread(tiny_server.metrics)
+            if m["slipstream_generation_tokens_total"] - before["slipstream_generation_tokens_total"] >= 4:
+                break
+            await asyncio.sleep(0.05)
         for w in clients:
             w.close()
     before = tiny_server.metrics()
