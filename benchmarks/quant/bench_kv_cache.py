@@ -20,6 +20,9 @@ decode step with int8 / fp8 KV against the bf16 KV cache (H200, about 2 minutes)
 
     python benchmarks/quant/bench_kv_cache.py [--out DIR]            # H200
     python benchmarks/quant/bench_kv_cache.py --smoke --out /tmp/kv  # CPU, interpreter, tiny shapes
+    python benchmarks/quant/bench_kv_cache.py --quick [--smoke] [--out DIR]
+        # batch-1 decode only, every quantized-path variant and a launch-config sweep
+        # (kv_decode_sweep.py; about a minute on an H200): kv_decode_quick.{json,md}
 """
 from __future__ import annotations
 
@@ -185,6 +188,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     ap.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny shapes")
     ap.add_argument("--skip-model", action="store_true", help="kernels only")
+    ap.add_argument("--quick", action="store_true",
+                    help="batch-1 decode variants and launch configs only (kv_decode_sweep.py)")
     args = ap.parse_args(argv)
     smoke = args.smoke
     device = "cpu" if smoke else "cuda"
@@ -203,6 +208,16 @@ def main(argv=None) -> int:
         (out / "kv_cache_bench.json").write_text(json.dumps(res, indent=1))
         (out / "kv_cache_bench.md").write_text(markdown(res))
 
+    if args.quick:
+        from kv_decode_sweep import quick
+
+        def save_quick(res, md):
+            (out / "kv_decode_quick.json").write_text(json.dumps(res, indent=1))
+            (out / "kv_decode_quick.md").write_text(md)
+            return md
+        rc = quick(out, device, dtype, smoke, log, save_quick)
+        print((out / "kv_decode_quick.md").read_text())
+        return rc
     res["correctness"] = correctness(device, dtype, log, smoke)
     save()
     if not res["correctness"]["ok"]:

@@ -111,6 +111,26 @@ def load_paged_kv(KCache, VCache, KScale, VScale, block_table_row, start, kv_hea
 
 
 @triton.jit
+def paged_tile_mask(start, key_end, q_pos, window, tree_bits, step_start, BLOCK_N: tl.constexpr,
+                    CAUSAL: tl.constexpr, SLIDING: tl.constexpr, TREE: tl.constexpr):
+    """[M, N] bool: which of the keys [start, start + BLOCK_N) each query row sees
+    (the rules of `attend_paged_keys`)."""
+    pos = start + tl.arange(0, BLOCK_N)
+    mask = (pos < key_end)[None, :]
+    if TREE:
+        # Bits, not a loaded [M, N] mask: no pointer tile in registers.
+        in_step = pos >= step_start
+        shift = tl.where(in_step, pos - step_start, 0).to(tl.int64)
+        allowed = ((tree_bits[:, None] >> shift[None, :]) & 1) != 0
+        mask = mask & ((~in_step)[None, :] | allowed)
+    elif CAUSAL:
+        mask = mask & (pos[None, :] <= q_pos[:, None])
+    if SLIDING:
+        mask = mask & (q_pos[:, None] - pos[None, :] < window)
+    return mask
+
+
+@triton.jit
 def attend_paged_keys(acc, m_i, l_i, q, KCache, VCache, KScale, VScale, block_table_row, kv_head,
                       lo, hi, key_end, q_pos, window, qk_scale,
                       stride_cb, stride_cs, stride_ch, stride_sb, stride_ss, tree_bits, step_start,
@@ -135,19 +155,8 @@ def attend_paged_keys(acc, m_i, l_i, q, KCache, VCache, KScale, VScale, block_ta
         if QUANT:
             qk = qk * k_scale[None, :]
         if MASKED:
-            pos = start + tl.arange(0, BLOCK_N)
-            key_ok = pos < key_end
-            mask = key_ok[None, :]
-            if TREE:
-                # Bits, not a loaded [M, N] mask: no pointer tile in registers.
-                in_step = pos >= step_start
-                shift = tl.where(in_step, pos - step_start, 0).to(tl.int64)
-                allowed = ((tree_bits[:, None] >> shift[None, :]) & 1) != 0
-                mask = mask & ((~in_step)[None, :] | allowed)
-            elif CAUSAL:
-                mask = mask & (pos[None, :] <= q_pos[:, None])
-            if SLIDING:
-                mask = mask & (q_pos[:, None] - pos[None, :] < window)
+            mask = paged_tile_mask(start, key_end, q_pos, window, tree_bits, step_start, BLOCK_N,
+                                   CAUSAL, SLIDING, TREE)
             acc, m_i, l_i = softmax_tile_update(acc, m_i, l_i, qk, v.to(q.dtype), qk_scale, mask, True,
                                                 v_scale, QUANT)
         else:  # (q_pos stands in for the unused mask)

@@ -39,6 +39,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from slipstream.kernels.attention_tile import attend_paged_range, check_kv_scales, next_pow2
+from slipstream.kernels.code_tile import attend_code_range, fp16_query
 from slipstream.kernels.runtime import interpreting, num_sms, pdl_supported
 
 LOG2E = 1.4426950408889634
@@ -57,7 +58,8 @@ def _split_kv_kernel(
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
         SPLIT: tl.constexpr, SLIDING: tl.constexpr, TREE: tl.constexpr, PDL: tl.constexpr,
-        CHAIN: tl.constexpr, QUANT: tl.constexpr):
+        CHAIN: tl.constexpr, QUANT: tl.constexpr, KV_DOT: tl.constexpr,
+        ASM: tl.constexpr):
     if PDL:  # let the merge kernel launch now; it waits for this grid before reading
         gdc_launch_dependents()
     seq = tl.program_id(0)
@@ -99,9 +101,6 @@ def _split_kv_kernel(
     start_tile = first_tile + split * per_split
     end_tile = tl.minimum(start_tile + per_split, first_tile + num_tiles)
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
     bt_row = BlockTables + seq.to(tl.int64) * stride_bt
     tree_bits = t.to(tl.int64)  # (stands in when not TREE)
     if TREE:  # row r's bitmask of the step's tokens it may see
@@ -114,10 +113,21 @@ def _split_kv_kernel(
     clean = tl.maximum(tl.minimum(hi_pos, ctx // BLOCK_N * BLOCK_N), lo_pos)
     if SLIDING:
         clean = lo_pos
-    acc, m_i, l_i = attend_paged_range(
-        acc, m_i, l_i, q, KCache, VCache, KScale, VScale, bt_row, kv_head, lo_pos, clean, hi_pos,
-        hi, q_pos, window, qk_scale, stride_cb, stride_cs, stride_ch, stride_sb, stride_ss,
-        tree_bits, ctx, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, PAGE_SIZE, True, SLIDING, TREE, QUANT)
+    if KV_DOT > 0:  # codes with fp16 operands (code_tile.py); 2: V read as 16-bit words
+        q16, q_unscale = fp16_query(q)
+        acc, m_i, l_i = attend_code_range(
+            q16, q_unscale, KCache, VCache, KScale, VScale, bt_row, kv_head, lo_pos, clean, hi_pos,
+            hi, q_pos, window, qk_scale, stride_cb, stride_cs, stride_ch, stride_sb, stride_ss,
+            tree_bits, ctx, BLOCK_M, HEAD_DIM, BLOCK_N, PAGE_SIZE, True, SLIDING, TREE, KV_DOT == 2,
+            ASM)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+        acc, m_i, l_i = attend_paged_range(
+            acc, m_i, l_i, q, KCache, VCache, KScale, VScale, bt_row, kv_head, lo_pos, clean, hi_pos,
+            hi, q_pos, window, qk_scale, stride_cb, stride_cs, stride_ch, stride_sb, stride_ss,
+            tree_bits, ctx, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, PAGE_SIZE, True, SLIDING, TREE, QUANT)
 
     if not SPLIT:
         out = acc / l_i[:, None]
@@ -193,6 +203,10 @@ MIN_TOKENS_PER_SPLIT = 128
 UNSPLIT_MAX_LEN = 512
 MAX_SPLITS = 64
 MAX_TREE_NODES = 64  # one int64 bitmask per node
+# How a quantized cache meets the query: 0 codes -> the query's dtype
+# (attention_tile.py), 1 codes -> fp16 operands, 2 the same with V read as 16-bit
+# words (code_tile.py).
+DEFAULT_KV_DOT = 2
 
 
 def _tile_rows(max_query_len: int, group: int) -> tuple[int, int]:
@@ -249,7 +263,7 @@ def split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     `pack_tree_mask` (bit j of row t: token t may see the step's token j), else
     causal. scratch: (partial out [num_tokens, num_heads, num_splits, head_dim]
     fp32, lse [num_tokens, num_heads, num_splits] fp32). config: overrides of
-    the launch config (BLOCK_N, num_warps, num_stages, CHAIN), for benchmarks.
+    the launch config (BLOCK_N, num_warps, num_stages, CHAIN, KV_DOT), for benchmarks.
     k_scale, v_scale: [num_blocks, page_size, num_kv_heads] fp32 when the cache
     holds int8 / fp8 codes (kernels/kv_store.py writes them), else None.
     returns out: [num_tokens, num_heads, head_dim] in q's dtype.
@@ -270,6 +284,13 @@ def split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     cfg = {**_launch_config(block_m, num_seqs * num_kv_heads * row_blocks * num_splits, q.device,
                             quant), **(config or {})}
     block_n = cfg.pop("BLOCK_N")
+    kv_dot = cfg.pop("KV_DOT", DEFAULT_KV_DOT)
+    if kv_dot not in (0, 1, 2):
+        raise ValueError(f"KV_DOT must be 0, 1 or 2, got {kv_dot}")
+    if not quant or q.dtype == torch.float32 or head_dim != head_dim_pad:
+        kv_dot = 0   # fp32 engines keep fp32 operands; padded head dims take the general path
+    # Inline PTX code conversions (not run by the interpreter: Triton ops there).
+    asm = cfg.pop("ASM", True) and not interpreting()
     pdl_ok = pdl_supported(q)
     chain = cfg.pop("CHAIN", True) and pdl_ok
     pdl = num_splits > 1 and pdl_ok
@@ -298,7 +319,7 @@ def split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
         GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_M=block_m,
         BLOCK_N=block_n, PAGE_SIZE=page_size, SPLIT=num_splits > 1,
         SLIDING=sliding_window is not None, TREE=tree_bits is not None, PDL=pdl, CHAIN=chain,
-        QUANT=quant, launch_pdl=chain, **cfg)
+        QUANT=quant, KV_DOT=kv_dot, ASM=asm, launch_pdl=chain, **cfg)
     if num_splits > 1:
         block_d = min(32, head_dim_pad)
         _merge_splits_kernel[(num_tokens, num_heads, triton.cdiv(head_dim, block_d))](
