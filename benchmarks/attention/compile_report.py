@@ -68,7 +68,8 @@ def decode_kernel(args):
     from slipstream.kernels import decode_attention as da
     consts = dict(GROUP=args.group, HEAD_DIM=args.head_dim, HEAD_DIM_PAD=args.head_dim,
                   BLOCK_M=args.block_m, BLOCK_N=args.block_n, PAGE_SIZE=args.page_size, SPLIT=True,
-                  SLIDING=False, TREE=args.tree, PDL=False, CHAIN=True, QUANT=args.kv != "bf16")
+                  SLIDING=False, TREE=args.tree, PDL=False, CHAIN=True, QUANT=args.kv != "bf16",
+                  KV_DOT=da.DEFAULT_KV_DOT if args.kv != "bf16" else 0, ASM=True)
     return da._split_kv_kernel, consts, {}
 
 

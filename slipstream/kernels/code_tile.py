@@ -179,13 +179,17 @@ def attend_code_keys(acc_a, acc_b, m_i, l_i, q16, q_unscale, KCache, VCache, KSc
             KCache, VCache, KScale, VScale, block_table_row, start, kv_head, key_end,
             stride_cb, stride_cs, stride_ch, stride_sb, stride_ss, HEAD_DIM, BLOCK_N, PAGE_SIZE,
             MASKED, V_PAIRS, ASM)
-        qk = tl.dot(q16, k) * k_scale[None, :] * (q_unscale * qk_scale)[:, None]
+        qk = tl.dot(q16, k) * k_scale[None, :]
+        row_scale = q_unscale * qk_scale   # > 0: the query's power of two x softmax scale
         if MASKED:
             mask = paged_tile_mask(start, key_end, q_pos, window, tree_bits, step_start, BLOCK_N,
                                    CAUSAL, SLIDING, TREE)
-            qk = tl.where(mask, qk, -1.0e6)
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        p = tl.math.exp2(qk - m_new[:, None])
+            qk = tl.where(mask, qk * row_scale[:, None], -1.0e6)
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            p = tl.math.exp2(qk - m_new[:, None])
+        else:   # one fused multiply-add a score
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * row_scale)
+            p = tl.math.exp2(qk * row_scale[:, None] - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
