@@ -3,7 +3,8 @@
 Batch 1, Llama-3-8B heads (GQA 32/8, head_dim 128), 16-token pages, contexts 4k,
 32k and 128k: the bf16 cache against int8 / fp8 codes, every variant of the
 quantized path (kernels/decode_attention.py KV_DOT: 0 codes -> bf16 operands,
-1 codes -> fp16 operands, 2 the same with V read as 16-bit words; ASM: inline
+1 codes -> fp16 operands, 2 the same with V read as 16-bit words, 3 as 2 with
+int8 K codes in int8 tensor-core dots (int8 caches only); ASM: inline
 PTX code conversions) at the engine's launch config, then at 32k a sweep of
 launch configs and split counts for the engine's default variant. Every timed
 variant's output is first checked against the fp32 twin on the timed data
@@ -29,10 +30,11 @@ L2_BYTES = 256 << 20
 QUANT = ("int8", "fp8")
 # (label, KV_DOT, ASM): the paths of the quantized cache.
 VARIANTS = [("bf16ops", 0, False), ("f16ops", 1, True), ("f16pairs_tritonops", 2, False),
-            ("f16pairs_asm", 2, True)]
+            ("f16pairs_asm", 2, True), ("int8k_f16pairs_asm", 3, True)]
 # Launch configs swept at 32k for the default variant: (BLOCK_N, num_warps, num_stages).
-CONFIGS = [(128, 4, 6), (128, 4, 4), (128, 4, 8), (64, 2, 6), (256, 4, 4), (256, 8, 4)]
-SPLIT_FACTORS = (0.5, 1.0, 1.5, 2.0)
+CONFIGS = [(128, 4, 6), (128, 4, 4), (128, 4, 8), (64, 2, 6), (256, 4, 4)]
+SPLIT_FACTORS = (0.5, 1.0, 2.0, 3.0)
+MAX_SPLITS = 128
 
 
 def _variant_config(kv_dot, asm):
@@ -69,10 +71,12 @@ def check_small(device, dtype, smoke, log) -> dict:
         ttwin = reference.tree_attention(tq.float(), kq, vq, cu_tree, tree_lens, tables, masks, SCALE,
                                          k_scale=ks, v_scale=vs)
         for label, kv_dot, asm in VARIANTS:
+            if kv_dot == 3 and kind != "int8":
+                continue
             cfg = _variant_config(kv_dot, asm)
             row = {}
             try:
-                for splits in ((1, 3) if (kv_dot, asm) == (da.DEFAULT_KV_DOT, True) else (3,)):
+                for splits in ((1, 3) if kv_dot >= 2 and asm else (3,)):
                     out = da.split_kv_attention(
                         q, kq, vq, torch.arange(b + 1, dtype=torch.int32, device=device), lens,
                         tables, 1, SCALE, splits, config=cfg, k_scale=ks, v_scale=vs)
@@ -166,12 +170,13 @@ def time_context(length, copy_bw, device, dtype, smoke, sweep, log) -> dict:
     for kind in QUANT:
         run(f"{kind}/engine", kind, auto, None)
         for label, kv_dot, asm in VARIANTS:
-            run(f"{kind}/{label}", kind, auto, _variant_config(kv_dot, asm))
+            if kv_dot < 3 or kind == "int8":
+                run(f"{kind}/{label}", kind, auto, _variant_config(kv_dot, asm))
     if sweep:
         factors = SPLIT_FACTORS[1:2] if smoke else SPLIT_FACTORS
         configs = CONFIGS[:2] if smoke else CONFIGS
         for kind in QUANT:
-            for splits in sorted({max(1, min(da.MAX_SPLITS, round(auto * f))) for f in factors}):
+            for splits in sorted({max(1, min(MAX_SPLITS, round(auto * f))) for f in factors}):
                 for bn, w, st in configs:
                     cfg = {"BLOCK_N": bn, "num_warps": w, "num_stages": st}
                     run(f"{kind}/S{splits}_N{bn}_w{w}_s{st}", kind, splits, cfg)
@@ -206,7 +211,8 @@ def markdown(res) -> str:
              f"{' (smoke run: CPU interpreter, tiny shapes, times meaningless)' if meta['smoke'] else ''}. "
              "Batch 1, Llama-3-8B heads (GQA 32/8, head_dim 128), 16-token pages. "
              "KV_DOT 0: codes -> bf16 operands; 1: codes -> fp16 operands; 2: fp16 operands, V read "
-             "as 16-bit words; ASM: inline PTX conversions.", "",
+             "as 16-bit words; 3: as 2, int8 K in int8 dots; ASM: inline PTX conversions. "
+             f"Engine default KV_DOT {meta['default_kv_dot']}.", "",
              "Checks (relative error vs the fp32 twin): "
              + ("all pass" if all(r.get("ok") for r in res["checks"].values()) else "SOME FAIL (see JSON)"),
              "", "| context | run | splits | us | % copy bw | speedup vs bf16 | err vs twin |",

@@ -1,29 +1,33 @@
-"""Jit building blocks: attention over a quantized cache with fp16 operands.
+"""Jit building blocks: attention over a quantized cache with fp16 / int8 operands.
 
 The decode loop over 1-byte codes (int8 / fp8 e4m3, one fp32 scale per token
-and head) is bound by instructions, not bytes, when it converts the codes to
-bf16 and gathers V for the P.V dot (sm_90 SASS of attention_tile's QUANT path:
-2.5x the instructions a key of the bf16 loop, half of them converting codes and
-loading V byte by byte; benchmarks/attention/compile_report.py --sass). This
-path cuts both:
+and head) that converts the codes to the query's dtype (attention_tile.py,
+QUANT) compiles on sm_90 to 2.5x the instructions a key of the bf16 loop
+(benchmarks/quant/kv_decode_sass.py): the int8 -> bf16 bit trick costs two
+instructions a code, e4m3 -> bf16 a quarter-rate f16 -> bf16 convert a code,
+and V's keys, which the P.V dot needs packed in pairs, are gathered one byte a
+shared-memory load. With half the bytes to move, the loop is then no faster
+than the bf16 one. This path cuts those instructions:
 
-* fp16 operands. Codes become fp16 in two or three integer ops for two codes
-  (int8: the biased code ORed into the mantissa of 1024, minus 1152; e4m3: the
-  native e4m3x2 -> f16x2 convert), where bf16 costs four (int8) or a
-  quarter-rate f16 -> bf16 convert per code (fp8). The query tile is scaled
-  row by row by a power of two into [1, 4) before it turns fp16 (exact: no
-  bits are lost that bf16 would keep), and the factor comes back with K's
-  per-token scale on the score. The probabilities times V's scales are divided
-  by the tile's largest V scale before they turn fp16, so small scales never
-  fall into fp16's subnormals; that factor multiplies the tile's P.V product.
-* V read as 16-bit words (V_PAIRS): the dot needs V's keys packed in pairs, which
-  1-byte codes laid out channel-fastest are not, so the compiler gathers them
-  one byte a load. Read as int16, each word holds channels 2j and 2j+1 of a
-  key: two [N, D/2] fp16 operands that load with the transposing ldmatrix, two
-  dots, and the channel halves are interleaved back once, after the loop.
+* fp16 operands. int8 codes become fp16 in inline PTX at five instructions for
+  four (the code + 128 ORed into the mantissa of 1024, minus 1152), e4m3 codes
+  by the native e4m3x2 -> f16x2 convert. The query rows are scaled by powers
+  of two into [1, 4) before they turn fp16 (exact for a bf16 query: no bits
+  lost, no overflow), and the factor returns with K's per-token scale on the
+  score. P times V's scales is divided by the tile's largest V scale before it
+  turns fp16, so small scales never sink into fp16's subnormals; the factor
+  multiplies the tile's P.V product.
+* V read as 16-bit words (V_PAIRS): each word holds channels 2j and 2j + 1 of a
+  key, so V is two [N, D/2] 16-bit operands that load with the transposing
+  ldmatrix, no byte gathers; two dots, and the halves are interleaved once,
+  after the loop.
+* int8 K unconverted (K_INT, int8 caches): the query is split into two int8
+  tensors, q ~ u * (254 hi + lo) (to 1/64516 of the row's peak, finer than
+  bf16's 1/256 an element), and q.k is two int8 tensor-core dots with exact
+  int32 sums.
 
-Everything stays exact up to the fp16 rounding of P (11 bits, where the bf16
-path keeps 8) and of the scaled query (11 bits, where bf16 keeps 8).
+Exact up to the fp16 rounding of P (11 bits; the bf16 path keeps 8) and, with
+K_INT, the query's split.
 """
 from __future__ import annotations
 
@@ -44,6 +48,19 @@ def fp16_query(q):
     scale = ((254 - e) << 23).to(tl.float32, bitcast=True)    # 2^(127 - e)
     unscale = (e << 23).to(tl.float32, bitcast=True)          # 2^(e - 127)
     return (qf * scale[:, None]).to(tl.float16), unscale
+
+
+@triton.jit
+def int8_query(q):
+    """q: [M, D] -> (hi, lo: int8 [M, D], unscale [M] fp32) with
+    q ~ unscale * (254 * hi + lo), to 1/64516 of the row's peak: the score
+    q.k of int8 codes is then two int8 tensor-core dots, the codes unconverted."""
+    qf = q.to(tl.float32)
+    step = tl.maximum(tl.max(tl.abs(qf), 1), 1.0e-30) / 127.0
+    x = qf / step[:, None]                       # [-127, 127]
+    hi = tl.floor(x + 0.5)
+    lo = tl.floor((x - hi) * 254.0 + 0.5)        # [-127, 127]
+    return hi.to(tl.int8), lo.to(tl.int8), step / 254.0
 
 
 @triton.jit
@@ -117,10 +134,11 @@ def _words_to_f16(w, INT8: tl.constexpr, ASM: tl.constexpr):
 def load_code_tile(KCache, VCache, KScale, VScale, block_table_row, start, kv_head, key_end,
                    stride_cb, stride_cs, stride_ch, stride_sb, stride_ss,
                    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                   MASKED: tl.constexpr, V_PAIRS: tl.constexpr, ASM: tl.constexpr):
+                   MASKED: tl.constexpr, V_PAIRS: tl.constexpr, ASM: tl.constexpr,
+                   K_INT: tl.constexpr):
     """Cached tokens [start, start + BLOCK_N) of one KV head as fp16: K^T [D, N],
     and V as [N, D] or (V_PAIRS) its even and odd channels [N, D/2] each; the
-    per-token scales [N], [N] (0 past key_end when MASKED)."""
+    per-token scales [N], [N] (0 past key_end when MASKED). K_INT: K stays int8."""
     pos = start + tl.arange(0, BLOCK_N)
     key_ok = pos < key_end
     if PAGE_SIZE >= BLOCK_N:
@@ -140,7 +158,8 @@ def load_code_tile(KCache, VCache, KScale, VScale, block_table_row, start, kv_he
         k = tl.load(KCache + slot[None, :] + offs_d[:, None])
         k_scale = tl.load(KScale + s_offs)
         v_scale = tl.load(VScale + s_offs)
-    k = _codes_to_f16(k, ASM)
+    if not K_INT:
+        k = _codes_to_f16(k, ASM)
     if V_PAIRS:
         # Offsets in words: every stride and the head dim are even.
         offs_w = tl.arange(0, HEAD_DIM // 2)
@@ -162,15 +181,17 @@ def load_code_tile(KCache, VCache, KScale, VScale, block_table_row, start, kv_he
 
 
 @triton.jit
-def attend_code_keys(acc_a, acc_b, m_i, l_i, q16, q_unscale, KCache, VCache, KScale, VScale,
+def attend_code_keys(acc_a, acc_b, m_i, l_i, q16, q_lo, q_unscale, KCache, VCache, KScale, VScale,
                      block_table_row, kv_head, lo, hi, key_end, q_pos, window, qk_scale,
                      stride_cb, stride_cs, stride_ch, stride_sb, stride_ss, tree_bits, step_start,
                      HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
                      CAUSAL: tl.constexpr, SLIDING: tl.constexpr, TREE: tl.constexpr,
-                     MASKED: tl.constexpr, V_PAIRS: tl.constexpr, ASM: tl.constexpr):
+                     MASKED: tl.constexpr, V_PAIRS: tl.constexpr, ASM: tl.constexpr,
+                     K_INT: tl.constexpr):
     """attention_tile.attend_paged_keys over codes with fp16 operands.
 
-    q16, q_unscale: from `fp16_query`. acc_a, acc_b: [M, D/2] fp32 accumulators
+    q16, q_unscale: from `fp16_query`, or with K_INT (int8 cache) q16, q_lo,
+    q_unscale from `int8_query` (q_lo unread without K_INT). acc_a, acc_b: [M, D/2] fp32 accumulators
     of the even and odd channels with V_PAIRS, else acc_a [M, D] (acc_b unused).
     """
     for start in tl.range(lo, hi, BLOCK_N):
@@ -178,8 +199,12 @@ def attend_code_keys(acc_a, acc_b, m_i, l_i, q16, q_unscale, KCache, VCache, KSc
         k, v_a, v_b, k_scale, v_scale = load_code_tile(
             KCache, VCache, KScale, VScale, block_table_row, start, kv_head, key_end,
             stride_cb, stride_cs, stride_ch, stride_sb, stride_ss, HEAD_DIM, BLOCK_N, PAGE_SIZE,
-            MASKED, V_PAIRS, ASM)
-        qk = tl.dot(q16, k) * k_scale[None, :]
+            MASKED, V_PAIRS, ASM, K_INT)
+        if K_INT:   # exact int32 sums: |254 hi.k + lo.k| < 2^30
+            s = tl.dot(q16, k, out_dtype=tl.int32) * 254
+            qk = tl.dot(q_lo, k, s, out_dtype=tl.int32).to(tl.float32) * k_scale[None, :]
+        else:
+            qk = tl.dot(q16, k) * k_scale[None, :]
         row_scale = q_unscale * qk_scale   # > 0: the query's power of two x softmax scale
         if MASKED:
             mask = paged_tile_mask(start, key_end, q_pos, window, tree_bits, step_start, BLOCK_N,
@@ -203,12 +228,13 @@ def attend_code_keys(acc_a, acc_b, m_i, l_i, q16, q_unscale, KCache, VCache, KSc
 
 
 @triton.jit
-def attend_code_range(q16, q_unscale, KCache, VCache, KScale, VScale, block_table_row, kv_head,
+def attend_code_range(q16, q_lo, q_unscale, KCache, VCache, KScale, VScale, block_table_row, kv_head,
                       lo, clean_end, hi, key_end, q_pos, window, qk_scale,
                       stride_cb, stride_cs, stride_ch, stride_sb, stride_ss, tree_bits, step_start,
                       BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
                       PAGE_SIZE: tl.constexpr, CAUSAL: tl.constexpr, SLIDING: tl.constexpr,
-                      TREE: tl.constexpr, V_PAIRS: tl.constexpr, ASM: tl.constexpr):
+                      TREE: tl.constexpr, V_PAIRS: tl.constexpr, ASM: tl.constexpr,
+                      K_INT: tl.constexpr):
     """attention_tile.attend_paged_range over codes from fresh state:
     (acc [M, D] fp32 unnormalised, m [M], l [M])."""
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -220,15 +246,15 @@ def attend_code_range(q16, q_unscale, KCache, VCache, KScale, VScale, block_tabl
         acc_a = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
         acc_b = tl.zeros([BLOCK_M, 2], tl.float32)
     acc_a, acc_b, m_i, l_i = attend_code_keys(
-        acc_a, acc_b, m_i, l_i, q16, q_unscale, KCache, VCache, KScale, VScale, block_table_row,
+        acc_a, acc_b, m_i, l_i, q16, q_lo, q_unscale, KCache, VCache, KScale, VScale, block_table_row,
         kv_head, lo, clean_end, key_end, q_pos, window, qk_scale, stride_cb, stride_cs, stride_ch,
         stride_sb, stride_ss, tree_bits, step_start, HEAD_DIM, BLOCK_N, PAGE_SIZE, CAUSAL,
-        SLIDING, TREE, False, V_PAIRS, ASM)
+        SLIDING, TREE, False, V_PAIRS, ASM, K_INT)
     acc_a, acc_b, m_i, l_i = attend_code_keys(
-        acc_a, acc_b, m_i, l_i, q16, q_unscale, KCache, VCache, KScale, VScale, block_table_row,
+        acc_a, acc_b, m_i, l_i, q16, q_lo, q_unscale, KCache, VCache, KScale, VScale, block_table_row,
         kv_head, clean_end, hi, key_end, q_pos, window, qk_scale, stride_cb, stride_cs, stride_ch,
         stride_sb, stride_ss, tree_bits, step_start, HEAD_DIM, BLOCK_N, PAGE_SIZE, CAUSAL,
-        SLIDING, TREE, True, V_PAIRS, ASM)
+        SLIDING, TREE, True, V_PAIRS, ASM, K_INT)
     if V_PAIRS:   # channel j of the halves is channel 2j / 2j + 1
         acc = tl.reshape(tl.join(acc_a, acc_b), [BLOCK_M, HEAD_DIM])
     else:

@@ -39,7 +39,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from slipstream.kernels.attention_tile import attend_paged_range, check_kv_scales, next_pow2
-from slipstream.kernels.code_tile import attend_code_range, fp16_query
+from slipstream.kernels.code_tile import attend_code_range, fp16_query, int8_query
 from slipstream.kernels.runtime import interpreting, num_sms, pdl_supported
 
 LOG2E = 1.4426950408889634
@@ -113,13 +113,17 @@ def _split_kv_kernel(
     clean = tl.maximum(tl.minimum(hi_pos, ctx // BLOCK_N * BLOCK_N), lo_pos)
     if SLIDING:
         clean = lo_pos
-    if KV_DOT > 0:  # codes with fp16 operands (code_tile.py); 2: V read as 16-bit words
-        q16, q_unscale = fp16_query(q)
+    if KV_DOT > 0:  # code_tile.py: 1 fp16 operands, 2 and V as 16-bit words, 3 and int8 K.q
+        if KV_DOT == 3:
+            q16, q_lo, q_unscale = int8_query(q)
+        else:
+            q16, q_unscale = fp16_query(q)
+            q_lo = q16
         acc, m_i, l_i = attend_code_range(
-            q16, q_unscale, KCache, VCache, KScale, VScale, bt_row, kv_head, lo_pos, clean, hi_pos,
+            q16, q_lo, q_unscale, KCache, VCache, KScale, VScale, bt_row, kv_head, lo_pos, clean, hi_pos,
             hi, q_pos, window, qk_scale, stride_cb, stride_cs, stride_ch, stride_sb, stride_ss,
-            tree_bits, ctx, BLOCK_M, HEAD_DIM, BLOCK_N, PAGE_SIZE, True, SLIDING, TREE, KV_DOT == 2,
-            ASM)
+            tree_bits, ctx, BLOCK_M, HEAD_DIM, BLOCK_N, PAGE_SIZE, True, SLIDING, TREE, KV_DOT >= 2,
+            ASM, KV_DOT == 3)
     else:
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -205,8 +209,9 @@ MAX_SPLITS = 64
 MAX_TREE_NODES = 64  # one int64 bitmask per node
 # How a quantized cache meets the query: 0 codes -> the query's dtype
 # (attention_tile.py), 1 codes -> fp16 operands, 2 the same with V read as 16-bit
-# words (code_tile.py).
-DEFAULT_KV_DOT = 2
+# words, 3 as 2 with int8 K codes dotted with the query split in two int8 halves
+# (int8 caches; fp8 ones take 2) (code_tile.py).
+DEFAULT_KV_DOT = 3
 
 
 def _tile_rows(max_query_len: int, group: int) -> tuple[int, int]:
@@ -285,8 +290,10 @@ def split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
                             quant), **(config or {})}
     block_n = cfg.pop("BLOCK_N")
     kv_dot = cfg.pop("KV_DOT", DEFAULT_KV_DOT)
-    if kv_dot not in (0, 1, 2):
-        raise ValueError(f"KV_DOT must be 0, 1 or 2, got {kv_dot}")
+    if kv_dot not in (0, 1, 2, 3):
+        raise ValueError(f"KV_DOT must be 0, 1, 2 or 3, got {kv_dot}")
+    if kv_dot == 3 and k_cache.dtype != torch.int8:
+        kv_dot = 2   # int8 tensor-core scores need int8 codes
     if not quant or q.dtype == torch.float32 or head_dim != head_dim_pad:
         kv_dot = 0   # fp32 engines keep fp32 operands; padded head dims take the general path
     # Inline PTX code conversions (not run by the interpreter: Triton ops there).
