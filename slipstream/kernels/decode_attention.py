@@ -114,7 +114,7 @@ def _split_kv_kernel(
     if SLIDING:
         clean = lo_pos
     if KV_DOT > 0:  # code_tile.py: 1 fp16 operands, 2 and V as 16-bit words, 3 and int8 K.q
-        if KV_DOT == 3:
+        if KV_DOT == 3 and KCache.dtype.element_ty == tl.int8:
             q16, q_lo, q_unscale = int8_query(q)
         else:
             q16, q_unscale = fp16_query(q)
@@ -123,7 +123,7 @@ def _split_kv_kernel(
             q16, q_lo, q_unscale, KCache, VCache, KScale, VScale, bt_row, kv_head, lo_pos, clean, hi_pos,
             hi, q_pos, window, qk_scale, stride_cb, stride_cs, stride_ch, stride_sb, stride_ss,
             tree_bits, ctx, BLOCK_M, HEAD_DIM, BLOCK_N, PAGE_SIZE, True, SLIDING, TREE, KV_DOT >= 2,
-            ASM, KV_DOT == 3)
+            ASM, KV_DOT == 3 and KCache.dtype.element_ty == tl.int8)
     else:
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -289,11 +289,12 @@ def split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     cfg = {**_launch_config(block_m, num_seqs * num_kv_heads * row_blocks * num_splits, q.device,
                             quant), **(config or {})}
     block_n = cfg.pop("BLOCK_N")
-    kv_dot = cfg.pop("KV_DOT", DEFAULT_KV_DOT)
+    # Tall tiles (tree verification) keep the codes -> query dtype path unless
+    # asked: the fp16 one spills more registers there (sm_90: 152-232 bytes of
+    # stack against 88-96) and its decode speed-up is the only one measured.
+    kv_dot = cfg.pop("KV_DOT", DEFAULT_KV_DOT if block_m <= 16 else 0)
     if kv_dot not in (0, 1, 2, 3):
         raise ValueError(f"KV_DOT must be 0, 1, 2 or 3, got {kv_dot}")
-    if kv_dot == 3 and k_cache.dtype != torch.int8:
-        kv_dot = 2   # int8 tensor-core scores need int8 codes
     if not quant or q.dtype == torch.float32 or head_dim != head_dim_pad:
         kv_dot = 0   # fp32 engines keep fp32 operands; padded head dims take the general path
     # Inline PTX code conversions (not run by the interpreter: Triton ops there).
