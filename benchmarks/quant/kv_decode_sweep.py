@@ -32,8 +32,8 @@ QUANT = ("int8", "fp8")
 VARIANTS = [("bf16ops", 0, False), ("f16ops", 1, True), ("f16pairs_tritonops", 2, False),
             ("f16pairs_asm", 2, True), ("int8k_f16pairs_asm", 3, True)]
 # Launch configs swept at 32k for the default variant: (BLOCK_N, num_warps, num_stages).
-CONFIGS = [(128, 4, 6), (128, 4, 4), (128, 4, 8), (64, 2, 6), (256, 4, 4)]
-SPLIT_FACTORS = (0.5, 1.0, 2.0, 3.0)
+CONFIGS = [(128, 4, 6), (128, 4, 4), (128, 4, 8), (64, 2, 6), (256, 4, 4), (32, 1, 6)]
+SPLIT_FACTORS = (0.5, 1.0, 2.0, 4.0)
 MAX_SPLITS = 128
 
 
