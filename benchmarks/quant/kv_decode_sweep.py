@@ -6,7 +6,9 @@ quantized path (kernels/decode_attention.py KV_DOT: 0 codes -> bf16 operands,
 1 codes -> fp16 operands, 2 the same with V read as 16-bit words, 3 as 2 with
 int8 K codes in int8 tensor-core dots (int8 caches only); ASM: inline
 PTX code conversions) at the engine's launch config, then at 32k a sweep of
-launch configs and split counts for the engine's default variant. Every timed
+launch configs and split counts for the engine's default variant, and (all
+three caches) an L2 prefetch of each split's first 128 / 256 keys issued before
+the split waits on the kernel before it (PREFETCH). Every timed
 variant's output is first checked against the fp32 twin on the timed data
 (kernels/reference.py); a variant off by more than ERR_LIMIT is not timed.
 Before that, decode on a ragged batch and tree verification are checked
@@ -175,6 +177,9 @@ def time_context(length, copy_bw, device, dtype, smoke, sweep, log) -> dict:
         for label, kv_dot, asm in VARIANTS:
             if kv_dot < 3 or kind == "int8":
                 run(f"{kind}/{label}", kind, auto, _variant_config(kv_dot, asm))
+    for kind in ("bf16", *QUANT):   # L2 prefetch of each split's first keys before its PDL wait
+        for keys in (128, 256):
+            run(f"{kind}/prefetch{keys}", kind, auto, {"PREFETCH": keys})
     if sweep:
         factors = SPLIT_FACTORS[1:2] if smoke else SPLIT_FACTORS
         configs = CONFIGS[:2] if smoke else CONFIGS
@@ -194,7 +199,7 @@ def time_context(length, copy_bw, device, dtype, smoke, sweep, log) -> dict:
             row[f"{kind}_best"] = min(timed)[1]
     log(f"  L={length}: " + ", ".join(
         f"{n} {e['us']:.1f} us x{e.get('speedup_vs_bf16', 0):.2f}" for n, e in row["runs"].items()
-        if "us" in e and ("engine" in n or n.split("/")[1] in [v[0] for v in VARIANTS])))
+        if "us" in e and ("engine" in n or "prefetch" in n or n.split("/")[1] in [v[0] for v in VARIANTS])))
     for kind in QUANT:
         if f"{kind}_best" in row:
             e = row["runs"][row[f"{kind}_best"]]

@@ -111,6 +111,37 @@ def load_paged_kv(KCache, VCache, KScale, VScale, block_table_row, start, kv_hea
 
 
 @triton.jit
+def _prefetch_l2(ptrs):
+    """Ask L2 for the 128-byte line at each pointer; nothing comes back to registers."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def prefetch_paged_keys(KCache, VCache, KScale, VScale, block_table_row, start, end, kv_head,
+                        stride_cache_block, stride_cache_slot, stride_cache_head,
+                        stride_scale_block, stride_scale_slot,
+                        HEAD_DIM: tl.constexpr, NUM_KEYS: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                        QUANT: tl.constexpr):
+    """Read the block table for tokens [start, min(end, start + NUM_KEYS)) and
+    prefetch their K/V rows (and scales) of one head into L2. Meant for the
+    time a programmatic dependent launch waits on the kernel before it: L2 is
+    where writes land, so a line fetched early is never stale there, and the
+    block table is written by no kernel on the GPU (only a host copy)."""
+    pos = start + tl.arange(0, NUM_KEYS)
+    ok = pos < end
+    page = tl.load(block_table_row + pos // PAGE_SIZE, mask=ok, other=0).to(tl.int64)
+    offs = page * stride_cache_block + (pos % PAGE_SIZE) * stride_cache_slot + kv_head * stride_cache_head
+    for i in tl.static_range(0, HEAD_DIM, 1024 // KCache.dtype.element_ty.primitive_bitwidth):
+        _prefetch_l2(KCache + offs + i)   # (one 128-byte line each)
+        _prefetch_l2(VCache + offs + i)
+    if QUANT:
+        s_offs = page * stride_scale_block + (pos % PAGE_SIZE) * stride_scale_slot + kv_head
+        _prefetch_l2(KScale + s_offs)
+        _prefetch_l2(VScale + s_offs)
+
+
+@triton.jit
 def paged_tile_mask(start, key_end, q_pos, window, tree_bits, step_start, BLOCK_N: tl.constexpr,
                     CAUSAL: tl.constexpr, SLIDING: tl.constexpr, TREE: tl.constexpr):
     """[M, N] bool: which of the keys [start, start + BLOCK_N) each query row sees

@@ -38,7 +38,8 @@ import triton.language as tl
 
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from slipstream.kernels.attention_tile import attend_paged_range, check_kv_scales, next_pow2
+from slipstream.kernels.attention_tile import (
+    attend_paged_range, check_kv_scales, next_pow2, prefetch_paged_keys)
 from slipstream.kernels.code_tile import attend_code_range, fp16_query, int8_query
 from slipstream.kernels.runtime import interpreting, num_sms, pdl_supported
 
@@ -59,7 +60,7 @@ def _split_kv_kernel(
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
         SPLIT: tl.constexpr, SLIDING: tl.constexpr, TREE: tl.constexpr, PDL: tl.constexpr,
         CHAIN: tl.constexpr, QUANT: tl.constexpr, KV_DOT: tl.constexpr,
-        ASM: tl.constexpr):
+        ASM: tl.constexpr, PREFETCH: tl.constexpr):
     if PDL:  # let the merge kernel launch now; it waits for this grid before reading
         gdc_launch_dependents()
     seq = tl.program_id(0)
@@ -72,6 +73,25 @@ def _split_kv_kernel(
         return
     seq_len = tl.load(SeqLens + seq)
     ctx = seq_len - q_len
+
+    # Keys this row block can see: up to its last token; from its first token's window.
+    t_first = m_block * BLOCK_M // GROUP
+    t_last = tl.minimum(q_len - 1, ((m_block + 1) * BLOCK_M - 1) // GROUP)
+    hi = ctx + t_last + 1
+    lo = 0
+    if SLIDING:
+        lo = tl.maximum(ctx + t_first - window + 1, 0)
+    # This split's share of those tiles.
+    first_tile = lo // BLOCK_N
+    num_tiles = tl.cdiv(hi, BLOCK_N) - first_tile
+    per_split = tl.cdiv(num_tiles, num_splits)
+    start_tile = first_tile + split * per_split
+    end_tile = tl.minimum(start_tile + per_split, first_tile + num_tiles)
+    bt_row = BlockTables + seq.to(tl.int64) * stride_bt
+    if PREFETCH > 0:  # the split's first PREFETCH keys into L2 while the kernel before ends
+        prefetch_paged_keys(KCache, VCache, KScale, VScale, bt_row, start_tile * BLOCK_N,
+                            end_tile * BLOCK_N, kv_head, stride_cb, stride_cs, stride_ch,
+                            stride_sb, stride_ss, HEAD_DIM, PREFETCH, PAGE_SIZE, QUANT)
     if CHAIN:  # launched early: the query and the cache may still be being written
         gdc_wait()
 
@@ -87,21 +107,6 @@ def _split_kv_kernel(
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     q_pos = ctx + t
 
-    # Keys this row block can see: up to its last token; from its first token's window.
-    t_first = m_block * BLOCK_M // GROUP
-    t_last = tl.minimum(q_len - 1, ((m_block + 1) * BLOCK_M - 1) // GROUP)
-    hi = ctx + t_last + 1
-    lo = 0
-    if SLIDING:
-        lo = tl.maximum(ctx + t_first - window + 1, 0)
-    # This split's share of those tiles.
-    first_tile = lo // BLOCK_N
-    num_tiles = tl.cdiv(hi, BLOCK_N) - first_tile
-    per_split = tl.cdiv(num_tiles, num_splits)
-    start_tile = first_tile + split * per_split
-    end_tile = tl.minimum(start_tile + per_split, first_tile + num_tiles)
-
-    bt_row = BlockTables + seq.to(tl.int64) * stride_bt
     tree_bits = t.to(tl.int64)  # (stands in when not TREE)
     if TREE:  # row r's bitmask of the step's tokens it may see
         tree_bits = tl.load(TreeBits + seq.to(tl.int64) * stride_tb + t, mask=row_ok, other=0)
@@ -212,6 +217,7 @@ MAX_TREE_NODES = 64  # one int64 bitmask per node
 # words, 3 as 2 with int8 K codes dotted with the query split in two int8 halves
 # (int8 caches; fp8 ones take 2) (code_tile.py).
 DEFAULT_KV_DOT = 3
+DEFAULT_PREFETCH = 0
 
 
 def _tile_rows(max_query_len: int, group: int) -> tuple[int, int]:
@@ -299,8 +305,12 @@ def split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
         kv_dot = 0   # fp32 engines keep fp32 operands; padded head dims take the general path
     # Inline PTX code conversions (not run by the interpreter: Triton ops there).
     asm = cfg.pop("ASM", True) and not interpreting()
+    # Keys a split prefetches into L2 before it waits on the kernel before it (0: none).
+    prefetch = cfg.pop("PREFETCH", DEFAULT_PREFETCH)
     pdl_ok = pdl_supported(q)
     chain = cfg.pop("CHAIN", True) and pdl_ok
+    if not chain or interpreting():
+        prefetch = 0
     pdl = num_splits > 1 and pdl_ok
     if num_splits > 1:
         if scratch is None:
@@ -327,7 +337,7 @@ def split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
         GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_M=block_m,
         BLOCK_N=block_n, PAGE_SIZE=page_size, SPLIT=num_splits > 1,
         SLIDING=sliding_window is not None, TREE=tree_bits is not None, PDL=pdl, CHAIN=chain,
-        QUANT=quant, KV_DOT=kv_dot, ASM=asm, launch_pdl=chain, **cfg)
+        QUANT=quant, KV_DOT=kv_dot, ASM=asm, PREFETCH=prefetch, launch_pdl=chain, **cfg)
     if num_splits > 1:
         block_d = min(32, head_dim_pad)
         _merge_splits_kernel[(num_tokens, num_heads, triton.cdiv(head_dim, block_d))](
