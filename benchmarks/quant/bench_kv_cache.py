@@ -190,6 +190,8 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-model", action="store_true", help="kernels only")
     ap.add_argument("--quick", action="store_true",
                     help="batch-1 decode variants and launch configs only (kv_decode_sweep.py)")
+    ap.add_argument("--budget-s", type=float, default=80.0,
+                    help="--quick: seconds after which the remaining timings are skipped")
     args = ap.parse_args(argv)
     smoke = args.smoke
     device = "cpu" if smoke else "cuda"
@@ -215,7 +217,7 @@ def main(argv=None) -> int:
             (out / "kv_decode_quick.json").write_text(json.dumps(res, indent=1))
             (out / "kv_decode_quick.md").write_text(md)
             return md
-        rc = quick(out, device, dtype, smoke, log, save_quick)
+        rc = quick(out, device, dtype, smoke, log, save_quick, args.budget_s)
         print((out / "kv_decode_quick.md").read_text())
         return rc
     res["correctness"] = correctness(device, dtype, log, smoke)

@@ -17,6 +17,7 @@ against their twins for each variant.
 from __future__ import annotations
 
 import math
+import os
 import time
 
 import torch
@@ -30,11 +31,14 @@ from slipstream.kernels.tree_attention import ancestor_mask, tree_attention
 ERR_LIMIT = 2e-2          # relative (Frobenius) error against the twin
 L2_BYTES = 256 << 20
 QUANT = ("int8", "fp8")
-# (label, KV_DOT, ASM): the paths of the quantized cache.
-VARIANTS = [("bf16ops", 0, False), ("f16ops", 1, True), ("f16pairs_tritonops", 2, False),
-            ("f16pairs_asm", 2, True), ("int8k_f16pairs_asm", 3, True)]
+# (label, KV_DOT, ASM): the paths of the quantized cache timed (EXTRA too with
+# KV_QUICK_ALL=1: slower to compile, they only explain the steps between).
+VARIANTS = [("codes_to_bf16", 0, True), ("f16_vwords", 2, True), ("int8k_f16_vwords", 3, True)]
+EXTRA_VARIANTS = [("f16", 1, True), ("f16_vwords_tritonops", 2, False)]
+# The new path each cache is swept and prefetched on: int8 K dots need int8 codes.
+CANDIDATE = {"bf16": {}, "int8": {"KV_DOT": 3}, "fp8": {"KV_DOT": 2}}
 # Launch configs swept at 32k for the default variant: (BLOCK_N, num_warps, num_stages).
-CONFIGS = [(128, 4, 6), (128, 4, 4), (128, 4, 8), (64, 2, 6), (256, 4, 4), (32, 1, 6)]
+CONFIGS = [(128, 4, 6), (128, 4, 4), (64, 2, 6), (32, 1, 6)]
 SPLIT_FACTORS = (0.5, 1.0, 2.0, 4.0)
 MAX_SPLITS = 128
 
@@ -72,14 +76,14 @@ def check_small(device, dtype, smoke, log) -> dict:
         twin = reference.decode_attention(q.float(), kq, vq, lens, tables, SCALE, k_scale=ks, v_scale=vs)
         ttwin = reference.tree_attention(tq.float(), kq, vq, cu_tree, tree_lens, tables, masks, SCALE,
                                          k_scale=ks, v_scale=vs)
-        for label, kv_dot, asm in VARIANTS:
+        for label, kv_dot, asm in _variants():
             if kv_dot == 3 and kind != "int8":
                 continue
             cfg = _variant_config(kv_dot, asm)
             row = {}
             try:
                 # The unsplit kernel and tree tiles for the engine's default only (compile time).
-                default = asm and kv_dot == (da.DEFAULT_KV_DOT if kind == "int8" else 2)
+                default = asm and kv_dot == CANDIDATE[kind]["KV_DOT"]
                 for splits in ((1, 3) if default else (3,)):
                     out = da.split_kv_attention(
                         q, kq, vq, torch.arange(b + 1, dtype=torch.int32, device=device), lens,
@@ -115,7 +119,14 @@ def _timer(calls, smoke):
     return graph_timer(calls, min_calls=32, replays=7)
 
 
-def time_context(length, copy_bw, device, dtype, smoke, sweep, log) -> dict:
+def _variants():
+    return VARIANTS + (EXTRA_VARIANTS if os.environ.get("KV_QUICK_ALL") == "1" else [])
+
+
+def time_context(length, copy_bw, device, dtype, smoke, sweep, deadline, log) -> dict:
+    """Batch-1 decode at `length`: the engine and every path (or, with `sweep`,
+    launch configs x split counts of the candidate paths); runs past `deadline`
+    (time.time()) are skipped."""
     gen = torch.Generator().manual_seed(length)
     bf16_bytes = 2 * length * KV_HEADS * HEAD_DIM * 2
     n = 1 if smoke else max(1, min(4, math.ceil(L2_BYTES / bf16_bytes)))
@@ -157,6 +168,10 @@ def time_context(length, copy_bw, device, dtype, smoke, sweep, log) -> dict:
 
     def run(name, kind, splits, config):
         entry = {"kind": kind, "splits": splits, "config": config}
+        if time.time() > deadline and name != "bf16/engine":
+            entry["error"] = "skipped: time budget"
+            row["runs"][name] = entry
+            return entry
         try:
             cs = calls(kind, splits, config)
             err = rel_err(cs[0](), twins[kind])
@@ -172,23 +187,23 @@ def time_context(length, copy_bw, device, dtype, smoke, sweep, log) -> dict:
         return entry
 
     base = run("bf16/engine", "bf16", auto, None)
-    for kind in QUANT:
-        run(f"{kind}/engine", kind, auto, None)
-        for label, kv_dot, asm in VARIANTS:
-            if kv_dot < 3 or kind == "int8":
-                run(f"{kind}/{label}", kind, auto, _variant_config(kv_dot, asm))
-    for kind in ("bf16", *QUANT):   # L2 prefetch of each split's first keys before its PDL wait
-        for keys in (128, 256):
-            run(f"{kind}/prefetch{keys}", kind, auto, {"PREFETCH": keys})
-    if sweep:
+    if not sweep:
+        for kind in QUANT:
+            run(f"{kind}/engine", kind, auto, None)
+            for label, kv_dot, asm in _variants():
+                if kv_dot < 3 or kind == "int8":
+                    run(f"{kind}/{label}", kind, auto, _variant_config(kv_dot, asm))
+        for kind in ("bf16", *QUANT):   # L2 prefetch of each split's first keys before its PDL wait
+            run(f"{kind}/prefetch128", kind, auto, {**CANDIDATE[kind], "PREFETCH": 128})
+    else:
         factors = SPLIT_FACTORS[1:2] if smoke else SPLIT_FACTORS
         configs = CONFIGS[:2] if smoke else CONFIGS
-        for kind in QUANT:
+        for bn, w, st in configs:
             for splits in sorted({max(1, min(MAX_SPLITS, round(auto * f))) for f in factors}):
-                for bn, w, st in configs:
-                    cfg = {"BLOCK_N": bn, "num_warps": w, "num_stages": st}
+                for kind in QUANT:
+                    cfg = {**CANDIDATE[kind], "BLOCK_N": bn, "num_warps": w, "num_stages": st}
                     run(f"{kind}/S{splits}_N{bn}_w{w}_s{st}", kind, splits, cfg)
-        run("bf16/engine_again", "bf16", auto, None)   # drift check
+    run("bf16/engine_again", "bf16", auto, None)   # drift check
     bf16_us = base.get("us")
     for entry in row["runs"].values():
         if bf16_us and "us" in entry:
@@ -199,7 +214,7 @@ def time_context(length, copy_bw, device, dtype, smoke, sweep, log) -> dict:
             row[f"{kind}_best"] = min(timed)[1]
     log(f"  L={length}: " + ", ".join(
         f"{n} {e['us']:.1f} us x{e.get('speedup_vs_bf16', 0):.2f}" for n, e in row["runs"].items()
-        if "us" in e and ("engine" in n or "prefetch" in n or n.split("/")[1] in [v[0] for v in VARIANTS])))
+        if "us" in e and ("engine" in n or "prefetch" in n or n.split("/")[1] in [v[0] for v in _variants()])))
     for kind in QUANT:
         if f"{kind}_best" in row:
             e = row["runs"][row[f"{kind}_best"]]
@@ -237,11 +252,14 @@ def markdown(res) -> str:
     return "\n".join(lines) + "\n"
 
 
-def quick(out_dir, device, dtype, smoke, log, save_json) -> int:
+def quick(out_dir, device, dtype, smoke, log, save_json, budget_s=80.0) -> int:
+    """Checks, then 32k / 4k / 128k with every path, then the 32k sweep, until
+    `budget_s` seconds have passed (later runs are listed as skipped)."""
     t0 = time.time()
+    deadline = t0 + budget_s
     res = {"meta": {"device": "cpu (smoke)" if smoke else torch.cuda.get_device_name(),
-                    "torch": torch.__version__, "smoke": smoke,
-                    "default_kv_dot": da.DEFAULT_KV_DOT}}
+                    "torch": torch.__version__, "smoke": smoke, "budget_s": budget_s,
+                    "default_kv_dot": da.DEFAULT_KV_DOT, "default_prefetch": da.DEFAULT_PREFETCH}}
 
     def save():
         res["meta"]["seconds"] = time.time() - t0
@@ -256,9 +274,14 @@ def quick(out_dir, device, dtype, smoke, log, save_json) -> int:
         res["meta"]["copy_GBps"] = copy_bw / 1e9
         log(f"copy bandwidth {copy_bw / 1e9:.0f} GB/s")
     res["decode"] = []
-    for length in ((96, 256) if smoke else (32768, 4096, 131072)):
-        res["decode"].append(time_context(length, copy_bw, device, dtype, smoke,
-                                          length in (256, 32768), log))
+    main = 256 if smoke else 32768
+    plan = [(main, False), (96, False)] if smoke else [(main, False), (4096, False), (131072, False)]
+    for length, sweep in plan + [(main, True)]:
+        try:
+            res["decode"].append(time_context(length, copy_bw, device, dtype, smoke, sweep,
+                                              deadline, log))
+        except Exception as e:   # e.g. out of memory: keep what was measured
+            log(f"L={length} sweep={sweep}: {type(e).__name__}: {str(e)[:300]}")
         save()
         if device == "cuda":
             torch.cuda.empty_cache()

@@ -215,8 +215,11 @@ MAX_TREE_NODES = 64  # one int64 bitmask per node
 # How a quantized cache meets the query: 0 codes -> the query's dtype
 # (attention_tile.py), 1 codes -> fp16 operands, 2 the same with V read as 16-bit
 # words, 3 as 2 with int8 K codes dotted with the query split in two int8 halves
-# (int8 caches; fp8 ones take 2) (code_tile.py).
-DEFAULT_KV_DOT = 3
+# (int8 caches; fp8 ones take 2) (code_tile.py). 1-3 stay opt-in (config
+# KV_DOT) until a device run times them: bench_kv_cache.py --quick.
+DEFAULT_KV_DOT = 0
+# Keys of its share a split prefetches into L2 before it waits on the kernel
+# before it (attention_tile.prefetch_paged_keys); opt-in until timed.
 DEFAULT_PREFETCH = 0
 
 
@@ -305,7 +308,6 @@ def split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
         kv_dot = 0   # fp32 engines keep fp32 operands; padded head dims take the general path
     # Inline PTX code conversions (not run by the interpreter: Triton ops there).
     asm = cfg.pop("ASM", True) and not interpreting()
-    # Keys a split prefetches into L2 before it waits on the kernel before it (0: none).
     prefetch = cfg.pop("PREFETCH", DEFAULT_PREFETCH)
     pdl_ok = pdl_supported(q)
     chain = cfg.pop("CHAIN", True) and pdl_ok
