@@ -69,7 +69,7 @@ def decode_kernel(args):
     consts = dict(GROUP=args.group, HEAD_DIM=args.head_dim, HEAD_DIM_PAD=args.head_dim,
                   BLOCK_M=args.block_m, BLOCK_N=args.block_n, PAGE_SIZE=args.page_size, SPLIT=True,
                   SLIDING=False, TREE=args.tree, PDL=False, CHAIN=True, QUANT=args.kv != "bf16",
-                  KV_DOT=da.DEFAULT_KV_DOT if args.kv != "bf16" else 0, ASM=True,
+                  KV_DOT=da.DEFAULT_KV_DOT.get(args.kv, 0), ASM=True,
                   PREFETCH=da.DEFAULT_PREFETCH)
     return da._split_kv_kernel, consts, {}
 

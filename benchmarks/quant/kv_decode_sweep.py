@@ -259,7 +259,7 @@ def quick(out_dir, device, dtype, smoke, log, save_json, budget_s=80.0) -> int:
     deadline = t0 + budget_s
     res = {"meta": {"device": "cpu (smoke)" if smoke else torch.cuda.get_device_name(),
                     "torch": torch.__version__, "smoke": smoke, "budget_s": budget_s,
-                    "default_kv_dot": da.DEFAULT_KV_DOT, "default_prefetch": da.DEFAULT_PREFETCH}}
+                    "default_kv_dot": dict(da.DEFAULT_KV_DOT), "default_prefetch": da.DEFAULT_PREFETCH}}
 
     def save():
         res["meta"]["seconds"] = time.time() - t0

@@ -16,8 +16,10 @@ several query tokens of a request and a per-token bitmask (int64, so trees of
 at most 64 nodes) says which of the step's tokens each may see.
 
 A quantized cache (int8 / fp8 codes, one fp32 scale per token and head) is
-read as codes and dequantized in registers (attention_tile.py): half the bytes
-of a 16-bit cache, plus 4 bytes of scales per 128-dim token head.
+read as codes and dequantized in registers: half the bytes of a 16-bit cache,
+plus 4 bytes of scales per 128-dim token head. Codes converted to the query's
+dtype (attention_tile.py) cost the loop more instructions than the bytes save;
+config KV_DOT picks the paths with fewer (code_tile.py, decode_configs.py).
 
 The grid depends only on the batch size, the head counts and the split count,
 so a decode step can be captured in a CUDA graph.
@@ -41,7 +43,11 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from slipstream.kernels.attention_tile import (
     attend_paged_range, check_kv_scales, next_pow2, prefetch_paged_keys)
 from slipstream.kernels.code_tile import attend_code_range, fp16_query, int8_query
-from slipstream.kernels.runtime import interpreting, num_sms, pdl_supported
+from slipstream.kernels.decode_configs import (  # noqa: F401 (re-exported)
+    DEEP_CONFIG, DEEP_PER_SM, DEFAULT_KV_DOT, DEFAULT_PREFETCH, MAX_SPLITS, MAX_TREE_NODES,
+    MIN_TOKENS_PER_SPLIT, QUANT_DEEP_CONFIG, QUANT_WIDE_CONFIG, TALL_CONFIG, TALL_PER_SM,
+    UNSPLIT_MAX_LEN, WIDE_CONFIG, _launch_config, _tile_rows, choose_num_splits, default_kv_dot)
+from slipstream.kernels.runtime import interpreting, pdl_supported
 
 LOG2E = 1.4426950408889634
 
@@ -181,83 +187,6 @@ def _merge_splits_kernel(PartO, PartLse, Out, num_splits,
              mask=d_ok)
 
 
-# --- tuning -------------------------------------------------------------------
-
-# Launch configs, each with the programs that fit on one SM at it (H200: 227 KB
-# shared memory, 64K registers). Decode is memory-bound: few warps, and as many
-# K/V bytes in flight as fit. The block-table read feeds the K/V addresses, so
-# the pipeliner keeps (num_stages - 2) // 2 + 1 K/V tiles in flight.
-DEEP_CONFIG = {"BLOCK_N": 64, "num_warps": 2, "num_stages": 6}  # 2 tiles in flight, 72 KB
-WIDE_CONFIG = {"BLOCK_N": 64, "num_warps": 2, "num_stages": 4}  # 1 tile, 39 KB, 240 regs: 4 an SM
-# Taller tiles (several tree nodes x heads): one warpgroup, so the dots run on
-# wgmma with operands in shared memory (116 KB, one program an SM).
-TALL_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 6}
-# 1-byte (int8 / fp8) caches: a 128-key tile moves the bytes of a 64-key 16-bit
-# one. Compiled for sm_90 (benchmarks/attention/compile_report.py --kv int8):
-# 128 keys, 4 warps, 6 stages keep two such tiles in flight like DEEP (77 KB,
-# 226 registers, no spills, two programs an SM); for many programs, 64 keys in
-# 2 warps keep two 16 KB tiles in flight at five programs an SM (168 registers,
-# 32 bytes of stack). Chosen from the compiled code, not yet timed:
-# benchmarks/quant/bench_kv_cache.py sweeps them on the device.
-QUANT_DEEP_CONFIG = {"BLOCK_N": 128, "num_warps": 4, "num_stages": 6}
-QUANT_WIDE_CONFIG = {"BLOCK_N": 64, "num_warps": 2, "num_stages": 6}
-# Programs per SM in the one wave the split count aims for. Three DEEP programs
-# fit, but two stream faster (H200, B=1 L=32k: 84% of copy bandwidth at 33
-# splits against 80% at 49, benchmarks/attention).
-DEEP_PER_SM, TALL_PER_SM = 2, 1
-INTERPRET_CONFIG = {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
-MIN_TOKENS_PER_SPLIT = 128
-# Contexts this short run unsplit: the whole attention is a few microseconds,
-# less than launching the merge kernel costs the host.
-UNSPLIT_MAX_LEN = 512
-MAX_SPLITS = 64
-MAX_TREE_NODES = 64  # one int64 bitmask per node
-# How a quantized cache meets the query: 0 codes -> the query's dtype
-# (attention_tile.py), 1 codes -> fp16 operands, 2 the same with V read as 16-bit
-# words, 3 as 2 with int8 K codes dotted with the query split in two int8 halves
-# (int8 caches; fp8 ones take 2) (code_tile.py). 1-3 stay opt-in (config
-# KV_DOT) until a device run times them: bench_kv_cache.py --quick.
-DEFAULT_KV_DOT = 0
-# Keys of its share a split prefetches into L2 before it waits on the kernel
-# before it (attention_tile.prefetch_paged_keys); opt-in until timed.
-DEFAULT_PREFETCH = 0
-
-
-def _tile_rows(max_query_len: int, group: int) -> tuple[int, int]:
-    """(BLOCK_M, row blocks per KV head): rows are query token x head in group."""
-    block_m = max(16, min(next_pow2(max_query_len * group), 64))
-    return block_m, triton.cdiv(max_query_len * group, block_m)
-
-
-def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, *,
-                      max_query_len: int = 1, group: int = 1, sm_count: int | None = None) -> int:
-    """Splits per (request, KV head): as many as fill one wave of program slots
-    (a second, partial wave costs a whole split's time), without splits shorter
-    than MIN_TOKENS_PER_SPLIT; none for contexts up to UNSPLIT_MAX_LEN."""
-    if max_seq_len <= UNSPLIT_MAX_LEN:
-        return 1
-    if sm_count is None:
-        sm_count = num_sms() if torch.cuda.is_available() else 132
-    block_m, row_blocks = _tile_rows(max_query_len, group)
-    programs = max(num_seqs * num_kv_heads * row_blocks, 1)
-    per_sm = DEEP_PER_SM if block_m <= 16 else TALL_PER_SM
-    want = max(per_sm * sm_count // programs, 1)
-    useful = triton.cdiv(max_seq_len, MIN_TOKENS_PER_SPLIT)
-    return min(want, useful, MAX_SPLITS)
-
-
-def _launch_config(block_m: int, programs: int, device, quant: bool = False) -> dict:
-    if interpreting():
-        return INTERPRET_CONFIG
-    if block_m > 16:
-        return TALL_CONFIG
-    # More programs than one wave of deep ones: the shallower config fits more.
-    one_wave = programs <= DEEP_PER_SM * num_sms(device.index or 0)
-    if quant:
-        return QUANT_DEEP_CONFIG if one_wave else QUANT_WIDE_CONFIG
-    return DEEP_CONFIG if one_wave else WIDE_CONFIG
-
-
 # --- launcher -------------------------------------------------------------------
 
 def split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -298,10 +227,7 @@ def split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     cfg = {**_launch_config(block_m, num_seqs * num_kv_heads * row_blocks * num_splits, q.device,
                             quant), **(config or {})}
     block_n = cfg.pop("BLOCK_N")
-    # Tall tiles (tree verification) keep the codes -> query dtype path unless
-    # asked: the fp16 one spills more registers there (sm_90: 152-232 bytes of
-    # stack against 88-96) and its decode speed-up is the only one measured.
-    kv_dot = cfg.pop("KV_DOT", DEFAULT_KV_DOT if block_m <= 16 else 0)
+    kv_dot = cfg.pop("KV_DOT", default_kv_dot(k_cache.dtype, block_m))
     if kv_dot not in (0, 1, 2, 3):
         raise ValueError(f"KV_DOT must be 0, 1, 2 or 3, got {kv_dot}")
     if not quant or q.dtype == torch.float32 or head_dim != head_dim_pad:
