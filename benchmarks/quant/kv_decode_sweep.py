@@ -1,7 +1,7 @@
 """Quick decode-attention comparison of the KV cache dtypes (bench_kv_cache.py --quick).
 
 Batch 1, Llama-3-8B heads (GQA 32/8, head_dim 128), 16-token pages, contexts 4k,
-32k and 128k: the bf16 cache against int8 / fp8 codes, every variant of the
+32k and 128k (and batch 32 at 4k, engine path and candidates only): the bf16 cache against int8 / fp8 codes, every variant of the
 quantized path (kernels/decode_attention.py KV_DOT: 0 codes -> bf16 operands,
 1 codes -> fp16 operands, 2 the same with V read as 16-bit words, 3 as 2 with
 int8 K codes in int8 tensor-core dots (int8 caches only); ASM: inline
@@ -123,16 +123,16 @@ def _variants():
     return VARIANTS + (EXTRA_VARIANTS if os.environ.get("KV_QUICK_ALL") == "1" else [])
 
 
-def time_context(length, copy_bw, device, dtype, smoke, sweep, deadline, log) -> dict:
-    """Batch-1 decode at `length`: the engine and every path (or, with `sweep`,
+def time_context(length, copy_bw, device, dtype, smoke, sweep, deadline, log, b=1) -> dict:
+    """Decode of b requests at `length`: the engine and every path (or, with `sweep`,
     launch configs x split counts of the candidate paths); runs past `deadline`
     (time.time()) are skipped."""
     gen = torch.Generator().manual_seed(length)
-    bf16_bytes = 2 * length * KV_HEADS * HEAD_DIM * 2
+    bf16_bytes = 2 * b * length * KV_HEADS * HEAD_DIM * 2
     n = 1 if smoke else max(1, min(4, math.ceil(L2_BYTES / bf16_bytes)))
     data = []
     for _ in range(n):
-        k = torch.randn(1, length, KV_HEADS, HEAD_DIM, device=device, dtype=dtype)
+        k = torch.randn(b, length, KV_HEADS, HEAD_DIM, device=device, dtype=dtype)
         v = torch.randn_like(k) * 0.1
         kc, vc, tables = paged(k, v, gen)
         del k, v
@@ -141,10 +141,10 @@ def time_context(length, copy_bw, device, dtype, smoke, sweep, deadline, log) ->
             kq, ks = quantize_cache(kc, kind)
             vq, vs = quantize_cache(vc, kind)
             caches[kind] = (kq, vq, ks, vs)
-        data.append((torch.randn(1, HEADS, HEAD_DIM, device=device, dtype=dtype), tables, caches))
-    seq_lens = torch.full((1,), length, dtype=torch.int32, device=device)
-    cu = torch.arange(2, dtype=torch.int32, device=device)
-    auto = da.choose_num_splits(1, KV_HEADS, length, group=HEADS // KV_HEADS)
+        data.append((torch.randn(b, HEADS, HEAD_DIM, device=device, dtype=dtype), tables, caches))
+    seq_lens = torch.full((b,), length, dtype=torch.int32, device=device)
+    cu = torch.arange(b + 1, dtype=torch.int32, device=device)
+    auto = da.choose_num_splits(b, KV_HEADS, length, group=HEADS // KV_HEADS)
     q0, t0, c0 = data[0]
     twins = {kind: reference.decode_attention(q0.float(), c0[kind][0], c0[kind][1], seq_lens, t0,
                                               SCALE, k_scale=c0[kind][2], v_scale=c0[kind][3])
@@ -155,16 +155,16 @@ def time_context(length, copy_bw, device, dtype, smoke, sweep, deadline, log) ->
         for q, tables, caches in data:
             kq, vq, ks, vs = caches[kind]
             o = torch.empty_like(q)
-            s = da.split_kv_scratch(1, HEADS, splits, HEAD_DIM, device) if splits > 1 else None
+            s = da.split_kv_scratch(b, HEADS, splits, HEAD_DIM, device) if splits > 1 else None
             out.append(lambda q=q, t=tables, kq=kq, vq=vq, ks=ks, vs=vs, o=o, s=s: da.decode_attention(
                 q, kq, vq, seq_lens, t, SCALE, max_seq_len=length, num_splits=splits,
                 cu_seqlens_q=cu, out=o, scratch=s, config=config, k_scale=ks, v_scale=vs))
         return out
 
     def nbytes(kind):
-        return bf16_bytes if kind == "bf16" else 2 * length * KV_HEADS * (HEAD_DIM + 4)
+        return bf16_bytes if kind == "bf16" else 2 * b * length * KV_HEADS * (HEAD_DIM + 4)
 
-    row = {"L": length, "copies": n, "splits_auto": auto, "runs": {}}
+    row = {"B": b, "L": length, "copies": n, "splits_auto": auto, "runs": {}}
 
     def run(name, kind, splits, config):
         entry = {"kind": kind, "splits": splits, "config": config}
@@ -187,7 +187,11 @@ def time_context(length, copy_bw, device, dtype, smoke, sweep, deadline, log) ->
         return entry
 
     base = run("bf16/engine", "bf16", auto, None)
-    if not sweep:
+    if b > 1:   # the engine's path and the candidates only
+        for kind in QUANT:
+            run(f"{kind}/engine", kind, auto, None)
+            run(f"{kind}/candidate", kind, auto, CANDIDATE[kind])
+    elif not sweep:
         for kind in QUANT:
             run(f"{kind}/engine", kind, auto, None)
             for label, kv_dot, asm in _variants():
@@ -212,9 +216,10 @@ def time_context(length, copy_bw, device, dtype, smoke, sweep, deadline, log) ->
         timed = [(e["us"], n) for n, e in row["runs"].items() if e["kind"] == kind and "us" in e]
         if timed:
             row[f"{kind}_best"] = min(timed)[1]
-    log(f"  L={length}: " + ", ".join(
+    log(f"  B={b} L={length}: " + ", ".join(
         f"{n} {e['us']:.1f} us x{e.get('speedup_vs_bf16', 0):.2f}" for n, e in row["runs"].items()
-        if "us" in e and ("engine" in n or "prefetch" in n or n.split("/")[1] in [v[0] for v in _variants()])))
+        if "us" in e and ("engine" in n or "prefetch" in n or "candidate" in n
+                          or n.split("/")[1] in [v[0] for v in _variants()])))
     for kind in QUANT:
         if f"{kind}_best" in row:
             e = row["runs"][row[f"{kind}_best"]]
@@ -232,22 +237,22 @@ def markdown(res) -> str:
              f"{meta['device']}; copy bandwidth {meta.get('copy_GBps', 0):.0f} GB/s; "
              f"{meta.get('seconds', 0):.0f} s"
              f"{' (smoke run: CPU interpreter, tiny shapes, times meaningless)' if meta['smoke'] else ''}. "
-             "Batch 1, Llama-3-8B heads (GQA 32/8, head_dim 128), 16-token pages. "
+             "Batch 1 (and 32 at 4k), Llama-3-8B heads (GQA 32/8, head_dim 128), 16-token pages. "
              "KV_DOT 0: codes -> bf16 operands; 1: codes -> fp16 operands; 2: fp16 operands, V read "
              "as 16-bit words; 3: as 2, int8 K in int8 dots; ASM: inline PTX conversions. "
              f"Engine default KV_DOT {meta['default_kv_dot']}.", "",
              "Checks (relative error vs the fp32 twin): "
              + ("all pass" if all(r.get("ok") for r in res["checks"].values()) else "SOME FAIL (see JSON)"),
-             "", "| context | run | splits | us | % copy bw | speedup vs bf16 | err vs twin |",
-             "| ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
+             "", "| B | context | run | splits | us | % copy bw | speedup vs bf16 | err vs twin |",
+             "| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
     for r in res.get("decode", []):
         for name, e in r["runs"].items():
             if "us" in e:
-                lines.append(f"| {r['L']} | {name} | {e['splits']} | {e['us']:.1f} | "
+                lines.append(f"| {r['B']} | {r['L']} | {name} | {e['splits']} | {e['us']:.1f} | "
                              f"{e['pct_copy_bw']:.0f}% | {e.get('speedup_vs_bf16', 0):.2f}x | "
                              f"{e['rel_err_vs_twin']:.1e} |")
             else:
-                lines.append(f"| {r['L']} | {name} | {e['splits']} | error | | | "
+                lines.append(f"| {r['B']} | {r['L']} | {name} | {e['splits']} | error | | | "
                              f"{e.get('error', '')[:80]} |")
     return "\n".join(lines) + "\n"
 
@@ -275,13 +280,14 @@ def quick(out_dir, device, dtype, smoke, log, save_json, budget_s=80.0) -> int:
         log(f"copy bandwidth {copy_bw / 1e9:.0f} GB/s")
     res["decode"] = []
     main = 256 if smoke else 32768
-    plan = [(main, False), (96, False)] if smoke else [(main, False), (4096, False), (131072, False)]
-    for length, sweep in plan + [(main, True)]:
+    plan = ([(1, main, False), (1, 96, False), (2, 64, False)] if smoke else
+            [(1, main, False), (1, 4096, False), (1, 131072, False), (32, 4096, False)])
+    for b, length, sweep in plan + [(1, main, True)]:
         try:
             res["decode"].append(time_context(length, copy_bw, device, dtype, smoke, sweep,
-                                              deadline, log))
+                                              deadline, log, b))
         except Exception as e:   # e.g. out of memory: keep what was measured
-            log(f"L={length} sweep={sweep}: {type(e).__name__}: {str(e)[:300]}")
+            log(f"B={b} L={length} sweep={sweep}: {type(e).__name__}: {str(e)[:300]}")
         save()
         if device == "cuda":
             torch.cuda.empty_cache()
