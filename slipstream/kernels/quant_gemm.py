@@ -20,6 +20,8 @@ import triton
 import triton.language as tl
 
 from slipstream.kernels import quant_tuning
+from slipstream.kernels.int_weight_gemv import (MAX_ROWS, default_gemv_config, dequantize_tiled,
+                                                int_weight_gemv)
 from slipstream.kernels import runtime  # noqa: F401  (interpreter fixes for CPU tests)
 from slipstream.kernels.quant_tuning import (default_config, int_weight_candidates,
                                              split_k_for, w8a8_candidates)
@@ -60,7 +62,8 @@ def _int_weight_gemm_kernel(X, QW, Scales, Zeros, Y, M, N, K, num_groups,
                             stride_xm, stride_qn, stride_ym, split_k, group,
                             BITS: tl.constexpr, HAS_ZEROS: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                            BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                            TILED: tl.constexpr = False):
     pid_m, pid_n = _grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     split = tl.program_id(1)
 
@@ -80,7 +83,19 @@ def _int_weight_gemm_kernel(X, QW, Scales, Zeros, Y, M, N, K, num_groups,
         k_ok = rk < K
         x = tl.load(X + rm[:, None].to(tl.int64) * stride_xm + rk[None, :],
                     mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        if BITS == 4:
+        if TILED:
+            # int32 words in the tiled layout of kernels/int_weight_gemv.py, BLOCK_K = its
+            # tile: code j of word i is input k0 + j * KP + i, so unpacking the words as
+            # [BN, PER, KP] and flattening gives the inputs in order.
+            PER: tl.constexpr = 32 // BITS
+            KP: tl.constexpr = BLOCK_K // PER
+            rw = k0 // PER + tl.arange(0, KP)
+            words = tl.load(QW + rn64[:, None] * stride_qn + rw[None, :],
+                            mask=n_ok[:, None], other=0).to(tl.uint32, bitcast=True)
+            shifts = (tl.arange(0, PER) * BITS).to(tl.uint32)
+            codes = (words[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1)
+            codes = tl.reshape(codes, (BLOCK_N, BLOCK_K))
+        elif BITS == 4:
             rb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
             packed = tl.load(QW + rn64[:, None] * stride_qn + rb[None, :],
                              mask=n_ok[:, None] & (rb < K // 2)[None, :], other=0)
@@ -138,6 +153,9 @@ def _w8a8_gemm_kernel(XQ, XS, WQ, WS, Y, M, N, K, stride_xm, stride_wn, stride_y
              y.to(Y.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
+DEQUANT_ROWS = 256      # from here on a product with a tiled weight dequantizes it for cuBLAS
+
+
 def _k_block_limit(k: int, group: int) -> int:
     """The largest power-of-two BLOCK_K (16..128) that divides the group (tiles never
     straddle two groups); any when one group covers the row."""
@@ -177,7 +195,40 @@ def int_weight_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
     return _launch_int_weight(x, qweight, scales, qzeros, bits, group_cols, config)
 
 
-def _launch_int_weight(x, qweight, scales, qzeros, bits, group_cols, config):
+def tiled_int_weight_gemm(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor,
+                          qzeros: torch.Tensor | None, bits: int, group_cols: int,
+                          tile: int) -> torch.Tensor:
+    """The product with weights in the tiled word layout of kernels/int_weight_gemv.py
+    (int32 [n, k * bits // 32]), by batch size: up to MAX_ROWS rows the weight-streaming
+    GEMV; from DEQUANT_ROWS rows the weight dequantized once and multiplied by cuBLAS
+    (compute-bound: the dequantization is a few percent of the product); between, the
+    tensor-core kernel above unpacking the tiled words. Launches tuned like the others."""
+    m, k = x.shape
+    n = words.shape[0]
+    if m <= MAX_ROWS:
+        def gemv_calls(cfg, copies):
+            return [lambda w=w: int_weight_gemv(x, *w, bits, group_cols, tile, cfg) for w in copies]
+        cfg = quant_tuning.choose(
+            ("int_gemv", n, k, bits, group_cols, qzeros is not None, x.dtype), m, x.device,
+            default_gemv_config(m, n, k, tile, x.device),
+            lambda: quant_tuning.gemv_candidates(n, k, tile, x.device),
+            (words, scales, qzeros), gemv_calls)
+        return int_weight_gemv(x, words, scales, qzeros, bits, group_cols, tile, cfg)
+    if m >= DEQUANT_ROWS:
+        w = dequantize_tiled(words, scales, qzeros, bits, group_cols, tile, x.dtype)
+        return torch.nn.functional.linear(x, w)
+
+    def timed_calls(cfg, copies):
+        return [lambda w=w: _launch_int_weight(x, *w, bits, group_cols, cfg, tile) for w in copies]
+    config = quant_tuning.choose(
+        ("int_weight_tiled", n, k, bits, group_cols, qzeros is not None, x.dtype), m, x.device,
+        dict(default_config(m, tile), BLOCK_K=tile),
+        lambda: [dict(c, BLOCK_K=tile) for c in int_weight_candidates(m, n, k, tile, x.device)],
+        (words, scales, qzeros), timed_calls)
+    return _launch_int_weight(x, words, scales, qzeros, bits, group_cols, config, tile)
+
+
+def _launch_int_weight(x, qweight, scales, qzeros, bits, group_cols, config, tile=None):
     m, k = x.shape
     n = qweight.shape[0]
     cfg = dict(config)
@@ -191,7 +242,7 @@ def _launch_int_weight(x, qweight, scales, qzeros, bits, group_cols, config):
     _int_weight_gemm_kernel[(tiles, split)](
         x, qweight, scales, qzeros if qzeros is not None else scales, out, m, n, k,
         scales.shape[1], x.stride(0), qweight.stride(0), n, split, group_cols,
-        BITS=bits, HAS_ZEROS=qzeros is not None, GROUP_M=8, **cfg)
+        BITS=bits, HAS_ZEROS=qzeros is not None, GROUP_M=8, TILED=tile is not None, **cfg)
     if split > 1:
         block = 1024
         _sum_splits_kernel[(triton.cdiv(m * n, block),)](out, y, m * n, split, BLOCK=block,
