@@ -79,38 +79,46 @@ def _int_weight_gemm_kernel(X, QW, Scales, Zeros, Y, M, N, K, num_groups,
     k_begin = split * per_split * BLOCK_K
     k_end = min(K, (split + 1) * per_split * BLOCK_K)
     for k0 in range(k_begin, k_end, BLOCK_K):
-        rk = k0 + tl.arange(0, BLOCK_K)
-        k_ok = rk < K
-        x = tl.load(X + rm[:, None].to(tl.int64) * stride_xm + rk[None, :],
-                    mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        if TILED:
-            # int32 words in the tiled layout of kernels/int_weight_gemv.py, BLOCK_K = its
-            # tile: code j of word i is input k0 + j * KP + i, so unpacking the words as
-            # [BN, PER, KP] and flattening gives the inputs in order.
-            PER: tl.constexpr = 32 // BITS
-            KP: tl.constexpr = BLOCK_K // PER
-            rw = k0 // PER + tl.arange(0, KP)
-            words = tl.load(QW + rn64[:, None] * stride_qn + rw[None, :],
-                            mask=n_ok[:, None], other=0).to(tl.uint32, bitcast=True)
-            shifts = (tl.arange(0, PER) * BITS).to(tl.uint32)
-            codes = (words[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1)
-            codes = tl.reshape(codes, (BLOCK_N, BLOCK_K))
-        elif BITS == 4:
-            rb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-            packed = tl.load(QW + rn64[:, None] * stride_qn + rb[None, :],
-                             mask=n_ok[:, None] & (rb < K // 2)[None, :], other=0)
-            codes = tl.interleave(packed & 0xF, packed >> 4)   # [BLOCK_N, BLOCK_K]
-        else:
-            codes = tl.load(QW + rn64[:, None] * stride_qn + rk[None, :],
-                            mask=n_ok[:, None] & k_ok[None, :], other=0)
         g = k0 // group
         s = tl.load(Scales + rn64 * num_groups + g, mask=n_ok, other=0.0)
         if HAS_ZEROS:
             z = tl.load(Zeros + rn64 * num_groups + g, mask=n_ok, other=0).to(tl.float32)
         else:
             z = tl.full((BLOCK_N,), 2 ** (BITS - 1), tl.float32)
-        w = _centred_weights(codes, z, BITS, X.dtype.element_ty)
-        acc += tl.dot(x, tl.trans(w)) * s[None, :]
+        if TILED:
+            # int32 words in the tiled layout of kernels/int_weight_gemv.py, BLOCK_K = its
+            # tile: code j of word i is input k0 + j * KP + i, so code j of the tile's words
+            # meets the contiguous inputs [k0 + j * KP, k0 + (j + 1) * KP): one dot of depth
+            # KP per code position, no reordering of the unpacked codes.
+            PER: tl.constexpr = 32 // BITS
+            KP: tl.constexpr = BLOCK_K // PER
+            rw = k0 // PER + tl.arange(0, KP)
+            words = tl.load(QW + rn64[:, None] * stride_qn + rw[None, :],
+                            mask=n_ok[:, None], other=0).to(tl.uint32, bitcast=True)
+            tile = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for j in tl.static_range(PER):
+                rk = k0 + j * KP + tl.arange(0, KP)
+                x = tl.load(X + rm[:, None].to(tl.int64) * stride_xm + rk[None, :],
+                            mask=m_ok[:, None], other=0.0)
+                codes = (words >> (j * BITS)) & ((1 << BITS) - 1)
+                w = _centred_weights(codes, z, BITS, X.dtype.element_ty)
+                tile = tl.dot(x, tl.trans(w), tile)
+            acc += tile * s[None, :]
+        else:
+            rk = k0 + tl.arange(0, BLOCK_K)
+            k_ok = rk < K
+            x = tl.load(X + rm[:, None].to(tl.int64) * stride_xm + rk[None, :],
+                        mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            if BITS == 4:
+                rb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+                packed = tl.load(QW + rn64[:, None] * stride_qn + rb[None, :],
+                                 mask=n_ok[:, None] & (rb < K // 2)[None, :], other=0)
+                codes = tl.interleave(packed & 0xF, packed >> 4)   # [BLOCK_N, BLOCK_K]
+            else:
+                codes = tl.load(QW + rn64[:, None] * stride_qn + rk[None, :],
+                                mask=n_ok[:, None] & k_ok[None, :], other=0)
+            w = _centred_weights(codes, z, BITS, X.dtype.element_ty)
+            acc += tl.dot(x, tl.trans(w)) * s[None, :]
     # With split_k > 1, Y is an fp32 workspace [split_k, M, N] summed by _sum_splits_kernel.
     Y += split.to(tl.int64) * M * stride_ym
     tl.store(Y + rm[:, None].to(tl.int64) * stride_ym + rn[None, :],
