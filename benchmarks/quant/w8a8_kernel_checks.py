@@ -1,0 +1,139 @@
+"""Kernel-level part of bench_w8a8_prefill.py: the W8A8 GEMM candidates and the quantizing
+producers (RMSNorm, SiLU * up) at prefill size, correctness first, then time.
+
+GEMMs at M tokens over Llama-3-8B's four linear shapes:
+  bf16            F.linear (cuBLAS)
+  int8-triton     kernels/w8a8_gemm.py with each prefill tile configuration (old and wide
+                  sets), activations already quantized
+  int8-intmm-raw  torch._int_mm alone (cuBLAS int8, int32 out, no rescale: a lower bound
+                  of what a cuBLAS int8 path could cost)
+  fp8-scaled_mm   torch._scaled_mm, row-wise scales, bf16 out
+  fp8-triton      kernels/w8a8_gemm.py on float8 e4m3 operands, each configuration
+Producers at M tokens: add+RMSNorm [M, 4096] then quantize_rows, against the fused
+rms_norm(..., quant=); silu_and_mul [M, 2 x 14336] then quantize_rows, against
+silu_and_mul_quant. Codes must agree with the unfused path (one step at most, a tiny share).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from slipstream.kernels import reference
+from slipstream.kernels.quant_act import quantize_rows
+from slipstream.kernels.rms_norm import rms_norm
+from slipstream.kernels.silu_mul import silu_and_mul, silu_and_mul_quant
+from slipstream.kernels.w8a8_gemm import _LARGE_OLD, _LARGE_WIDE, _cfg, w8a8_gemm
+from slipstream.quant.fp8 import fp8_linear_reference
+from slipstream.quant.primitives import quantize_fp8_rows, quantize_int8_rows
+
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+SMOKE_SHAPES = {"qkv": (96, 64), "down": (64, 192)}
+
+
+def rel_err(out, ref) -> float:
+    out, ref = out.double(), ref.double()
+    if not torch.isfinite(out).all():
+        return float("inf")
+    return ((out - ref).norm() / ref.norm()).item()
+
+
+def configs(smoke: bool) -> list[dict]:
+    if smoke:
+        return [_cfg(16, 32, 32, 4, 2), _cfg(32, 32, 64, 4, 2)]
+    seen, out = set(), []
+    for c in _LARGE_OLD + _LARGE_WIDE:
+        if c not in seen:
+            seen.add(c)
+            out.append(_cfg(*c))
+    return out
+
+
+def _name(cfg) -> str:
+    return "{BLOCK_M}x{BLOCK_N}x{BLOCK_K}/w{num_warps}/s{num_stages}".format(**cfg)
+
+
+def gemm_rows(m: int, device: str, timer, smoke: bool) -> list[dict]:
+    """One row per (shape, kernel[, config]): rel. error vs the twin, ms, TFLOP/s."""
+    dtype = torch.float32 if smoke else torch.bfloat16
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    rows = []
+    for shape, (n, k) in (SMOKE_SHAPES if smoke else SHAPES).items():
+        x = torch.randn(m, k, generator=gen).to(device, dtype)
+        w = (torch.randn(n, k, generator=gen) * 0.02).to(device)
+        flop = 2 * m * n * k
+
+        def add(kernel, fn, ref, tol, cfg=None):
+            try:
+                err = rel_err(fn().float(), ref)
+            except Exception as e:          # e.g. too much shared memory for a tile
+                rows.append({"shape": shape, "kernel": kernel, "config": cfg, "error": repr(e)[:160]})
+                return
+            row = {"shape": shape, "kernel": kernel, "config": cfg, "rel_err": err,
+                   "ok": err < tol}
+            if row["ok"]:
+                row["ms"] = timer(fn)
+                row["tflops"] = flop / row["ms"] / 1e9
+            rows.append(row)
+
+        ref = F.linear(x.float(), w.to(dtype).float())
+        wb = w.to(dtype)
+        add("bf16", lambda: F.linear(x, wb), ref, 2e-2)
+        wq, ws = quantize_int8_rows(w)
+        ws = ws.flatten()
+        xq, xs = quantize_int8_rows(x)
+        ref8 = reference.w8a8_linear(xq, xs, wq, ws, torch.float32)
+        for cfg in configs(smoke):
+            add("int8-triton", lambda c=cfg: w8a8_gemm(xq, xs, wq, ws, dtype, c), ref8, 1e-2,
+                _name(cfg))
+        if device == "cuda":
+            wt = wq.t()
+            add("int8-intmm-raw", lambda: torch._int_mm(xq, wt), xq.double() @ wq.double().t(),
+                1e-6)
+            fq, fs = quantize_fp8_rows(w)
+            fs = fs.flatten()
+            xf, xfs = quantize_rows(x, "fp8")
+            reff = fp8_linear_reference(xf, xfs, fq, fs, torch.float32)
+            ft, fsr = fq.t(), fs.view(1, -1)
+            add("fp8-scaled_mm", lambda: torch._scaled_mm(xf, ft, scale_a=xfs, scale_b=fsr,
+                                                          out_dtype=dtype), reff, 1e-2)
+            for cfg in configs(smoke):
+                add("fp8-triton", lambda c=cfg: w8a8_gemm(xf, xfs, fq, fs, dtype, c), reff, 1e-2,
+                    _name(cfg))
+    return rows
+
+
+def _code_diff(q, qr) -> tuple[float, float]:
+    d = (q.float() - qr.float()).abs()
+    return d.max().item(), (d > 0).float().mean().item()
+
+
+def producer_rows(m: int, device: str, timer, smoke: bool) -> list[dict]:
+    """Unfused (producer, then quantize_rows) vs fused, int8 and fp8 (fp8 on CUDA only)."""
+    dtype = torch.float32 if smoke else torch.bfloat16
+    hidden, inter = (64, 96) if smoke else (4096, 14336)
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    x = torch.randn(m, hidden, generator=gen).to(device, dtype)
+    res = torch.randn(m, hidden, generator=gen).to(device, dtype)
+    wn = (torch.rand(hidden, generator=gen) + 0.5).to(device, dtype)
+    gu = (torch.randn(m, 2 * inter, generator=gen) * 2).to(device, dtype)
+    rows = []
+    kinds = ["int8"] + (["fp8"] if device == "cuda" else [])
+    for kind in kinds:
+        pairs = {
+            "norm": (lambda: quantize_rows(rms_norm(x, wn, 1e-5, res)[0], kind),
+                     lambda: rms_norm(x, wn, 1e-5, res, kind)[0],
+                     lambda: rms_norm(x, wn, 1e-5, res)),
+            "silu_mul": (lambda: quantize_rows(silu_and_mul(gu), kind),
+                         lambda: silu_and_mul_quant(gu, kind),
+                         lambda: silu_and_mul(gu))}
+        for name, (unfused, fused, plain) in pairs.items():
+            (qu, su), (qf, sf) = unfused(), fused()
+            dmax, share = _code_diff(qf, qu)
+            scale_err = ((sf - su).abs() / su).max().item()
+            ok = scale_err < 2e-3 and (dmax <= 1 if kind == "int8" else True) and share < 0.01
+            row = {"producer": name, "kind": kind, "code_max_diff": dmax,
+                   "code_diff_share": share, "scale_rel_err": scale_err, "ok": ok}
+            if ok:
+                row.update(plain_ms=timer(plain), unfused_ms=timer(unfused), fused_ms=timer(fused))
+            rows.append(row)
+    return rows

@@ -1,0 +1,129 @@
+"""W8A8 GEMM: int8 x int8 (int32 accumulation, exact) or float8 e4m3 x e4m3 (fp32
+accumulation) tiles on the tensor cores, then the per-token x per-channel rescale in the
+epilogue:
+
+    y[m, n] = (sum_k xq[m, k] * wq[n, k]) * x_scale[m] * w_scale[n]   in the output dtype.
+
+One kernel for both formats (the operand dtype picks the accumulator). Tiles run in grouped
+order (GROUP_M row blocks share a weight column block while it is in L2). The launch
+configuration is chosen by timing (kernels/quant_tuning.choose) once per (weight shape,
+token bucket); prefill-sized M tries large tiles and deep pipelines.
+
+Plain-PyTorch twin: reference.w8a8_linear (int8) and quant/fp8.fp8_linear_reference (fp8).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from slipstream.kernels import quant_tuning
+from slipstream.kernels import runtime  # noqa: F401  (interpreter fixes for CPU tests)
+from slipstream.kernels.quant_gemm import _grouped_tile
+
+W8A8_DTYPES = (torch.int8, torch.float8_e4m3fn)
+
+
+@triton.jit
+def _w8a8_gemm_kernel(XQ, XS, WQ, WS, Y, M, N, K, stride_xm, stride_wn, stride_ym,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      GROUP_M: tl.constexpr, INT8: tl.constexpr):
+    pid_m, pid_n = _grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = rm < M
+    n_ok = rn < N
+    # Clamped rows/columns (not masked) keep the loads unmasked along M and N; the
+    # store drops them.
+    rm_c = tl.minimum(rm, M - 1).to(tl.int64)
+    rn_c = tl.minimum(rn, N - 1).to(tl.int64)
+    if INT8:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        k_ok = rk < K
+        a = tl.load(XQ + rm_c[:, None] * stride_xm + rk[None, :], mask=k_ok[None, :], other=0)
+        b = tl.load(WQ + rn_c[:, None] * stride_wn + rk[None, :], mask=k_ok[None, :], other=0)
+        if INT8:
+            acc += tl.dot(a, tl.trans(b), out_dtype=tl.int32)
+        else:
+            acc = tl.dot(a, tl.trans(b), acc)
+    xs = tl.load(XS + rm, mask=m_ok, other=0.0)
+    ws = tl.load(WS + rn, mask=n_ok, other=0.0)
+    y = acc.to(tl.float32) * xs[:, None] * ws[None, :]
+    tl.store(Y + rm[:, None].to(tl.int64) * stride_ym + rn[None, :],
+             y.to(Y.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def _cfg(bm, bn, bk, warps, stages) -> dict:
+    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+
+
+# Prefill-sized M. "wide": 128x256 / 256x128 tiles with 3-4 stages (shared memory per
+# stage: (BM + BN) * BK bytes; 4 stages of 128x256x128 take 192 KiB of Hopper's 227).
+_LARGE_OLD = [(128, 128, 128, 8, 3), (128, 256, 128, 8, 3), (128, 128, 64, 4, 4),
+              (64, 128, 128, 4, 4), (256, 128, 128, 8, 3), (128, 128, 128, 4, 4),
+              (128, 256, 64, 8, 4)]
+_LARGE_WIDE = [(128, 256, 128, 8, 4), (256, 128, 128, 8, 4), (128, 256, 64, 8, 5),
+               (256, 128, 64, 8, 5), (128, 128, 128, 8, 5), (128, 128, 128, 4, 5),
+               (128, 256, 128, 8, 3), (128, 128, 128, 8, 3), (256, 128, 128, 8, 3),
+               (128, 128, 64, 4, 6)]
+
+
+def w8a8_candidates(m: int) -> list[dict]:
+    """The configurations tuning tries at `m` tokens. SLIPSTREAM_W8A8_TILES=old keeps the
+    earlier prefill set (for comparison runs)."""
+    if m <= 16:
+        return [_cfg(16, bn, bk, 4, st) for bn, bk, st in (
+            (32, 128, 4), (64, 128, 4), (128, 128, 3), (32, 256, 3), (64, 256, 3))]
+    if m <= 64:
+        return [_cfg(bm, bn, 128, 4, st) for bm, bn, st in (
+            (32, 64, 4), (32, 128, 4), (64, 64, 4), (64, 128, 4), (64, 128, 3))]
+    large = _LARGE_OLD if os.environ.get("SLIPSTREAM_W8A8_TILES") == "old" else _LARGE_WIDE
+    return [_cfg(*c) for c in large]
+
+
+def default_w8a8_config(m: int) -> dict:
+    cfg = quant_tuning.default_config(m, 128)
+    if m > 64:
+        cfg["BLOCK_K"] = 128
+    return cfg
+
+
+def w8a8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
+              out_dtype: torch.dtype, config: dict | None = None) -> torch.Tensor:
+    """xq: int8 or float8_e4m3fn [m, k]; x_scale: fp32 [m, 1] (or [m]); wq: [n, k], the same
+    dtype as xq; w_scale: fp32 [n] -> [m, n] out_dtype. `config` fixes the launch;
+    otherwise tuned on CUDA."""
+    m, k = xq.shape
+    n = wq.shape[0]
+    if xq.dtype not in W8A8_DTYPES or wq.dtype != xq.dtype:
+        raise ValueError(f"w8a8_gemm: operands must both be int8 or both float8_e4m3fn, "
+                         f"got {xq.dtype} and {wq.dtype}")
+    assert wq.shape[1] == k and xq.stride(1) == 1 and wq.stride(1) == 1
+    if m == 0:
+        return torch.empty(m, n, dtype=out_dtype, device=xq.device)
+    xs, ws = x_scale.reshape(-1), w_scale.reshape(-1)
+    assert xs.numel() == m and ws.numel() == n
+    if config is None:
+
+        def timed_calls(cfg, copies):
+            return [lambda w=w: _launch(xq, xs, *w, out_dtype, cfg) for w in copies]
+        config = quant_tuning.choose(("w8a8", n, k, xq.dtype, out_dtype), m, xq.device,
+                                     default_w8a8_config(m), lambda: w8a8_candidates(m),
+                                     (wq, ws), timed_calls)
+    return _launch(xq, xs, wq, ws, out_dtype, config)
+
+
+def _launch(xq, xs, wq, ws, out_dtype, cfg):
+    m, k = xq.shape
+    n = wq.shape[0]
+    y = torch.empty(m, n, dtype=out_dtype, device=xq.device)
+    grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
+    _w8a8_gemm_kernel[grid](xq, xs, wq, ws, y, m, n, k, xq.stride(0), wq.stride(0), y.stride(0),
+                            GROUP_M=8, INT8=xq.dtype == torch.int8, **cfg)
+    return y
