@@ -3,8 +3,8 @@ producers (RMSNorm, SiLU * up) at prefill size, correctness first, then time.
 
 GEMMs at M tokens over Llama-3-8B's four linear shapes:
   bf16            F.linear (cuBLAS)
-  int8-triton     kernels/w8a8_gemm.py with each prefill tile configuration (old and wide
-                  sets), activations already quantized
+  int8-triton     kernels/w8a8_gemm.py with each prefill tile configuration (old, wide and
+                  TMA sets), activations already quantized
   int8-intmm-raw  torch._int_mm alone (cuBLAS int8, int32 out, no rescale: a lower bound
                   of what a cuBLAS int8 path could cost)
   fp8-scaled_mm   torch._scaled_mm, row-wise scales, bf16 out
@@ -22,7 +22,7 @@ from slipstream.kernels import reference
 from slipstream.kernels.quant_act import quantize_rows
 from slipstream.kernels.rms_norm import rms_norm
 from slipstream.kernels.silu_mul import silu_and_mul, silu_and_mul_quant
-from slipstream.kernels.w8a8_gemm import _LARGE_OLD, _LARGE_WIDE, _cfg, w8a8_gemm
+from slipstream.kernels.w8a8_gemm import _LARGE_OLD, _LARGE_TMA, _LARGE_WIDE, _cfg, w8a8_gemm
 from slipstream.quant.fp8 import fp8_linear_reference
 from slipstream.quant.primitives import quantize_fp8_rows, quantize_int8_rows
 
@@ -37,11 +37,13 @@ def rel_err(out, ref) -> float:
     return ((out - ref).norm() / ref.norm()).item()
 
 
-def configs(smoke: bool) -> list[dict]:
+def configs(smoke: bool, old: bool = True) -> list[dict]:
+    """Every prefill tile configuration of kernels/w8a8_gemm.py (old: with the earlier set)."""
     if smoke:
-        return [_cfg(16, 32, 32, 4, 2), _cfg(32, 32, 64, 4, 2)]
+        return [_cfg(16, 32, 32, 4, 2), _cfg(32, 32, 64, 4, 2), _cfg(16, 32, 64, 4, 2, "tma"),
+                _cfg(16, 32, 64, 4, 2, "tma-persistent")]
     seen, out = set(), []
-    for c in _LARGE_OLD + _LARGE_WIDE:
+    for c in (_LARGE_OLD if old else []) + _LARGE_WIDE + _LARGE_TMA:
         if c not in seen:
             seen.add(c)
             out.append(_cfg(*c))
@@ -49,7 +51,8 @@ def configs(smoke: bool) -> list[dict]:
 
 
 def _name(cfg) -> str:
-    return "{BLOCK_M}x{BLOCK_N}x{BLOCK_K}/w{num_warps}/s{num_stages}".format(**cfg)
+    return "{BLOCK_M}x{BLOCK_N}x{BLOCK_K}/w{num_warps}/s{num_stages}".format(**cfg) + (
+        f"/{cfg['KERNEL']}" if "KERNEL" in cfg else "")
 
 
 def gemm_rows(m: int, device: str, timer, smoke: bool) -> list[dict]:
@@ -96,7 +99,7 @@ def gemm_rows(m: int, device: str, timer, smoke: bool) -> list[dict]:
             ft, fsr = fq.t(), fs.view(1, -1)
             add("fp8-scaled_mm", lambda: torch._scaled_mm(xf, ft, scale_a=xfs, scale_b=fsr,
                                                           out_dtype=dtype), reff, 1e-2)
-            for cfg in configs(smoke):
+            for cfg in configs(smoke, old=False):
                 add("fp8-triton", lambda c=cfg: w8a8_gemm(xf, xfs, fq, fs, dtype, c), reff, 1e-2,
                     _name(cfg))
     return rows

@@ -59,8 +59,45 @@ def _w8a8_gemm_kernel(XQ, XS, WQ, WS, Y, M, N, K, stride_xm, stride_wn, stride_y
              y.to(Y.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-def _cfg(bm, bn, bk, warps, stages) -> dict:
-    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+@triton.jit
+def _w8a8_tma_kernel(a_desc, b_desc, XS, WS, Y, M, N, K, stride_ym,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     GROUP_M: tl.constexpr, INT8: tl.constexpr, PROGRAMS: tl.constexpr):
+    """The same product with the tiles fetched by the tensor-memory accelerator (Hopper:
+    TMA descriptors, out-of-range rows / columns read as zeros) and, when PROGRAMS is
+    smaller than the tile count, persistent programs that walk the tiles PROGRAMS apart
+    (one wave, no tail of half-empty SMs)."""
+    tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+    for tile in tl.range(tl.program_id(0), tiles, PROGRAMS):
+        pid_m, pid_n = _grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        if INT8:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            a = a_desc.load([off_m, k0])
+            b = b_desc.load([off_n, k0])
+            if INT8:
+                acc += tl.dot(a, b.T, out_dtype=tl.int32)
+            else:
+                acc = tl.dot(a, b.T, acc)
+        rm = off_m + tl.arange(0, BLOCK_M)
+        rn = off_n + tl.arange(0, BLOCK_N)
+        xs = tl.load(XS + rm, mask=rm < M, other=0.0)
+        ws = tl.load(WS + rn, mask=rn < N, other=0.0)
+        y = acc.to(tl.float32) * xs[:, None] * ws[None, :]
+        tl.store(Y + rm[:, None].to(tl.int64) * stride_ym + rn[None, :],
+                 y.to(Y.dtype.element_ty), mask=(rm < M)[:, None] & (rn < N)[None, :])
+
+
+def _cfg(bm, bn, bk, warps, stages, kernel: str | None = None) -> dict:
+    """kernel: None (pointer loads), "tma" (one program per tile) or "tma-persistent"."""
+    cfg = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+    if kernel is not None:
+        cfg["KERNEL"] = kernel
+    return cfg
 
 
 # Prefill-sized M. "wide": 128x256 / 256x128 tiles with 3-4 stages (shared memory per
@@ -72,19 +109,38 @@ _LARGE_WIDE = [(128, 256, 128, 8, 4), (256, 128, 128, 8, 4), (128, 256, 64, 8, 5
                (256, 128, 64, 8, 5), (128, 128, 128, 8, 5), (128, 128, 128, 4, 5),
                (128, 256, 128, 8, 3), (128, 128, 128, 8, 3), (256, 128, 128, 8, 3),
                (128, 128, 64, 4, 6)]
+_LARGE_TMA = [(128, 256, 128, 8, 3, "tma"), (128, 256, 128, 8, 4, "tma"),
+              (128, 128, 128, 8, 4, "tma"), (128, 256, 128, 8, 3, "tma-persistent"),
+              (128, 256, 128, 8, 4, "tma-persistent"), (128, 128, 128, 8, 4, "tma-persistent"),
+              (128, 256, 64, 8, 5, "tma-persistent")]
 
 
-def w8a8_candidates(m: int) -> list[dict]:
-    """The configurations tuning tries at `m` tokens. SLIPSTREAM_W8A8_TILES=old keeps the
-    earlier prefill set (for comparison runs)."""
+def w8a8_candidates(m: int, device: torch.device | None = None) -> list[dict]:
+    """The configurations tuning tries at `m` tokens. Prefill-sized M: the set named by
+    SLIPSTREAM_W8A8_TILES: "all" (default: wide + tma), "wide", "old" (the earlier set),
+    "tma" (the TMA kernels); for comparison runs. The TMA kernels only on Hopper and later
+    (and the CPU interpreter)."""
     if m <= 16:
         return [_cfg(16, bn, bk, 4, st) for bn, bk, st in (
             (32, 128, 4), (64, 128, 4), (128, 128, 3), (32, 256, 3), (64, 256, 3))]
     if m <= 64:
         return [_cfg(bm, bn, 128, 4, st) for bm, bn, st in (
             (32, 64, 4), (32, 128, 4), (64, 64, 4), (64, 128, 4), (64, 128, 3))]
-    large = _LARGE_OLD if os.environ.get("SLIPSTREAM_W8A8_TILES") == "old" else _LARGE_WIDE
+    tiles = os.environ.get("SLIPSTREAM_W8A8_TILES", "all")
+    large = {"old": _LARGE_OLD, "wide": _LARGE_WIDE, "tma": _LARGE_TMA,
+             "all": _LARGE_WIDE + _LARGE_TMA}.get(tiles)
+    if large is None:
+        raise ValueError(f"SLIPSTREAM_W8A8_TILES: expected old, wide, tma or all, got {tiles!r}")
+    if not tma_supported(device):
+        large = [c for c in large if len(c) == 5] or _LARGE_WIDE
     return [_cfg(*c) for c in large]
+
+
+def tma_supported(device: torch.device | None) -> bool:
+    if device is None or device.type != "cuda":
+        return True
+    from slipstream.kernels.runtime import capability
+    return capability(device.index or 0) >= (9, 0)
 
 
 def default_w8a8_config(m: int) -> dict:
@@ -113,9 +169,9 @@ def w8a8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale
 
         def timed_calls(cfg, copies):
             return [lambda w=w: _launch(xq, xs, *w, out_dtype, cfg) for w in copies]
-        config = quant_tuning.choose(("w8a8", n, k, xq.dtype, out_dtype), m, xq.device,
-                                     default_w8a8_config(m), lambda: w8a8_candidates(m),
-                                     (wq, ws), timed_calls)
+        config = quant_tuning.choose(
+            ("w8a8", n, k, xq.dtype, out_dtype), m, xq.device, default_w8a8_config(m),
+            lambda: w8a8_candidates(m, xq.device), (wq, ws), timed_calls)
     return _launch(xq, xs, wq, ws, out_dtype, config)
 
 
@@ -123,7 +179,29 @@ def _launch(xq, xs, wq, ws, out_dtype, cfg):
     m, k = xq.shape
     n = wq.shape[0]
     y = torch.empty(m, n, dtype=out_dtype, device=xq.device)
+    if "KERNEL" in cfg:
+        cfg = dict(cfg)
+        kernel = cfg.pop("KERNEL")
+        return _launch_tma(xq, xs, wq, ws, y, kernel == "tma-persistent", cfg)
     grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
     _w8a8_gemm_kernel[grid](xq, xs, wq, ws, y, m, n, k, xq.stride(0), wq.stride(0), y.stride(0),
                             GROUP_M=8, INT8=xq.dtype == torch.int8, **cfg)
+    return y
+
+
+def _launch_tma(xq, xs, wq, ws, y, persistent: bool, cfg):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    m, k = xq.shape
+    n = wq.shape[0]
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    a_desc = TensorDescriptor.from_tensor(xq, [bm, bk])
+    b_desc = TensorDescriptor.from_tensor(wq, [bn, bk])
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    programs = tiles
+    if persistent:     # (the CPU interpreter: two programs, so the tile loop is exercised)
+        from slipstream.kernels.runtime import num_sms
+        programs = min(tiles, num_sms(xq.device.index or 0) if xq.is_cuda else 2)
+    _w8a8_tma_kernel[(programs,)](a_desc, b_desc, xs, ws, y, m, n, k, y.stride(0),
+                                  GROUP_M=8, INT8=xq.dtype == torch.int8, PROGRAMS=programs,
+                                  **cfg)
     return y

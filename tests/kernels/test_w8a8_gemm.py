@@ -13,7 +13,7 @@ import torch
 from slipstream.kernels import reference
 from slipstream.kernels.rms_norm import rms_norm
 from slipstream.kernels.silu_mul import silu_and_mul_quant
-from slipstream.kernels.w8a8_gemm import w8a8_candidates, w8a8_gemm
+from slipstream.kernels.w8a8_gemm import _cfg, w8a8_candidates, w8a8_gemm
 from slipstream.quant.primitives import quantize_int8_rows
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -45,6 +45,32 @@ def test_every_w8a8_candidate_is_correct(m):
         y = w8a8_gemm(xq.to(DEVICE), xs.to(DEVICE), wq.to(DEVICE), ws.flatten().to(DEVICE),
                       torch.float32, cfg)
         torch.testing.assert_close(y.cpu(), ref, atol=1e-5, rtol=1e-5, msg=str(cfg))
+
+
+@pytest.mark.parametrize("kernel", ["tma", "tma-persistent"])
+@pytest.mark.parametrize("m,n", [(3, 40), (70, 100)])
+def test_w8a8_tma_kernels(kernel, m, n):
+    """TMA tiles (zero-filled past the edges) and persistent programs that take several
+    tiles each (two programs under the interpreter)."""
+    if DEVICE == "cuda" and torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("TMA: Hopper and later")
+    xq, xs = quantize_int8_rows(torch.randn(m, 256))
+    wq, ws = quantize_int8_rows(torch.randn(n, 256))
+    ref = reference.w8a8_linear(xq, xs, wq, ws.flatten(), torch.float32)
+    cfg = _cfg(16, 32, 64, 4, 2, kernel) if DEVICE == "cpu" else _cfg(64, 64, 64, 4, 3, kernel)
+    y = w8a8_gemm(xq.to(DEVICE), xs.to(DEVICE), wq.to(DEVICE), ws.flatten().to(DEVICE),
+                  torch.float32, cfg)
+    torch.testing.assert_close(y.cpu(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_candidate_sets(monkeypatch):
+    kinds = lambda cands: {c.get("KERNEL") for c in cands}  # noqa: E731
+    assert kinds(w8a8_candidates(2048)) == {None, "tma", "tma-persistent"}
+    monkeypatch.setenv("SLIPSTREAM_W8A8_TILES", "old")
+    assert kinds(w8a8_candidates(2048)) == {None}
+    monkeypatch.setenv("SLIPSTREAM_W8A8_TILES", "bogus")
+    with pytest.raises(ValueError, match="SLIPSTREAM_W8A8_TILES"):
+        w8a8_candidates(2048)
 
 
 def test_w8a8_gemm_rejects_mixed_operands():
