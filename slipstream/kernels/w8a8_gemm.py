@@ -60,9 +60,9 @@ def _w8a8_gemm_kernel(XQ, XS, WQ, WS, Y, M, N, K, stride_xm, stride_wn, stride_y
 
 
 @triton.jit
-def _w8a8_tma_kernel(a_desc, b_desc, XS, WS, Y, M, N, K, stride_ym,
+def _w8a8_tma_kernel(a_desc, b_desc, XS, WS, Y, M, N, K, stride_ym, PROGRAMS,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     GROUP_M: tl.constexpr, INT8: tl.constexpr, PROGRAMS: tl.constexpr):
+                     GROUP_M: tl.constexpr, INT8: tl.constexpr):
     """The same product with the tiles fetched by the tensor-memory accelerator (Hopper:
     TMA descriptors, out-of-range rows / columns read as zeros) and, when PROGRAMS is
     smaller than the tile count, persistent programs that walk the tiles PROGRAMS apart
@@ -201,7 +201,7 @@ def _launch_tma(xq, xs, wq, ws, y, persistent: bool, cfg):
     if persistent:     # (the CPU interpreter: two programs, so the tile loop is exercised)
         from slipstream.kernels.runtime import num_sms
         programs = min(tiles, num_sms(xq.device.index or 0) if xq.is_cuda else 2)
-    _w8a8_tma_kernel[(programs,)](a_desc, b_desc, xs, ws, y, m, n, k, y.stride(0),
-                                  GROUP_M=8, INT8=xq.dtype == torch.int8, PROGRAMS=programs,
+    _w8a8_tma_kernel[(programs,)](a_desc, b_desc, xs, ws, y, m, n, k, y.stride(0), programs,
+                                  GROUP_M=8, INT8=xq.dtype == torch.int8,
                                   **cfg)
     return y
