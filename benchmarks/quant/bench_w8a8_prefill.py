@@ -136,8 +136,14 @@ def _profile(fn, top: int = 14) -> dict:
             kern[e.key] = (kern.get(e.key, (0, 0))[0] + t, e.count)
     total = sum(t for t, _ in kern.values())
     rows = sorted(kern.items(), key=lambda kv: -kv[1][0])[:top]
-    return {"wall_ms": wall * 1e3, "gpu_kernel_ms": total / 1e3,
-            "top": [{"kernel": k[:90], "ms": t / 1e3, "calls": c} for k, (t, c) in rows]}
+    res = {"wall_ms": wall * 1e3, "gpu_kernel_ms": total / 1e3,
+           "top": [{"kernel": k[:90], "ms": t / 1e3, "calls": c} for k, (t, c) in rows]}
+    if not rows:      # the profiler's own table, should the kernel rows not be found
+        try:
+            res["table"] = prof.key_averages().table(sort_by="device_time_total", row_limit=top)
+        except Exception as e:
+            res["table"] = repr(e)
+    return res
 
 
 def main(argv=None) -> int:

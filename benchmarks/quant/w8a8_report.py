@@ -78,6 +78,8 @@ def _e2e_tables(rows: list[dict]) -> list[str]:
                   "| kernel | ms | calls |", "| --- | ---: | ---: |"]
         lines += [f"| `{t['kernel']}` | {t['ms']:.3f} | {t['calls']} |"
                   for t in r["profile"]["top"]]
+        if "table" in r["profile"]:
+            lines += ["", "```", r["profile"]["table"], "```"]
     return lines
 
 
