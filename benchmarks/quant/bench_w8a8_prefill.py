@@ -75,7 +75,8 @@ def kernels(smoke: bool) -> dict:
     t0 = time.perf_counter()
     g = K.gemm_rows(m, device, timer, smoke)
     p = K.producer_rows(m, device, timer, smoke)
-    return {"m": m, "gemm": g, "producers": p, "seconds": time.perf_counter() - t0,
+    h = K.host_rows(m, device)
+    return {"m": m, "gemm": g, "producers": p, "host": h, "seconds": time.perf_counter() - t0,
             "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
             "torch": torch.__version__}
 

@@ -141,3 +141,52 @@ def producer_rows(m: int, device: str, timer, smoke: bool) -> list[dict]:
                 row.update(plain_ms=timer(plain), unfused_ms=timer(unfused), fused_ms=timer(fused))
             rows.append(row)
     return rows
+
+
+def host_rows(m: int, device: str, calls: int = 50) -> list[dict]:
+    """Host time per call of each launch path (enqueue only: `calls` calls issued with no
+    synchronization, few enough that the launch queue never fills): what a prefill pays
+    on the CPU per kernel, whether or not the GPU waits for it."""
+    import time
+    if device != "cuda":
+        return []
+    from slipstream.kernels.quant_act import quantize_rows as qr
+    dtype = torch.bfloat16
+    n, k = SHAPES["qkv"]
+    x = torch.randn(m, k, device=device, dtype=dtype)
+    w = torch.randn(n, k, device=device, dtype=dtype) * 0.02
+    wq, ws = quantize_int8_rows(w)
+    ws = ws.flatten()
+    fq, fs = quantize_fp8_rows(w)
+    fs = fs.flatten()
+    xq, xs = qr(x, "int8")
+    xf, xfs = qr(x, "fp8")
+    ft, fsr = fq.t(), fs.view(1, -1)
+    wn = torch.ones(k, device=device, dtype=dtype)
+    gu = torch.randn(m, 2 * k, device=device, dtype=dtype)
+    paths = {
+        "F.linear bf16": lambda: F.linear(x, w),
+        "quantize_rows": lambda: qr(x, "int8"),
+        "w8a8_gemm int8 (tuned)": lambda: w8a8_gemm(xq, xs, wq, ws, dtype),
+        "w8a8_gemm fp8 (tuned)": lambda: w8a8_gemm(xf, xfs, fq, fs, dtype),
+        "_scaled_mm fp8": lambda: torch._scaled_mm(xf, ft, scale_a=xfs, scale_b=fsr,
+                                                   out_dtype=dtype),
+        "rms_norm + residual": lambda: rms_norm(x, wn, 1e-5, x),
+        "rms_norm + residual, int8 out": lambda: rms_norm(x, wn, 1e-5, x, "int8"),
+        "silu_and_mul": lambda: silu_and_mul(gu),
+        "silu_and_mul_quant int8": lambda: silu_and_mul_quant(gu, "int8"),
+        "torch.empty": lambda: torch.empty(m, n, device=device, dtype=dtype),
+    }
+    rows = []
+    for name, fn in paths.items():
+        fn()
+        best = float("inf")
+        for _ in range(3):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            best = min(best, (time.perf_counter() - t0) / calls)
+        rows.append({"path": name, "host_us": best * 1e6})
+    torch.cuda.synchronize()
+    return rows

@@ -56,6 +56,14 @@ def _producer_table(k: dict) -> list[str]:
     return lines
 
 
+def _host_table(k: dict) -> list[str]:
+    if not k.get("host"):
+        return []
+    return ["", f"## Host time per launch at M={k['m']} (enqueue only, best of 3 x 50 calls)",
+            "", "| path | host us |", "| --- | ---: |"] + [
+        f"| {r['path']} | {r['host_us']:.1f} |" for r in k["host"]]
+
+
 def _e2e_tables(rows: list[dict]) -> list[str]:
     lines = ["", "## End to end: one 2048-token prompt to its first token (enforce_eager, "
              "dummy Llama-3-8B; smoke: tiny)", "",
@@ -89,6 +97,7 @@ def markdown(result: dict) -> str:
         lines += ["## Kernel part FAILED", "", "```", result["kernels_failed"], "```", ""]
     if "kernels" in result:
         lines += _gemm_tables(result["kernels"]) + _producer_table(result["kernels"])
+        lines += _host_table(result["kernels"])
     if "e2e" in result:
         lines += _e2e_tables(result["e2e"])
     return "\n".join(lines) + "\n"
