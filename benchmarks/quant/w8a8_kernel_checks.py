@@ -70,7 +70,8 @@ def gemm_rows(m: int, device: str, timer, smoke: bool) -> list[dict]:
             try:
                 err = rel_err(fn().float(), ref)
             except Exception as e:          # e.g. too much shared memory for a tile
-                rows.append({"shape": shape, "kernel": kernel, "config": cfg, "error": repr(e)[:160]})
+                rows.append({"shape": shape, "kernel": kernel, "config": cfg,
+                             "error": repr(e)[:160]})
                 return
             row = {"shape": shape, "kernel": kernel, "config": cfg, "rel_err": err,
                    "ok": err < tol}
