@@ -9,7 +9,7 @@ order (GROUP_M row blocks share a weight column block while it is in L2). The la
 configuration is chosen by timing (kernels/quant_tuning.choose) once per (weight shape,
 token bucket); prefill-sized M tries large tiles and deep pipelines.
 
-Plain-PyTorch twin: reference.w8a8_linear (int8) and quant/fp8.fp8_linear_reference (fp8).
+Plain-PyTorch twin: reference.w8a8_linear (int8 and fp8).
 """
 from __future__ import annotations
 

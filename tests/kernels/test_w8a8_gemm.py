@@ -1,7 +1,7 @@
 """The W8A8 path's kernels against their PyTorch twins: the GEMM (kernels/w8a8_gemm.py vs
-reference.w8a8_linear; fp8 vs quant/fp8.fp8_linear_reference), and the quantizing
-variants of the fused RMSNorm and SiLU * up (the codes equal the twin's norm / product
-quantized by quant/primitives). fp16/fp32 under the interpreter.
+reference.w8a8_linear, int8 and fp8), and the quantizing variants of the fused RMSNorm
+and SiLU * up (reference.rms_norm_quant, reference.silu_and_mul_quant: the plain op, then
+per-token quantization). fp16/fp32 under the interpreter; fp8 and bf16 on a GPU.
 
 W8A8 int8 accumulates exactly in int32 in kernel and twin: only the final scaling rounds
 (rtol 1e-3 fp16, 1e-5 fp32). Fused producers: the codes of a row may differ by one step
@@ -83,12 +83,11 @@ def test_w8a8_gemm_rejects_mixed_operands():
 @pytest.mark.skipif(DEVICE != "cuda" or torch.cuda.get_device_capability() < (8, 9),
                     reason="float8 tensor-core dot: sm_89+ (the interpreter rounds fp8 wrongly)")
 def test_w8a8_gemm_fp8_matches_reference():
-    from slipstream.quant.fp8 import fp8_linear_reference
     from slipstream.quant.primitives import quantize_fp8_rows
     xq, xs = quantize_fp8_rows(torch.randn(300, 512, device=DEVICE))
     wq, ws = quantize_fp8_rows(torch.randn(200, 512, device=DEVICE))
     y = w8a8_gemm(xq, xs, wq, ws.flatten(), torch.bfloat16)
-    ref = fp8_linear_reference(xq, xs, wq, ws.flatten(), torch.float32)
+    ref = reference.w8a8_linear(xq, xs, wq, ws.flatten(), torch.float32)
     torch.testing.assert_close(y.float(), ref, atol=2e-2, rtol=1e-2)
 
 
@@ -105,12 +104,11 @@ def test_rms_norm_int8_codes(dtype, with_residual):
     w = (torch.rand(200, device=DEVICE) + 0.5).to(dtype)
     res = torch.randn(9, 200, device=DEVICE).to(dtype) if with_residual else None
     got = rms_norm(x, w, 1e-5, res, quant="int8")
-    want = reference.rms_norm(x, w, 1e-5, res)
+    want = reference.rms_norm_quant(x, w, 1e-5, res, "int8")
     if with_residual:
         torch.testing.assert_close(got[1], want[1], atol=0, rtol=0)
         got, want = got[0], want[0]
-    q, s = got
-    qr, sr = quantize_int8_rows(want.cpu())
+    (q, s), (qr, sr) = got, (t.cpu() for t in want)
     assert q.dtype == torch.int8 and s.shape == (9, 1)
     torch.testing.assert_close(s.cpu(), sr, atol=0, rtol=2e-3)
     _codes_agree(q.cpu(), qr, share=0.01)
@@ -122,7 +120,7 @@ def test_silu_and_mul_int8_codes(dtype, num_tokens, d):
     """d > the 2048-wide block: the row's maximum spans two passes of the loop."""
     x = (torch.randn(num_tokens, 2 * d, device=DEVICE) * 2).to(dtype)
     q, s = silu_and_mul_quant(x, "int8")
-    qr, sr = quantize_int8_rows(reference.silu_and_mul(x).cpu())
+    qr, sr = (t.cpu() for t in reference.silu_and_mul_quant(x, "int8"))
     assert q.shape == (num_tokens, d) and s.shape == (num_tokens, 1)
     torch.testing.assert_close(s.cpu(), sr, atol=0, rtol=2e-3)
     _codes_agree(q.cpu(), qr, share=0.01)
@@ -132,14 +130,13 @@ def test_silu_and_mul_int8_codes(dtype, num_tokens, d):
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="Triton's interpreter rounds float8 wrongly")
 def test_fused_producers_fp8_codes():
-    from slipstream.quant.primitives import quantize_fp8_rows
     x = torch.randn(64, 4096, device=DEVICE, dtype=torch.bfloat16) * 3
     w = (torch.rand(4096, device=DEVICE) + 0.5).to(torch.bfloat16)
     q, s = rms_norm(x, w, 1e-5, quant="fp8")
-    qr, sr = quantize_fp8_rows(reference.rms_norm(x, w, 1e-5))
+    qr, sr = reference.rms_norm_quant(x, w, 1e-5, None, "fp8")
     torch.testing.assert_close(s, sr, atol=0, rtol=2e-3)
     torch.testing.assert_close(q.float(), qr.float(), atol=0, rtol=0.07)   # one e4m3 step
     q, s = silu_and_mul_quant(x, "fp8")
-    qr, sr = quantize_fp8_rows(reference.silu_and_mul(x))
+    qr, sr = reference.silu_and_mul_quant(x, "fp8")
     torch.testing.assert_close(s, sr, atol=0, rtol=2e-3)
     torch.testing.assert_close(q.float(), qr.float(), atol=0, rtol=0.07)
