@@ -16,9 +16,10 @@ the time go? One run answers both (H200, about 3-4 minutes):
                   SLIPSTREAM_W8A8_TILES=old)
        w8a8-wide  int8, quantization fused into the norm / SiLU kernels, wide tiles
        w8a8       the same, tuning also tries the TMA / persistent kernels (the default)
-       fp8-old    fp8 (_scaled_mm), producers unfused
-       fp8        fp8 (_scaled_mm), fused producers
-       fp8-triton fp8 through the Triton W8A8 kernel, fused producers (SLIPSTREAM_FP8_GEMM)
+       fp8-old    fp8 (_scaled_mm), producers unfused (SLIPSTREAM_FP8_GEMM=scaled_mm)
+       fp8-scaled_mm  fp8 (_scaled_mm), fused producers
+       fp8        fp8, fused producers, tuning picks _scaled_mm or the Triton kernel per
+                  shape (the default)
 
     python benchmarks/quant/bench_w8a8_prefill.py [--out DIR] [--parts kernels,e2e]
         [--variants bf16,w8a8,...]                                   # H200
@@ -43,9 +44,9 @@ VARIANTS = {
     "w8a8-old": ("w8a8", {"SLIPSTREAM_W8A8_FUSE": "0", "SLIPSTREAM_W8A8_TILES": "old"}),
     "w8a8-wide": ("w8a8", {"SLIPSTREAM_W8A8_TILES": "wide"}),
     "w8a8": ("w8a8", {}),
-    "fp8-old": ("fp8", {"SLIPSTREAM_W8A8_FUSE": "0"}),
+    "fp8-old": ("fp8", {"SLIPSTREAM_W8A8_FUSE": "0", "SLIPSTREAM_FP8_GEMM": "scaled_mm"}),
+    "fp8-scaled_mm": ("fp8", {"SLIPSTREAM_FP8_GEMM": "scaled_mm"}),
     "fp8": ("fp8", {}),
-    "fp8-triton": ("fp8", {"SLIPSTREAM_FP8_GEMM": "triton"}),
 }
 TINY_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 512,
                "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,

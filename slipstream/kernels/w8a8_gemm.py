@@ -150,11 +150,30 @@ def default_w8a8_config(m: int) -> dict:
     return cfg
 
 
+SCALED_MM = {"KERNEL": "scaled_mm"}
+FP8_MODES = ("auto", "scaled_mm", "triton")
+
+
+def fp8_mode() -> str:
+    """SLIPSTREAM_FP8_GEMM: "auto" (default: tuning picks between torch._scaled_mm and the
+    Triton kernel per shape and token bucket), "scaled_mm" or "triton" (comparison runs)."""
+    mode = os.environ.get("SLIPSTREAM_FP8_GEMM", "auto")
+    if mode not in FP8_MODES:
+        raise ValueError(f"SLIPSTREAM_FP8_GEMM: expected one of {FP8_MODES}, got {mode!r}")
+    return mode
+
+
+def _scaled_mm_ok(xq: torch.Tensor, out_dtype: torch.dtype) -> bool:
+    """torch._scaled_mm with row-wise scales: float8 on CUDA, bf16 output."""
+    return xq.is_cuda and xq.dtype == torch.float8_e4m3fn and out_dtype == torch.bfloat16
+
+
 def w8a8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
               out_dtype: torch.dtype, config: dict | None = None) -> torch.Tensor:
     """xq: int8 or float8_e4m3fn [m, k]; x_scale: fp32 [m, 1] (or [m]); wq: [n, k], the same
     dtype as xq; w_scale: fp32 [n] -> [m, n] out_dtype. `config` fixes the launch;
-    otherwise tuned on CUDA."""
+    otherwise tuned on CUDA. float8 with bf16 output may also run as torch._scaled_mm
+    (row-wise scales, cuBLASLt / CUTLASS), one more candidate of the tuning (fp8_mode)."""
     m, k = xq.shape
     n = wq.shape[0]
     if xq.dtype not in W8A8_DTYPES or wq.dtype != xq.dtype:
@@ -166,18 +185,26 @@ def w8a8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale
     xs, ws = x_scale.reshape(-1), w_scale.reshape(-1)
     assert xs.numel() == m and ws.numel() == n
     if config is None:
+        default, cands = default_w8a8_config(m), lambda: w8a8_candidates(m, xq.device)
+        mode = fp8_mode() if _scaled_mm_ok(xq, out_dtype) else "triton"
+        if mode == "scaled_mm":
+            return _launch(xq, xs, wq, ws, out_dtype, SCALED_MM)
+        if mode == "auto":
+            default, cands = SCALED_MM, lambda: [SCALED_MM] + w8a8_candidates(m, xq.device)
 
         def timed_calls(cfg, copies):
             return [lambda w=w: _launch(xq, xs, *w, out_dtype, cfg) for w in copies]
-        config = quant_tuning.choose(
-            ("w8a8", n, k, xq.dtype, out_dtype), m, xq.device, default_w8a8_config(m),
-            lambda: w8a8_candidates(m, xq.device), (wq, ws), timed_calls)
+        config = quant_tuning.choose(("w8a8", n, k, xq.dtype, out_dtype, mode), m, xq.device,
+                                     default, cands, (wq, ws), timed_calls)
     return _launch(xq, xs, wq, ws, out_dtype, config)
 
 
 def _launch(xq, xs, wq, ws, out_dtype, cfg):
     m, k = xq.shape
     n = wq.shape[0]
+    if cfg.get("KERNEL") == "scaled_mm":
+        return torch._scaled_mm(xq, wq.t(), scale_a=xs.view(-1, 1), scale_b=ws.view(1, -1),
+                                out_dtype=out_dtype)
     y = torch.empty(m, n, dtype=out_dtype, device=xq.device)
     if "KERNEL" in cfg:
         cfg = dict(cfg)

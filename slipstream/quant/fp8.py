@@ -6,16 +6,14 @@ activations quantized per token at run time (dynamic), the product in fp8.
 
 Scheme "fp8" quantizes a float checkpoint as it loads (the format H100/H200 users serve
 with). On CUDA with bf16 activations the product is `torch._scaled_mm` with row-wise scales
-(fp8 tensor cores, fp32 accumulation); the activations arrive quantized from the kernel
-that produced them (the fused norm or SiLU, see quant/activation.py) or are quantized here
-(one Triton kernel). `SLIPSTREAM_FP8_GEMM=triton` runs the Triton W8A8 kernel
-(kernels/w8a8_gemm.py) instead of `_scaled_mm` (comparison runs). Elsewhere the
-plain-PyTorch reference dequantizes and multiplies in fp32, which gives the same rounding
-of the inputs.
+(fp8 tensor cores, fp32 accumulation) or the Triton W8A8 kernel, whichever tuning finds
+faster for the shape and token count (kernels/w8a8_gemm.py; `SLIPSTREAM_FP8_GEMM` forces
+one); the activations arrive quantized from the kernel that produced them (the fused norm
+or SiLU, see quant/activation.py) or are quantized here (one Triton kernel). Elsewhere
+the plain-PyTorch reference dequantizes and multiplies in fp32, which gives the same
+rounding of the inputs.
 """
 from __future__ import annotations
-
-import os
 
 import torch
 import torch.nn.functional as F
@@ -24,10 +22,6 @@ from torch import nn
 from slipstream.quant.activation import QuantizedRows, quantize_activation
 from slipstream.quant.base import register_scheme
 from slipstream.quant.primitives import quantize_fp8_rows
-
-
-def _triton_gemm() -> bool:
-    return os.environ.get("SLIPSTREAM_FP8_GEMM", "scaled_mm") == "triton"
 
 
 def _param(t: torch.Tensor, output_dim: int | None = 0) -> nn.Parameter:
@@ -63,20 +57,14 @@ class Fp8Method:
             wq, ws = quantize_fp8_rows(layer.weight.data)
             layer.register_parameter("weight", _param(wq))
             layer.register_parameter("weight_scale", _param(ws.flatten()))
-        # _scaled_mm wants the weight as the column-major right operand: keep W^T's view.
-        layer.weight_t = layer.weight.data.t()
 
     def apply(self, layer: nn.Module, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
         # x: [num_tokens, in] (or its fp8 rows) -> [num_tokens, out]
         xr = x if isinstance(x, QuantizedRows) else quantize_activation(x, "fp8")
         xq, xs = xr.q, xr.scale
-        if xq.is_cuda and xr.dtype == torch.bfloat16:   # row-wise scaled_mm outputs bf16
-            if _triton_gemm():
-                from slipstream.kernels.w8a8_gemm import w8a8_gemm
-                y = w8a8_gemm(xq, xs, layer.weight, layer.weight_scale, xr.dtype)
-            else:
-                y = torch._scaled_mm(xq, layer.weight_t, scale_a=xs,
-                                     scale_b=layer.weight_scale.view(1, -1), out_dtype=xr.dtype)
+        if xq.is_cuda and xr.dtype == torch.bfloat16:   # fp8 tensor cores (sm_89+)
+            from slipstream.kernels.w8a8_gemm import w8a8_gemm
+            y = w8a8_gemm(xq, xs, layer.weight, layer.weight_scale, xr.dtype)
         else:
             y = fp8_linear_reference(xq, xs, layer.weight, layer.weight_scale, xr.dtype)
         return y if layer.bias is None else y + layer.bias

@@ -73,6 +73,30 @@ def test_candidate_sets(monkeypatch):
         w8a8_candidates(2048)
 
 
+def test_fp8_mode_names_the_option(monkeypatch):
+    from slipstream.kernels.w8a8_gemm import fp8_mode
+    assert fp8_mode() == "auto"
+    monkeypatch.setenv("SLIPSTREAM_FP8_GEMM", "cublas")
+    with pytest.raises(ValueError, match="SLIPSTREAM_FP8_GEMM"):
+        fp8_mode()
+
+
+@pytest.mark.skipif(DEVICE != "cuda" or torch.cuda.get_device_capability() < (8, 9),
+                    reason="float8 tensor cores: sm_89+")
+@pytest.mark.parametrize("mode", ["auto", "scaled_mm", "triton"])
+def test_fp8_gemm_modes(monkeypatch, mode):
+    """Each fp8 path (tuned choice, torch._scaled_mm, Triton) gives the twin's product."""
+    from slipstream.kernels import quant_tuning
+    from slipstream.quant.primitives import quantize_fp8_rows
+    monkeypatch.setenv("SLIPSTREAM_FP8_GEMM", mode)
+    monkeypatch.setattr(quant_tuning, "_BEST", {})
+    xq, xs = quantize_fp8_rows(torch.randn(130, 512, device=DEVICE))
+    wq, ws = quantize_fp8_rows(torch.randn(256, 512, device=DEVICE))
+    y = w8a8_gemm(xq, xs, wq, ws.flatten(), torch.bfloat16)
+    ref = reference.w8a8_linear(xq, xs, wq, ws.flatten(), torch.float32)
+    torch.testing.assert_close(y.float(), ref, atol=2e-2, rtol=1e-2)
+
+
 def test_w8a8_gemm_rejects_mixed_operands():
     xq = torch.zeros(2, 32, dtype=torch.int8)
     with pytest.raises(ValueError, match="int8"):
