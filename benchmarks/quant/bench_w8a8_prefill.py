@@ -116,6 +116,8 @@ def one_variant(name: str, smoke: bool, iters: int, model: str) -> dict:
     res["prefill_tokens_per_s"] = n / (res["prefill_ms"] / 1e3)
     if device == "cuda":
         res["profile"] = _profile(lambda: _run(engine, rand(), first))
+    from slipstream.kernels import quant_tuning
+    res["tuned"] = {str(k): v for k, v in quant_tuning.tuned_configs().items() if k[0] == "w8a8"}
     res["fused_producers"] = sum(getattr(mod, "quant", None) is not None
                                  for mod in engine.runner.model.modules())
     return res

@@ -86,6 +86,10 @@ def _e2e_tables(rows: list[dict]) -> list[str]:
                   "| kernel | ms | calls |", "| --- | ---: | ---: |"]
         lines += [f"| `{t['kernel']}` | {t['ms']:.3f} | {t['calls']} |"
                   for t in r["profile"]["top"]]
+        if r.get("tuned"):
+            lines += ["", "Configurations chosen by tuning (key: kernel, N, K, dtypes, "
+                      "[mode,] token bucket):", ""]
+            lines += [f"- {k}: {v}" for k, v in r["tuned"].items()]
         if "table" in r["profile"]:
             lines += ["", "```", r["profile"]["table"], "```"]
     return lines
