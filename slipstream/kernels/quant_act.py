@@ -55,12 +55,17 @@ def _quantize_rows_kernel(X, Q, S, K, stride_xm, stride_qm, QMAX: tl.constexpr,
                                                           Q.dtype.element_ty), mask=rk < K)
 
 
+_PARAMS = {"int8": dict(QMAX=127.0, EPS=1e-10, FP8=False),
+           "fp8": dict(QMAX=FP8_E4M3_MAX, EPS=1e-12, FP8=True)}
+
+
 def quant_params(kind: str) -> dict:
-    """The constexprs of `kind` ("int8" or "fp8") for kernels that quantize rows."""
-    if kind not in ("int8", "fp8"):
+    """The constexprs of `kind` ("int8" or "fp8") for kernels that quantize rows (shared:
+    do not modify)."""
+    params = _PARAMS.get(kind)
+    if params is None:
         raise ValueError(f"kind: expected 'int8' or 'fp8', got {kind!r}")
-    fp8 = kind == "fp8"
-    return dict(QMAX=FP8_E4M3_MAX if fp8 else 127.0, EPS=1e-12 if fp8 else 1e-10, FP8=fp8)
+    return params
 
 
 def empty_rows(m: int, k: int, kind: str, device) -> tuple[torch.Tensor, torch.Tensor]:
