@@ -46,8 +46,10 @@ def _w8a8_gemm_kernel(XQ, XS, WQ, WS, Y, M, N, K, stride_xm, stride_wn, stride_y
     for k0 in range(0, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         k_ok = rk < K
-        a = tl.load(XQ + rm_c[:, None] * stride_xm + rk[None, :], mask=k_ok[None, :], other=0)
-        b = tl.load(WQ + rn_c[:, None] * stride_wn + rk[None, :], mask=k_ok[None, :], other=0)
+        # other=0.0: a float zero casts to int8 and to float8 alike (an integer zero does
+        # not cast to float8).
+        a = tl.load(XQ + rm_c[:, None] * stride_xm + rk[None, :], mask=k_ok[None, :], other=0.0)
+        b = tl.load(WQ + rn_c[:, None] * stride_wn + rk[None, :], mask=k_ok[None, :], other=0.0)
         if INT8:
             acc += tl.dot(a, tl.trans(b), out_dtype=tl.int32)
         else:
