@@ -12,10 +12,9 @@ the time go? One run answers both (H200, about 3-4 minutes):
    wall time (the gap is host time the GPU waits for).
    Variants (environment of the child process):
        bf16
-       w8a8-old   int8, producers unfused, the earlier tile set (SLIPSTREAM_W8A8_FUSE=0,
-                  SLIPSTREAM_W8A8_TILES=old)
+       w8a8-old   int8, producers unfused (SLIPSTREAM_W8A8_FUSE=0)
        w8a8-wide  int8, quantization fused into the norm / SiLU kernels, wide tiles
-       w8a8       the same, tuning also tries the TMA / persistent kernels (the default)
+       w8a8       the same with the base tile set (the default)
        fp8-old    fp8 (_scaled_mm), producers unfused (SLIPSTREAM_FP8_GEMM=scaled_mm)
        fp8-scaled_mm  fp8 (_scaled_mm), fused producers
        fp8        fp8, fused producers, tuning picks _scaled_mm or the Triton kernel per
@@ -41,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 VARIANTS = {
     "bf16": (None, {}),
-    "w8a8-old": ("w8a8", {"SLIPSTREAM_W8A8_FUSE": "0", "SLIPSTREAM_W8A8_TILES": "old"}),
+    "w8a8-old": ("w8a8", {"SLIPSTREAM_W8A8_FUSE": "0"}),
     "w8a8-wide": ("w8a8", {"SLIPSTREAM_W8A8_TILES": "wide"}),
     "w8a8": ("w8a8", {}),
     "fp8-old": ("fp8", {"SLIPSTREAM_W8A8_FUSE": "0", "SLIPSTREAM_FP8_GEMM": "scaled_mm"}),

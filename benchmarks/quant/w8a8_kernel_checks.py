@@ -3,9 +3,8 @@ producers (RMSNorm, SiLU * up) at prefill size, correctness first, then time.
 
 GEMMs at M tokens over Llama-3-8B's four linear shapes:
   bf16            F.linear (cuBLAS)
-  int8-triton     kernels/w8a8_gemm.py with each prefill tile configuration (wide and TMA
-                  sets; the earlier set's figures: results/quant_gemm_h200_*.md), activations
-                  already quantized
+  int8-triton     kernels/w8a8_gemm.py with each prefill tile configuration (base, wide
+                  and TMA sets), activations already quantized
   int8-intmm-raw  torch._int_mm alone (cuBLAS int8, int32 out, no rescale: a lower bound
                   of what a cuBLAS int8 path could cost)
   fp8-scaled_mm   torch._scaled_mm, row-wise scales, bf16 out
@@ -23,7 +22,7 @@ from slipstream.kernels import reference
 from slipstream.kernels.quant_act import quantize_rows
 from slipstream.kernels.rms_norm import rms_norm
 from slipstream.kernels.silu_mul import silu_and_mul, silu_and_mul_quant
-from slipstream.kernels.w8a8_gemm import _LARGE_OLD, _LARGE_TMA, _LARGE_WIDE, _cfg, w8a8_gemm
+from slipstream.kernels.w8a8_gemm import _LARGE_SETS, _cfg, w8a8_gemm
 from slipstream.quant.fp8 import fp8_linear_reference
 from slipstream.quant.primitives import quantize_fp8_rows, quantize_int8_rows
 
@@ -38,13 +37,13 @@ def rel_err(out, ref) -> float:
     return ((out - ref).norm() / ref.norm()).item()
 
 
-def configs(smoke: bool, old: bool = False) -> list[dict]:
-    """Every prefill tile configuration of kernels/w8a8_gemm.py (old: with the earlier set)."""
+def configs(smoke: bool) -> list[dict]:
+    """Every prefill tile configuration of kernels/w8a8_gemm.py (base, wide, TMA)."""
     if smoke:
         return [_cfg(16, 32, 32, 4, 2), _cfg(32, 32, 64, 4, 2), _cfg(16, 32, 64, 4, 2, "tma"),
                 _cfg(16, 32, 64, 4, 2, "tma-persistent")]
     seen, out = set(), []
-    for c in (_LARGE_OLD if old else []) + _LARGE_WIDE + _LARGE_TMA:
+    for c in _LARGE_SETS["all"]:
         if c not in seen:
             seen.add(c)
             out.append(_cfg(*c))

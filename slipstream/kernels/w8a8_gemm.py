@@ -102,11 +102,15 @@ def _cfg(bm, bn, bk, warps, stages, kernel: str | None = None) -> dict:
     return cfg
 
 
-# Prefill-sized M. "wide": 128x256 / 256x128 tiles with 3-4 stages (shared memory per
-# stage: (BM + BN) * BK bytes; 4 stages of 128x256x128 take 192 KiB of Hopper's 227).
-_LARGE_OLD = [(128, 128, 128, 8, 3), (128, 256, 128, 8, 3), (128, 128, 64, 4, 4),
-              (64, 128, 128, 4, 4), (256, 128, 128, 8, 3), (128, 128, 128, 4, 4),
-              (128, 256, 64, 8, 4)]
+# Prefill-sized M (measured on an H200 at M=2048 over Llama-3-8B's four linear shapes,
+# benchmarks/quant/results/w8a8_prefill_h200_2026-11-30_c9fc53b.md): int8 is fastest with
+# 128x128x128 tiles, 8 warps, 3 stages on every shape (1,300-1,460 TFLOP/s), in the "base"
+# set; float8 with the TMA kernels (128x256x128), which beat torch._scaled_mm on three
+# shapes of four. "wide" (128x256 / 256x128 tiles, 4-5 stages; shared memory per stage:
+# (BM + BN) * BK bytes) lost on every shape.
+_LARGE_BASE = [(128, 128, 128, 8, 3), (128, 256, 128, 8, 3), (128, 128, 64, 4, 4),
+               (64, 128, 128, 4, 4), (256, 128, 128, 8, 3), (128, 128, 128, 4, 4),
+               (128, 256, 64, 8, 4)]
 _LARGE_WIDE = [(128, 256, 128, 8, 4), (256, 128, 128, 8, 4), (128, 256, 64, 8, 5),
                (256, 128, 64, 8, 5), (128, 128, 128, 8, 5), (128, 128, 128, 4, 5),
                (128, 256, 128, 8, 3), (128, 128, 128, 8, 3), (256, 128, 128, 8, 3),
@@ -115,26 +119,29 @@ _LARGE_TMA = [(128, 256, 128, 8, 3, "tma"), (128, 256, 128, 8, 4, "tma"),
               (128, 128, 128, 8, 4, "tma"), (128, 256, 128, 8, 3, "tma-persistent"),
               (128, 256, 128, 8, 4, "tma-persistent"), (128, 128, 128, 8, 4, "tma-persistent"),
               (128, 256, 64, 8, 5, "tma-persistent")]
+_LARGE_SETS = {"base": _LARGE_BASE, "wide": _LARGE_WIDE, "tma": _LARGE_TMA,
+               "all": _LARGE_BASE + _LARGE_WIDE + _LARGE_TMA}
 
 
-def w8a8_candidates(m: int, device: torch.device | None = None) -> list[dict]:
-    """The configurations tuning tries at `m` tokens. Prefill-sized M: the set named by
-    SLIPSTREAM_W8A8_TILES: "all" (default: wide + tma), "wide", "old" (the earlier set),
-    "tma" (the TMA kernels); for comparison runs. The TMA kernels only on Hopper and later
-    (and the CPU interpreter)."""
+def w8a8_candidates(m: int, device: torch.device | None = None,
+                    dtype: torch.dtype = torch.int8) -> list[dict]:
+    """The configurations tuning tries at `m` tokens. Prefill-sized M: "base" for int8,
+    "tma" for float8 (the measured best), or the set SLIPSTREAM_W8A8_TILES names (base,
+    wide, tma, all; comparison runs). The TMA kernels only on Hopper and later (and the
+    CPU interpreter)."""
     if m <= 16:
         return [_cfg(16, bn, bk, 4, st) for bn, bk, st in (
             (32, 128, 4), (64, 128, 4), (128, 128, 3), (32, 256, 3), (64, 256, 3))]
     if m <= 64:
         return [_cfg(bm, bn, 128, 4, st) for bm, bn, st in (
             (32, 64, 4), (32, 128, 4), (64, 64, 4), (64, 128, 4), (64, 128, 3))]
-    tiles = os.environ.get("SLIPSTREAM_W8A8_TILES", "all")
-    large = {"old": _LARGE_OLD, "wide": _LARGE_WIDE, "tma": _LARGE_TMA,
-             "all": _LARGE_WIDE + _LARGE_TMA}.get(tiles)
+    tiles = os.environ.get("SLIPSTREAM_W8A8_TILES") or ("base" if dtype == torch.int8 else "tma")
+    large = _LARGE_SETS.get(tiles)
     if large is None:
-        raise ValueError(f"SLIPSTREAM_W8A8_TILES: expected old, wide, tma or all, got {tiles!r}")
+        raise ValueError(f"SLIPSTREAM_W8A8_TILES: expected one of {list(_LARGE_SETS)}, "
+                         f"got {tiles!r}")
     if not tma_supported(device):
-        large = [c for c in large if len(c) == 5] or _LARGE_WIDE
+        large = [c for c in large if len(c) == 5] or _LARGE_BASE
     return [_cfg(*c) for c in large]
 
 
@@ -157,8 +164,9 @@ FP8_MODES = ("auto", "scaled_mm", "triton")
 
 
 def fp8_mode() -> str:
-    """SLIPSTREAM_FP8_GEMM: "auto" (default: tuning picks between torch._scaled_mm and the
-    Triton kernel per shape and token bucket), "scaled_mm" or "triton" (comparison runs)."""
+    """SLIPSTREAM_FP8_GEMM: "auto" (default: prefill-sized M tunes between torch._scaled_mm
+    and the Triton TMA kernels per shape, smaller M runs torch._scaled_mm), "scaled_mm",
+    or "triton" (every M through the Triton kernels; comparison runs)."""
     mode = os.environ.get("SLIPSTREAM_FP8_GEMM", "auto")
     if mode not in FP8_MODES:
         raise ValueError(f"SLIPSTREAM_FP8_GEMM: expected one of {FP8_MODES}, got {mode!r}")
@@ -184,15 +192,18 @@ def w8a8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale
     assert wq.shape[1] == k and xq.stride(1) == 1 and wq.stride(1) == 1
     if m == 0:
         return torch.empty(m, n, dtype=out_dtype, device=xq.device)
-    xs, ws = x_scale.reshape(-1), w_scale.reshape(-1)
-    assert xs.numel() == m and ws.numel() == n
+    # The kernels index the scales as flat vectors: [m, 1] and [m] (contiguous) alike.
+    xs, ws = x_scale, w_scale
+    assert xs.numel() == m and ws.numel() == n and xs.is_contiguous() and ws.is_contiguous()
     if config is None:
-        default, cands = default_w8a8_config(m), lambda: w8a8_candidates(m, xq.device)
+        default = default_w8a8_config(m)
+        cands = lambda: w8a8_candidates(m, xq.device, xq.dtype)  # noqa: E731
         mode = fp8_mode() if _scaled_mm_ok(xq, out_dtype) else "triton"
-        if mode == "scaled_mm":
+        if mode == "scaled_mm" or (mode == "auto" and m <= 64):
             return _launch(xq, xs, wq, ws, out_dtype, SCALED_MM)
         if mode == "auto":
-            default, cands = SCALED_MM, lambda: [SCALED_MM] + w8a8_candidates(m, xq.device)
+            default, cands = SCALED_MM, lambda: [SCALED_MM] + w8a8_candidates(
+                m, xq.device, xq.dtype)
 
         def timed_calls(cfg, copies):
             return [lambda w=w: _launch(xq, xs, *w, out_dtype, cfg) for w in copies]

@@ -64,10 +64,15 @@ def test_w8a8_tma_kernels(kernel, m, n):
 
 
 def test_candidate_sets(monkeypatch):
+    """Prefill: int8 tunes the base tiles, float8 the TMA kernels (the measured best);
+    SLIPSTREAM_W8A8_TILES picks another set."""
     kinds = lambda cands: {c.get("KERNEL") for c in cands}  # noqa: E731
-    assert kinds(w8a8_candidates(2048)) == {None, "tma", "tma-persistent"}
-    monkeypatch.setenv("SLIPSTREAM_W8A8_TILES", "old")
     assert kinds(w8a8_candidates(2048)) == {None}
+    assert _cfg(128, 128, 128, 8, 3) in w8a8_candidates(2048)
+    assert kinds(w8a8_candidates(2048, dtype=torch.float8_e4m3fn)) == {"tma", "tma-persistent"}
+    assert kinds(w8a8_candidates(16, dtype=torch.float8_e4m3fn)) == {None}
+    monkeypatch.setenv("SLIPSTREAM_W8A8_TILES", "all")
+    assert kinds(w8a8_candidates(2048)) == {None, "tma", "tma-persistent"}
     monkeypatch.setenv("SLIPSTREAM_W8A8_TILES", "bogus")
     with pytest.raises(ValueError, match="SLIPSTREAM_W8A8_TILES"):
         w8a8_candidates(2048)
