@@ -130,8 +130,11 @@ def producer_rows(m: int, device: str, timer, smoke: bool) -> list[dict]:
                      lambda: rms_norm(x, wn, 1e-5, res, kind)[0],
                      lambda: rms_norm(x, wn, 1e-5, res)),
             "silu_mul": (lambda: quantize_rows(silu_and_mul(gu), kind),
-                         lambda: silu_and_mul_quant(gu, kind),
-                         lambda: silu_and_mul(gu))}
+                         lambda: silu_and_mul_quant(gu, kind, one_pass=False),
+                         lambda: silu_and_mul(gu)),
+            "silu_mul one-pass": (lambda: quantize_rows(silu_and_mul(gu), kind),
+                                  lambda: silu_and_mul_quant(gu, kind, one_pass=True),
+                                  lambda: silu_and_mul(gu))}
         for name, (unfused, fused, plain) in pairs.items():
             (qu, su), (qf, sf) = unfused(), fused()
             dmax, share = _code_diff(qf, qu)

@@ -56,9 +56,10 @@ def producers(kind):
                                         stride_x=4096, stride_r=4096, stride_o=4096,
                                         stride_ro=4096, S=F32),
                  dict(N=4096, BLOCK=4096, HAS_RESIDUAL=True, QUANT=True, **p), num_warps=16)
-    compile_sm90(_silu_mul_quant_kernel, dict(X=BF16, Q=q, S=F32, stride_x=28672,
-                                              stride_q=14336, D=14336),
-                 dict(BLOCK=2048, **p), num_warps=8)
+    for one_pass, block, warps in ((False, 2048, 8), (True, 16384, 16)):
+        compile_sm90(_silu_mul_quant_kernel, dict(X=BF16, Q=q, S=F32, stride_x=28672,
+                                                  stride_q=14336, D=14336),
+                     dict(BLOCK=block, ONE_PASS=one_pass, **p), num_warps=warps)
     compile_sm90(_quantize_rows_kernel, dict(X=BF16, Q=q, S=F32, K=4096, stride_xm=4096,
                                              stride_qm=4096),
                  dict(BLOCK=2048, **p), num_warps=8)

@@ -145,10 +145,12 @@ def test_rms_norm_int8_codes(dtype, with_residual):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("num_tokens,d", [(1, 48), (5, 1500), (3, 2500)])
-def test_silu_and_mul_int8_codes(dtype, num_tokens, d):
-    """d > the 2048-wide block: the row's maximum spans two passes of the loop."""
+@pytest.mark.parametrize("one_pass", [False, True])
+def test_silu_and_mul_int8_codes(dtype, num_tokens, d, one_pass):
+    """Two passes over the row (d > the 2048-wide block: the maximum spans two steps of
+    the loop) or the whole row at once."""
     x = (torch.randn(num_tokens, 2 * d, device=DEVICE) * 2).to(dtype)
-    q, s = silu_and_mul_quant(x, "int8")
+    q, s = silu_and_mul_quant(x, "int8", one_pass=one_pass)
     qr, sr = (t.cpu() for t in reference.silu_and_mul_quant(x, "int8"))
     assert q.shape == (num_tokens, d) and s.shape == (num_tokens, 1)
     torch.testing.assert_close(s.cpu(), sr, atol=0, rtol=2e-3)
