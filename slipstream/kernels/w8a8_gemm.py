@@ -4,10 +4,12 @@ epilogue:
 
     y[m, n] = (sum_k xq[m, k] * wq[n, k]) * x_scale[m] * w_scale[n]   in the output dtype.
 
-One kernel for both formats (the operand dtype picks the accumulator). Tiles run in grouped
-order (GROUP_M row blocks share a weight column block while it is in L2). The launch
-configuration is chosen by timing (kernels/quant_tuning.choose) once per (weight shape,
-token bucket); prefill-sized M tries large tiles and deep pipelines.
+One kernel for both formats (the operand dtype picks the accumulator), with pointer loads;
+a second with TMA tile loads (Hopper), one program per tile or persistent programs. Tiles
+run in grouped order (GROUP_M row blocks share a weight column block while it is in L2).
+The launch configuration is chosen by timing (kernels/quant_tuning.choose) once per
+(weight shape, dtypes, token bucket) from the candidates of `w8a8_candidates`; float8 with
+bf16 output also has torch._scaled_mm (row-wise scales) as a candidate (`fp8_mode`).
 
 Plain-PyTorch twin: reference.w8a8_linear (int8 and fp8).
 """
