@@ -39,7 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from slipstream.kernels import quant_tuning, reference            # noqa: E402
 from slipstream.kernels.quant_act import quantize_rows              # noqa: E402
 from slipstream.kernels.int_weight_gemv import pick_tile, tile_codes  # noqa: E402
-from slipstream.kernels.quant_gemm import int_weight_gemm, tiled_int_weight_gemm, w8a8_gemm  # noqa: E402
+from slipstream.kernels.quant_gemm import int_weight_gemm, tiled_int_weight_gemm  # noqa: E402
+from slipstream.kernels.w8a8_gemm import w8a8_gemm  # noqa: E402
 from slipstream.quant.primitives import (pack_codes, quantize, quantize_fp8_rows,  # noqa: E402
                                          quantize_int8_rows)
 

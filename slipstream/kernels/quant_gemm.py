@@ -1,4 +1,5 @@
-"""Quantized GEMMs: weight-only int4/int8 (dequantize in registers) and int8 W8A8.
+"""Quantized GEMMs: weight-only int4/int8 (dequantize in registers); the W8A8 GEMM is
+kernels/w8a8_gemm.py.
 
 int_weight_gemm: y[m, n] = sum_k x[m, k] * (code[n, k] - zero[n, g]) * scale[n, g],
 g = k // GROUP. The weight streams from memory as packed codes (4 bits: two per byte,
@@ -8,10 +9,7 @@ the group, so one tile has one (scale, zero) per output row: the tile's product 
 the centred codes (code - zero, exact in fp16/bf16) and is scaled once per tile,
 acc += dot(x, (code - zero)^T) * scale[n].
 
-w8a8_gemm: int8 x int8 tiles accumulated in int32 (exact), then
-y = acc * x_scale[m] * w_scale[n] in the output dtype.
-
-Plain-PyTorch twins: reference.int_weight_linear and reference.w8a8_linear.
+Plain-PyTorch twin: reference.int_weight_linear.
 """
 from __future__ import annotations
 
@@ -23,8 +21,7 @@ from slipstream.kernels import quant_tuning
 from slipstream.kernels.int_weight_gemv import (MAX_ROWS, default_gemv_config, dequantize_tiled,
                                                 int_weight_gemv)
 from slipstream.kernels import runtime  # noqa: F401  (interpreter fixes for CPU tests)
-from slipstream.kernels.quant_tuning import (default_config, int_weight_candidates,
-                                             split_k_for, w8a8_candidates)
+from slipstream.kernels.quant_tuning import default_config, int_weight_candidates, split_k_for
 
 
 @triton.jit
@@ -136,31 +133,6 @@ def _sum_splits_kernel(W, Y, total, split_k, BLOCK: tl.constexpr):
     tl.store(Y + offs, acc.to(Y.dtype.element_ty), mask=ok)
 
 
-@triton.jit
-def _w8a8_gemm_kernel(XQ, XS, WQ, WS, Y, M, N, K, stride_xm, stride_wn, stride_ym,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      GROUP_M: tl.constexpr):
-    pid_m, pid_n = _grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_ok = rm < M
-    n_ok = rn < N
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
-    for k0 in range(0, K, BLOCK_K):
-        rk = k0 + tl.arange(0, BLOCK_K)
-        k_ok = rk < K
-        a = tl.load(XQ + rm[:, None].to(tl.int64) * stride_xm + rk[None, :],
-                    mask=m_ok[:, None] & k_ok[None, :], other=0)
-        b = tl.load(WQ + rn[:, None].to(tl.int64) * stride_wn + rk[None, :],
-                    mask=n_ok[:, None] & k_ok[None, :], other=0)
-        acc += tl.dot(a, tl.trans(b), out_dtype=tl.int32)
-    xs = tl.load(XS + rm, mask=m_ok, other=0.0)
-    ws = tl.load(WS + rn, mask=n_ok, other=0.0)
-    y = acc.to(tl.float32) * xs[:, None] * ws[None, :]
-    tl.store(Y + rm[:, None].to(tl.int64) * stride_ym + rn[None, :],
-             y.to(Y.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
-
-
 DEQUANT_ROWS = 256      # from here on a product with a tiled weight dequantizes it for cuBLAS
 
 
@@ -255,37 +227,4 @@ def _launch_int_weight(x, qweight, scales, qzeros, bits, group_cols, config, til
         block = 1024
         _sum_splits_kernel[(triton.cdiv(m * n, block),)](out, y, m * n, split, BLOCK=block,
                                                          num_warps=4)
-    return y
-
-
-def w8a8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
-              out_dtype: torch.dtype, config: dict | None = None) -> torch.Tensor:
-    """xq: int8 [m, k]; x_scale: fp32 [m, 1]; wq: int8 [n, k]; w_scale: fp32 [n]
-    -> [m, n] out_dtype. `config` fixes the launch; otherwise tuned on CUDA."""
-    m, k = xq.shape
-    n = wq.shape[0]
-    assert xq.dtype == torch.int8 and wq.dtype == torch.int8 and wq.shape[1] == k
-    assert xq.stride(1) == 1 and wq.stride(1) == 1
-    if m == 0:
-        return torch.empty(m, n, dtype=out_dtype, device=xq.device)
-    xs, ws = x_scale.reshape(-1), w_scale.reshape(-1)
-    if config is None:
-        default = default_config(m, 128)
-        if m > 64:
-            default["BLOCK_K"] = 128
-
-        def timed_calls(cfg, copies):
-            return [lambda w=w: _launch_w8a8(xq, xs, *w, out_dtype, cfg) for w in copies]
-        config = quant_tuning.choose(("w8a8", n, k, out_dtype), m, xq.device, default,
-                                     lambda: w8a8_candidates(m), (wq, ws), timed_calls)
-    return _launch_w8a8(xq, xs, wq, ws, out_dtype, config)
-
-
-def _launch_w8a8(xq, xs, wq, ws, out_dtype, cfg):
-    m, k = xq.shape
-    n = wq.shape[0]
-    y = torch.empty(m, n, dtype=out_dtype, device=xq.device)
-    grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
-    _w8a8_gemm_kernel[grid](xq, xs, wq, ws, y, m, n, k, xq.stride(0), wq.stride(0), y.stride(0),
-                            GROUP_M=8, **cfg)
     return y

@@ -175,18 +175,6 @@ def gemv_candidates(n: int, k: int, tile: int, device) -> list[dict]:
     return out
 
 
-def w8a8_candidates(m: int) -> list[dict]:
-    if m <= 16:
-        return [_cfg(16, bn, bk, 4, st) for bn, bk, st in (
-            (32, 128, 4), (64, 128, 4), (128, 128, 3), (32, 256, 3), (64, 256, 3))]
-    if m <= 64:
-        return [_cfg(bm, bn, 128, 4, st) for bm, bn, st in (
-            (32, 64, 4), (32, 128, 4), (64, 64, 4), (64, 128, 4), (64, 128, 3))]
-    return [_cfg(bm, bn, bk, w, st) for bm, bn, bk, w, st in (
-        (128, 128, 128, 8, 3), (128, 256, 128, 8, 3), (128, 128, 64, 4, 4),
-        (64, 128, 128, 4, 4), (256, 128, 128, 8, 3), (128, 128, 128, 4, 4), (128, 256, 64, 8, 4))]
-
-
 def split_k_for(tiles: int, k_tiles: int, device: torch.device) -> int:
     """Split K when the output tiles alone cannot fill the GPU: aim at two programs per SM,
     keeping at least 4 K tiles per program. Always 1 off CUDA."""
