@@ -38,7 +38,9 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from slipstream.kernels import quant_tuning, reference            # noqa: E402
 from slipstream.kernels.quant_act import quantize_rows              # noqa: E402
-from slipstream.kernels.quant_gemm import int_weight_gemm, w8a8_gemm  # noqa: E402
+from slipstream.kernels.int_weight_gemv import pick_tile, tile_codes  # noqa: E402
+from slipstream.kernels.quant_gemm import int_weight_gemm, tiled_int_weight_gemm  # noqa: E402
+from slipstream.kernels.w8a8_gemm import w8a8_gemm  # noqa: E402
 from slipstream.quant.primitives import (pack_codes, quantize, quantize_fp8_rows,  # noqa: E402
                                          quantize_int8_rows)
 
@@ -67,6 +69,9 @@ def make_weights(n, k, device, gen, dtype):
     return {"bf16": t(w.to(dtype)),
             "w4": (t(pack_codes(q4.codes, 4)), t(q4.scale.float()), t(q4.zero.to(torch.uint8))),
             "w8": (t(q8.codes), t(q8.scale.float())),
+            "w4t": (t(tile_codes(q4.codes, 4, pick_tile(k, 128, 4))), t(q4.scale.float()),
+                    t(q4.zero.to(torch.uint8))),
+            "w8t": (t(tile_codes(q8.codes, 8, pick_tile(k, k, 8))), t(q8.scale.float())),
             "i8": (t(wi8), t(wsi8.flatten())), "f8": (t(wf8), t(wsf8.flatten()))}
 
 
@@ -83,6 +88,13 @@ def contenders(x, W, device):
     q8, s8 = W["w8"]
     c["w8a16"] = (lambda: int_weight_gemm(x, q8, s8, None, 8, k),
                   q8.numel() + s8.numel() * 4 + x_bytes + out_bytes)
+    w4t, s4t, z4t = W["w4t"]
+    c["w4a16-tiled"] = (lambda: tiled_int_weight_gemm(x, w4t, s4t, z4t, 4, 128,
+                                                      pick_tile(k, 128, 4)),
+                        w4t.numel() * 4 + s4t.numel() * 4 + z4t.numel() + x_bytes + out_bytes)
+    w8t, s8t = W["w8t"]
+    c["w8a16-tiled"] = (lambda: tiled_int_weight_gemm(x, w8t, s8t, None, 8, k, pick_tile(k, k, 8)),
+                        w8t.numel() * 4 + s8t.numel() * 4 + x_bytes + out_bytes)
     wi8, wsi8 = W["i8"]
     quant = quantize_rows if device == "cuda" else \
         lambda t, kind: quantize_int8_rows(t) if kind == "int8" else quantize_fp8_rows(t)
@@ -121,6 +133,8 @@ def references(x, W):
     return {"bf16": F.linear(xf, W["bf16"].float()),
             "w4a16": reference.int_weight_linear(xf, qw, s, z, 4, 128),
             "w8a16": reference.int_weight_linear(xf, q8, s8, None, 8, k),
+            "w4a16-tiled": reference.int_weight_linear(xf, qw, s, z, 4, 128),
+            "w8a16-tiled": reference.int_weight_linear(xf, q8, s8, None, 8, k),
             "w8a8-int8": reference.w8a8_linear(xq, xs, wi8, wsi8, torch.float32),
             "w8a8-int8-torch": reference.w8a8_linear(xq, xs, wi8, wsi8, torch.float32),
             "w8a8-fp8": (F.linear(xf8.float() * xsf8, wf8.float()) * wsf8[None, :])}
@@ -160,10 +174,16 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (interpreter)")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--kernels", default=None,
+                    help="comma-separated contenders to run (bf16 always runs); default all")
+    ap.add_argument("--batches", default=None, help="comma-separated batch sizes (default all)")
     args = ap.parse_args(argv)
     device = "cpu" if args.smoke else "cuda"
     dtype = torch.float16 if args.smoke else torch.bfloat16   # the interpreter lacks bf16 dot
     shapes, batches = (SMOKE_SHAPES, SMOKE_BATCHES) if args.smoke else (SHAPES, BATCHES)
+    if args.batches:
+        batches = [int(b) for b in args.batches.split(",")]
+    wanted = None if not args.kernels else {"bf16", *args.kernels.split(",")}
     gen = torch.Generator().manual_seed(0)
     copy_bw = copy_bandwidth(device)
     print(f"copy bandwidth {copy_bw / 1e9:.0f} GB/s", flush=True)
@@ -180,6 +200,8 @@ def main(argv=None) -> int:
             x = (torch.randn(m, k, generator=gen) * 1.0).to(device, dtype)
             refs = references(x, base)
             cons = contenders(x, base, device)
+            if wanted is not None:
+                cons = {c: v for c, v in cons.items() if c in wanted}
             for cname, (fn, _) in cons.items():
                 if cname not in refs:
                     continue
@@ -197,6 +219,7 @@ def main(argv=None) -> int:
                     print(f"FAIL {cname} {name} m={m}: rel err {err:.3g}", flush=True)
             per = [contenders(x, W, device) for W in weights]
             timers = {c: [p[c][0] for p in per] for c in cons if c not in failed}
+            timers = {c: v for c, v in timers.items() if wanted is None or c in wanted}
             times = {c: [] for c in timers}
             for _ in range(1 if args.smoke else args.rounds):
                 for c, calls in timers.items():

@@ -154,6 +154,11 @@ def stage_allreduce(smoke: bool) -> dict:
 
 # ---- engine -----------------------------------------------------------------
 
+def _progress(msg: str) -> None:
+    """A stage's milestones on stderr: a stage cut off at its limit shows how far it got."""
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
 def stage_engine(name: str, smoke: bool) -> dict:
     import torch
     from slipstream import LLM, SamplingParams
@@ -172,14 +177,17 @@ def stage_engine(name: str, smoke: bool) -> dict:
     else:
         opts.update(dtype="bfloat16", gpu_memory_utilization=0.85)
     t0 = time.perf_counter()
+    _progress(f"{name}: starting the engine")
     llm = LLM(model, **opts)
     load_s = time.perf_counter() - t0
+    _progress(f"{name}: engine up in {load_s:.1f} s")
     engine = llm.engine
     greedy = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, logprobs=0)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy, use_tqdm=False)
     tokens = [o.outputs[0].token_ids for o in outs]
     logprobs = [[lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]
                 for o in outs]
+    _progress(f"{name}: greedy tokens done")
     # Batch-1 decode latency.
     engine.add_request({"prompt_token_ids": [(5 * j) % 1000 + 1 for j in range(128)]},
                        SamplingParams(max_tokens=160, temperature=0, ignore_eos=True))
@@ -287,11 +295,15 @@ def main() -> None:
         print(json.dumps(fn(args.smoke)))
         return
     res = {"smoke": args.smoke, "stages": {}}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     for stage in args.stages.split(","):
         print(f"running {stage} ...", file=sys.stderr, flush=True)
         res["stages"][stage] = _STAGES.run(stage, args.smoke)
         if "error" in res["stages"][stage]:
             print(res["stages"][stage]["error"], file=sys.stderr)
+        # Written after every stage: a run killed from outside keeps the stages it finished.
+        (out / "results.json").write_text(json.dumps(res, indent=2) + "\n")
     if "error" in res["stages"].get("8b-tp2", {}):   # isolate CUDA graphs from the rest
         print("running 8b-tp2-eager ...", file=sys.stderr, flush=True)
         res["stages"]["8b-tp2-eager"] = _STAGES.run("8b-tp2-eager", args.smoke)
@@ -302,8 +314,6 @@ def main() -> None:
     c = res["stages"].get("8b-tp2-symm", {})
     if a and "error" not in a and c and "error" not in c:
         res["speedup_8b_tp2_symm"] = a["decode_step_ms"] / c["decode_step_ms"]
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(res, indent=2) + "\n")
     (out / "results.md").write_text(_markdown(res))
     print(_markdown(res))

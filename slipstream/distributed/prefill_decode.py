@@ -50,7 +50,13 @@ log = logging.getLogger("slipstream")
 
 
 class PeerDiedError(SlipstreamError, RuntimeError):
-    """The other instance of a prefill/decode pair stopped."""
+    """The other instance of a prefill/decode pair stopped. `request_ids`: the requests
+    it took with it (those waiting for their prompt), raised once by the `step` that found
+    out; requests already decoding go on."""
+
+    def __init__(self, message: str, request_ids: list[str] | None = None):
+        super().__init__(message)
+        self.request_ids = list(request_ids or [])
 
 
 class PDEngine:
@@ -148,9 +154,17 @@ class PDEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self._pending) or self.engine.has_unfinished_requests()
 
+    @property
+    def _parents(self) -> dict:
+        """Every unfinished request: waiting for its prompt, or on the decode instance."""
+        return {**dict.fromkeys(self._pending), **self.engine._parents}
+
     def step(self):
-        """Take in the prompts whose K/V arrived, then run one decode-instance step."""
-        self._take_arrivals(block=not self.engine.has_unfinished_requests())
+        """Take in the prompts whose K/V arrived, then run one decode-instance step. Once
+        the prefill instance is gone (the step that finds out raises PeerDiedError naming
+        the requests lost with it), steps go on for the requests already decoding."""
+        if self._failed is None:
+            self._take_arrivals(block=not self.engine.has_unfinished_requests())
         if self.engine.has_unfinished_requests():
             return self.engine.step()
         return []
@@ -271,7 +285,7 @@ class PDEngine:
                         f"{' (' + ', '.join(lost) + ')' if lost else ''}; requests already "
                         "decoding go on, new ones are refused")
         _kill(self._proc)
-        raise PeerDiedError(self._failed) from error
+        raise PeerDiedError(self._failed, lost) from error
 
 
 def _kill(proc) -> None:

@@ -1,4 +1,5 @@
-"""Quantized GEMMs: weight-only int4/int8 (dequantize in registers) and int8 W8A8.
+"""Quantized GEMMs: weight-only int4/int8 (dequantize in registers); the W8A8 GEMM is
+kernels/w8a8_gemm.py.
 
 int_weight_gemm: y[m, n] = sum_k x[m, k] * (code[n, k] - zero[n, g]) * scale[n, g],
 g = k // GROUP. The weight streams from memory as packed codes (4 bits: two per byte,
@@ -8,10 +9,7 @@ the group, so one tile has one (scale, zero) per output row: the tile's product 
 the centred codes (code - zero, exact in fp16/bf16) and is scaled once per tile,
 acc += dot(x, (code - zero)^T) * scale[n].
 
-w8a8_gemm: int8 x int8 tiles accumulated in int32 (exact), then
-y = acc * x_scale[m] * w_scale[n] in the output dtype.
-
-Plain-PyTorch twins: reference.int_weight_linear and reference.w8a8_linear.
+Plain-PyTorch twin: reference.int_weight_linear.
 """
 from __future__ import annotations
 
@@ -20,9 +18,10 @@ import triton
 import triton.language as tl
 
 from slipstream.kernels import quant_tuning
+from slipstream.kernels.int_weight_gemv import (MAX_ROWS, default_gemv_config, dequantize_tiled,
+                                                int_weight_gemv)
 from slipstream.kernels import runtime  # noqa: F401  (interpreter fixes for CPU tests)
-from slipstream.kernels.quant_tuning import (default_config, int_weight_candidates,
-                                             split_k_for, w8a8_candidates)
+from slipstream.kernels.quant_tuning import default_config, int_weight_candidates, split_k_for
 
 
 @triton.jit
@@ -60,7 +59,8 @@ def _int_weight_gemm_kernel(X, QW, Scales, Zeros, Y, M, N, K, num_groups,
                             stride_xm, stride_qn, stride_ym, split_k, group,
                             BITS: tl.constexpr, HAS_ZEROS: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                            BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                            TILED: tl.constexpr = False):
     pid_m, pid_n = _grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     split = tl.program_id(1)
 
@@ -76,26 +76,46 @@ def _int_weight_gemm_kernel(X, QW, Scales, Zeros, Y, M, N, K, num_groups,
     k_begin = split * per_split * BLOCK_K
     k_end = min(K, (split + 1) * per_split * BLOCK_K)
     for k0 in range(k_begin, k_end, BLOCK_K):
-        rk = k0 + tl.arange(0, BLOCK_K)
-        k_ok = rk < K
-        x = tl.load(X + rm[:, None].to(tl.int64) * stride_xm + rk[None, :],
-                    mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        if BITS == 4:
-            rb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-            packed = tl.load(QW + rn64[:, None] * stride_qn + rb[None, :],
-                             mask=n_ok[:, None] & (rb < K // 2)[None, :], other=0)
-            codes = tl.interleave(packed & 0xF, packed >> 4)   # [BLOCK_N, BLOCK_K]
-        else:
-            codes = tl.load(QW + rn64[:, None] * stride_qn + rk[None, :],
-                            mask=n_ok[:, None] & k_ok[None, :], other=0)
         g = k0 // group
         s = tl.load(Scales + rn64 * num_groups + g, mask=n_ok, other=0.0)
         if HAS_ZEROS:
             z = tl.load(Zeros + rn64 * num_groups + g, mask=n_ok, other=0).to(tl.float32)
         else:
             z = tl.full((BLOCK_N,), 2 ** (BITS - 1), tl.float32)
-        w = _centred_weights(codes, z, BITS, X.dtype.element_ty)
-        acc += tl.dot(x, tl.trans(w)) * s[None, :]
+        if TILED:
+            # int32 words in the tiled layout of kernels/int_weight_gemv.py, BLOCK_K = its
+            # tile: code j of word i is input k0 + j * KP + i, so code j of the tile's words
+            # meets the contiguous inputs [k0 + j * KP, k0 + (j + 1) * KP): one dot of depth
+            # KP per code position, no reordering of the unpacked codes.
+            PER: tl.constexpr = 32 // BITS
+            KP: tl.constexpr = BLOCK_K // PER
+            rw = k0 // PER + tl.arange(0, KP)
+            words = tl.load(QW + rn64[:, None] * stride_qn + rw[None, :],
+                            mask=n_ok[:, None], other=0).to(tl.uint32, bitcast=True)
+            tile = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for j in tl.static_range(PER):
+                rk = k0 + j * KP + tl.arange(0, KP)
+                x = tl.load(X + rm[:, None].to(tl.int64) * stride_xm + rk[None, :],
+                            mask=m_ok[:, None], other=0.0)
+                codes = (words >> (j * BITS)) & ((1 << BITS) - 1)
+                w = _centred_weights(codes, z, BITS, X.dtype.element_ty)
+                tile = tl.dot(x, tl.trans(w), tile)
+            acc += tile * s[None, :]
+        else:
+            rk = k0 + tl.arange(0, BLOCK_K)
+            k_ok = rk < K
+            x = tl.load(X + rm[:, None].to(tl.int64) * stride_xm + rk[None, :],
+                        mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            if BITS == 4:
+                rb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+                packed = tl.load(QW + rn64[:, None] * stride_qn + rb[None, :],
+                                 mask=n_ok[:, None] & (rb < K // 2)[None, :], other=0)
+                codes = tl.interleave(packed & 0xF, packed >> 4)   # [BLOCK_N, BLOCK_K]
+            else:
+                codes = tl.load(QW + rn64[:, None] * stride_qn + rk[None, :],
+                                mask=n_ok[:, None] & k_ok[None, :], other=0)
+            w = _centred_weights(codes, z, BITS, X.dtype.element_ty)
+            acc += tl.dot(x, tl.trans(w)) * s[None, :]
     # With split_k > 1, Y is an fp32 workspace [split_k, M, N] summed by _sum_splits_kernel.
     Y += split.to(tl.int64) * M * stride_ym
     tl.store(Y + rm[:, None].to(tl.int64) * stride_ym + rn[None, :],
@@ -113,29 +133,7 @@ def _sum_splits_kernel(W, Y, total, split_k, BLOCK: tl.constexpr):
     tl.store(Y + offs, acc.to(Y.dtype.element_ty), mask=ok)
 
 
-@triton.jit
-def _w8a8_gemm_kernel(XQ, XS, WQ, WS, Y, M, N, K, stride_xm, stride_wn, stride_ym,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      GROUP_M: tl.constexpr):
-    pid_m, pid_n = _grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_ok = rm < M
-    n_ok = rn < N
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
-    for k0 in range(0, K, BLOCK_K):
-        rk = k0 + tl.arange(0, BLOCK_K)
-        k_ok = rk < K
-        a = tl.load(XQ + rm[:, None].to(tl.int64) * stride_xm + rk[None, :],
-                    mask=m_ok[:, None] & k_ok[None, :], other=0)
-        b = tl.load(WQ + rn[:, None].to(tl.int64) * stride_wn + rk[None, :],
-                    mask=n_ok[:, None] & k_ok[None, :], other=0)
-        acc += tl.dot(a, tl.trans(b), out_dtype=tl.int32)
-    xs = tl.load(XS + rm, mask=m_ok, other=0.0)
-    ws = tl.load(WS + rn, mask=n_ok, other=0.0)
-    y = acc.to(tl.float32) * xs[:, None] * ws[None, :]
-    tl.store(Y + rm[:, None].to(tl.int64) * stride_ym + rn[None, :],
-             y.to(Y.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+DEQUANT_ROWS = 256      # from here on a product with a tiled weight dequantizes it for cuBLAS
 
 
 def _k_block_limit(k: int, group: int) -> int:
@@ -177,7 +175,40 @@ def int_weight_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
     return _launch_int_weight(x, qweight, scales, qzeros, bits, group_cols, config)
 
 
-def _launch_int_weight(x, qweight, scales, qzeros, bits, group_cols, config):
+def tiled_int_weight_gemm(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor,
+                          qzeros: torch.Tensor | None, bits: int, group_cols: int,
+                          tile: int) -> torch.Tensor:
+    """The product with weights in the tiled word layout of kernels/int_weight_gemv.py
+    (int32 [n, k * bits // 32]), by batch size: up to MAX_ROWS rows the weight-streaming
+    GEMV; from DEQUANT_ROWS rows the weight dequantized once and multiplied by cuBLAS
+    (compute-bound: the dequantization is a few percent of the product); between, the
+    tensor-core kernel above unpacking the tiled words. Launches tuned like the others."""
+    m, k = x.shape
+    n = words.shape[0]
+    if m <= MAX_ROWS:
+        def gemv_calls(cfg, copies):
+            return [lambda w=w: int_weight_gemv(x, *w, bits, group_cols, tile, cfg) for w in copies]
+        cfg = quant_tuning.choose(
+            ("int_gemv", n, k, bits, group_cols, qzeros is not None, x.dtype), m, x.device,
+            default_gemv_config(m, n, k, tile, x.device),
+            lambda: quant_tuning.gemv_candidates(n, k, tile, x.device),
+            (words, scales, qzeros), gemv_calls)
+        return int_weight_gemv(x, words, scales, qzeros, bits, group_cols, tile, cfg)
+    if m >= DEQUANT_ROWS:
+        w = dequantize_tiled(words, scales, qzeros, bits, group_cols, tile, x.dtype)
+        return torch.nn.functional.linear(x, w)
+
+    def timed_calls(cfg, copies):
+        return [lambda w=w: _launch_int_weight(x, *w, bits, group_cols, cfg, tile) for w in copies]
+    config = quant_tuning.choose(
+        ("int_weight_tiled", n, k, bits, group_cols, qzeros is not None, x.dtype), m, x.device,
+        dict(default_config(m, tile), BLOCK_K=tile),
+        lambda: [dict(c, BLOCK_K=tile) for c in int_weight_candidates(m, n, k, tile, x.device)],
+        (words, scales, qzeros), timed_calls)
+    return _launch_int_weight(x, words, scales, qzeros, bits, group_cols, config, tile)
+
+
+def _launch_int_weight(x, qweight, scales, qzeros, bits, group_cols, config, tile=None):
     m, k = x.shape
     n = qweight.shape[0]
     cfg = dict(config)
@@ -191,42 +222,9 @@ def _launch_int_weight(x, qweight, scales, qzeros, bits, group_cols, config):
     _int_weight_gemm_kernel[(tiles, split)](
         x, qweight, scales, qzeros if qzeros is not None else scales, out, m, n, k,
         scales.shape[1], x.stride(0), qweight.stride(0), n, split, group_cols,
-        BITS=bits, HAS_ZEROS=qzeros is not None, GROUP_M=8, **cfg)
+        BITS=bits, HAS_ZEROS=qzeros is not None, GROUP_M=8, TILED=tile is not None, **cfg)
     if split > 1:
         block = 1024
         _sum_splits_kernel[(triton.cdiv(m * n, block),)](out, y, m * n, split, BLOCK=block,
                                                          num_warps=4)
-    return y
-
-
-def w8a8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
-              out_dtype: torch.dtype, config: dict | None = None) -> torch.Tensor:
-    """xq: int8 [m, k]; x_scale: fp32 [m, 1]; wq: int8 [n, k]; w_scale: fp32 [n]
-    -> [m, n] out_dtype. `config` fixes the launch; otherwise tuned on CUDA."""
-    m, k = xq.shape
-    n = wq.shape[0]
-    assert xq.dtype == torch.int8 and wq.dtype == torch.int8 and wq.shape[1] == k
-    assert xq.stride(1) == 1 and wq.stride(1) == 1
-    if m == 0:
-        return torch.empty(m, n, dtype=out_dtype, device=xq.device)
-    xs, ws = x_scale.reshape(-1), w_scale.reshape(-1)
-    if config is None:
-        default = default_config(m, 128)
-        if m > 64:
-            default["BLOCK_K"] = 128
-
-        def timed_calls(cfg, copies):
-            return [lambda w=w: _launch_w8a8(xq, xs, *w, out_dtype, cfg) for w in copies]
-        config = quant_tuning.choose(("w8a8", n, k, out_dtype), m, xq.device, default,
-                                     lambda: w8a8_candidates(m), (wq, ws), timed_calls)
-    return _launch_w8a8(xq, xs, wq, ws, out_dtype, config)
-
-
-def _launch_w8a8(xq, xs, wq, ws, out_dtype, cfg):
-    m, k = xq.shape
-    n = wq.shape[0]
-    y = torch.empty(m, n, dtype=out_dtype, device=xq.device)
-    grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
-    _w8a8_gemm_kernel[grid](xq, xs, wq, ws, y, m, n, k, xq.stride(0), wq.stride(0), y.stride(0),
-                            GROUP_M=8, **cfg)
     return y

@@ -159,16 +159,20 @@ def int_weight_candidates(m: int, n: int, k: int, k_block_limit: int, device) ->
     return out
 
 
-def w8a8_candidates(m: int) -> list[dict]:
-    if m <= 16:
-        return [_cfg(16, bn, bk, 4, st) for bn, bk, st in (
-            (32, 128, 4), (64, 128, 4), (128, 128, 3), (32, 256, 3), (64, 256, 3))]
-    if m <= 64:
-        return [_cfg(bm, bn, 128, 4, st) for bm, bn, st in (
-            (32, 64, 4), (32, 128, 4), (64, 64, 4), (64, 128, 4), (64, 128, 3))]
-    return [_cfg(bm, bn, bk, w, st) for bm, bn, bk, w, st in (
-        (128, 128, 128, 8, 3), (128, 256, 128, 8, 3), (128, 128, 64, 4, 4),
-        (64, 128, 128, 4, 4), (256, 128, 128, 8, 3), (128, 128, 128, 4, 4), (128, 256, 64, 8, 4))]
+def gemv_candidates(n: int, k: int, tile: int, device) -> list[dict]:
+    """The weight-streaming GEMV's launches (kernels/int_weight_gemv.py): rows per program
+    and warps, a K split around the one that gives about four programs an SM, the next
+    tile's words loaded ahead or not. Few: each is a compile."""
+    from slipstream.kernels.int_weight_gemv import default_gemv_config
+    out = []
+    for block_n, warps in ((64, 2), (128, 4), (256, 8)):
+        base = default_gemv_config(1, n, k, tile, device)["SPLIT_K"] * 64 // block_n
+        for split in sorted({max(1, base), max(1, min(32, base * 2))}):
+            for prefetch in (False, True):
+                if split <= k // tile:
+                    out.append(dict(BLOCK_N=block_n, SPLIT_K=split, num_warps=warps,
+                                    num_stages=1, PREFETCH=prefetch))
+    return out
 
 
 def split_k_for(tiles: int, k_tiles: int, device: torch.device) -> int:

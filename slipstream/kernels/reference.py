@@ -213,7 +213,7 @@ def rotary_inplace(qk: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
     return qk
 
 
-# ---- quantized linear layers (twins of kernels/quant_gemm.py) ---------------
+# ---- quantized linear layers (twins of kernels/quant_gemm.py, kernels/w8a8_gemm.py) ---
 
 def int_weight_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                       qzeros: torch.Tensor | None, bits: int, group_cols: int) -> torch.Tensor:
@@ -231,10 +231,41 @@ def int_weight_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
 
 def w8a8_linear(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor,
                 w_scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """int8 x int8 -> int32 accumulation, then per-token x per-channel scales.
+    """Twin of `kernels.w8a8_gemm`: int8 x int8 -> int32 accumulation (or float8 e4m3
+    products, exact in fp64), then per-token x per-channel scales.
 
-    xq: int8 [m, k]; x_scale: [m, 1]; wq: int8 [n, k]; w_scale: [n] -> [m, n] out_dtype."""
+    xq: int8 or float8_e4m3fn [m, k]; x_scale: [m, 1]; wq: [n, k] like xq; w_scale: [n]
+    -> [m, n] out_dtype."""
     # fp64 sums of int8 products are exact while |sum| < 2^53 (k < 5e11); CUDA has no
-    # int64 matmul.
+    # int64 matmul. An e4m3 product has at most 8 significant bits: fp64 sums of them
+    # round far below the fp32 accumulator's error.
     acc = xq.double() @ wq.double().t()
     return (acc * x_scale.double() * w_scale.double()[None, :]).to(out_dtype)
+
+
+# ---- per-token activation quantization (twins of kernels/quant_act.py and the
+# ---- quantizing variants of kernels/rms_norm.py and kernels/silu_mul.py) ----------
+
+def quantize_rows(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Twin of `kernels.quant_act.quantize_rows`: x [m, k] -> (int8 / float8_e4m3fn codes,
+    scale [m, 1] fp32), symmetric per row."""
+    from slipstream.quant.primitives import quantize_fp8_rows, quantize_int8_rows
+    if kind not in ("int8", "fp8"):
+        raise ValueError(f"kind: expected 'int8' or 'fp8', got {kind!r}")
+    return (quantize_int8_rows if kind == "int8" else quantize_fp8_rows)(x)
+
+
+def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                   residual: torch.Tensor | None, kind: str):
+    """Twin of `kernels.rms_norm(..., quant=kind)`: the normed rows (in the model dtype)
+    quantized per token. Returns (codes, scale), or ((codes, scale), x + residual)."""
+    out = rms_norm(x, weight, eps, residual)
+    if residual is None:
+        return quantize_rows(out, kind)
+    return quantize_rows(out[0], kind), out[1]
+
+
+def silu_and_mul_quant(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Twin of `kernels.silu_mul.silu_and_mul_quant`: silu(gate) * up (in the model dtype)
+    quantized per token -> (codes [num_tokens, d], scale [num_tokens, 1])."""
+    return quantize_rows(silu_and_mul(x), kind)

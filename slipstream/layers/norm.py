@@ -3,6 +3,10 @@
 On CUDA tensors one Triton kernel (`kernels/rms_norm.py`) does the residual add
 and the norm together; elsewhere the plain torch ops below run, which are also
 the kernel's twin (`kernels.reference.rms_norm`).
+
+`quant` ("int8" / "fp8", set by the model when a W8A8 layer reads the output, see
+quant/activation.py): the normed rows come out quantized per token (`QuantizedRows`), on
+CUDA from the same kernel.
 """
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ class RMSNorm(nn.Module):
     # None: the fused kernel on CUDA tensors, torch ops elsewhere; True/False forces
     # one path (tests run the kernel on the CPU under TRITON_INTERPRET=1).
     use_kernel: bool | None = None
+    quant: str | None = None
 
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
@@ -34,11 +39,20 @@ class RMSNorm(nn.Module):
         """
         if x.is_cuda if self.use_kernel is None else self.use_kernel:
             from slipstream.kernels.rms_norm import rms_norm
-            return rms_norm(x, self.weight, self.eps, residual)
-        if residual is None:
-            return self._norm(x)
-        x = x + residual
-        return self._norm(x), x
+            out = rms_norm(x, self.weight, self.eps, residual, self.quant)
+            if self.quant is None:
+                return out
+            from slipstream.quant.activation import QuantizedRows
+            (q, s), res = (out, None) if residual is None else out
+            rows = QuantizedRows(q, s, x.dtype)
+            return rows if residual is None else (rows, res)
+        if residual is not None:
+            x = x + residual
+        out = self._norm(x)
+        if self.quant is not None:
+            from slipstream.quant.activation import quantize_activation
+            out = quantize_activation(out, self.quant)
+        return out if residual is None else (out, x)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"

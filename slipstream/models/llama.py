@@ -39,6 +39,7 @@ from slipstream.layers.norm import RMSNorm
 from slipstream.layers.rotary import RotaryEmbedding, StepRotary
 from slipstream.layers.weight_loader import default_weight_loader
 from slipstream.models.registry import family_traits
+from slipstream.quant.activation import input_quant
 from slipstream.quant.base import QuantMethodFor
 from slipstream.batch import ForwardBatch
 
@@ -114,6 +115,7 @@ class LlamaMLP(nn.Module):
                                            quant_method=quant_method_for(f"{prefix}.down_proj"),
                                            tp=tp)
         self.act = SiluAndMul()
+        self.act.quant = input_quant(self.down_proj)   # W8A8: SiLU * up writes codes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, hidden] -> [num_tokens, hidden]
@@ -129,6 +131,9 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config, quant_method_for, f"{prefix}.mlp", tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # W8A8 qkv / gate_up: the norms before them write per-token codes directly.
+        self.input_layernorm.quant = input_quant(self.self_attn.qkv_proj)
+        self.post_attention_layernorm.quant = input_quant(self.mlp.gate_up_proj)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: StepRotary,
                 batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:

@@ -6,9 +6,12 @@ activations quantized per token at run time (dynamic), the product in fp8.
 
 Scheme "fp8" quantizes a float checkpoint as it loads (the format H100/H200 users serve
 with). On CUDA with bf16 activations the product is `torch._scaled_mm` with row-wise scales
-(fp8 tensor cores, fp32 accumulation) after one Triton kernel quantizes the activations
-(kernels/quant_act.py); elsewhere the plain-PyTorch reference dequantizes and multiplies in
-fp32, which gives the same rounding of the inputs.
+(fp8 tensor cores, fp32 accumulation) or the Triton W8A8 kernel, whichever tuning finds
+faster for the shape and token count (kernels/w8a8_gemm.py; `SLIPSTREAM_FP8_GEMM` forces
+one); the activations arrive quantized from the kernel that produced them (the fused norm
+or SiLU, see quant/activation.py) or are quantized here (one Triton kernel). Elsewhere
+the plain-PyTorch reference dequantizes and multiplies in fp32, which gives the same
+rounding of the inputs.
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from slipstream.quant.activation import QuantizedRows, quantize_activation
 from slipstream.quant.base import register_scheme
 from slipstream.quant.primitives import quantize_fp8_rows
 
@@ -32,6 +36,8 @@ def fp8_linear_reference(xq, x_scale, wq, w_scale, out_dtype):
 
 
 class Fp8Method:
+    input_quant = "fp8"     # the producer of this layer's input may quantize it (activation.py)
+
     def __init__(self, prequantized: bool = False):
         self.prequantized = prequantized
 
@@ -51,19 +57,16 @@ class Fp8Method:
             wq, ws = quantize_fp8_rows(layer.weight.data)
             layer.register_parameter("weight", _param(wq))
             layer.register_parameter("weight_scale", _param(ws.flatten()))
-        # _scaled_mm wants the weight as the column-major right operand: keep W^T's view.
-        layer.weight_t = layer.weight.data.t()
 
-    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        # x: [num_tokens, in] -> [num_tokens, out]
-        if x.is_cuda and x.dtype == torch.bfloat16:   # row-wise scaled_mm outputs bf16
-            from slipstream.kernels.quant_act import quantize_rows
-            xq, xs = quantize_rows(x, "fp8")
-            y = torch._scaled_mm(xq, layer.weight_t, scale_a=xs,
-                                 scale_b=layer.weight_scale.view(1, -1), out_dtype=x.dtype)
+    def apply(self, layer: nn.Module, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
+        # x: [num_tokens, in] (or its fp8 rows) -> [num_tokens, out]
+        xr = x if isinstance(x, QuantizedRows) else quantize_activation(x, "fp8")
+        xq, xs = xr.q, xr.scale
+        if xq.is_cuda and xr.dtype == torch.bfloat16:   # fp8 tensor cores (sm_89+)
+            from slipstream.kernels.w8a8_gemm import w8a8_gemm
+            y = w8a8_gemm(xq, xs, layer.weight, layer.weight_scale, xr.dtype)
         else:
-            xq, xs = quantize_fp8_rows(x)
-            y = fp8_linear_reference(xq, xs, layer.weight, layer.weight_scale, x.dtype)
+            y = fp8_linear_reference(xq, xs, layer.weight, layer.weight_scale, xr.dtype)
         return y if layer.bias is None else y + layer.bias
 
 

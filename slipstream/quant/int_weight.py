@@ -3,16 +3,18 @@ scales and zero points; activations stay in the model dtype.
 
 Layer parameters (all with output_dim 0, so fused q/k/v and gate/up shards load into
 their row slices):
-    qweight  uint8 [out, packed_cols(in)]   codes, two per byte for 3/4 bits (pack_codes)
+    qweight  uint8 [out, packed_cols(in)]   codes, two per byte for 3/4 bits (pack_codes); on
+                                            CUDA replaced by `qwords` on the first product
     scales   fp32  [out, ceil(in / group)]
     qzeros   uint8 [out, ceil(in / group)]       asymmetric only (symmetric: zero = 2^(bits-1))
     perm     int32 [in]                     act-order only: the layer computes x[:, perm] @ W'^T,
                                             W' holding the input columns in quantization order
 
 `prequantized=False` registers a dense `weight` that the float checkpoint loads into,
-then quantizes it by RTN in `process_after_loading`. On CUDA 4- and 8-bit layers run the
-Triton dequantize-in-register GEMM (kernels/quant_gemm.py); elsewhere, and for 2/3 bits,
-the plain-PyTorch twin dequantizes and multiplies.
+then quantizes it by RTN in `process_after_loading`. On CUDA 4- and 8-bit layers run
+Triton kernels (kernels/int_weight_gemv.py at decode batch sizes, kernels/quant_gemm.py
+above), reading the codes in the tiled word layout where a tile divides the row, else the
+packed codes; elsewhere, and for 2/3 bits, the plain-PyTorch twin dequantizes and multiplies.
 """
 from __future__ import annotations
 
@@ -87,13 +89,44 @@ class IntWeightMethod:
         if getattr(layer, "perm", None) is not None:
             x = x.index_select(1, layer.perm)        # int32 indices: no conversion kernel
         zeros = layer.qzeros if not self.sym else None
-        if x.is_cuda and self.bits in (4, 8):
+        tile = self._gpu_tile(layer, x)
+        if tile is not None:
+            from slipstream.kernels.quant_gemm import tiled_int_weight_gemm
+            y = tiled_int_weight_gemm(x, layer.qwords, layer.scales, zeros, self.bits,
+                                      layer.group_cols, tile)
+        elif x.is_cuda and self.bits in (4, 8):
             from slipstream.kernels.quant_gemm import int_weight_gemm
             y = int_weight_gemm(x, layer.qweight, layer.scales, zeros, self.bits, layer.group_cols)
         else:
             y = reference.int_weight_linear(x, layer.qweight, layer.scales, zeros, self.bits,
                                             layer.group_cols)
         return y if layer.bias is None else y + layer.bias
+
+
+    def _gpu_tile(self, layer: nn.Module, x: torch.Tensor) -> int | None:
+        """On CUDA, the tile of the GPU word layout (kernels/int_weight_gemv.py), the codes
+        re-laid out on the first product (an eager warm-up run): `qweight` gives way to
+        `qwords`, the same codes in the order the weight-streaming kernels read. None: the
+        packed codes stay (CPU, 2/3 bits, or a width no tile divides)."""
+        tile = getattr(layer, "gpu_tile", None)
+        if tile is not None or not x.is_cuda:
+            return tile or None
+        from slipstream.kernels.int_weight_gemv import pick_tile, tile_codes
+        from slipstream.quant.primitives import unpack_codes
+        tile = pick_tile(x.shape[1], layer.group_cols, self.bits)
+        if tile is None or getattr(layer, "qweight", None) is None:
+            layer.gpu_tile = 0
+            return None
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("a weight-only quantized layer must run once eagerly before a "
+                               "CUDA graph capture (its codes are re-laid out on the first product)")
+        q = layer.qweight.data
+        words = torch.cat([tile_codes(unpack_codes(q[i:i + 4096], self.bits), self.bits, tile)
+                           for i in range(0, q.shape[0], 4096)])
+        del layer.qweight, q
+        layer.register_parameter("qwords", _param(words))
+        layer.gpu_tile = tile
+        return tile
 
 
 def set_quantized(layer: nn.Module, codes: torch.Tensor, scale: torch.Tensor,
@@ -119,7 +152,7 @@ class IntWeightHeadMethod(IntWeightMethod):
     CHUNK_ROWS = 8192
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        if not hasattr(layer, "qweight"):
+        if not hasattr(layer, "qweight") and not hasattr(layer, "qwords"):
             if x.is_cuda and torch.cuda.is_current_stream_capturing():
                 raise RuntimeError("the LM head must run once eagerly before a CUDA graph "
                                    "capture (it is quantized on its first product)")

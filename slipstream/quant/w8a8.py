@@ -10,9 +10,10 @@ quant/smoothquant.py and is folded into the previous RMSNorm (or linear) weights
 run time it costs nothing. Scheme "w8a8" quantizes a float checkpoint at load without
 smoothing; `slipstream quantize --method smoothquant` writes a smoothed one.
 
-On CUDA the activations are quantized by one Triton kernel (kernels/quant_act.py) and the
-int32 GEMM is the Triton kernel of kernels/quant_gemm.py; on the CPU `torch._int_mm` (exact
-integer arithmetic in both).
+The activations arrive quantized from the kernel that produced them (the fused norm or
+SiLU, see quant/activation.py) or are quantized here (one Triton kernel on CUDA). On CUDA
+the int32 GEMM is the Triton kernel of kernels/w8a8_gemm.py; on the CPU `torch._int_mm`
+(exact integer arithmetic in both).
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import torch
 from torch import nn
 
 from slipstream.kernels import reference
+from slipstream.quant.activation import QuantizedRows, quantize_activation
 from slipstream.quant.base import register_scheme
 from slipstream.quant.primitives import quantize_int8_rows
 
@@ -37,6 +39,8 @@ def quantize_weight_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class Int8W8A8Method:
+    input_quant = "int8"    # the producer of this layer's input may quantize it (activation.py)
+
     def __init__(self, prequantized: bool = False):
         self.prequantized = prequantized
 
@@ -55,20 +59,18 @@ class Int8W8A8Method:
             layer.register_parameter("weight_scale", _param(ws))
         layer.weight_t = layer.weight.data.t()   # [in, out] view for torch._int_mm
 
-    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        # x: [num_tokens, in] -> [num_tokens, out]
-        if x.is_cuda:
-            from slipstream.kernels.quant_act import quantize_rows
-            from slipstream.kernels.quant_gemm import w8a8_gemm
-            xq, xs = quantize_rows(x, "int8")
-            y = w8a8_gemm(xq, xs, layer.weight, layer.weight_scale, x.dtype)
-            return y if layer.bias is None else y + layer.bias
-        xq, xs = quantize_int8_rows(x)
-        if hasattr(torch, "_int_mm"):
+    def apply(self, layer: nn.Module, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
+        # x: [num_tokens, in] (or its int8 rows) -> [num_tokens, out]
+        xr = x if isinstance(x, QuantizedRows) else quantize_activation(x, "int8")
+        xq, xs = xr.q, xr.scale
+        if xq.is_cuda:
+            from slipstream.kernels.w8a8_gemm import w8a8_gemm
+            y = w8a8_gemm(xq, xs, layer.weight, layer.weight_scale, xr.dtype)
+        elif hasattr(torch, "_int_mm"):
             acc = torch._int_mm(xq, layer.weight_t)            # [num_tokens, out] int32
-            y = (acc.float() * xs * layer.weight_scale[None, :]).to(x.dtype)
+            y = (acc.float() * xs * layer.weight_scale[None, :]).to(xr.dtype)
         else:
-            y = reference.w8a8_linear(xq, xs, layer.weight, layer.weight_scale, x.dtype)
+            y = reference.w8a8_linear(xq, xs, layer.weight, layer.weight_scale, xr.dtype)
         return y if layer.bias is None else y + layer.bias
 
 

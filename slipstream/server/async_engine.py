@@ -149,8 +149,17 @@ class AsyncEngine:
         try:
             outputs = engine.step()
         except Exception as e:  # noqa: BLE001 - one bad step must not stop the server
-            log.exception("a step failed; failing its requests")
             self.stats.step_errors += 1
+            lost = getattr(e, "request_ids", None)
+            if lost is not None:
+                # The engine names the requests it lost (a prefill/decode pair whose
+                # prefill instance died); the others go on.
+                log.error("%s", e)
+                err = StepError(f"the engine lost this request: {e}")
+                self._deliver([(rid, err) for rid in {r.split("#", 1)[0] for r in lost}])
+                self._snapshot()
+                return
+            log.exception("a step failed; failing its requests")
             failed = in_step or self._unfinished_ids()
             err = StepError(f"the engine failed while computing this request: "
                             f"{type(e).__name__}: {e}")

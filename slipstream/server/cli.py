@@ -38,6 +38,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="share of GPU memory the engine may use")
     e.add_argument("--async-scheduling", choices=("auto", "on", "off"), default="auto",
                    help="overlap host work with the device's step (auto: on with CUDA)")
+    d = p.add_argument_group("prefill/decode disaggregation")
+    d.add_argument("--prefill-device", default=None,
+                   help="compute prompts in a second process on this device (e.g. cuda:1; "
+                        "cpu with a CPU engine) and hand their K/V to this one, which decodes")
     add_engine_options(p)
     p.set_defaults(func=run)
     return p
@@ -72,7 +76,11 @@ def make_engine(args):
     if args.threads is not None:
         import torch
         torch.set_num_threads(args.threads)
-    return Engine(EngineArgs(**{k: v for k, v in opts.items() if k in names}))
+    engine_args = EngineArgs(**{k: v for k, v in opts.items() if k in names})
+    if getattr(args, "prefill_device", None):
+        from slipstream.distributed.prefill_decode import PDEngine
+        return PDEngine(engine_args, args.prefill_device)
+    return Engine(engine_args)
 
 
 def run(args) -> int:
@@ -100,7 +108,12 @@ def run(args) -> int:
     # shutdown, which stops the engine thread.
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.drain_timeout, access_log=False)
-    _server_class()(config).run()
+    try:
+        _server_class()(config).run()
+    finally:
+        shutdown = getattr(engine, "shutdown", None)
+        if shutdown is not None:    # worker and prefill processes
+            shutdown()
     return 0
 
 

@@ -97,10 +97,11 @@ def test_a_killed_prefill_instance_fails_its_requests_within_seconds(folder):
         with pytest.raises(PeerDiedError, match=r"prefill instance \(pid \d+\) exited with code -9"):
             engine.add_request({"prompt_token_ids": [11, 12, 13]}, params)
         assert time.monotonic() - t0 < 5
-        # A request already decoding finishes on the decode instance alone.
+        # A request already decoding finishes on the decode instance alone, through the
+        # pair's own steps.
         done = []
-        while engine.engine.has_unfinished_requests():
-            done += [o for o in engine.engine.step() if o.finished]
+        while engine.has_unfinished_requests():
+            done += [o for o in engine.step() if o.finished]
         assert [o.request_id for o in done] == [decoding] and len(done[0].outputs[0].token_ids) == 40
     finally:
         pd.shutdown()
@@ -117,10 +118,11 @@ def test_prefill_dying_while_requests_wait_fails_them_not_hangs(folder):
         pd.engine.step()
         os.kill(proc.pid, signal.SIGKILL)     # ... then gone
         t0 = time.monotonic()
-        with pytest.raises(PeerDiedError, match=rf"waiting for their prompt were failed \({rid}\)"):
+        with pytest.raises(PeerDiedError, match=rf"waiting for their prompt were failed \({rid}\)") as e:
             for _ in range(200):
                 pd.engine.step()
         assert time.monotonic() - t0 < 5
+        assert e.value.request_ids == [rid]
         assert not pd.engine.has_unfinished_requests()
     finally:
         pd.shutdown()
@@ -133,3 +135,31 @@ def test_options_are_checked(folder):
         _pd(folder, prefill_device="cuda:1")
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         _pd(folder, tensor_parallel_size=2)
+
+
+def test_serve_with_a_prefill_device_answers_like_one_instance(folder, tmp_path):
+    """`slipstream serve --prefill-device cpu`: the OpenAI API over a prefill/decode
+    pair gives the tokens of one plain instance."""
+    import json
+    import urllib.request
+
+    from slipstream import LLM
+    from tests.server.conftest import ServerProcess
+    prompt, n = "hello there", 8
+    plain = LLM(str(folder), **OPTS).generate(
+        [prompt], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))[0].outputs[0]
+    server = ServerProcess(["--model", str(folder), "--device", "cpu", "--dtype", "float32",
+                            "--max-model-len", "256", "--block-size", "4",
+                            "--num-kv-blocks", "256", "--prefill-device", "cpu"],
+                           tmp_path / "serve.log")
+    try:
+        model = json.loads(server.get("/v1/models"))["data"][0]["id"]
+        body = json.dumps({"model": model, "prompt": prompt, "max_tokens": n, "temperature": 0,
+                           "ignore_eos": True}).encode()
+        req = urllib.request.Request(server.url + "/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            out = json.loads(r.read())
+        assert out["choices"][0]["text"] == plain.text, server.log()
+    finally:
+        server.stop()

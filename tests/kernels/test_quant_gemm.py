@@ -1,5 +1,5 @@
-"""Quantized GEMM kernels against their PyTorch twins (reference.int_weight_linear,
-reference.w8a8_linear), on random (never zero) inputs, fp16/fp32 under the interpreter.
+"""Quantized GEMM kernels against their PyTorch twins (reference.int_weight_linear; the
+W8A8 GEMM: test_w8a8_gemm.py), on random (never zero) inputs, fp16/fp32 under the interpreter.
 
 Tolerances: the kernel and the twin multiply the same dequantized values; they differ only
 in summation order and, for fp16, in rounding the product once per K tile instead of once:
@@ -9,11 +9,12 @@ import pytest
 import torch
 
 from slipstream.kernels import reference
-from slipstream.kernels.quant_gemm import int_weight_gemm, w8a8_gemm
+from slipstream.kernels.quant_gemm import int_weight_gemm
 from slipstream.quant.primitives import pack_codes, quantize, quantize_int8_rows
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-TOL = {torch.float16: 2e-2, torch.float32: 1e-4}
+# On a GPU tl.dot takes fp32 operands as TF32 (10-bit mantissa): fp16's tolerance.
+TOL = {torch.float16: 2e-2, torch.float32: 1e-4 if DEVICE == "cpu" else 2e-2}
 
 
 def _quantized(n, k, bits, group, sym):
@@ -58,18 +59,6 @@ def test_int_weight_gemm_prefill_config_and_bad_groups():
         int_weight_gemm(x, qw, s, z, 4, 24)
     with pytest.raises(ValueError, match="bits"):
         int_weight_gemm(x, qw, s, z, 3, 64)
-
-
-@pytest.mark.parametrize("m,n,k", [(1, 48, 64), (17, 40, 96), (70, 64, 160)])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-def test_w8a8_gemm_matches_reference(m, n, k, dtype):
-    xq, xs = quantize_int8_rows(torch.randn(m, k))
-    wq, ws = quantize_int8_rows(torch.randn(n, k))
-    ws = ws.flatten()
-    y = w8a8_gemm(xq.to(DEVICE), xs.to(DEVICE), wq.to(DEVICE), ws.to(DEVICE), dtype)
-    ref = reference.w8a8_linear(xq, xs, wq, ws, torch.float32)
-    rtol = 1e-3 if dtype == torch.float16 else 1e-5
-    torch.testing.assert_close(y.float().cpu(), ref, atol=rtol, rtol=rtol)
 
 
 # ---- the exact dequantization trick and the activation-quantization kernel ----------------

@@ -1,0 +1,87 @@
+"""Compile the W8A8 kernels for sm_90 (H100/H200) without a GPU; run as a script with
+TRITON_INTERPRET=0 (test_sm90_compile.py does), since the interpreter replaces the
+compiler. Prints one JSON object: check name -> "ok", "skip: ..." or the error."""
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.jit import mangle_type
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from slipstream.kernels.quant_act import _quantize_rows_kernel, quant_params
+from slipstream.kernels.rms_norm import _rms_norm_kernel
+from slipstream.kernels.silu_mul import _silu_mul_quant_kernel
+from slipstream.kernels.w8a8_gemm import _w8a8_gemm_kernel, _w8a8_tma_kernel
+
+CODES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
+BF16, F32 = torch.empty(8, dtype=torch.bfloat16), torch.empty(8)
+
+
+def compile_sm90(kernel, args: dict, constexprs: dict, **options):
+    sig = {n: "constexpr" if n in constexprs else mangle_type(args[n]) for n in kernel.arg_names}
+    return triton.compile(ASTSource(kernel, sig, constexprs), target=GPUTarget("cuda", 90, 32),
+                          options=options)
+
+
+def gemm(kind):
+    q = torch.empty(8, dtype=CODES[kind])
+    args = dict(XQ=q, XS=F32, WQ=q, WS=F32, Y=BF16, M=2048, N=4096, K=4096, stride_xm=4096,
+                stride_wn=4096, stride_ym=4096)
+    k = compile_sm90(_w8a8_gemm_kernel, args, dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128,
+                                                   GROUP_M=8, INT8=kind == "int8"),
+                     num_warps=8, num_stages=3)
+    assert "wgmma" in k.asm["ptx"], "no wgmma in the PTX"
+
+
+def tma_gemm(kind):
+    a = TensorDescriptor.from_tensor(torch.empty(256, 256, dtype=CODES[kind]), [128, 128])
+    b = TensorDescriptor.from_tensor(torch.empty(512, 256, dtype=CODES[kind]), [256, 128])
+    args = dict(a_desc=a, b_desc=b, XS=F32, WS=F32, Y=BF16, M=2048, N=4096, K=4096,
+                stride_ym=4096, PROGRAMS=132)
+    k = compile_sm90(_w8a8_tma_kernel, args, dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=128,
+                                                  GROUP_M=8, INT8=kind == "int8"),
+                     num_warps=8, num_stages=3)
+    assert "wgmma" in k.asm["ptx"] and "cp.async.bulk.tensor" in k.asm["ptx"], "no wgmma/TMA"
+
+
+def producers(kind):
+    q = torch.empty(8, dtype=CODES[kind])
+    p = quant_params(kind)
+    compile_sm90(_rms_norm_kernel, dict(X=BF16, Res=BF16, W=BF16, Out=q, ResOut=BF16, eps=1e-5,
+                                        stride_x=4096, stride_r=4096, stride_o=4096,
+                                        stride_ro=4096, S=F32),
+                 dict(N=4096, BLOCK=4096, HAS_RESIDUAL=True, QUANT=True, **p), num_warps=16)
+    for one_pass, block, warps in ((False, 2048, 8), (True, 16384, 16)):
+        compile_sm90(_silu_mul_quant_kernel, dict(X=BF16, Q=q, S=F32, stride_x=28672,
+                                                  stride_q=14336, D=14336),
+                     dict(BLOCK=block, ONE_PASS=one_pass, **p), num_warps=warps)
+    compile_sm90(_quantize_rows_kernel, dict(X=BF16, Q=q, S=F32, K=4096, stride_xm=4096,
+                                             stride_qm=4096),
+                 dict(BLOCK=2048, **p), num_warps=8)
+
+
+CHECKS = {f"{fn.__name__}-{kind}": (fn, kind) for fn in (gemm, tma_gemm, producers)
+          for kind in ("int8", "fp8")}
+
+
+def main() -> int:
+    out = {}
+    for name, (fn, kind) in CHECKS.items():
+        try:
+            fn(kind)
+            out[name] = "ok"
+        except FileNotFoundError as e:          # a Triton build without its ptxas
+            out[name] = f"skip: {e}"
+        except Exception as e:
+            out[name] = f"{type(e).__name__}: {str(e)[-400:]}"
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
