@@ -84,8 +84,8 @@ def main_loop(sass: str) -> collections.Counter:
 def report(kv, kv_dot, asm, block_n, warps, stages) -> dict:
     ops = main_loop(compile_sass(kv, kv_dot, asm, block_n, warps, stages))
     total = sum(ops.values())
-    row = {"kv": kv, "kv_dot": kv_dot if kv != "bf16" else 0, "asm": asm, "block_n": block_n, "warps": warps,
-           "stages": stages, "loop_instructions": total,
+    row = {"kv": kv, "kv_dot": kv_dot if kv != "bf16" else 0, "asm": asm, "block_n": block_n,
+           "warps": warps, "stages": stages, "loop_instructions": total,
            "warp_instructions_a_key": total * warps / block_n}
     for group, prefixes in GROUPS.items():
         row[group] = sum(n for op, n in ops.items() if op.startswith(prefixes))
