@@ -38,7 +38,7 @@ EXTRA_VARIANTS = [("f16", 1, True), ("f16_vwords_tritonops", 2, False)]
 # The new path each cache is swept and prefetched on: int8 K dots need int8 codes.
 CANDIDATE = {"bf16": {}, "int8": {"KV_DOT": 3}, "fp8": {"KV_DOT": 2}}
 # Launch configs swept at 32k for the default variant: (BLOCK_N, num_warps, num_stages).
-CONFIGS = [(128, 4, 6), (128, 4, 4), (64, 2, 6), (32, 1, 6)]
+CONFIGS = [(128, 4, 6), (64, 2, 6), (128, 4, 8), (32, 1, 6)]
 SPLIT_FACTORS = (0.5, 1.0, 2.0, 4.0)
 MAX_SPLITS = 128
 
