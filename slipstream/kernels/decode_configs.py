@@ -40,11 +40,16 @@ MAX_TREE_NODES = 64  # one int64 bitmask per node
 # How a quantized cache meets the query: 0 codes -> the query's dtype
 # (attention_tile.py), 1 codes -> fp16 operands, 2 the same with V read as 16-bit
 # words, 3 as 2 with int8 K codes dotted with the query split in two int8 halves
-# (int8 caches; fp8 ones take 2) (code_tile.py). 1-3 stay opt-in (config
-# KV_DOT) until a device run times them: bench_kv_cache.py --quick.
-DEFAULT_KV_DOT = {"int8": 0, "fp8": 0}
+# (int8 caches; fp8 ones take 2) (code_tile.py). Measured (H200, bench_kv_cache.py
+# --quick, results/kv_decode_quick_h200_2026-11-30.md), decode vs the bf16 cache,
+# B=1 32k / 128k, B=32 4k: int8 path 0 0.96x / 1.06x / 0.96x, path 3 1.39x / 1.65x
+# / 1.66x (path 2 1.34x / 1.50x); fp8 path 0 0.84x / 0.90x / 0.83x, path 2 1.45x /
+# 1.69x / 1.67x.
+DEFAULT_KV_DOT = {"int8": 3, "fp8": 2}
 # Keys of its share a split prefetches into L2 before it waits on the kernel
-# before it (attention_tile.prefetch_paged_keys); opt-in until timed.
+# before it (attention_tile.prefetch_paged_keys). Off: 128 keys measured slower
+# for every cache and context in the same run (B=1 32k: bf16 38.7 against 37.4 us,
+# int8 27.3 against 27.0, fp8 26.9 against 25.8).
 DEFAULT_PREFETCH = 0
 
 
