@@ -81,12 +81,21 @@ class MedusaProposer:
     def propose(self, requests: list[ProposeRequest]) -> list[DraftTree]:
         if not requests:
             return []
-        h = torch.stack([r.hidden[-1] for r in requests])              # [B, hidden]
+        tokens = self.propose_from_states(torch.stack([r.hidden[-1] for r in requests]))
+        return [DraftTree(tokens[i], self.parents) for i in range(len(requests))]
+
+    @torch.inference_mode()
+    def propose_from_states(self, h: torch.Tensor) -> torch.Tensor:
+        """h: [B, hidden], the states that chose each root -> the tree's tokens
+        [B, nodes] int64 on h's device (parents: `self.parents`). Needs no host
+        value, so the runner drafts with it right after verification, before
+        its one wait on the device."""
         states = self.heads(h)[:, :len(self.topk)]                      # [B, depth, hidden]
         logits = self.lm_head(states.flatten(0, 1).to(h.dtype))         # [B * depth, V]
-        top = logits.topk(max(self.topk), dim=-1).indices.view(len(requests), -1)
-        tokens = self.token_ids(top[:, self.pick.to(top.device)])      # [B, nodes]
-        return [DraftTree(tokens[i], self.parents) for i in range(len(requests))]
+        top = logits.topk(max(self.topk), dim=-1).indices.view(h.shape[0], -1)
+        if self.pick.device != top.device:
+            self.pick = self.pick.to(top.device)    # once
+        return self.token_ids(top[:, self.pick])                        # [B, nodes]
 
     def release(self, request_id: str) -> None:
         pass
