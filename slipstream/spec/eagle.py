@@ -19,12 +19,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from slipstream.layers.rotary import RotaryEmbedding, apply_rotary
 from slipstream.spec.base import ProposeRequest, register_proposer
+from slipstream.spec.transfer import HostCopy, to_device
 from slipstream.spec.tree import DraftTree
 
 
@@ -170,7 +172,7 @@ class EagleProposer:
                 past = (k0[:first - start], v0[:first - start], start)
         start = first if past is None else past[2]
         dev = r.hidden.device
-        toks = torch.tensor(list(r.token_ids[first + 1:length]), device=dev)
+        toks = to_device(np.asarray(r.token_ids[first + 1:length]), torch.int64, dev)
         pos = torch.arange(first, length - 1, device=dev)
         f, k, v = self.head(self.embed(toks).to(dt), r.hidden.to(dt), pos,
                             None if past is None else past[:2], None)
@@ -226,8 +228,10 @@ class EagleProposer:
             src = torch.arange(e, e + b, device=dev).repeat_interleave(kk)
             offset += sc.shape[0]
         levels = torch.cat([torch.full_like(c, i + 1) for i, c in enumerate(cols)])
-        table = torch.stack([self.token_ids(torch.cat(cols)).double(), torch.cat(scores).double(),
-                             torch.cat(parents).double(), levels.double()]).cpu().tolist()
+        # The round's second wait (the first is the verifier's): the candidates.
+        table = HostCopy(torch.stack([self.token_ids(torch.cat(cols)).double(),
+                                      torch.cat(scores).double(), torch.cat(parents).double(),
+                                      levels.double()])).wait().tolist()
         tok, score, par, level = table
         par = [int(p) for p in par]
         # Keep the best max_nodes; close under ancestors; order by level.
@@ -239,7 +243,7 @@ class EagleProposer:
                 a = par[a]
         order = sorted(keep, key=lambda c: (level[c], -score[c]))
         index = {c: j for j, c in enumerate(order)}
-        return DraftTree(torch.tensor([int(tok[c]) for c in order], device=dev),
+        return DraftTree(torch.tensor([int(tok[c]) for c in order], dtype=torch.int64),
                          tuple(index[par[c]] if par[c] >= 0 else -1 for c in order))
 
 
