@@ -124,6 +124,12 @@ class TreeBatch:
     draft_probs: [B, N + 1, V] float32 or None (all deterministic); rows of
         requests without q hold one-hot drafts
     num_nodes: host ints; depth, max_children: host ints bounding the loops.
+    parent_rows, depths: [B, N + 1] int64, each row's parent row (0 for the
+        root and padding) and depth (0 for the root and padding);
+    relations: [B, 2, N + 1, N + 1] uint8: [:, 0] row r' is an ancestor of r
+        or r itself (the root left out), [:, 1] r' is an earlier sibling of r.
+        These three let greedy verification run without a loop over depth;
+        None (hand-built batches) falls back to the walk.
     """
     tokens: torch.Tensor
     children: torch.Tensor
@@ -131,6 +137,9 @@ class TreeBatch:
     num_nodes: list[int]
     depth: int
     max_children: int
+    parent_rows: torch.Tensor | None = None
+    depths: torch.Tensor | None = None
+    relations: torch.Tensor | None = None
 
     @classmethod
     def stack(cls, trees: list[DraftTree], device: torch.device | str,
@@ -144,13 +153,21 @@ class TreeBatch:
         children = np.zeros((b, n + 1, max(k, 1)), dtype=np.int64)
         host = all(t.tokens.device.type == "cpu" for t in trees)
         tok = np.zeros((b, n + 1), dtype=np.int64)
+        prow = np.zeros((b, n + 1), dtype=np.int64)
+        dep = np.zeros((b, n + 1), dtype=np.int64)
+        rel = np.zeros((b, 2, n + 1, n + 1), dtype=np.uint8)
         for i, t in enumerate(trees):
+            m = t.num_nodes + 1
             if host and t.num_nodes:
-                tok[i, 1:t.num_nodes + 1] = t.tokens.numpy()
-            kids = _children_of(t.parents)
+                tok[i, 1:m] = t.tokens.numpy()
+            kids, p_r, d_r, r_r = _structure(t.parents)
             children[i, :kids.shape[0], :kids.shape[1]] = kids
-        flat = to_device(np.concatenate([tok.ravel(), children.ravel()]), torch.int64, device)
-        tokens = flat[:tok.size].view(b, n + 1)
+            prow[i, :m], dep[i, :m], rel[i, :, :m, :m] = p_r, d_r, r_r
+        flat = to_device(np.concatenate([tok.ravel(), prow.ravel(), dep.ravel(),
+                                         children.ravel()]), torch.int64, device)
+        relations = to_device(rel, torch.uint8, device)
+        c = tok.size
+        tokens = flat[:c].view(b, n + 1)
         if not host:
             tokens = tokens.clone()
             for i, t in enumerate(trees):
@@ -169,8 +186,36 @@ class TreeBatch:
                 else:
                     probs[i, torch.arange(1, t.num_nodes + 1, device=device),
                           t.tokens.to(device)] = 1.0
-        return cls(tokens, flat[tok.size:].view(b, n + 1, max(k, 1)), probs,
-                   [t.num_nodes for t in trees], max((t.depth for t in trees), default=0), k)
+        return cls(tokens, flat[3 * c:].view(b, n + 1, max(k, 1)), probs,
+                   [t.num_nodes for t in trees], max((t.depth for t in trees), default=0), k,
+                   flat[c:2 * c].view(b, n + 1), flat[2 * c:3 * c].view(b, n + 1), relations)
+
+
+_STRUCTURE: dict[tuple[int, ...], tuple] = {}
+
+
+def _structure(parents: tuple[int, ...]) -> tuple:
+    """(children [n + 1, K], parent rows [n + 1], depths [n + 1], relations
+    [2, n + 1, n + 1] uint8) of one tree, as `TreeBatch` lays them out
+    (memoised: static trees and chains repeat every step)."""
+    out = _STRUCTURE.get(parents)
+    if out is None:
+        n = len(parents)
+        kids = _children_of(parents)
+        prow = np.array([0] + [p + 1 for p in parents], dtype=np.int64)
+        dep = np.zeros(n + 1, dtype=np.int64)
+        rel = np.zeros((2, n + 1, n + 1), dtype=np.uint8)
+        rel[0] = ancestor_array(parents)
+        rel[0, :, 0] = 0
+        for j, p in enumerate(parents):
+            dep[j + 1] = dep[p + 1] + 1
+            for sib in kids[p + 1]:
+                if 0 < sib < j + 1:
+                    rel[1, j + 1, sib] = 1
+        if len(_STRUCTURE) > 4096:
+            _STRUCTURE.clear()
+        out = _STRUCTURE[parents] = (kids, prow, dep, rel)
+    return out
 
 
 _CHILDREN: dict[tuple[int, ...], np.ndarray] = {}
