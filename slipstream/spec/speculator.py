@@ -254,10 +254,14 @@ class Speculator:
         if not n:
             return
         spec_rows = sum(rid in self._step_trees for rid in plan.req_ids)
+        decode = all(int(q) == 1 or plan.req_ids[i] in self._step_trees
+                     for i, q in enumerate(plan.query_lens))
         if spec_rows == n:
             kind = "spec"
         elif spec_rows == 0 and all(int(q) == 1 for q in plan.query_lens):
             kind = "plain"
+        elif decode:            # some requests verify, the others decode one token
+            kind = "probe"
         else:
             kind = None
         self.governor.observe_step(seconds, n, kind)
