@@ -26,6 +26,7 @@ from torch import nn
 
 from slipstream.layers.rotary import RotaryEmbedding, apply_rotary
 from slipstream.spec.base import ProposeRequest, register_proposer
+from slipstream.spec.eagle_tree import EagleTreeExpander
 from slipstream.spec.transfer import HostCopy, to_device
 from slipstream.spec.tree import DraftTree
 
@@ -145,6 +146,7 @@ class EagleProposer:
         self.token_ids = getattr(lm_head, "token_ids", lambda cols: cols)
         self.depth, self.topk, self.beam, self.max_nodes = depth, topk, beam, max_nodes
         self.kv: dict[str, tuple[torch.Tensor, torch.Tensor, int]] = {}
+        self.expander = EagleTreeExpander(head, embed, lm_head, self.token_ids, depth, topk, beam)
 
     def release(self, request_id: str) -> None:
         self.kv.pop(request_id, None)
@@ -184,54 +186,10 @@ class EagleProposer:
     def _one(self, r: ProposeRequest) -> DraftTree:
         """EAGLE-2's dynamic tree, built on the device; one host transfer at the end."""
         root_feat = self._catch_up(r)
-        dt, dev = root_feat.dtype, root_feat.device
         past_k, past_v, _ = self.kv[r.request_id]
-        ctx = past_k.shape[0]                     # real pairs held
         base = len(r.token_ids) - 1               # absolute position of the first draft pair
-        k = self.topk
-        logp = torch.log_softmax(self.lm_head(root_feat[None]).float(), -1)[0]
-        top = logp.topk(min(k, logp.shape[-1]))
-        # Candidates level by level: draft-vocabulary column, cumulative
-        # log-probability, parent (global candidate index, -1: the root).
-        cols, scores, parents = [top.indices], [top.values], [torch.full_like(top.indices, -1)]
-        feat_in = root_feat.expand(top.indices.shape[0], -1)   # per candidate of the level
-        src = None                                # expanded row of each candidate's parent
-        anc = torch.zeros(0, 0, dtype=torch.bool, device=dev)  # ancestors among expanded rows
-        ks, vs = [past_k], [past_v]
-        offset = 0                                # global index of the level's first candidate
-        for lvl in range(1, self.depth):
-            sc = scores[-1]
-            fr = sc.topk(min(self.beam, sc.shape[0])).indices   # the level's best: expand them
-            b, e = fr.shape[0], anc.shape[0]
-            if src is None:
-                anc_new = torch.zeros(b, e, dtype=torch.bool, device=dev)
-            else:
-                s = src[fr]
-                anc_new = anc[s] | F.one_hot(s, e).bool()
-            # A frontier node sees the real pairs, its expanded ancestors, itself.
-            mask = torch.cat([torch.ones(b, ctx, dtype=torch.bool, device=dev), anc_new,
-                              torch.eye(b, dtype=torch.bool, device=dev)], dim=1)
-            anc = torch.cat([torch.cat([anc, anc.new_zeros(e, b)], 1),
-                             torch.cat([anc_new, anc.new_zeros(b, b)], 1)], 0)
-            toks = self.token_ids(cols[-1][fr])
-            pos = torch.full((b,), base - 1 + lvl, device=dev)
-            f, kn, vn = self.head(self.embed(toks).to(dt), feat_in[fr], pos,
-                                  (torch.cat(ks), torch.cat(vs)), mask)
-            ks.append(kn), vs.append(vn)
-            logp = torch.log_softmax(self.lm_head(f).float(), -1)
-            top = logp.topk(min(k, logp.shape[-1]))              # [b, k]
-            kk = top.indices.shape[1]
-            cols.append(top.indices.flatten())
-            scores.append((sc[fr][:, None] + top.values).flatten())
-            parents.append((offset + fr).repeat_interleave(kk))
-            feat_in = f.repeat_interleave(kk, dim=0)
-            src = torch.arange(e, e + b, device=dev).repeat_interleave(kk)
-            offset += sc.shape[0]
-        levels = torch.cat([torch.full_like(c, i + 1) for i, c in enumerate(cols)])
         # The round's second wait (the first is the verifier's): the candidates.
-        table = HostCopy(torch.stack([self.token_ids(torch.cat(cols)).double(),
-                                      torch.cat(scores).double(), torch.cat(parents).double(),
-                                      levels.double()])).wait().tolist()
+        table = HostCopy(self.expander.expand(root_feat, past_k, past_v, base)).wait().tolist()
         tok, score, par, level = table
         par = [int(p) for p in par]
         # Keep the best max_nodes; close under ancestors; order by level.
