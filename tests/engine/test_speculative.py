@@ -171,3 +171,49 @@ def test_single_request_tree_steps_take_the_graph_path_exactly(folder, tmp_path)
         got = [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
         assert got == want and seen
         assert_no_leak(llm)
+
+
+def test_accepted_side_branches_move_their_kv_in_batched_steps(folder, plain, monkeypatch):
+    """An oracle tree whose first child is always wrong and whose second
+    branch holds the true continuation: every accepted path leaves the
+    leftmost branch, so its K/V must move into place, for several requests
+    of a step at once (the ones near max_tokens get cut trees)."""
+    import numpy as np
+    from slipstream.spec import base, speculator
+    from slipstream.spec.tree import DraftTree
+    prompts = [p["prompt_token_ids"] for p in _prompts()]
+
+    class Oracle:
+        needs_hidden = False
+
+        def propose(self, reqs):
+            out = []
+            for r in reqs:
+                ids = list(np.asarray(r.token_ids))
+                i = next(i for i, p in enumerate(prompts) if ids[:len(p)] == p)
+                done = len(ids) - len(prompts[i])
+                nxt = plain[i][done:done + 3]
+                if len(nxt) < 3:
+                    out.append(DraftTree.empty())
+                    continue
+                wrong = [(t + 1) % 100 for t in nxt]
+                out.append(DraftTree(torch.tensor([wrong[0], nxt[0], wrong[1], nxt[1], nxt[2]]),
+                                     (-1, -1, 1, 1, 3)))
+            return out
+
+        def release(self, rid):
+            pass
+
+    monkeypatch.setitem(base._PROPOSERS, "ngram", lambda **_: Oracle())
+    moved = []
+    real = speculator.Speculator._move_kv
+    monkeypatch.setattr(speculator.Speculator, "_move_kv",
+                        lambda self, s, d, dev: (moved.append(len(s)), real(self, s, d, dev)))
+    llm = make_llm(folder, speculative_method="ngram", num_speculative_tokens=5,
+                   speculative_auto_off=False)
+    outs = llm.generate(_prompts(), GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == plain
+    stats = llm.engine.runner.speculator.stats
+    assert stats.accepted >= 3 * stats.rounds - 3 * len(prompts)   # nearly every path taken
+    assert moved and max(moved) >= 3 * 2                            # several requests per step
+    assert_no_leak(llm)
