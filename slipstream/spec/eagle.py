@@ -153,44 +153,95 @@ class EagleProposer:
 
     @torch.inference_mode()
     def propose(self, requests: list[ProposeRequest]) -> list[DraftTree]:
-        return [self._one(r) for r in requests]
+        trees = []
+        for r in requests:
+            root_feat, base = self._catch_up(r)
+            st = self.kv[r.request_id]
+            table = self.expander.expand(root_feat, st.k, st.v, base, st.valid)
+            # The round's second wait (the first is the verifier's): the candidates.
+            trees.append(self._select(HostCopy(table).wait()))
+        return trees
 
-    def _catch_up(self, r: ProposeRequest) -> torch.Tensor:
-        """Run the real pairs new since the last call; returns f^ after the root.
-        State per request: K, V of pairs [start, start + len). The runner may
-        hand over fewer states than the whole history (prefix-cache hits,
-        speculation paused): a gap restarts the head's context at the first
-        pair it is given, which only costs acceptance."""
+    def _catch_up(self, r: ProposeRequest) -> tuple[torch.Tensor, int]:
+        """Run the real pairs new since the last call; returns (f^ after the
+        root, position of the first draft pair). The runner may hand over
+        fewer states than the whole history (prefix-cache hits, speculation
+        paused): a gap restarts the head's context at the first pair it is
+        given, which only costs acceptance; states it has seen are skipped."""
         dt = self.head.fc.weight.dtype
-        m, length = r.hidden.shape[0], len(r.token_ids)
-        first = length - 1 - m                     # pairs j in [first, L - 1)
-        past = self.kv.get(r.request_id)
-        if past is not None:
-            k0, v0, start = past
-            end = start + k0.shape[0]
-            if end < first or first < start:
-                past = None
-            elif end > first:                      # states sent twice: keep one copy
-                past = (k0[:first - start], v0[:first - start], start)
-        start = first if past is None else past[2]
-        dev = r.hidden.device
+        hidden, length = r.hidden, len(r.token_ids)
+        first = length - 1 - hidden.shape[0]       # pairs j in [first, L - 1)
+        st = self.kv.get(r.request_id)
+        if st is not None and (st.end < first or first < st.start):
+            st = None
+        if st is not None and st.end > first:      # states sent twice: keep the first copy
+            hidden, first = hidden[st.end - first:], st.end
+        if st is not None and not hidden.shape[0]:
+            return st.feat, length - 1
+        dev = hidden.device
         toks = to_device(np.asarray(r.token_ids[first + 1:length]), torch.int64, dev)
         pos = torch.arange(first, length - 1, device=dev)
-        f, k, v = self.head(self.embed(toks).to(dt), r.hidden.to(dt), pos,
-                            None if past is None else past[:2], None)
-        if past is not None:
-            k, v = torch.cat([past[0], k]), torch.cat([past[1], v])
-        self.kv[r.request_id] = (k, v, start)
-        return f[-1]
+        t = hidden.shape[0]
+        mask = None if st is None else _append_mask(st.valid, t)
+        f, k, v = self.head(self.embed(toks).to(dt), hidden.to(dt), pos,
+                            None if st is None else (st.k, st.v), mask)
+        if st is None:
+            st = self.kv[r.request_id] = _HeadContext(k, v, torch.ones(t, dtype=torch.bool,
+                                                                       device=dev), first)
+        else:
+            st.append(k, v, torch.ones(t, dtype=torch.bool, device=dev))
+        st.end, st.feat = length - 1, f[-1]
+        return f[-1], length - 1
 
-    def _one(self, r: ProposeRequest) -> DraftTree:
-        """EAGLE-2's dynamic tree, built on the device; one host transfer at the end."""
-        root_feat = self._catch_up(r)
-        past_k, past_v, _ = self.kv[r.request_id]
-        base = len(r.token_ids) - 1               # absolute position of the first draft pair
-        # The round's second wait (the first is the verifier's): the candidates.
-        table = HostCopy(self.expander.expand(root_feat, past_k, past_v, base)).wait().tolist()
-        tok, score, par, level = table
+    # ---- drafting right after verification, before the round's one wait ---------
+
+    @torch.inference_mode()
+    def draft_after_verify(self, rids: list[str], starts: list[int], hidden: torch.Tensor,
+                           base_rows: torch.Tensor, out) -> tuple[torch.Tensor, list[bool]] | None:
+        """Catch up on each request's root and accepted nodes and expand its
+        next tree, all on the device (tokens, accepted count and positions
+        read from the verifier's device output): the candidate table travels
+        in the verifier's one copy. The D + 1 possible new pairs are all run;
+        those past the accepted count stay in the head's K/V, masked off.
+        Requests whose context does not end at the root (a gap) are left to
+        `propose` (ok False)."""
+        d1 = out.tokens.shape[1]
+        rows, ok = [], []
+        dt, dev = self.head.fc.weight.dtype, hidden.device
+        offs = torch.arange(d1, device=dev)
+        for j, (rid, s) in enumerate(zip(rids, starts)):
+            st = self.kv.get(rid)
+            if st is None or st.end != s:
+                ok.append(False)
+                rows.append(None)
+                continue
+            a = out.num_accepted[j:j + 1]                                # [1] device
+            path_rows = torch.cat([a.new_zeros(1), out.accepted_nodes[j] + 1]).clamp_min(0)
+            h = hidden[base_rows[j] + path_rows]                         # [D + 1, hidden]
+            toks = out.tokens[j].clamp_min(0)
+            f, k, v = self.head(self.embed(toks).to(dt), h.to(dt), s + offs, (st.k, st.v),
+                                _append_mask(st.valid, d1))
+            st.append(k, v, offs <= a)
+            st.end, st.feat = None, f.index_select(0, a)[0]              # end: set by finish
+            st.pending = s + 1
+            table = self.expander.expand(st.feat, st.k, st.v, s + 1 + a[0], st.valid)
+            rows.append(table.reshape(-1).view(torch.int64))
+            ok.append(True)
+        if not any(ok):
+            return None
+        width = next(r.shape[0] for r in rows if r is not None)
+        filler = torch.zeros(width, dtype=torch.int64, device=dev)
+        return torch.stack([filler if r is None else r for r in rows]), ok
+
+    def finish_drafts(self, rid: str, row: torch.Tensor, num_accepted: int) -> DraftTree:
+        """row: the host copy of this request's `draft_after_verify` row."""
+        st = self.kv[rid]
+        st.end = st.pending + num_accepted
+        return self._select(row.view(torch.float64).view(4, -1))
+
+    def _select(self, table: torch.Tensor) -> DraftTree:
+        """table: the host candidate table [4, C] -> the tree of the best max_nodes."""
+        tok, score, par, level = table.tolist()
         par = [int(p) for p in par]
         # Keep the best max_nodes; close under ancestors; order by level.
         keep = set(sorted(range(len(tok)), key=lambda c: (-score[c], level[c]))[:self.max_nodes])
@@ -203,6 +254,29 @@ class EagleProposer:
         index = {c: j for j, c in enumerate(order)}
         return DraftTree(torch.tensor([int(tok[c]) for c in order], dtype=torch.int64),
                          tuple(index[par[c]] if par[c] >= 0 else -1 for c in order))
+
+
+class _HeadContext:
+    """The pairs one request's head has seen: K, V [rows, kv_heads, head_dim]
+    with `valid` [rows] marking real pairs (rows run after verification but
+    past the accepted count are masked, not removed), from position `start`;
+    `end`: the next pair's position; `feat`: f^ after the last real pair."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, start: int):
+        self.k, self.v, self.valid, self.start = k, v, valid, start
+        self.end: int | None = None
+        self.feat: torch.Tensor | None = None
+        self.pending = 0
+
+    def append(self, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor) -> None:
+        self.k, self.v = torch.cat([self.k, k]), torch.cat([self.v, v])
+        self.valid = torch.cat([self.valid, valid])
+
+
+def _append_mask(valid: torch.Tensor, t: int) -> torch.Tensor:
+    """[t, C + t] bool: t new rows see the valid past and, causally, each other."""
+    causal = torch.ones(t, t, dtype=torch.bool, device=valid.device).tril()
+    return torch.cat([valid.expand(t, -1), causal], 1)
 
 
 @register_proposer("eagle")

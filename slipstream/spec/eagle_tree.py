@@ -33,18 +33,22 @@ class EagleTreeExpander:
         self.pool = None
 
     def expand(self, root_feat: torch.Tensor, past_k: torch.Tensor, past_v: torch.Tensor,
-               base: int) -> torch.Tensor:
-        """root_feat: [hidden]; past_k, past_v: [C, kv_heads, head_dim] (the real
-        pairs); base: absolute position of the first draft pair. Returns the
-        candidate table [4, num_candidates] float64 on the device (a graph's
-        output buffer: valid until the next call)."""
+               base: int | torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+        """root_feat: [hidden]; past_k, past_v: [C, kv_heads, head_dim], of which
+        `valid` [C] bool marks the real pairs (None: all); base: absolute
+        position of the first draft pair (an int or a 0-dim device tensor).
+        Returns the candidate table [4, num_candidates] float64 on the device
+        (a graph's output buffer: valid until the next call). Reads no host value."""
+        dev = root_feat.device
+        if valid is None:
+            valid = torch.ones(past_k.shape[0], dtype=torch.bool, device=dev)
+        if not torch.is_tensor(base):
+            base = torch.full((), base, dtype=torch.int64, device=dev)
         if root_feat.is_cuda and self.graphs_enabled:
-            table = self._replay(root_feat, past_k, past_v, base)
+            table = self._replay(root_feat, past_k, past_v, base, valid)
             if table is not None:
                 return table
-        valid = torch.ones(past_k.shape[0], dtype=torch.bool, device=root_feat.device)
-        base_t = torch.full((), base, dtype=torch.int64, device=root_feat.device)
-        return self.levels(root_feat, past_k, past_v, valid, base_t)
+        return self.levels(root_feat, past_k, past_v, valid, base)
 
     def levels(self, root_feat: torch.Tensor, past_k: torch.Tensor, past_v: torch.Tensor,
                valid: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
@@ -97,13 +101,13 @@ class EagleTreeExpander:
 
     # ---- CUDA graphs ----------------------------------------------------------------
 
-    def _replay(self, root_feat, past_k, past_v, base: int) -> torch.Tensor | None:
+    def _replay(self, root_feat, past_k, past_v, base, valid) -> torch.Tensor | None:
         ctx = past_k.shape[0]
         length = max(256, 1 << max(ctx - 1, 0).bit_length())
         entry = self.graphs.get(length)
         if entry is None:
             try:
-                entry = self._capture(root_feat, past_k, past_v, base, length)
+                entry = self._capture(root_feat, past_k, past_v, base, valid, length)
             except Exception as e:   # noqa: BLE001 - the eager expansion stays correct
                 warnings.warn(f"CUDA graphs for EAGLE drafting are off: {e!r}")
                 self.graphs_enabled = False
@@ -111,29 +115,29 @@ class EagleTreeExpander:
             self.graphs[length] = entry
             return entry[2]
         graph, inputs, table = entry
-        self._fill(inputs, root_feat, past_k, past_v, base)
+        self._fill(inputs, root_feat, past_k, past_v, base, valid)
         graph.replay()
         return table
 
     @staticmethod
-    def _fill(inputs: dict, root_feat, past_k, past_v, base: int) -> None:
+    def _fill(inputs: dict, root_feat, past_k, past_v, base, valid) -> None:
         ctx = past_k.shape[0]
         inputs["root"].copy_(root_feat)
         inputs["k"][:ctx].copy_(past_k)
         inputs["v"][:ctx].copy_(past_v)
-        torch.lt(inputs["rows"], ctx, out=inputs["valid"])
-        inputs["base"].fill_(base)
+        inputs["valid"][ctx:].fill_(False)
+        inputs["valid"][:ctx].copy_(valid)
+        inputs["base"].copy_(base)
 
-    def _capture(self, root_feat, past_k, past_v, base: int, length: int) -> tuple:
+    def _capture(self, root_feat, past_k, past_v, base, valid, length: int) -> tuple:
         dev = root_feat.device
         # Zeros: rows past the request's are masked, and must be finite.
         inputs = dict(root=torch.empty_like(root_feat),
                       k=past_k.new_zeros((length,) + tuple(past_k.shape[1:])),
                       v=past_v.new_zeros((length,) + tuple(past_v.shape[1:])),
-                      rows=torch.arange(length, device=dev),
                       valid=torch.zeros(length, dtype=torch.bool, device=dev),
                       base=torch.zeros((), dtype=torch.int64, device=dev))
-        self._fill(inputs, root_feat, past_k, past_v, base)
+        self._fill(inputs, root_feat, past_k, past_v, base, valid)
         args = (inputs["root"], inputs["k"], inputs["v"], inputs["valid"], inputs["base"])
         eager = self.levels(*args).clone()
         if self.pool is None:

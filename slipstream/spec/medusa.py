@@ -85,11 +85,21 @@ class MedusaProposer:
         return [DraftTree(tokens[i], self.parents) for i in range(len(requests))]
 
     @torch.inference_mode()
+    def draft_after_verify(self, rids, starts, hidden: torch.Tensor, base_rows: torch.Tensor,
+                           out) -> tuple[torch.Tensor, list[bool]]:
+        """Right after verification, before the round's one wait: the next
+        trees' tokens [B, nodes] from the states that chose each request's
+        last token (its root next round); they travel in the verifier's copy."""
+        return self.propose_from_states(hidden[base_rows + out.last_row]), [True] * len(rids)
+
+    def finish_drafts(self, rid: str, row: torch.Tensor, num_accepted: int) -> DraftTree:
+        """row: the host copy of this request's `draft_after_verify` row."""
+        return DraftTree(row, self.parents)
+
+    @torch.inference_mode()
     def propose_from_states(self, h: torch.Tensor) -> torch.Tensor:
         """h: [B, hidden], the states that chose each root -> the tree's tokens
-        [B, nodes] int64 on h's device (parents: `self.parents`). Needs no host
-        value, so the runner drafts with it right after verification, before
-        its one wait on the device."""
+        [B, nodes] int64 on h's device (parents: `self.parents`)."""
         states = self.heads(h)[:, :len(self.topk)]                      # [B, depth, hidden]
         logits = self.lm_head(states.flatten(0, 1).to(h.dtype))         # [B * depth, V]
         top = logits.topk(max(self.topk), dim=-1).indices.view(h.shape[0], -1)

@@ -53,9 +53,9 @@ class Speculator:
         self._step_trees: dict[str, DraftTree] = {}
         self._static_masks: dict[tuple, torch.Tensor] = {}   # tree masks CUDA graphs read
         self._static_chain: dict[tuple, bool] = {}   # the buffer of that shape holds a causal mask
-        # Drafts made on the device in `verify` (proposers with `propose_from_states`),
-        # request id -> token ids; `propose` hands them out instead of drafting again.
-        self._early: dict[str, list[int]] = {}
+        # Drafts made on the device in `verify` (proposers with `draft_after_verify`),
+        # request id -> tree; `propose` hands them out instead of drafting again.
+        self._early: dict[str, DraftTree] = {}
         self._planned: int | None = None       # draft budget the engine planned for this step
         self.last_proposed = False             # the last propose call made drafts
         self.overlapping = False               # set by the engine: this step runs async
@@ -164,19 +164,25 @@ class Speculator:
         out = verify(logits, TreeBatch.stack(tlist, dev), sb)
         d = out.accepted_nodes.shape[1]
         parts = [out.tokens, out.num_accepted[:, None], out.accepted_nodes]
-        early = getattr(self.proposer, "propose_from_states", None)
-        if early is not None:       # the next drafts, from the state that chose the last token
-            parts.append(early(hidden[base_dev + out.last_row]))
+        # Proposers that can draft from the device-side result (Medusa, EAGLE) do
+        # it now: their next drafts travel in the same copy.
+        early_fn = getattr(self.proposer, "draft_after_verify", None)
+        early = None
+        if early_fn is not None:
+            early = early_fn(rids, [int(plan.starts[i]) for i in order], hidden, base_dev, out)
+        if early is not None:
+            parts.append(early[0])
         result = HostCopy(torch.cat(parts, 1))
         # Queued before the wait: the last emitted token of each request for the
         # steps that read it on the device, and the accepted rows' states.
         last = out.tokens.gather(1, out.num_accepted[:, None]).squeeze(1)
         ib.last_sampled.index_copy_(0, spec_rows_dev, last)
         kept = None
-        if self.proposer.needs_hidden and early is None:
+        if self.proposer.needs_hidden and (early is None or not all(early[1])):
             path_rows = torch.cat([out.accepted_nodes.new_zeros(b, 1), out.accepted_nodes + 1], 1)
             kept = hidden[base_dev[:, None] + path_rows.clamp_min(0)]  # [B, D + 1, hidden]
-        packed = result.wait().tolist()
+        host = result.wait()
+        packed = host[:, :2 * d + 2].tolist()
         emitted: dict[str, list[int]] = {}
         num_acc = []
         src, dst = [], []
@@ -192,10 +198,10 @@ class Speculator:
             emitted[rid] = toks
             ib.token_ids[row, s + 1:s + 2 + a] = toks
             ib.num_known[row] = ib.num_tokens[row] = s + 2 + a
-            if kept is not None:
+            if early is not None and early[1][j]:
+                self._early[rid] = self.proposer.finish_drafts(rid, host[j, 2 * d + 2:], a)
+            elif kept is not None:
                 self.hidden.setdefault(rid, []).append(kept[j, :a + 1])
-            if early is not None:
-                self._early[rid] = r[2 * d + 2:]
             self.stats.rounds += 1
             self.stats.drafted += t.num_nodes
             self.stats.accepted += a
@@ -305,7 +311,8 @@ class Speculator:
             if self.sampling.num_outputs[row] < self.sampling.min_tokens[row]:
                 continue
             if rid in early:        # drafted on the device during verification
-                drafts[rid] = (early[rid], self.proposer.parents)
+                if early[rid].num_nodes:
+                    drafts[rid] = (early[rid].tokens.tolist(), early[rid].parents)
                 continue
             n = int(ib.num_known[row])
             hidden = None

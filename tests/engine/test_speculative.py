@@ -217,3 +217,33 @@ def test_accepted_side_branches_move_their_kv_in_batched_steps(folder, plain, mo
     assert stats.accepted >= 3 * stats.rounds - 3 * len(prompts)   # nearly every path taken
     assert moved and max(moved) >= 3 * 2                            # several requests per step
     assert_no_leak(llm)
+
+
+@pytest.mark.parametrize("method", ["medusa", "eagle"])
+def test_drafting_right_after_verification_equals_drafting_later(folder, plain, method,
+                                                                 tmp_path, monkeypatch):
+    """Medusa and EAGLE draft on the device before the round's one wait
+    (EAGLE runs all D + 1 possible new pairs, the rejected ones masked): the
+    same trees as drafting from the kept states after the wait."""
+    from slipstream.spec import eagle, medusa
+    m, e = _heads(tmp_path, folder)
+    kw = dict(speculative_method=method, num_speculative_tokens=3, speculative_auto_off=False,
+              speculative_model=str(m if method == "medusa" else e),
+              speculative_tree="2,2,1" if method == "medusa" else "3,2,6")
+    cls = medusa.MedusaProposer if method == "medusa" else eagle.EagleProposer
+    finished = []
+    real = cls.finish_drafts
+    monkeypatch.setattr(cls, "finish_drafts",
+                        lambda self, *a: finished.append(1) or real(self, *a))
+    runs = []
+    for early in (True, False):
+        if not early:
+            monkeypatch.setattr(cls, "draft_after_verify", lambda self, *a: None)
+        llm = make_llm(folder, **kw)
+        outs = llm.generate(_prompts(), GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == plain
+        st = llm.engine.runner.speculator.stats
+        runs.append((st.rounds, st.drafted, st.accepted, st.accepted_at, st.drafted_at))
+        if early:
+            assert len(finished) > st.rounds // 2     # most rounds drafted early
+    assert runs[0] == runs[1] and runs[0][2] > 0
