@@ -24,7 +24,6 @@ from pathlib import Path
 
 # (file suffix, function) -> label of the per-round split, in call order.
 SPLIT = [
-    ("engine/engine.py", "step", "engine step (all)"),
     ("engine/scheduler.py", "schedule", "  schedule"),
     ("runner/model_runner.py", "execute", "  execute"),
     ("runner/input_batch.py", "plan", "    pack inputs"),
@@ -35,9 +34,10 @@ SPLIT = [
     ("spec/speculator.py", "keep_hidden", "    keep target states"),
     ("runner/model_runner.py", "_sample", "    sample (non-drafting rows)"),
     ("spec/speculator.py", "step_done", "    step timing"),
-    ("runner/model_runner.py", "resolve", "  resolve"),
-    ("spec/speculator.py", "propose", "    propose (drafting)"),
-    ("engine/scheduler.py", "update", "  scheduler update"),
+    ("engine/engine.py", "_collect", "  collect (resolve, update, detokenize)"),
+    ("runner/model_runner.py", "resolve", "    resolve"),
+    ("spec/speculator.py", "propose", "      propose (drafting)"),
+    ("engine/scheduler.py", "update", "    scheduler update"),
 ]
 
 
@@ -70,8 +70,9 @@ def profile_run(run, out: Path | None, name: str, batch: int, spec) -> dict:
     wall = time.perf_counter() - t0
     stats = pstats.Stats(prof)
     rounds = (spec.stats.rounds if spec is not None else 0) - rounds0
+    # Steps = forwards launched (cProfile miscounts Engine.step under the generate loop).
     steps = sum(nc for (file, _l, fn), (_c, nc, *_r) in stats.stats.items()
-                if fn == "step" and file.replace("\\", "/").endswith("engine/engine.py"))
+                if fn == "execute" and file.replace("\\", "/").endswith("runner/model_runner.py"))
     split = _split(stats, rounds, steps)
     if out is not None:   # every profile of a run goes to one file (profiles.txt)
         buf = io.StringIO()
