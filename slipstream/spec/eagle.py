@@ -223,7 +223,7 @@ class EagleProposer:
                                 _append_mask(st.valid, d1))
             st.append(k, v, offs <= a)
             st.end, st.feat = None, f.index_select(0, a)[0]              # end: set by finish
-            st.pending = s + 1
+            st.pending = (s + 1, d1)
             table = self.expander.expand(st.feat, st.k, st.v, s + 1 + a[0], st.valid)
             rows.append(table.reshape(-1).view(torch.int64))
             ok.append(True)
@@ -236,7 +236,11 @@ class EagleProposer:
     def finish_drafts(self, rid: str, row: torch.Tensor, num_accepted: int) -> DraftTree:
         """row: the host copy of this request's `draft_after_verify` row."""
         st = self.kv[rid]
-        st.end = st.pending + num_accepted
+        (first, d1), a = st.pending, num_accepted
+        st.end = first + a
+        # The rejected pairs are the last rows: drop them (views, no copy).
+        n = st.k.shape[0] - (d1 - a - 1)
+        st.k, st.v, st.valid = st.k[:n], st.v[:n], st.valid[:n]
         return self._select(row.view(torch.float64).view(4, -1))
 
     def _select(self, table: torch.Tensor) -> DraftTree:
@@ -266,7 +270,7 @@ class _HeadContext:
         self.k, self.v, self.valid, self.start = k, v, valid, start
         self.end: int | None = None
         self.feat: torch.Tensor | None = None
-        self.pending = 0
+        self.pending = (0, 0)      # (first new position + 1, rows run) of a round in flight
 
     def append(self, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor) -> None:
         self.k, self.v = torch.cat([self.k, k]), torch.cat([self.v, v])
