@@ -225,7 +225,8 @@ class EagleProposer:
             st.end, st.feat = None, f.index_select(0, a)[0]              # end: set by finish
             st.pending = (s + 1, d1)
             table = self.expander.expand(st.feat, st.k, st.v, s + 1 + a[0], st.valid)
-            rows.append(table.reshape(-1).view(torch.int64))
+            # A copy: the next request's replay rewrites the graph's output buffer.
+            rows.append(table.reshape(-1).view(torch.int64).clone())
             ok.append(True)
         if not any(ok):
             return None
