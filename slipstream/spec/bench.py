@@ -29,6 +29,9 @@ METHODS = {
     "medusa": dict(speculative_method="medusa", speculative_tree="3,2,1"),
     "eagle": dict(speculative_method="eagle", num_speculative_tokens=5,
                   speculative_tree="4,4,16"),
+    # The widest tree one verification graph takes (64 rows), 7 levels deep.
+    "eagle-wide": dict(speculative_method="eagle", num_speculative_tokens=7,
+                       speculative_tree="10,10,63"),
 }
 
 
@@ -158,8 +161,9 @@ def run(args, model=None, heads: dict | None = None, stem: str | None = None) ->
             opts["speculative_tree"] = args.medusa_tree
         if name == "ngram" and getattr(args, "ngram_tokens", None):
             opts["num_speculative_tokens"] = args.ngram_tokens
-        if name in heads:
-            opts["speculative_model"] = heads[name]
+        kind = opts["speculative_method"]
+        if kind in heads:
+            opts["speculative_model"] = heads[kind]
         if name == "draft" and smoke:
             opts["speculative_draft_layers"] = 1
         try:
