@@ -246,19 +246,21 @@ class EagleProposer:
 
     def _select(self, table: torch.Tensor) -> DraftTree:
         """table: the host candidate table [4, C] -> the tree of the best max_nodes."""
-        tok, score, par, level = table.tolist()
-        par = [int(p) for p in par]
-        # Keep the best max_nodes; close under ancestors; order by level.
-        keep = set(sorted(range(len(tok)), key=lambda c: (-score[c], level[c]))[:self.max_nodes])
+        tok, score, par, level = table.numpy()
+        # Keep the best max_nodes (ties: shallower first); close under ancestors
+        # (a child never scores above its parent, so this rarely adds any).
+        keep = set(np.lexsort((level, -score))[:self.max_nodes].tolist())
+        parent = par.astype(np.int64).tolist()
         for c in list(keep):
-            a = par[c]
+            a = parent[c]
             while a >= 0 and a not in keep:
                 keep.add(a)
-                a = par[a]
-        order = sorted(keep, key=lambda c: (level[c], -score[c]))
+                a = parent[a]
+        kept = np.array(sorted(keep), dtype=np.int64)
+        order = kept[np.lexsort((-score[kept], level[kept]))].tolist()   # by level, then score
         index = {c: j for j, c in enumerate(order)}
-        return DraftTree(torch.tensor([int(tok[c]) for c in order], dtype=torch.int64),
-                         tuple(index[par[c]] if par[c] >= 0 else -1 for c in order))
+        return DraftTree(torch.from_numpy(tok[order].astype(np.int64)),
+                         tuple(index[parent[c]] if parent[c] >= 0 else -1 for c in order))
 
 
 class _HeadContext:
