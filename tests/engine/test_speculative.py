@@ -247,3 +247,22 @@ def test_drafting_right_after_verification_equals_drafting_later(folder, plain, 
         if early:
             assert len(finished) > st.rounds // 2     # most rounds drafted early
     assert runs[0] == runs[1] and runs[0][2] > 0
+
+
+def test_cut_drafts_keep_a_few_sizes():
+    """Drafts cut by max_tokens or the context keep one of a few sizes (each
+    row count is a verification graph of its own); uncut drafts stay whole."""
+    from types import SimpleNamespace
+    from slipstream.engine.scheduler import Scheduler, _CUT_SIZES
+    sched = Scheduler.__new__(Scheduler)
+    sched.config = SimpleNamespace(max_model_len=10_000)
+    tree = (list(range(40)), tuple([-1] * 4 + [j // 3 for j in range(36)]))
+    sizes = set()
+    for left in range(1, 60):
+        req = SimpleNamespace(spec_draft=tree, num_pending=0, max_tokens=100,
+                              num_output_tokens=100 - left, num_tokens=500)
+        tokens, parents = sched._take_draft(req, 1, 10_000)
+        assert len(tokens) == len(parents) <= left - 1
+        assert all(p < j for j, p in enumerate(parents))
+        sizes.add(len(tokens))
+    assert sizes == {s for s in _CUT_SIZES if s < 40} | {40}
