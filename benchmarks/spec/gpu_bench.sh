@@ -20,7 +20,7 @@ mkdir -p "$OUT"
 if [ -n "${SMOKE:-}" ]; then
   BENCH="--smoke --profile --speculative-method ngram,medusa,eagle,draft"
 else
-  BENCH="--device cuda --batch 1 64 --max-tokens 128 --profile --speculative-method ngram,medusa,eagle,eagle-wide,draft --eagle-depth 6 --eagle-tree 8,8,48 --medusa-tree 4,3,2"
+  BENCH="--device cuda --batch 1 64 --max-tokens 128 --profile --speculative-method ngram,medusa,eagle,eagle-wide,draft --eagle-depth 6 --eagle-tree 8,8,48 --medusa-tree 4,3,2 --eagle-graphs"
 fi
 { date -u; nvidia-smi -L 2>/dev/null; $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; git rev-parse HEAD 2>/dev/null; } > "$OUT/env.txt" 2>&1
 echo "== bench_spec $BENCH $*" | tee "$OUT/bench.log"

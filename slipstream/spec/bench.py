@@ -86,6 +86,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", action="store_true",
                    help="after each timed run, one more run of up to 4 prompts under cProfile: "
                         "profiles_<device>.txt (top 40, ms per round by part) in --out")
+    p.add_argument("--eagle-graphs", action="store_true",
+                   help="EAGLE's tree expansion from a CUDA graph (speculative_draft_graphs)")
     p.add_argument("--no-sync-check", dest="sync_check", action="store_false",
                    help="CUDA: skip counting the synchronizing calls of a speculation round")
 
@@ -162,6 +164,8 @@ def run(args, model=None, heads: dict | None = None, stem: str | None = None) ->
         if name == "ngram" and getattr(args, "ngram_tokens", None):
             opts["num_speculative_tokens"] = args.ngram_tokens
         kind = opts["speculative_method"]
+        if kind == "eagle" and getattr(args, "eagle_graphs", False):
+            opts["speculative_draft_graphs"] = True
         if kind in heads:
             opts["speculative_model"] = heads[kind]
         if name == "draft" and smoke:

@@ -292,6 +292,8 @@ def _make(spec, device, dtype, target=None, **_):
     path = resolve_head(spec.model, "eagle")
     head = EagleHead.load(path, device, dtype)
     lm_head = DraftLMHead(target, read_draft_vocab(path), dtype, device)
-    return EagleProposer(head, target.model.embed_tokens, lm_head,
-                         spec.num_speculative_tokens, spec.eagle_topk, spec.eagle_beam,
-                         spec.eagle_max_nodes)
+    proposer = EagleProposer(head, target.model.embed_tokens, lm_head,
+                             spec.num_speculative_tokens, spec.eagle_topk, spec.eagle_beam,
+                             spec.eagle_max_nodes)
+    proposer.expander.graphs_enabled = spec.draft_graphs
+    return proposer

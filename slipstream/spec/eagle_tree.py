@@ -9,10 +9,10 @@ log-probability, parent candidate index (-1: the root), level) that
 `EagleProposer` turns into a tree.
 
 Every shape here depends only on (depth, topk, beam) and the length of the
-past, so on a GPU the levels (about 40 small kernels each, launch-bound) are
-captured once per past-length class (a power of two >= 256): the request's
-past K/V are copied into a static buffer of that length and the rows beyond
-it masked off. Each new graph is checked once against the eager expansion of
+past, so on a GPU (opt-in: `speculative_draft_graphs`) the levels (about 40
+small kernels each, launch-bound) are captured once per past-length class (a
+power of two >= 256): the request's past K/V are copied into a static
+buffer of that length and the rows beyond it masked off. Each new graph is checked once against the eager expansion of
 the same inputs; on any difference or capture error graphs switch off with a
 warning and the eager path runs.
 """
@@ -29,7 +29,8 @@ class EagleTreeExpander:
         self.head, self.embed, self.lm_head, self.token_ids = head, embed, lm_head, token_ids
         self.depth, self.topk, self.beam = depth, topk, beam
         self.graphs: dict[int, tuple] = {}       # past length class -> (graph, inputs, table)
-        self.graphs_enabled = True
+        # On a GPU only; opt-in (SpecConfig.draft_graphs) until measured there.
+        self.graphs_enabled = False
         self.pool = None
 
     def expand(self, root_feat: torch.Tensor, past_k: torch.Tensor, past_v: torch.Tensor,

@@ -266,3 +266,12 @@ def test_cut_drafts_keep_a_few_sizes():
         assert all(p < j for j, p in enumerate(parents))
         sizes.add(len(tokens))
     assert sizes == {s for s in _CUT_SIZES if s < 40} | {40}
+
+
+def test_draft_graphs_are_an_eagle_option():
+    from slipstream.engine.args import EngineArgs
+    assert EngineArgs(speculative_method="eagle",
+                      speculative_draft_graphs=True).spec_config().draft_graphs
+    assert not EngineArgs(speculative_method="eagle").spec_config().draft_graphs
+    with pytest.raises(ValueError, match="speculative_draft_graphs"):
+        EngineArgs(speculative_method="ngram", speculative_draft_graphs=True).spec_config()
