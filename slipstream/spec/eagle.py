@@ -151,6 +151,10 @@ class EagleProposer:
     def release(self, request_id: str) -> None:
         self.kv.pop(request_id, None)
 
+    def enable_graphs(self, on: bool) -> None:
+        """Replay the tree expansion from CUDA graphs (GPU only; SpecConfig.draft_graphs)."""
+        self.expander.graphs_enabled = on
+
     @torch.inference_mode()
     def propose(self, requests: list[ProposeRequest]) -> list[DraftTree]:
         trees = []
@@ -292,8 +296,6 @@ def _make(spec, device, dtype, target=None, **_):
     path = resolve_head(spec.model, "eagle")
     head = EagleHead.load(path, device, dtype)
     lm_head = DraftLMHead(target, read_draft_vocab(path), dtype, device)
-    proposer = EagleProposer(head, target.model.embed_tokens, lm_head,
-                             spec.num_speculative_tokens, spec.eagle_topk, spec.eagle_beam,
-                             spec.eagle_max_nodes)
-    proposer.expander.graphs_enabled = spec.draft_graphs
-    return proposer
+    return EagleProposer(head, target.model.embed_tokens, lm_head,
+                         spec.num_speculative_tokens, spec.eagle_topk, spec.eagle_beam,
+                         spec.eagle_max_nodes)

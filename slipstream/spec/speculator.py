@@ -46,6 +46,9 @@ class Speculator:
         self.proposer = create_proposer(spec.method, spec=spec, device=config.device,
                                         dtype=config.dtype, target=model,
                                         block_size=config.cache.block_size)
+        enable_graphs = getattr(self.proposer, "enable_graphs", None)
+        if enable_graphs is not None:
+            enable_graphs(spec.draft_graphs)
         self.governor = SpecGovernor(spec, config.model_config, config.device)
         self.stats = SpecStats()
         self.eligible: dict[str, bool] = {}    # request id -> may speculate at all

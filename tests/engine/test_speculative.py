@@ -268,8 +268,13 @@ def test_cut_drafts_keep_a_few_sizes():
     assert sizes == {s for s in _CUT_SIZES if s < 40} | {40}
 
 
-def test_draft_graphs_are_an_eagle_option():
+def test_draft_graphs_are_an_eagle_option(folder, tmp_path):
     from slipstream.engine.args import EngineArgs
+    _, e = _heads(tmp_path, folder)
+    for on in (True, False):
+        llm = make_llm(folder, speculative_method="eagle", speculative_model=str(e),
+                       speculative_draft_graphs=on)
+        assert llm.engine.runner.speculator.proposer.expander.graphs_enabled is on
     assert EngineArgs(speculative_method="eagle",
                       speculative_draft_graphs=True).spec_config().draft_graphs
     assert not EngineArgs(speculative_method="eagle").spec_config().draft_graphs
