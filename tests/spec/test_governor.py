@@ -78,17 +78,6 @@ def test_auto_off_can_be_disabled():
     assert g.num_tokens(10_000) == 4
 
 
-def test_expensive_probes_are_spaced_out():
-    g = _gov("medusa", probe_every=4)
-    g.observe_round(emitted=1, requests=1, drafted=15)
-    g.observe_draft(0.001)
-    g.observe_step(0.070, 1, "spec")      # a 16-row verification costs 7 plain steps
-    g.observe_step(0.010, 1, "plain")
-    assert g._probe_interval(1) == int(50 * 0.061 / 0.010) + 1
-    asks = [g.num_tokens(1) for _ in range(2 * g._probe_interval(1))]
-    assert asks.count(0) == len(asks) - 2
-
-
 def test_unmeasured_probes_among_other_requests_start_late_then_follow_their_cost():
     g = _gov("ngram", probe_every=4)
     g.observe_round(emitted=1, requests=1, drafted=4)
@@ -103,3 +92,15 @@ def test_unmeasured_probes_among_other_requests_start_late_then_follow_their_cos
     assert asks.count(0) == 249 and asks.index(4) == 199
     g.observe_step(0.011, 64, "probe")     # measured: 10 plain steps extra
     assert 495 <= g._probe_interval(64) <= 501
+
+
+def test_expensive_probes_are_spaced_out():
+    g = _gov("medusa", probe_every=4)
+    g.observe_round(emitted=1, requests=1, drafted=15)
+    g.observe_draft(0.001)
+    g.observe_step(0.070, 1, "spec")      # a 16-row verification costs 7 plain steps
+    g.observe_step(0.010, 1, "plain")
+    assert g._probe_interval(1) == int(50 * 0.061 / 0.010) + 1
+    asks = [g.num_tokens(1) for _ in range(2 * g._probe_interval(1))]
+    assert asks.count(0) == len(asks) - 2
+
