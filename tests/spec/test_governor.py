@@ -103,4 +103,3 @@ def test_expensive_probes_are_spaced_out():
     assert g._probe_interval(1) == int(50 * 0.061 / 0.010) + 1
     asks = [g.num_tokens(1) for _ in range(2 * g._probe_interval(1))]
     assert asks.count(0) == len(asks) - 2
-
