@@ -30,7 +30,8 @@ from slipstream.spec.generator import SpecStats
 from slipstream.spec.governor import SpecGovernor
 from slipstream.spec.selector import create_proposer
 from slipstream.spec.transfer import HostCopy, to_device
-from slipstream.spec.tree import DraftTree, TreeBatch, ancestor_array
+from slipstream.spec.tree import DraftTree, TreeBatch
+from slipstream.spec.tree_step import TreeStepLayout, move_kv
 from slipstream.spec.verify import verify
 
 
@@ -54,8 +55,7 @@ class Speculator:
         self.eligible: dict[str, bool] = {}    # request id -> may speculate at all
         self.hidden: dict[str, list[torch.Tensor]] = {}
         self._step_trees: dict[str, DraftTree] = {}
-        self._static_masks: dict[tuple, torch.Tensor] = {}   # tree masks CUDA graphs read
-        self._static_chain: dict[tuple, bool] = {}   # the buffer of that shape holds a causal mask
+        self._layout = TreeStepLayout()
         # Drafts made on the device in `verify` (proposers with `draft_after_verify`),
         # request id -> tree; `propose` hands them out instead of drafting again.
         self._early: dict[str, DraftTree] = {}
@@ -100,44 +100,9 @@ class Speculator:
         return t is not None and n == t.num_nodes + 1 <= MAX_TREE_NODES
 
     def patch(self, plan, static: bool = False) -> None:
-        """Depth positions and the tree mask for steps that verify trees.
-        static: a CUDA-graph step, whose mask (chains included) lives in a
-        buffer per row count that the graph reads."""
-        trees = self._step_trees
-        chains = all(t.is_chain for t in trees.values())
-        if not trees or (not static and chains):
-            return
-        batch = plan.batch
-        width = batch.max_query_len
-        shape = (len(batch.query_lens_cpu), width, width)
-        dev = batch.positions.device
-        if static and chains and self._static_chain.get(shape):
-            batch.tree_mask = self._static_masks[shape]      # already causal: nothing to copy
-            return
-        mask = np.broadcast_to(np.tri(width, dtype=bool), shape).copy()
-        loc = 0
-        pos_idx, pos_val = [], []
-        for i, (rid, s, q) in enumerate(zip(plan.req_ids, plan.starts, plan.query_lens)):
-            t = trees.get(rid)
-            if t is not None and not t.is_chain:
-                n = t.num_nodes + 1
-                mask[i, :n, :n] = ancestor_array(t.parents)
-                pos_idx.extend(range(loc + 1, loc + n))
-                pos_val.extend(int(s) + d for d in t.depths)
-            loc += int(q)
-        if pos_idx:
-            pv = to_device(np.array([pos_idx, pos_val], dtype=np.int64), torch.int64, dev)
-            batch.positions[pv[0]] = pv[1]
-        mask_dev = to_device(mask, torch.bool, dev)
-        if static:
-            buf = self._static_masks.get(shape)
-            if buf is None:
-                buf = self._static_masks[shape] = torch.empty(shape, dtype=torch.bool, device=dev)
-            buf.copy_(mask_dev)
-            self._static_chain[shape] = chains
-            batch.tree_mask = buf
-        else:
-            batch.tree_mask = mask_dev
+        """Depth positions and the tree mask for steps that verify trees
+        (spec/tree_step.py). static: a CUDA-graph step."""
+        self._layout.patch(plan, self._step_trees, static)
 
     # ---- after the forward ------------------------------------------------------
 
@@ -211,7 +176,7 @@ class Speculator:
             self.stats.emitted += a + 1
             self.stats.record(t.depth, a)
         if src:
-            self._move_kv(src, dst, dev)
+            move_kv((self.kv_cache, self.kv_scales), src, dst, dev)
         self.sampling.num_outputs[spec_rows] += np.asarray(num_acc) + 1
         self.governor.observe_round(sum(num_acc) + len(rids), len(rids), int(nodes.sum()))
         return emitted
@@ -219,15 +184,6 @@ class Speculator:
     def _slot(self, row: int, pos: int) -> int:
         bs = self.block_size
         return int(self.ib.block_table[row, pos // bs]) * bs + pos % bs
-
-    def _move_kv(self, src: list[int], dst: list[int], dev) -> None:
-        """Copy the K/V (and int8 / fp8 scales) at slots `src` to `dst`, every
-        request of the step at once; all sources are read before any write."""
-        sd = to_device(np.array([src, dst], dtype=np.int64), torch.int64, dev)
-        for pool in (self.kv_cache, self.kv_scales):
-            if pool is not None:
-                flat = pool.flatten(2, 3)                  # [layers, 2, slots, ...]
-                flat.index_copy_(2, sd[1], flat.index_select(2, sd[0]))
 
     def keep_hidden(self, plan, hidden: torch.Tensor) -> None:
         """Record the target states of the step's ordinary (non-draft) rows:

@@ -206,9 +206,9 @@ def test_accepted_side_branches_move_their_kv_in_batched_steps(folder, plain, mo
 
     monkeypatch.setitem(base._PROPOSERS, "ngram", lambda **_: Oracle())
     moved = []
-    real = speculator.Speculator._move_kv
-    monkeypatch.setattr(speculator.Speculator, "_move_kv",
-                        lambda self, s, d, dev: (moved.append(len(s)), real(self, s, d, dev)))
+    real = speculator.move_kv
+    monkeypatch.setattr(speculator, "move_kv",
+                        lambda pools, s, d, dev: (moved.append(len(s)), real(pools, s, d, dev)))
     llm = make_llm(folder, speculative_method="ngram", num_speculative_tokens=5,
                    speculative_auto_off=False)
     outs = llm.generate(_prompts(), GREEDY, use_tqdm=False)
