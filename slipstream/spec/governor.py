@@ -20,7 +20,10 @@ all, the roofline rule alone decides (`round_speedup`).
 While speculation is on, every `plain_every`-th step runs plainly to keep
 plain(B) measured; while it is off, every `probe_every`-th step (or rarer,
 keeping probes under 2% of the time) drafts for at most `probe_requests`
-requests so tau keeps being measured at little cost.
+requests so tau keeps being measured at little cost. A probe at batch > 1
+shares its step with plain decodes, which then runs without a CUDA graph
+and breaks the overlap of steps: its cost is measured (`probe_time`), and
+until it is, assumed to be 4 plain steps (a first probe after ~200 steps).
 Chains also get their length from the roofline (best_gamma_at_batch with
 alpha inferred from tau).
 """
@@ -64,6 +67,7 @@ class SpecGovernor:
         self.draft_per_request: float | None = None   # seconds (EMA)
         self.plain_time: dict[int, float] = {}   # bucket -> seconds per plain decode step
         self.spec_time: dict[int, float] = {}    # bucket -> seconds per all-verifying step
+        self.probe_time: dict[int, float] = {}   # bucket -> seconds per partly verifying step
         self._off_steps = 0
         self._on_steps = 0
         self.last_k = self.k
@@ -83,8 +87,10 @@ class SpecGovernor:
 
     def observe_step(self, seconds: float, batch: int, kind: str | None) -> None:
         """kind: 'plain' (every request decoded one token), 'spec' (every
-        request verified drafts) or None (prefill, mixed: not recorded)."""
-        table = {"plain": self.plain_time, "spec": self.spec_time}.get(kind)
+        request verified drafts), 'probe' (some did) or None (prefill: not
+        recorded)."""
+        table = {"plain": self.plain_time, "spec": self.spec_time,
+                 "probe": self.probe_time}.get(kind)
         if table is not None:
             b = bucket(batch)
             table[b] = self._ema(table.get(b), seconds)
@@ -120,11 +126,20 @@ class SpecGovernor:
         """Steps between probes: `probe_every`, or more where a probe (one
         request's verification and drafting) costs more than 2% of that many
         plain steps (on a CPU a 16-node verification costs several steps)."""
-        one_spec, one_plain = self.spec_time.get(1), self.plain_time.get(1)
         plain = self._scaled(self.plain_time, batch, 1.0)
-        if one_spec is None or one_plain is None or not plain:
+        if not plain:
             return self.probe_every
-        extra = max(one_spec - one_plain, 0.0) + (self.draft_per_request or 0.0)
+        draft = self.draft_per_request or 0.0
+        probe = self.probe_time.get(bucket(batch))
+        if probe is not None:
+            extra = max(probe - plain, 0.0) + draft
+        elif batch > 1:
+            extra = 4 * plain
+        else:
+            one_spec = self.spec_time.get(1)
+            if one_spec is None:
+                return self.probe_every
+            extra = max(one_spec - plain, 0.0) + draft
         return max(self.probe_every, int(50 * extra / plain) + 1)
 
     def num_tokens(self, batch: int) -> int:

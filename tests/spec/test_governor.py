@@ -29,7 +29,10 @@ def test_speculates_until_measured_then_measures_plain_then_follows_measurements
     assert g.num_tokens(1) >= 1
     assert abs(g.predicted_speedup(1) - 4 * 0.010 / (0.012 + 0.0001)) < 1e-9
     # At a batch far past Bc the 5 verified tokens per request cost 5x: off,
-    # except for a probe round every 4th step, which drafts for one request.
+    # except for a probe round every 4th step, which drafts for one request
+    # (a probe measured as costing next to nothing there).
+    g.observe_step(0.0100, 512, "plain")
+    g.observe_step(0.0101, 512, "probe")
     asks, limits = [], []
     for _ in range(8):
         asks.append(g.num_tokens(512))
@@ -73,6 +76,22 @@ def test_auto_off_can_be_disabled():
                      model_config_of(make_hf_model("llama2")), torch.device("cpu"))
     g.observe_round(1, 1, 4); g.observe_draft(1.0); g.observe_step(0.01, 1, "spec")
     assert g.num_tokens(10_000) == 4
+
+
+def test_unmeasured_probes_among_other_requests_start_late_then_follow_their_cost():
+    g = _gov("ngram", probe_every=4)
+    g.observe_round(emitted=1, requests=1, drafted=4)
+    g.observe_draft(0.0)
+    g.observe_step(0.002, 1, "spec")
+    g.observe_step(0.001, 1, "plain")
+    g.observe_step(0.001, 64, "plain")
+    assert g.num_tokens(64) == 0
+    # No probe measured at 64: assumed to cost 4 plain steps -> one per 201 steps.
+    assert g._probe_interval(64) == 201
+    asks = [g.num_tokens(64) for _ in range(250)]
+    assert asks.count(0) == 249 and asks.index(4) == 199
+    g.observe_step(0.011, 64, "probe")     # measured: 10 plain steps extra
+    assert 495 <= g._probe_interval(64) <= 501
 
 
 def test_expensive_probes_are_spaced_out():
