@@ -9,11 +9,19 @@ one call: every layer's norm, q/k/v product, rotary, KV store, attention over
 the paged cache, output product, norm, gate/up product, SiLU * up and down
 product, and the final norm.
 
+A draft-verification step (a sequence bringing its last token plus up to
+MAX_QUERY - 1 drafts, a chain or a tree under `batch.tree_mask`) is one call
+too (`ss_tree_step`): the products become M-row GEMMs that read each weight
+block once for all the step's tokens, and the attention sees the cache plus
+the step's tokens its mask allows (kernels/cpu_tree_attention.c), so
+verifying k drafts costs little more than a plain step.
+
 It serves a model whose every linear layer holds a `QuantMatrix` (the GGUF
 scheme on a CPU with the kernels built), fp32 activations and an fp32 or bf16
-KV cache, batches where each sequence brings one token and no tree mask.
+KV cache, batches where each sequence brings one token, or up to MAX_QUERY
+tokens after a cached context (prompts take the model's forward).
 Everything else takes the model's own forward, which is also its twin
-(`tests/test_cpu_decoder.py` compares the two).
+(`tests/loader/test_cpu_decoder.py` compares the two).
 """
 from __future__ import annotations
 
@@ -21,10 +29,11 @@ import ctypes
 
 import torch
 
-from slipstream.kernels import cpu_library
+from slipstream.kernels import cpu_attention, cpu_library
 from slipstream.kernels.cpu_quant import QuantMatrix
 
 MAX_SEG = 8
+MAX_QUERY = 16      # tokens a sequence may bring to a multi-token step (1 + drafts)
 enabled = True      # False: every step takes the model's forward (tests compare the two)
 
 
@@ -131,9 +140,17 @@ class CPUDecoder:
         return True
 
     def accepts(self, batch) -> bool:
-        return (enabled and batch.is_decode_only and batch.tree_mask is None
-                and batch.input_ids.device.type == "cpu"
-                and batch.max_seq_len <= self.model.rotary_emb.max_position and self._bind_caches())
+        if not (enabled and batch.input_ids.device.type == "cpu"
+                and batch.max_seq_len <= self.model.rotary_emb.max_position):
+            return False
+        if not (batch.is_decode_only and batch.tree_mask is None) and not self._verifies(batch):
+            return False
+        return self._bind_caches()
+
+    def _verifies(self, batch) -> bool:
+        """A few tokens per sequence, each after a cached context (a draft check)."""
+        return (batch.max_query_len <= MAX_QUERY and self._struct.nh // self._struct.nkv <= 32
+                and all(s > q for s, q in zip(batch.seq_lens_cpu, batch.query_lens_cpu)))
 
     def __call__(self, x: torch.Tensor, batch) -> torch.Tensor:
         """x: [num_seqs, hidden] fp32 embeddings -> final normed hidden states, same shape."""
@@ -143,9 +160,23 @@ class CPUDecoder:
         tables = batch.block_tables if batch.block_tables.dtype == torch.int32 else batch.block_tables.int()
         slots = batch.slot_mapping if batch.slot_mapping.dtype == torch.int64 else batch.slot_mapping.long()
         positions, lens, tables, slots = (t.contiguous() for t in (positions, lens, tables, slots))
+        if not (batch.is_decode_only and batch.tree_mask is None):
+            return self._tree_step(x, batch, positions, lens, tables, slots)
         rc = self._lib.ss_decode_step(ctypes.byref(self._struct), x.data_ptr(), x.shape[0],
                                       positions.data_ptr(), tables.data_ptr(), tables.shape[1],
                                       lens.data_ptr(), slots.data_ptr())
         if rc != 0:
             raise RuntimeError("ss_decode_step rejected its arguments")
+        return x
+
+    def _tree_step(self, x, batch, positions, lens, tables, slots) -> torch.Tensor:
+        qlens = batch.query_lens_cpu
+        qloc = batch.query_start_loc
+        qloc = (qloc if qloc.dtype == torch.int32 else qloc.int()).contiguous()
+        masks = cpu_attention.query_masks(qlens, batch.tree_mask)
+        rc = self._lib.ss_tree_step(ctypes.byref(self._struct), x.data_ptr(), positions.data_ptr(),
+                                    tables.data_ptr(), tables.shape[1], lens.data_ptr(), slots.data_ptr(),
+                                    len(qlens), qloc.data_ptr(), masks.data_ptr(), batch.max_query_len)
+        if rc != 0:
+            raise RuntimeError("ss_tree_step rejected its arguments")
         return x

@@ -13,6 +13,9 @@
  *   ss_get_rows   embedding lookup: the rows `ids` of W, dequantized.
  *   ss_decode_attention  one new token per sequence over the paged KV cache
  *                 (no gather: blocks are read in place, online softmax).
+ *   ss_tree_attention  a few tokens per sequence under a tree mask
+ *                 (cpu_tree_attention.c).
+ *   ss_decode_step, ss_tree_step  a whole model step (cpu_decoder.c).
  *
  * Threads: a small pool of spinning workers. Work is split into chunks that
  * threads claim with an atomic counter; the caller takes chunks too and waits
@@ -723,6 +726,9 @@ int ss_decode_attention(const float *q, int64_t q_stride, const void *k_cache, c
     parallel_for(attn_chunk, &a, num_seqs * nkv * ((G + gsz - 1) / gsz));
     return 0;
 }
+
+/* ---- several tokens a sequence, under a tree mask --------------------------- */
+#include "cpu_tree_attention.c"
 
 /* ---- a whole decode step ------------------------------------------------ */
 #include "cpu_decoder.c"
