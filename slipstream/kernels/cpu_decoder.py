@@ -62,14 +62,17 @@ def _fp32(t: torch.Tensor | None) -> bool:
     return t is None or (t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous())
 
 
-def _linear(layer, repacked: bool = False) -> _Linear | None:
-    """The product's weights: the file's blocks, or (repacked) the blocks the
-    16-row kernels read, whose multi-row path reads each block once for all rows."""
+def _linear(layer) -> _Linear | None:
+    """The product's weights as the layer's own products read them (Q4/Q8 blocks
+    repacked for 16 rows at a time): a multi-token step then reads each block
+    once for all its tokens, and every token's row comes out bit for bit as in
+    a one-token step (the rows of x never mix), so verified drafts reproduce
+    plain greedy decoding exactly."""
     qm = getattr(layer, "gguf_weight", None)
     bias = getattr(layer, "bias", None)
     if not isinstance(qm, QuantMatrix) or not _fp32(bias):
         return None
-    segments = qm.kernel_segments if repacked else qm.segments
+    segments = qm.kernel_segments
     lin = _Linear(n_seg=len(segments))
     for i, (qtype, data) in enumerate(segments):
         lin.type[i], lin.w[i], lin.rows[i] = qtype, data.data_ptr(), data.shape[0]
@@ -80,12 +83,10 @@ def _linear(layer, repacked: bool = False) -> _Linear | None:
 class CPUDecoder:
     """Build with `CPUDecoder.build(llama_model)`; None when the model does not qualify."""
 
-    def __init__(self, model, layers: list[_Layer], tree_layers: list[_Layer]):
+    def __init__(self, model, layers: list[_Layer]):
         self.model = model                     # a LlamaModel (holds every tensor pointed to)
-        # one-token steps read the file's blocks, multi-token steps the repacked ones
         self._layers = (_Layer * len(layers))(*layers)
-        self._tree_layers = (_Layer * len(tree_layers))(*tree_layers)
-        self._struct, self._tree_struct = (self._describe(model, ls) for ls in (self._layers, self._tree_layers))
+        self._struct = self._describe(model, self._layers)
         self._caches: list = []                # the KV tensors the structures point to
         self._attns = [layer.self_attn.attn for layer in model.layers]
         self._lib = cpu_library.load()
@@ -108,7 +109,7 @@ class CPUDecoder:
             return None
         rope = model.rotary_emb
         tensors = [rope.cos, rope.sin, model.norm.weight]
-        layers, tree_layers = [], []
+        layers = []
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             parts = [_linear(attn.qkv_proj), _linear(attn.o_proj), _linear(mlp.gate_up_proj),
@@ -120,9 +121,6 @@ class CPUDecoder:
                 return None
             tensors += [n1.weight, n2.weight]
             layers.append(_Layer(*parts, norm1=n1.weight.data_ptr(), norm2=n2.weight.data_ptr()))
-            tree_layers.append(_Layer(*(_linear(p, True) for p in (attn.qkv_proj, attn.o_proj,
-                                                                   mlp.gate_up_proj, mlp.down_proj)),
-                                      norm1=n1.weight.data_ptr(), norm2=n2.weight.data_ptr()))
         if not all(_fp32(t) for t in tensors):
             return None
         a0 = model.layers[0].self_attn.attn
@@ -131,7 +129,7 @@ class CPUDecoder:
                != (a0.num_heads, a0.num_kv_heads, a0.head_dim, a0.scale, a0.sliding_window)
                for l in model.layers):
             return None
-        return cls(model, layers, tree_layers)
+        return cls(model, layers)
 
     def _bind_caches(self) -> bool:
         """Point the structures at the layers' current KV caches; False if unsupported."""
@@ -141,15 +139,13 @@ class CPUDecoder:
         k0 = caches[0][0]
         if k0 is None or k0.device.type != "cpu" or k0.dtype not in (torch.float32, torch.bfloat16):
             return False
-        for (k, v), st, tst in zip(caches, self._layers, self._tree_layers):
+        for (k, v), st in zip(caches, self._layers):
             if k.dtype != k0.dtype or v.dtype != k0.dtype or not (k.is_contiguous() and v.is_contiguous()) \
                     or k.shape[1:] != k0.shape[1:] or v.shape != k.shape:
                 return False
-            st.k_cache = tst.k_cache = k.data_ptr()
-            st.v_cache = tst.v_cache = v.data_ptr()
-        for struct in (self._struct, self._tree_struct):
-            struct.block_size = k0.shape[1]
-            struct.kv_bf16 = int(k0.dtype == torch.bfloat16)
+            st.k_cache, st.v_cache = k.data_ptr(), v.data_ptr()
+        self._struct.block_size = k0.shape[1]
+        self._struct.kv_bf16 = int(k0.dtype == torch.bfloat16)
         self._caches = caches
         return True
 
@@ -188,7 +184,7 @@ class CPUDecoder:
         qloc = batch.query_start_loc
         qloc = (qloc if qloc.dtype == torch.int32 else qloc.int()).contiguous()
         masks = cpu_attention.query_masks(qlens, batch.tree_mask)
-        rc = self._lib.ss_tree_step(ctypes.byref(self._tree_struct), x.data_ptr(), positions.data_ptr(),
+        rc = self._lib.ss_tree_step(ctypes.byref(self._struct), x.data_ptr(), positions.data_ptr(),
                                     tables.data_ptr(), tables.shape[1], lens.data_ptr(), slots.data_ptr(),
                                     len(qlens), qloc.data_ptr(), masks.data_ptr(), batch.max_query_len)
         if rc != 0:

@@ -86,8 +86,8 @@ static void qattn_chunk(void *a_, int64_t c) {
     }
     for (int k = 0; k < nq; k++) {
         int i = i0 + k / G, h = kvh * G + k % G;
-        float *o = a->out + ((q0 + i) * a->nh + h) * hd, inv = den[k] > 0 ? 1 / den[k] : 0;
-        for (int e = 0; e < hd; e++) o[e] = acc[k][e] * inv;
+        float *o = a->out + ((q0 + i) * a->nh + h) * hd;   /* as the decode attention divides */
+        for (int e = 0; e < hd; e++) o[e] = den[k] > 0 ? acc[k][e] / den[k] : 0;
     }
 }
 
