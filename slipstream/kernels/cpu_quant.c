@@ -320,6 +320,29 @@ static float dot_f(const float *a, const float *x, int64_t n) {
     return s;
 }
 
+/* out[k] = dot_f(a, x[k], n) * scale for nx (<= DOTS_MAX) vectors x[k], with the
+ * same sums in the same order (bit for bit dot_f's), but the nx dot products
+ * interleaved: their final 16-term sums are independent chains instead of one
+ * latency-bound chain after another (attention scores, one key against every
+ * query that reads it). */
+#define DOTS_MAX 32
+static void dots_f(const float *a, const float *const *x, int nx, int64_t n, float scale, float *out) {
+    float acc[DOTS_MAX][16], s[DOTS_MAX];
+    int64_t n16 = n / 16 * 16;
+    for (int k = 0; k < nx; k++) {
+        for (int l = 0; l < 16; l++) acc[k][l] = 0;
+        const float *xk = x[k];
+        for (int64_t i = 0; i < n16; i += 16) for (int l = 0; l < 16; l++) acc[k][l] += a[i + l] * xk[i + l];
+        s[k] = 0;
+    }
+    for (int l = 0; l < 16; l++) for (int k = 0; k < nx; k++) s[k] += acc[k][l];
+    for (int k = 0; k < nx; k++) {
+        float v = s[k];
+        for (int64_t i = n16; i < n; i++) v += a[i] * x[k][i];
+        out[k] = v * scale;
+    }
+}
+
 /* ---- the thread pool --------------------------------------------------- */
 #define MAX_THREADS 256
 typedef void (*chunk_fn)(void *args, int64_t chunk);
@@ -662,7 +685,9 @@ static void attn_chunk(void *a_, int64_t c) {
             int64_t t = t0 + j, off = (((int64_t)table[t / a->bs] * a->bs + t % a->bs) * a->nkv + kvh) * hd;
             const float *kp = (const float *)a->kc + off;
             if (a->kv_bf16) { load_row(a->kc, 1, off, hd, kr); kp = kr; }   /* fp32 rows: in place */
-            for (int g = 0; g < ng; g++) sc[g][j] = dot_f(kp, q[g], hd) * a->scale;
+            float d[ATT_GROUP];
+            dots_f(kp, q, ng, hd, a->scale, d);
+            for (int g = 0; g < ng; g++) sc[g][j] = d[g];
         }
         for (int g = 0; g < ng; g++) {
             float m = mx[g];

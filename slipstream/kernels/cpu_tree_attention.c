@@ -51,11 +51,17 @@ static void qattn_chunk(void *a_, int64_t c) {
             int64_t t = t0 + j, off = (((int64_t)table[t / a->bs] * a->bs + t % a->bs) * a->nkv + kvh) * hd;
             const float *kp = (const float *)a->kc + off;
             if (a->kv_bf16) { load_row(a->kc, 1, off, hd, kr); kp = kr; }
+            const float *qs[QA_QUERIES];   /* the queries that see key t */
+            int who[QA_QUERIES], ns = 0;
+            float d[QA_QUERIES];
             for (int k = 0; k < nq; k++) {
                 int seen = t < ctx || ((qmask[k] >> (t - ctx)) & 1);
                 if (a->window > 0 && qpos[k] - t >= a->window) seen = 0;
-                sc[k][j] = seen ? dot_f(kp, q[k], hd) * a->scale : -INFINITY;
+                sc[k][j] = -INFINITY;
+                if (seen) { qs[ns] = q[k]; who[ns++] = k; }
             }
+            dots_f(kp, qs, ns, hd, a->scale, d);
+            for (int u = 0; u < ns; u++) sc[who[u]][j] = d[u];
         }
         for (int k = 0; k < nq; k++) {
             float m = mx[k];
