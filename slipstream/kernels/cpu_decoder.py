@@ -33,7 +33,7 @@ from slipstream.kernels import cpu_attention, cpu_library
 from slipstream.kernels.cpu_quant import QuantMatrix
 
 MAX_SEG = 8
-MAX_QUERY = 16      # tokens a sequence may bring to a multi-token step (1 + drafts)
+MAX_QUERY = 64      # tokens a sequence may bring to a multi-token step (1 + drafts; mask bits)
 enabled = True      # False: every step takes the model's forward (tests compare the two)
 
 

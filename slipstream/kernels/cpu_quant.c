@@ -343,6 +343,25 @@ static void dots_f(const float *a, const float *const *x, int nx, int64_t n, flo
     }
 }
 
+/* v[j] = exp(v[j]) in place for v[j] <= 0 (softmax weights: scores minus their
+ * max; -inf gives 0): Cephes' expf polynomial (within 2 ulp of expf), in plain
+ * arithmetic the compiler vectorizes (a libm call a score cost as much as the
+ * score itself). Below -87.3 (2^-126) the weight is 0. */
+static void exp_tile(float *v, int n) {
+    for (int j = 0; j < n; j++) {
+        float x = v[j] < -87.3f ? -87.3f : v[j];
+        float fx = rintf(x * 1.44269504088896341f);
+        float r = x - fx * 0.693359375f + fx * 2.12194440e-4f;
+        float z = r * r;
+        float y = ((((1.9875691500e-4f * r + 1.3981999507e-3f) * r + 8.3334519073e-3f) * r
+                    + 4.1665795894e-2f) * r + 1.6666665459e-1f) * r + 5.0000001201e-1f;
+        y = y * z + r + 1.0f;
+        int32_t bits = ((int32_t)fx + 127) << 23;
+        float p2; memcpy(&p2, &bits, 4);
+        v[j] = v[j] < -87.3f ? 0.0f : y * p2;
+    }
+}
+
 /* ---- the thread pool --------------------------------------------------- */
 #define MAX_THREADS 256
 typedef void (*chunk_fn)(void *args, int64_t chunk);
@@ -698,7 +717,9 @@ static void attn_chunk(void *a_, int64_t c) {
                 for (int i = 0; i < hd; i++) acc[g][i] *= f;
                 mx[g] = m;
             }
-            for (int j = 0; j < nt; j++) { sc[g][j] = expf(sc[g][j] - m); den[g] += sc[g][j]; }
+            for (int j = 0; j < nt; j++) sc[g][j] -= m;
+            exp_tile(sc[g], nt);
+            for (int j = 0; j < nt; j++) den[g] += sc[g][j];
         }
         for (int j = 0; j < nt; j++) {
             int64_t t = t0 + j, off = (((int64_t)table[t / a->bs] * a->bs + t % a->bs) * a->nkv + kvh) * hd;

@@ -76,7 +76,9 @@ static void qattn_chunk(void *a_, int64_t c) {
                 for (int e = 0; e < hd; e++) acc[k][e] *= f;
                 mx[k] = m;
             }
-            for (int j = 0; j < nt; j++) { sc[k][j] = expf(sc[k][j] - m); den[k] += sc[k][j]; }
+            for (int j = 0; j < nt; j++) sc[k][j] -= m;   /* as the decode attention */
+            exp_tile(sc[k], nt);
+            for (int j = 0; j < nt; j++) den[k] += sc[k][j];
         }
         for (int j = 0; j < nt; j++) {
             int64_t t = t0 + j, off = (((int64_t)table[t / a->bs] * a->bs + t % a->bs) * a->nkv + kvh) * hd;
