@@ -320,25 +320,23 @@ static float dot_f(const float *a, const float *x, int64_t n) {
     return s;
 }
 
-/* out[k] = dot_f(a, x[k], n) * scale for nx (<= DOTS_MAX) vectors x[k], with the
- * same sums in the same order (bit for bit dot_f's), but the nx dot products
- * interleaved: their final 16-term sums are independent chains instead of one
- * latency-bound chain after another (attention scores, one key against every
- * query that reads it). */
+/* out[k] = <a, x[k]> * scale for nx (<= DOTS_MAX) vectors x[k] (attention
+ * scores: one key against every query that reads it). Sums: 16 lanes over the
+ * vector, the lanes then added pairwise (8 + 8, 4 + 4, 2 + 2, 1 + 1), the tail
+ * last: a fixed order whatever nx, so a query's score is the same bits in the
+ * decode attention and in the tree attention; and no chain of 16 dependent
+ * additions per score (dot_f's) holds the others back. */
 #define DOTS_MAX 32
 static void dots_f(const float *a, const float *const *x, int nx, int64_t n, float scale, float *out) {
-    float acc[DOTS_MAX][16], s[DOTS_MAX];
     int64_t n16 = n / 16 * 16;
     for (int k = 0; k < nx; k++) {
-        for (int l = 0; l < 16; l++) acc[k][l] = 0;
         const float *xk = x[k];
-        for (int64_t i = 0; i < n16; i += 16) for (int l = 0; l < 16; l++) acc[k][l] += a[i + l] * xk[i + l];
-        s[k] = 0;
-    }
-    for (int l = 0; l < 16; l++) for (int k = 0; k < nx; k++) s[k] += acc[k][l];
-    for (int k = 0; k < nx; k++) {
-        float v = s[k];
-        for (int64_t i = n16; i < n; i++) v += a[i] * x[k][i];
+        float acc[16] = {0}, s8[8], s4[4];
+        for (int64_t i = 0; i < n16; i += 16) for (int l = 0; l < 16; l++) acc[l] += a[i + l] * xk[i + l];
+        for (int l = 0; l < 8; l++) s8[l] = acc[l] + acc[l + 8];
+        for (int l = 0; l < 4; l++) s4[l] = s8[l] + s8[l + 4];
+        float v = (s4[0] + s4[2]) + (s4[1] + s4[3]);
+        for (int64_t i = n16; i < n; i++) v += a[i] * xk[i];
         out[k] = v * scale;
     }
 }
@@ -537,8 +535,13 @@ static void mm_rows(mm_args *a, int s, int64_t base, int64_t lo, int64_t hi, flo
                     for (int k = 0; k < nx; k++) {
                         xq[k].q = a->xq + (i + k) * a->cols; xq[k].d = a->xd + (i + k) * nbx; xq[k].s = a->xs + (i + k) * nbx;
                     }
-                    if (t == T_Q4X16) x16_group(a->w[s] + (r - base) * row_bytes, nb, xq, nx, a->y + i * a->ldy + r, a->ldy);
-                    else x16_q8_group(a->w[s] + (r - base) * row_bytes, nb, xq, nx, a->y + i * a->ldy + r, a->ldy);
+                    /* the first pass over the group streams it (prefetching ahead), the
+                     * others read it from cache and prefetch the next group meanwhile, so
+                     * memory keeps streaming while several rows of x are computed */
+                    const uint8_t *w = a->w[s] + (r - base) * row_bytes;
+                    const uint8_t *pf = i == i0 ? w + PF_AHEAD : w + 16 * row_bytes;
+                    if (t == T_Q4X16) x16_group(w, nb, xq, nx, a->y + i * a->ldy + r, a->ldy, pf);
+                    else x16_q8_group(w, nb, xq, nx, a->y + i * a->ldy + r, a->ldy, pf);
                 }
         }
         return;
