@@ -35,7 +35,7 @@ static void qattn_chunk(void *a_, int64_t c) {
     const float *q[QA_QUERIES];
     int64_t qpos[QA_QUERIES]; uint64_t qmask[QA_QUERIES];
     float acc[QA_QUERIES][512], sc[QA_QUERIES][ATT_TILE], mx[QA_QUERIES], den[QA_QUERIES];
-    float kr[512], vr[512];
+    float kr[512], vbuf[ATT_TILE * 512];
     for (int k = 0; k < nq; k++) {
         int i = i0 + k / G, h = kvh * G + k % G;
         q[k] = a->q + (q0 + i) * a->q_stride + (int64_t)h * hd;
@@ -80,15 +80,32 @@ static void qattn_chunk(void *a_, int64_t c) {
             exp_tile(sc[k], nt);
             for (int j = 0; j < nt; j++) den[k] += sc[k][j];
         }
+        /* the tile's V rows (bf16 ones converted once), then query by query, key
+         * by key: a query's accumulator stays in registers through the tile (the
+         * same additions, in the same order, as the decode attention's) */
+        const float *vrow[ATT_TILE];
         for (int j = 0; j < nt; j++) {
             int64_t t = t0 + j, off = (((int64_t)table[t / a->bs] * a->bs + t % a->bs) * a->nkv + kvh) * hd;
-            const float *vp = (const float *)a->vc + off;
-            int loaded = !a->kv_bf16;
-            for (int k = 0; k < nq; k++) {
-                float p = sc[k][j], *ac = acc[k];
-                if (p == 0) continue;        /* a masked key (or one that underflowed) */
-                if (!loaded) { load_row(a->vc, 1, off, hd, vr); vp = vr; loaded = 1; }
-                for (int e = 0; e < hd; e++) ac[e] += p * vp[e];
+            vrow[j] = (const float *)a->vc + off;
+            if (a->kv_bf16) { load_row(a->vc, 1, off, hd, vbuf + j * hd); vrow[j] = vbuf + j * hd; }
+        }
+        for (int k = 0; k < nq; k++) {
+            float *ac = acc[k];
+            if (hd == 64) {
+                float r[64];
+                memcpy(r, ac, sizeof r);
+                for (int j = 0; j < nt; j++) {
+                    float p = sc[k][j];
+                    if (p == 0) continue;    /* a masked key (or one that underflowed) */
+                    for (int e = 0; e < 64; e++) r[e] += p * vrow[j][e];
+                }
+                memcpy(ac, r, sizeof r);
+            } else {
+                for (int j = 0; j < nt; j++) {
+                    float p = sc[k][j];
+                    if (p == 0) continue;
+                    for (int e = 0; e < hd; e++) ac[e] += p * vrow[j][e];
+                }
             }
         }
     }
