@@ -21,6 +21,45 @@ typedef struct {
     int nh, nkv, hd, bs; float scale; int64_t window; float *out; int tpc, tiles;
 } qattn_args;
 
+/* One query's online-softmax update over a tile of cnt keys: scores sc
+ * (clobbered), V rows vr; the decode attention's arithmetic, in its order. */
+static void qa_tile(float *sc, const float *const *vr, int cnt, int hd, float *mx, float *den, float *acc) {
+    float m = *mx;
+    for (int j = 0; j < cnt; j++) m = sc[j] > m ? sc[j] : m;
+    if (m == -INFINITY) return;           /* nothing seen yet: the tile adds nothing */
+    if (m > *mx) {
+        float f = expf(*mx - m);          /* 0 on the first tile seen */
+        *den *= f;
+        for (int e = 0; e < hd; e++) acc[e] *= f;
+        *mx = m;
+    }
+    for (int j = 0; j < cnt; j++) sc[j] -= m;
+    exp_tile(sc, cnt);
+    for (int j = 0; j < cnt; j++) *den += sc[j];
+    if (hd == 64) {                       /* the accumulator in registers through the tile */
+        float r[64];
+        memcpy(r, acc, sizeof r);
+        for (int j = 0; j < cnt; j++) {
+            float p = sc[j];
+            if (p == 0) continue;         /* a masked key (or one that underflowed) */
+            for (int e = 0; e < 64; e++) r[e] += p * vr[j][e];
+        }
+        memcpy(acc, r, sizeof r);
+    } else {
+        for (int j = 0; j < cnt; j++) {
+            float p = sc[j];
+            if (p == 0) continue;
+            for (int e = 0; e < hd; e++) acc[e] += p * vr[j][e];
+        }
+    }
+}
+
+/* Tiles of 64 keys from lo, shared by the chunk's queries, up to the tile that
+ * holds the first of the step's keys; from there each query takes the keys it
+ * sees, in order, in tiles of 64 of them: the tiles a chain of one-token steps
+ * along the query's ancestors would take, so a tree node's row is the bits of
+ * that chain's (without a window). */
+#define QA_TAIL (2 * ATT_TILE)
 static void qattn_chunk(void *a_, int64_t c) {
     qattn_args *a = a_;
     int G = a->nh / a->nkv, hd = a->hd;
@@ -34,8 +73,9 @@ static void qattn_chunk(void *a_, int64_t c) {
     int nq = (i1 - i0) * G;
     const float *q[QA_QUERIES];
     int64_t qpos[QA_QUERIES]; uint64_t qmask[QA_QUERIES];
-    float acc[QA_QUERIES][512], sc[QA_QUERIES][ATT_TILE], mx[QA_QUERIES], den[QA_QUERIES];
-    float kr[512], vbuf[ATT_TILE * 512];
+    float acc[QA_QUERIES][512], sc[QA_QUERIES][QA_TAIL], mx[QA_QUERIES], den[QA_QUERIES];
+    float kr[512], vbuf[QA_TAIL * 512];
+    const float *vrow[QA_TAIL];
     for (int k = 0; k < nq; k++) {
         int i = i0 + k / G, h = kvh * G + k % G;
         q[k] = a->q + (q0 + i) * a->q_stride + (int64_t)h * hd;
@@ -45,8 +85,9 @@ static void qattn_chunk(void *a_, int64_t c) {
         mx[k] = -INFINITY; den[k] = 0;
         for (int e = 0; e < hd; e++) acc[k][e] = 0;
     }
+    int64_t tail = ctx > lo ? lo + (ctx - lo) / ATT_TILE * ATT_TILE : lo;
     for (int64_t t0 = lo; t0 < n; t0 += ATT_TILE) {
-        int nt = n - t0 < ATT_TILE ? (int)(n - t0) : ATT_TILE;
+        int nt = t0 < tail ? ATT_TILE : (int)(n - t0);     /* the last: the tail, to n */
         for (int j = 0; j < nt; j++) {
             int64_t t = t0 + j, off = (((int64_t)table[t / a->bs] * a->bs + t % a->bs) * a->nkv + kvh) * hd;
             const float *kp = (const float *)a->kc + off;
@@ -62,52 +103,24 @@ static void qattn_chunk(void *a_, int64_t c) {
             }
             dots_f(kp, qs, ns, hd, a->scale, d);
             for (int u = 0; u < ns; u++) sc[who[u]][j] = d[u];
-        }
-        for (int k = 0; k < nq; k++) {
-            float m = mx[k];
-            for (int j = 0; j < nt; j++) m = sc[k][j] > m ? sc[k][j] : m;
-            if (m == -INFINITY) {            /* nothing seen yet: the tile adds nothing */
-                for (int j = 0; j < nt; j++) sc[k][j] = 0;
-                continue;
-            }
-            if (m > mx[k]) {
-                float f = expf(mx[k] - m);   /* 0 on the first tile seen */
-                den[k] *= f;
-                for (int e = 0; e < hd; e++) acc[k][e] *= f;
-                mx[k] = m;
-            }
-            for (int j = 0; j < nt; j++) sc[k][j] -= m;   /* as the decode attention */
-            exp_tile(sc[k], nt);
-            for (int j = 0; j < nt; j++) den[k] += sc[k][j];
-        }
-        /* the tile's V rows (bf16 ones converted once), then query by query, key
-         * by key: a query's accumulator stays in registers through the tile (the
-         * same additions, in the same order, as the decode attention's) */
-        const float *vrow[ATT_TILE];
-        for (int j = 0; j < nt; j++) {
-            int64_t t = t0 + j, off = (((int64_t)table[t / a->bs] * a->bs + t % a->bs) * a->nkv + kvh) * hd;
-            vrow[j] = (const float *)a->vc + off;
+            vrow[j] = (const float *)a->vc + off;   /* V rows (bf16 ones converted once) */
             if (a->kv_bf16) { load_row(a->vc, 1, off, hd, vbuf + j * hd); vrow[j] = vbuf + j * hd; }
         }
-        for (int k = 0; k < nq; k++) {
-            float *ac = acc[k];
-            if (hd == 64) {
-                float r[64];
-                memcpy(r, ac, sizeof r);
-                for (int j = 0; j < nt; j++) {
-                    float p = sc[k][j];
-                    if (p == 0) continue;    /* a masked key (or one that underflowed) */
-                    for (int e = 0; e < 64; e++) r[e] += p * vrow[j][e];
-                }
-                memcpy(ac, r, sizeof r);
-            } else {
-                for (int j = 0; j < nt; j++) {
-                    float p = sc[k][j];
-                    if (p == 0) continue;
-                    for (int e = 0; e < hd; e++) ac[e] += p * vrow[j][e];
-                }
-            }
+        if (t0 < tail) {
+            for (int k = 0; k < nq; k++) qa_tile(sc[k], vrow, nt, hd, &mx[k], &den[k], acc[k]);
+            continue;
         }
+        for (int k = 0; k < nq; k++) {        /* the tail: the keys each query sees, 64 at a time */
+            float ts[ATT_TILE]; const float *tv[ATT_TILE];
+            int cnt = 0;
+            for (int j = 0; j < nt; j++) {
+                if (sc[k][j] == -INFINITY) continue;
+                ts[cnt] = sc[k][j]; tv[cnt++] = vrow[j];
+                if (cnt == ATT_TILE) { qa_tile(ts, tv, cnt, hd, &mx[k], &den[k], acc[k]); cnt = 0; }
+            }
+            if (cnt) qa_tile(ts, tv, cnt, hd, &mx[k], &den[k], acc[k]);
+        }
+        break;
     }
     for (int k = 0; k < nq; k++) {
         int i = i0 + k / G, h = kvh * G + k % G;

@@ -209,3 +209,50 @@ def test_verify_step_rows_equal_one_token_steps(tmp_path, tiny_model, kv_dtype):
                 rows.append(model(b))
         out.append(torch.cat(rows))
     assert torch.equal(out[0], out[1])
+
+
+@needs_kernels
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("CTX", [55, 58, 61])
+def test_tree_rows_equal_one_token_steps_along_their_paths(tmp_path, tiny_model, kv_dtype, CTX):
+    """Each node of a tree verified in one call (its keys crossing a 64-key tile
+    of the attention at other places than a chain's would) gives the bits of
+    one-token steps along its root-to-node path."""
+    path = write_gguf(tmp_path / "m.gguf", tiny_model("llama"), Q.Q4_1, arch="llama")
+    llm = LLM(model=str(path), dtype="float32", device="cpu", quantization="gguf")
+    model = llm.engine.runner.model
+    parents = [-1, 0, 0, 1, 1, 3, 3, 5, 5, 7, 7, 9, 9]
+    gen = torch.Generator().manual_seed(5)
+    prompt = torch.randint(3, 60, (CTX,), generator=gen).tolist()
+    nodes = torch.randint(3, 60, (len(parents),), generator=gen).tolist()
+
+    def prefilled():
+        allocate_kv_caches(model, 24, 4, kv_dtype)
+        assert 0 < 64 - CTX < len(parents)
+        seq = Sequence(prompt + nodes, 4, BlockAllocator(24))
+        pre = make_batch([(seq, CTX)])
+        model.backend.prepare(pre)
+        model(pre)
+        return seq
+
+    with torch.inference_mode():
+        seq = prefilled()
+        step = make_batch([(seq, len(parents))])
+        step.positions[:] = torch.tensor([CTX + d for d in _depths(parents)])
+        step.tree_mask = _tree_mask(parents)[None]
+        assert model.model.cpu_decoder.accepts(step)
+        model.backend.prepare(step)
+        tree = model(step).clone()
+        for i in range(len(parents)):
+            chain = []
+            j = i
+            while j >= 0:
+                chain.insert(0, nodes[j])
+                j = parents[j]
+            seq = prefilled()
+            seq.token_ids = prompt + chain
+            for _ in chain:
+                b = make_batch([(seq, 1)])
+                model.backend.prepare(b)
+                row = model(b)
+            assert torch.equal(row[0], tree[i]), i
