@@ -3,7 +3,9 @@
 a chain) after `--context` cached tokens, final norm and LM head included,
 against the one-token step. Wall time with the kernels' threads, and the
 calling thread's CPU time with one thread (less moved by other people's work
-on a shared machine). The n's alternate rep by rep; medians.
+on a shared machine), and the wall time of the model's layer-by-layer forward
+(where verification steps went before the C decoder took them). The n's
+alternate rep by rep; medians.
 
     python benchmarks/spec/cpu_verify_cost.py --context 150 --out benchmarks/spec/results
 """
@@ -55,29 +57,34 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     from slipstream import LLM
-    from slipstream.kernels import cpu_library
+    from slipstream.kernels import cpu_decoder, cpu_library
     sizes = [int(s) for s in args.sizes.split(",")]
     llm = LLM(device="cpu", max_model_len=max(1024, args.context + 64))
     model = llm.engine.runner.model
     threads = cpu_library.threads()
     load = [os.getloadavg()[0]]
     wall = _measure(model, args.context, sizes, args.reps, time.perf_counter)
+    cpu_decoder.enabled = False
+    torch_fwd = _measure(model, args.context, sizes, max(args.reps // 3, 3), time.perf_counter)
+    cpu_decoder.enabled = True
     cpu_library.set_threads(1)
     cpu = _measure(model, args.context, sizes, args.reps, time.thread_time)
     cpu_library.set_threads(threads)
     load.append(os.getloadavg()[0])
     rows = [dict(tokens=n, wall_ms=round(wall[n] * 1e3, 2), wall_vs_one=round(wall[n] / wall[1], 2),
-                 cpu1_ms=round(cpu[n] * 1e3, 2), cpu1_vs_one=round(cpu[n] / cpu[1], 2)) for n in sizes]
+                 cpu1_ms=round(cpu[n] * 1e3, 2), cpu1_vs_one=round(cpu[n] / cpu[1], 2),
+                 forward_ms=round(torch_fwd[n] * 1e3, 2)) for n in sizes]
     date = datetime.date.today().isoformat()
     env = dict(date=date, context=args.context, threads=threads, reps=args.reps, load_average=load)
     lines = [f"# CPU verification step cost ({date})", "",
              f"Default model, one sequence, {args.context} cached tokens, a chain of n tokens in one step "
              f"(norms, products, attention, KV store, final norm, LM head); medians of {args.reps} reps, "
              f"the n's alternating. Load average {load[0]:.1f} -> {load[1]:.1f} (2 cores, shared).", "",
-             f"| tokens | wall ms ({threads} threads) | vs 1 token | CPU ms (1 thread) | vs 1 token |",
-             "|---|---|---|---|---|"]
-    lines += [f"| {r['tokens']} | {r['wall_ms']} | {r['wall_vs_one']} | {r['cpu1_ms']} | {r['cpu1_vs_one']} |"
-              for r in rows]
+             f"| tokens | wall ms ({threads} threads) | vs 1 token | CPU ms (1 thread) | vs 1 token | "
+             f"layer-by-layer forward, wall ms ({threads} threads) |",
+             "|---|---|---|---|---|---|"]
+    lines += [f"| {r['tokens']} | {r['wall_ms']} | {r['wall_vs_one']} | {r['cpu1_ms']} | {r['cpu1_vs_one']} | "
+              f"{r['forward_ms']} |" for r in rows]
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:
