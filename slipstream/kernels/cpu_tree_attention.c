@@ -73,8 +73,9 @@ static void qattn_chunk(void *a_, int64_t c) {
     int nq = (i1 - i0) * G;
     const float *q[QA_QUERIES];
     int64_t qpos[QA_QUERIES]; uint64_t qmask[QA_QUERIES];
-    float acc[QA_QUERIES][512], sc[QA_QUERIES][QA_TAIL], mx[QA_QUERIES], den[QA_QUERIES];
-    float kr[512], vbuf[QA_TAIL * 512];
+    /* sized by the head dim (stack: ~60 KB at hd 64, a bf16 tail's V rows included) */
+    float acc[QA_QUERIES][hd], sc[QA_QUERIES][QA_TAIL], mx[QA_QUERIES], den[QA_QUERIES];
+    float kr[hd], vbuf[a->kv_bf16 ? QA_TAIL * hd : 1];
     const float *vrow[QA_TAIL];
     for (int k = 0; k < nq; k++) {
         int i = i0 + k / G, h = kvh * G + k % G;
