@@ -296,6 +296,9 @@ def _make(spec, device, dtype, target=None, **_):
     path = resolve_head(spec.model, "eagle")
     head = EagleHead.load(path, device, dtype)
     lm_head = DraftLMHead(target, read_draft_vocab(path), dtype, device)
+    from slipstream.spec import cpu_draft
+    if cpu_draft.usable(head, device):      # drafting on a CPU: products on GGUF blocks
+        lm_head = cpu_draft.quantize_head(head, lm_head)
     return EagleProposer(head, target.model.embed_tokens, lm_head,
                          spec.num_speculative_tokens, spec.eagle_topk, spec.eagle_beam,
                          spec.eagle_max_nodes)

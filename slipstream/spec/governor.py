@@ -36,6 +36,14 @@ from slipstream.analysis.hardware import GPUS, HardwareProfile
 
 # A CPU with no measured profile: ~50 GB/s and ~1 TFLOP/s, Bc ~ 20 for bf16 weights.
 CPU_DEFAULT = HardwareProfile("cpu-default", 50e9, 1e12, source="assumed")
+# On a CPU the roofline's Bc does not describe a step: the one-call decoder's
+# products (int8 dot instructions) and attention cost a share of a one-token
+# step per extra token from the first, well below Bc (measured on the default
+# model, Q4_1, 2 AVX-512 threads: ~0.2 of a step a token, one thread's CPU
+# time). A CPU step over n tokens a request is costed 1 + CPU_TOKEN_COST * (n - 1)
+# plain steps until the steps are measured, and a chain's length is chosen
+# with the measured cost of a verified token added to the draft cost.
+CPU_TOKEN_COST = 0.2
 
 
 def hardware_for(device: torch.device) -> HardwareProfile:
@@ -60,6 +68,7 @@ class SpecGovernor:
         self.auto_off = spec.auto_off
         self.chain = spec.method in ("draft", "ngram")
         self.critical_batch = specdec.critical_batch_for(model_config, hardware_for(device))
+        self.cpu = device.type == "cpu"
         self.probe_every, self.plain_every = probe_every, plain_every
         self.probe_requests, self.decay = probe_requests, decay
         self.tau: float | None = None            # tokens per request per round (EMA)
@@ -106,8 +115,23 @@ class SpecGovernor:
         if not table:
             return None
         near = min(table, key=lambda x: abs(x.bit_length() - b.bit_length()))
-        bc = self.critical_batch
-        return table[near] * max(1.0, batch * tokens / bc) / max(1.0, near * tokens / bc)
+        return table[near] * self._cost(batch, tokens) / self._cost(near, tokens)
+
+    def _cost(self, batch: float, tokens: float) -> float:
+        """A step's modelled cost, batch requests x tokens each (relative units):
+        the roofline's max(1, B * tokens / Bc), on a CPU 1 + r * (B * tokens - 1) with r
+        a token's cost at batch 1 (measured, else CPU_TOKEN_COST)."""
+        if self.cpu:
+            return 1.0 + self._token_cost(1) * (batch * tokens - 1)
+        return max(1.0, batch * tokens / self.critical_batch)
+
+    def _token_cost(self, batch: int) -> float:
+        """CPU: a verified token's cost in plain steps, measured where both steps are."""
+        b = bucket(batch)
+        plain, spec, vt = self.plain_time.get(b), self.spec_time.get(b), self.verify_tokens
+        if plain and spec and vt and vt > 1.05:
+            return max(spec / plain - 1.0, 0.0) / (batch * (vt - 1))
+        return CPU_TOKEN_COST
 
     def predicted_speedup(self, batch: int) -> float | None:
         if None in (self.tau, self.verify_tokens, self.draft_per_request):
@@ -117,7 +141,7 @@ class SpecGovernor:
         spec = self._scaled(self.spec_time, batch, vt)
         if plain is None and spec is None:
             return None
-        roof = max(1.0, batch * vt / bc) / max(1.0, batch / bc)   # spec step / plain step
+        roof = self._cost(batch, vt) / self._cost(batch, 1.0)   # spec step / plain step
         plain = plain if plain is not None else spec / roof
         spec = spec if spec is not None else plain * roof
         return self.tau * plain / (spec + self.draft_per_request * batch)
@@ -170,6 +194,9 @@ class SpecGovernor:
             alpha = specdec.alpha_from_tau(tau, gamma)
             plain = self._scaled(self.plain_time, batch, 1.0)
             c = self.draft_per_request * batch / plain / max(gamma, 1)
-            k = max(1, specdec.best_gamma_at_batch(alpha, c, batch, self.critical_batch, self.k))
+            if self.cpu:         # each drafted token also costs its share of the verify step
+                k = max(1, specdec.best_gamma(alpha, c + self._token_cost(batch), self.k))
+            else:
+                k = max(1, specdec.best_gamma_at_batch(alpha, c, batch, self.critical_batch, self.k))
         self.last_k = k
         return k

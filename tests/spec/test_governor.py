@@ -103,3 +103,30 @@ def test_expensive_probes_are_spaced_out():
     assert g._probe_interval(1) == int(50 * 0.061 / 0.010) + 1
     asks = [g.num_tokens(1) for _ in range(2 * g._probe_interval(1))]
     assert asks.count(0) == len(asks) - 2
+
+
+def test_cpu_costs_verified_tokens_by_measurement():
+    """On a CPU a verification step costs 1 + r (n - 1) plain steps: r is
+    CPU_TOKEN_COST until both steps are measured, then the measured share; the
+    chain length adds r to each drafted token's cost."""
+    from slipstream.analysis import specdec
+    from slipstream.spec.governor import CPU_TOKEN_COST
+    g = _gov(k=8)
+    assert g.cpu
+    g.observe_round(emitted=3, requests=1, drafted=4)          # tau 3, 5 rows verified
+    g.observe_draft(0.0)
+    g.observe_step(0.010, 1, "plain")
+    want = 3 * 0.010 / (0.010 * (1 + CPU_TOKEN_COST * 4))      # spec step not measured yet
+    assert abs(g.predicted_speedup(1) - want) < 1e-9
+    g.observe_step(0.014, 1, "spec")                           # r = 0.4 / 4 = 0.1
+    assert abs(g._token_cost(1) - 0.1) < 1e-9
+    assert abs(g.predicted_speedup(1) - 3 * 0.010 / 0.014) < 1e-9
+    g.last_k = 4
+    k = g.num_tokens(1)
+    alpha = specdec.alpha_from_tau(3.0, 4)
+    assert k == specdec.best_gamma(alpha, 0.1, 8) and 1 <= k < 8
+    for _ in range(30):                                        # dearer verification: shorter chains
+        g.observe_step(0.030, 1, "spec")
+    assert g._token_cost(1) > 0.2
+    g.last_k = 4
+    assert g.num_tokens(1) <= k
