@@ -78,6 +78,7 @@ class SpecConfig:
     eagle_beam: int = 4
     eagle_max_nodes: int = 16
     auto_off: bool = True                # skip drafting when the roofline predicts no gain
+    draft_graphs: bool = False           # EAGLE: tree expansion from a CUDA graph (GPU)
 
     @property
     def enabled(self) -> bool:

@@ -32,15 +32,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+from benchmarks.quant.child_runs import bench_model, child_env, run_child  # noqa: E402
 SCHEMES = ["bf16", "rtn-int4", "rtn-int4-head8", "int8", "w8a8", "fp8"]
 TINY_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 512,
                "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
@@ -81,6 +81,7 @@ def one_scheme(scheme: str, smoke: bool, iters: int, model: str) -> dict:
     first = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     fixed = torch.randint(0, vocab, (prompt_len,), generator=torch.Generator().manual_seed(7))
     _, (ids,) = _run(engine, [fixed.tolist()], greedy)          # warm-up + sanity sample
+    _run(engine, [rand(prefill_len)], first)     # the prefill's shapes compiled and tuned untimed
     steps, prefills = [], []
     for _ in range(iters):
         whole, _ = _run(engine, [rand(prompt_len)], greedy)
@@ -111,29 +112,16 @@ def main(argv=None) -> int:
         Path(args.json).write_text(json.dumps(res))
         return 0
     tmp = Path(tempfile.mkdtemp())
-    model = "llama-3-8b"
-    if args.smoke:
-        model = str(tmp / "tiny")
-        os.makedirs(model)
-        (Path(model) / "config.json").write_text(json.dumps(TINY_CONFIG))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    model = bench_model(tmp, args.smoke, TINY_CONFIG)
+    env = child_env()
     rows = []
     for scheme in args.schemes.split(","):
         if scheme not in SCHEMES:
             raise ValueError(f"--schemes: unknown {scheme!r}; choose from {SCHEMES}")
-        path = tmp / f"{scheme}.json"
-        cmd = [sys.executable, __file__, "--one", scheme, "--json", str(path), "--model", model,
-               "--iters", str(args.iters)] + (["--smoke"] if args.smoke else [])
-        t0 = time.perf_counter()
-        rc = subprocess.run(cmd, env=env).returncode
-        if rc != 0 or not path.is_file():
-            print(f"{scheme}: FAILED (exit {rc})", flush=True)
-            rows.append({"scheme": scheme, "failed": True})
-            continue
-        r = json.loads(path.read_text())
-        r["wall_s"] = time.perf_counter() - t0
+        r = {"scheme": scheme, **run_child(__file__, scheme, model, args.iters, args.smoke, tmp, env)}
         rows.append(r)
+        if r.get("failed"):
+            continue
         print(f"{scheme:9s} decode b=1 {r['decode_tokens_per_s']:8.1f} tok/s "
               f"({r['decode_step_ms']:.3f} ms/step)  prefill {r['prefill_tokens']} "
               f"{r['prefill_tokens_per_s']:9.0f} tok/s  (process {r['wall_s']:.0f} s, engine "

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -38,6 +37,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+from benchmarks.quant.child_runs import bench_model, run_child  # noqa: E402
+from benchmarks.quant.child_runs import child_env as _env  # noqa: E402
 VARIANTS = {
     "bf16": (None, {}),
     "w8a8-old": ("w8a8", {"SLIPSTREAM_W8A8_FUSE": "0"}),
@@ -195,37 +196,18 @@ def main(argv=None) -> int:
     return 1 if bad else 0
 
 
-def _env(extra: dict) -> dict:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
-    env.update(extra)
-    return env
-
-
 def e2e(args) -> list[dict]:
     tmp = Path(tempfile.mkdtemp())
-    model = "llama-3-8b"
-    if args.smoke:
-        model = str(tmp / "tiny")
-        os.makedirs(model)
-        (Path(model) / "config.json").write_text(json.dumps(TINY_CONFIG))
+    model = bench_model(tmp, args.smoke, TINY_CONFIG)
     rows = []
     for name in args.variants.split(","):
-        env = _env(VARIANTS[name][1])
-        path = tmp / f"{name}.json"
-        cmd = [sys.executable, __file__, "--one", name, "--json", str(path), "--model", model,
-               "--iters", str(args.iters)] + (["--smoke"] if args.smoke else [])
-        t0 = time.perf_counter()
-        rc = subprocess.run(cmd, env=env).returncode
-        if rc != 0 or not path.is_file():
-            print(f"{name}: FAILED (exit {rc})", flush=True)
-            rows.append({"variant": name, "failed": True})
-            continue
-        r = json.loads(path.read_text())
-        r["wall_s"] = time.perf_counter() - t0
+        r = {"variant": name, **run_child(__file__, name, model, args.iters, args.smoke, tmp,
+                                          _env(VARIANTS[name][1]))}
         rows.append(r)
-        print(f"{name:10s} prefill {r['prefill_tokens']} tokens {r['prefill_ms']:8.2f} ms "
-              f"{r['prefill_tokens_per_s']:9.0f} tok/s (process {r['wall_s']:.0f} s)", flush=True)
+        if not r.get("failed"):
+            print(f"{name:10s} prefill {r['prefill_tokens']} tokens {r['prefill_ms']:8.2f} ms "
+                  f"{r['prefill_tokens_per_s']:9.0f} tok/s (process {r['wall_s']:.0f} s)",
+                  flush=True)
     return rows
 
 

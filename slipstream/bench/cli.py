@@ -45,6 +45,7 @@ ENGINE_OPTIONS = {
     "speculative_draft_layers": (int, None, "draft with the first N layers of the model"),
     "speculative_tree": (str, None, "medusa top-k per head '3,2,1,1'; eagle 'topk,beam,nodes'"),
     "speculative_auto_off": (bool, True, "stop drafting where the roofline predicts no gain"),
+    "speculative_draft_graphs": (bool, False, "EAGLE: tree expansion from a CUDA graph (GPU)"),
 }
 
 

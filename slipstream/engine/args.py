@@ -37,6 +37,8 @@ class EngineArgs:
     speculative_draft_layers: int | None = None
     speculative_tree: str | None = None      # medusa: "3,2,1,1" top-k per head; eagle: "topk,beam,nodes"
     speculative_auto_off: bool = True
+    # EAGLE's tree expansion replayed from a CUDA graph (opt-in until measured on a GPU)
+    speculative_draft_graphs: bool = False
     seed: int = 0
     load_format: str = "auto"                # "auto": the model's weights; "dummy": random
     tensor_parallel_size: int = 1            # ranks sharing each layer (distributed/)
@@ -131,6 +133,8 @@ class EngineArgs:
             raise ValueError(f"num_speculative_tokens must be in [1, 16], got {k}")
         if self.speculative_draft_layers is not None and method != "draft":
             raise ValueError("speculative_draft_layers applies to speculative_method='draft'")
+        if self.speculative_draft_graphs and method != "eagle":
+            raise ValueError("speculative_draft_graphs applies to speculative_method='eagle'")
         extra = {}
         if self.speculative_tree:
             try:
@@ -150,7 +154,8 @@ class EngineArgs:
                              "kernel verifies at most 63 (64 rows with the root)")
         return SpecConfig(method=method, num_speculative_tokens=k, model=self.speculative_model,
                           draft_num_layers=self.speculative_draft_layers,
-                          auto_off=self.speculative_auto_off, **extra)
+                          auto_off=self.speculative_auto_off,
+                          draft_graphs=self.speculative_draft_graphs, **extra)
 
 
 def _tree_nodes(method: str, extra: dict) -> int:

@@ -174,7 +174,11 @@ class Engine:
         overlap, drained = self.async_scheduling, []
         spec = getattr(self.runner, "speculator", None)
         if spec is not None and self._async_allowed:
-            overlap = spec.wants_overlap(len(self.scheduler.running))
+            # The batch the next drafts would be verified in: waiting requests
+            # join it (a fresh batch has none running when its prefill is planned).
+            q = self.scheduler
+            overlap = spec.wants_overlap(min(len(q.running) + len(q.waiting),
+                                             self.config.scheduler.max_num_seqs))
             spec.overlapping = overlap
             if not overlap and self._inflight is not None:
                 # Drafting needs the in-flight step's tokens: collect it first.

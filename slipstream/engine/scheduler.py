@@ -26,6 +26,8 @@ from slipstream.config import SchedulerConfig
 from slipstream.engine.request import Request, RequestStatus
 from slipstream.step_data import CachedRequestData, NewRequestData, SchedulerOutput
 
+_CUT_SIZES = (0, 1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32, 48)   # draft nodes
+
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
@@ -137,6 +139,10 @@ class Scheduler:
         room = min(budget - 1, req.max_tokens - req.num_output_tokens - 1,
                    self.config.max_model_len - req.num_tokens)
         m = max(0, min(len(draft[0]), room))
+        if m < len(draft[0]):
+            # A cut draft keeps one of a few sizes: each row count of a verification
+            # step is a CUDA graph of its own (captured once, on first use).
+            m = max(size for size in _CUT_SIZES if size <= m)
         return list(draft[0][:m]), tuple(draft[1][:m])
 
     @staticmethod

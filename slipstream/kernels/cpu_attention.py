@@ -58,3 +58,59 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                                  k_ptr, k_stride, v_ptr, v_stride, slot_ptr, out.data_ptr())
     assert rc == 0, "ss_decode_attention rejected its arguments"
     return out if q.dtype == torch.float32 else out.to(q.dtype)
+
+
+MAX_QUERY = 64      # tokens a sequence may bring to `tree_attention` (bits of its masks)
+_CAUSAL = torch.tensor([(1 << (i + 1)) - 1 if i < 63 else -1 for i in range(MAX_QUERY)], dtype=torch.int64)
+_BITS = torch.tensor([1 << i if i < 63 else -(1 << 63) for i in range(MAX_QUERY)], dtype=torch.int64)
+
+
+def query_masks(query_lens: list[int], tree_mask: torch.Tensor | None) -> torch.Tensor:
+    """Bit j of row t: token t sees its sequence's step token j -> [num_tokens] int64
+    (uint64 bits). tree_mask: [num_seqs, >= max_q, >= max_q] bool, or None: causal."""
+    if max(query_lens) > MAX_QUERY:
+        raise ValueError(f"query_lens: at most {MAX_QUERY} tokens a sequence, got {max(query_lens)}")
+    if tree_mask is None:
+        return torch.cat([_CAUSAL[:n] for n in query_lens])
+    tm = tree_mask.to("cpu", torch.int64)
+    return torch.cat([(tm[i, :n, :n] * _BITS[:n]).sum(-1) for i, n in enumerate(query_lens)])
+
+
+def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   seq_lens: torch.Tensor, block_tables: torch.Tensor, query_lens: list[int],
+                   scale: float, sliding_window: int | None = None,
+                   tree_mask: torch.Tensor | None = None, k: torch.Tensor | None = None,
+                   v: torch.Tensor | None = None, slot_mapping: torch.Tensor | None = None) -> torch.Tensor:
+    """A few tokens per sequence (query_lens[s] <= 64) after its cached ones, causal
+    among themselves or as `tree_mask` [num_seqs, >= max_q, >= max_q] says.
+    q: [num_tokens, num_heads, head_dim]; seq_lens [num_seqs] count the step's
+    tokens; k, v [num_tokens, kv_heads, head_dim] with slot_mapping: stored first
+    -> [num_tokens, num_heads, head_dim] in q's dtype. Twin: reference.paged_attention."""
+    lib = cpu_library.load()
+    n, nh, hd = q.shape
+    nkv, bs = k_cache.shape[2], k_cache.shape[1]
+    if sum(query_lens) != n:
+        raise ValueError(f"query_lens sum to {sum(query_lens)}, q has {n} tokens")
+    qf, q_stride = _rows(q)
+    out = torch.empty(n, nh, hd, dtype=torch.float32)
+    lens = seq_lens.to(torch.int32).contiguous()
+    tables = block_tables.to(torch.int32).contiguous()
+    qloc = torch.tensor([0, *query_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    masks = query_masks(query_lens, tree_mask)
+    assert k_cache.is_contiguous() and v_cache.is_contiguous()
+    k_ptr = v_ptr = slot_ptr = None
+    k_stride = v_stride = 0
+    if k is not None:
+        k, k_stride = _rows(k)
+        v, v_stride = _rows(v)
+        slots = slot_mapping.to(torch.int64).contiguous()
+        k_ptr, v_ptr, slot_ptr = k.data_ptr(), v.data_ptr(), slots.data_ptr()
+    rc = lib.ss_tree_attention(qf.data_ptr(), q_stride, k_cache.data_ptr(), v_cache.data_ptr(),
+                               KV_DTYPES[k_cache.dtype], tables.data_ptr(), tables.shape[1], lens.data_ptr(),
+                               qloc.data_ptr(), masks.data_ptr(), len(query_lens), max(query_lens),
+                               nh, nkv, hd, bs, scale, sliding_window or 0,
+                               k_ptr, k_stride, v_ptr, v_stride, slot_ptr, out.data_ptr())
+    if rc != 0:
+        raise ValueError("ss_tree_attention rejected its arguments (head_dim <= 512, "
+                         "at most 32 query heads a KV head)")
+    return out if q.dtype == torch.float32 else out.to(q.dtype)

@@ -1,7 +1,9 @@
 /* A whole decode step of a Llama-family model in one call (included by
  * cpu_quant.c, so it shares its kernels and thread pool).
  *
- * Every sequence brings one token. For each layer:
+ * Every sequence brings one token (ss_decode_step), or a few tokens with a mask
+ * among them (ss_tree_step: draft verification, the products then M-row GEMMs
+ * that read each weight block once). For each layer:
  *   h = rmsnorm(r) * w1;  qkv = h @ Wqkv^T (+ b);  rotary on the q and k heads;
  *   k, v -> the paged cache at the token's slot;  o = attention over the cache;
  *   r += o @ Wo^T (+ b);  h = rmsnorm(r) * w2;  gu = h @ Wgu^T;
@@ -59,11 +61,16 @@ static void rotary(float *x, int heads, int hd, const float *cos, const float *s
         }
 }
 
-/* x: [b, hidden] embeddings in, final normed hidden states out. Returns 0, or -1
- * on arguments the kernels reject. */
-int ss_decode_step(const ss_model_t *m, float *x, int64_t b, const int64_t *positions,
-                   const int32_t *tables, int64_t table_stride, const int32_t *seq_lens,
-                   const int64_t *slots) {
+/* Where a step's tokens attend: one token per sequence (qloc NULL: the decode
+ * attention) or a few (ss_tree_attention, qloc/masks/max_q as there). */
+typedef struct {
+    const int32_t *tables; int64_t table_stride; const int32_t *seq_lens; const int64_t *slots;
+    const int32_t *qloc; const uint64_t *masks; int64_t n_seqs; int max_q;
+} ss_attend_t;
+
+/* x: [b, hidden] embeddings of the step's b tokens in, final normed hidden
+ * states out. Returns 0, or -1 on arguments the kernels reject. */
+static int run_step(const ss_model_t *m, float *x, int64_t b, const int64_t *positions, const ss_attend_t *at) {
     int64_t H = m->hidden, hd = m->hd, nq = (int64_t)m->nh * hd, nkvd = (int64_t)m->nkv * hd;
     int64_t wqkv = nq + 2 * nkvd, I = m->inter;
     if (hd > 512 || m->nkv < 1 || m->nh % m->nkv || hd % 2) return -1;
@@ -81,9 +88,15 @@ int ss_decode_step(const ss_model_t *m, float *x, int64_t b, const int64_t *posi
             const float *c = m->cos + positions[i] * hd, *s = m->sin + positions[i] * hd;
             rotary(qkv + i * wqkv, m->nh + m->nkv, (int)hd, c, s);
         }
-        rc = ss_decode_attention(qkv, wqkv, L->k_cache, L->v_cache, m->kv_bf16, tables, table_stride,
-                                 seq_lens, b, m->nh, m->nkv, (int)hd, m->block_size, m->scale, m->window,
-                                 qkv + nq, wqkv, qkv + nq + nkvd, wqkv, slots, att);
+        if (at->qloc)
+            rc = ss_tree_attention(qkv, wqkv, L->k_cache, L->v_cache, m->kv_bf16, at->tables, at->table_stride,
+                                   at->seq_lens, at->qloc, at->masks, at->n_seqs, at->max_q, m->nh, m->nkv,
+                                   (int)hd, m->block_size, m->scale, m->window,
+                                   qkv + nq, wqkv, qkv + nq + nkvd, wqkv, at->slots, att);
+        else
+            rc = ss_decode_attention(qkv, wqkv, L->k_cache, L->v_cache, m->kv_bf16, at->tables, at->table_stride,
+                                     at->seq_lens, b, m->nh, m->nkv, (int)hd, m->block_size, m->scale, m->window,
+                                     qkv + nq, wqkv, qkv + nq + nkvd, wqkv, at->slots, att);
         if (rc || (rc = lin(&L->o, nq, att, b, h))) break;
         for (int64_t i = 0; i < b * H; i++) r[i] += h[i];
         for (int64_t i = 0; i < b; i++) rmsnorm(r + i * H, L->norm2, H, m->eps, h + i * H);
@@ -99,4 +112,22 @@ int ss_decode_step(const ss_model_t *m, float *x, int64_t b, const int64_t *posi
         for (int64_t i = 0; i < b; i++) rmsnorm(r + i * H, m->final_norm, H, m->eps, x + i * H);
     free(buf);
     return rc;
+}
+
+/* Every sequence brings one token: x [b, hidden]. */
+int ss_decode_step(const ss_model_t *m, float *x, int64_t b, const int64_t *positions,
+                   const int32_t *tables, int64_t table_stride, const int32_t *seq_lens,
+                   const int64_t *slots) {
+    ss_attend_t at = { tables, table_stride, seq_lens, slots, NULL, NULL, b, 1 };
+    return run_step(m, x, b, positions, &at);
+}
+
+/* n_seqs sequences bring qloc[s + 1] - qloc[s] tokens each (at most max_q <= 64),
+ * x [qloc[n_seqs], hidden]; token t sees the step's tokens masks[t] marks (see
+ * ss_tree_attention). Each weight block is read once for all the tokens. */
+int ss_tree_step(const ss_model_t *m, float *x, const int64_t *positions, const int32_t *tables,
+                 int64_t table_stride, const int32_t *seq_lens, const int64_t *slots, int64_t n_seqs,
+                 const int32_t *qloc, const uint64_t *masks, int max_q) {
+    ss_attend_t at = { tables, table_stride, seq_lens, slots, qloc, masks, n_seqs, max_q };
+    return run_step(m, x, qloc[n_seqs], positions, &at);
 }

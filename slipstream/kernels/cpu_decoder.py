@@ -9,11 +9,19 @@ one call: every layer's norm, q/k/v product, rotary, KV store, attention over
 the paged cache, output product, norm, gate/up product, SiLU * up and down
 product, and the final norm.
 
+A draft-verification step (a sequence bringing its last token plus up to
+MAX_QUERY - 1 drafts, a chain or a tree under `batch.tree_mask`) is one call
+too (`ss_tree_step`): the products become M-row GEMMs that read each weight
+block once for all the step's tokens, and the attention sees the cache plus
+the step's tokens its mask allows (kernels/cpu_tree_attention.c), so
+verifying k drafts costs little more than a plain step.
+
 It serves a model whose every linear layer holds a `QuantMatrix` (the GGUF
 scheme on a CPU with the kernels built), fp32 activations and an fp32 or bf16
-KV cache, batches where each sequence brings one token and no tree mask.
+KV cache, batches where each sequence brings one token, or up to MAX_QUERY
+tokens after a cached context (prompts take the model's forward).
 Everything else takes the model's own forward, which is also its twin
-(`tests/test_cpu_decoder.py` compares the two).
+(`tests/loader/test_cpu_decoder.py` compares the two).
 """
 from __future__ import annotations
 
@@ -21,10 +29,11 @@ import ctypes
 
 import torch
 
-from slipstream.kernels import cpu_library
+from slipstream.kernels import cpu_attention, cpu_library
 from slipstream.kernels.cpu_quant import QuantMatrix
 
 MAX_SEG = 8
+MAX_QUERY = 64      # tokens a sequence may bring to a multi-token step (1 + drafts; mask bits)
 enabled = True      # False: every step takes the model's forward (tests compare the two)
 
 
@@ -54,12 +63,18 @@ def _fp32(t: torch.Tensor | None) -> bool:
 
 
 def _linear(layer) -> _Linear | None:
+    """The product's weights as the layer's own products read them (Q4/Q8 blocks
+    repacked for 16 rows at a time): a multi-token step then reads each block
+    once for all its tokens, and every token's row comes out bit for bit as in
+    a one-token step (the rows of x never mix), so verified drafts reproduce
+    plain greedy decoding exactly."""
     qm = getattr(layer, "gguf_weight", None)
     bias = getattr(layer, "bias", None)
     if not isinstance(qm, QuantMatrix) or not _fp32(bias):
         return None
-    lin = _Linear(n_seg=len(qm.segments))
-    for i, (qtype, data) in enumerate(qm.segments):
+    segments = qm.kernel_segments
+    lin = _Linear(n_seg=len(segments))
+    for i, (qtype, data) in enumerate(segments):
         lin.type[i], lin.w[i], lin.rows[i] = qtype, data.data_ptr(), data.shape[0]
     lin.bias = bias.data_ptr() if bias is not None else None
     return lin
@@ -71,18 +86,22 @@ class CPUDecoder:
     def __init__(self, model, layers: list[_Layer]):
         self.model = model                     # a LlamaModel (holds every tensor pointed to)
         self._layers = (_Layer * len(layers))(*layers)
+        self._struct = self._describe(model, self._layers)
+        self._caches: list = []                # the KV tensors the structures point to
+        self._attns = [layer.self_attn.attn for layer in model.layers]
+        self._lib = cpu_library.load()
+
+    @staticmethod
+    def _describe(model, layers) -> _Model:
         first = model.layers[0]
         attn = first.self_attn.attn
         rope = model.rotary_emb
-        self._struct = _Model(
+        return _Model(
             n_layers=len(layers), hidden=first.input_layernorm.weight.shape[0], nh=attn.num_heads,
             nkv=attn.num_kv_heads, hd=attn.head_dim,
             inter=first.mlp.down_proj.gguf_weight.cols, eps=first.input_layernorm.eps,
             scale=attn.scale, window=attn.sliding_window or 0, cos=rope.cos.data_ptr(),
-            sin=rope.sin.data_ptr(), final_norm=model.norm.weight.data_ptr(), layers=self._layers)
-        self._caches: list = []                # the KV tensors the structures point to
-        self._attns = [layer.self_attn.attn for layer in model.layers]
-        self._lib = cpu_library.load()
+            sin=rope.sin.data_ptr(), final_norm=model.norm.weight.data_ptr(), layers=layers)
 
     @classmethod
     def build(cls, model) -> "CPUDecoder | None":
@@ -131,9 +150,17 @@ class CPUDecoder:
         return True
 
     def accepts(self, batch) -> bool:
-        return (enabled and batch.is_decode_only and batch.tree_mask is None
-                and batch.input_ids.device.type == "cpu"
-                and batch.max_seq_len <= self.model.rotary_emb.max_position and self._bind_caches())
+        if not (enabled and batch.input_ids.device.type == "cpu"
+                and batch.max_seq_len <= self.model.rotary_emb.max_position):
+            return False
+        if not (batch.is_decode_only and batch.tree_mask is None) and not self._verifies(batch):
+            return False
+        return self._bind_caches()
+
+    def _verifies(self, batch) -> bool:
+        """A few tokens per sequence, each after a cached context (a draft check)."""
+        return (batch.max_query_len <= MAX_QUERY and self._struct.nh // self._struct.nkv <= 32
+                and all(s > q for s, q in zip(batch.seq_lens_cpu, batch.query_lens_cpu)))
 
     def __call__(self, x: torch.Tensor, batch) -> torch.Tensor:
         """x: [num_seqs, hidden] fp32 embeddings -> final normed hidden states, same shape."""
@@ -143,9 +170,23 @@ class CPUDecoder:
         tables = batch.block_tables if batch.block_tables.dtype == torch.int32 else batch.block_tables.int()
         slots = batch.slot_mapping if batch.slot_mapping.dtype == torch.int64 else batch.slot_mapping.long()
         positions, lens, tables, slots = (t.contiguous() for t in (positions, lens, tables, slots))
+        if not (batch.is_decode_only and batch.tree_mask is None):
+            return self._tree_step(x, batch, positions, lens, tables, slots)
         rc = self._lib.ss_decode_step(ctypes.byref(self._struct), x.data_ptr(), x.shape[0],
                                       positions.data_ptr(), tables.data_ptr(), tables.shape[1],
                                       lens.data_ptr(), slots.data_ptr())
         if rc != 0:
             raise RuntimeError("ss_decode_step rejected its arguments")
+        return x
+
+    def _tree_step(self, x, batch, positions, lens, tables, slots) -> torch.Tensor:
+        qlens = batch.query_lens_cpu
+        qloc = batch.query_start_loc
+        qloc = (qloc if qloc.dtype == torch.int32 else qloc.int()).contiguous()
+        masks = cpu_attention.query_masks(qlens, batch.tree_mask)
+        rc = self._lib.ss_tree_step(ctypes.byref(self._struct), x.data_ptr(), positions.data_ptr(),
+                                    tables.data_ptr(), tables.shape[1], lens.data_ptr(), slots.data_ptr(),
+                                    len(qlens), qloc.data_ptr(), masks.data_ptr(), batch.max_query_len)
+        if rc != 0:
+            raise RuntimeError("ss_tree_step rejected its arguments")
         return x

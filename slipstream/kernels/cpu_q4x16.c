@@ -66,13 +66,15 @@ int ss_repack_q4x16(int t, const uint8_t *src, int64_t rows, int64_t cols, uint8
 }
 
 /* y[i * ldy + r] for the 16 rows of group w (nb blocks) and nx (<= 4) rows of x. */
-static void x16_group(const uint8_t *w, int64_t nb, const qx_t *x, int nx, float *y, int64_t ldy) {
+static void x16_group(const uint8_t *w, int64_t nb, const qx_t *x, int nx, float *y, int64_t ldy,
+                         const uint8_t *pf) {   /* pf: prefetched along with w, block by block */
 #if defined(SS_AVX512)
+    const uint8_t *w0 = w;
     __m512 acc[4];
     for (int i = 0; i < nx; i++) acc[i] = _mm512_setzero_ps();
     const __m512i low = _mm512_set1_epi8(15);
     for (int64_t b = 0; b < nb; b++, w += X16_BYTES) {
-        for (int l = 0; l < X16_BYTES; l += 64) _mm_prefetch((const char *)w + PF_AHEAD + l, _MM_HINT_T0);
+        for (int l = 0; l < X16_BYTES; l += 64) _mm_prefetch((const char *)pf + (w - w0) + l, _MM_HINT_T0);
         __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)w));
         __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + 32)));
         __m512i lo[4], hi[4];
@@ -112,7 +114,7 @@ static void x16_group(const uint8_t *w, int64_t nb, const qx_t *x, int nx, float
         const __m256i low = _mm256_set1_epi8(15);
         for (int64_t b = 0; b < nb; b++, p += X16_BYTES) {
             if (half == 0)
-                for (int l = 0; l < X16_BYTES; l += 64) _mm_prefetch((const char *)p + PF_AHEAD + l, _MM_HINT_T0);
+                for (int l = 0; l < X16_BYTES; l += 64) _mm_prefetch((const char *)pf + (p - w) + l, _MM_HINT_T0);
             __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16 * half)));
             __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 32 + 16 * half)));
             __m256i lo[4], hi[4];
@@ -145,6 +147,7 @@ static void x16_group(const uint8_t *w, int64_t nb, const qx_t *x, int nx, float
         for (int i = 0; i < nx; i++) _mm256_storeu_ps(y + i * ldy + 8 * half, acc[i]);
     }
 #else
+    (void)pf;
     float acc[4][16];
     memset(acc, 0, sizeof(acc));
     for (int64_t b = 0; b < nb; b++, w += X16_BYTES)

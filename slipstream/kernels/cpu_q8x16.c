@@ -38,12 +38,14 @@ int ss_repack_q8x16(const uint8_t *src, int64_t rows, int64_t cols, uint8_t *dst
     return 0;
 }
 
-static void x16_q8_group(const uint8_t *w, int64_t nb, const qx_t *x, int nx, float *y, int64_t ldy) {
+static void x16_q8_group(const uint8_t *w, int64_t nb, const qx_t *x, int nx, float *y, int64_t ldy,
+                         const uint8_t *pf) {   /* pf: prefetched along with w, block by block */
 #if defined(SS_AVX512)
+    const uint8_t *w0 = w;
     __m512 acc[4];
     for (int i = 0; i < nx; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++, w += X8_BYTES) {
-        for (int l = 0; l < X8_BYTES; l += 64) _mm_prefetch((const char *)w + PF_AHEAD + l, _MM_HINT_T0);
+        for (int l = 0; l < X8_BYTES; l += 64) _mm_prefetch((const char *)pf + (w - w0) + l, _MM_HINT_T0);
         __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)w));
         __m512i v[8];
         for (int j = 0; j < 8; j++) v[j] = _mm512_loadu_si512(w + 32 + 64 * j);
@@ -75,7 +77,7 @@ static void x16_q8_group(const uint8_t *w, int64_t nb, const qx_t *x, int nx, fl
         for (int i = 0; i < nx; i++) acc[i] = _mm256_setzero_ps();
         for (int64_t b = 0; b < nb; b++, p += X8_BYTES) {
             if (half == 0)
-                for (int l = 0; l < X8_BYTES; l += 64) _mm_prefetch((const char *)p + PF_AHEAD + l, _MM_HINT_T0);
+                for (int l = 0; l < X8_BYTES; l += 64) _mm_prefetch((const char *)pf + (p - w) + l, _MM_HINT_T0);
             __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16 * half)));
             __m256i v[8];
             for (int j = 0; j < 8; j++) v[j] = _mm256_loadu_si256((const __m256i *)(p + 32 + 64 * j + 32 * half));
@@ -101,6 +103,7 @@ static void x16_q8_group(const uint8_t *w, int64_t nb, const qx_t *x, int nx, fl
         for (int i = 0; i < nx; i++) _mm256_storeu_ps(y + i * ldy + 8 * half, acc[i]);
     }
 #else
+    (void)pf;
     float acc[4][16];
     memset(acc, 0, sizeof(acc));
     for (int64_t b = 0; b < nb; b++, w += X8_BYTES)

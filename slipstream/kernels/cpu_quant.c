@@ -13,6 +13,9 @@
  *   ss_get_rows   embedding lookup: the rows `ids` of W, dequantized.
  *   ss_decode_attention  one new token per sequence over the paged KV cache
  *                 (no gather: blocks are read in place, online softmax).
+ *   ss_tree_attention  a few tokens per sequence under a tree mask
+ *                 (cpu_tree_attention.c).
+ *   ss_decode_step, ss_tree_step  a whole model step (cpu_decoder.c).
  *
  * Threads: a small pool of spinning workers. Work is split into chunks that
  * threads claim with an atomic counter; the caller takes chunks too and waits
@@ -317,6 +320,46 @@ static float dot_f(const float *a, const float *x, int64_t n) {
     return s;
 }
 
+/* out[k] = <a, x[k]> * scale for nx (<= DOTS_MAX) vectors x[k] (attention
+ * scores: one key against every query that reads it). Sums: 16 lanes over the
+ * vector, the lanes then added pairwise (8 + 8, 4 + 4, 2 + 2, 1 + 1), the tail
+ * last: a fixed order whatever nx, so a query's score is the same bits in the
+ * decode attention and in the tree attention; and no chain of 16 dependent
+ * additions per score (dot_f's) holds the others back. */
+#define DOTS_MAX 32
+static void dots_f(const float *a, const float *const *x, int nx, int64_t n, float scale, float *out) {
+    int64_t n16 = n / 16 * 16;
+    for (int k = 0; k < nx; k++) {
+        const float *xk = x[k];
+        float acc[16] = {0}, s8[8], s4[4];
+        for (int64_t i = 0; i < n16; i += 16) for (int l = 0; l < 16; l++) acc[l] += a[i + l] * xk[i + l];
+        for (int l = 0; l < 8; l++) s8[l] = acc[l] + acc[l + 8];
+        for (int l = 0; l < 4; l++) s4[l] = s8[l] + s8[l + 4];
+        float v = (s4[0] + s4[2]) + (s4[1] + s4[3]);
+        for (int64_t i = n16; i < n; i++) v += a[i] * xk[i];
+        out[k] = v * scale;
+    }
+}
+
+/* v[j] = exp(v[j]) in place for v[j] <= 0 (softmax weights: scores minus their
+ * max; -inf gives 0): Cephes' expf polynomial (within 2 ulp of expf), in plain
+ * arithmetic the compiler vectorizes (a libm call a score cost as much as the
+ * score itself). Below -87.3 (2^-126) the weight is 0. */
+static void exp_tile(float *v, int n) {
+    for (int j = 0; j < n; j++) {
+        float x = v[j] < -87.3f ? -87.3f : v[j];
+        float fx = rintf(x * 1.44269504088896341f);
+        float r = x - fx * 0.693359375f + fx * 2.12194440e-4f;
+        float z = r * r;
+        float y = ((((1.9875691500e-4f * r + 1.3981999507e-3f) * r + 8.3334519073e-3f) * r
+                    + 4.1665795894e-2f) * r + 1.6666665459e-1f) * r + 5.0000001201e-1f;
+        y = y * z + r + 1.0f;
+        int32_t bits = ((int32_t)fx + 127) << 23;
+        float p2; memcpy(&p2, &bits, 4);
+        v[j] = v[j] < -87.3f ? 0.0f : y * p2;
+    }
+}
+
 /* ---- the thread pool --------------------------------------------------- */
 #define MAX_THREADS 256
 typedef void (*chunk_fn)(void *args, int64_t chunk);
@@ -492,8 +535,13 @@ static void mm_rows(mm_args *a, int s, int64_t base, int64_t lo, int64_t hi, flo
                     for (int k = 0; k < nx; k++) {
                         xq[k].q = a->xq + (i + k) * a->cols; xq[k].d = a->xd + (i + k) * nbx; xq[k].s = a->xs + (i + k) * nbx;
                     }
-                    if (t == T_Q4X16) x16_group(a->w[s] + (r - base) * row_bytes, nb, xq, nx, a->y + i * a->ldy + r, a->ldy);
-                    else x16_q8_group(a->w[s] + (r - base) * row_bytes, nb, xq, nx, a->y + i * a->ldy + r, a->ldy);
+                    /* the first pass over the group streams it (prefetching ahead), the
+                     * others read it from cache and prefetch the next group meanwhile, so
+                     * memory keeps streaming while several rows of x are computed */
+                    const uint8_t *w = a->w[s] + (r - base) * row_bytes;
+                    const uint8_t *pf = i == i0 ? w + PF_AHEAD : w + 16 * row_bytes;
+                    if (t == T_Q4X16) x16_group(w, nb, xq, nx, a->y + i * a->ldy + r, a->ldy, pf);
+                    else x16_q8_group(w, nb, xq, nx, a->y + i * a->ldy + r, a->ldy, pf);
                 }
         }
         return;
@@ -659,7 +707,9 @@ static void attn_chunk(void *a_, int64_t c) {
             int64_t t = t0 + j, off = (((int64_t)table[t / a->bs] * a->bs + t % a->bs) * a->nkv + kvh) * hd;
             const float *kp = (const float *)a->kc + off;
             if (a->kv_bf16) { load_row(a->kc, 1, off, hd, kr); kp = kr; }   /* fp32 rows: in place */
-            for (int g = 0; g < ng; g++) sc[g][j] = dot_f(kp, q[g], hd) * a->scale;
+            float d[ATT_GROUP];
+            dots_f(kp, q, ng, hd, a->scale, d);
+            for (int g = 0; g < ng; g++) sc[g][j] = d[g];
         }
         for (int g = 0; g < ng; g++) {
             float m = mx[g];
@@ -670,7 +720,9 @@ static void attn_chunk(void *a_, int64_t c) {
                 for (int i = 0; i < hd; i++) acc[g][i] *= f;
                 mx[g] = m;
             }
-            for (int j = 0; j < nt; j++) { sc[g][j] = expf(sc[g][j] - m); den[g] += sc[g][j]; }
+            for (int j = 0; j < nt; j++) sc[g][j] -= m;
+            exp_tile(sc[g], nt);
+            for (int j = 0; j < nt; j++) den[g] += sc[g][j];
         }
         for (int j = 0; j < nt; j++) {
             int64_t t = t0 + j, off = (((int64_t)table[t / a->bs] * a->bs + t % a->bs) * a->nkv + kvh) * hd;
@@ -723,6 +775,9 @@ int ss_decode_attention(const float *q, int64_t q_stride, const void *k_cache, c
     parallel_for(attn_chunk, &a, num_seqs * nkv * ((G + gsz - 1) / gsz));
     return 0;
 }
+
+/* ---- several tokens a sequence, under a tree mask --------------------------- */
+#include "cpu_tree_attention.c"
 
 /* ---- a whole decode step ------------------------------------------------ */
 #include "cpu_decoder.c"

@@ -86,21 +86,32 @@ def _int_weight_gemm_kernel(X, QW, Scales, Zeros, Y, M, N, K, num_groups,
             # int32 words in the tiled layout of kernels/int_weight_gemv.py, BLOCK_K = its
             # tile: code j of word i is input k0 + j * KP + i, so code j of the tile's words
             # meets the contiguous inputs [k0 + j * KP, k0 + (j + 1) * KP): one dot of depth
-            # KP per code position, no reordering of the unpacked codes.
+            # KP per code position, no reordering of the unpacked codes (KP >= 16, the
+            # smallest dot depth: 128-wide tiles of 4-bit, 64-wide of 8-bit codes).
             PER: tl.constexpr = 32 // BITS
             KP: tl.constexpr = BLOCK_K // PER
             rw = k0 // PER + tl.arange(0, KP)
             words = tl.load(QW + rn64[:, None] * stride_qn + rw[None, :],
                             mask=n_ok[:, None], other=0).to(tl.uint32, bitcast=True)
-            tile = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for j in tl.static_range(PER):
-                rk = k0 + j * KP + tl.arange(0, KP)
+            if KP >= 16:
+                tile = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for j in tl.static_range(PER):
+                    rk = k0 + j * KP + tl.arange(0, KP)
+                    x = tl.load(X + rm[:, None].to(tl.int64) * stride_xm + rk[None, :],
+                                mask=m_ok[:, None], other=0.0)
+                    codes = (words >> (j * BITS)) & ((1 << BITS) - 1)
+                    w = _centred_weights(codes, z, BITS, X.dtype.element_ty)
+                    tile = tl.dot(x, tl.trans(w), tile)
+                acc += tile * s[None, :]
+            else:   # dots need a depth of 16: unpack [BN, PER, KP] into input order instead
+                rk = k0 + tl.arange(0, BLOCK_K)
                 x = tl.load(X + rm[:, None].to(tl.int64) * stride_xm + rk[None, :],
                             mask=m_ok[:, None], other=0.0)
-                codes = (words >> (j * BITS)) & ((1 << BITS) - 1)
-                w = _centred_weights(codes, z, BITS, X.dtype.element_ty)
-                tile = tl.dot(x, tl.trans(w), tile)
-            acc += tile * s[None, :]
+                shifts = (tl.arange(0, PER) * BITS).to(tl.uint32)
+                codes = (words[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1)
+                w = _centred_weights(tl.reshape(codes, (BLOCK_N, BLOCK_K)), z, BITS,
+                                     X.dtype.element_ty)
+                acc += tl.dot(x, tl.trans(w)) * s[None, :]
         else:
             rk = k0 + tl.arange(0, BLOCK_K)
             k_ok = rk < K

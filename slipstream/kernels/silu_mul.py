@@ -50,6 +50,17 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def _silu_mul_cols(x_row, cols, D, DT: tl.constexpr):
+    """SiLU(gate) * up of the row's columns `cols` (past D: 0), rounded as the unquantized
+    kernel rounds (the activation, then the product, in DT), in fp32."""
+    mask = cols < D
+    g = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(x_row + D + cols, mask=mask, other=0.0).to(tl.float32)
+    act = (g * tl.sigmoid(g)).to(DT).to(tl.float32)
+    return (act * u).to(DT).to(tl.float32)
+
+
+@triton.jit
 def _silu_mul_quant_kernel(X, Q, S, stride_x, stride_q, D, QMAX: tl.constexpr,
                            EPS: tl.constexpr, FP8: tl.constexpr, BLOCK: tl.constexpr,
                            ONE_PASS: tl.constexpr):
@@ -59,10 +70,7 @@ def _silu_mul_quant_kernel(X, Q, S, stride_x, stride_q, D, QMAX: tl.constexpr,
     if ONE_PASS:     # BLOCK >= D: the whole row in registers, read once
         cols = tl.arange(0, BLOCK)
         mask = cols < D
-        g = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(x_row + D + cols, mask=mask, other=0.0).to(tl.float32)
-        act = (g * tl.sigmoid(g)).to(DT).to(tl.float32)
-        y = (act * u).to(DT).to(tl.float32)
+        y = _silu_mul_cols(x_row, cols, D, DT)
         scale = row_scale(tl.max(tl.abs(y), axis=0), QMAX, EPS)
         tl.store(S + row, scale)
         tl.store(Q + row * stride_q + cols, quantize_block(y, scale, QMAX, FP8,
@@ -71,20 +79,13 @@ def _silu_mul_quant_kernel(X, Q, S, stride_x, stride_q, D, QMAX: tl.constexpr,
         amax = tl.zeros((BLOCK,), dtype=tl.float32)
         for c0 in range(0, D, BLOCK):
             cols = c0 + tl.arange(0, BLOCK)
-            mask = cols < D
-            g = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
-            u = tl.load(x_row + D + cols, mask=mask, other=0.0).to(tl.float32)
-            act = (g * tl.sigmoid(g)).to(DT).to(tl.float32)
-            amax = tl.maximum(amax, tl.abs((act * u).to(DT).to(tl.float32)))
+            amax = tl.maximum(amax, tl.abs(_silu_mul_cols(x_row, cols, D, DT)))
         scale = row_scale(tl.max(amax, axis=0), QMAX, EPS)
         tl.store(S + row, scale)
         for c0 in range(0, D, BLOCK):
             cols = c0 + tl.arange(0, BLOCK)
             mask = cols < D
-            g = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
-            u = tl.load(x_row + D + cols, mask=mask, other=0.0).to(tl.float32)
-            act = (g * tl.sigmoid(g)).to(DT).to(tl.float32)
-            y = (act * u).to(DT).to(tl.float32)
+            y = _silu_mul_cols(x_row, cols, D, DT)
             tl.store(Q + row * stride_q + cols, quantize_block(y, scale, QMAX, FP8,
                                                                Q.dtype.element_ty), mask=mask)
 

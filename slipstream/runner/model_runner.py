@@ -95,7 +95,7 @@ class ModelRunner:
                                  "tensor parallelism yet")
             from slipstream.spec.speculator import Speculator
             self.speculator = Speculator(config, self.model, self.kv_cache, self.input_batch,
-                                         self.sampling)
+                                         self.sampling, self.kv_scales)
 
     # ---- state ------------------------------------------------------------
 

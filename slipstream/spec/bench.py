@@ -18,6 +18,9 @@ from pathlib import Path
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parents[2] / "benchmarks" / "spec" / "prompts.txt"
 
+WARM_UP = ["Explain how a bicycle gear works, step by step.",
+           "List five uses of a paper clip and say why each works."]
+
 METHODS = {
     # name -> engine options
     "ngram": dict(speculative_method="ngram", num_speculative_tokens=4),
@@ -26,6 +29,9 @@ METHODS = {
     "medusa": dict(speculative_method="medusa", speculative_tree="3,2,1"),
     "eagle": dict(speculative_method="eagle", num_speculative_tokens=5,
                   speculative_tree="4,4,16"),
+    # The widest tree one verification graph takes (64 rows), 7 levels deep.
+    "eagle-wide": dict(speculative_method="eagle", num_speculative_tokens=7,
+                       speculative_tree="10,10,63"),
 }
 
 
@@ -77,6 +83,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eagle-depth", type=int, default=None, help="EAGLE tree depth (default 5)")
     p.add_argument("--medusa-tree", default=None, help="Medusa top-k per head (default 3,2,1)")
     p.add_argument("--ngram-tokens", type=int, default=None, help="n-gram chain length (default 4)")
+    p.add_argument("--profile", action="store_true",
+                   help="after each timed run, one more run of up to 4 prompts under cProfile: "
+                        "profiles_<device>.txt (top 40, ms per round by part) in --out")
+    p.add_argument("--eagle-graphs", action="store_true",
+                   help="EAGLE's tree expansion from a CUDA graph (speculative_draft_graphs)")
+    p.add_argument("--no-sync-check", dest="sync_check", action="store_false",
+                   help="CUDA: skip counting the synchronizing calls of a speculation round")
 
 
 def run(args, model=None, heads: dict | None = None, stem: str | None = None) -> int:
@@ -107,6 +120,8 @@ def run(args, model=None, heads: dict | None = None, stem: str | None = None) ->
         base_extra, spec_extra = dict(gpu_memory_utilization=0.3), dict(gpu_memory_utilization=0.65)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
 
+    if getattr(args, "profile", False) and args.out:
+        (Path(args.out) / f"profiles_{args.device}.txt").unlink(missing_ok=True)
     base = LLM(model, **common, **base_extra)
     tok = base.get_tokenizer()
     prompts = [{"prompt_token_ids": tok.encode(tok.apply_chat_template(
@@ -119,14 +134,21 @@ def run(args, model=None, heads: dict | None = None, stem: str | None = None) ->
                attention_backend=base.engine.runner.backend.name)
     results = []
     sets = {}
-    _run(base, prompts[:1], SamplingParams(temperature=0.0, max_tokens=4), 1)   # warm-up
+    # Warm-up prompts outside the measured set (no prefix-cache hits in the timed runs).
+    args.warm_prompts = [{"prompt_token_ids": tok.encode(tok.apply_chat_template(
+        [{"role": "user", "content": t}]), add_special_tokens=False)} for t in WARM_UP]
+    _run(base, args.warm_prompts, SamplingParams(temperature=0.0, max_tokens=16), 1)
     for batch in args.batch:
         reps = -(-batch // len(prompts))
         ps = (prompts * reps)[:batch] if batch > len(prompts) else prompts
         sets[batch] = ps
+        if batch > 1:   # graphs and kernels for this batch size, outside the timed runs
+            _run(base, _warm_set(args, batch), SamplingParams(temperature=0.0, max_tokens=16), batch)
         ref, plain_s, n_tok = _run(base, ps, params, batch)
         row = dict(batch=batch, method="plain", tokens=n_tok, seconds=round(plain_s, 3),
                    tokens_per_s=round(n_tok / plain_s, 2), speedup=1.0)
+        if getattr(args, "profile", False):
+            row["profile"] = _profile(args, base, None, ps, params, batch, "plain")
         results.append(row)
         print(json.dumps(row), flush=True)
     for name in args.methods.split(","):
@@ -141,8 +163,11 @@ def run(args, model=None, heads: dict | None = None, stem: str | None = None) ->
             opts["speculative_tree"] = args.medusa_tree
         if name == "ngram" and getattr(args, "ngram_tokens", None):
             opts["num_speculative_tokens"] = args.ngram_tokens
-        if name in heads:
-            opts["speculative_model"] = heads[name]
+        kind = opts["speculative_method"]
+        if kind == "eagle" and getattr(args, "eagle_graphs", False):
+            opts["speculative_draft_graphs"] = True
+        if kind in heads:
+            opts["speculative_model"] = heads[kind]
         if name == "draft" and smoke:
             opts["speculative_draft_layers"] = 1
         try:
@@ -174,11 +199,16 @@ def _method(LLM, model, common, spec_extra, opts, args, prompts, sets, base, par
         return
     from slipstream import SamplingParams
     spec = llm.engine.runner.speculator
-    _run(llm, prompts[:1], SamplingParams(temperature=0.0, max_tokens=4), 1)
+    # Warm-up long enough that the verification graphs of the usual row counts
+    # (and EAGLE's drafting graph) are captured before anything is timed.
+    _run(llm, args.warm_prompts, SamplingParams(temperature=0.0,
+                                                 max_tokens=min(args.max_tokens, 48)), 1)
     for batch in args.batch:
         ps = sets[batch]
         # At batch > 1 the roofline rule decides (the target: never slower than plain).
         spec.governor.auto_off = args.auto_off or batch > 1
+        if batch > 1:
+            _run(llm, _warm_set(args, batch), SamplingParams(temperature=0.0, max_tokens=16), batch)
         spec.stats.__init__()
         ref, plain_s, outs, secs = _interleaved(base, llm, ps, params, batch)
         n, n_tok = sum(len(o) for o in outs), sum(len(o) for o in ref)
@@ -193,8 +223,27 @@ def _method(LLM, model, common, spec_extra, opts, args, prompts, sets, base, par
                    drafted_per_round=round(st.drafted / max(st.rounds, 1), 2),
                    acceptance_per_position=[round(a, 3) for a in st.acceptance_per_position],
                    draft_seconds=round(st.draft_time, 3))
+        if getattr(args, "profile", False):
+            row["profile"] = _profile(args, llm, spec, ps, params, batch, name)
         results.append(row)
         print(json.dumps(row), flush=True)
+    if args.device != "cpu" and getattr(args, "sync_check", True):
+        from slipstream.spec.bench_profile import count_syncs
+        spec.governor.auto_off = False
+        row = dict(batch=1, method=name, check="sync", **count_syncs(llm, prompts[0], params))
+        results.append(row)
+        print(json.dumps(row), flush=True)
+
+
+def _warm_set(args, batch: int) -> list:
+    return (args.warm_prompts * batch)[:batch]
+
+
+def _profile(args, llm, spec, prompts, params, batch: int, name: str) -> dict:
+    from slipstream.spec.bench_profile import profile_run
+    ps = prompts[:max(batch, min(4, len(prompts)))]
+    out = Path(args.out) / f"profiles_{args.device}.txt" if args.out else None
+    return profile_run(lambda: _run(llm, ps, params, batch), out, name, batch, spec)
 
 
 def _write(args, stem: str, env: dict, results: list, quiet: bool = False) -> None:
@@ -212,7 +261,10 @@ def _write(args, stem: str, env: dict, results: list, quiet: bool = False) -> No
              "| batch | method | tok/s | plain tok/s | speedup | tau | accepted/round | "
              "drafted/round | acceptance by position | identical |",
              "|---|---|---|---|---|---|---|---|---|---|"]
+    checks = [r for r in results if "check" in r]
     for r in sorted(results, key=lambda r: r.get("batch", 0)):
+        if "check" in r:
+            continue
         if "error" in r:
             lines.append(f"| | {r['method']} | error: {r['error']} ||||||||")
             continue
@@ -221,6 +273,18 @@ def _write(args, stem: str, env: dict, results: list, quiet: bool = False) -> No
                      f"{r.get('tau', '')} | {r.get('mean_accepted', '')} | "
                      f"{r.get('drafted_per_round', '')} | {r.get('acceptance_per_position', '')} | "
                      f"{r.get('identical', '')} |")
+    for r in checks:
+        lines += ["", f"Synchronizing CUDA calls per speculation round ({r['method']}, batch 1, "
+                  f"torch.cuda.set_sync_debug_mode): {r.get('syncs_per_round', r.get('skipped'))}; "
+                  f"places {r.get('sync_places', {})}; a round in mode 'error': "
+                  f"{r.get('error_mode_round')}"]
+    profiled = [r for r in results if "profile" in r]
+    if profiled:
+        lines += ["", "Per-round split under cProfile (ms per verification round; plain: per step):", ""]
+        for r in profiled:
+            parts = ", ".join(f"{p['part'].strip()} {p['ms_per_round' if r['method'] != 'plain' else 'ms_per_step']}"
+                              for p in r["profile"]["split"])
+            lines.append(f"- {r['method']} batch {r['batch']}: {parts}")
     (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
     if not quiet:
         print("\n".join(lines))

@@ -65,6 +65,8 @@ def add_spec_options(p: argparse.ArgumentParser) -> None:
                    help="tree shape: medusa top-k per head ('3,2,1,1'), eagle 'topk,beam,nodes'")
     g.add_argument("--no-spec-auto-off", action="store_true",
                    help="speculate even where the roofline model predicts no gain")
+    g.add_argument("--spec-draft-graphs", action="store_true",
+                   help="EAGLE: replay the tree expansion from a CUDA graph (GPU)")
 
 
 def spec_engine_args(args: argparse.Namespace) -> dict:
@@ -73,7 +75,8 @@ def spec_engine_args(args: argparse.Namespace) -> dict:
                 num_speculative_tokens=args.num_speculative_tokens,
                 speculative_draft_layers=args.speculative_draft_layers,
                 speculative_tree=args.spec_tree,
-                speculative_auto_off=not args.no_spec_auto_off)
+                speculative_auto_off=not args.no_spec_auto_off,
+                speculative_draft_graphs=args.spec_draft_graphs)
 
 
 def add_bench_parser(bench_subparsers) -> None:

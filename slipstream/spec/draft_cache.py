@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from slipstream.batch import ForwardBatch
+from slipstream.spec.transfer import to_device
 
 
 class DraftKVCache:
@@ -60,7 +61,8 @@ class DraftKVCache:
         for rid, tokens, c, pos in entries:
             q = tokens.shape[0]
             table = self._grow(rid, c + q)
-            ids.append(tokens.to(self.device))
+            ids.append(tokens if tokens.device == self.device
+                       else to_device(tokens, torch.int64, self.device))
             positions.extend(pos if pos is not None else range(c, c + q))
             slots.extend(table[p // bs] * bs + p % bs for p in range(c, c + q))
             qlens.append(q)
@@ -77,10 +79,10 @@ class DraftKVCache:
             mask = torch.eye(mq, dtype=torch.bool).repeat(len(entries), 1, 1)
             for i, m in enumerate(tree_masks):
                 mask[i, :m.shape[0], :m.shape[0]] = m.cpu()
-            mask = mask.to(self.device)
+            mask = to_device(mask, torch.bool, self.device)
 
         def dev(x, dtype):
-            return torch.tensor(x, dtype=dtype, device=self.device)
+            return to_device(x, dtype, self.device)
         input_ids = torch.cat(ids)
         return ForwardBatch(
             input_ids=input_ids, positions=dev(positions, torch.int64),

@@ -19,12 +19,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from slipstream.layers.rotary import RotaryEmbedding, apply_rotary
 from slipstream.spec.base import ProposeRequest, register_proposer
+from slipstream.spec.eagle_tree import EagleTreeExpander
+from slipstream.spec.transfer import HostCopy, to_device
 from slipstream.spec.tree import DraftTree
 
 
@@ -143,104 +146,148 @@ class EagleProposer:
         self.token_ids = getattr(lm_head, "token_ids", lambda cols: cols)
         self.depth, self.topk, self.beam, self.max_nodes = depth, topk, beam, max_nodes
         self.kv: dict[str, tuple[torch.Tensor, torch.Tensor, int]] = {}
+        self.expander = EagleTreeExpander(head, embed, lm_head, self.token_ids, depth, topk, beam)
 
     def release(self, request_id: str) -> None:
         self.kv.pop(request_id, None)
 
+    def enable_graphs(self, on: bool) -> None:
+        """Replay the tree expansion from CUDA graphs (GPU only; SpecConfig.draft_graphs)."""
+        self.expander.graphs_enabled = on
+
     @torch.inference_mode()
     def propose(self, requests: list[ProposeRequest]) -> list[DraftTree]:
-        return [self._one(r) for r in requests]
+        trees = []
+        for r in requests:
+            root_feat, base = self._catch_up(r)
+            st = self.kv[r.request_id]
+            table = self.expander.expand(root_feat, st.k, st.v, base, st.valid)
+            # The round's second wait (the first is the verifier's): the candidates.
+            trees.append(self._select(HostCopy(table).wait()))
+        return trees
 
-    def _catch_up(self, r: ProposeRequest) -> torch.Tensor:
-        """Run the real pairs new since the last call; returns f^ after the root.
-        State per request: K, V of pairs [start, start + len). The runner may
-        hand over fewer states than the whole history (prefix-cache hits,
-        speculation paused): a gap restarts the head's context at the first
-        pair it is given, which only costs acceptance."""
+    def _catch_up(self, r: ProposeRequest) -> tuple[torch.Tensor, int]:
+        """Run the real pairs new since the last call; returns (f^ after the
+        root, position of the first draft pair). The runner may hand over
+        fewer states than the whole history (prefix-cache hits, speculation
+        paused): a gap restarts the head's context at the first pair it is
+        given, which only costs acceptance; states it has seen are skipped."""
         dt = self.head.fc.weight.dtype
-        m, length = r.hidden.shape[0], len(r.token_ids)
-        first = length - 1 - m                     # pairs j in [first, L - 1)
-        past = self.kv.get(r.request_id)
-        if past is not None:
-            k0, v0, start = past
-            end = start + k0.shape[0]
-            if end < first or first < start:
-                past = None
-            elif end > first:                      # states sent twice: keep one copy
-                past = (k0[:first - start], v0[:first - start], start)
-        start = first if past is None else past[2]
-        dev = r.hidden.device
-        toks = torch.tensor(list(r.token_ids[first + 1:length]), device=dev)
+        hidden, length = r.hidden, len(r.token_ids)
+        first = length - 1 - hidden.shape[0]       # pairs j in [first, L - 1)
+        st = self.kv.get(r.request_id)
+        if st is not None and (st.end < first or first < st.start):
+            st = None
+        if st is not None and st.end > first:      # states sent twice: keep the first copy
+            hidden, first = hidden[st.end - first:], st.end
+        if st is not None and not hidden.shape[0]:
+            return st.feat, length - 1
+        dev = hidden.device
+        toks = to_device(np.asarray(r.token_ids[first + 1:length]), torch.int64, dev)
         pos = torch.arange(first, length - 1, device=dev)
-        f, k, v = self.head(self.embed(toks).to(dt), r.hidden.to(dt), pos,
-                            None if past is None else past[:2], None)
-        if past is not None:
-            k, v = torch.cat([past[0], k]), torch.cat([past[1], v])
-        self.kv[r.request_id] = (k, v, start)
-        return f[-1]
+        t = hidden.shape[0]
+        mask = None if st is None else _append_mask(st.valid, t)
+        f, k, v = self.head(self.embed(toks).to(dt), hidden.to(dt), pos,
+                            None if st is None else (st.k, st.v), mask)
+        if st is None:
+            st = self.kv[r.request_id] = _HeadContext(k, v, torch.ones(t, dtype=torch.bool,
+                                                                       device=dev), first)
+        else:
+            st.append(k, v, torch.ones(t, dtype=torch.bool, device=dev))
+        st.end, st.feat = length - 1, f[-1]
+        return f[-1], length - 1
 
-    def _one(self, r: ProposeRequest) -> DraftTree:
-        """EAGLE-2's dynamic tree, built on the device; one host transfer at the end."""
-        root_feat = self._catch_up(r)
-        dt, dev = root_feat.dtype, root_feat.device
-        past_k, past_v, _ = self.kv[r.request_id]
-        ctx = past_k.shape[0]                     # real pairs held
-        base = len(r.token_ids) - 1               # absolute position of the first draft pair
-        k = self.topk
-        logp = torch.log_softmax(self.lm_head(root_feat[None]).float(), -1)[0]
-        top = logp.topk(min(k, logp.shape[-1]))
-        # Candidates level by level: draft-vocabulary column, cumulative
-        # log-probability, parent (global candidate index, -1: the root).
-        cols, scores, parents = [top.indices], [top.values], [torch.full_like(top.indices, -1)]
-        feat_in = root_feat.expand(top.indices.shape[0], -1)   # per candidate of the level
-        src = None                                # expanded row of each candidate's parent
-        anc = torch.zeros(0, 0, dtype=torch.bool, device=dev)  # ancestors among expanded rows
-        ks, vs = [past_k], [past_v]
-        offset = 0                                # global index of the level's first candidate
-        for lvl in range(1, self.depth):
-            sc = scores[-1]
-            fr = sc.topk(min(self.beam, sc.shape[0])).indices   # the level's best: expand them
-            b, e = fr.shape[0], anc.shape[0]
-            if src is None:
-                anc_new = torch.zeros(b, e, dtype=torch.bool, device=dev)
-            else:
-                s = src[fr]
-                anc_new = anc[s] | F.one_hot(s, e).bool()
-            # A frontier node sees the real pairs, its expanded ancestors, itself.
-            mask = torch.cat([torch.ones(b, ctx, dtype=torch.bool, device=dev), anc_new,
-                              torch.eye(b, dtype=torch.bool, device=dev)], dim=1)
-            anc = torch.cat([torch.cat([anc, anc.new_zeros(e, b)], 1),
-                             torch.cat([anc_new, anc.new_zeros(b, b)], 1)], 0)
-            toks = self.token_ids(cols[-1][fr])
-            pos = torch.full((b,), base - 1 + lvl, device=dev)
-            f, kn, vn = self.head(self.embed(toks).to(dt), feat_in[fr], pos,
-                                  (torch.cat(ks), torch.cat(vs)), mask)
-            ks.append(kn), vs.append(vn)
-            logp = torch.log_softmax(self.lm_head(f).float(), -1)
-            top = logp.topk(min(k, logp.shape[-1]))              # [b, k]
-            kk = top.indices.shape[1]
-            cols.append(top.indices.flatten())
-            scores.append((sc[fr][:, None] + top.values).flatten())
-            parents.append((offset + fr).repeat_interleave(kk))
-            feat_in = f.repeat_interleave(kk, dim=0)
-            src = torch.arange(e, e + b, device=dev).repeat_interleave(kk)
-            offset += sc.shape[0]
-        levels = torch.cat([torch.full_like(c, i + 1) for i, c in enumerate(cols)])
-        table = torch.stack([self.token_ids(torch.cat(cols)).double(), torch.cat(scores).double(),
-                             torch.cat(parents).double(), levels.double()]).cpu().tolist()
-        tok, score, par, level = table
-        par = [int(p) for p in par]
-        # Keep the best max_nodes; close under ancestors; order by level.
-        keep = set(sorted(range(len(tok)), key=lambda c: (-score[c], level[c]))[:self.max_nodes])
+    # ---- drafting right after verification, before the round's one wait ---------
+
+    @torch.inference_mode()
+    def draft_after_verify(self, rids: list[str], starts: list[int], hidden: torch.Tensor,
+                           base_rows: torch.Tensor, out) -> tuple[torch.Tensor, list[bool]] | None:
+        """Catch up on each request's root and accepted nodes and expand its
+        next tree, all on the device (tokens, accepted count and positions
+        read from the verifier's device output): the candidate table travels
+        in the verifier's one copy. The D + 1 possible new pairs are all run;
+        those past the accepted count stay in the head's K/V, masked off.
+        Requests whose context does not end at the root (a gap) are left to
+        `propose` (ok False)."""
+        d1 = out.tokens.shape[1]
+        rows, ok = [], []
+        dt, dev = self.head.fc.weight.dtype, hidden.device
+        offs = torch.arange(d1, device=dev)
+        for j, (rid, s) in enumerate(zip(rids, starts)):
+            st = self.kv.get(rid)
+            if st is None or st.end != s:
+                ok.append(False)
+                rows.append(None)
+                continue
+            a = out.num_accepted[j:j + 1]                                # [1] device
+            path_rows = torch.cat([a.new_zeros(1), out.accepted_nodes[j] + 1]).clamp_min(0)
+            h = hidden[base_rows[j] + path_rows]                         # [D + 1, hidden]
+            toks = out.tokens[j].clamp_min(0)
+            f, k, v = self.head(self.embed(toks).to(dt), h.to(dt), s + offs, (st.k, st.v),
+                                _append_mask(st.valid, d1))
+            st.append(k, v, offs <= a)
+            st.end, st.feat = None, f.index_select(0, a)[0]              # end: set by finish
+            st.pending = (s + 1, d1)
+            table = self.expander.expand(st.feat, st.k, st.v, s + 1 + a[0], st.valid)
+            # A copy: the next request's replay rewrites the graph's output buffer.
+            rows.append(table.reshape(-1).view(torch.int64).clone())
+            ok.append(True)
+        if not any(ok):
+            return None
+        width = next(r.shape[0] for r in rows if r is not None)
+        filler = torch.zeros(width, dtype=torch.int64, device=dev)
+        return torch.stack([filler if r is None else r for r in rows]), ok
+
+    def finish_drafts(self, rid: str, row: torch.Tensor, num_accepted: int) -> DraftTree:
+        """row: the host copy of this request's `draft_after_verify` row."""
+        st = self.kv[rid]
+        (first, d1), a = st.pending, num_accepted
+        st.end = first + a
+        # The rejected pairs are the last rows: drop them (views, no copy).
+        n = st.k.shape[0] - (d1 - a - 1)
+        st.k, st.v, st.valid = st.k[:n], st.v[:n], st.valid[:n]
+        return self._select(row.view(torch.float64).view(4, -1))
+
+    def _select(self, table: torch.Tensor) -> DraftTree:
+        """table: the host candidate table [4, C] -> the tree of the best max_nodes."""
+        tok, score, par, level = table.numpy()
+        # Keep the best max_nodes (ties: shallower first); close under ancestors
+        # (a child never scores above its parent, so this rarely adds any).
+        keep = set(np.lexsort((level, -score))[:self.max_nodes].tolist())
+        parent = par.astype(np.int64).tolist()
         for c in list(keep):
-            a = par[c]
+            a = parent[c]
             while a >= 0 and a not in keep:
                 keep.add(a)
-                a = par[a]
-        order = sorted(keep, key=lambda c: (level[c], -score[c]))
+                a = parent[a]
+        kept = np.array(sorted(keep), dtype=np.int64)
+        order = kept[np.lexsort((-score[kept], level[kept]))].tolist()   # by level, then score
         index = {c: j for j, c in enumerate(order)}
-        return DraftTree(torch.tensor([int(tok[c]) for c in order], device=dev),
-                         tuple(index[par[c]] if par[c] >= 0 else -1 for c in order))
+        return DraftTree(torch.from_numpy(tok[order].astype(np.int64)),
+                         tuple(index[parent[c]] if parent[c] >= 0 else -1 for c in order))
+
+
+class _HeadContext:
+    """The pairs one request's head has seen: K, V [rows, kv_heads, head_dim]
+    with `valid` [rows] marking real pairs (rows run after verification but
+    past the accepted count are masked, not removed), from position `start`;
+    `end`: the next pair's position; `feat`: f^ after the last real pair."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, start: int):
+        self.k, self.v, self.valid, self.start = k, v, valid, start
+        self.end: int | None = None
+        self.feat: torch.Tensor | None = None
+        self.pending = (0, 0)      # (first new position + 1, rows run) of a round in flight
+
+    def append(self, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor) -> None:
+        self.k, self.v = torch.cat([self.k, k]), torch.cat([self.v, v])
+        self.valid = torch.cat([self.valid, valid])
+
+
+def _append_mask(valid: torch.Tensor, t: int) -> torch.Tensor:
+    """[t, C + t] bool: t new rows see the valid past and, causally, each other."""
+    causal = torch.ones(t, t, dtype=torch.bool, device=valid.device).tril()
+    return torch.cat([valid.expand(t, -1), causal], 1)
 
 
 @register_proposer("eagle")
@@ -249,6 +296,9 @@ def _make(spec, device, dtype, target=None, **_):
     path = resolve_head(spec.model, "eagle")
     head = EagleHead.load(path, device, dtype)
     lm_head = DraftLMHead(target, read_draft_vocab(path), dtype, device)
+    from slipstream.spec import cpu_draft
+    if cpu_draft.usable(head, device):      # drafting on a CPU: products on GGUF blocks
+        lm_head = cpu_draft.quantize_head(head, lm_head)
     return EagleProposer(head, target.model.embed_tokens, lm_head,
                          spec.num_speculative_tokens, spec.eagle_topk, spec.eagle_beam,
                          spec.eagle_max_nodes)

@@ -20,7 +20,10 @@ all, the roofline rule alone decides (`round_speedup`).
 While speculation is on, every `plain_every`-th step runs plainly to keep
 plain(B) measured; while it is off, every `probe_every`-th step (or rarer,
 keeping probes under 2% of the time) drafts for at most `probe_requests`
-requests so tau keeps being measured at little cost.
+requests so tau keeps being measured at little cost. A probe at batch > 1
+shares its step with plain decodes, which then runs without a CUDA graph
+and breaks the overlap of steps: its cost is measured (`probe_time`), and
+until it is, assumed to be 4 plain steps (a first probe after ~200 steps).
 Chains also get their length from the roofline (best_gamma_at_batch with
 alpha inferred from tau).
 """
@@ -33,6 +36,14 @@ from slipstream.analysis.hardware import GPUS, HardwareProfile
 
 # A CPU with no measured profile: ~50 GB/s and ~1 TFLOP/s, Bc ~ 20 for bf16 weights.
 CPU_DEFAULT = HardwareProfile("cpu-default", 50e9, 1e12, source="assumed")
+# On a CPU the roofline's Bc does not describe a step: the one-call decoder's
+# products (int8 dot instructions) and attention cost a share of a one-token
+# step per extra token from the first, well below Bc (measured on the default
+# model, Q4_1, 2 AVX-512 threads: ~0.2 of a step a token, one thread's CPU
+# time). A CPU step over n tokens a request is costed 1 + CPU_TOKEN_COST * (n - 1)
+# plain steps until the steps are measured, and a chain's length is chosen
+# with the measured cost of a verified token added to the draft cost.
+CPU_TOKEN_COST = 0.2
 
 
 def hardware_for(device: torch.device) -> HardwareProfile:
@@ -57,6 +68,7 @@ class SpecGovernor:
         self.auto_off = spec.auto_off
         self.chain = spec.method in ("draft", "ngram")
         self.critical_batch = specdec.critical_batch_for(model_config, hardware_for(device))
+        self.cpu = device.type == "cpu"
         self.probe_every, self.plain_every = probe_every, plain_every
         self.probe_requests, self.decay = probe_requests, decay
         self.tau: float | None = None            # tokens per request per round (EMA)
@@ -64,6 +76,7 @@ class SpecGovernor:
         self.draft_per_request: float | None = None   # seconds (EMA)
         self.plain_time: dict[int, float] = {}   # bucket -> seconds per plain decode step
         self.spec_time: dict[int, float] = {}    # bucket -> seconds per all-verifying step
+        self.probe_time: dict[int, float] = {}   # bucket -> seconds per partly verifying step
         self._off_steps = 0
         self._on_steps = 0
         self.last_k = self.k
@@ -83,8 +96,10 @@ class SpecGovernor:
 
     def observe_step(self, seconds: float, batch: int, kind: str | None) -> None:
         """kind: 'plain' (every request decoded one token), 'spec' (every
-        request verified drafts) or None (prefill, mixed: not recorded)."""
-        table = {"plain": self.plain_time, "spec": self.spec_time}.get(kind)
+        request verified drafts), 'probe' (some did) or None (prefill: not
+        recorded)."""
+        table = {"plain": self.plain_time, "spec": self.spec_time,
+                 "probe": self.probe_time}.get(kind)
         if table is not None:
             b = bucket(batch)
             table[b] = self._ema(table.get(b), seconds)
@@ -100,8 +115,23 @@ class SpecGovernor:
         if not table:
             return None
         near = min(table, key=lambda x: abs(x.bit_length() - b.bit_length()))
-        bc = self.critical_batch
-        return table[near] * max(1.0, batch * tokens / bc) / max(1.0, near * tokens / bc)
+        return table[near] * self._cost(batch, tokens) / self._cost(near, tokens)
+
+    def _cost(self, batch: float, tokens: float) -> float:
+        """A step's modelled cost, batch requests x tokens each (relative units):
+        the roofline's max(1, B * tokens / Bc), on a CPU 1 + r * (B * tokens - 1) with r
+        a token's cost at batch 1 (measured, else CPU_TOKEN_COST)."""
+        if self.cpu:
+            return 1.0 + self._token_cost(1) * (batch * tokens - 1)
+        return max(1.0, batch * tokens / self.critical_batch)
+
+    def _token_cost(self, batch: int) -> float:
+        """CPU: a verified token's cost in plain steps, measured where both steps are."""
+        b = bucket(batch)
+        plain, spec, vt = self.plain_time.get(b), self.spec_time.get(b), self.verify_tokens
+        if plain and spec and vt and vt > 1.05:
+            return max(spec / plain - 1.0, 0.0) / (batch * (vt - 1))
+        return CPU_TOKEN_COST
 
     def predicted_speedup(self, batch: int) -> float | None:
         if None in (self.tau, self.verify_tokens, self.draft_per_request):
@@ -111,7 +141,7 @@ class SpecGovernor:
         spec = self._scaled(self.spec_time, batch, vt)
         if plain is None and spec is None:
             return None
-        roof = max(1.0, batch * vt / bc) / max(1.0, batch / bc)   # spec step / plain step
+        roof = self._cost(batch, vt) / self._cost(batch, 1.0)   # spec step / plain step
         plain = plain if plain is not None else spec / roof
         spec = spec if spec is not None else plain * roof
         return self.tau * plain / (spec + self.draft_per_request * batch)
@@ -120,11 +150,20 @@ class SpecGovernor:
         """Steps between probes: `probe_every`, or more where a probe (one
         request's verification and drafting) costs more than 2% of that many
         plain steps (on a CPU a 16-node verification costs several steps)."""
-        one_spec, one_plain = self.spec_time.get(1), self.plain_time.get(1)
         plain = self._scaled(self.plain_time, batch, 1.0)
-        if one_spec is None or one_plain is None or not plain:
+        if not plain:
             return self.probe_every
-        extra = max(one_spec - one_plain, 0.0) + (self.draft_per_request or 0.0)
+        draft = self.draft_per_request or 0.0
+        probe = self.probe_time.get(bucket(batch))
+        if probe is not None:
+            extra = max(probe - plain, 0.0) + draft
+        elif batch > 1:
+            extra = 4 * plain
+        else:
+            one_spec = self.spec_time.get(1)
+            if one_spec is None:
+                return self.probe_every
+            extra = max(one_spec - plain, 0.0) + draft
         return max(self.probe_every, int(50 * extra / plain) + 1)
 
     def num_tokens(self, batch: int) -> int:
@@ -155,6 +194,9 @@ class SpecGovernor:
             alpha = specdec.alpha_from_tau(tau, gamma)
             plain = self._scaled(self.plain_time, batch, 1.0)
             c = self.draft_per_request * batch / plain / max(gamma, 1)
-            k = max(1, specdec.best_gamma_at_batch(alpha, c, batch, self.critical_batch, self.k))
+            if self.cpu:         # each drafted token also costs its share of the verify step
+                k = max(1, specdec.best_gamma(alpha, c + self._token_cost(batch), self.k))
+            else:
+                k = max(1, specdec.best_gamma_at_batch(alpha, c, batch, self.critical_batch, self.k))
         self.last_k = k
         return k

@@ -81,12 +81,31 @@ class MedusaProposer:
     def propose(self, requests: list[ProposeRequest]) -> list[DraftTree]:
         if not requests:
             return []
-        h = torch.stack([r.hidden[-1] for r in requests])              # [B, hidden]
+        tokens = self.propose_from_states(torch.stack([r.hidden[-1] for r in requests]))
+        return [DraftTree(tokens[i], self.parents) for i in range(len(requests))]
+
+    @torch.inference_mode()
+    def draft_after_verify(self, rids, starts, hidden: torch.Tensor, base_rows: torch.Tensor,
+                           out) -> tuple[torch.Tensor, list[bool]]:
+        """Right after verification, before the round's one wait: the next
+        trees' tokens [B, nodes] from the states that chose each request's
+        last token (its root next round); they travel in the verifier's copy."""
+        return self.propose_from_states(hidden[base_rows + out.last_row]), [True] * len(rids)
+
+    def finish_drafts(self, rid: str, row: torch.Tensor, num_accepted: int) -> DraftTree:
+        """row: the host copy of this request's `draft_after_verify` row."""
+        return DraftTree(row, self.parents)
+
+    @torch.inference_mode()
+    def propose_from_states(self, h: torch.Tensor) -> torch.Tensor:
+        """h: [B, hidden], the states that chose each root -> the tree's tokens
+        [B, nodes] int64 on h's device (parents: `self.parents`)."""
         states = self.heads(h)[:, :len(self.topk)]                      # [B, depth, hidden]
         logits = self.lm_head(states.flatten(0, 1).to(h.dtype))         # [B * depth, V]
-        top = logits.topk(max(self.topk), dim=-1).indices.view(len(requests), -1)
-        tokens = self.token_ids(top[:, self.pick.to(top.device)])      # [B, nodes]
-        return [DraftTree(tokens[i], self.parents) for i in range(len(requests))]
+        top = logits.topk(max(self.topk), dim=-1).indices.view(h.shape[0], -1)
+        if self.pick.device != top.device:
+            self.pick = self.pick.to(top.device)    # once
+        return self.token_ids(top[:, self.pick])                        # [B, nodes]
 
     def release(self, request_id: str) -> None:
         pass

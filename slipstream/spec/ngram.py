@@ -47,7 +47,9 @@ class NgramProposer:
         for r in requests:
             k = self.k if r.num_tokens is None else r.num_tokens
             found = lookup(np.asarray(r.token_ids, dtype=np.int64), self.max_n, self.min_n, k)
-            out.append(DraftTree.chain(torch.from_numpy(found.copy()).to(self.device)))
+            # Host tokens: the runner copies them to the device with the step's
+            # inputs (no copy back and forth).
+            out.append(DraftTree.chain(torch.from_numpy(found.copy())))
         return out
 
     def release(self, request_id: str) -> None:

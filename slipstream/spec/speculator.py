@@ -13,6 +13,10 @@ Per step, with drafts the scheduler granted (`SchedulerOutput.spec_drafts`):
 The scheduler rolls `num_computed_tokens` back past the rejected drafts when
 the step's tokens arrive (their KV slots are simply rewritten later).
 Speculating steps run synchronously: the next drafts need this step's tokens.
+A round waits on the device once: the verifier's result (and, for proposers
+that draft from the verified states on the device, the next drafts) comes
+back in one non-blocking copy; every host -> device copy goes through pinned
+memory (spec/transfer.py), so nothing else stalls the host.
 """
 from __future__ import annotations
 
@@ -22,30 +26,39 @@ import numpy as np
 import torch
 
 from slipstream.spec.base import ProposeRequest
-from slipstream.spec.generator import SpecStats, apply_kv_moves
+from slipstream.spec.generator import SpecStats
 from slipstream.spec.governor import SpecGovernor
 from slipstream.spec.selector import create_proposer
+from slipstream.spec.transfer import HostCopy, to_device
 from slipstream.spec.tree import DraftTree, TreeBatch
+from slipstream.spec.tree_step import TreeStepLayout, move_kv
 from slipstream.spec.verify import verify
 
 
 class Speculator:
-    def __init__(self, config, model, kv_cache: torch.Tensor, input_batch, sampling):
+    def __init__(self, config, model, kv_cache: torch.Tensor, input_batch, sampling,
+                 kv_scales: torch.Tensor | None = None):
         spec = config.speculative
         self.config = spec
-        self.model, self.kv_cache = model, kv_cache
+        self.model, self.kv_cache, self.kv_scales = model, kv_cache, kv_scales
         self.ib, self.sampling = input_batch, sampling
         self.device = config.device
         self.block_size = config.cache.block_size
         self.proposer = create_proposer(spec.method, spec=spec, device=config.device,
                                         dtype=config.dtype, target=model,
                                         block_size=config.cache.block_size)
+        enable_graphs = getattr(self.proposer, "enable_graphs", None)
+        if enable_graphs is not None:
+            enable_graphs(spec.draft_graphs)
         self.governor = SpecGovernor(spec, config.model_config, config.device)
         self.stats = SpecStats()
         self.eligible: dict[str, bool] = {}    # request id -> may speculate at all
         self.hidden: dict[str, list[torch.Tensor]] = {}
         self._step_trees: dict[str, DraftTree] = {}
-        self._static_masks: dict[tuple, torch.Tensor] = {}   # tree masks CUDA graphs read
+        self._layout = TreeStepLayout()
+        # Drafts made on the device in `verify` (proposers with `draft_after_verify`),
+        # request id -> tree; `propose` hands them out instead of drafting again.
+        self._early: dict[str, DraftTree] = {}
         self._planned: int | None = None       # draft budget the engine planned for this step
         self.last_proposed = False             # the last propose call made drafts
         self.overlapping = False               # set by the engine: this step runs async
@@ -87,91 +100,90 @@ class Speculator:
         return t is not None and n == t.num_nodes + 1 <= MAX_TREE_NODES
 
     def patch(self, plan, static: bool = False) -> None:
-        """Depth positions and the tree mask for steps that verify trees.
-        static: a CUDA-graph step, whose mask (chains included) lives in a
-        buffer per row count that the graph reads."""
-        trees = self._step_trees
-        if not trees or (not static and all(t.is_chain for t in trees.values())):
-            return
-        batch = plan.batch
-        width = batch.max_query_len
-        mask = torch.ones(len(batch.query_lens_cpu), width, width, dtype=torch.bool).tril_()
-        loc = 0
-        pos_idx, pos_val = [], []
-        for i, (rid, s, q) in enumerate(zip(plan.req_ids, plan.starts, plan.query_lens)):
-            t = trees.get(rid)
-            if t is not None and not t.is_chain:
-                n = t.num_nodes + 1
-                mask[i, :n, :n] = t.ancestor_mask("cpu")
-                pos_idx.extend(range(loc + 1, loc + n))
-                pos_val.extend(int(s) + d for d in t.depths)
-            loc += int(q)
-        dev = batch.positions.device
-        if pos_idx:
-            batch.positions[torch.tensor(pos_idx, device=dev)] = torch.tensor(pos_val, device=dev)
-        if static:
-            buf = self._static_masks.get(mask.shape)
-            if buf is None:
-                buf = self._static_masks[mask.shape] = torch.empty(mask.shape, dtype=torch.bool,
-                                                                   device=dev)
-            buf.copy_(mask)
-            batch.tree_mask = buf
-        else:
-            batch.tree_mask = mask.to(dev)
+        """Depth positions and the tree mask for steps that verify trees
+        (spec/tree_step.py). static: a CUDA-graph step."""
+        self._layout.patch(plan, self._step_trees, static)
 
     # ---- after the forward ------------------------------------------------------
 
     def verify(self, plan, hidden: torch.Tensor) -> dict[str, list[int]]:
-        """Verify every staged draft; returns request id -> emitted tokens."""
+        """Verify every staged draft; returns request id -> emitted tokens.
+        Everything the host does not need to see is queued on the device
+        before the round's one wait (the packed result)."""
         trees = self._step_trees
+        self._early = {}
         if not trees:
             return {}
-        ib = self.ib
+        ib, dev = self.ib, hidden.device
         loc = np.concatenate([[0], np.cumsum(plan.query_lens)])
         order = [i for i, rid in enumerate(plan.req_ids) if rid in trees]
         rids = [plan.req_ids[i] for i in order]
         tlist = [trees[r] for r in rids]
-        width = max(t.num_nodes for t in tlist) + 1
-        rows = torch.tensor([[int(loc[i]) + min(j, t.num_nodes) for j in range(width)]
-                             for i, t in zip(order, tlist)], device=hidden.device)
-        logits = self.model.compute_logits(hidden[rows.flatten()]).view(len(rids), width, -1)
-        sb = self.sampling.build(plan.rows[order])
-        out = verify(logits, TreeBatch.stack(tlist, hidden.device), sb)
-        # The step's one host transfer: tokens [B, D + 1] | accepted [B, 1] | path [B, D].
+        nodes = np.array([t.num_nodes for t in tlist], dtype=np.int64)
+        width = int(nodes.max()) + 1
+        base = loc[order].astype(np.int64)                            # [B] each request's root row
+        rows = base[:, None] + np.minimum(np.arange(width)[None, :], nodes[:, None])
+        spec_rows = plan.rows[order]
+        idx = to_device(np.concatenate([rows.ravel(), base, spec_rows]), torch.int64, dev)
+        b = len(rids)
+        rows_dev, base_dev, spec_rows_dev = idx[:b * width], idx[b * width:b * (width + 1)], idx[b * (width + 1):]
+        logits = self.model.compute_logits(hidden[rows_dev]).view(b, width, -1)
+        sb = self.sampling.build(spec_rows)
+        out = verify(logits, TreeBatch.stack(tlist, dev), sb)
         d = out.accepted_nodes.shape[1]
-        packed = torch.cat([out.tokens, out.num_accepted[:, None], out.accepted_nodes], 1).tolist()
-        emitted_all = [r[:d + 1] for r in packed]
-        num_acc = [r[d + 1] for r in packed]
-        paths = [r[d + 2:] for r in packed]
+        parts = [out.tokens, out.num_accepted[:, None], out.accepted_nodes]
+        # Proposers that can draft from the device-side result (Medusa, EAGLE) do
+        # it now: their next drafts travel in the same copy.
+        early_fn = getattr(self.proposer, "draft_after_verify", None)
+        early = None
+        if early_fn is not None:
+            early = early_fn(rids, [int(plan.starts[i]) for i in order], hidden, base_dev, out)
+        if early is not None:
+            parts.append(early[0])
+        result = HostCopy(torch.cat(parts, 1))
+        # Queued before the wait: the last emitted token of each request for the
+        # steps that read it on the device, and the accepted rows' states.
+        last = out.tokens.gather(1, out.num_accepted[:, None]).squeeze(1)
+        ib.last_sampled.index_copy_(0, spec_rows_dev, last)
+        kept = None
+        if self.proposer.needs_hidden and (early is None or not all(early[1])):
+            path_rows = torch.cat([out.accepted_nodes.new_zeros(b, 1), out.accepted_nodes + 1], 1)
+            kept = hidden[base_dev[:, None] + path_rows.clamp_min(0)]  # [B, D + 1, hidden]
+        host = result.wait()
+        packed = host[:, :2 * d + 2].tolist()
         emitted: dict[str, list[int]] = {}
-        last = []
+        num_acc = []
+        src, dst = [], []
         for j, (i, rid, t) in enumerate(zip(order, rids, tlist)):
-            a, row, s = num_acc[j], plan.rows[i], int(plan.starts[i])
-            path = paths[j][:a]
-            moves = t.kv_moves(path)
-            if moves:
-                apply_kv_moves(self.kv_cache, ib.block_table[row].tolist(), self.block_size, s,
-                               moves)
-            toks = emitted_all[j][:a + 1]
+            r = packed[j]
+            a, row, s = r[d + 1], plan.rows[i], int(plan.starts[i])
+            num_acc.append(a)
+            path = r[d + 2:d + 2 + a]
+            for frm, to in t.kv_moves(path):
+                src.append(self._slot(row, s + frm))
+                dst.append(self._slot(row, s + to))
+            toks = r[:a + 1]
             emitted[rid] = toks
-            last.append(toks[-1])
             ib.token_ids[row, s + 1:s + 2 + a] = toks
             ib.num_known[row] = ib.num_tokens[row] = s + 2 + a
-            if self.proposer.needs_hidden:
-                keep = [int(loc[i])] + [int(loc[i]) + node + 1 for node in path]
-                self.hidden.setdefault(rid, []).append(hidden[keep])
+            if early is not None and early[1][j]:
+                self._early[rid] = self.proposer.finish_drafts(rid, host[j, 2 * d + 2:], a)
+            elif kept is not None:
+                self.hidden.setdefault(rid, []).append(kept[j, :a + 1])
             self.stats.rounds += 1
             self.stats.drafted += t.num_nodes
             self.stats.accepted += a
             self.stats.emitted += a + 1
             self.stats.record(t.depth, a)
-        spec_rows = plan.rows[order]
-        ib.last_sampled[torch.as_tensor(spec_rows, device=ib.last_sampled.device)] = \
-            torch.tensor(last, device=ib.last_sampled.device)
+        if src:
+            move_kv((self.kv_cache, self.kv_scales), src, dst, dev)
         self.sampling.num_outputs[spec_rows] += np.asarray(num_acc) + 1
-        self.governor.observe_round(sum(num_acc) + len(rids), len(rids),
-                                    sum(t.num_nodes for t in tlist))
+        self.governor.observe_round(sum(num_acc) + len(rids), len(rids), int(nodes.sum()))
         return emitted
+
+    def _slot(self, row: int, pos: int) -> int:
+        bs = self.block_size
+        return int(self.ib.block_table[row, pos // bs]) * bs + pos % bs
 
     def keep_hidden(self, plan, hidden: torch.Tensor) -> None:
         """Record the target states of the step's ordinary (non-draft) rows:
@@ -196,7 +208,7 @@ class Speculator:
             loc += q
         if not rids:
             return
-        kept = hidden[torch.tensor(idx, device=hidden.device)]
+        kept = hidden[to_device(idx, torch.int64, hidden.device)]
         for rid, part in zip(rids, kept.split(counts)):
             self.hidden.setdefault(rid, []).append(part)
 
@@ -207,10 +219,14 @@ class Speculator:
         if not n:
             return
         spec_rows = sum(rid in self._step_trees for rid in plan.req_ids)
+        decode = all(int(q) == 1 or plan.req_ids[i] in self._step_trees
+                     for i, q in enumerate(plan.query_lens))
         if spec_rows == n:
             kind = "spec"
         elif spec_rows == 0 and all(int(q) == 1 for q in plan.query_lens):
             kind = "plain"
+        elif decode:            # some requests verify, the others decode one token
+            kind = "probe"
         else:
             kind = None
         self.governor.observe_step(seconds, n, kind)
@@ -242,14 +258,20 @@ class Speculator:
             self._trim_hidden()
             return {}
         limit = self.governor.request_limit
+        early, self._early = self._early, {}
+        drafts: dict = {}
         reqs = []
         for rid in req_ids:
-            if limit is not None and len(reqs) >= limit:
+            if limit is not None and len(reqs) + len(drafts) >= limit:
                 break
             row = ib.row_of.get(rid)
             if row is None or not self.eligible.get(rid):
                 continue
             if self.sampling.num_outputs[row] < self.sampling.min_tokens[row]:
+                continue
+            if rid in early:        # drafted on the device during verification
+                if early[rid].num_nodes:
+                    drafts[rid] = (early[rid].tokens.tolist(), early[rid].parents)
                 continue
             n = int(ib.num_known[row])
             hidden = None
@@ -258,15 +280,22 @@ class Speculator:
                 hidden = torch.cat(parts) if parts else None
                 if hidden is None:
                     continue
-            reqs.append(ProposeRequest(rid, ib.token_ids[row, :n].tolist(), hidden, k))
-        if not reqs:
-            return {}
-        t0 = time.perf_counter()
-        trees = self.proposer.propose(reqs)
-        drafts = {r.request_id: (t.tokens.tolist(), t.parents)
-                  for r, t in zip(reqs, trees) if t.num_nodes}
-        seconds = time.perf_counter() - t0
-        self.stats.draft_time += seconds
-        self.governor.observe_draft(seconds, len(reqs))
+            reqs.append(ProposeRequest(rid, ib.token_ids[row, :n], hidden, k))
+        if drafts:    # their cost is inside the verifying step's measured time
+            self.governor.observe_draft(0.0, len(drafts))
+        if reqs:
+            t0 = time.perf_counter()
+            trees = self.proposer.propose(reqs)
+            # Tokens drafted on the device come back in one copy.
+            on_dev = [t.tokens for t in trees if t.num_nodes and t.tokens.device.type != "cpu"]
+            host = iter(HostCopy(torch.cat(on_dev)).wait().split(
+                [x.shape[0] for x in on_dev])) if on_dev else None
+            for r, t in zip(reqs, trees):
+                if t.num_nodes:
+                    toks = next(host) if t.tokens.device.type != "cpu" else t.tokens
+                    drafts[r.request_id] = (toks.tolist(), t.parents)
+            seconds = time.perf_counter() - t0
+            self.stats.draft_time += seconds
+            self.governor.observe_draft(seconds, len(reqs))
         self.last_proposed = bool(drafts)
         return drafts

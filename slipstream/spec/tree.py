@@ -86,13 +86,8 @@ class DraftTree:
         """[n + 1, n + 1] bool over the verification rows (row 0 = root):
         row r marks r and its ancestors; usable as one request's
         `ForwardBatch.tree_mask` slice."""
-        n = self.num_nodes
-        mask = np.zeros((n + 1, n + 1), dtype=bool)
-        mask[:, 0] = True
-        for j, p in enumerate(self.parents):
-            mask[j + 1] = mask[p + 1]
-            mask[j + 1, j + 1] = True
-        return torch.from_numpy(mask).to(device or self.tokens.device)
+        return torch.from_numpy(ancestor_array(self.parents).copy()).to(
+            device or self.tokens.device)
 
     def path_to(self, node: int) -> list[int]:
         """Nodes from the root's child down to `node` (inclusive)."""
@@ -129,6 +124,12 @@ class TreeBatch:
     draft_probs: [B, N + 1, V] float32 or None (all deterministic); rows of
         requests without q hold one-hot drafts
     num_nodes: host ints; depth, max_children: host ints bounding the loops.
+    parent_rows, depths: [B, N + 1] int64, each row's parent row (0 for the
+        root and padding) and depth (0 for the root and padding);
+    relations: [B, 2, N + 1, N + 1] uint8: [:, 0] row r' is an ancestor of r
+        or r itself (the root left out), [:, 1] r' is an earlier sibling of r.
+        These three let greedy verification run without a loop over depth;
+        None (hand-built batches) falls back to the walk.
     """
     tokens: torch.Tensor
     children: torch.Tensor
@@ -136,22 +137,42 @@ class TreeBatch:
     num_nodes: list[int]
     depth: int
     max_children: int
+    parent_rows: torch.Tensor | None = None
+    depths: torch.Tensor | None = None
+    relations: torch.Tensor | None = None
 
     @classmethod
     def stack(cls, trees: list[DraftTree], device: torch.device | str,
               vocab_size: int | None = None) -> "TreeBatch":
+        """Trees whose tokens are on the host are packed with numpy and reach
+        the device in one copy that does not wait (spec/transfer.py)."""
+        from slipstream.spec.transfer import to_device
         b = len(trees)
         n = max((t.num_nodes for t in trees), default=0)
         k = max((t.max_children for t in trees), default=0)
-        tokens = torch.zeros(b, n + 1, dtype=torch.int64, device=device)
         children = np.zeros((b, n + 1, max(k, 1)), dtype=np.int64)
+        host = all(t.tokens.device.type == "cpu" for t in trees)
+        tok = np.zeros((b, n + 1), dtype=np.int64)
+        prow = np.zeros((b, n + 1), dtype=np.int64)
+        dep = np.zeros((b, n + 1), dtype=np.int64)
+        rel = np.zeros((b, 2, n + 1, n + 1), dtype=np.uint8)
         for i, t in enumerate(trees):
-            if t.num_nodes:
-                tokens[i, 1:t.num_nodes + 1] = t.tokens.to(device)
-            fill = np.zeros(n + 1, dtype=np.int64)
-            for j, p in enumerate(t.parents):
-                children[i, p + 1, fill[p + 1]] = j + 1
-                fill[p + 1] += 1
+            m = t.num_nodes + 1
+            if host and t.num_nodes:
+                tok[i, 1:m] = t.tokens.numpy()
+            kids, p_r, d_r, r_r = _structure(t.parents)
+            children[i, :kids.shape[0], :kids.shape[1]] = kids
+            prow[i, :m], dep[i, :m], rel[i, :, :m, :m] = p_r, d_r, r_r
+        flat = to_device(np.concatenate([tok.ravel(), prow.ravel(), dep.ravel(),
+                                         children.ravel()]), torch.int64, device)
+        relations = to_device(rel, torch.uint8, device)
+        c = tok.size
+        tokens = flat[:c].view(b, n + 1)
+        if not host:
+            tokens = tokens.clone()
+            for i, t in enumerate(trees):
+                if t.num_nodes:
+                    tokens[i, 1:t.num_nodes + 1] = t.tokens.to(device)
         probs = None
         if any(t.draft_probs is not None for t in trees):
             v = vocab_size or next(t.draft_probs.shape[1] for t in trees
@@ -165,5 +186,73 @@ class TreeBatch:
                 else:
                     probs[i, torch.arange(1, t.num_nodes + 1, device=device),
                           t.tokens.to(device)] = 1.0
-        return cls(tokens, torch.from_numpy(children).to(device), probs,
-                   [t.num_nodes for t in trees], max((t.depth for t in trees), default=0), k)
+        return cls(tokens, flat[3 * c:].view(b, n + 1, max(k, 1)), probs,
+                   [t.num_nodes for t in trees], max((t.depth for t in trees), default=0), k,
+                   flat[c:2 * c].view(b, n + 1), flat[2 * c:3 * c].view(b, n + 1), relations)
+
+
+_STRUCTURE: dict[tuple[int, ...], tuple] = {}
+
+
+def _structure(parents: tuple[int, ...]) -> tuple:
+    """(children [n + 1, K], parent rows [n + 1], depths [n + 1], relations
+    [2, n + 1, n + 1] uint8) of one tree, as `TreeBatch` lays them out
+    (memoised: static trees and chains repeat every step)."""
+    out = _STRUCTURE.get(parents)
+    if out is None:
+        n = len(parents)
+        kids = _children_of(parents)
+        prow = np.array([0] + [p + 1 for p in parents], dtype=np.int64)
+        dep = np.zeros(n + 1, dtype=np.int64)
+        rel = np.zeros((2, n + 1, n + 1), dtype=np.uint8)
+        rel[0] = ancestor_array(parents)
+        rel[0, :, 0] = 0
+        for j, p in enumerate(parents):
+            dep[j + 1] = dep[p + 1] + 1
+            for sib in kids[p + 1]:
+                if 0 < sib < j + 1:
+                    rel[1, j + 1, sib] = 1
+        if len(_STRUCTURE) > 4096:
+            _STRUCTURE.clear()
+        out = _STRUCTURE[parents] = (kids, prow, dep, rel)
+    return out
+
+
+_CHILDREN: dict[tuple[int, ...], np.ndarray] = {}
+_ANCESTORS: dict[tuple[int, ...], np.ndarray] = {}
+
+
+def ancestor_array(parents: tuple[int, ...]) -> np.ndarray:
+    """`DraftTree.ancestor_mask` as a read-only numpy array [n + 1, n + 1]
+    (memoised like `_children_of`)."""
+    mask = _ANCESTORS.get(parents)
+    if mask is None:
+        n = len(parents)
+        mask = np.zeros((n + 1, n + 1), dtype=bool)
+        mask[:, 0] = True
+        for j, p in enumerate(parents):
+            mask[j + 1] = mask[p + 1]
+            mask[j + 1, j + 1] = True
+        mask.flags.writeable = False
+        if len(_ANCESTORS) > 4096:
+            _ANCESTORS.clear()
+        _ANCESTORS[parents] = mask
+    return mask
+
+
+def _children_of(parents: tuple[int, ...]) -> np.ndarray:
+    """[n + 1, K] int64: the verification rows of row r's children in order,
+    0 where fewer (memoised: static trees and chains repeat every step)."""
+    kids = _CHILDREN.get(parents)
+    if kids is None:
+        n = len(parents)
+        counts = np.bincount(np.asarray(parents, dtype=np.int64) + 1, minlength=n + 1)
+        kids = np.zeros((n + 1, max(int(counts.max()) if n else 0, 1)), dtype=np.int64)
+        fill = np.zeros(n + 1, dtype=np.int64)
+        for j, p in enumerate(parents):
+            kids[p + 1, fill[p + 1]] = j + 1
+            fill[p + 1] += 1
+        if len(_CHILDREN) > 4096:
+            _CHILDREN.clear()
+        _CHILDREN[parents] = kids
+    return kids

@@ -60,9 +60,8 @@ def target_probs(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
 def _finish(trees: TreeBatch, path: torch.Tensor, last: torch.Tensor,
             cur: torch.Tensor) -> VerifyOutput:
     b = path.shape[0]
-    rows = torch.arange(b, device=path.device)
     num_accepted = (path >= 0).sum(dim=1)
-    drafted = trees.tokens[rows[:, None], (path + 1).clamp_min(0)]    # [B, D]
+    drafted = trees.tokens.gather(1, (path + 1).clamp_min(0))       # [B, D]
     drafted = torch.where(path >= 0, drafted, -1)
     tokens = torch.cat([drafted, drafted.new_full((b, 1), -1)], dim=1)
     tokens.scatter_(1, num_accepted[:, None], last[:, None])
@@ -71,7 +70,34 @@ def _finish(trees: TreeBatch, path: torch.Tensor, last: torch.Tensor,
 
 def verify_greedy(target_argmax: torch.Tensor, trees: TreeBatch) -> VerifyOutput:
     """target_argmax: [B, N + 1] int64, the target's argmax at each
-    verification row. Accept the child equal to the argmax, descend, repeat."""
+    verification row. Accept the child equal to the argmax, descend, repeat:
+    without a loop over depth (a fixed, small number of device ops, whatever
+    the tree) when the batch carries its structure, else by the walk.
+
+    A node is on the accepted path iff every node from the root's child down
+    to it is `chosen`: its token is the argmax at its parent and no earlier
+    sibling's is (the walk takes the first match; sibling tokens may repeat).
+    Those nodes form one chain, at most one per depth."""
+    if trees.relations is None:
+        return verify_greedy_walk(target_argmax, trees)
+    b, n1 = target_argmax.shape
+    rel = trees.relations.float()                                    # [B, 2, N + 1, N + 1]
+    real = trees.depths > 0                                          # nodes, not root / padding
+    correct = real & (trees.tokens == target_argmax.gather(1, trees.parent_rows))
+    blocked = torch.bmm(rel[:, 1], correct.float().unsqueeze(2)).squeeze(2) > 0
+    off_path = torch.bmm(rel[:, 0], (~(correct & ~blocked)).float().unsqueeze(2)).squeeze(2)
+    good = real & (off_path == 0)                                    # [B, N + 1]
+    rows = torch.arange(n1, device=target_argmax.device)
+    last_row = torch.where(good, rows, 0).amax(dim=1)                # the deepest accepted node
+    d = trees.depth
+    path = torch.full((b, d + 1), -1, dtype=torch.int64, device=target_argmax.device)
+    path.scatter_(1, torch.where(good, trees.depths - 1, d), (rows - 1).expand(b, -1).contiguous())
+    return _finish(trees, path[:, :d].contiguous(), target_argmax.gather(1, last_row[:, None])[:, 0],
+                   last_row)
+
+
+def verify_greedy_walk(target_argmax: torch.Tensor, trees: TreeBatch) -> VerifyOutput:
+    """`verify_greedy` level by level (the reference it is tested against)."""
     b, device = target_argmax.shape[0], target_argmax.device
     rows = torch.arange(b, device=device)
     cur = torch.zeros(b, dtype=torch.int64, device=device)

@@ -171,3 +171,112 @@ def test_single_request_tree_steps_take_the_graph_path_exactly(folder, tmp_path)
         got = [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
         assert got == want and seen
         assert_no_leak(llm)
+
+
+def test_accepted_side_branches_move_their_kv_in_batched_steps(folder, plain, monkeypatch):
+    """An oracle tree whose first child is always wrong and whose second
+    branch holds the true continuation: every accepted path leaves the
+    leftmost branch, so its K/V must move into place, for several requests
+    of a step at once (the ones near max_tokens get cut trees)."""
+    import numpy as np
+    from slipstream.spec import base, speculator
+    from slipstream.spec.tree import DraftTree
+    prompts = [p["prompt_token_ids"] for p in _prompts()]
+
+    class Oracle:
+        needs_hidden = False
+
+        def propose(self, reqs):
+            out = []
+            for r in reqs:
+                ids = list(np.asarray(r.token_ids))
+                i = next(i for i, p in enumerate(prompts) if ids[:len(p)] == p)
+                done = len(ids) - len(prompts[i])
+                nxt = plain[i][done:done + 3]
+                if len(nxt) < 3:
+                    out.append(DraftTree.empty())
+                    continue
+                wrong = [(t + 1) % 100 for t in nxt]
+                out.append(DraftTree(torch.tensor([wrong[0], nxt[0], wrong[1], nxt[1], nxt[2]]),
+                                     (-1, -1, 1, 1, 3)))
+            return out
+
+        def release(self, rid):
+            pass
+
+    monkeypatch.setitem(base._PROPOSERS, "ngram", lambda **_: Oracle())
+    moved = []
+    real = speculator.move_kv
+    monkeypatch.setattr(speculator, "move_kv",
+                        lambda pools, s, d, dev: (moved.append(len(s)), real(pools, s, d, dev)))
+    llm = make_llm(folder, speculative_method="ngram", num_speculative_tokens=5,
+                   speculative_auto_off=False)
+    outs = llm.generate(_prompts(), GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == plain
+    stats = llm.engine.runner.speculator.stats
+    assert stats.accepted >= 3 * stats.rounds - 3 * len(prompts)   # nearly every path taken
+    assert moved and max(moved) >= 3 * 2                            # several requests per step
+    assert_no_leak(llm)
+
+
+@pytest.mark.parametrize("method", ["medusa", "eagle"])
+def test_drafting_right_after_verification_equals_drafting_later(folder, plain, method,
+                                                                 tmp_path, monkeypatch):
+    """Medusa and EAGLE draft on the device before the round's one wait
+    (EAGLE runs all D + 1 possible new pairs, the rejected ones masked): the
+    same trees as drafting from the kept states after the wait."""
+    from slipstream.spec import eagle, medusa
+    m, e = _heads(tmp_path, folder)
+    kw = dict(speculative_method=method, num_speculative_tokens=3, speculative_auto_off=False,
+              speculative_model=str(m if method == "medusa" else e),
+              speculative_tree="2,2,1" if method == "medusa" else "3,2,6")
+    cls = medusa.MedusaProposer if method == "medusa" else eagle.EagleProposer
+    finished = []
+    real = cls.finish_drafts
+    monkeypatch.setattr(cls, "finish_drafts",
+                        lambda self, *a: finished.append(1) or real(self, *a))
+    runs = []
+    for early in (True, False):
+        if not early:
+            monkeypatch.setattr(cls, "draft_after_verify", lambda self, *a: None)
+        llm = make_llm(folder, **kw)
+        outs = llm.generate(_prompts(), GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == plain
+        st = llm.engine.runner.speculator.stats
+        runs.append((st.rounds, st.drafted, st.accepted, st.accepted_at, st.drafted_at))
+        if early:
+            assert len(finished) > st.rounds // 2     # most rounds drafted early
+    assert runs[0] == runs[1] and runs[0][2] > 0
+
+
+def test_cut_drafts_keep_a_few_sizes():
+    """Drafts cut by max_tokens or the context keep one of a few sizes (each
+    row count is a verification graph of its own); uncut drafts stay whole."""
+    from types import SimpleNamespace
+    from slipstream.engine.scheduler import Scheduler, _CUT_SIZES
+    sched = Scheduler.__new__(Scheduler)
+    sched.config = SimpleNamespace(max_model_len=10_000)
+    tree = (list(range(40)), tuple([-1] * 4 + [j // 3 for j in range(36)]))
+    sizes = set()
+    for left in range(1, 60):
+        req = SimpleNamespace(spec_draft=tree, num_pending=0, max_tokens=100,
+                              num_output_tokens=100 - left, num_tokens=500)
+        tokens, parents = sched._take_draft(req, 1, 10_000)
+        assert len(tokens) == len(parents) <= left - 1
+        assert all(p < j for j, p in enumerate(parents))
+        sizes.add(len(tokens))
+    assert sizes == {s for s in _CUT_SIZES if s < 40} | {40}
+
+
+def test_draft_graphs_are_an_eagle_option(folder, tmp_path):
+    from slipstream.engine.args import EngineArgs
+    _, e = _heads(tmp_path, folder)
+    for on in (True, False):
+        llm = make_llm(folder, speculative_method="eagle", speculative_model=str(e),
+                       speculative_draft_graphs=on)
+        assert llm.engine.runner.speculator.proposer.expander.graphs_enabled is on
+    assert EngineArgs(speculative_method="eagle",
+                      speculative_draft_graphs=True).spec_config().draft_graphs
+    assert not EngineArgs(speculative_method="eagle").spec_config().draft_graphs
+    with pytest.raises(ValueError, match="speculative_draft_graphs"):
+        EngineArgs(speculative_method="ngram", speculative_draft_graphs=True).spec_config()

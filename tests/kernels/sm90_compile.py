@@ -1,4 +1,4 @@
-"""Compile the W8A8 kernels for sm_90 (H100/H200) without a GPU; run as a script with
+"""Compile the W8A8 and weight-only kernels for sm_90 (H100/H200) without a GPU; run as a script with
 TRITON_INTERPRET=0 (test_sm90_compile.py does), since the interpreter replaces the
 compiler. Prints one JSON object: check name -> "ok", "skip: ..." or the error."""
 from __future__ import annotations
@@ -13,7 +13,9 @@ from triton.compiler import ASTSource
 from triton.runtime.jit import mangle_type
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from slipstream.kernels.int_weight_gemv import _dequantize_kernel, _gemv_kernel
 from slipstream.kernels.quant_act import _quantize_rows_kernel, quant_params
+from slipstream.kernels.quant_gemm import _int_weight_gemm_kernel
 from slipstream.kernels.rms_norm import _rms_norm_kernel
 from slipstream.kernels.silu_mul import _silu_mul_quant_kernel
 from slipstream.kernels.w8a8_gemm import _w8a8_gemm_kernel, _w8a8_tma_kernel
@@ -65,8 +67,36 @@ def producers(kind):
                  dict(BLOCK=2048, **p), num_warps=8)
 
 
+def weight_only(kind):
+    """The tiled weight-only kernels (int4 / int8 codes, bf16 activations): the GEMV (one and
+    three rows, split K), the tensor-core kernel at both tile widths (one dot a code position
+    where the tile is deep enough, the unpacked tile else) and the dequantizer."""
+    bits = 4 if kind == "int4" else 8
+    words, u8 = torch.empty(8, dtype=torch.int32), torch.empty(8, dtype=torch.uint8)
+    i32 = torch.empty(8, dtype=torch.int32)
+    for block_m, split, prefetch in ((1, 4, True), (4, 1, False)):
+        compile_sm90(_gemv_kernel, dict(X=BF16, W=words, Scales=F32, Zeros=u8, Y=BF16, Part=F32,
+                                        Count=i32, M=block_m, N=4096, K=4096, num_groups=32,
+                                        stride_w=4096 * bits // 32, stride_xm=4096,
+                                        stride_ym=4096, tiles_per_split=8, reg0=0),
+                     dict(BITS=bits, HAS_ZEROS=True, TILE=128, GROUP_TILES=1, BLOCK_M=block_m,
+                          BLOCK_N=64, SPLIT_K=split, PREFETCH=prefetch), num_warps=2, num_stages=1)
+    for tile in (128, 32):
+        k = compile_sm90(_int_weight_gemm_kernel,
+                         dict(X=BF16, QW=words, Scales=F32, Zeros=u8, Y=BF16, M=64, N=4096, K=4096,
+                              num_groups=32, stride_xm=4096, stride_qn=4096 * bits // 32,
+                              stride_ym=4096, split_k=1, group=128),
+                         dict(BITS=bits, HAS_ZEROS=True, BLOCK_M=64, BLOCK_N=64, BLOCK_K=tile,
+                              GROUP_M=8, TILED=True), num_warps=4, num_stages=3)
+        assert "mma" in k.asm["ptx"], "no tensor-core instruction in the PTX"
+    compile_sm90(_dequantize_kernel, dict(W=words, Scales=F32, Zeros=u8, Out=BF16, N=4096, K=4096,
+                                          num_groups=32, reg0=0),
+                 dict(BITS=bits, HAS_ZEROS=True, TILE=128, GROUP_TILES=1, BLOCK_N=32), num_warps=4)
+
+
 CHECKS = {f"{fn.__name__}-{kind}": (fn, kind) for fn in (gemm, tma_gemm, producers)
           for kind in ("int8", "fp8")}
+CHECKS.update({f"weight_only-{kind}": (weight_only, kind) for kind in ("int4", "int8")})
 
 
 def main() -> int:

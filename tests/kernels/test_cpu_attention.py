@@ -66,3 +66,67 @@ def test_store_then_attend_in_one_call(dtype):
     assert torch.equal(caches[0], ref_caches[0]) and torch.equal(caches[1], ref_caches[1])
     ref = cpu_reference.decode_attention(q, ref_caches[0].float(), ref_caches[1].float(), [10, 5], tables, 0.25)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def _tree(n: int, gen) -> torch.Tensor:
+    """A random tree over n step tokens (token 0 the root): [n, n] ancestor-or-self mask."""
+    parent = [0] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n)]
+    mask = torch.zeros(n, n, dtype=torch.bool)
+    for i in range(n):
+        j = i
+        while True:
+            mask[i, j] = True
+            if j == 0:
+                break
+            j = parent[j]
+    return mask
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tree,window", [(False, None), (True, None), (True, 7), (False, 70)])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_tree_attention_matches_reference(dtype, tree, window, threads):
+    """Several tokens a sequence (a chain, causal, or a tree) stored at their slots,
+    then attending to the context and to the step's tokens the mask allows; three
+    sequences of different lengths (one context over several 64-key tiles, one
+    bringing 16 tokens, one a single token), 5 query heads a KV head."""
+    from slipstream.kernels import reference
+    gen = torch.Generator().manual_seed(7)
+    heads, kv_heads, dim, bs, blocks = 10, 2, 32, 8, 64
+    k_cache = torch.randn(blocks, bs, kv_heads, dim, generator=gen).to(dtype)
+    v_cache = torch.randn(blocks, bs, kv_heads, dim, generator=gen).to(dtype)
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    qlens, ctx = [9, 16, 1], [150, 3, 20]
+    seq_lens = [c + n for c, n in zip(ctx, qlens)]
+    tables = torch.randperm(blocks, generator=gen)[:60].view(3, 20).to(torch.int32)
+    slots = torch.tensor([int(tables[s, p // bs]) * bs + p % bs
+                          for s in range(3) for p in range(ctx[s], seq_lens[s])])
+    width = max(qlens)
+    mask = torch.ones(3, width, width, dtype=torch.bool).tril_()
+    if tree:
+        for s, n in enumerate(qlens):
+            mask[s, :n, :n] = _tree(n, gen)
+    n = sum(qlens)
+    qkv = torch.randn(n, heads + 2 * kv_heads, dim, generator=gen)
+    q, k, v = qkv[:, :heads], qkv[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:]
+    before = cpu_library.set_threads(None)
+    try:
+        cpu_library.set_threads(threads)
+        out = cpu_attention.tree_attention(q, k_cache, v_cache, torch.tensor(seq_lens, dtype=torch.int32),
+                                           tables, qlens, 0.2, window, mask if tree else None, k, v, slots)
+    finally:
+        cpu_library.set_threads(before)
+    reference.store_kv(k, v, ref_k, ref_v, slots)
+    assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
+    loc = [0, 9, 25, 26]
+    ref = reference.paged_attention(q, ref_k.float(), ref_v.float(), loc, seq_lens, tables, 0.2, window,
+                                    mask if tree else None)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    if tree:   # the mask matters: causal attention gives other rows
+        causal = reference.paged_attention(q, ref_k.float(), ref_v.float(), loc, seq_lens, tables, 0.2, window)
+        assert (out - causal).abs().max() > 1e-2
+
+
+def test_tree_attention_rejects_long_queries():
+    with pytest.raises(ValueError, match="query_lens"):
+        cpu_attention.query_masks([65], None)

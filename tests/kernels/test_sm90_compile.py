@@ -1,4 +1,4 @@
-"""The W8A8 kernels compile for an H100/H200 (sm_90) on a machine without a GPU: Triton's
+"""The W8A8 and weight-only kernels compile for an H100/H200 (sm_90) on a machine without a GPU: Triton's
 compiler runs ahead of time for a named target (its bundled LLVM and ptxas), in a child
 process without the interpreter (sm90_compile.py). This covers what the CPU interpreter
 cannot run: float8 operands, bf16 activations, TMA descriptors (a float8 GEMM once failed
@@ -26,7 +26,8 @@ def results():
 
 
 @pytest.mark.parametrize("check", [f"{c}-{k}" for c in ("gemm", "tma_gemm", "producers")
-                                   for k in ("int8", "fp8")])
+                                   for k in ("int8", "fp8")]
+                         + ["weight_only-int4", "weight_only-int8"])
 def test_compiles_for_sm90(results, check):
     if results[check].startswith("skip"):
         pytest.skip(results[check])

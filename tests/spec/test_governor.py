@@ -29,7 +29,10 @@ def test_speculates_until_measured_then_measures_plain_then_follows_measurements
     assert g.num_tokens(1) >= 1
     assert abs(g.predicted_speedup(1) - 4 * 0.010 / (0.012 + 0.0001)) < 1e-9
     # At a batch far past Bc the 5 verified tokens per request cost 5x: off,
-    # except for a probe round every 4th step, which drafts for one request.
+    # except for a probe round every 4th step, which drafts for one request
+    # (a probe measured as costing next to nothing there).
+    g.observe_step(0.0100, 512, "plain")
+    g.observe_step(0.0101, 512, "probe")
     asks, limits = [], []
     for _ in range(8):
         asks.append(g.num_tokens(512))
@@ -75,6 +78,22 @@ def test_auto_off_can_be_disabled():
     assert g.num_tokens(10_000) == 4
 
 
+def test_unmeasured_probes_among_other_requests_start_late_then_follow_their_cost():
+    g = _gov("ngram", probe_every=4)
+    g.observe_round(emitted=1, requests=1, drafted=4)
+    g.observe_draft(0.0)
+    g.observe_step(0.002, 1, "spec")
+    g.observe_step(0.001, 1, "plain")
+    g.observe_step(0.001, 64, "plain")
+    assert g.num_tokens(64) == 0
+    # No probe measured at 64: assumed to cost 4 plain steps -> one per 201 steps.
+    assert g._probe_interval(64) == 201
+    asks = [g.num_tokens(64) for _ in range(250)]
+    assert asks.count(0) == 249 and asks.index(4) == 199
+    g.observe_step(0.011, 64, "probe")     # measured: 10 plain steps extra
+    assert 495 <= g._probe_interval(64) <= 501
+
+
 def test_expensive_probes_are_spaced_out():
     g = _gov("medusa", probe_every=4)
     g.observe_round(emitted=1, requests=1, drafted=15)
@@ -84,3 +103,30 @@ def test_expensive_probes_are_spaced_out():
     assert g._probe_interval(1) == int(50 * 0.061 / 0.010) + 1
     asks = [g.num_tokens(1) for _ in range(2 * g._probe_interval(1))]
     assert asks.count(0) == len(asks) - 2
+
+
+def test_cpu_costs_verified_tokens_by_measurement():
+    """On a CPU a verification step costs 1 + r (n - 1) plain steps: r is
+    CPU_TOKEN_COST until both steps are measured, then the measured share; the
+    chain length adds r to each drafted token's cost."""
+    from slipstream.analysis import specdec
+    from slipstream.spec.governor import CPU_TOKEN_COST
+    g = _gov(k=8)
+    assert g.cpu
+    g.observe_round(emitted=3, requests=1, drafted=4)          # tau 3, 5 rows verified
+    g.observe_draft(0.0)
+    g.observe_step(0.010, 1, "plain")
+    want = 3 * 0.010 / (0.010 * (1 + CPU_TOKEN_COST * 4))      # spec step not measured yet
+    assert abs(g.predicted_speedup(1) - want) < 1e-9
+    g.observe_step(0.014, 1, "spec")                           # r = 0.4 / 4 = 0.1
+    assert abs(g._token_cost(1) - 0.1) < 1e-9
+    assert abs(g.predicted_speedup(1) - 3 * 0.010 / 0.014) < 1e-9
+    g.last_k = 4
+    k = g.num_tokens(1)
+    alpha = specdec.alpha_from_tau(3.0, 4)
+    assert k == specdec.best_gamma(alpha, 0.1, 8) and 1 <= k < 8
+    for _ in range(30):                                        # dearer verification: shorter chains
+        g.observe_step(0.030, 1, "spec")
+    assert g._token_cost(1) > 0.2
+    g.last_k = 4
+    assert g.num_tokens(1) <= k

@@ -188,3 +188,29 @@ def test_ragged_batch_sampled_equals_each_alone():
         assert int(together.num_accepted[i]) == n
         assert together.tokens[i, :n + 1].tolist() == alone.tokens[0, :n + 1].tolist()
     assert together.num_accepted[0] == 3 and together.num_accepted[1] == 0
+
+
+def test_greedy_without_a_depth_loop_equals_the_walk():
+    """The structured greedy rule (no loop over depth) accepts exactly what
+    the level-by-level walk accepts: random trees of different sizes in one
+    batch, a 3-token vocabulary so that siblings repeat tokens and the first
+    match must win, chains and empty drafts included."""
+    from slipstream.spec.verify import verify_greedy_walk
+    g = np.random.default_rng(0)
+    longest = 0
+    for trial in range(40):
+        trees = []
+        for _ in range(int(g.integers(1, 6))):
+            n = int(g.integers(0, 12))
+            parents = [int(g.integers(-1, j)) for j in range(n)]
+            if trial % 4 == 0:
+                parents = list(range(-1, n - 1))
+            trees.append(DraftTree(torch.from_numpy(g.integers(0, 3, n)), tuple(parents)))
+        tb = TreeBatch.stack(trees, "cpu")
+        argmax = torch.from_numpy(g.integers(0, 3, (len(trees), tb.tokens.shape[1])))
+        fast, walk = verify_greedy(argmax, tb), verify_greedy_walk(argmax, tb)
+        for f in ("tokens", "num_accepted", "accepted_nodes", "last_row"):
+            assert torch.equal(getattr(fast, f), getattr(walk, f)), (trial, f)
+        longest = max(longest, int(walk.num_accepted.max()))
+    assert tb.relations is not None
+    assert longest >= 3        # deep paths were compared, not only rejections

@@ -1,0 +1,154 @@
+"""EAGLE-2's tree expansion, eagerly or replayed from a CUDA graph.
+
+From the head's feature after the root and its K/V of the request's real
+pairs, `depth` levels: level 1 holds the top-k tokens after the root; each
+later level runs the head once over the `beam` candidates of highest
+cumulative draft log-probability and takes the top-k children of each. The
+result is the candidate table [4, C] float64 (token id, cumulative
+log-probability, parent candidate index (-1: the root), level) that
+`EagleProposer` turns into a tree.
+
+Every shape here depends only on (depth, topk, beam) and the length of the
+past, so on a GPU (opt-in: `speculative_draft_graphs`) the levels (about 40
+small kernels each, launch-bound) are captured once per past-length class (a
+power of two >= 256): the request's past K/V are copied into a static
+buffer of that length and the rows beyond it masked off. Each new graph is checked once against the eager expansion of
+the same inputs; on any difference or capture error graphs switch off with a
+warning and the eager path runs.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+
+class EagleTreeExpander:
+    def __init__(self, head, embed, lm_head, token_ids, depth: int, topk: int, beam: int):
+        self.head, self.embed, self.lm_head, self.token_ids = head, embed, lm_head, token_ids
+        self.depth, self.topk, self.beam = depth, topk, beam
+        self.graphs: dict[int, tuple] = {}       # past length class -> (graph, inputs, table)
+        # On a GPU only; opt-in (SpecConfig.draft_graphs) until measured there.
+        self.graphs_enabled = False
+        self.pool = None
+
+    def expand(self, root_feat: torch.Tensor, past_k: torch.Tensor, past_v: torch.Tensor,
+               base: int | torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+        """root_feat: [hidden]; past_k, past_v: [C, kv_heads, head_dim], of which
+        `valid` [C] bool marks the real pairs (None: all); base: absolute
+        position of the first draft pair (an int or a 0-dim device tensor).
+        Returns the candidate table [4, num_candidates] float64 on the device
+        (a graph's output buffer: valid until the next call). Reads no host value."""
+        dev = root_feat.device
+        if valid is None:
+            valid = torch.ones(past_k.shape[0], dtype=torch.bool, device=dev)
+        if not torch.is_tensor(base):
+            base = torch.full((), base, dtype=torch.int64, device=dev)
+        if root_feat.is_cuda and self.graphs_enabled:
+            table = self._replay(root_feat, past_k, past_v, base, valid)
+            if table is not None:
+                return table
+        return self.levels(root_feat, past_k, past_v, valid, base)
+
+    def levels(self, root_feat: torch.Tensor, past_k: torch.Tensor, past_v: torch.Tensor,
+               valid: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+        """The expansion over a past of which `valid` [C] bool marks the real
+        rows; base: 0-dim int64 tensor. No host value is read."""
+        dt, dev = root_feat.dtype, root_feat.device
+        ctx = past_k.shape[0]
+        k = self.topk
+        logp = torch.log_softmax(self.lm_head(root_feat[None]).float(), -1)[0]
+        top = logp.topk(min(k, logp.shape[-1]))
+        # Candidates level by level: draft-vocabulary column, cumulative
+        # log-probability, parent (global candidate index, -1: the root).
+        cols, scores, parents = [top.indices], [top.values], [torch.full_like(top.indices, -1)]
+        feat_in = root_feat.expand(top.indices.shape[0], -1)   # per candidate of the level
+        src = None                                # expanded row of each candidate's parent
+        anc = torch.zeros(0, 0, dtype=torch.bool, device=dev)  # ancestors among expanded rows
+        ks, vs = [past_k], [past_v]
+        offset = 0                                # global index of the level's first candidate
+        for lvl in range(1, self.depth):
+            sc = scores[-1]
+            fr = sc.topk(min(self.beam, sc.shape[0])).indices   # the level's best: expand them
+            b, e = fr.shape[0], anc.shape[0]
+            if src is None:
+                anc_new = torch.zeros(b, e, dtype=torch.bool, device=dev)
+            else:
+                s = src[fr]
+                anc_new = anc[s] | F.one_hot(s, e).bool()
+            # A frontier node sees the real pairs, its expanded ancestors, itself.
+            mask = torch.cat([valid.expand(b, ctx), anc_new,
+                              torch.eye(b, dtype=torch.bool, device=dev)], dim=1)
+            anc = torch.cat([torch.cat([anc, anc.new_zeros(e, b)], 1),
+                             torch.cat([anc_new, anc.new_zeros(b, b)], 1)], 0)
+            toks = self.token_ids(cols[-1][fr])
+            pos = (base + (lvl - 1)).expand(b)
+            f, kn, vn = self.head(self.embed(toks).to(dt), feat_in[fr], pos,
+                                  (torch.cat(ks), torch.cat(vs)), mask)
+            ks.append(kn), vs.append(vn)
+            logp = torch.log_softmax(self.lm_head(f).float(), -1)
+            top = logp.topk(min(k, logp.shape[-1]))              # [b, k]
+            kk = top.indices.shape[1]
+            cols.append(top.indices.flatten())
+            scores.append((sc[fr][:, None] + top.values).flatten())
+            parents.append((offset + fr).repeat_interleave(kk))
+            feat_in = f.repeat_interleave(kk, dim=0)
+            src = torch.arange(e, e + b, device=dev).repeat_interleave(kk)
+            offset += sc.shape[0]
+        levels = torch.cat([torch.full_like(c, i + 1) for i, c in enumerate(cols)])
+        return torch.stack([self.token_ids(torch.cat(cols)).double(), torch.cat(scores).double(),
+                            torch.cat(parents).double(), levels.double()])
+
+    # ---- CUDA graphs ----------------------------------------------------------------
+
+    def _replay(self, root_feat, past_k, past_v, base, valid) -> torch.Tensor | None:
+        ctx = past_k.shape[0]
+        length = max(256, 1 << max(ctx - 1, 0).bit_length())
+        entry = self.graphs.get(length)
+        if entry is None:
+            try:
+                entry = self._capture(root_feat, past_k, past_v, base, valid, length)
+            except Exception as e:   # noqa: BLE001 - the eager expansion stays correct
+                warnings.warn(f"CUDA graphs for EAGLE drafting are off: {e!r}")
+                self.graphs_enabled = False
+                return None
+            self.graphs[length] = entry
+            return entry[2]
+        graph, inputs, table = entry
+        self._fill(inputs, root_feat, past_k, past_v, base, valid)
+        graph.replay()
+        return table
+
+    @staticmethod
+    def _fill(inputs: dict, root_feat, past_k, past_v, base, valid) -> None:
+        ctx = past_k.shape[0]
+        inputs["root"].copy_(root_feat)
+        inputs["k"][:ctx].copy_(past_k)
+        inputs["v"][:ctx].copy_(past_v)
+        inputs["valid"][ctx:].fill_(False)
+        inputs["valid"][:ctx].copy_(valid)
+        inputs["base"].copy_(base)
+
+    def _capture(self, root_feat, past_k, past_v, base, valid, length: int) -> tuple:
+        dev = root_feat.device
+        # Zeros: rows past the request's are masked, and must be finite.
+        inputs = dict(root=torch.empty_like(root_feat),
+                      k=past_k.new_zeros((length,) + tuple(past_k.shape[1:])),
+                      v=past_v.new_zeros((length,) + tuple(past_v.shape[1:])),
+                      valid=torch.zeros(length, dtype=torch.bool, device=dev),
+                      base=torch.zeros((), dtype=torch.int64, device=dev))
+        self._fill(inputs, root_feat, past_k, past_v, base, valid)
+        args = (inputs["root"], inputs["k"], inputs["v"], inputs["valid"], inputs["base"])
+        eager = self.levels(*args).clone()
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            table = self.levels(*args)
+        graph.replay()
+        exact = (table[[0, 2, 3]] == eager[[0, 2, 3]]).all()
+        close = torch.allclose(table[1], eager[1], rtol=1e-3, atol=1e-3)
+        if not (bool(exact) and close):
+            raise RuntimeError("the replayed expansion differs from the eager one")
+        return graph, inputs, table

@@ -1,0 +1,55 @@
+"""EAGLE's draft head on GGUF blocks (spec/cpu_draft.py) against its fp32 form."""
+import pytest
+import torch
+from torch import nn
+
+from slipstream.kernels import cpu_library
+from slipstream.kernels.cpu_quant import QuantMatrix
+from slipstream.spec import cpu_draft
+
+pytestmark = pytest.mark.skipif(cpu_library.load() is None, reason="no C compiler for the CPU kernels")
+
+
+def test_q8_0_blocks_round_trip():
+    """The blocks dequantize (by the kernels' own reader) to within half a step of
+    the weights, scale amax / 127 per 32 values."""
+    w = torch.randn(32, 96, generator=torch.Generator().manual_seed(0)) * torch.linspace(0.01, 3, 96)
+    w[3, :32] = 0                                        # an all-zero block
+    blocks = cpu_draft.q8_0_blocks(w)
+    assert blocks.shape == (32, 3 * 34) and blocks.dtype == torch.uint8
+    back = QuantMatrix([(cpu_draft.Q8_0, blocks)], 96).dequantize()
+    step = (w.reshape(32, 3, 32).abs().amax(-1, keepdim=True) / 127).expand(-1, -1, 32).reshape(32, 96)
+    assert ((back - w).abs() <= step * 0.5 + 1e-6).all()
+    assert (back[3, :32] == 0).all()
+    with pytest.raises(ValueError, match="32 columns"):
+        cpu_draft.q8_0_blocks(torch.zeros(16, 40))
+
+
+def test_quant_linear_tracks_the_linear():
+    lin = nn.Linear(64, 48, bias=False)
+    q = cpu_draft.QuantLinear(lin)
+    x = torch.randn(2, 5, 64)
+    ref = lin(x)
+    got = q(x)
+    assert got.shape == (2, 5, 48)
+    assert (got - ref).abs().max() < 0.02 * ref.abs().max()
+
+
+def test_draft_lm_head_reads_the_targets_rows():
+    """The draft vocabulary's columns of the target's quantized head, from its own blocks."""
+    from slipstream.spec.heads import DraftLMHead
+    w = torch.randn(80, 64, generator=torch.Generator().manual_seed(1))
+    table = QuantMatrix([(cpu_draft.Q8_0, cpu_draft.q8_0_blocks(w))], 64)
+
+    class Owner:
+        gguf_weight = table
+
+    class Target:
+        class lm_head:
+            _owner = [Owner()]
+    base = DraftLMHead.__new__(DraftLMHead)
+    base.target, base.vocab, base.weight = Target(), torch.arange(3, 80, 5)[:16], None
+    head = cpu_draft.QuantDraftLMHead(base, table)
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(head(x), table.matmul(x)[:, base.vocab])
+    assert torch.equal(head.token_ids(torch.tensor([0, 15])), base.vocab[[0, 15]])

@@ -1,0 +1,31 @@
+"""EAGLE's tree expansion over a padded past (what a CUDA graph replays)
+equals the expansion over the real pairs alone."""
+import torch
+
+from slipstream.spec.eagle import EagleHead, EagleShape
+from slipstream.spec.eagle_tree import EagleTreeExpander
+
+
+def test_padded_past_expands_the_same_tree(tiny_target):
+    c = tiny_target.config
+    torch.manual_seed(0)
+    head = EagleHead(EagleShape(c.hidden_size, c.num_attention_heads, c.num_key_value_heads,
+                                c.head_dim, 64, c.rope_theta, c.max_position_embeddings)).eval()
+    ex = EagleTreeExpander(head, tiny_target.model.embed_tokens, tiny_target.compute_logits,
+                           lambda cols: cols, depth=4, topk=3, beam=2)
+    ctx, pad = 7, 9
+    root = torch.randn(c.hidden_size)
+    k = torch.randn(ctx, c.num_key_value_heads, c.head_dim)
+    v = torch.randn(ctx, c.num_key_value_heads, c.head_dim)
+    with torch.inference_mode():
+        plain = ex.expand(root, k, v, base=11)
+        # Junk (large, finite) in the rows past the real pairs must not matter.
+        kp = torch.cat([k, 50 * torch.randn(pad, *k.shape[1:])])
+        vp = torch.cat([v, 50 * torch.randn(pad, *v.shape[1:])])
+        valid = torch.arange(ctx + pad) < ctx
+        padded = ex.levels(root, kp, vp, valid, torch.tensor(11))
+        shifted = ex.expand(root, k, v, base=12)
+    assert plain.shape == (4, 3 + 3 * 2 * 3)
+    assert torch.equal(plain[[0, 2, 3]], padded[[0, 2, 3]])
+    assert torch.allclose(plain[1], padded[1], atol=1e-5)
+    assert not torch.allclose(plain[1], shifted[1])     # positions reach the head
