@@ -39,6 +39,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from slipstream.kernels.attention_tile import (
     attend_paged_range, check_kv_scales, exact_dot, next_pow2, softmax_tile_update)
+from slipstream.kernels.prefill_paged import (
+    PREFETCH, TMA, attend_cached, offsets_fit_int32, tma_pool_ok)
 from slipstream.kernels.runtime import capability, interpreting
 
 LOG2E = 1.4426950408889634
@@ -91,8 +93,8 @@ def _new_keys(acc, m_i, l_i, q, q_row_scale, K, V, KScale, k_row0, kv_head,
 # each new specialisation is a compile in the middle of serving.
 @triton.jit(do_not_specialize=["max_query_len", "qk_scale", "window", "tune_key"])
 def _prefill_kernel(
-        Q, K, V, KCache, VCache, KCacheScale, VCacheScale, Out, OutDesc, QScale, KScale,
-        CuSeqlensQ, ContextLens, BlockTables,
+        Q, K, V, KCache, VCache, KCacheScale, VCacheScale, KCacheDesc, VCacheDesc, Out, OutDesc,
+        QScale, KScale, CuSeqlensQ, ContextLens, BlockTables,
         max_query_len,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
         stride_cb, stride_cs, stride_ch, stride_csb, stride_css, stride_bt, stride_qst, stride_kst,
@@ -101,7 +103,8 @@ def _prefill_kernel(
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
         CAUSAL: tl.constexpr, SLIDING: tl.constexpr, NEW_KV: tl.constexpr,
         USE_TMA: tl.constexpr, FP8: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-        TMA_STORE: tl.constexpr, PAIRED: tl.constexpr, CACHE_QUANT: tl.constexpr):
+        TMA_STORE: tl.constexpr, PAIRED: tl.constexpr, CACHE_QUANT: tl.constexpr,
+        PAGED_LOAD: tl.constexpr, OFFS32: tl.constexpr):
     # Latest (longest causal) query blocks first. Query blocks are the fastest
     # grid axis, so programs running together share one head's K/V in L2.
     # (Measured on an H200, benchmarks/attention: ordering by query block
@@ -123,18 +126,19 @@ def _prefill_kernel(
         if i == 1:
             todo = todo & (pid < last - pid)  # the middle block of an odd count runs once
         if todo:
-            _query_block(Q, K, V, KCache, VCache, KCacheScale, VCacheScale, Out, OutDesc, QScale,
-                         KScale, BlockTables, m_block, head, seq, q_start, q_len, ctx,
+            _query_block(Q, K, V, KCache, VCache, KCacheScale, VCacheScale, KCacheDesc, VCacheDesc,
+                         Out, OutDesc, QScale, KScale, BlockTables, m_block, head, seq, q_start, q_len, ctx,
                          stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                          stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_csb,
                          stride_css, stride_bt, stride_qst, stride_kst, qk_scale, window,
                          GROUP, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, PAGE_SIZE, CAUSAL,
-                         SLIDING, NEW_KV, USE_TMA, FP8, WARP_SPECIALIZE, TMA_STORE, CACHE_QUANT)
+                         SLIDING, NEW_KV, USE_TMA, FP8, WARP_SPECIALIZE, TMA_STORE, CACHE_QUANT,
+                         PAGED_LOAD, OFFS32)
 
 
 @triton.jit
-def _query_block(Q, K, V, KCache, VCache, KCacheScale, VCacheScale, Out, OutDesc, QScale,
-                 KScale, BlockTables, m_block, head, seq, q_start, q_len, ctx,
+def _query_block(Q, K, V, KCache, VCache, KCacheScale, VCacheScale, KCacheDesc, VCacheDesc,
+                 Out, OutDesc, QScale, KScale, BlockTables, m_block, head, seq, q_start, q_len, ctx,
                  stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                  stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_csb, stride_css,
                  stride_bt, stride_qst, stride_kst, qk_scale, window,
@@ -142,7 +146,8 @@ def _query_block(Q, K, V, KCache, VCache, KCacheScale, VCacheScale, Out, OutDesc
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
                  CAUSAL: tl.constexpr, SLIDING: tl.constexpr, NEW_KV: tl.constexpr,
                  USE_TMA: tl.constexpr, FP8: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-                 TMA_STORE: tl.constexpr, CACHE_QUANT: tl.constexpr):
+                 TMA_STORE: tl.constexpr, CACHE_QUANT: tl.constexpr, PAGED_LOAD: tl.constexpr,
+                 OFFS32: tl.constexpr):
     """BLOCK_M query rows (block m_block of the request's step) of one head:
     attend to the cached context, then to the step's own keys, and store."""
     kv_head = head // GROUP
@@ -182,12 +187,23 @@ def _query_block(Q, K, V, KCache, VCache, KCacheScale, VCacheScale, Out, OutDesc
         free_end = lo
     bt_row = BlockTables + seq.to(tl.int64) * stride_bt
     q_pos = ctx + offs_m
-    # (q_pos stands in for the unused tree bits.)
-    acc, m_i, l_i = attend_paged_range(
-        acc, m_i, l_i, q, KCache, VCache, KCacheScale, VCacheScale, bt_row, kv_head, lo, free_end,
-        hi, paged_end, q_pos, window, qk_scale, stride_cb, stride_cs, stride_ch, stride_csb,
-        stride_css, q_pos, ctx, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, PAGE_SIZE, CAUSAL, SLIDING, False,
-        CACHE_QUANT)
+    if PAGED_LOAD == 3:  # the loop shared with the decode kernel (q_pos: unused tree bits)
+        acc, m_i, l_i = attend_paged_range(
+            acc, m_i, l_i, q, KCache, VCache, KCacheScale, VCacheScale, bt_row, kv_head, lo,
+            free_end, hi, paged_end, q_pos, window, qk_scale, stride_cb, stride_cs, stride_ch,
+            stride_csb, stride_css, q_pos, ctx, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, PAGE_SIZE, CAUSAL,
+            SLIDING, False, CACHE_QUANT)
+    else:
+        acc, m_i, l_i = attend_cached(
+            acc, m_i, l_i, q, KCache, VCache, KCacheScale, VCacheScale, KCacheDesc, VCacheDesc,
+            bt_row, kv_head, lo, free_end, paged_end, q_pos, window, qk_scale, stride_cb,
+            stride_cs, stride_ch, stride_csb, stride_css, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N,
+            PAGE_SIZE, CAUSAL, SLIDING, False, CACHE_QUANT, PAGED_LOAD, OFFS32)
+        acc, m_i, l_i = attend_cached(
+            acc, m_i, l_i, q, KCache, VCache, KCacheScale, VCacheScale, KCacheDesc, VCacheDesc,
+            bt_row, kv_head, free_end, hi, paged_end, q_pos, window, qk_scale, stride_cb,
+            stride_cs, stride_ch, stride_csb, stride_css, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N,
+            PAGE_SIZE, CAUSAL, SLIDING, True, CACHE_QUANT, PAGED_LOAD, OFFS32)
 
     # --- the step's own keys, contiguous in k/v ---
     if NEW_KV:
@@ -235,6 +251,9 @@ def _set_block_shapes(nargs):
         nargs["Q"].block_shape = [nargs["BLOCK_M"], nargs["HEAD_DIM"]]
         nargs["K"].block_shape = [nargs["BLOCK_N"], nargs["HEAD_DIM"]]
         nargs["V"].block_shape = [nargs["BLOCK_N"], nargs["HEAD_DIM"]]
+    for name in ("KCacheDesc", "VCacheDesc"):
+        if isinstance(nargs.get(name), TensorDescriptor):
+            nargs[name].block_shape = [nargs["BLOCK_N"], nargs["HEAD_DIM"]]
     if isinstance(nargs["OutDesc"], TensorDescriptor):
         nargs["OutDesc"].block_shape = [nargs["BLOCK_M"], nargs["HEAD_DIM"]]
 
@@ -287,11 +306,38 @@ def _prune(configs, named_args, **kwargs):
 
 
 _prefill_tuned = triton.autotune(PREFILL_CONFIGS, key=["tune_key", "HEAD_DIM", "CAUSAL", "NEW_KV",
-                                                       "SLIDING", "FP8", "USE_TMA", "CACHE_QUANT"],
+                                                       "SLIDING", "FP8", "USE_TMA", "CACHE_QUANT",
+                                                       "PAGE_SIZE", "PAGED_LOAD", "OFFS32"],
                                  prune_configs_by={"early_config_prune": _prune})(_prefill_kernel)
 
 
 # --- launcher -------------------------------------------------------------------
+
+# How cached K/V tiles are fetched (prefill_paged.py): mode -> (load, int32 offsets
+# wanted). "shared" is the block-table loop the decode kernel uses too.
+PAGED_LOADS = {"shared": (3, False), "gather": (0, False), "gather32": (0, True),
+               "prefetch": (PREFETCH, False), "prefetch32": (PREFETCH, True), "tma": (TMA, True)}
+PAGED_LOAD_DEFAULT = "shared"
+
+
+def _paged_load(name, k_cache, v_cache, k_cache_scale, page_size, tma_ok):
+    """(load mode, OFFS32, (k, v) pool descriptors or placeholders) for `name`.
+    TMA needs a Hopper GPU, an unquantized contiguous pool and, per tile config,
+    a page of at least BLOCK_N tokens (checked in the kernel; else PREFETCH)."""
+    name = PAGED_LOAD_DEFAULT if name is None else name
+    if name not in PAGED_LOADS:
+        raise ValueError(f"paged_load must be one of {sorted(PAGED_LOADS)}, got {name!r}")
+    load, offs32 = PAGED_LOADS[name]
+    offs32 = offs32 and offsets_fit_int32(k_cache) and (
+        k_cache_scale is None or offsets_fit_int32(k_cache_scale))
+    descs = (k_cache, v_cache)  # placeholders
+    if load == TMA and not (tma_ok and tma_pool_ok(k_cache) and tma_pool_ok(v_cache)):
+        load = PREFETCH
+    if load == TMA:
+        rows, width = k_cache.shape[0] * page_size, k_cache.shape[2] * k_cache.shape[3]
+        descs = tuple(TensorDescriptor(c, [rows, width], [width, 1], [1, k_cache.shape[3]])
+                      for c in (k_cache, v_cache))
+    return load, offs32, descs
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                       k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -301,7 +347,8 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor |
                       q_scale: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
                       out: torch.Tensor | None = None, config: dict | None = None,
                       use_tma: bool | None = None, k_cache_scale: torch.Tensor | None = None,
-                      v_cache_scale: torch.Tensor | None = None) -> torch.Tensor:
+                      v_cache_scale: torch.Tensor | None = None,
+                      paged_load: str | None = None) -> torch.Tensor:
     """Variable-length attention of the step's tokens to their requests' keys.
 
     q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
@@ -312,7 +359,8 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor |
     max_query_len: host int, sizes the grid. q_scale/k_scale: [num_tokens, heads]
     fp32 when q/k are float8 (FP8 path). config: fixed tile config (benchmarks).
     k_cache_scale, v_cache_scale: [num_blocks, page_size, num_kv_heads] fp32 when
-    the cache holds int8 / fp8 codes, else None.
+    the cache holds int8 / fp8 codes, else None. paged_load: how cached K/V
+    tiles are fetched (a key of PAGED_LOADS; None: PAGED_LOAD_DEFAULT).
     returns out: [num_tokens, num_heads, head_dim] in v's dtype.
     """
     num_tokens, num_heads, head_dim = q.shape
@@ -334,6 +382,8 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor |
     head_dim_pad = next_pow2(head_dim)
     if use_tma is None:
         use_tma = q.is_cuda and capability(q.device.index or 0)[0] >= 9
+    load, offs32, cache_descs = _paged_load(paged_load, k_cache, v_cache, k_cache_scale, page_size,
+                                            head_dim_pad == head_dim and use_tma and not cache_quant)
     use_tma = bool(use_tma and new_kv and head_dim_pad == head_dim and q.stride(1) == head_dim
                    and k.stride(1) == head_dim and v.stride(1) == head_dim and k.stride(2) == 1)
     if not new_kv:
@@ -347,7 +397,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor |
         out_desc = TensorDescriptor(out, [num_tokens, num_heads * head_dim], [out.stride(0), 1],
                                     [1, head_dim])
     cache_scales = (k_cache_scale, v_cache_scale) if cache_quant else (k_cache, v_cache)
-    args = (q_arg, k_arg, v_arg, k_cache, v_cache, *cache_scales, out, out_desc,
+    args = (q_arg, k_arg, v_arg, k_cache, v_cache, *cache_scales, *cache_descs, out, out_desc,
             q_scale if fp8 else q, k_scale if fp8 else q,
             cu_seqlens_q, context_lens, block_tables)
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -359,7 +409,8 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor |
     tune_key = max(int(max_query_len) - 1, 0).bit_length()
     consts = dict(GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
                   PAGE_SIZE=page_size, CAUSAL=causal, SLIDING=sliding_window is not None,
-                  NEW_KV=new_kv, USE_TMA=use_tma, FP8=fp8, CACHE_QUANT=cache_quant)
+                  NEW_KV=new_kv, USE_TMA=use_tma, FP8=fp8, CACHE_QUANT=cache_quant,
+                  PAGED_LOAD=load, OFFS32=offs32)
     num_seqs = cu_seqlens_q.shape[0] - 1
 
     def grid(meta):
@@ -377,6 +428,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor |
         meta["TMA_STORE"] = meta["TMA_STORE"] and out_desc is not out
         launch = {k_: meta.pop(k_) for k_ in ("num_warps", "num_stages", "maxnreg") if k_ in meta}
         _set_block_shapes({"Q": q_arg, "K": k_arg, "V": v_arg, "OutDesc": out_desc,
+                           "KCacheDesc": cache_descs[0], "VCacheDesc": cache_descs[1],
                            "HEAD_DIM": head_dim, **meta})
         _prefill_kernel[grid(meta)](*args, max_query_len, *strides, scale * LOG2E, window,
                                     tune_key, **consts, **meta, **launch)

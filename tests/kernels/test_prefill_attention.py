@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from slipstream.kernels import reference
-from slipstream.kernels.prefill_attention import prefill_attention
+from slipstream.kernels.prefill_attention import PAGED_LOADS, prefill_attention
 
 TOL = {torch.float16: 4e-3, torch.float32: 2e-5, torch.bfloat16: 3e-2}
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -18,12 +18,14 @@ CONTEXTS = [0, 0, 21, 3]
 QUERIES = [1, 17, 40, 5]
 
 
-def _run(b, *, new_kv=True, causal=True, window=None, use_tma=None, dtype=torch.float16, config=None):
+def _run(b, *, new_kv=True, causal=True, window=None, use_tma=None, dtype=torch.float16, config=None,
+         paged_load=None):
     d = b.q.shape[-1]
     out = torch.full(b.q.shape, float("nan"), dtype=dtype, device=b.q.device)
     prefill_attention(b.q, b.k if new_kv else None, b.v if new_kv else None, b.k_cache, b.v_cache,
                       b.cu_seqlens_q, b.context_lens, b.block_tables, b.max_query_len, d ** -0.5,
-                      causal=causal, sliding_window=window, out=out, use_tma=use_tma, config=config)
+                      causal=causal, sliding_window=window, out=out, use_tma=use_tma, config=config,
+                      paged_load=paged_load)
     ref = reference.prefill_attention(
         b.q.float(), b.k.float() if new_kv else None, b.v.float() if new_kv else None,
         b.k_cache.float(), b.v_cache.float(), b.cu_seqlens_q, b.context_lens, b.block_tables,
@@ -44,6 +46,24 @@ def test_all_keys_from_cache(paged_batch, close):
     b = paged_batch(CONTEXTS, QUERIES, 4, 1, 64, 16, device=DEVICE)
     out, ref = _run(b, new_kv=False)
     close(out, ref, TOL[torch.float16], TOL[torch.float16])
+
+
+# Pages smaller than, equal to and larger than the 16-key tile; TMA falls back to
+# the prefetching gather when a page is smaller than a tile.
+@pytest.mark.parametrize("paged_load", sorted(PAGED_LOADS))
+@pytest.mark.parametrize("page_size,new_kv", [(8, False), (16, True), (32, False)])
+def test_paged_load_modes(paged_batch, close, paged_load, page_size, new_kv):
+    """Every way of fetching cached K/V tiles gives the same attention, masked
+    tile edges (sequence ends off the tile, NaN in unwritten slots) included."""
+    b = paged_batch([0, 21, 40, 3], [17, 40, 5, 33], 4, 2, 64, page_size, device=DEVICE)
+    out, ref = _run(b, new_kv=new_kv, use_tma=True, paged_load=paged_load)
+    close(out, ref, TOL[torch.float16], TOL[torch.float16])
+
+
+def test_paged_load_checked(paged_batch):
+    b = paged_batch([0], [8], 2, 2, 16, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="paged_load"):
+        _run(b, paged_load="scatter")
 
 
 @pytest.mark.parametrize("new_kv,use_tma", [(True, True), (True, False), (False, None)])
