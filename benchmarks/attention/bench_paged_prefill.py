@@ -55,7 +55,7 @@ PLAN = [
     ("paged_all", 16, ["shared", "prefetch", "prefetch32"], ["M128_N128_s3", "M128_N64_s3"]),
     ("chunked", 16, ["shared", "prefetch", "prefetch32"], ["M128_N128_s3", "M128_N64_s3"]),
     ("paged_all", 16, ["prefetch32"], ["M128_N128_s2", "M128_N64_s4", "M128_N128_s3_paired"]),
-    ("paged_all", 16, ["gather32"], ["M128_N128_s3"]),
+    ("paged_all", 16, ["gather32", "shared/no_tma"], ["M128_N128_s3"]),
     ("paged_all", 64, ["tma", "prefetch32"], ["M128_N64_s3", "M128_N64_s4"]),
     ("paged_all", 128, ["tma", "prefetch32"], ["M128_N128_s3", "M128_N64_s3"]),
     ("chunked", 64, ["tma", "prefetch32"], ["M128_N64_s3"]),
@@ -167,7 +167,9 @@ def main() -> None:
                 if time.time() - t0 > args.budget_s:
                     row["skipped"] = "time budget"
                     continue
-                fn = s.fn(configs[cname], mode, use_tma=True if smoke else None)
+                # "/no_tma": Q and the output by pointers (as before TMA for k=None)
+                fn = s.fn(configs[cname], mode.split("/")[0],
+                          use_tma=False if mode.endswith("/no_tma") else True if smoke else None)
                 tc = time.time()
                 try:
                     s.out.fill_(float("nan"))

@@ -40,7 +40,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from slipstream.kernels.attention_tile import (
     attend_paged_range, check_kv_scales, exact_dot, next_pow2, softmax_tile_update)
 from slipstream.kernels.prefill_paged import (
-    PREFETCH, TMA, attend_cached, offsets_fit_int32, tma_pool_ok)
+    PREFETCH, TMA, attend_cached, offsets_fit_int32, tile_pages, tma_pool_ok)
 from slipstream.kernels.runtime import capability, interpreting
 
 LOG2E = 1.4426950408889634
@@ -194,14 +194,17 @@ def _query_block(Q, K, V, KCache, VCache, KCacheScale, VCacheScale, KCacheDesc, 
             stride_csb, stride_css, q_pos, ctx, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, PAGE_SIZE, CAUSAL,
             SLIDING, False, CACHE_QUANT)
     else:
+        # Both loops' first block-table entries now, so neither loop's start waits on them.
+        pages_lo = tile_pages(bt_row, lo, paged_end, BLOCK_N, PAGE_SIZE)
+        pages_edge = tile_pages(bt_row, free_end, paged_end, BLOCK_N, PAGE_SIZE)
         acc, m_i, l_i = attend_cached(
             acc, m_i, l_i, q, KCache, VCache, KCacheScale, VCacheScale, KCacheDesc, VCacheDesc,
-            bt_row, kv_head, lo, free_end, paged_end, q_pos, window, qk_scale, stride_cb,
+            bt_row, pages_lo, kv_head, lo, free_end, paged_end, q_pos, window, qk_scale, stride_cb,
             stride_cs, stride_ch, stride_csb, stride_css, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N,
             PAGE_SIZE, CAUSAL, SLIDING, False, CACHE_QUANT, PAGED_LOAD, OFFS32)
         acc, m_i, l_i = attend_cached(
             acc, m_i, l_i, q, KCache, VCache, KCacheScale, VCacheScale, KCacheDesc, VCacheDesc,
-            bt_row, kv_head, free_end, hi, paged_end, q_pos, window, qk_scale, stride_cb,
+            bt_row, pages_edge, kv_head, free_end, hi, paged_end, q_pos, window, qk_scale, stride_cb,
             stride_cs, stride_ch, stride_csb, stride_css, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N,
             PAGE_SIZE, CAUSAL, SLIDING, True, CACHE_QUANT, PAGED_LOAD, OFFS32)
 
@@ -384,10 +387,11 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor |
         use_tma = q.is_cuda and capability(q.device.index or 0)[0] >= 9
     load, offs32, cache_descs = _paged_load(paged_load, k_cache, v_cache, k_cache_scale, page_size,
                                             head_dim_pad == head_dim and use_tma and not cache_quant)
-    use_tma = bool(use_tma and new_kv and head_dim_pad == head_dim and q.stride(1) == head_dim
-                   and k.stride(1) == head_dim and v.stride(1) == head_dim and k.stride(2) == 1)
+    # Q (and the output) go by TMA even when every key comes from the cache.
+    use_tma = bool(use_tma and head_dim_pad == head_dim and q.stride(1) == head_dim and (
+        not new_kv or (k.stride(1) == head_dim and v.stride(1) == head_dim and k.stride(2) == 1)))
     if not new_kv:
-        k = v = k_cache  # unused placeholders
+        k = v = q  # unused placeholders (each its own descriptor with TMA)
     q_arg, k_arg, v_arg = q, k, v
     if use_tma:  # 2-D views [tokens, heads * head_dim]; tile shapes set per config
         q_arg, k_arg, v_arg = (TensorDescriptor(x, [num_tokens, x.shape[1] * head_dim],

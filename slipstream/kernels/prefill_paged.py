@@ -31,7 +31,7 @@ GATHER, PREFETCH, TMA = 0, 1, 2
 
 
 @triton.jit
-def _pages(bt_row, start, key_end, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr):
+def tile_pages(bt_row, start, key_end, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr):
     """Block-table entries of the tile [start, start + BLOCK_N): a scalar when a
     page holds the whole tile, else one entry per key. Entries at or past
     key_end (never read from the table) are 0, a valid block."""
@@ -44,7 +44,7 @@ def _pages(bt_row, start, key_end, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexp
 
 @triton.jit
 def attend_cached(acc, m_i, l_i, q, KCache, VCache, KScale, VScale, KDesc, VDesc, bt_row,
-                  kv_head, lo, hi, key_end, q_pos, window, qk_scale,
+                  first_pages, kv_head, lo, hi, key_end, q_pos, window, qk_scale,
                   stride_cb, stride_cs, stride_ch, stride_sb, stride_ss,
                   HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
                   PAGE_SIZE: tl.constexpr, CAUSAL: tl.constexpr, SLIDING: tl.constexpr,
@@ -52,20 +52,22 @@ def attend_cached(acc, m_i, l_i, q, KCache, VCache, KScale, VScale, KDesc, VDesc
                   OFFS32: tl.constexpr):
     """Attend the query tile q [M, D] (rows at positions q_pos [M]) to cached
     keys [lo, hi), lo a multiple of BLOCK_N. MASKED: keys >= key_end, after the
-    row (CAUSAL) or out of its window (SLIDING) are masked; else none is."""
+    row (CAUSAL) or out of its window (SLIDING) are masked; else none is.
+    first_pages: tile_pages(bt_row, lo, ...), read by the caller as early as it
+    can (the masked loop's entries before the unmasked loop runs)."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     d_ok = offs_d < HEAD_DIM
-    page_next = _pages(bt_row, lo, key_end, BLOCK_N, PAGE_SIZE)
+    page_next = first_pages
     for start in tl.range(lo, hi, BLOCK_N):
         start = tl.multiple_of(start, BLOCK_N)
         pos = start + offs_n
         key_ok = pos < key_end
         if LOAD == 1 or LOAD == 2:  # PREFETCH (and TMA)
             page = page_next
-            page_next = _pages(bt_row, start + BLOCK_N, key_end, BLOCK_N, PAGE_SIZE)
+            page_next = tile_pages(bt_row, start + BLOCK_N, key_end, BLOCK_N, PAGE_SIZE)
         else:
-            page = _pages(bt_row, start, key_end, BLOCK_N, PAGE_SIZE)
+            page = tile_pages(bt_row, start, key_end, BLOCK_N, PAGE_SIZE)
         if LOAD == 2 and PAGE_SIZE >= BLOCK_N:  # TMA: the tile is rows [row, row + BLOCK_N) of the 2-D pool
             row = page * PAGE_SIZE + start % PAGE_SIZE
             k = KDesc.load([row, kv_head * HEAD_DIM]).T
@@ -78,14 +80,16 @@ def attend_cached(acc, m_i, l_i, q, KCache, VCache, KScale, VScale, KDesc, VDesc
                 page = page.to(tl.int64)
             slot = pos % PAGE_SIZE
             offs = page * stride_cb + slot * stride_cs + kv_head * stride_ch
+            # K is read as [N, D] rows like V (one address vector for both) and
+            # transposed as the dot reads it from shared memory.
+            kv_offs = offs[:, None] + offs_d[None, :]
             if MASKED or HEAD_DIM_PAD != HEAD_DIM:
-                k = tl.load(KCache + offs[None, :] + offs_d[:, None],
-                            mask=key_ok[None, :] & d_ok[:, None], other=0.0)
-                v = tl.load(VCache + offs[:, None] + offs_d[None, :],
-                            mask=key_ok[:, None] & d_ok[None, :], other=0.0)
+                kv_ok = key_ok[:, None] & d_ok[None, :]
+                k = tl.load(KCache + kv_offs, mask=kv_ok, other=0.0).T
+                v = tl.load(VCache + kv_offs, mask=kv_ok, other=0.0)
             else:
-                k = tl.load(KCache + offs[None, :] + offs_d[:, None])
-                v = tl.load(VCache + offs[:, None] + offs_d[None, :])
+                k = tl.load(KCache + kv_offs).T
+                v = tl.load(VCache + kv_offs)
         k_scale = 1.0  # (unread without QUANT)
         v_scale = 1.0
         if QUANT:

@@ -10,6 +10,7 @@ import torch
 
 from slipstream.kernels import reference
 from slipstream.kernels.prefill_attention import PAGED_LOADS, prefill_attention
+from tests.kernels.conftest import quantized_cache
 
 TOL = {torch.float16: 4e-3, torch.float32: 2e-5, torch.bfloat16: 3e-2}
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -120,3 +121,18 @@ def test_explicit_config_checked(paged_batch):
     b = paged_batch([0], [8], 2, 2, 16, 16, device=DEVICE)
     with pytest.raises(ValueError, match="multiple of BLOCK_N"):
         _run(b, config={"BLOCK_M": 16, "BLOCK_N": 32})
+
+
+@pytest.mark.parametrize("paged_load,page_size", [("prefetch", 8), ("prefetch32", 32), ("tma", 32)])
+def test_paged_load_modes_quantized_cache(paged_batch, close, paged_load, page_size):
+    """int8 codes with NaN scales in unwritten slots: scales follow the same
+    block-table entries as the codes (TMA falls back: no TMA over codes)."""
+    b = paged_batch([0, 21, 3], [17, 40, 5], 4, 2, 64, page_size, device=DEVICE)
+    kc, ks, vc, vs = quantized_cache(b, "int8")
+    out = torch.full(b.q.shape, float("nan"), dtype=b.q.dtype, device=DEVICE)
+    prefill_attention(b.q, None, None, kc, vc, b.cu_seqlens_q, b.context_lens, b.block_tables,
+                      b.max_query_len, 0.125, out=out, k_cache_scale=ks, v_cache_scale=vs,
+                      use_tma=True, paged_load=paged_load)
+    ref = reference.prefill_attention(b.q.float(), None, None, kc, vc, b.cu_seqlens_q, b.context_lens,
+                                      b.block_tables, 0.125, k_cache_scale=ks, v_cache_scale=vs)
+    close(out, ref, 4e-3, 4e-3)
