@@ -48,19 +48,25 @@ CONFIGS = {
     "M128_N64_s2_r128_tmastore_paired": {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8,
                                          "num_stages": 2, "maxnreg": 128, "TMA_STORE": True,
                                          "PAIRED": True},
+    # two programs an SM
+    "M64_N64_w4_s3": {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3},
+    "tuned": None,  # the autotuner over PREFILL_CONFIGS, as the engine runs it
 }
 DENSE_CONFIGS = ["M128_N128_s3", "M128_N128_s3_paired", "M128_N64_s2_r128_tmastore_paired"]
 # (case, page size, load modes, configs), most important first (the budget cuts the tail).
 PLAN = [
     ("paged_all", 16, ["shared", "prefetch", "prefetch32"], ["M128_N128_s3", "M128_N64_s3"]),
     ("chunked", 16, ["shared", "prefetch", "prefetch32"], ["M128_N128_s3", "M128_N64_s3"]),
-    ("paged_all", 16, ["prefetch32"], ["M128_N128_s2", "M128_N64_s4", "M128_N128_s3_paired"]),
+    ("paged_all", 16, ["prefetch32"], ["M128_N128_s2", "M128_N64_s4", "M128_N128_s3_paired",
+                                       "M128_N64_s2_r128_tmastore_paired", "M64_N64_w4_s3"]),
     ("paged_all", 16, ["gather32", "shared/no_tma"], ["M128_N128_s3"]),
     ("paged_all", 64, ["tma", "prefetch32"], ["M128_N64_s3", "M128_N64_s4"]),
     ("paged_all", 128, ["tma", "prefetch32"], ["M128_N128_s3", "M128_N64_s3"]),
     ("chunked", 64, ["tma", "prefetch32"], ["M128_N64_s3"]),
     ("chunked", 128, ["tma"], ["M128_N128_s3", "M128_N64_s3"]),
     ("chunked", 16, ["prefetch32"], ["M128_N128_s3_paired", "M128_N64_s4"]),
+    ("paged_all", 16, ["prefetch32"], ["tuned"]),
+    ("chunked", 16, ["prefetch32"], ["tuned"]),
 ]
 SMOKE_CONFIG = {"BLOCK_M": 32, "BLOCK_N": 16, "num_warps": 4, "num_stages": 2}
 SMOKE_PAGES = {16: 8, 64: 16, 128: 32}  # pages below, at and above the smoke tile
@@ -134,7 +140,7 @@ def main() -> None:
 
     if smoke:
         dev, dtype, heads, d, batch, n, ctx_c = "cpu", torch.float32, 2, 32, 2, 64, 48
-        configs = {name: SMOKE_CONFIG for name in CONFIGS}
+        configs = {name: SMOKE_CONFIG if c else None for name, c in CONFIGS.items()}
     else:
         dev, dtype, heads, d, batch, n, ctx_c = "cuda", torch.bfloat16, 16, 128, 4, 4096, 3072
         configs = CONFIGS
