@@ -39,8 +39,9 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from slipstream.kernels.attention_tile import (
     attend_paged_range, check_kv_scales, exact_dot, next_pow2, softmax_tile_update)
-from slipstream.kernels.prefill_paged import (
-    PREFETCH, TMA, attend_cached, offsets_fit_int32, tile_pages, tma_pool_ok)
+from slipstream.kernels.prefill_configs import (
+    INTERPRET_CONFIG, PREFILL_CONFIGS, paged_load_args, prune_configs, set_block_shapes)
+from slipstream.kernels.prefill_paged import attend_cached, tile_pages
 from slipstream.kernels.runtime import capability, interpreting
 
 LOG2E = 1.4426950408889634
@@ -246,101 +247,13 @@ def _query_block(Q, K, V, KCache, VCache, KCacheScale, VCacheScale, KCacheDesc, 
                  out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
-# --- tuning configs -------------------------------------------------------------
-
-def _set_block_shapes(nargs):
-    """TMA descriptors carry their tile shape, which depends on the config."""
-    if isinstance(nargs["Q"], TensorDescriptor):
-        nargs["Q"].block_shape = [nargs["BLOCK_M"], nargs["HEAD_DIM"]]
-        nargs["K"].block_shape = [nargs["BLOCK_N"], nargs["HEAD_DIM"]]
-        nargs["V"].block_shape = [nargs["BLOCK_N"], nargs["HEAD_DIM"]]
-    for name in ("KCacheDesc", "VCacheDesc"):
-        if isinstance(nargs.get(name), TensorDescriptor):
-            nargs[name].block_shape = [nargs["BLOCK_N"], nargs["HEAD_DIM"]]
-    if isinstance(nargs["OutDesc"], TensorDescriptor):
-        nargs["OutDesc"].block_shape = [nargs["BLOCK_M"], nargs["HEAD_DIM"]]
-
-
-def _config(bm, bn, warps, stages, ws=False, maxnreg=None, tma_store=False, paired=False):
-    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "WARP_SPECIALIZE": ws, "TMA_STORE": tma_store,
-                          "PAIRED": paired},
-                         num_warps=warps, num_stages=stages, maxnreg=maxnreg, pre_hook=_set_block_shapes)
-
-
-# Candidates, from sweeps on an H200 (benchmarks/attention): 128x128 tiles with
-# 8 warps and 3 stages lead for long prompts. 128x64 tiles in 2 stages capped at
-# 128 registers fit two programs an SM (98 KB shared memory each), which hides
-# each program's prologue and epilogue behind the other: +18% at 1k tokens.
-# Paired causal programs (a long query block and a short one each) measured
-# +0.3-2% over unpaired at 1k and 4k in each of three sweeps, -2-4% at 16k;
-# the tuner picks per query-length bucket. 64x64 serves short prompts. Pruned per
-# call to what fits. (WARP_SPECIALIZE stays off: on sm_90 Triton 3.6 compiles
-# it to the same PTX as without.)
-PREFILL_CONFIGS = [
-    _config(128, 128, 8, 3),
-    _config(128, 128, 8, 3, paired=True),
-    _config(128, 64, 8, 2, maxnreg=128, tma_store=True, paired=True),
-    _config(128, 64, 8, 2, maxnreg=128, tma_store=True),
-    _config(128, 64, 8, 3),
-    _config(64, 64, 4, 3),
-]
-SMEM_BYTES = 227 * 1024  # per block on Hopper
-INTERPRET_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 16, "WARP_SPECIALIZE": False, "TMA_STORE": False,
-                    "PAIRED": False}
-
-
-def _prune(configs, named_args, **kwargs):
-    kwargs = {**named_args, **kwargs}  # positional arguments arrive in named_args
-    max_q = 1 << kwargs["tune_key"]
-    head_dim = kwargs["HEAD_DIM_PAD"]
-    kept = []
-    for c in configs:
-        bm, bn = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]
-        smem = 2 * (bm * head_dim + 2 * c.num_stages * bn * head_dim)  # Q + staged K, V
-        needs_tma = c.kwargs["WARP_SPECIALIZE"] or c.kwargs["TMA_STORE"]
-        if bm % bn or smem > SMEM_BYTES or (needs_tma and not kwargs["USE_TMA"]):
-            continue
-        if c.kwargs["PAIRED"] and not kwargs["CAUSAL"]:  # equal blocks: nothing to balance
-            continue
-        if bm > max(64, max_q):  # short queries: don't pay for empty rows
-            continue
-        kept.append(c)
-    return kept or configs[-1:]
-
-
 _prefill_tuned = triton.autotune(PREFILL_CONFIGS, key=["tune_key", "HEAD_DIM", "CAUSAL", "NEW_KV",
                                                        "SLIDING", "FP8", "USE_TMA", "CACHE_QUANT",
                                                        "PAGE_SIZE", "PAGED_LOAD", "OFFS32"],
-                                 prune_configs_by={"early_config_prune": _prune})(_prefill_kernel)
+                                 prune_configs_by={"early_config_prune": prune_configs})(_prefill_kernel)
 
 
 # --- launcher -------------------------------------------------------------------
-
-# How cached K/V tiles are fetched (prefill_paged.py): mode -> (load, int32 offsets
-# wanted). "shared" is the block-table loop the decode kernel uses too.
-PAGED_LOADS = {"shared": (3, False), "gather": (0, False), "gather32": (0, True),
-               "prefetch": (PREFETCH, False), "prefetch32": (PREFETCH, True), "tma": (TMA, True)}
-PAGED_LOAD_DEFAULT = "shared"
-
-
-def _paged_load(name, k_cache, v_cache, k_cache_scale, page_size, tma_ok):
-    """(load mode, OFFS32, (k, v) pool descriptors or placeholders) for `name`.
-    TMA needs a Hopper GPU, an unquantized contiguous pool and, per tile config,
-    a page of at least BLOCK_N tokens (checked in the kernel; else PREFETCH)."""
-    name = PAGED_LOAD_DEFAULT if name is None else name
-    if name not in PAGED_LOADS:
-        raise ValueError(f"paged_load must be one of {sorted(PAGED_LOADS)}, got {name!r}")
-    load, offs32 = PAGED_LOADS[name]
-    offs32 = offs32 and offsets_fit_int32(k_cache) and (
-        k_cache_scale is None or offsets_fit_int32(k_cache_scale))
-    descs = (k_cache, v_cache)  # placeholders
-    if load == TMA and not (tma_ok and tma_pool_ok(k_cache) and tma_pool_ok(v_cache)):
-        load = PREFETCH
-    if load == TMA:
-        rows, width = k_cache.shape[0] * page_size, k_cache.shape[2] * k_cache.shape[3]
-        descs = tuple(TensorDescriptor(c, [rows, width], [width, 1], [1, k_cache.shape[3]])
-                      for c in (k_cache, v_cache))
-    return load, offs32, descs
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                       k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -363,7 +276,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor |
     fp32 when q/k are float8 (FP8 path). config: fixed tile config (benchmarks).
     k_cache_scale, v_cache_scale: [num_blocks, page_size, num_kv_heads] fp32 when
     the cache holds int8 / fp8 codes, else None. paged_load: how cached K/V
-    tiles are fetched (a key of PAGED_LOADS; None: PAGED_LOAD_DEFAULT).
+    tiles are fetched (a key of prefill_configs.PAGED_LOADS; None: its default).
     returns out: [num_tokens, num_heads, head_dim] in v's dtype.
     """
     num_tokens, num_heads, head_dim = q.shape
@@ -385,7 +298,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor |
     head_dim_pad = next_pow2(head_dim)
     if use_tma is None:
         use_tma = q.is_cuda and capability(q.device.index or 0)[0] >= 9
-    load, offs32, cache_descs = _paged_load(paged_load, k_cache, v_cache, k_cache_scale, page_size,
+    load, offs32, cache_descs = paged_load_args(paged_load, k_cache, v_cache, k_cache_scale, page_size,
                                             head_dim_pad == head_dim and use_tma and not cache_quant)
     # Q (and the output) go by TMA even when every key comes from the cache.
     use_tma = bool(use_tma and head_dim_pad == head_dim and q.stride(1) == head_dim and (
@@ -431,7 +344,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor |
             raise ValueError(f"BLOCK_M {meta['BLOCK_M']} must be a multiple of BLOCK_N {meta['BLOCK_N']}")
         meta["TMA_STORE"] = meta["TMA_STORE"] and out_desc is not out
         launch = {k_: meta.pop(k_) for k_ in ("num_warps", "num_stages", "maxnreg") if k_ in meta}
-        _set_block_shapes({"Q": q_arg, "K": k_arg, "V": v_arg, "OutDesc": out_desc,
+        set_block_shapes({"Q": q_arg, "K": k_arg, "V": v_arg, "OutDesc": out_desc,
                            "KCacheDesc": cache_descs[0], "VCacheDesc": cache_descs[1],
                            "HEAD_DIM": head_dim, **meta})
         _prefill_kernel[grid(meta)](*args, max_query_len, *strides, scale * LOG2E, window,

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from slipstream.kernels import reference
-from slipstream.kernels.prefill_attention import PAGED_LOADS, prefill_attention
+from slipstream.kernels.prefill_attention import prefill_attention
+from slipstream.kernels.prefill_configs import PAGED_LOADS
 from tests.kernels.conftest import quantized_cache
 
 TOL = {torch.float16: 4e-3, torch.float32: 2e-5, torch.bfloat16: 3e-2}
