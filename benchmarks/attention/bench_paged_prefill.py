@@ -57,6 +57,8 @@ DENSE_CONFIGS = ["M128_N128_s3", "M128_N128_s3_paired", "M128_N64_s2_r128_tmasto
 PLAN = [
     ("paged_all", 16, ["shared", "prefetch", "prefetch32"], ["M128_N128_s3", "M128_N64_s3"]),
     ("chunked", 16, ["shared", "prefetch", "prefetch32"], ["M128_N128_s3", "M128_N64_s3"]),
+    ("paged_all", 16, ["prefetch32_one_loop"], ["M128_N128_s3", "M128_N64_s3"]),
+    ("chunked", 16, ["prefetch32_one_loop"], ["M128_N128_s3"]),
     ("paged_all", 16, ["prefetch32"], ["M128_N128_s2", "M128_N64_s4", "M128_N128_s3_paired",
                                        "M128_N64_s2_r128_tmastore_paired", "M64_N64_w4_s3"]),
     ("paged_all", 16, ["gather32", "shared/no_tma"], ["M128_N128_s3"]),

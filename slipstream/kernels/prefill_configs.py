@@ -73,9 +73,11 @@ def prune_configs(configs, named_args, **kwargs):
 
 
 # How cached K/V tiles are fetched (prefill_paged.py): mode -> (load, int32 offsets
-# wanted). "shared" is the block-table loop the decode kernel uses too.
+# wanted). "shared" is the block-table loop the decode kernel uses too; "_one_loop":
+# clean and edge tiles in one pipeline.
 PAGED_LOADS = {"shared": (3, False), "gather": (0, False), "gather32": (0, True),
-               "prefetch": (PREFETCH, False), "prefetch32": (PREFETCH, True), "tma": (TMA, True)}
+               "prefetch": (PREFETCH, False), "prefetch32": (PREFETCH, True), "tma": (TMA, True),
+               "prefetch32_one_loop": (4, True)}
 PAGED_LOAD_DEFAULT = "shared"
 
 

@@ -43,16 +43,37 @@ def tile_pages(bt_row, start, key_end, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.cons
 
 
 @triton.jit
+def _mask(pos, key_ok, q_pos, window, CAUSAL: tl.constexpr, SLIDING: tl.constexpr):
+    """[M, N]: which keys each query row may see."""
+    mask = key_ok[None, :]
+    if CAUSAL:
+        mask = mask & (pos[None, :] <= q_pos[:, None])
+    if SLIDING:
+        mask = mask & (q_pos[:, None] - pos[None, :] < window)
+    return mask
+
+
+@triton.jit
+def _masked_update(acc, m_i, l_i, qk, v, qk_scale, pos, key_ok, q_pos, window, v_scale,
+                   CAUSAL: tl.constexpr, SLIDING: tl.constexpr, QUANT: tl.constexpr):
+    mask = _mask(pos, key_ok, q_pos, window, CAUSAL, SLIDING)
+    return softmax_tile_update(acc, m_i, l_i, qk, v, qk_scale, mask, True, v_scale, QUANT)
+
+
+@triton.jit
 def attend_cached(acc, m_i, l_i, q, KCache, VCache, KScale, VScale, KDesc, VDesc, bt_row,
-                  first_pages, kv_head, lo, hi, key_end, q_pos, window, qk_scale,
+                  first_pages, kv_head, lo, edge, hi, key_end, q_pos, window, qk_scale,
                   stride_cb, stride_cs, stride_ch, stride_sb, stride_ss,
                   HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
                   PAGE_SIZE: tl.constexpr, CAUSAL: tl.constexpr, SLIDING: tl.constexpr,
                   MASKED: tl.constexpr, QUANT: tl.constexpr, LOAD: tl.constexpr,
-                  OFFS32: tl.constexpr):
+                  OFFS32: tl.constexpr, ONE_LOOP: tl.constexpr = False):
     """Attend the query tile q [M, D] (rows at positions q_pos [M]) to cached
     keys [lo, hi), lo a multiple of BLOCK_N. MASKED: keys >= key_end, after the
     row (CAUSAL) or out of its window (SLIDING) are masked; else none is.
+    ONE_LOOP (with MASKED): one pipeline over all of [lo, hi), the mask applied
+    only from `edge` on (a branch a tile), so the edge tiles need no pipeline
+    fill of their own; else `edge` is unused.
     first_pages: tile_pages(bt_row, lo, ...), read by the caller as early as it
     can (the masked loop's entries before the unmasked loop runs)."""
     offs_n = tl.arange(0, BLOCK_N)
@@ -99,14 +120,15 @@ def attend_cached(acc, m_i, l_i, q, KCache, VCache, KScale, VScale, KDesc, VDesc
         qk = exact_dot(q, k.to(q.dtype))
         if QUANT:
             qk = qk * k_scale[None, :]
-        if MASKED:
-            mask = key_ok[None, :]
-            if CAUSAL:
-                mask = mask & (pos[None, :] <= q_pos[:, None])
-            if SLIDING:
-                mask = mask & (q_pos[:, None] - pos[None, :] < window)
-            acc, m_i, l_i = softmax_tile_update(acc, m_i, l_i, qk, v.to(q.dtype), qk_scale, mask,
-                                                True, v_scale, QUANT)
+        if ONE_LOOP:
+            # Only the scores go under the branch (a dot inside one breaks the pipeliner).
+            if start >= edge:
+                qk = tl.where(_mask(pos, key_ok, q_pos, window, CAUSAL, SLIDING), qk, -1.0e6)
+            acc, m_i, l_i = softmax_tile_update(acc, m_i, l_i, qk, v.to(q.dtype), qk_scale, q_pos,
+                                                False, v_scale, QUANT)
+        elif MASKED:
+            acc, m_i, l_i = _masked_update(acc, m_i, l_i, qk, v.to(q.dtype), qk_scale, pos, key_ok,
+                                           q_pos, window, v_scale, CAUSAL, SLIDING, QUANT)
         else:  # (q_pos stands in for the unused mask)
             acc, m_i, l_i = softmax_tile_update(acc, m_i, l_i, qk, v.to(q.dtype), qk_scale, q_pos,
                                                 False, v_scale, QUANT)

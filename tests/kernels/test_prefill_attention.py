@@ -62,6 +62,15 @@ def test_paged_load_modes(paged_batch, close, paged_load, page_size, new_kv):
     close(out, ref, TOL[torch.float16], TOL[torch.float16])
 
 
+@pytest.mark.parametrize("paged_load", ["prefetch32", "prefetch32_one_loop"])
+def test_paged_load_modes_sliding_window(paged_batch, close, paged_load):
+    """A window: every cached tile is an edge tile, and a row's first tiles may
+    be wholly outside its window."""
+    b = paged_batch([0, 30, 9], [37, 12, 1], 4, 2, 64, 8, device=DEVICE)
+    out, ref = _run(b, new_kv=False, window=7, paged_load=paged_load)
+    close(out, ref, TOL[torch.float16], TOL[torch.float16])
+
+
 def test_paged_load_checked(paged_batch):
     b = paged_batch([0], [8], 2, 2, 16, 16, device=DEVICE)
     with pytest.raises(ValueError, match="paged_load"):
