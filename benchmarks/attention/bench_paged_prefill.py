@@ -130,7 +130,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=HERE / "results")
     ap.add_argument("--smoke", action="store_true", help="CPU interpreter, tiny shapes, no timing")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--budget-s", type=float, default=120.0)
+    ap.add_argument("--budget-s", type=float, default=140.0)
     ap.add_argument("--commit", default="unknown")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
