@@ -7,8 +7,10 @@ end, and the grid spans (query block, head, request) so long prompts fill the
 GPU even at batch size 1.
 
 A request's keys come in two parts, each in order:
-  * its cached context [0, context_len): gathered from the paged cache through
-    the block table (prefix-cache hits, earlier chunks of a chunked prefill);
+  * its cached context [0, context_len): read from the paged cache through the
+    block table (prefix-cache hits, earlier chunks of a chunked prefill), by
+    the fetch mode `paged_load` picks (prefill_paged.py: gathers whose
+    block-table entries are read a tile ahead, or TMA tiles for large pages);
   * the step's own tokens: read from the fresh `k`/`v` rows, contiguous, so on
     Hopper they stream through the bulk tensor copy engine (TMA descriptors).
     With `k=None` they are read from the cache too (they must be stored first).
