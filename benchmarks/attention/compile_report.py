@@ -89,7 +89,7 @@ def prefill_kernel(args):
                    "K": f"tensordesc<bf16[{args.block_n},{d}]>",
                    "V": f"tensordesc<bf16[{args.block_n},{d}]>",
                    "OutDesc": f"tensordesc<bf16[{args.block_m},{d}]>" if args.tma_store else "*bf16"}
-    cache = f"tensordesc<bf16[{args.block_n},{d}]>" if load == TMA else "*" + KV_TYPES[args.kv]
+    cache = f"tensordesc<bf16[{args.block_n},{d}]>" if load % 4 == TMA else "*" + KV_TYPES[args.kv]
     descriptors.update(KCacheDesc=cache, VCacheDesc=cache)
     return pa._prefill_kernel, consts, descriptors
 

@@ -74,10 +74,12 @@ def prune_configs(configs, named_args, **kwargs):
 
 # How cached K/V tiles are fetched (prefill_paged.py): mode -> (load, int32 offsets
 # wanted). "shared" is the block-table loop the decode kernel uses too; "_one_loop":
-# clean and edge tiles in one pipeline.
+# clean and edge tiles in one pipeline (load + ONE_LOOP).
+ONE_LOOP = 4
 PAGED_LOADS = {"shared": (3, False), "gather": (0, False), "gather32": (0, True),
                "prefetch": (PREFETCH, False), "prefetch32": (PREFETCH, True), "tma": (TMA, True),
-               "prefetch32_one_loop": (4, True)}
+               "prefetch32_one_loop": (ONE_LOOP + PREFETCH, True),
+               "tma_one_loop": (ONE_LOOP + TMA, True)}
 PAGED_LOAD_DEFAULT = "shared"
 
 
@@ -92,9 +94,9 @@ def paged_load_args(name, k_cache, v_cache, k_cache_scale, page_size, tma_ok):
     offs32 = offs32 and offsets_fit_int32(k_cache) and (
         k_cache_scale is None or offsets_fit_int32(k_cache_scale))
     descs = (k_cache, v_cache)  # placeholders
-    if load == TMA and not (tma_ok and tma_pool_ok(k_cache) and tma_pool_ok(v_cache)):
-        load = PREFETCH
-    if load == TMA:
+    if load % ONE_LOOP == TMA and not (tma_ok and tma_pool_ok(k_cache) and tma_pool_ok(v_cache)):
+        load += PREFETCH - TMA
+    if load % ONE_LOOP == TMA:
         rows, width = k_cache.shape[0] * page_size, k_cache.shape[2] * k_cache.shape[3]
         descs = tuple(TensorDescriptor(c, [rows, width], [width, 1], [1, k_cache.shape[3]])
                       for c in (k_cache, v_cache))
