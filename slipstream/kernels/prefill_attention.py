@@ -257,9 +257,11 @@ def _query_block(Q, K, V, KCache, VCache, KCacheScale, VCacheScale, KCacheDesc, 
                  out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
+# (Not keyed on OFFS32: the start-up tuning runs on a small scratch pool, and a
+# pool past 2**31 elements must not re-tune in a serving step; it only compiles.)
 _prefill_tuned = triton.autotune(PREFILL_CONFIGS, key=["tune_key", "HEAD_DIM", "CAUSAL", "NEW_KV",
                                                        "SLIDING", "FP8", "USE_TMA", "CACHE_QUANT",
-                                                       "PAGE_SIZE", "PAGED_LOAD", "OFFS32"],
+                                                       "PAGE_SIZE", "PAGED_LOAD"],
                                  prune_configs_by={"early_config_prune": prune_configs})(_prefill_kernel)
 
 
