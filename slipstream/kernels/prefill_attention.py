@@ -196,13 +196,13 @@ def _query_block(Q, K, V, KCache, VCache, KCacheScale, VCacheScale, KCacheDesc, 
             free_end, hi, paged_end, q_pos, window, qk_scale, stride_cb, stride_cs, stride_ch,
             stride_csb, stride_css, q_pos, ctx, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, PAGE_SIZE, CAUSAL,
             SLIDING, False, CACHE_QUANT)
-    elif PAGED_LOAD >= 4:  # one pipeline over clean and edge tiles, PAGED_LOAD - 4 the fetch
+    elif PAGED_LOAD % 8 >= 4:  # one pipeline over clean and edge tiles
         acc, m_i, l_i = attend_cached(
             acc, m_i, l_i, q, KCache, VCache, KCacheScale, VCacheScale, KCacheDesc, VCacheDesc,
             bt_row, tile_pages(bt_row, lo, paged_end, BLOCK_N, PAGE_SIZE), kv_head, lo, free_end,
             hi, paged_end, q_pos, window, qk_scale, stride_cb, stride_cs, stride_ch, stride_csb,
             stride_css, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, PAGE_SIZE, CAUSAL, SLIDING, True,
-            CACHE_QUANT, PAGED_LOAD - 4, OFFS32, True)
+            CACHE_QUANT, PAGED_LOAD % 4, OFFS32, True, PAGED_LOAD >= 8)
     else:
         # Both loops' first block-table entries now, so neither loop's start waits on them.
         pages_lo = tile_pages(bt_row, lo, paged_end, BLOCK_N, PAGE_SIZE)
@@ -211,13 +211,14 @@ def _query_block(Q, K, V, KCache, VCache, KCacheScale, VCacheScale, KCacheDesc, 
             acc, m_i, l_i, q, KCache, VCache, KCacheScale, VCacheScale, KCacheDesc, VCacheDesc,
             bt_row, pages_lo, kv_head, lo, free_end, free_end, paged_end, q_pos, window, qk_scale,
             stride_cb, stride_cs, stride_ch, stride_csb, stride_css, HEAD_DIM, HEAD_DIM_PAD,
-            BLOCK_N, PAGE_SIZE, CAUSAL, SLIDING, False, CACHE_QUANT, PAGED_LOAD, OFFS32)
+            BLOCK_N, PAGE_SIZE, CAUSAL, SLIDING, False, CACHE_QUANT, PAGED_LOAD % 4, OFFS32, False,
+            PAGED_LOAD >= 8)
         acc, m_i, l_i = attend_cached(
             acc, m_i, l_i, q, KCache, VCache, KCacheScale, VCacheScale, KCacheDesc, VCacheDesc,
             bt_row, pages_edge, kv_head, free_end, free_end, hi, paged_end, q_pos, window,
             qk_scale, stride_cb, stride_cs, stride_ch, stride_csb, stride_css, HEAD_DIM,
-            HEAD_DIM_PAD, BLOCK_N, PAGE_SIZE, CAUSAL, SLIDING, True, CACHE_QUANT, PAGED_LOAD,
-            OFFS32)
+            HEAD_DIM_PAD, BLOCK_N, PAGE_SIZE, CAUSAL, SLIDING, True, CACHE_QUANT, PAGED_LOAD % 4,
+            OFFS32, False, PAGED_LOAD >= 8)
 
     # --- the step's own keys, contiguous in k/v ---
     if NEW_KV:

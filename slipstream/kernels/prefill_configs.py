@@ -74,12 +74,16 @@ def prune_configs(configs, named_args, **kwargs):
 
 # How cached K/V tiles are fetched (prefill_paged.py): mode -> (load, int32 offsets
 # wanted). "shared" is the block-table loop the decode kernel uses too; "_one_loop":
-# clean and edge tiles in one pipeline (load + ONE_LOOP).
-ONE_LOOP = 4
+# clean and edge tiles in one pipeline (load + ONE_LOOP); "_lean": per-row address
+# parts hoisted out of the loop (+ LEAN).
+ONE_LOOP, LEAN = 4, 8
 PAGED_LOADS = {"shared": (3, False), "gather": (0, False), "gather32": (0, True),
                "prefetch": (PREFETCH, False), "prefetch32": (PREFETCH, True), "tma": (TMA, True),
                "prefetch32_one_loop": (ONE_LOOP + PREFETCH, True),
-               "tma_one_loop": (ONE_LOOP + TMA, True)}
+               "tma_one_loop": (ONE_LOOP + TMA, True),
+               "prefetch32_lean": (LEAN + PREFETCH, True),
+               "prefetch32_one_loop_lean": (LEAN + ONE_LOOP + PREFETCH, True),
+               "tma_lean": (LEAN + TMA, True)}
 # Measured on an H200 (benchmarks/attention/bench_paged_prefill.py, bf16, 4 x 4k causal,
 # every key cached): 16-token pages, prefetching int32 gathers 370-386 TFLOP/s
 # against 292 for "shared"; 128-token pages, TMA tiles 475 (dense: 476).

@@ -67,26 +67,44 @@ def attend_cached(acc, m_i, l_i, q, KCache, VCache, KScale, VScale, KDesc, VDesc
                   HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
                   PAGE_SIZE: tl.constexpr, CAUSAL: tl.constexpr, SLIDING: tl.constexpr,
                   MASKED: tl.constexpr, QUANT: tl.constexpr, LOAD: tl.constexpr,
-                  OFFS32: tl.constexpr, ONE_LOOP: tl.constexpr = False):
+                  OFFS32: tl.constexpr, ONE_LOOP: tl.constexpr = False,
+                  LEAN: tl.constexpr = False):
     """Attend the query tile q [M, D] (rows at positions q_pos [M]) to cached
     keys [lo, hi), lo a multiple of BLOCK_N. MASKED: keys >= key_end, after the
     row (CAUSAL) or out of its window (SLIDING) are masked; else none is.
     ONE_LOOP (with MASKED): one pipeline over all of [lo, hi), the mask applied
     only from `edge` on (a branch a tile), so the edge tiles need no pipeline
     fill of their own; else `edge` is unused.
+    LEAN: the per-row parts of the gather addresses (slot, head, the row's page
+    within the tile) computed once before the loop, and, in an unmasked loop,
+    the next tile's block-table entries read unmasked (the tile index clamped
+    to the loop's last tile instead), so each tile adds only page * stride.
     first_pages: tile_pages(bt_row, lo, ...), read by the caller as early as it
     can (the masked loop's entries before the unmasked loop runs)."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     d_ok = offs_d < HEAD_DIM
     page_next = first_pages
+    # (start is a multiple of BLOCK_N: a row's slot and page within the tile are fixed.)
+    row_page = offs_n // PAGE_SIZE
+    if PAGE_SIZE < BLOCK_N:
+        row_inv = (offs_n % PAGE_SIZE) * stride_cs + kv_head * stride_ch
+    else:
+        row_inv = offs_n * stride_cs + kv_head * stride_ch
     for start in tl.range(lo, hi, BLOCK_N):
         start = tl.multiple_of(start, BLOCK_N)
         pos = start + offs_n
         key_ok = pos < key_end
         if LOAD == 1 or LOAD == 2:  # PREFETCH (and TMA)
             page = page_next
-            page_next = tile_pages(bt_row, start + BLOCK_N, key_end, BLOCK_N, PAGE_SIZE)
+            if LEAN and not MASKED:  # every tile up to hi is whole and < key_end
+                nxt = tl.minimum(start + BLOCK_N, hi - BLOCK_N)
+                if PAGE_SIZE >= BLOCK_N:
+                    page_next = tl.load(bt_row + nxt // PAGE_SIZE)
+                else:
+                    page_next = tl.load(bt_row + nxt // PAGE_SIZE + row_page)
+            else:
+                page_next = tile_pages(bt_row, start + BLOCK_N, key_end, BLOCK_N, PAGE_SIZE)
         else:
             page = tile_pages(bt_row, start, key_end, BLOCK_N, PAGE_SIZE)
         if LOAD == 2 and PAGE_SIZE >= BLOCK_N:  # TMA: the tile is rows [row, row + BLOCK_N) of the 2-D pool
@@ -99,8 +117,12 @@ def attend_cached(acc, m_i, l_i, q, KCache, VCache, KScale, VScale, KDesc, VDesc
         else:
             if not OFFS32:
                 page = page.to(tl.int64)
-            slot = pos % PAGE_SIZE
-            offs = page * stride_cb + slot * stride_cs + kv_head * stride_ch
+            if LEAN and PAGE_SIZE < BLOCK_N:
+                offs = page * stride_cb + row_inv
+            elif LEAN:
+                offs = page * stride_cb + (start % PAGE_SIZE) * stride_cs + row_inv
+            else:
+                offs = page * stride_cb + (pos % PAGE_SIZE) * stride_cs + kv_head * stride_ch
             # K is read as [N, D] rows like V (one address vector for both) and
             # transposed as the dot reads it from shared memory.
             kv_offs = offs[:, None] + offs_d[None, :]

@@ -62,7 +62,7 @@ def test_paged_load_modes(paged_batch, close, paged_load, page_size, new_kv):
     close(out, ref, TOL[torch.float16], TOL[torch.float16])
 
 
-@pytest.mark.parametrize("paged_load", ["prefetch32", "prefetch32_one_loop"])
+@pytest.mark.parametrize("paged_load", ["prefetch32", "prefetch32_one_loop", "prefetch32_lean"])
 def test_paged_load_modes_sliding_window(paged_batch, close, paged_load):
     """A window: every cached tile is an edge tile, and a row's first tiles may
     be wholly outside its window."""
@@ -133,7 +133,8 @@ def test_explicit_config_checked(paged_batch):
         _run(b, config={"BLOCK_M": 16, "BLOCK_N": 32})
 
 
-@pytest.mark.parametrize("paged_load,page_size", [("prefetch", 8), ("prefetch32", 32), ("tma", 32)])
+@pytest.mark.parametrize("paged_load,page_size", [("prefetch", 8), ("prefetch32_lean", 8),
+                                                   ("prefetch32", 32), ("tma_lean", 32)])
 def test_paged_load_modes_quantized_cache(paged_batch, close, paged_load, page_size):
     """int8 codes with NaN scales in unwritten slots: scales follow the same
     block-table entries as the codes (TMA falls back: no TMA over codes)."""
