@@ -52,8 +52,10 @@ def test_all_keys_from_cache(paged_batch, close):
 
 # Pages smaller than, equal to and larger than the 16-key tile; TMA falls back to
 # the prefetching gather when a page is smaller than a tile.
-@pytest.mark.parametrize("paged_load", sorted(PAGED_LOADS))
-@pytest.mark.parametrize("page_size,new_kv", [(8, False), (16, True), (32, False)])
+@pytest.mark.parametrize("paged_load,page_size,new_kv", [
+    *((mode, 8, False) for mode in sorted(PAGED_LOADS)),
+    *((mode, page, new_kv) for mode in ("prefetch32_lean", "tma_lean", "prefetch32_one_loop", "tma")
+      for page, new_kv in ((16, True), (32, False)))])
 def test_paged_load_modes(paged_batch, close, paged_load, page_size, new_kv):
     """Every way of fetching cached K/V tiles gives the same attention, masked
     tile edges (sequence ends off the tile, NaN in unwritten slots) included."""
