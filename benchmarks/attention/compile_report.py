@@ -14,6 +14,8 @@ flight, 6 keep two).
     python benchmarks/attention/compile_report.py decode --kv int8 --block-n 128 --warps 4 --stages 4
     python benchmarks/attention/compile_report.py prefill --block-m 128 --block-n 64 \\
         --warps 8 --stages 2 --maxnreg 128 --tma-store
+    python benchmarks/attention/compile_report.py prefill --all-keys --paged-load prefetch32 \\
+        --block-n 128 --warps 8 --stages 3
 """
 from __future__ import annotations
 
@@ -76,16 +78,21 @@ def decode_kernel(args):
 
 def prefill_kernel(args):
     from slipstream.kernels import prefill_attention as pa
+    from slipstream.kernels.prefill_configs import PAGED_LOADS
+    from slipstream.kernels.prefill_paged import TMA
+    load, offs32 = PAGED_LOADS[args.paged_load]
     consts = dict(GROUP=args.group, HEAD_DIM=args.head_dim, HEAD_DIM_PAD=args.head_dim,
                   BLOCK_M=args.block_m, BLOCK_N=args.block_n, PAGE_SIZE=args.page_size,
-                  CAUSAL=True, SLIDING=False, NEW_KV=True, USE_TMA=True, FP8=False,
+                  CAUSAL=True, SLIDING=False, NEW_KV=not args.all_keys, USE_TMA=True, FP8=False,
                   WARP_SPECIALIZE=args.ws, TMA_STORE=args.tma_store, PAIRED=args.paired,
-                  CACHE_QUANT=args.kv != "bf16")
+                  CACHE_QUANT=args.kv != "bf16", PAGED_LOAD=load, OFFS32=offs32)
     d = args.head_dim
     descriptors = {"Q": f"tensordesc<bf16[{args.block_m},{d}]>",
                    "K": f"tensordesc<bf16[{args.block_n},{d}]>",
                    "V": f"tensordesc<bf16[{args.block_n},{d}]>",
                    "OutDesc": f"tensordesc<bf16[{args.block_m},{d}]>" if args.tma_store else "*bf16"}
+    cache = f"tensordesc<bf16[{args.block_n},{d}]>" if load % 4 == TMA else "*" + KV_TYPES[args.kv]
+    descriptors.update(KCacheDesc=cache, VCacheDesc=cache)
     return pa._prefill_kernel, consts, descriptors
 
 
@@ -139,6 +146,10 @@ def main() -> None:
     ap.add_argument("--tree", action="store_true", help="decode kernel with a tree mask")
     ap.add_argument("--tma-store", action="store_true", help="prefill: bulk output store")
     ap.add_argument("--paired", action="store_true", help="prefill: two query blocks a program")
+    ap.add_argument("--paged-load", default="shared",
+                    help="prefill: how cached K/V tiles are fetched (prefill_configs.PAGED_LOADS)")
+    ap.add_argument("--all-keys", action="store_true",
+                    help="prefill: every key from the paged cache (k=None), none fresh")
     ap.add_argument("--ws", action="store_true", help="prefill: warp-specialised K/V loop (same PTX on sm_90, Triton 3.6)")
     ap.add_argument("--kv", choices=tuple(KV_TYPES), default="bf16",
                     help="KV cache dtype (int8 / fp8: 1-byte codes with per-token scales)")

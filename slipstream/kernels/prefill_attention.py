@@ -7,8 +7,10 @@ end, and the grid spans (query block, head, request) so long prompts fill the
 GPU even at batch size 1.
 
 A request's keys come in two parts, each in order:
-  * its cached context [0, context_len): gathered from the paged cache through
-    the block table (prefix-cache hits, earlier chunks of a chunked prefill);
+  * its cached context [0, context_len): read from the paged cache through the
+    block table (prefix-cache hits, earlier chunks of a chunked prefill), by
+    the fetch mode `paged_load` picks (prefill_paged.py: gathers whose
+    block-table entries are read a tile ahead, or TMA tiles for large pages);
   * the step's own tokens: read from the fresh `k`/`v` rows, contiguous, so on
     Hopper they stream through the bulk tensor copy engine (TMA descriptors).
     With `k=None` they are read from the cache too (they must be stored first).
@@ -39,6 +41,9 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from slipstream.kernels.attention_tile import (
     attend_paged_range, check_kv_scales, exact_dot, next_pow2, softmax_tile_update)
+from slipstream.kernels.prefill_configs import (
+    INTERPRET_CONFIG, PREFILL_CONFIGS, paged_load_args, prune_configs, set_block_shapes)
+from slipstream.kernels.prefill_paged import attend_cached, tile_pages
 from slipstream.kernels.runtime import capability, interpreting
 
 LOG2E = 1.4426950408889634
@@ -91,8 +96,8 @@ def _new_keys(acc, m_i, l_i, q, q_row_scale, K, V, KScale, k_row0, kv_head,
 # each new specialisation is a compile in the middle of serving.
 @triton.jit(do_not_specialize=["max_query_len", "qk_scale", "window", "tune_key"])
 def _prefill_kernel(
-        Q, K, V, KCache, VCache, KCacheScale, VCacheScale, Out, OutDesc, QScale, KScale,
-        CuSeqlensQ, ContextLens, BlockTables,
+        Q, K, V, KCache, VCache, KCacheScale, VCacheScale, KCacheDesc, VCacheDesc, Out, OutDesc,
+        QScale, KScale, CuSeqlensQ, ContextLens, BlockTables,
         max_query_len,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
         stride_cb, stride_cs, stride_ch, stride_csb, stride_css, stride_bt, stride_qst, stride_kst,
@@ -101,7 +106,8 @@ def _prefill_kernel(
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
         CAUSAL: tl.constexpr, SLIDING: tl.constexpr, NEW_KV: tl.constexpr,
         USE_TMA: tl.constexpr, FP8: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-        TMA_STORE: tl.constexpr, PAIRED: tl.constexpr, CACHE_QUANT: tl.constexpr):
+        TMA_STORE: tl.constexpr, PAIRED: tl.constexpr, CACHE_QUANT: tl.constexpr,
+        PAGED_LOAD: tl.constexpr, OFFS32: tl.constexpr):
     # Latest (longest causal) query blocks first. Query blocks are the fastest
     # grid axis, so programs running together share one head's K/V in L2.
     # (Measured on an H200, benchmarks/attention: ordering by query block
@@ -123,18 +129,19 @@ def _prefill_kernel(
         if i == 1:
             todo = todo & (pid < last - pid)  # the middle block of an odd count runs once
         if todo:
-            _query_block(Q, K, V, KCache, VCache, KCacheScale, VCacheScale, Out, OutDesc, QScale,
-                         KScale, BlockTables, m_block, head, seq, q_start, q_len, ctx,
+            _query_block(Q, K, V, KCache, VCache, KCacheScale, VCacheScale, KCacheDesc, VCacheDesc,
+                         Out, OutDesc, QScale, KScale, BlockTables, m_block, head, seq, q_start, q_len, ctx,
                          stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                          stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_csb,
                          stride_css, stride_bt, stride_qst, stride_kst, qk_scale, window,
                          GROUP, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, PAGE_SIZE, CAUSAL,
-                         SLIDING, NEW_KV, USE_TMA, FP8, WARP_SPECIALIZE, TMA_STORE, CACHE_QUANT)
+                         SLIDING, NEW_KV, USE_TMA, FP8, WARP_SPECIALIZE, TMA_STORE, CACHE_QUANT,
+                         PAGED_LOAD, OFFS32)
 
 
 @triton.jit
-def _query_block(Q, K, V, KCache, VCache, KCacheScale, VCacheScale, Out, OutDesc, QScale,
-                 KScale, BlockTables, m_block, head, seq, q_start, q_len, ctx,
+def _query_block(Q, K, V, KCache, VCache, KCacheScale, VCacheScale, KCacheDesc, VCacheDesc,
+                 Out, OutDesc, QScale, KScale, BlockTables, m_block, head, seq, q_start, q_len, ctx,
                  stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                  stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_csb, stride_css,
                  stride_bt, stride_qst, stride_kst, qk_scale, window,
@@ -142,7 +149,8 @@ def _query_block(Q, K, V, KCache, VCache, KCacheScale, VCacheScale, Out, OutDesc
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
                  CAUSAL: tl.constexpr, SLIDING: tl.constexpr, NEW_KV: tl.constexpr,
                  USE_TMA: tl.constexpr, FP8: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-                 TMA_STORE: tl.constexpr, CACHE_QUANT: tl.constexpr):
+                 TMA_STORE: tl.constexpr, CACHE_QUANT: tl.constexpr, PAGED_LOAD: tl.constexpr,
+                 OFFS32: tl.constexpr):
     """BLOCK_M query rows (block m_block of the request's step) of one head:
     attend to the cached context, then to the step's own keys, and store."""
     kv_head = head // GROUP
@@ -182,12 +190,35 @@ def _query_block(Q, K, V, KCache, VCache, KCacheScale, VCacheScale, Out, OutDesc
         free_end = lo
     bt_row = BlockTables + seq.to(tl.int64) * stride_bt
     q_pos = ctx + offs_m
-    # (q_pos stands in for the unused tree bits.)
-    acc, m_i, l_i = attend_paged_range(
-        acc, m_i, l_i, q, KCache, VCache, KCacheScale, VCacheScale, bt_row, kv_head, lo, free_end,
-        hi, paged_end, q_pos, window, qk_scale, stride_cb, stride_cs, stride_ch, stride_csb,
-        stride_css, q_pos, ctx, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, PAGE_SIZE, CAUSAL, SLIDING, False,
-        CACHE_QUANT)
+    if PAGED_LOAD == 3:  # the loop shared with the decode kernel (q_pos: unused tree bits)
+        acc, m_i, l_i = attend_paged_range(
+            acc, m_i, l_i, q, KCache, VCache, KCacheScale, VCacheScale, bt_row, kv_head, lo,
+            free_end, hi, paged_end, q_pos, window, qk_scale, stride_cb, stride_cs, stride_ch,
+            stride_csb, stride_css, q_pos, ctx, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, PAGE_SIZE, CAUSAL,
+            SLIDING, False, CACHE_QUANT)
+    elif PAGED_LOAD % 8 >= 4:  # one pipeline over clean and edge tiles
+        acc, m_i, l_i = attend_cached(
+            acc, m_i, l_i, q, KCache, VCache, KCacheScale, VCacheScale, KCacheDesc, VCacheDesc,
+            bt_row, tile_pages(bt_row, lo, paged_end, BLOCK_N, PAGE_SIZE), kv_head, lo, free_end,
+            hi, paged_end, q_pos, window, qk_scale, stride_cb, stride_cs, stride_ch, stride_csb,
+            stride_css, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, PAGE_SIZE, CAUSAL, SLIDING, True,
+            CACHE_QUANT, PAGED_LOAD % 4, OFFS32, True, PAGED_LOAD >= 8)
+    else:
+        # Both loops' first block-table entries now, so neither loop's start waits on them.
+        pages_lo = tile_pages(bt_row, lo, paged_end, BLOCK_N, PAGE_SIZE)
+        pages_edge = tile_pages(bt_row, free_end, paged_end, BLOCK_N, PAGE_SIZE)
+        acc, m_i, l_i = attend_cached(
+            acc, m_i, l_i, q, KCache, VCache, KCacheScale, VCacheScale, KCacheDesc, VCacheDesc,
+            bt_row, pages_lo, kv_head, lo, free_end, free_end, paged_end, q_pos, window, qk_scale,
+            stride_cb, stride_cs, stride_ch, stride_csb, stride_css, HEAD_DIM, HEAD_DIM_PAD,
+            BLOCK_N, PAGE_SIZE, CAUSAL, SLIDING, False, CACHE_QUANT, PAGED_LOAD % 4, OFFS32, False,
+            PAGED_LOAD >= 8)
+        acc, m_i, l_i = attend_cached(
+            acc, m_i, l_i, q, KCache, VCache, KCacheScale, VCacheScale, KCacheDesc, VCacheDesc,
+            bt_row, pages_edge, kv_head, free_end, free_end, hi, paged_end, q_pos, window,
+            qk_scale, stride_cb, stride_cs, stride_ch, stride_csb, stride_css, HEAD_DIM,
+            HEAD_DIM_PAD, BLOCK_N, PAGE_SIZE, CAUSAL, SLIDING, True, CACHE_QUANT, PAGED_LOAD % 4,
+            OFFS32, False, PAGED_LOAD >= 8)
 
     # --- the step's own keys, contiguous in k/v ---
     if NEW_KV:
@@ -227,68 +258,12 @@ def _query_block(Q, K, V, KCache, VCache, KCacheScale, VCacheScale, Out, OutDesc
                  out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
-# --- tuning configs -------------------------------------------------------------
-
-def _set_block_shapes(nargs):
-    """TMA descriptors carry their tile shape, which depends on the config."""
-    if isinstance(nargs["Q"], TensorDescriptor):
-        nargs["Q"].block_shape = [nargs["BLOCK_M"], nargs["HEAD_DIM"]]
-        nargs["K"].block_shape = [nargs["BLOCK_N"], nargs["HEAD_DIM"]]
-        nargs["V"].block_shape = [nargs["BLOCK_N"], nargs["HEAD_DIM"]]
-    if isinstance(nargs["OutDesc"], TensorDescriptor):
-        nargs["OutDesc"].block_shape = [nargs["BLOCK_M"], nargs["HEAD_DIM"]]
-
-
-def _config(bm, bn, warps, stages, ws=False, maxnreg=None, tma_store=False, paired=False):
-    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "WARP_SPECIALIZE": ws, "TMA_STORE": tma_store,
-                          "PAIRED": paired},
-                         num_warps=warps, num_stages=stages, maxnreg=maxnreg, pre_hook=_set_block_shapes)
-
-
-# Candidates, from sweeps on an H200 (benchmarks/attention): 128x128 tiles with
-# 8 warps and 3 stages lead for long prompts. 128x64 tiles in 2 stages capped at
-# 128 registers fit two programs an SM (98 KB shared memory each), which hides
-# each program's prologue and epilogue behind the other: +18% at 1k tokens.
-# Paired causal programs (a long query block and a short one each) measured
-# +0.3-2% over unpaired at 1k and 4k in each of three sweeps, -2-4% at 16k;
-# the tuner picks per query-length bucket. 64x64 serves short prompts. Pruned per
-# call to what fits. (WARP_SPECIALIZE stays off: on sm_90 Triton 3.6 compiles
-# it to the same PTX as without.)
-PREFILL_CONFIGS = [
-    _config(128, 128, 8, 3),
-    _config(128, 128, 8, 3, paired=True),
-    _config(128, 64, 8, 2, maxnreg=128, tma_store=True, paired=True),
-    _config(128, 64, 8, 2, maxnreg=128, tma_store=True),
-    _config(128, 64, 8, 3),
-    _config(64, 64, 4, 3),
-]
-SMEM_BYTES = 227 * 1024  # per block on Hopper
-INTERPRET_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 16, "WARP_SPECIALIZE": False, "TMA_STORE": False,
-                    "PAIRED": False}
-
-
-def _prune(configs, named_args, **kwargs):
-    kwargs = {**named_args, **kwargs}  # positional arguments arrive in named_args
-    max_q = 1 << kwargs["tune_key"]
-    head_dim = kwargs["HEAD_DIM_PAD"]
-    kept = []
-    for c in configs:
-        bm, bn = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]
-        smem = 2 * (bm * head_dim + 2 * c.num_stages * bn * head_dim)  # Q + staged K, V
-        needs_tma = c.kwargs["WARP_SPECIALIZE"] or c.kwargs["TMA_STORE"]
-        if bm % bn or smem > SMEM_BYTES or (needs_tma and not kwargs["USE_TMA"]):
-            continue
-        if c.kwargs["PAIRED"] and not kwargs["CAUSAL"]:  # equal blocks: nothing to balance
-            continue
-        if bm > max(64, max_q):  # short queries: don't pay for empty rows
-            continue
-        kept.append(c)
-    return kept or configs[-1:]
-
-
+# (Not keyed on OFFS32: the start-up tuning runs on a small scratch pool, and a
+# pool past 2**31 elements must not re-tune in a serving step; it only compiles.)
 _prefill_tuned = triton.autotune(PREFILL_CONFIGS, key=["tune_key", "HEAD_DIM", "CAUSAL", "NEW_KV",
-                                                       "SLIDING", "FP8", "USE_TMA", "CACHE_QUANT"],
-                                 prune_configs_by={"early_config_prune": _prune})(_prefill_kernel)
+                                                       "SLIDING", "FP8", "USE_TMA", "CACHE_QUANT",
+                                                       "PAGE_SIZE", "PAGED_LOAD"],
+                                 prune_configs_by={"early_config_prune": prune_configs})(_prefill_kernel)
 
 
 # --- launcher -------------------------------------------------------------------
@@ -301,7 +276,8 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor |
                       q_scale: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
                       out: torch.Tensor | None = None, config: dict | None = None,
                       use_tma: bool | None = None, k_cache_scale: torch.Tensor | None = None,
-                      v_cache_scale: torch.Tensor | None = None) -> torch.Tensor:
+                      v_cache_scale: torch.Tensor | None = None,
+                      paged_load: str | None = None) -> torch.Tensor:
     """Variable-length attention of the step's tokens to their requests' keys.
 
     q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
@@ -312,7 +288,8 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor |
     max_query_len: host int, sizes the grid. q_scale/k_scale: [num_tokens, heads]
     fp32 when q/k are float8 (FP8 path). config: fixed tile config (benchmarks).
     k_cache_scale, v_cache_scale: [num_blocks, page_size, num_kv_heads] fp32 when
-    the cache holds int8 / fp8 codes, else None.
+    the cache holds int8 / fp8 codes, else None. paged_load: how cached K/V
+    tiles are fetched (a key of prefill_configs.PAGED_LOADS; None: its default).
     returns out: [num_tokens, num_heads, head_dim] in v's dtype.
     """
     num_tokens, num_heads, head_dim = q.shape
@@ -334,10 +311,13 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor |
     head_dim_pad = next_pow2(head_dim)
     if use_tma is None:
         use_tma = q.is_cuda and capability(q.device.index or 0)[0] >= 9
-    use_tma = bool(use_tma and new_kv and head_dim_pad == head_dim and q.stride(1) == head_dim
-                   and k.stride(1) == head_dim and v.stride(1) == head_dim and k.stride(2) == 1)
+    load, offs32, cache_descs = paged_load_args(paged_load, k_cache, v_cache, k_cache_scale, page_size,
+                                            head_dim_pad == head_dim and use_tma and not cache_quant)
+    # Q (and the output) go by TMA even when every key comes from the cache.
+    use_tma = bool(use_tma and head_dim_pad == head_dim and q.stride(1) == head_dim and (
+        not new_kv or (k.stride(1) == head_dim and v.stride(1) == head_dim and k.stride(2) == 1)))
     if not new_kv:
-        k = v = k_cache  # unused placeholders
+        k = v = q  # unused placeholders (each its own descriptor with TMA)
     q_arg, k_arg, v_arg = q, k, v
     if use_tma:  # 2-D views [tokens, heads * head_dim]; tile shapes set per config
         q_arg, k_arg, v_arg = (TensorDescriptor(x, [num_tokens, x.shape[1] * head_dim],
@@ -347,7 +327,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor |
         out_desc = TensorDescriptor(out, [num_tokens, num_heads * head_dim], [out.stride(0), 1],
                                     [1, head_dim])
     cache_scales = (k_cache_scale, v_cache_scale) if cache_quant else (k_cache, v_cache)
-    args = (q_arg, k_arg, v_arg, k_cache, v_cache, *cache_scales, out, out_desc,
+    args = (q_arg, k_arg, v_arg, k_cache, v_cache, *cache_scales, *cache_descs, out, out_desc,
             q_scale if fp8 else q, k_scale if fp8 else q,
             cu_seqlens_q, context_lens, block_tables)
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -359,7 +339,8 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor |
     tune_key = max(int(max_query_len) - 1, 0).bit_length()
     consts = dict(GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
                   PAGE_SIZE=page_size, CAUSAL=causal, SLIDING=sliding_window is not None,
-                  NEW_KV=new_kv, USE_TMA=use_tma, FP8=fp8, CACHE_QUANT=cache_quant)
+                  NEW_KV=new_kv, USE_TMA=use_tma, FP8=fp8, CACHE_QUANT=cache_quant,
+                  PAGED_LOAD=load, OFFS32=offs32)
     num_seqs = cu_seqlens_q.shape[0] - 1
 
     def grid(meta):
@@ -376,7 +357,8 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor |
             raise ValueError(f"BLOCK_M {meta['BLOCK_M']} must be a multiple of BLOCK_N {meta['BLOCK_N']}")
         meta["TMA_STORE"] = meta["TMA_STORE"] and out_desc is not out
         launch = {k_: meta.pop(k_) for k_ in ("num_warps", "num_stages", "maxnreg") if k_ in meta}
-        _set_block_shapes({"Q": q_arg, "K": k_arg, "V": v_arg, "OutDesc": out_desc,
+        set_block_shapes({"Q": q_arg, "K": k_arg, "V": v_arg, "OutDesc": out_desc,
+                           "KCacheDesc": cache_descs[0], "VCacheDesc": cache_descs[1],
                            "HEAD_DIM": head_dim, **meta})
         _prefill_kernel[grid(meta)](*args, max_query_len, *strides, scale * LOG2E, window,
                                     tune_key, **consts, **meta, **launch)

@@ -10,6 +10,8 @@ import torch
 
 from slipstream.kernels import reference
 from slipstream.kernels.prefill_attention import prefill_attention
+from slipstream.kernels.prefill_configs import PAGED_LOADS
+from tests.kernels.conftest import quantized_cache
 
 TOL = {torch.float16: 4e-3, torch.float32: 2e-5, torch.bfloat16: 3e-2}
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -18,12 +20,14 @@ CONTEXTS = [0, 0, 21, 3]
 QUERIES = [1, 17, 40, 5]
 
 
-def _run(b, *, new_kv=True, causal=True, window=None, use_tma=None, dtype=torch.float16, config=None):
+def _run(b, *, new_kv=True, causal=True, window=None, use_tma=None, dtype=torch.float16, config=None,
+         paged_load=None):
     d = b.q.shape[-1]
     out = torch.full(b.q.shape, float("nan"), dtype=dtype, device=b.q.device)
     prefill_attention(b.q, b.k if new_kv else None, b.v if new_kv else None, b.k_cache, b.v_cache,
                       b.cu_seqlens_q, b.context_lens, b.block_tables, b.max_query_len, d ** -0.5,
-                      causal=causal, sliding_window=window, out=out, use_tma=use_tma, config=config)
+                      causal=causal, sliding_window=window, out=out, use_tma=use_tma, config=config,
+                      paged_load=paged_load)
     ref = reference.prefill_attention(
         b.q.float(), b.k.float() if new_kv else None, b.v.float() if new_kv else None,
         b.k_cache.float(), b.v_cache.float(), b.cu_seqlens_q, b.context_lens, b.block_tables,
@@ -44,6 +48,35 @@ def test_all_keys_from_cache(paged_batch, close):
     b = paged_batch(CONTEXTS, QUERIES, 4, 1, 64, 16, device=DEVICE)
     out, ref = _run(b, new_kv=False)
     close(out, ref, TOL[torch.float16], TOL[torch.float16])
+
+
+# Pages smaller than, equal to and larger than the 16-key tile; TMA falls back to
+# the prefetching gather when a page is smaller than a tile.
+@pytest.mark.parametrize("paged_load,page_size,new_kv", [
+    *((mode, 8, False) for mode in sorted(PAGED_LOADS)),
+    *((mode, page, new_kv) for mode in ("prefetch32_lean", "tma_lean", "prefetch32_one_loop", "tma")
+      for page, new_kv in ((16, True), (32, False)))])
+def test_paged_load_modes(paged_batch, close, paged_load, page_size, new_kv):
+    """Every way of fetching cached K/V tiles gives the same attention, masked
+    tile edges (sequence ends off the tile, NaN in unwritten slots) included."""
+    b = paged_batch([0, 21, 40, 3], [17, 40, 5, 33], 4, 2, 64, page_size, device=DEVICE)
+    out, ref = _run(b, new_kv=new_kv, use_tma=True, paged_load=paged_load)
+    close(out, ref, TOL[torch.float16], TOL[torch.float16])
+
+
+@pytest.mark.parametrize("paged_load", ["prefetch32", "prefetch32_one_loop", "prefetch32_lean"])
+def test_paged_load_modes_sliding_window(paged_batch, close, paged_load):
+    """A window: every cached tile is an edge tile, and a row's first tiles may
+    be wholly outside its window."""
+    b = paged_batch([0, 30, 9], [37, 12, 1], 4, 2, 64, 8, device=DEVICE)
+    out, ref = _run(b, new_kv=False, window=7, paged_load=paged_load)
+    close(out, ref, TOL[torch.float16], TOL[torch.float16])
+
+
+def test_paged_load_checked(paged_batch):
+    b = paged_batch([0], [8], 2, 2, 16, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="paged_load"):
+        _run(b, paged_load="scatter")
 
 
 @pytest.mark.parametrize("new_kv,use_tma", [(True, True), (True, False), (False, None)])
@@ -100,3 +133,19 @@ def test_explicit_config_checked(paged_batch):
     b = paged_batch([0], [8], 2, 2, 16, 16, device=DEVICE)
     with pytest.raises(ValueError, match="multiple of BLOCK_N"):
         _run(b, config={"BLOCK_M": 16, "BLOCK_N": 32})
+
+
+@pytest.mark.parametrize("paged_load,page_size", [("prefetch", 8), ("prefetch32_lean", 8),
+                                                   ("prefetch32", 32), ("tma_lean", 32)])
+def test_paged_load_modes_quantized_cache(paged_batch, close, paged_load, page_size):
+    """int8 codes with NaN scales in unwritten slots: scales follow the same
+    block-table entries as the codes (TMA falls back: no TMA over codes)."""
+    b = paged_batch([0, 21, 3], [17, 40, 5], 4, 2, 64, page_size, device=DEVICE)
+    kc, ks, vc, vs = quantized_cache(b, "int8")
+    out = torch.full(b.q.shape, float("nan"), dtype=b.q.dtype, device=DEVICE)
+    prefill_attention(b.q, None, None, kc, vc, b.cu_seqlens_q, b.context_lens, b.block_tables,
+                      b.max_query_len, 0.125, out=out, k_cache_scale=ks, v_cache_scale=vs,
+                      use_tma=True, paged_load=paged_load)
+    ref = reference.prefill_attention(b.q.float(), None, None, kc, vc, b.cu_seqlens_q, b.context_lens,
+                                      b.block_tables, 0.125, k_cache_scale=ks, v_cache_scale=vs)
+    close(out, ref, 4e-3, 4e-3)
