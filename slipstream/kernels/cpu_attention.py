@@ -27,6 +27,24 @@ def _rows(t: torch.Tensor) -> tuple[torch.Tensor, int]:
     return t, t.stride(0)
 
 
+class _NewKV:
+    """The step's own K/V rows to store before attending (k, v: [tokens, kv_heads, head_dim],
+    slot_mapping: [tokens]), or none; holds the converted tensors while the C call runs."""
+
+    def __init__(self, k, v, slot_mapping):
+        self.k = self.v = self.slots = None
+        if k is not None:
+            (self.k, self.k_stride), (self.v, self.v_stride) = _rows(k), _rows(v)
+            self.slots = slot_mapping.to(torch.int64).contiguous()
+
+    def args(self) -> tuple:
+        """(k, k_stride, v, v_stride, slots) as the C functions take them."""
+        if self.k is None:
+            return None, 0, None, 0, None
+        return (self.k.data_ptr(), self.k_stride, self.v.data_ptr(), self.v_stride,
+                self.slots.data_ptr())
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
                      sliding_window: int | None = None, k: torch.Tensor | None = None,
@@ -45,17 +63,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     tables = block_tables if block_tables.dtype == torch.int32 else block_tables.to(torch.int32)
     lens, tables = lens.contiguous(), tables.contiguous()
     assert k_cache.is_contiguous() and v_cache.is_contiguous()
-    k_ptr = v_ptr = slot_ptr = None
-    k_stride = v_stride = 0
-    if k is not None:
-        k, k_stride = _rows(k)
-        v, v_stride = _rows(v)
-        slots = slot_mapping.to(torch.int64).contiguous()
-        k_ptr, v_ptr, slot_ptr = k.data_ptr(), v.data_ptr(), slots.data_ptr()
+    new_kv = _NewKV(k, v, slot_mapping)
     rc = lib.ss_decode_attention(qf.data_ptr(), q_stride, k_cache.data_ptr(), v_cache.data_ptr(),
                                  KV_DTYPES[k_cache.dtype], tables.data_ptr(), tables.shape[1],
                                  lens.data_ptr(), b, nh, nkv, hd, bs, scale, sliding_window or 0,
-                                 k_ptr, k_stride, v_ptr, v_stride, slot_ptr, out.data_ptr())
+                                 *new_kv.args(), out.data_ptr())
     assert rc == 0, "ss_decode_attention rejected its arguments"
     return out if q.dtype == torch.float32 else out.to(q.dtype)
 
@@ -98,18 +110,12 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     qloc = torch.tensor([0, *query_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
     masks = query_masks(query_lens, tree_mask)
     assert k_cache.is_contiguous() and v_cache.is_contiguous()
-    k_ptr = v_ptr = slot_ptr = None
-    k_stride = v_stride = 0
-    if k is not None:
-        k, k_stride = _rows(k)
-        v, v_stride = _rows(v)
-        slots = slot_mapping.to(torch.int64).contiguous()
-        k_ptr, v_ptr, slot_ptr = k.data_ptr(), v.data_ptr(), slots.data_ptr()
+    new_kv = _NewKV(k, v, slot_mapping)
     rc = lib.ss_tree_attention(qf.data_ptr(), q_stride, k_cache.data_ptr(), v_cache.data_ptr(),
                                KV_DTYPES[k_cache.dtype], tables.data_ptr(), tables.shape[1], lens.data_ptr(),
                                qloc.data_ptr(), masks.data_ptr(), len(query_lens), max(query_lens),
                                nh, nkv, hd, bs, scale, sliding_window or 0,
-                               k_ptr, k_stride, v_ptr, v_stride, slot_ptr, out.data_ptr())
+                               *new_kv.args(), out.data_ptr())
     if rc != 0:
         raise ValueError("ss_tree_attention rejected its arguments (head_dim <= 512, "
                          "at most 32 query heads a KV head)")
