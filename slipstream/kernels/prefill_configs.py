@@ -87,8 +87,8 @@ PAGED_LOADS = {"shared": (3, False), "gather": (0, False), "gather32": (0, True)
 # Measured on an H200 (benchmarks/attention/bench_paged_prefill.py, bf16, 4 x 4k causal,
 # every key cached): 16-token pages, prefetching int32 gathers 370-386 TFLOP/s
 # against 292 for "shared"; 128-token pages, TMA tiles 475 (dense: 476). "_lean"
-# compiles to fewer instructions a tile (513 against 573 for 16-token pages, sm_90) but
-# has not run on a GPU yet: opt-in until it is timed.
+# compiles to fewer instructions a tile (513 against 573 for 16-token pages, sm_90)
+# but is not yet timed on a GPU: the default stays the measured mode until it is.
 PAGED_LOAD_DEFAULT = "tma"
 
 
