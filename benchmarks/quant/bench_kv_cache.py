@@ -45,6 +45,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from slipstream.kernels.decode_attention import (  # noqa: E402
     choose_num_splits, decode_attention, split_kv_scratch)
+from kv_cache_checks import make_timer  # noqa: E402
 from kv_cache_checks import (  # noqa: E402
     HEAD_DIM, HEADS, KV_HEADS, SCALE, correctness, paged, quantize_cache, rel_err)
 from kv_cache_model import KINDS, model_step  # noqa: E402
@@ -56,20 +57,6 @@ SWEEP = [(64, 2, 4), (64, 2, 6), (64, 4, 6), (128, 4, 4), (128, 4, 6), (128, 4, 
 SPLIT_FACTORS = (0.5, 1.0, 2.0)
 
 
-def make_timer(calls, smoke):
-    """A function giving ms per call: CUDA-graph replays on the GPU
-    (benchmarks/cuda_timing.py); on the CPU (--smoke) one wall-clock pass, so that
-    every code path runs (the figures mean nothing there)."""
-    if not smoke:
-        from benchmarks.cuda_timing import graph_timer
-        return graph_timer(calls)
-
-    def wall():
-        t = time.perf_counter()
-        for c in calls:
-            c()
-        return (time.perf_counter() - t) * 1e3 / len(calls)
-    return wall
 
 
 # --- 2. decode attention -------------------------------------------------------------

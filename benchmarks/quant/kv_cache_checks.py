@@ -4,6 +4,8 @@ kernels reading int8 / fp8 codes against their twins in kernels/reference.py,
 on Llama-3-8B heads (GQA 32/8, head_dim 128) in the benchmark's dtype."""
 from __future__ import annotations
 
+import time
+
 import torch
 
 from slipstream.kernels import reference
@@ -130,3 +132,19 @@ def correctness(device, dtype, log, smoke=False) -> dict:
         log(f"correctness {kind}: {row}")
     res["ok"] = all(r["ok"] for r in res.values() if isinstance(r, dict))
     return res
+
+
+def make_timer(calls, smoke, **graph_args):
+    """A function giving ms per call: CUDA-graph replays on the GPU
+    (benchmarks/cuda_timing.py); on the CPU (--smoke) one wall-clock pass, so that
+    every code path runs (the figures mean nothing there)."""
+    if not smoke:
+        from benchmarks.cuda_timing import graph_timer
+        return graph_timer(calls, **graph_args)
+
+    def wall():
+        t = time.perf_counter()
+        for c in calls:
+            c()
+        return (time.perf_counter() - t) * 1e3 / len(calls)
+    return wall

@@ -22,8 +22,8 @@ import time
 
 import torch
 
-from kv_cache_checks import (HEAD_DIM, HEADS, KV_HEADS, PAGE, SCALE, paged, quantize_cache,
-                             rel_err)
+from kv_cache_checks import (HEAD_DIM, HEADS, KV_HEADS, PAGE, SCALE, make_timer, paged,
+                             quantize_cache, rel_err)
 from slipstream.kernels import decode_attention as da
 from slipstream.kernels import reference
 from slipstream.kernels.tree_attention import ancestor_mask, tree_attention
@@ -109,15 +109,7 @@ def _tree(tq, kq, vq, cu, lens, tables, masks, nodes, ks, vs, cfg):
 
 
 def _timer(calls, smoke):
-    if smoke:
-        def wall():
-            t = time.perf_counter()
-            for c in calls:
-                c()
-            return (time.perf_counter() - t) * 1e3 / len(calls)
-        return wall
-    from benchmarks.cuda_timing import graph_timer
-    return graph_timer(calls, min_calls=32, replays=7)
+    return make_timer(calls, smoke, min_calls=32, replays=7)
 
 
 def _variants():

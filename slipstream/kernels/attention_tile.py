@@ -64,6 +64,20 @@ def softmax_tile_update(acc, m_i, l_i, qk, v, qk_scale, mask, MASKED: tl.constex
 
 
 @triton.jit
+def tile_pages(block_table_row, start, pos, key_ok, BLOCK_N: tl.constexpr,
+               PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr):
+    """The cache block of each position of the tile [start, start + BLOCK_N) (int64):
+    one scalar block-table read when a page holds the tile (start is a multiple of
+    BLOCK_N), else one a position (masked reads past key_end when MASKED)."""
+    if PAGE_SIZE >= BLOCK_N:
+        return tl.load(block_table_row + start // PAGE_SIZE).to(tl.int64)
+    elif MASKED:
+        return tl.load(block_table_row + pos // PAGE_SIZE, mask=key_ok, other=0).to(tl.int64)
+    else:
+        return tl.load(block_table_row + pos // PAGE_SIZE).to(tl.int64)
+
+
+@triton.jit
 def load_paged_kv(KCache, VCache, KScale, VScale, block_table_row, start, kv_head, key_end,
                   stride_cache_block, stride_cache_slot, stride_cache_head,
                   stride_scale_block, stride_scale_slot,
@@ -81,12 +95,7 @@ def load_paged_kv(KCache, VCache, KScale, VScale, block_table_row, start, kv_hea
     pos = start + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     key_ok = pos < key_end
-    if PAGE_SIZE >= BLOCK_N:
-        page = tl.load(block_table_row + start // PAGE_SIZE).to(tl.int64)
-    elif MASKED:
-        page = tl.load(block_table_row + pos // PAGE_SIZE, mask=key_ok, other=0).to(tl.int64)
-    else:
-        page = tl.load(block_table_row + pos // PAGE_SIZE).to(tl.int64)
+    page = tile_pages(block_table_row, start, pos, key_ok, BLOCK_N, PAGE_SIZE, MASKED)
     offs = page * stride_cache_block + (pos % PAGE_SIZE) * stride_cache_slot + kv_head * stride_cache_head
     if MASKED or HEAD_DIM_PAD != HEAD_DIM:
         d_ok = offs_d < HEAD_DIM

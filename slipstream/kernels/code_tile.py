@@ -34,7 +34,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from slipstream.kernels.attention_tile import paged_tile_mask
+from slipstream.kernels.attention_tile import paged_tile_mask, tile_pages
 
 
 @triton.jit
@@ -141,12 +141,7 @@ def load_code_tile(KCache, VCache, KScale, VScale, block_table_row, start, kv_he
     per-token scales [N], [N] (0 past key_end when MASKED). K_INT: K stays int8."""
     pos = start + tl.arange(0, BLOCK_N)
     key_ok = pos < key_end
-    if PAGE_SIZE >= BLOCK_N:
-        page = tl.load(block_table_row + start // PAGE_SIZE).to(tl.int64)
-    elif MASKED:
-        page = tl.load(block_table_row + pos // PAGE_SIZE, mask=key_ok, other=0).to(tl.int64)
-    else:
-        page = tl.load(block_table_row + pos // PAGE_SIZE).to(tl.int64)
+    page = tile_pages(block_table_row, start, pos, key_ok, BLOCK_N, PAGE_SIZE, MASKED)
     slot = page * stride_cb + (pos % PAGE_SIZE) * stride_cs + kv_head * stride_ch
     offs_d = tl.arange(0, HEAD_DIM)
     s_offs = page * stride_sb + (pos % PAGE_SIZE) * stride_ss + kv_head

@@ -86,6 +86,26 @@ def quantized_cache(b, fmt_name):
     return out  # k codes, k scale, v codes, v scale
 
 
+def check_quantized_tree(paged_batch, close, fmt_name, device, config=None):
+    """A two-request tree step (4 and 1 query tokens, 30 and 70 cached) over a quantized
+    cache, the kernel (with `config`) against the reference."""
+    from slipstream.kernels import reference
+    from slipstream.kernels.tree_attention import ancestor_mask, tree_attention
+    b = paged_batch([30, 70], [4, 1], 8, 2, 64, 16, device=device)
+    full = ancestor_mask([-1, 0, 0, 1])
+    masks = torch.zeros(2, 4, 4, dtype=torch.bool)
+    masks[0], masks[1, :1, :1] = full, full[:1, :1]
+    masks = masks.to(device)
+    kc, ks, vc, vs = quantized_cache(b, fmt_name)
+    out = torch.full(b.q.shape, float("nan"), dtype=b.q.dtype, device=device)
+    tree_attention(b.q, kc, vc, b.cu_seqlens_q, b.seq_lens, b.block_tables, masks, 0.125,
+                   max_query_len=4, max_seq_len=int(b.seq_lens.max()), num_splits=2, out=out,
+                   config=config, k_scale=ks, v_scale=vs)
+    ref = reference.tree_attention(b.q.float(), kc, vc, b.cu_seqlens_q, b.seq_lens, b.block_tables,
+                                   masks, 0.125, k_scale=ks, v_scale=vs)
+    close(out, ref, 4e-3, 4e-3)
+
+
 def check_close(out: torch.Tensor, ref: torch.Tensor, atol: float, rtol: float) -> None:
     """Every element written (no NaN left from the poisoned output) and close."""
     assert not out.isnan().any(), "unwritten or NaN elements in the output"

@@ -14,9 +14,8 @@ from slipstream.kernels import reference
 from slipstream.kernels.decode_attention import decode_attention
 from slipstream.kernels.kv_store import store_kv
 from slipstream.kernels.prefill_attention import prefill_attention
-from slipstream.kernels.tree_attention import ancestor_mask, tree_attention
 from slipstream.quant.kv_quant import KV_FORMATS, dequantize_kv
-from tests.kernels.conftest import quantized_cache
+from tests.kernels.conftest import check_quantized_tree, quantized_cache
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float16: 4e-3, torch.float32: 1e-4}
@@ -98,20 +97,7 @@ def test_quantized_decode_stays_near_the_16_bit_cache(paged_batch, fmt, tol):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_tree_reads_quantized_cache(paged_batch, close, fmt):
-    nodes = [4, 1]
-    b = paged_batch([30, 70], nodes, 8, 2, 64, 16, device=DEVICE)
-    full = ancestor_mask([-1, 0, 0, 1])
-    masks = torch.zeros(2, 4, 4, dtype=torch.bool)
-    masks[0], masks[1, :1, :1] = full, full[:1, :1]
-    masks = masks.to(DEVICE)
-    kc, ks, vc, vs = quantized_cache(b, fmt)
-    out = torch.full(b.q.shape, float("nan"), dtype=b.q.dtype, device=DEVICE)
-    tree_attention(b.q, kc, vc, b.cu_seqlens_q, b.seq_lens, b.block_tables, masks, 0.125,
-                   max_query_len=4, max_seq_len=int(b.seq_lens.max()), num_splits=2, out=out,
-                   k_scale=ks, v_scale=vs)
-    ref = reference.tree_attention(b.q.float(), kc, vc, b.cu_seqlens_q, b.seq_lens, b.block_tables,
-                                   masks, 0.125, k_scale=ks, v_scale=vs)
-    close(out, ref, 4e-3, 4e-3)
+    check_quantized_tree(paged_batch, close, fmt, DEVICE)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -11,8 +11,7 @@ import torch
 
 from slipstream.kernels import reference
 from slipstream.kernels.decode_attention import decode_attention
-from slipstream.kernels.tree_attention import ancestor_mask, tree_attention
-from tests.kernels.conftest import quantized_cache
+from tests.kernels.conftest import check_quantized_tree, quantized_cache
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -76,16 +75,4 @@ def test_unknown_path_is_refused(paged_batch):
 def test_tree_tiles_on_the_code_paths(paged_batch, close, fmt, kv_dot):
     """Tree verification (several query tokens a request, tall tiles) asked onto the
     fp16 / int8 paths (fp8 asked for int8 K dots gets fp16 ones)."""
-    b = paged_batch([30, 70], [4, 1], 8, 2, 64, 16, device=DEVICE)
-    full = ancestor_mask([-1, 0, 0, 1])
-    masks = torch.zeros(2, 4, 4, dtype=torch.bool)
-    masks[0], masks[1, :1, :1] = full, full[:1, :1]
-    masks = masks.to(DEVICE)
-    kc, ks, vc, vs = quantized_cache(b, fmt)
-    out = torch.full(b.q.shape, float("nan"), dtype=b.q.dtype, device=DEVICE)
-    tree_attention(b.q, kc, vc, b.cu_seqlens_q, b.seq_lens, b.block_tables, masks, 0.125,
-                   max_query_len=4, max_seq_len=int(b.seq_lens.max()), num_splits=2, out=out,
-                   config={"KV_DOT": kv_dot}, k_scale=ks, v_scale=vs)
-    ref = reference.tree_attention(b.q.float(), kc, vc, b.cu_seqlens_q, b.seq_lens, b.block_tables,
-                                   masks, 0.125, k_scale=ks, v_scale=vs)
-    close(out, ref, 4e-3, 4e-3)
+    check_quantized_tree(paged_batch, close, fmt, DEVICE, config={"KV_DOT": kv_dot})
