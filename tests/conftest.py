@@ -1,3 +1,4 @@
+import faulthandler
 import os
 
 import pytest
@@ -17,3 +18,16 @@ if not _has_cuda:
 def _seed():
     import torch
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _hang_guard(request):
+    """A test module with HANG_LIMIT_S (tests across processes, where a peer may never
+    answer) ends the run with a traceback after that many seconds instead of holding CI."""
+    limit = getattr(request.module, "HANG_LIMIT_S", None)
+    if limit is None:
+        yield
+        return
+    faulthandler.dump_traceback_later(limit, exit=True)
+    yield
+    faulthandler.cancel_dump_traceback_later()

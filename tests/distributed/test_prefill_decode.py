@@ -4,7 +4,6 @@ The decode instance must give exactly the tokens of one plain instance, and must
 have used the moved K/V: each prompt is admitted as a prefix-cache hit of the
 blocks that moved, computing only its tail.
 """
-import faulthandler
 import os
 import signal
 import time
@@ -19,16 +18,7 @@ from tests.engine.conftest import build_hf_model, make_llm, random_prompts
 from tests.loader.checkpoints import write_hf_tokenizer
 
 OPTS = dict(dtype="float32", device="cpu", max_model_len=256, block_size=4, num_kv_blocks=256)
-LIMIT_S = 120
-
-
-@pytest.fixture(autouse=True)
-def never_hang():
-    """A test that hangs (a peer never answering) ends the run with a traceback
-    after LIMIT_S instead of holding CI."""
-    faulthandler.dump_traceback_later(LIMIT_S, exit=True)
-    yield
-    faulthandler.cancel_dump_traceback_later()
+HANG_LIMIT_S = 120     # tests/conftest.py: a hang ends the run with a traceback
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ it was serving and goes on through the other.
 """
 from __future__ import annotations
 
-import faulthandler
 import json
 import os
 import signal
@@ -25,16 +24,7 @@ pytest.importorskip("h11")
 
 PROMPT_A = "The quick brown fox jumps over the lazy dog, then it runs far away into the wood"
 PROMPT_B = "Pack my box with five dozen liquor jugs, said the sphinx of black quartz, judge my vow"
-LIMIT_S = 180
-
-
-@pytest.fixture(autouse=True)
-def never_hang():
-    """A test that hangs (a peer never answering) ends the run with a traceback
-    after LIMIT_S instead of holding CI."""
-    faulthandler.dump_traceback_later(LIMIT_S, exit=True)
-    yield
-    faulthandler.cancel_dump_traceback_later()
+HANG_LIMIT_S = 180     # tests/conftest.py: a hang ends the run with a traceback
 
 
 class RouterProcess:
