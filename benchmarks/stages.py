@@ -32,7 +32,7 @@ class StageRunner:
             proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=limit)
         except subprocess.TimeoutExpired as e:
             err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
-            return {"error": f"timed out after {limit:.0f} s\n{err[-3000:]}", "wall_s": limit}
+            return {"error": f"timed out after {limit:.0f} s\n{err[-12000:]}", "wall_s": limit}
         if proc.returncode != 0:
             return {"error": proc.stderr[-3000:], "wall_s": time.perf_counter() - t0}
         result = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -35,6 +35,10 @@ def run_worker(rank: int, size: int, store_port: int | None, args, local_rank: i
     from slipstream.quant.selector import quant_method_for
     from slipstream.runner.model_runner import ModelRunner
 
+    hang_dump_s = os.environ.get("SLIPSTREAM_HANG_DUMP_S")
+    if hang_dump_s:   # a stuck run shows where every rank waits (faulthandler, on stderr)
+        import faulthandler
+        faulthandler.dump_traceback_later(float(hang_dump_s), exit=False)
     device = rank_device(resolve_device(args.device), local_rank)
     if device.type == "cpu":
         torch.set_num_threads(cpu_threads_per_rank(size))
