@@ -198,14 +198,18 @@ def stage_engine(name: str, smoke: bool) -> dict:
                        SamplingParams(max_tokens=160, temperature=0, ignore_eos=True))
     for _ in range(32):
         engine.step()
-    times = []
+    # Wall time over many steps: with the overlapped step a single step() returns
+    # before its GPU work ends, so a per-step time would be host time only.
+    steps = 0
+    if not smoke:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
     while engine.has_unfinished_requests():
-        if not smoke:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
         engine.step()
-        times.append(time.perf_counter() - t0)
-    step = statistics.median(times[:-2] or times)
+        steps += 1
+    if not smoke:
+        torch.cuda.synchronize()
+    step = (time.perf_counter() - t0) / steps
     weight_bytes = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
     copy_bw = measure_copy_bandwidth("cpu" if smoke else "cuda:0")
     engine.shutdown()

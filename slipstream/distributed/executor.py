@@ -133,6 +133,8 @@ class TPExecutor:
         self._failed = self._failed or "the engine stopped"
         _kill(self._procs)
         if self.tp is not None:
+            if getattr(self, "runner", None) is not None:
+                self.runner.graphs = None   # graphs hold captured collectives of the group
             destroy_tp_group()
             self.tp = None
         torch.set_num_threads(self._threads)

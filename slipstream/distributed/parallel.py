@@ -18,7 +18,9 @@ at once; rank 0 also checks its workers' processes before each step.
 """
 from __future__ import annotations
 
+import logging
 import os
+import threading
 from dataclasses import dataclass, replace
 from datetime import timedelta
 
@@ -26,6 +28,8 @@ import torch
 import torch.distributed as dist
 
 from slipstream.config import ModelConfig
+
+log = logging.getLogger("slipstream")
 
 # A collective that waits longer than this on a live peer fails the step.
 COLLECTIVE_TIMEOUT_S = 120.0
@@ -122,6 +126,22 @@ def init_tp_group(rank: int, size: int, device: torch.device,
     return TPGroup(rank, size, dist.group.WORLD, cpu_group)
 
 
-def destroy_tp_group() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
+def destroy_tp_group(timeout_s: float = 10.0) -> None:
+    """Release the process group, waiting at most `timeout_s`: NCCL's teardown can
+    block for good once a peer is gone (seen on 2x H200 after CUDA graphs had
+    captured its all-reduces), and shutting down must never hang."""
+    if not dist.is_initialized():
+        return
+    done = threading.Event()
+
+    def destroy():
+        try:
+            dist.destroy_process_group()
+        finally:
+            done.set()
+
+    threading.Thread(target=destroy, name="slipstream-destroy-pg", daemon=True).start()
+    if not done.wait(timeout_s):
+        log.warning("torch.distributed did not release the process group within %.0f s; "
+                    "left behind (this process cannot start another tensor-parallel engine)",
+                    timeout_s)

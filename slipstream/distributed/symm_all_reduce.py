@@ -46,7 +46,10 @@ class SymmAllReduce:
         symm_mem.rendezvous(self.buffer, self.group_name)
 
     def fits(self, x: torch.Tensor) -> bool:
-        return x.is_cuda and x.dtype == self.dtype and x.numel() <= self.max_numel and x.is_contiguous()
+        # The kernel reads in 16-byte vectors (a 2-byte tensor fails: "input size must be
+        # at least 4-byte aligned").
+        return (x.is_cuda and x.dtype == self.dtype and x.numel() <= self.max_numel
+                and x.is_contiguous() and x.numel() * x.element_size() % 16 == 0)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """Sum `x` over the ranks, in place; returns `x`."""
@@ -65,7 +68,7 @@ def build(group, device: torch.device, dtype: torch.dtype) -> SymmAllReduce | No
     try:
         ar = SymmAllReduce(group, device, dtype)
         g = torch.Generator(device=device).manual_seed(1234 + dist.get_rank(group))
-        for numel in (1, 4096, ar.max_numel // 3):
+        for numel in (8, 4096, ar.max_numel // 3 // 8 * 8):
             x = torch.randn(numel, generator=g, device=device).to(dtype)
             want = x.clone()
             dist.all_reduce(want, group=group)

@@ -63,6 +63,7 @@ def run_worker(rank: int, size: int, store_port: int | None, args, local_rank: i
         print(f"slipstream tensor-parallel worker rank {rank}: stopping: {e}", file=sys.stderr)
         sys.exit(1)
     finally:
+        runner = None   # its CUDA graphs hold captured collectives of the group
         destroy_tp_group()
 
 
