@@ -54,11 +54,21 @@ def run_worker(rank: int, size: int, store_port: int | None, args, local_rank: i
         config = replace(args.create_config(str(files.path), files.config), device=device)
         torch.manual_seed(config.seed)
         runner = ModelRunner(config, files.weights(), quant_method_for(config, files), tp)
+        # One step in flight, as on rank 0 with the overlapped step: step N+1 is
+        # received and launched before step N's result is waited for, so this
+        # rank's host work hides behind its GPU work (else every step costs host +
+        # GPU time here, and rank 0 waits for it in the next collective).
+        pending = None
         while True:
             sched = comm.broadcast_object(None, tp.cpu_group)
             if sched is None:
                 break
-            runner.resolve(runner.execute(sched))
+            handle = runner.execute(sched)
+            if pending is not None:
+                runner.resolve(pending)
+            pending = handle
+        if pending is not None:
+            runner.resolve(pending)
     except RuntimeError as e:   # rank 0 went away: nothing left to serve
         print(f"slipstream tensor-parallel worker rank {rank}: stopping: {e}", file=sys.stderr)
         sys.exit(1)

@@ -197,10 +197,35 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, input_size / tp] -> [num_tokens, output_size], summed over ranks
+        if self.tp_size > 1 and _fp32_partials(self, x):
+            # Partial sums leave the GEMM in fp32 and are rounded once after the sum, as
+            # one GPU rounds its fp32 accumulator once: TP=2 then differs from TP=1 only
+            # by the order of fp32 additions, not by an extra bf16 rounding per layer.
+            try:
+                y = torch.mm(x, self.weight.t(), out_dtype=torch.float32)
+            except (RuntimeError, TypeError):   # a torch without fp32-output mm
+                _FP32_PARTIALS[0] = False
+                return self.forward(x)
+            if self.bias is not None:
+                y += self.bias
+            comm.all_reduce(y, self.tp.device_group)
+            return y.to(x.dtype)
         y = self.quant_method.apply(self, x)
         if self.tp_size > 1:
             comm.all_reduce(y, self.tp.device_group)
         return y
+
+
+# Up to this many tokens a step, row-parallel layers sum fp32 partials: twice the
+# all-reduce bytes, which cost nothing at decode; longer prefill steps keep bf16 sums.
+FP32_PARTIALS_MAX_TOKENS = 256
+_FP32_PARTIALS = [True]   # False once torch.mm(..., out_dtype=float32) is found missing
+
+
+def _fp32_partials(layer: RowParallelLinear, x: torch.Tensor) -> bool:
+    return (_FP32_PARTIALS[0] and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+            and x.shape[0] <= FP32_PARTIALS_MAX_TOKENS
+            and isinstance(layer.quant_method, UnquantizedLinearMethod))
 
 
 class MergedLinear(LinearBase):
