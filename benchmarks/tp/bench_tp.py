@@ -18,6 +18,10 @@ Stages, each in its own process (a fresh GPU memory pool and process group):
   8b-tp2-symm the same with small all-reduces through the symmetric-memory
               one-shot kernel (SLIPSTREAM_SYMM_ALL_REDUCE=1)
   70b-tp2     a 70B-class shape (llama-2-70b: 80 layers, hidden 8192, GQA 64/8), TP=2
+  8b-tp1-fp32, 8b-tp2-fp32
+              greedy tokens only, in float32: the TP=2 == TP=1 check without bf16's
+              rounding (with random weights the top logits are near ties, and bf16
+              runs of different kernel shapes part after a few tokens)
 An engine stage generates greedy tokens for 4 fixed prompts (the correctness
 check), then times batch-1 decode (128-token prompt, 160 outputs, median step
 time after 32 warm-up steps) and reports it as a share of the copy bandwidth:
@@ -41,7 +45,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from benchmarks.stages import StageRunner  # noqa: E402
-STAGES = ("allreduce", "8b-tp1", "8b-tp2", "70b-tp2", "8b-tp2-symm")
+STAGES = ("allreduce", "8b-tp1", "8b-tp2", "70b-tp2", "8b-tp2-symm", "8b-tp1-fp32", "8b-tp2-fp32")
 # Collectives of one decode step on the critical path (analysis/tensor_parallel.py):
 # 2 all-reduces per layer + the embedding's.
 ALL_REDUCES = {"8b": (2 * 32 + 1, "8KiB"), "70b": (2 * 80 + 1, "16KiB")}
@@ -164,7 +168,8 @@ def stage_engine(name: str, smoke: bool) -> dict:
     from slipstream import LLM, SamplingParams
     from slipstream.analysis.hardware import measure_copy_bandwidth
     size, tp = name.split("-tp")
-    tp = tp.removesuffix("-eager").removesuffix("-symm")
+    tp = tp.removesuffix("-eager").removesuffix("-symm").removesuffix("-fp32")
+    fp32 = name.endswith("-fp32")   # the correctness check without bf16 rounding
     if name.endswith("-symm"):
         os.environ["SLIPSTREAM_SYMM_ALL_REDUCE"] = "1"
     model = _tiny_model() if smoke else MODELS[size]
@@ -180,7 +185,7 @@ def stage_engine(name: str, smoke: bool) -> dict:
     if smoke:
         opts.update(device="cpu", dtype="float32")
     else:
-        opts.update(dtype="bfloat16", gpu_memory_utilization=0.85)
+        opts.update(dtype="float32" if fp32 else "bfloat16", gpu_memory_utilization=0.85)
     t0 = time.perf_counter()
     _progress(f"{name}: starting the engine")
     llm = LLM(model, **opts)
@@ -193,6 +198,10 @@ def stage_engine(name: str, smoke: bool) -> dict:
     logprobs = [[lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]
                 for o in outs]
     _progress(f"{name}: greedy tokens done")
+    if fp32:   # correctness only
+        engine.shutdown()
+        return {"model": model, "tp": int(tp), "dtype": "float32", "load_s": load_s,
+                "tokens": tokens, "logprobs": logprobs}
     # Batch-1 decode latency.
     engine.add_request({"prompt_token_ids": [(5 * j) % 1000 + 1 for j in range(128)]},
                        SamplingParams(max_tokens=160, temperature=0, ignore_eos=True))
@@ -228,8 +237,8 @@ def stage_engine(name: str, smoke: bool) -> dict:
 # Seconds each stage may take at most, and the whole run (a stuck stage is cut off and
 # reported, the others still run, and the results are written).
 STAGE_LIMIT_S = {"allreduce": 60, "8b-tp1": 90, "8b-tp2": 120, "8b-tp2-symm": 100,
-                 "8b-tp2-eager": 100, "70b-tp2": 150}
-TOTAL_LIMIT_S = 500
+                 "8b-tp2-eager": 100, "70b-tp2": 150, "8b-tp1-fp32": 80, "8b-tp2-fp32": 80}
+TOTAL_LIMIT_S = 540
 _STAGES = StageRunner(__file__, STAGE_LIMIT_S, TOTAL_LIMIT_S)
 
 
@@ -265,6 +274,8 @@ def _markdown(res: dict) -> str:
         if "error" in r:
             lines.append(f"| {name} | failed | | | | |")
             continue
+        if "decode_step_ms" not in r:
+            continue   # a correctness-only stage
         lines.append(f"| {name} | {r['decode_step_ms']:.3f} | {r['tokens_per_s']:.1f} | "
                      f"{r['weight_bytes_per_gpu'] / 1e9:.2f} | {r['copy_bandwidth_GBps']:.0f} | "
                      f"{r['share_of_copy_bandwidth'] * 100:.1f}% |")
@@ -274,6 +285,11 @@ def _markdown(res: dict) -> str:
                       f"{c['prompts_identical']}/{c['prompts']} identical; first differences "
                       f"{c['first_difference']}; max |logprob diff| on equal tokens "
                       f"{c['max_logprob_diff_on_equal_tokens']}"]
+    c = res.get("correctness_8b_fp32")
+    if c:
+        lines += [f"The same in float32 weights and activations: {c['prompts_identical']}/"
+                  f"{c['prompts']} identical; first differences {c['first_difference']}; max "
+                  f"|logprob diff| on equal tokens {c['max_logprob_diff_on_equal_tokens']}"]
     s = res.get("speedup_8b_tp2")
     if s:
         lines.append(f"8B batch-1 decode, TP=2 over TP=1: {s:.2f}x (target 1.6x)")
@@ -320,6 +336,9 @@ def main() -> None:
     if a and b and "error" not in a and "error" not in b:
         res["correctness_8b"] = _compare(a, b)
         res["speedup_8b_tp2"] = a["decode_step_ms"] / b["decode_step_ms"]
+    f1, f2 = res["stages"].get("8b-tp1-fp32", {}), res["stages"].get("8b-tp2-fp32", {})
+    if f1 and f2 and "error" not in f1 and "error" not in f2:
+        res["correctness_8b_fp32"] = _compare(f1, f2)
     c = res["stages"].get("8b-tp2-symm", {})
     if a and "error" not in a and c and "error" not in c:
         res["speedup_8b_tp2_symm"] = a["decode_step_ms"] / c["decode_step_ms"]
