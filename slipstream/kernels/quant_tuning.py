@@ -164,6 +164,17 @@ def gemv_candidates(n: int, k: int, tile: int, device) -> list[dict]:
     and warps, a K split around the one that gives about four programs an SM, the next
     tile's words loaded ahead or not. Few: each is a compile."""
     from slipstream.kernels.int_weight_gemv import default_gemv_config
+    forced = os.environ.get("SLIPSTREAM_GEMV_CONFIG")   # one launch, for measurements
+    if forced:
+        import json
+        cfg = json.loads(forced)
+        if not isinstance(cfg, dict) or not {"BLOCK_N", "num_warps"} <= cfg.keys():
+            raise ValueError("SLIPSTREAM_GEMV_CONFIG: a JSON object with BLOCK_N, num_warps "
+                             f"(SPLIT_K, num_stages, PREFETCH optional), got {forced!r}")
+        base = default_gemv_config(1, n, k, tile, device)["SPLIT_K"] * 64 // cfg["BLOCK_N"]
+        split = cfg.get("SPLIT_K", max(1, base))   # by default the shape's own split
+        return [{"num_stages": 1, "PREFETCH": False, **cfg,
+                 "SPLIT_K": max(1, min(split, k // tile))}]
     out = []
     for block_n, warps in ((64, 2), (128, 4), (256, 8)):
         base = default_gemv_config(1, n, k, tile, device)["SPLIT_K"] * 64 // block_n

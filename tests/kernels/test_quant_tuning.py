@@ -79,3 +79,26 @@ def test_every_int_weight_candidate_is_correct(m):
     for cfg in cands:
         y = int_weight_gemm(x.to(DEVICE), qw, s, z, 4, group, cfg)
         torch.testing.assert_close(y.float().cpu(), ref, atol=2e-2, rtol=2e-2, msg=str(cfg))
+
+
+def test_a_forced_gemv_config_is_the_only_candidate(monkeypatch):
+    """SLIPSTREAM_GEMV_CONFIG pins the GEMV launch (for measurements); each shape keeps
+    its own K split unless one is given; a malformed value names the variable."""
+    import json
+
+    import pytest
+    import torch
+
+    from slipstream.kernels import quant_tuning
+    cpu = torch.device("cpu")
+    monkeypatch.setenv("SLIPSTREAM_GEMV_CONFIG", json.dumps(dict(BLOCK_N=128, num_warps=4,
+                                                                 num_stages=3)))
+    (a,) = quant_tuning.gemv_candidates(6144, 4096, 128, cpu)
+    (b,) = quant_tuning.gemv_candidates(4096, 14336, 128, cpu)
+    assert (a["BLOCK_N"], a["num_stages"], a["PREFETCH"]) == (128, 3, False)
+    assert a["SPLIT_K"] <= 4096 // 128 and b["SPLIT_K"] >= a["SPLIT_K"]
+    monkeypatch.setenv("SLIPSTREAM_GEMV_CONFIG", json.dumps(dict(BLOCK_N=64, num_warps=2, SPLIT_K=2)))
+    assert quant_tuning.gemv_candidates(6144, 4096, 128, cpu)[0]["SPLIT_K"] == 2
+    monkeypatch.setenv("SLIPSTREAM_GEMV_CONFIG", "[1]")
+    with pytest.raises(ValueError, match="SLIPSTREAM_GEMV_CONFIG"):
+        quant_tuning.gemv_candidates(6144, 4096, 128, cpu)
