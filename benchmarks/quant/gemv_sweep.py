@@ -1,5 +1,6 @@
 """The weight-streaming GEMV (kernels/int_weight_gemv.py) over its launch parameters
-at batch 1: rows per program and warps, pipeline stages, the manual prefetch, on
+at batch 1: rows per program and warps, the loop's pipeline stages (1: one tile in
+flight, the launch before the loop was pipelined) or the manual prefetch, on
 Llama-3-8B shapes, against bf16 F.linear in the same run. Each config's output is
 checked against the plain-PyTorch twin first. Times are triton do_bench medians
 (L2 cleared before each run, so the weights come from HBM).
@@ -29,10 +30,10 @@ SHAPES = {"qkv": (6144, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 def configs(n, k, tile, device):
     base = default_gemv_config(1, n, k, tile, device)
     out = []
-    for block_n, warps in ((64, 2), (64, 4), (128, 4), (256, 8)):
+    for block_n, warps in ((64, 4), (128, 4), (64, 2)):
         split = max(1, base["SPLIT_K"] * 64 // block_n)
-        for stages, prefetch in ((1, False), (2, False), (3, False), (4, False), (1, True), (2, True)):
-            if split <= k // tile:
+        for stages, prefetch in ((1, False), (1, True), (3, False), (4, False), (6, False)):
+            if split <= k // tile and (stages, prefetch, block_n, warps) != (1, False, 64, 2):
                 out.append(dict(BLOCK_N=block_n, SPLIT_K=split, num_warps=warps,
                                 num_stages=stages, PREFETCH=prefetch))
     return out

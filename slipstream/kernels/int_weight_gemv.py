@@ -97,7 +97,7 @@ def _gemv_kernel(X, W, Scales, Zeros, Y, Part, Count, M, N, K, num_groups, strid
                  BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, TILE: tl.constexpr,
                  GROUP_TILES: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
-                 PREFETCH: tl.constexpr = False):
+                 PREFETCH: tl.constexpr = False, STAGES: tl.constexpr = 1):
     PER: tl.constexpr = 32 // BITS
     KP: tl.constexpr = TILE // PER
     pid_n = tl.program_id(0)
@@ -119,7 +119,10 @@ def _gemv_kernel(X, W, Scales, Zeros, Y, Part, Count, M, N, K, num_groups, strid
     acc2 = tl.zeros((BLOCK_N, KP), dtype=tl.float32)
     acc3 = tl.zeros((BLOCK_N, KP), dtype=tl.float32)
     nxt = tl.load(w_rows + t_begin * KP, eviction_policy="evict_first")
-    for t in range(t_begin, t_end):
+    # STAGES > 1: tl.range pipelines the loop's loads (cp.async into shared memory,
+    # STAGES - 1 tiles in flight); the launch's num_stages alone leaves this loop, which
+    # has no dot, unpipelined (one tile in flight: latency-bound, seen on the sm_90 SASS).
+    for t in tl.range(t_begin, t_end, num_stages=STAGES):
         if PREFETCH:    # the next tile's words in flight while this one is multiplied
             words = nxt.to(tl.uint32, bitcast=True)
             nxt = tl.load(w_rows + (t + 1) * KP, mask=(t + 1) < t_end, other=0,
@@ -273,7 +276,7 @@ def int_weight_gemv(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor,
         m, n, k, scales.shape[1], words.stride(0), x.stride(0), y.stride(0), per_split, 0,
         BITS=bits, HAS_ZEROS=qzeros is not None, TILE=tile,
         GROUP_TILES=_group_tiles(k, group_cols, tile), BLOCK_M=block_m,
-        BLOCK_N=block_n, SPLIT_K=split, **cfg)
+        BLOCK_N=block_n, SPLIT_K=split, STAGES=cfg.get("num_stages", 1), **cfg)
     return y
 
 

@@ -162,7 +162,8 @@ def int_weight_candidates(m: int, n: int, k: int, k_block_limit: int, device) ->
 def gemv_candidates(n: int, k: int, tile: int, device) -> list[dict]:
     """The weight-streaming GEMV's launches (kernels/int_weight_gemv.py): rows per program
     and warps, a K split around the one that gives about four programs an SM, the next
-    tile's words loaded ahead or not. Few: each is a compile."""
+    tile's words loaded ahead by hand or the loop pipelined (num_stages). Few: each is a
+    compile."""
     from slipstream.kernels.int_weight_gemv import default_gemv_config
     forced = os.environ.get("SLIPSTREAM_GEMV_CONFIG")   # one launch, for measurements
     if forced:
@@ -176,13 +177,13 @@ def gemv_candidates(n: int, k: int, tile: int, device) -> list[dict]:
         return [{"num_stages": 1, "PREFETCH": False, **cfg,
                  "SPLIT_K": max(1, min(split, k // tile))}]
     out = []
-    for block_n, warps in ((64, 2), (128, 4), (256, 8)):
+    for block_n, warps in ((64, 4), (128, 4), (64, 2)):
         base = default_gemv_config(1, n, k, tile, device)["SPLIT_K"] * 64 // block_n
         for split in sorted({max(1, base), max(1, min(32, base * 2))}):
-            for prefetch in (False, True):
+            for stages, prefetch in ((4, False), (1, True)):
                 if split <= k // tile:
                     out.append(dict(BLOCK_N=block_n, SPLIT_K=split, num_warps=warps,
-                                    num_stages=1, PREFETCH=prefetch))
+                                    num_stages=stages, PREFETCH=prefetch))
     return out
 
 

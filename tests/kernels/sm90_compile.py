@@ -69,18 +69,21 @@ def producers(kind):
 
 def weight_only(kind):
     """The tiled weight-only kernels (int4 / int8 codes, bf16 activations): the GEMV (one and
-    three rows, split K), the tensor-core kernel at both tile widths (one dot a code position
+    three rows, split K, prefetched by hand and pipelined), the tensor-core kernel at both tile widths (one dot a code position
     where the tile is deep enough, the unpacked tile else) and the dequantizer."""
     bits = 4 if kind == "int4" else 8
     words, u8 = torch.empty(8, dtype=torch.int32), torch.empty(8, dtype=torch.uint8)
     i32 = torch.empty(8, dtype=torch.int32)
-    for block_m, split, prefetch in ((1, 4, True), (4, 1, False)):
-        compile_sm90(_gemv_kernel, dict(X=BF16, W=words, Scales=F32, Zeros=u8, Y=BF16, Part=F32,
+    for block_m, split, prefetch, stages in ((1, 4, True, 1), (4, 1, False, 4)):
+        k = compile_sm90(_gemv_kernel, dict(X=BF16, W=words, Scales=F32, Zeros=u8, Y=BF16, Part=F32,
                                         Count=i32, M=block_m, N=4096, K=4096, num_groups=32,
                                         stride_w=4096 * bits // 32, stride_xm=4096,
                                         stride_ym=4096, tiles_per_split=8, reg0=0),
                      dict(BITS=bits, HAS_ZEROS=True, TILE=128, GROUP_TILES=1, BLOCK_M=block_m,
-                          BLOCK_N=64, SPLIT_K=split, PREFETCH=prefetch), num_warps=2, num_stages=1)
+                          BLOCK_N=64, SPLIT_K=split, PREFETCH=prefetch, STAGES=stages),
+                     num_warps=2, num_stages=stages)
+        # A pipelined loop streams its words through cp.async (else one tile in flight).
+        assert ("cp.async" in k.asm["ptx"]) == (stages > 1), f"STAGES={stages}: cp.async?"
     for tile in (128, 32):
         k = compile_sm90(_int_weight_gemm_kernel,
                          dict(X=BF16, QW=words, Scales=F32, Zeros=u8, Y=BF16, M=64, N=4096, K=4096,
