@@ -23,6 +23,8 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.quant.bench_quant_gemm import make_weights  # noqa: E402
 from slipstream.kernels import reference  # noqa: E402
 from slipstream.kernels.int_weight_gemv import default_gemv_config, int_weight_gemv, pick_tile  # noqa: E402
+from slipstream.kernels.quant_gemm import _launch_int_weight  # noqa: E402
+from slipstream.kernels.quant_tuning import default_config  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 
@@ -74,6 +76,24 @@ def main():
                 rows.append(dict(shape=name, **cfg, error=repr(e)[:200]))
             r = rows[-1]
             print(name, {k_: v for k_, v in r.items() if k_ != "shape"}, flush=True)
+        if name == "qkv":   # 4 rows (a batch of 4, a short draft): the GEMV against the tensor-core kernel
+            x4 = (torch.randn(4, k, generator=gen) * 0.5).to(dev, dtype)
+            want4 = reference.int_weight_linear(x4.float(), qw, s, z, 4, 128)
+            bf16_4 = None if args.smoke else do_bench(lambda: F.linear(x4, W["bf16"]), rep=50) * 1e3
+            tc = dict(default_config(16, tile), BLOCK_K=tile)
+            calls = {"tensor-core " + str(tc): lambda: _launch_int_weight(x4, w4t, s4t, z4t, 4, 128, tc, tile)}
+            for cfg in configs(n, k, tile, torch.device(dev))[:5]:
+                calls["gemv " + str(cfg)] = (lambda c=cfg: int_weight_gemv(x4, w4t, s4t, z4t, 4, 128,
+                                                                           tile, config=c))
+            for label, call in calls.items():
+                try:
+                    err = (call().float() - want4).abs().max().item() / want4.abs().max().item()
+                    us = None if args.smoke else do_bench(call, rep=50) * 1e3
+                    rows.append(dict(shape="qkv-m4", kernel=label, rel_err=err, us=us,
+                                     bf16_us=bf16_4, speedup=(bf16_4 / us) if us else None))
+                except Exception as e:
+                    rows.append(dict(shape="qkv-m4", kernel=label, error=repr(e)[:200]))
+                print("qkv-m4", rows[-1], flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "gemv_sweep.json").write_text(json.dumps(dict(device=torch.cuda.get_device_name()
