@@ -85,10 +85,10 @@ PAGED_LOADS = {"shared": (3, False), "gather": (0, False), "gather32": (0, True)
                "prefetch32_one_loop_lean": (LEAN + ONE_LOOP + PREFETCH, True),
                "tma_lean": (LEAN + TMA, True)}
 # Measured on an H200 (benchmarks/attention/bench_paged_prefill.py, bf16, 4 x 4k causal,
-# every key cached): 16-token pages, prefetching int32 gathers 370-386 TFLOP/s
-# against 292 for "shared"; 128-token pages, TMA tiles 475 (dense: 476). "_lean"
-# compiles to fewer instructions a tile (513 against 573 for 16-token pages, sm_90)
-# but is not yet timed on a GPU: the default stays the measured mode until it is.
+# every key cached): 16-token pages, prefetching int32 gathers 370-386 TFLOP/s in one run,
+# 420-421 in another (dense 476-477 in both), against 292-313 for "shared"; 128-token
+# pages, TMA tiles 475. "_lean" compiles to fewer instructions a tile (513 against 573
+# for 16-token pages, sm_90) yet measured 410-422: no faster, so not the default.
 PAGED_LOAD_DEFAULT = "tma"
 
 
