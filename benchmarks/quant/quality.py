@@ -100,13 +100,18 @@ def densify_weight_only(llm) -> int:
     the dequantized weights compute (log-probs equal to 2e-4). Dequantizing once instead of
     at every forward makes the CPU evaluation affordable. Activation-quantized methods
     (W8A8 int8, fp8) keep their runtime path. Returns the number of layers swapped."""
+    return densify_model(llm.engine.runner.model, llm.engine.config.dtype)
+
+
+def densify_model(model, dtype=torch.float32) -> int:
+    """densify_weight_only on a bare model (benchmarks/quant/heldout.py)."""
     from torch import nn
 
     from slipstream.layers.linear import UnquantizedLinearMethod
     from slipstream.quant.int_weight import IntWeightMethod
     from slipstream.quant.primitives import dequantize_codes, unpack_codes
     swapped = 0
-    for module in llm.engine.runner.model.modules():
+    for module in model.modules():
         method = getattr(module, "quant_method", None)
         if not isinstance(method, IntWeightMethod):
             continue
@@ -122,7 +127,7 @@ def densify_weight_only(llm) -> int:
         for name in ("qweight", "scales", "qzeros", "perm"):
             if hasattr(module, name):
                 delattr(module, name)
-        module.weight = nn.Parameter(w.to(llm.engine.config.dtype), requires_grad=False)
+        module.weight = nn.Parameter(w.to(dtype), requires_grad=False)
         module.quant_method = UnquantizedLinearMethod()
         swapped += 1
     return swapped

@@ -31,33 +31,55 @@ from slipstream.quant.primitives import fake_quantize
 class AWQSearch:
     scales: torch.Tensor     # [in] the chosen s (divide x by it, multiply W's columns)
     alpha: float
-    errors: list[float]      # output MSE at each alpha of the grid
+    errors: list[float]      # output MSE at each candidate of the grid
     grid: list[float]
+    duo: bool = False        # the chosen s divides by mean|w|^(1 - alpha) too
 
 
-def awq_scales(x_abs_mean: torch.Tensor, alpha: float) -> torch.Tensor:
-    """s = mean|x|^alpha, normalized so that max(s) * min(s) = 1 (keeps W's range centred)."""
+def awq_scales(x_abs_mean: torch.Tensor, alpha: float,
+               w_mean: torch.Tensor | None = None) -> torch.Tensor:
+    """s = mean|x|^alpha (or, with w_mean, AutoAWQ's duo scaling mean|x|^alpha /
+    w_mean^(1 - alpha)), normalized so that max(s) * min(s) = 1 (keeps W's range centred)."""
     s = x_abs_mean.float().clamp_min(1e-4).pow(alpha)
+    if w_mean is not None:
+        s = (s / (w_mean.float().pow(1.0 - alpha) + 1e-4)).clamp_min(1e-4)
     return s / (s.max() * s.min()).sqrt()
+
+
+def weight_mean(w: torch.Tensor, group_size: int) -> torch.Tensor:
+    """AutoAWQ's per-input-channel weight magnitude: |w| relative to its group's max |w|,
+    averaged over the output rows -> [in]. w [out, in]; a narrower last group is its own."""
+    w = w.float().abs()
+    out, cols = w.shape
+    pad = -cols % group_size
+    g = torch.nn.functional.pad(w, (0, pad)).view(out, -1, group_size)
+    rel = g / (g.amax(-1, keepdim=True) + 1e-6)
+    return rel.view(out, -1)[:, :cols].mean(0)
 
 
 def search_scales(w: torch.Tensor, x: torch.Tensor, bits: int = 4, group_size: int = 128,
                   sym: bool = False, grid: int = 20,
-                  x_abs_mean: torch.Tensor | None = None) -> AWQSearch:
+                  x_abs_mean: torch.Tensor | None = None,
+                  w_mean: torch.Tensor | None = None) -> AWQSearch:
     """w: [out, in]; x: [n, in] calibration inputs (a sample is enough).
     alpha = 0 (s = 1, plain RTN) is on the grid, so the result is never worse than RTN
-    on these inputs."""
+    on these inputs. With w_mean [in] (weight_mean, tied like x_abs_mean where the fold
+    site needs it) the duo-scaled candidates join the grid; the lowest output error wins."""
     w, x = w.float(), x.float()
     mean = x.abs().mean(0) if x_abs_mean is None else x_abs_mean.float()
     y = x @ w.t()
     alphas = [i / grid for i in range(grid + 1)]
+    cands = [(a, None) for a in alphas]
+    if w_mean is not None:
+        cands += [(a, w_mean) for a in alphas]
     errors = []
-    for a in alphas:
-        s = awq_scales(mean, a)
+    for a, wm in cands:
+        s = awq_scales(mean, a, wm)
         w_hat = fake_quantize(w * s[None, :], bits, sym, "group", group_size) / s[None, :]
         errors.append((x @ w_hat.t() - y).pow(2).mean().item())
-    best = min(range(len(alphas)), key=errors.__getitem__)
-    return AWQSearch(awq_scales(mean, alphas[best]), alphas[best], errors, alphas)
+    best = min(range(len(cands)), key=errors.__getitem__)
+    a, wm = cands[best]
+    return AWQSearch(awq_scales(mean, a, wm), a, errors, alphas, wm is not None)
 
 
 def search_clip(w: torch.Tensor, x: torch.Tensor, bits: int = 4, group_size: int = 128,

@@ -11,13 +11,15 @@ mixed (per-layer bits under a size budget, each layer quantized by GPTQ).
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 import torch
 
 from slipstream.layers.linear import LinearBase
 from slipstream.quant import awq, smoothquant
-from slipstream.quant.calibration import CalibrationModel, InputStats, token_windows
+from slipstream.quant.calibration import (CalibrationModel, InputRecorder, InputStats,
+                                          token_windows)
 from slipstream.quant.folding import fold, layer_sites
 from slipstream.quant.gptq import gptq_quantize
 from slipstream.quant.int_weight import IntWeightMethod, layer_group_cols, set_quantized
@@ -39,8 +41,13 @@ class QuantizeOptions:
     damp: float = 0.01
     block_size: int = 128
     clip_grid: int = 20                # GPTQ / AWQ: range-clipping search steps (0: none)
+    clip_min: float = 0.5              # GPTQ: smallest range ratio the search tries
+    clip_separate: bool = False        # GPTQ: low and high ends of a range searched apart
+    asym_calib: float = 0.0            # GPTQ (true-sequential): GPTAQ's target W X_ref, scaled
     alpha: float | None = None         # SmoothQuant strength; None: searched per fold site
     awq_grid: int = 20
+    awq_duo: bool = False              # AWQ: also try AutoAWQ's duo scaling x^a / w^(1-a)
+    awq_clip_grid: int | None = None   # AWQ clipping steps (None: clip_grid // 2)
     seq_len: int = 512
     num_windows: int = 16              # 8,192 tokens: over 5x the widest layer input here
     avg_bits: float = 3.5              # mixed precision: average bits budget
@@ -93,9 +100,13 @@ def _awq_fold(cm: CalibrationModel, i: int, stats: dict[str, InputStats], opts, 
     for site in layer_sites(cm.layers[i]):
         st = stats[f"{p}.{site.name}"]
         group = layer_group_cols(site.consumer.input_size, opts.group_size)
-        res = awq.search_scales(site.consumer.weight.data, st.sample, opts.bits, group, opts.sym,
-                                opts.awq_grid, site.tie_reduce(st.abs_mean, "mean"))
+        w = site.consumer.weight.data
+        w_mean = site.tie_reduce(awq.weight_mean(w, group), "mean") if opts.awq_duo else None
+        res = awq.search_scales(w, st.sample, opts.bits, group, opts.sym, opts.awq_grid,
+                                site.tie_reduce(st.abs_mean, "mean"), w_mean)
         info.setdefault("awq_alpha", {})[f"{p}.{site.name}"] = res.alpha
+        if opts.awq_duo:
+            info.setdefault("awq_duo", {})[f"{p}.{site.name}"] = res.duo
         fold(site, res.scales)
         applied[f"{p}.{site.name}"] = res.scales
     return applied
@@ -110,7 +121,8 @@ def _awq_clip(module: LinearBase, name: str, x: torch.Tensor, opts) -> None:
         rows = slice(sum(module.output_sizes[:2]), w.shape[0])
     group = layer_group_cols(module.input_size, opts.group_size)
     w[rows] = awq.search_clip(w[rows], x, opts.bits, group, opts.sym,
-                              grid=max(1, opts.clip_grid // 2)).to(w.dtype)
+                              grid=opts.awq_clip_grid or max(1, opts.clip_grid // 2)
+                              ).to(w.dtype)
 
 
 def _smooth(cm: CalibrationModel, i: int, stats: dict[str, InputStats], alpha, info) -> None:
@@ -134,10 +146,11 @@ STAGES = (("self_attn.qkv_proj",), ("self_attn.o_proj",), ("mlp.gate_up_proj",),
           ("mlp.down_proj",))
 
 
-def _gptq_install(module, w, h, bits, opts) -> dict:
+def _gptq_install(module, w, h, bits, opts, cross=None) -> dict:
     group = layer_group_cols(module.input_size, opts.group_size)
     qt, perm = gptq_quantize(w, h, bits, group, opts.sym, opts.block_size, opts.damp,
-                             opts.act_order, opts.clip_grid, opts.static_groups)
+                             opts.act_order, opts.clip_grid, opts.static_groups,
+                             opts.clip_min, opts.clip_separate, cross, opts.asym_calib)
     return _install_int(module, qt, perm, bits, opts.group_size, opts.sym)
 
 
@@ -148,18 +161,26 @@ def quantize_layers(cm: CalibrationModel, windows: list[list[int]], opts: Quanti
     needs_data = opts.method != "rtn"
     gptq = opts.method in ("gptq", "mixed")
     states = cm.embed(windows) if needs_data else None
+    asym = gptq and opts.true_sequential and opts.asym_calib > 0
+    ref_states = states
     for i in range(len(cm.layers)):
         linears = cm.linear_layers(i)
         p = f"model.layers.{i}"
         bits_of = lambda name: bits_plan[name] if bits_plan else opts.bits  # noqa: E731
         if gptq and opts.true_sequential:
+            if asym:   # the unquantized model's inputs of each linear layer, and next states
+                rec = {n: InputRecorder() for n in linears}
+                ref_states = cm.run_layer(i, ref_states, rec, layer=copy.deepcopy(cm.layers[i]))
             for stage in STAGES:
                 names = [f"{p}.{n}" for n in stage]
                 stats = {n: InputStats(linears[n].input_size, hessian=True) for n in names}
+                for n in names if asym else ():
+                    stats[n].reference = rec.pop(n).inputs
                 cm.run_layer(i, states, stats, stop_early=True)
                 for n in names:
                     report.layers[n] = _gptq_install(linears[n], linears[n].weight.data.float(),
-                                                     stats[n].hessian, bits_of(n), opts)
+                                                     stats[n].hessian, bits_of(n), opts,
+                                                     stats[n].cross)
         else:
             stats = None
             scaled = {}
