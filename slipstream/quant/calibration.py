@@ -9,6 +9,7 @@ Hessian 2 X^T X / n, mean |x_j|, max |x_j|) and a bounded sample of rows.
 """
 from __future__ import annotations
 
+import copy
 from importlib import resources
 from pathlib import Path
 
@@ -141,6 +142,12 @@ class CalibrationModel:
         layer = self.layers[i] if layer is None else layer
         return {f"{prefix}.{name}": m for name, m in layer.named_modules()
                 if isinstance(m, LinearBase)}
+
+    def copy_layer(self, i: int) -> nn.Module:
+        """A copy of decoder layer i (its weights as they are now) that run_layer can run;
+        it shares the model's attention backend."""
+        backend = self.model.backend
+        return copy.deepcopy(self.layers[i], memo={id(backend): backend})
 
     def _batch(self, n: int) -> ForwardBatch:
         d = self.device

@@ -11,7 +11,6 @@ mixed (per-layer bits under a size budget, each layer quantized by GPTQ).
 """
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 
 import torch
@@ -170,7 +169,7 @@ def quantize_layers(cm: CalibrationModel, windows: list[list[int]], opts: Quanti
         if gptq and opts.true_sequential:
             if asym:   # the unquantized model's inputs of each linear layer, and next states
                 rec = {n: InputRecorder() for n in linears}
-                ref_states = cm.run_layer(i, ref_states, rec, layer=copy.deepcopy(cm.layers[i]))
+                ref_states = cm.run_layer(i, ref_states, rec, layer=cm.copy_layer(i))
             for stage in STAGES:
                 names = [f"{p}.{n}" for n in stage]
                 stats = {n: InputStats(linears[n].input_size, hessian=True) for n in names}
