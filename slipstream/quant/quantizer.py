@@ -49,6 +49,7 @@ class QuantizeOptions:
     awq_clip_grid: int | None = None   # AWQ clipping steps (None: clip_grid // 2)
     seq_len: int = 512
     num_windows: int = 16              # 8,192 tokens: over 5x the widest layer input here
+    sample_rows: int = 2048            # AWQ / SmoothQuant searches: rows spread over all windows
     avg_bits: float = 3.5              # mixed precision: average bits budget
     # 2 bits is allowed but not a default: on SmolLM2-135M, layers at 2 bits cost far more
     # perplexity than their own output error predicts (benchmarks/quant/README.md).
@@ -184,7 +185,9 @@ def quantize_layers(cm: CalibrationModel, windows: list[list[int]], opts: Quanti
             stats = None
             scaled = {}
             if needs_data:
-                stats = {n: InputStats(m.input_size, hessian=gptq) for n, m in linears.items()}
+                stride = max(1, sum(len(w) for w in windows) // opts.sample_rows)
+                stats = {n: InputStats(m.input_size, hessian=gptq, max_rows=opts.sample_rows,
+                                       row_stride=stride) for n, m in linears.items()}
                 cm.run_layer(i, states, stats)
             if opts.method == "awq":
                 scaled = _awq_fold(cm, i, stats, opts, report.info)
