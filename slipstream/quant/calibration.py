@@ -87,9 +87,9 @@ class InputStats:
         self.abs_max = torch.maximum(self.abs_max, x.abs().amax(0))
         have = sum(r.shape[0] for r in self.rows)
         if have < self.max_rows:
-            # Every row_stride-th row of each window (the quantizer sets the stride from the
-            # token count: 16 windows of 512 -> every 4th), so the sample spreads over all
-            # windows (and over positions), not only the first ones.
+            # Every row_stride-th row of each window (the quantizer: every 4th, or sparser
+            # for more than 4 x max_rows tokens), so the sample spreads over all windows
+            # (and over positions), not only the first ones.
             self.rows.append(x[::self.row_stride][:self.max_rows - have].clone())
         self.n += x.shape[0]
 

@@ -185,7 +185,8 @@ def quantize_layers(cm: CalibrationModel, windows: list[list[int]], opts: Quanti
             stats = None
             scaled = {}
             if needs_data:
-                stride = max(1, sum(len(w) for w in windows) // opts.sample_rows)
+                # every 4th row (neighbours are alike), sparser where that would overflow
+                stride = max(4, -(-sum(len(w) for w in windows) // opts.sample_rows))
                 stats = {n: InputStats(m.input_size, hessian=gptq, max_rows=opts.sample_rows,
                                        row_stride=stride) for n, m in linears.items()}
                 cm.run_layer(i, states, stats)
