@@ -67,7 +67,8 @@ def search_scales(w: torch.Tensor, x: torch.Tensor, bits: int = 4, group_size: i
     site needs it) the duo-scaled candidates join the grid; the lowest output error wins."""
     w, x = w.float(), x.float()
     mean = x.abs().mean(0) if x_abs_mean is None else x_abs_mean.float()
-    y = x @ w.t()
+    # mean over rows and outputs of (x dw^T)^2 = sum((dw G) * dw) / (n out), G = X^T X
+    gram = x.t() @ x
     alphas = [i / grid for i in range(grid + 1)]
     cands = [(a, None) for a in alphas]
     if w_mean is not None:
@@ -76,7 +77,8 @@ def search_scales(w: torch.Tensor, x: torch.Tensor, bits: int = 4, group_size: i
     for a, wm in cands:
         s = awq_scales(mean, a, wm)
         w_hat = fake_quantize(w * s[None, :], bits, sym, "group", group_size) / s[None, :]
-        errors.append((x @ w_hat.t() - y).pow(2).mean().item())
+        dw = w_hat - w
+        errors.append(((dw @ gram) * dw).sum().item() / (x.shape[0] * w.shape[0]))
     best = min(range(len(cands)), key=errors.__getitem__)
     a, wm = cands[best]
     return AWQSearch(awq_scales(mean, a, wm), a, errors, alphas, wm is not None)
@@ -96,6 +98,9 @@ def search_clip(w: torch.Tensor, x: torch.Tensor, bits: int = 4, group_size: int
     groups = w.shape[1] // group_size
     wg = w.view(out, groups, group_size)
     xg = x.view(x.shape[0], groups, group_size)
+    # Output error of a group's weight error dw: mean_n (x_n . dw)^2 = dw^T G dw / n with
+    # G = X^T X of the group's inputs: [groups, k, k] once, instead of x @ dw per candidate.
+    gram = torch.einsum("ngk,ngl->gkl", xg, xg) / x.shape[0]
     amax = wg.abs().amax(-1, keepdim=True)                      # [out, groups, 1]
     best_err = torch.full((out, groups), float("inf"))
     best = amax.clone()
@@ -104,7 +109,7 @@ def search_clip(w: torch.Tensor, x: torch.Tensor, bits: int = 4, group_size: int
         wc = torch.maximum(torch.minimum(wg, mx), -mx)
         q = fake_quantize(wc.reshape(out, -1), bits, sym, "group", group_size)
         dw = (q.view(out, groups, group_size) - wg)             # error of the clipped weights
-        err = torch.einsum("ngk,ogk->nog", xg, dw).pow(2).mean(0)   # [out, groups]
+        err = torch.einsum("ogk,gkl,ogl->og", dw, gram, dw)      # [out, groups]
         better = err < best_err
         best_err = torch.where(better, err, best_err)
         best = torch.where(better[..., None], mx, best)
