@@ -60,15 +60,17 @@ def weight_mean(w: torch.Tensor, group_size: int) -> torch.Tensor:
 def search_scales(w: torch.Tensor, x: torch.Tensor, bits: int = 4, group_size: int = 128,
                   sym: bool = False, grid: int = 20,
                   x_abs_mean: torch.Tensor | None = None,
-                  w_mean: torch.Tensor | None = None) -> AWQSearch:
-    """w: [out, in]; x: [n, in] calibration inputs (a sample is enough).
+                  w_mean: torch.Tensor | None = None,
+                  gram: torch.Tensor | None = None) -> AWQSearch:
+    """w: [out, in]; x: [n, in] calibration inputs (a sample is enough), or x None and
+    gram [in, in] = X^T X / n of all of them (with x_abs_mean).
     alpha = 0 (s = 1, plain RTN) is on the grid, so the result is never worse than RTN
     on these inputs. With w_mean [in] (weight_mean, tied like x_abs_mean where the fold
     site needs it) the duo-scaled candidates join the grid; the lowest output error wins."""
-    w, x = w.float(), x.float()
-    mean = x.abs().mean(0) if x_abs_mean is None else x_abs_mean.float()
-    # mean over rows and outputs of (x dw^T)^2 = sum((dw G) * dw) / (n out), G = X^T X
-    gram = x.t() @ x
+    w = w.float()
+    mean = x.float().abs().mean(0) if x_abs_mean is None else x_abs_mean.float()
+    # mean over rows and outputs of (x dw^T)^2 = sum((dw G) * dw) / out, G = X^T X / n
+    gram = _gram(x) if gram is None else gram.float()
     alphas = [i / grid for i in range(grid + 1)]
     cands = [(a, None) for a in alphas]
     if w_mean is not None:
@@ -78,29 +80,37 @@ def search_scales(w: torch.Tensor, x: torch.Tensor, bits: int = 4, group_size: i
         s = awq_scales(mean, a, wm)
         w_hat = fake_quantize(w * s[None, :], bits, sym, "group", group_size) / s[None, :]
         dw = w_hat - w
-        errors.append(((dw @ gram) * dw).sum().item() / (x.shape[0] * w.shape[0]))
+        errors.append(((dw @ gram) * dw).sum().item() / w.shape[0])
     best = min(range(len(cands)), key=errors.__getitem__)
     a, wm = cands[best]
     return AWQSearch(awq_scales(mean, a, wm), a, errors, alphas, wm is not None)
 
 
-def search_clip(w: torch.Tensor, x: torch.Tensor, bits: int = 4, group_size: int = 128,
-                sym: bool = False, grid: int = 10, min_ratio: float = 0.5) -> torch.Tensor:
+def _gram(x: torch.Tensor) -> torch.Tensor:
+    x = x.float()
+    return x.t() @ x / x.shape[0]
+
+
+def search_clip(w: torch.Tensor, x: torch.Tensor | None, bits: int = 4, group_size: int = 128,
+                sym: bool = False, grid: int = 10, min_ratio: float = 0.5,
+                gram: torch.Tensor | None = None) -> torch.Tensor:
     """AWQ's weight clipping: per (output row, group), the max-|w| shrink ratio in
     [min_ratio, 1] whose quantized group gives the smallest output error on x. Returns w
-    clamped to the chosen ranges (quantize it next). w [out, in], x [n, in]."""
-    w, x = w.float(), x.float()
+    clamped to the chosen ranges (quantize it next). w [out, in], x [n, in] (or x None and
+    gram [in, in] = X^T X / n)."""
+    w = w.float()
+    gram = _gram(x) if gram is None else gram.float()
     out, cols = w.shape
     pad = -cols % group_size
     if pad:   # zero columns leave every range and every product unchanged
         w = torch.nn.functional.pad(w, (0, pad))
-        x = torch.nn.functional.pad(x, (0, pad))
+        gram = torch.nn.functional.pad(gram, (0, pad, 0, pad))
     groups = w.shape[1] // group_size
     wg = w.view(out, groups, group_size)
-    xg = x.view(x.shape[0], groups, group_size)
-    # Output error of a group's weight error dw: mean_n (x_n . dw)^2 = dw^T G dw / n with
-    # G = X^T X of the group's inputs: [groups, k, k] once, instead of x @ dw per candidate.
-    gram = torch.einsum("ngk,ngl->gkl", xg, xg) / x.shape[0]
+    # Output error of a group's weight error dw: mean_n (x_n . dw)^2 = dw^T G dw with
+    # G = X^T X / n of the group's inputs (its diagonal block), instead of x @ dw.
+    gram = torch.stack([gram[g * group_size:(g + 1) * group_size,
+                             g * group_size:(g + 1) * group_size] for g in range(groups)])
     amax = wg.abs().amax(-1, keepdim=True)                      # [out, groups, 1]
     best_err = torch.full((out, groups), float("inf"))
     best = amax.clone()

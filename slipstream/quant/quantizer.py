@@ -47,6 +47,7 @@ class QuantizeOptions:
     awq_grid: int = 20
     awq_duo: bool = False              # AWQ: also try AutoAWQ's duo scaling x^a / w^(1-a)
     awq_clip_grid: int | None = None   # AWQ clipping steps (None: clip_grid // 2)
+    awq_all_rows: bool = False         # AWQ searches: every calibration row (Gram matrix)
     seq_len: int = 512
     num_windows: int = 16              # 8,192 tokens: over 5x the widest layer input here
     sample_rows: int = 2048            # AWQ / SmoothQuant searches: rows spread over all windows
@@ -102,8 +103,9 @@ def _awq_fold(cm: CalibrationModel, i: int, stats: dict[str, InputStats], opts, 
         group = layer_group_cols(site.consumer.input_size, opts.group_size)
         w = site.consumer.weight.data
         w_mean = site.tie_reduce(awq.weight_mean(w, group), "mean") if opts.awq_duo else None
-        res = awq.search_scales(w, st.sample, opts.bits, group, opts.sym, opts.awq_grid,
-                                site.tie_reduce(st.abs_mean, "mean"), w_mean)
+        res = awq.search_scales(w, None if opts.awq_all_rows else st.sample, opts.bits, group,
+                                opts.sym, opts.awq_grid, site.tie_reduce(st.abs_mean, "mean"),
+                                w_mean, st.hessian / 2 if opts.awq_all_rows else None)
         info.setdefault("awq_alpha", {})[f"{p}.{site.name}"] = res.alpha
         if opts.awq_duo:
             info.setdefault("awq_duo", {})[f"{p}.{site.name}"] = res.duo
@@ -112,7 +114,7 @@ def _awq_fold(cm: CalibrationModel, i: int, stats: dict[str, InputStats], opts, 
     return applied
 
 
-def _awq_clip(module: LinearBase, name: str, x: torch.Tensor, opts) -> None:
+def _awq_clip(module: LinearBase, name: str, st: InputStats, s: torch.Tensor, opts) -> None:
     """AWQ's clipping search on the layer's weight (the q and k rows of qkv_proj are left
     alone, as in AWQ: their error reaches the output through q k^T, not linearly)."""
     w = module.weight.data
@@ -120,9 +122,14 @@ def _awq_clip(module: LinearBase, name: str, x: torch.Tensor, opts) -> None:
     if name.endswith("qkv_proj"):
         rows = slice(sum(module.output_sizes[:2]), w.shape[0])
     group = layer_group_cols(module.input_size, opts.group_size)
+    x = gram = None
+    if opts.awq_all_rows:   # the Gram matrix of x / s
+        gram = st.hessian / 2 / (s[:, None] * s[None, :])
+    else:
+        x = st.sample / s[None, :]
     w[rows] = awq.search_clip(w[rows], x, opts.bits, group, opts.sym,
-                              grid=opts.awq_clip_grid or max(1, opts.clip_grid // 2)
-                              ).to(w.dtype)
+                              grid=opts.awq_clip_grid or max(1, opts.clip_grid // 2),
+                              gram=gram).to(w.dtype)
 
 
 def _smooth(cm: CalibrationModel, i: int, stats: dict[str, InputStats], alpha, info) -> None:
@@ -187,7 +194,8 @@ def quantize_layers(cm: CalibrationModel, windows: list[list[int]], opts: Quanti
             if needs_data:
                 # every 4th row (neighbours are alike), sparser where that would overflow
                 stride = max(4, -(-sum(len(w) for w in windows) // opts.sample_rows))
-                stats = {n: InputStats(m.input_size, hessian=gptq, max_rows=opts.sample_rows,
+                hess = gptq or (opts.method == "awq" and opts.awq_all_rows)
+                stats = {n: InputStats(m.input_size, hessian=hess, max_rows=opts.sample_rows,
                                        row_stride=stride) for n, m in linears.items()}
                 cm.run_layer(i, states, stats)
             if opts.method == "awq":
@@ -204,7 +212,7 @@ def quantize_layers(cm: CalibrationModel, windows: list[list[int]], opts: Quanti
                                                         stats[name].hessian, bits, opts)
                     continue
                 if opts.method == "awq" and opts.clip_grid > 0:
-                    _awq_clip(module, name, stats[name].sample / scaled[name][None, :], opts)
+                    _awq_clip(module, name, stats[name], scaled[name], opts)
                 group = layer_group_cols(module.input_size, opts.group_size)
                 qt = rtn_quantize(module.weight.data.float(), bits, group, opts.sym)
                 report.layers[name] = _install_int(module, qt, None, bits, opts.group_size,

@@ -127,6 +127,10 @@ def test_awq_duo_scaling_candidates_can_only_lower_the_searched_error():
     duo = awq.search_scales(w, x, bits=4, group_size=64, grid=10, w_mean=wm)
     assert len(duo.errors) == 2 * len(plain.errors)
     assert duo.errors[:11] == plain.errors and min(duo.errors) <= min(plain.errors)
+    by_gram = awq.search_scales(w, None, 4, 64, grid=10, x_abs_mean=x.abs().mean(0),
+                                w_mean=wm, gram=x.t() @ x / x.shape[0])
+    assert by_gram.alpha == duo.alpha and by_gram.duo == duo.duo
+    assert by_gram.errors == pytest.approx(duo.errors, rel=1e-4)
     s = awq.awq_scales(x.abs().mean(0), 0.5, wm)
     assert (s.max() * s.min()).item() == pytest.approx(1.0, rel=1e-5)
 
@@ -141,6 +145,9 @@ def test_awq_clip_search_lowers_the_output_error_and_only_shrinks():
     plain = fake_quantize(w, 4, False, "group", 64)
     clipped = fake_quantize(wc, 4, False, "group", 64)
     assert layer_error(w, clipped, x) < 0.95 * layer_error(w, plain, x)
+    # The same search from the inputs' Gram matrix alone (all calibration rows, no sample).
+    torch.testing.assert_close(awq.search_clip(w, None, 4, 64, grid=10,
+                                               gram=x.t() @ x / x.shape[0]), wc)
 
 
 def test_smoothquant_alpha_search_beats_no_smoothing():

@@ -39,7 +39,7 @@ def dense(tiny_llama):
     (dict(method="gptq", bits=4, static_groups=True), 0.8),
     (dict(method="gptq", bits=4, asym_calib=1.0, clip_separate=True, clip_grid=4), 0.8),
     (dict(method="awq", bits=4), 0.8),
-    (dict(method="awq", bits=4, awq_duo=True, awq_clip_grid=4), 0.8),
+    (dict(method="awq", bits=4, awq_duo=True, awq_clip_grid=4, awq_all_rows=True), 0.8),
     (dict(method="smoothquant"), 0.15),
     (dict(method="mixed", avg_bits=5.0, mixed_bits=(4, 8)), 0.8),
 ])
