@@ -61,6 +61,8 @@ class QuantizeOptions:
             raise ValueError(f"method: expected one of {METHODS}, got {self.method!r}")
         if self.method in ("awq",) and self.bits not in (2, 3, 4, 8):
             raise ValueError(f"bits: expected 2, 3, 4 or 8, got {self.bits}")
+        if not 0.0 <= self.asym_calib <= 1.0:
+            raise ValueError(f"asym_calib: expected a value in [0, 1], got {self.asym_calib}")
         if self.alpha is not None and not 0.0 <= self.alpha <= 1.0:
             raise ValueError(f"alpha: expected a value in [0, 1] or None, got {self.alpha}")
 

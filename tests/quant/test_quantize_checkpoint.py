@@ -132,3 +132,19 @@ def test_cli_quantize_rtn_and_load(tiny_llama, dense, tmp_path, capsys):
         make_llm(out, quantization="fp8")
     assert main(["quantize", str(tiny_llama), "-o", str(out), "--method", "nope"]) == 2
     assert "method" in capsys.readouterr().err
+
+
+def test_cli_gptq_settings_reach_the_options(tiny_llama, tmp_path):
+    from slipstream.cli import main
+    from slipstream.quant.quantizer import QuantizeOptions
+    calib = tmp_path / "calib.txt"
+    calib.write_text(CALIB)
+    out = tmp_path / "gptq"
+    assert main(["quantize", str(tiny_llama), "-o", str(out), "--calib", str(calib),
+                 "--seq-len", "32", "--num-windows", "2", "--asym-calib", "0.25",
+                 "--no-static-groups", "--clip-grid", "2"]) == 0
+    opts = json.loads((out / "config.json").read_text())["quantization_config"]["options"]
+    assert opts["asym_calib"] == 0.25 and opts["static_groups"] is False
+    assert opts["damp"] == QuantizeOptions().damp        # unset: the library's default
+    with pytest.raises(ValueError, match="asym_calib"):
+        QuantizeOptions(asym_calib=1.5)
