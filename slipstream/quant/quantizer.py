@@ -40,7 +40,7 @@ class QuantizeOptions:
     damp: float = 0.01
     block_size: int = 128
     clip_grid: int = 20                # GPTQ / AWQ: range-clipping search steps (0: none)
-    clip_min: float = 0.5              # GPTQ: smallest range ratio the search tries
+    clip_min: float = 0.5              # GPTQ / AWQ: smallest range ratio the search tries
     clip_separate: bool = False        # GPTQ: low and high ends of a range searched apart
     asym_calib: float = 0.0            # GPTQ (true-sequential): GPTAQ's target W X_ref, scaled
     alpha: float | None = None         # SmoothQuant strength; None: searched per fold site
@@ -131,7 +131,7 @@ def _awq_clip(module: LinearBase, name: str, st: InputStats, s: torch.Tensor, op
         x = st.sample / s[None, :]
     w[rows] = awq.search_clip(w[rows], x, opts.bits, group, opts.sym,
                               grid=opts.awq_clip_grid or max(1, opts.clip_grid // 2),
-                              gram=gram).to(w.dtype)
+                              min_ratio=opts.clip_min, gram=gram).to(w.dtype)
 
 
 def _smooth(cm: CalibrationModel, i: int, stats: dict[str, InputStats], alpha, info) -> None:
