@@ -4,7 +4,9 @@ For each decoder layer, in order: run the calibration windows through it (the la
 before it already quantized, so it sees the inputs it will see at run time), collect
 its linear layers' input statistics, quantize them by the method, install the
 quantized weights, and run the windows through the quantized layer to make the next
-layer's inputs. The result is saved by quant/checkpoint.py.
+layer's inputs. The result is saved by quant/checkpoint.py. With GPTQ's asymmetric
+calibration (asym_calib > 0) the windows also run through an unquantized copy of each
+layer, whose inputs are the targets (gptq.py).
 
 Methods: rtn (no calibration), gptq, awq (int4 weight-only), smoothquant (W8A8 int8),
 mixed (per-layer bits under a size budget, each layer quantized by GPTQ).
@@ -42,12 +44,14 @@ class QuantizeOptions:
     clip_grid: int = 20                # GPTQ / AWQ: range-clipping search steps (0: none)
     clip_min: float = 0.5              # GPTQ / AWQ: smallest range ratio the search tries
     clip_separate: bool = False        # GPTQ: low and high ends of a range searched apart
-    asym_calib: float = 0.0            # GPTQ (true-sequential): GPTAQ's target W X_ref, scaled
+    # GPTQ (true-sequential): weight of GPTAQ's target W X_ref (the unquantized model's
+    # inputs); 0.5 chosen on held-out calibration windows (benchmarks/quant/README.md).
+    asym_calib: float = 0.5
     alpha: float | None = None         # SmoothQuant strength; None: searched per fold site
     awq_grid: int = 20
     awq_duo: bool = False              # AWQ: also try AutoAWQ's duo scaling x^a / w^(1-a)
     awq_clip_grid: int | None = None   # AWQ clipping steps (None: clip_grid // 2)
-    awq_all_rows: bool = False         # AWQ searches: every calibration row (Gram matrix)
+    awq_all_rows: bool = True          # AWQ searches: every calibration row (Gram matrix)
     seq_len: int = 512
     num_windows: int = 16              # 8,192 tokens: over 5x the widest layer input here
     sample_rows: int = 2048            # AWQ / SmoothQuant searches: rows spread over all windows
