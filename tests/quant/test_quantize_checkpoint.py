@@ -93,7 +93,7 @@ def test_folding_keeps_the_float_model(model, how, request):
     states = cm.embed(windows)
     info = {}
     for i in range(len(cm.layers)):
-        stats = {n: InputStats(m.input_size, hessian=False)
+        stats = {n: InputStats(m.input_size, hessian=how == "awq")   # AWQ: all-row Gram
                  for n, m in cm.linear_layers(i).items()}
         cm.run_layer(i, states, stats)
         if how == "awq":
