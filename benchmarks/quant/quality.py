@@ -43,37 +43,50 @@ METHODS = {
     "baseline": ({"quantization": None}, "fp32 (the Q4_1 GGUF dequantized)"),
     "rtn-w4g128": ({"quantization": "rtn-int4"}, "RTN int4, asymmetric, group 128, at load"),
     "gptq-w4g128": ({"quantize": dict(method="gptq", bits=4)},
-                    "GPTQ int4 g128: act-order, true-sequential, range search, damp 0.01"),
+                    "GPTQ int4 g128: act-order, true-sequential, range search, damp 0.01, "
+                    "asymmetric calibration 0.5 (GPTAQ)"),
     "awq-w4g128": ({"quantize": dict(method="awq", bits=4)},
-                   "AWQ int4 g128: scales at 4 sites per layer + clipping search"),
+                   "AWQ int4 g128: scales at 4 sites per layer + clipping search, "
+                   "searches on all calibration rows"),
     "rtn-w3g128": ({"quantization": "rtn-int3"}, "RTN int3 g128, at load"),
-    "gptq-w3g128": ({"quantize": dict(method="gptq", bits=3)}, "GPTQ int3 g128 (as w4)"),
+    "gptq-w3g128": ({"quantize": dict(method="gptq", bits=3, asym_calib=0.0)},
+                    "GPTQ int3 g128 (as gptq-w4g128-sym-calib)"),
     "int8-w8a16": ({"quantization": "int8"}, "int8 weights per channel, at load"),
     "w8a8-int8": ({"quantization": "w8a8"}, "int8 W8A8 without smoothing, at load"),
     "smoothquant-w8a8": ({"quantize": dict(method="smoothquant")},
                          "SmoothQuant int8 W8A8, 4 sites per layer, alpha searched per site"),
     "fp8-w8a8": ({"quantization": "fp8"}, "fp8 e4m3 W8A8, at load"),
-    "mixed-3.5bit": ({"quantize": dict(method="mixed", avg_bits=3.5)},
-                     "per-layer bits in {3,4,8} at 3.5 average, GPTQ (as w4)"),
+    "mixed-3.5bit": ({"quantize": dict(method="mixed", avg_bits=3.5, asym_calib=0.0)},
+                     "per-layer bits in {3,4,8} at 3.5 average, GPTQ (as gptq-w4g128-sym-calib)"),
     "kv-int8": ({"kv": "int8"}, "fp32 weights, KV cache int8 per token and head (simulated)"),
     "kv-fp8": ({"kv": "fp8"}, "fp32 weights, KV cache fp8 e4m3 per token and head (simulated)"),
 }
 # Rows outside the default list: ablations, earlier experiments (kept by --merge).
 OPTIONAL = {
+    "gptq-w4g128-sym-calib": ({"quantize": dict(method="gptq", bits=4, asym_calib=0.0)},
+                              "GPTQ int4 g128 as gptq-w4g128 without asymmetric calibration "
+                              "(the earlier default)"),
+    "gptq-w3g128-asym": ({"quantize": dict(method="gptq", bits=3)},
+                         "GPTQ int3 g128 as gptq-w4g128 (asymmetric calibration 0.5)"),
+    "awq-w4g128-sample": ({"quantize": dict(method="awq", bits=4, awq_all_rows=False)},
+                          "AWQ int4 g128 as awq-w4g128, searches on a 2,048-row sample "
+                          "(the earlier default)"),
     "gptq-w4g128-plain": ({"quantize": dict(method="gptq", bits=4, act_order=False,
                                             true_sequential=False, clip_grid=0)},
                           "GPTQ int4 g128 without act-order, true-sequential, range search"),
     "gptq-w4g128-static": ({"quantize": dict(method="gptq", bits=4, static_groups=True)},
                            "GPTQ int4 g128 as gptq-w4g128, static groups (codes in input order)"),
-    "awq-w4g128-noclip": ({"quantize": dict(method="awq", bits=4, clip_grid=0)},
+    "awq-w4g128-noclip": ({"quantize": dict(method="awq", bits=4, clip_grid=0,
+                                            awq_all_rows=False)},
                           "AWQ int4 g128, scales only (no clipping search)"),
     "smoothquant-w8a8-a0.5": ({"quantize": dict(method="smoothquant", alpha=0.5)},
                               "SmoothQuant int8 W8A8, 4 sites per layer, alpha 0.5"),
-    "gptq-w4g128-damp0.1": ({"quantize": dict(method="gptq", bits=4, damp=0.1)},
-                            "GPTQ int4 g128 as gptq-w4g128, damping 0.1"),
-    "gptq-w4g128-noclip": ({"quantize": dict(method="gptq", bits=4, clip_grid=0)},
-                           "GPTQ int4 g128 as gptq-w4g128, no range search"),
-    "mixed-3.5bit-with-2bit": ({"quantize": dict(method="mixed", avg_bits=3.5,
+    "gptq-w4g128-damp0.1": ({"quantize": dict(method="gptq", bits=4, damp=0.1, asym_calib=0.0)},
+                            "GPTQ int4 g128 as gptq-w4g128-sym-calib, damping 0.1"),
+    "gptq-w4g128-noclip": ({"quantize": dict(method="gptq", bits=4, clip_grid=0,
+                                             asym_calib=0.0)},
+                           "GPTQ int4 g128 as gptq-w4g128-sym-calib, no range search"),
+    "mixed-3.5bit-with-2bit": ({"quantize": dict(method="mixed", avg_bits=3.5, asym_calib=0.0,
                                                  mixed_bits=(2, 3, 4, 8))},
                                "per-layer bits in {2,3,4,8} at 3.5 average, GPTQ"),
 }
@@ -100,13 +113,18 @@ def densify_weight_only(llm) -> int:
     the dequantized weights compute (log-probs equal to 2e-4). Dequantizing once instead of
     at every forward makes the CPU evaluation affordable. Activation-quantized methods
     (W8A8 int8, fp8) keep their runtime path. Returns the number of layers swapped."""
+    return densify_model(llm.engine.runner.model, llm.engine.config.dtype)
+
+
+def densify_model(model, dtype=torch.float32) -> int:
+    """densify_weight_only on a bare model (benchmarks/quant/heldout.py)."""
     from torch import nn
 
     from slipstream.layers.linear import UnquantizedLinearMethod
     from slipstream.quant.int_weight import IntWeightMethod
     from slipstream.quant.primitives import dequantize_codes, unpack_codes
     swapped = 0
-    for module in llm.engine.runner.model.modules():
+    for module in model.modules():
         method = getattr(module, "quant_method", None)
         if not isinstance(method, IntWeightMethod):
             continue
@@ -122,7 +140,7 @@ def densify_weight_only(llm) -> int:
         for name in ("qweight", "scales", "qzeros", "perm"):
             if hasattr(module, name):
                 delattr(module, name)
-        module.weight = nn.Parameter(w.to(llm.engine.config.dtype), requires_grad=False)
+        module.weight = nn.Parameter(w.to(dtype), requires_grad=False)
         module.quant_method = UnquantizedLinearMethod()
         swapped += 1
     return swapped

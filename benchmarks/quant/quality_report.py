@@ -91,7 +91,7 @@ def markdown(meta: dict, rows: list[dict], noise: dict[str, dict]) -> str:
              "| --- | --- | ---: | ---: | --- | --- |"]
     for r in rows:
         rel = f"{100 * (r['ppl'] / base - 1):+.2f}%" if base else ""
-        n = noise.get(r["method"], {})
+        n = noise.get(r["method"]) or r.get("noise", {})   # kept rows: their saved intervals
         ci = ""
         if "ratio_ci" in n:
             lo, hi = n["ratio_ci"]

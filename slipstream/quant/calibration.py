@@ -9,6 +9,7 @@ Hessian 2 X^T X / n, mean |x_j|, max |x_j|) and a bounded sample of rows.
 """
 from __future__ import annotations
 
+import copy
 from importlib import resources
 from pathlib import Path
 
@@ -65,16 +66,30 @@ class InputStats:
         self.rows: list[torch.Tensor] = []
         self.max_rows, self.row_stride = max_rows, row_stride
 
+    # Asymmetric calibration (GPTQ's target W X_ref instead of W X, see gptq.py): the inputs
+    # the unquantized model gives the layer, one tensor per call in the order of the calls
+    # (an InputRecorder's `inputs`); add() then also sums 2 (x_ref - x)^T x.
+    reference = None
+    dxx = None
+
     def add(self, x: torch.Tensor) -> None:
         x = x.detach().reshape(-1, x.shape[-1]).float().cpu()
         if self.h is not None:   # fp32 products per call, summed in fp64 across calls
             self.h += (2.0 * x.t() @ x).double()
+        if self.reference is not None:
+            ref = self.reference.pop(0)
+            if ref.shape != x.shape:
+                raise ValueError(f"reference inputs: shape {tuple(ref.shape)} for inputs "
+                                 f"{tuple(x.shape)}")
+            d = (2.0 * (ref - x).t() @ x).double()
+            self.dxx = d if self.dxx is None else self.dxx + d
         self.abs_sum += x.abs().sum(0).double()
         self.abs_max = torch.maximum(self.abs_max, x.abs().amax(0))
         have = sum(r.shape[0] for r in self.rows)
         if have < self.max_rows:
-            # Every 4th row of each window: 16 windows of 512 give 2,048 rows spread over
-            # all of them (and over positions), not only the first windows.
+            # Every row_stride-th row of each window (the quantizer: every 4th, or sparser
+            # for more than 4 x max_rows tokens), so the sample spreads over all windows
+            # (and over positions), not only the first ones.
             self.rows.append(x[::self.row_stride][:self.max_rows - have].clone())
         self.n += x.shape[0]
 
@@ -89,6 +104,21 @@ class InputStats:
     @property
     def sample(self) -> torch.Tensor:
         return torch.cat(self.rows)
+
+    @property
+    def cross(self) -> torch.Tensor | None:
+        """2/n sum (x_ref - x)^T x over the calls, [in, in] (with `reference` set)."""
+        return None if self.dxx is None else (self.dxx / max(self.n, 1)).float()
+
+
+class InputRecorder:
+    """Keeps every input a linear layer receives (one tensor [tokens, in] per call)."""
+
+    def __init__(self):
+        self.inputs: list[torch.Tensor] = []
+
+    def add(self, x: torch.Tensor) -> None:
+        self.inputs.append(x.detach().reshape(-1, x.shape[-1]).float().cpu().clone())
 
 
 class CalibrationModel:
@@ -106,11 +136,19 @@ class CalibrationModel:
     def layers(self) -> nn.ModuleList:
         return self.model.model.layers
 
-    def linear_layers(self, i: int) -> dict[str, LinearBase]:
-        """Module name (as QuantMethodFor sees it) -> linear layer of decoder layer i."""
+    def linear_layers(self, i: int, layer: nn.Module | None = None) -> dict[str, LinearBase]:
+        """Module name (as QuantMethodFor sees it) -> linear layer of decoder layer i (or of
+        `layer`, a copy of it)."""
         prefix = f"model.layers.{i}"
-        return {f"{prefix}.{name}": m for name, m in self.layers[i].named_modules()
+        layer = self.layers[i] if layer is None else layer
+        return {f"{prefix}.{name}": m for name, m in layer.named_modules()
                 if isinstance(m, LinearBase)}
+
+    def copy_layer(self, i: int) -> nn.Module:
+        """A copy of decoder layer i (its weights as they are now) that run_layer can run;
+        it shares the model's attention backend."""
+        backend = self.model.backend
+        return copy.deepcopy(self.layers[i], memo={id(backend): backend})
 
     def _batch(self, n: int) -> ForwardBatch:
         d = self.device
@@ -133,12 +171,12 @@ class CalibrationModel:
 
     @torch.no_grad()
     def run_layer(self, i: int, states: list, observe: dict[str, InputStats] | None = None,
-                  stop_early: bool = False) -> list:
+                  stop_early: bool = False, layer: nn.Module | None = None) -> list:
         """Run decoder layer i on every window's state; with `observe`, feed each named
         linear layer's inputs to its InputStats. Returns the states entering layer i + 1;
         with `stop_early`, each window's forward stops once every observed layer has seen
         its input (statistics only, e.g. for the first layers of a decoder layer), and
-        nothing is returned."""
+        nothing is returned. `layer`: run this module (a copy of layer i) instead."""
         hooks = []
         pending: set[str] = set()
 
@@ -147,11 +185,11 @@ class CalibrationModel:
             pending.discard(name)
             if stop_early and not pending:
                 raise _StopForward
-        for name, module in self.linear_layers(i).items():
+        layer = self.layers[i] if layer is None else layer
+        for name, module in self.linear_layers(i, layer).items():
             if observe is not None and name in observe:
                 hooks.append(module.register_forward_pre_hook(
                     lambda m, args, name=name, stats=observe[name]: hook(name, stats, args)))
-        layer = self.layers[i]
         out = []
         try:
             for x, residual in states:

@@ -7,6 +7,11 @@ import sys
 import time
 
 
+# GPTQ / AWQ settings whose defaults are QuantizeOptions' (chosen on held-out calibration
+# windows, benchmarks/quant/README.md); None: that default.
+TUNED = ("static_groups", "damp", "asym_calib", "clip_separate", "awq_duo", "awq_all_rows")
+
+
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
         "quantize", help="quantize a model to a safetensors checkpoint slipstream loads back",
@@ -29,13 +34,26 @@ def add_parser(subparsers) -> None:
     p.add_argument("--no-true-sequential", dest="true_sequential", action="store_false",
                    help="GPTQ: quantize all of a decoder layer from its unquantized inputs "
                         "(default: qkv, o, gate_up, down in turn, each from quantized inputs)")
-    p.add_argument("--static-groups", action="store_true",
+    p.add_argument("--static-groups", action=argparse.BooleanOptionalAction, default=None,
                    help="GPTQ act-order: fix every group's range up front so the codes stay in "
                         "input order (no gather of the layer's input at run time)")
-    p.add_argument("--damp", type=float, default=0.01,
-                   help="GPTQ: Hessian damping, a fraction of its mean diagonal (default 0.01)")
+    p.add_argument("--damp", type=float, default=None,
+                   help="GPTQ: Hessian damping, a fraction of its mean diagonal")
+    p.add_argument("--asym-calib", type=float, default=None,
+                   help="GPTQ: weight in [0, 1] of the asymmetric-calibration target (the "
+                        "unquantized model's outputs from the quantized model's inputs, "
+                        "GPTAQ); 0: plain GPTQ")
     p.add_argument("--clip-grid", type=int, default=20,
                    help="GPTQ/AWQ: steps of the group-range clipping search; 0: none (default 20)")
+    p.add_argument("--clip-separate", action=argparse.BooleanOptionalAction, default=None,
+                   help="GPTQ: search the low and high ends of each group's range apart")
+    p.add_argument("--awq-duo", action=argparse.BooleanOptionalAction, default=None,
+                   help="AWQ: also try duo scaling mean|x|^a / mean|w|^(1-a)")
+    p.add_argument("--awq-all-rows", action=argparse.BooleanOptionalAction, default=None,
+                   help="AWQ: search scales and clipping on every calibration row (Gram "
+                        "matrix) instead of a 2,048-row sample")
+    p.epilog = ("Unset GPTQ/AWQ settings take QuantizeOptions' defaults "
+                "(slipstream.quant.quantizer).")
     p.add_argument("--calib", default=None, help="calibration text file (default: a text "
                    "shipped with slipstream)")
     p.add_argument("--seq-len", type=int, default=512, help="tokens per calibration window")
@@ -72,8 +90,8 @@ def run(args) -> int:
     opts = QuantizeOptions(method=args.method, bits=args.bits,
                            group_size=args.group_size or None, sym=args.sym,
                            act_order=args.act_order, true_sequential=args.true_sequential,
-                           static_groups=args.static_groups, damp=args.damp,
                            clip_grid=args.clip_grid,
+                           **{k: getattr(args, k) for k in TUNED if getattr(args, k) is not None},
                            alpha=args.alpha, seq_len=args.seq_len,
                            num_windows=args.num_windows, avg_bits=args.avg_bits,
                            mixed_bits=_bit_list(args.mixed_bits))

@@ -60,7 +60,9 @@ def _one_thread(device: torch.device):
 
 def gptq_quantize(w: torch.Tensor, h: torch.Tensor, bits: int, group_size: int | None = 128,
                   sym: bool = False, block_size: int = 128, damp: float = 0.01,
-                  act_order: bool = False, clip_grid: int = 0, static_groups: bool = False
+                  act_order: bool = False, clip_grid: int = 0, static_groups: bool = False,
+                  clip_min: float = 0.5, clip_separate: bool = False,
+                  cross: torch.Tensor | None = None, cross_scale: float = 1.0
                   ) -> tuple[QTensor, torch.Tensor | None]:
     """w: [out, in]; h: [in, in] -> (QTensor over the columns in quantization order,
     perm [in] int64 when act_order else None). group_size None: one group per row.
@@ -68,25 +70,47 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, bits: int, group_size: int |
     static_groups (with act_order): every group's range is fixed up front from the weights
     in input order, so the codes are stored in input order and perm is None (the layer
     needs no gather of its input at run time); the quantization itself still runs in
-    act-order."""
+    act-order. clip_min, clip_separate: the range search's smallest ratio and whether it
+    shrinks the two ends of the range independently (group_qparams).
+    cross [in, in] = 2/n sum (x_ref - x)^T x (asymmetric calibration, GPTAQ, Li et al.
+    2025): the layer's inputs x come from the already quantized layers before it, x_ref from
+    the unquantized model; the objective becomes ||W X_ref - Q X||^2, whose minimizer over
+    unconstrained Q is W + W cross H^-1: GPTQ runs on that target (a column-wise pass
+    needs nothing else, the rest of the objective being a constant). cross_scale scales
+    the correction (1: the exact objective; 0: plain GPTQ)."""
     with _one_thread(w.device):
-        return _gptq(w, h, bits, group_size, sym, block_size, damp, act_order, clip_grid,
-                     static_groups and act_order)
+        return _gptq(w, h, bits, group_size, sym, block_size, damp, act_order,
+                     (clip_grid, clip_min, clip_separate), static_groups and act_order,
+                     None if cross is None or cross_scale == 0 else cross * cross_scale)
 
 
 def group_qparams(w: torch.Tensor, d: torch.Tensor, bits: int, sym: bool, grid: int,
-                  min_ratio: float = 0.5) -> tuple[torch.Tensor, torch.Tensor]:
+                  min_ratio: float = 0.5, separate: bool = False
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """(scale, zero) [rows, 1] of one group w [rows, cols]: with grid > 0 the range is shrunk
     by the ratio in [min_ratio, 1] (grid + 1 steps) minimizing each row's rounding error
     weighted by d [cols] = diag(H) (GPTQ's `mse` option, Hessian-weighted: a column's
-    rounding error costs the output d_j times its square)."""
+    rounding error costs the output d_j times its square). separate (asymmetric only): the
+    low and the high end of the range are shrunk by ratios searched independently
+    ((grid + 1)^2 candidates per row)."""
     s, z, _ = compute_qparams(w, bits, sym, "channel")
     if grid <= 0:
         return s, z
+    ratios = [1.0 - (1.0 - min_ratio) * i / grid for i in range(grid + 1)]
+    if separate and not sym:
+        qmax = 2 ** bits - 1
+        lo0 = w.amin(1, keepdim=True).clamp_max(0)
+        hi0 = w.amax(1, keepdim=True).clamp_min(0)
+        candidates = ((lo0 * a, hi0 * b) for a in ratios for b in ratios)
+    else:
+        candidates = (compute_qparams(w, bits, sym, "channel", clip=r)[:2] for r in ratios)
     best = None
-    for i in range(grid + 1):
-        r = 1.0 - (1.0 - min_ratio) * i / grid
-        si, zi, _ = compute_qparams(w, bits, sym, "channel", clip=r)
+    for c in candidates:
+        if separate and not sym:
+            si = ((c[1] - c[0]) / qmax).clamp_min(1e-10)
+            zi = torch.round(-c[0] / si).clamp(0, qmax)
+        else:
+            si, zi = c
         q = (quantize_codes(w, si, zi, bits).float() - zi) * si
         err = ((q - w).pow(2) * d[None, :]).sum(1, keepdim=True)
         if best is None:
@@ -98,8 +122,8 @@ def group_qparams(w: torch.Tensor, d: torch.Tensor, bits: int, sym: bool, grid: 
     return s, z
 
 
-def _gptq(w, h, bits, group_size, sym, block_size, damp, act_order, clip_grid=0,
-          static=False):
+def _gptq(w, h, bits, group_size, sym, block_size, damp, act_order, clip=(0, 0.5, False),
+          static=False, cross=None):
     out_f, in_f = w.shape
     group = in_f if group_size is None else min(group_size, in_f)   # last group may be narrower
     W = w.detach().float().clone()
@@ -113,7 +137,13 @@ def _gptq(w, h, bits, group_size, sym, block_size, damp, act_order, clip_grid=0,
         W, H = W[:, perm], H[perm][:, perm]
     H += damp * torch.diag(H).mean() * torch.eye(in_f)
     diag = torch.diag(H).clone()
-    U = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
+    h_inv = torch.cholesky_inverse(torch.linalg.cholesky(H))
+    if cross is not None:
+        c = cross.detach().float()
+        if perm is not None:
+            c = c[perm][:, perm]
+        W += W @ (c @ h_inv)
+    U = torch.linalg.cholesky(h_inv, upper=True)
 
     codes = torch.zeros(out_f, in_f, dtype=torch.uint8)
     n_groups = -(-in_f // group)
@@ -126,7 +156,7 @@ def _gptq(w, h, bits, group_size, sym, block_size, damp, act_order, clip_grid=0,
         w_in[:, perm], d_in[perm] = W, diag
         for g in range(n_groups):
             cols = slice(g * group, min((g + 1) * group, in_f))
-            s, z = group_qparams(w_in[:, cols], d_in[cols], bits, sym, clip_grid)
+            s, z = group_qparams(w_in[:, cols], d_in[cols], bits, sym, *clip)
             scale[:, g], zero[:, g] = s[:, 0], z[:, 0]
     for i1 in range(0, in_f, block_size):
         i2 = min(i1 + block_size, in_f)
@@ -138,8 +168,7 @@ def _gptq(w, h, bits, group_size, sym, block_size, damp, act_order, clip_grid=0,
             if not static and col % group == 0:
                 # The group's range from its current (error-updated) weights.
                 ahead = torch.cat([W1[:, i:], W[:, i2:]], dim=1)[:, :group]
-                s, z = group_qparams(ahead, diag[col:col + ahead.shape[1]], bits, sym,
-                                     clip_grid)
+                s, z = group_qparams(ahead, diag[col:col + ahead.shape[1]], bits, sym, *clip)
                 scale[:, col // group], zero[:, col // group] = s[:, 0], z[:, 0]
             stored = int(where[col])
             g = stored // group

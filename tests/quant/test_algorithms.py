@@ -47,6 +47,42 @@ def test_gptq_output_error_is_below_rtn(bits, group):
         1.05 * layer_error(w, dequantized_in_input_order(qa, pa), x)
 
 
+def test_gptq_range_search_with_separate_ends_is_no_worse_per_group():
+    from slipstream.quant.gptq import group_qparams
+    from slipstream.quant.primitives import quantize_codes
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(40, 64, generator=g)
+    w[::3, 7] = 6.0                             # one-sided outliers: the high end only
+    d = torch.rand(64, generator=g) + 0.1
+
+    def err(s, z):
+        q = (quantize_codes(w, s, z, 4).float() - z) * s
+        return ((q - w).pow(2) * d).sum(1)
+    one = err(*group_qparams(w, d, 4, False, 10))
+    two = err(*group_qparams(w, d, 4, False, 10, separate=True))
+    assert (two <= one + 1e-6).all() and two.sum() < 0.99 * one.sum()
+
+
+def test_gptq_asymmetric_calibration_targets_the_reference_outputs():
+    # x: inputs from quantized layers before this one; x_ref: the unquantized model's.
+    x_ref = correlated_inputs(seed=4)
+    x = x_ref + 0.3 * torch.randn(x_ref.shape, generator=torch.Generator().manual_seed(5)) \
+        * x_ref.std(0)
+    w = torch.randn(64, 256, generator=torch.Generator().manual_seed(6)) * 0.05
+    h = 2 * x.t() @ x / x.shape[0]
+    cross = 2 * (x_ref - x).t() @ x / x.shape[0]
+
+    def err(qt, perm):
+        w_hat = dequantized_in_input_order(qt, perm)
+        return (x @ w_hat.t() - x_ref @ w.t()).pow(2).mean().item()
+    plain = err(*gptq_quantize(w, h, 4, 64, act_order=True))
+    asym = err(*gptq_quantize(w, h, 4, 64, act_order=True, cross=cross))
+    assert asym < 0.8 * plain
+    # cross_scale 0 is plain GPTQ.
+    same = gptq_quantize(w, h, 4, 64, cross=cross, cross_scale=0.0)[0]
+    assert torch.equal(same.codes, gptq_quantize(w, h, 4, 64)[0].codes)
+
+
 def test_gptq_on_uncorrelated_inputs_is_close_to_rtn_and_exact_weights_stay():
     # With H = identity there is nothing to compensate through: GPTQ reduces to RTN.
     w = torch.randn(32, 128)
@@ -79,6 +115,26 @@ def test_awq_scale_search_lowers_the_output_error():
     assert layer_error(w, w_hat, x) == pytest.approx(min(res.errors), rel=1e-4)
 
 
+def test_awq_duo_scaling_candidates_can_only_lower_the_searched_error():
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(512, 160, generator=g)
+    x[:, :4] *= 30.0
+    w = torch.randn(64, 160, generator=g) * 0.05
+    w[:, 100:] *= 8.0                           # columns of larger weights
+    wm = awq.weight_mean(w, 64)
+    assert wm.shape == (160,) and 0 < wm.min() and wm.max() <= 1
+    plain = awq.search_scales(w, x, bits=4, group_size=64, grid=10)
+    duo = awq.search_scales(w, x, bits=4, group_size=64, grid=10, w_mean=wm)
+    assert len(duo.errors) == 2 * len(plain.errors)
+    assert duo.errors[:11] == plain.errors and min(duo.errors) <= min(plain.errors)
+    by_gram = awq.search_scales(w, None, 4, 64, grid=10, x_abs_mean=x.abs().mean(0),
+                                w_mean=wm, gram=x.t() @ x / x.shape[0])
+    assert by_gram.alpha == duo.alpha and by_gram.duo == duo.duo
+    assert by_gram.errors == pytest.approx(duo.errors, rel=1e-4)
+    s = awq.awq_scales(x.abs().mean(0), 0.5, wm)
+    assert (s.max() * s.min()).item() == pytest.approx(1.0, rel=1e-5)
+
+
 def test_awq_clip_search_lowers_the_output_error_and_only_shrinks():
     g = torch.Generator().manual_seed(5)
     x = torch.randn(256, 160, generator=g)       # 160 = 2 x 64 + a 32-wide last group
@@ -89,6 +145,9 @@ def test_awq_clip_search_lowers_the_output_error_and_only_shrinks():
     plain = fake_quantize(w, 4, False, "group", 64)
     clipped = fake_quantize(wc, 4, False, "group", 64)
     assert layer_error(w, clipped, x) < 0.95 * layer_error(w, plain, x)
+    # The same search from the inputs' Gram matrix alone (all calibration rows, no sample).
+    torch.testing.assert_close(awq.search_clip(w, None, 4, 64, grid=10,
+                                               gram=x.t() @ x / x.shape[0]), wc)
 
 
 def test_smoothquant_alpha_search_beats_no_smoothing():

@@ -37,7 +37,9 @@ def dense(tiny_llama):
     (dict(method="gptq", bits=4, act_order=False, true_sequential=False, clip_grid=0), 0.8),
     (dict(method="gptq", bits=4, sym=True), 0.8),      # act-order, true-sequential, clipping
     (dict(method="gptq", bits=4, static_groups=True), 0.8),
+    (dict(method="gptq", bits=4, asym_calib=1.0, clip_separate=True, clip_grid=4), 0.8),
     (dict(method="awq", bits=4), 0.8),
+    (dict(method="awq", bits=4, awq_duo=True, awq_clip_grid=4, awq_all_rows=True), 0.8),
     (dict(method="smoothquant"), 0.15),
     (dict(method="mixed", avg_bits=5.0, mixed_bits=(4, 8)), 0.8),
 ])
@@ -91,7 +93,7 @@ def test_folding_keeps_the_float_model(model, how, request):
     states = cm.embed(windows)
     info = {}
     for i in range(len(cm.layers)):
-        stats = {n: InputStats(m.input_size, hessian=False)
+        stats = {n: InputStats(m.input_size, hessian=how == "awq")   # AWQ: all-row Gram
                  for n, m in cm.linear_layers(i).items()}
         cm.run_layer(i, states, stats)
         if how == "awq":
@@ -130,3 +132,19 @@ def test_cli_quantize_rtn_and_load(tiny_llama, dense, tmp_path, capsys):
         make_llm(out, quantization="fp8")
     assert main(["quantize", str(tiny_llama), "-o", str(out), "--method", "nope"]) == 2
     assert "method" in capsys.readouterr().err
+
+
+def test_cli_gptq_settings_reach_the_options(tiny_llama, tmp_path):
+    from slipstream.cli import main
+    from slipstream.quant.quantizer import QuantizeOptions
+    calib = tmp_path / "calib.txt"
+    calib.write_text(CALIB)
+    out = tmp_path / "gptq"
+    assert main(["quantize", str(tiny_llama), "-o", str(out), "--calib", str(calib),
+                 "--seq-len", "32", "--num-windows", "2", "--asym-calib", "0.25",
+                 "--no-static-groups", "--clip-grid", "2"]) == 0
+    opts = json.loads((out / "config.json").read_text())["quantization_config"]["options"]
+    assert opts["asym_calib"] == 0.25 and opts["static_groups"] is False
+    assert opts["damp"] == QuantizeOptions().damp        # unset: the library's default
+    with pytest.raises(ValueError, match="asym_calib"):
+        QuantizeOptions(asym_calib=1.5)
