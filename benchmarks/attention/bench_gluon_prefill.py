@@ -1,0 +1,231 @@
+"""The Gluon (FlashAttention-3-style) prefill kernel on an H100/H200, in one run.
+
+    python3 benchmarks/attention/bench_gluon_prefill.py --out DIR [--smoke]
+
+1. every variant (gluon_checks.VARIANTS) is checked against an fp32 reference
+   (bf16 and fp16; ragged requests, GQA, causal and not) in a child process
+   with a timeout: a variant that fails to compile, is wrong or hangs is
+   reported and left out of the timing;
+2. the benchmark's prefill shapes (hdim 128, 16 heads, 16k tokens: 4 x 4k and
+   1 x 16k, causal and not; ragged lengths; GQA 16/4) are timed for SDPA flash,
+   SDPA cuDNN, our Triton kernel and every passing variant, interleaved in the
+   same run, each output first checked against SDPA flash (or the Triton kernel);
+3. writes DIR/gluon_prefill.json and .md and prints the short table.
+--smoke (no GPU): step 1 compiles every variant for sm_90 instead, step 2 is skipped.
+"""
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import json
+import os
+import selectors
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+sys.path[:0] = [str(ROOT), str(HERE)]
+
+from gluon_checks import VARIANTS, rel_err  # noqa: E402
+
+HEADS, HEAD_DIM, TOKENS = 16, 128, 16384
+SCALE = HEAD_DIM ** -0.5
+VARIANT_TIMEOUT_S = 90  # a variant's checks take seconds; longer means a hang
+TOTAL_LIMIT_S = 230  # past this, write what was measured and exit (a hang while timing)
+# name, request lengths, kv heads, causal
+SHAPES = [("dense 4x4k causal", [4096] * 4, 16, True),
+          ("dense 1x16k causal", [16384], 16, True),
+          ("dense 4x4k", [4096] * 4, 16, False),
+          ("dense 1x16k", [16384], 16, False),
+          ("varlen causal", None, 16, True),
+          ("gqa 16/4 4x4k causal", [4096] * 4, 4, True)]
+
+
+def run_checks(names: list[str], smoke: bool, log) -> dict:
+    """Variant -> check result, from child processes; restarted past a hang."""
+    results, todo = {}, list(names)
+    while todo:
+        cmd = [sys.executable, str(HERE / "gluon_checks.py"), *todo] + (["--compile-only"] if smoke else [])
+        child = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=ROOT)
+        current, deadline = None, time.time() + VARIANT_TIMEOUT_S
+        sel = selectors.DefaultSelector()
+        sel.register(child.stdout, selectors.EVENT_READ)
+        while True:
+            if not sel.select(timeout=max(deadline - time.time(), 0.1)):
+                if time.time() < deadline:
+                    continue
+                child.kill()
+                results[current or todo[0]] = {"ok": False, "error": f"no result in {VARIANT_TIMEOUT_S} s (hang?)"}
+                log(f"  {current}: timed out, killed")
+                break
+            line = child.stdout.readline()
+            if not line:
+                break
+            msg = json.loads(line)
+            if "start" in msg:
+                current, deadline = msg["start"], time.time() + VARIANT_TIMEOUT_S
+                continue
+            results[msg.pop("name")] = msg
+            log(f"  {current}: {json.dumps(msg)[:300]}")
+            current = None
+        child.wait()
+        left = [n for n in todo if n not in results]
+        if left and left == todo:  # the child died before its first result
+            for n in left:
+                results[n] = {"ok": False, "error": "check process exited without a result"}
+            left = []
+        todo = left
+    return results
+
+
+def _lengths(lengths):
+    if lengths is not None:
+        return lengths
+    import torch
+    gen, out, total = torch.Generator().manual_seed(1), [], 0
+    while total < TOKENS:  # the attention benchmark's ragged batch
+        n = min(int(torch.randint(200, 4000, (1,), generator=gen)), TOKENS - total)
+        out.append(n)
+        total += n
+    return out
+
+
+def time_shape(name, lengths, kv_heads, causal, variants, log) -> dict:
+    import torch
+    import triton
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from prefill_cases import attn_flops
+    from timing import cu_seqlens, interleaved
+    from slipstream.kernels.gluon_prefill import gluon_prefill
+    from slipstream.kernels.prefill_attention import prefill_attention
+
+    lengths = _lengths(lengths)
+    dev, tokens, n_max = "cuda", sum(lengths), max(lengths)
+    q = torch.randn(tokens, HEADS, HEAD_DIM, device=dev, dtype=torch.bfloat16)
+    k, v = (torch.randn(tokens, kv_heads, HEAD_DIM, device=dev, dtype=torch.bfloat16) for _ in range(2))
+    cu = cu_seqlens(lengths, dev)
+    flops = attn_flops(lengths, lengths, causal)
+    row = {"shape": name, "lengths": lengths if len(lengths) <= 8 else f"{len(lengths)} ragged",
+           "kv_heads": kv_heads, "causal": causal, "flops": flops, "tflops": {}, "err": {}}
+    calls = {}
+    if len(set(lengths)) == 1 and kv_heads == HEADS:  # SDPA on the dense [B, H, N, D] view
+        b = len(lengths)
+        qb, kb, vb = (x.view(b, n_max, HEADS, HEAD_DIM).transpose(1, 2) for x in (q, k, v))
+        for sdpa, backend in (("sdpa_flash", SDPBackend.FLASH_ATTENTION), ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION)):
+            def call(backend=backend):
+                with sdpa_kernel([backend]):
+                    return F.scaled_dot_product_attention(qb, kb, vb, is_causal=causal, scale=SCALE)
+            calls[sdpa] = (call, lambda o: o.transpose(1, 2).reshape(tokens, HEADS, HEAD_DIM))
+    cache = torch.empty(1, 16, kv_heads, HEAD_DIM, dtype=q.dtype, device=dev)
+    ctx = torch.zeros(len(lengths), dtype=torch.int32, device=dev)
+    tables = torch.zeros(len(lengths), 1, dtype=torch.int32, device=dev)
+    t_out = torch.empty_like(q)
+    calls["triton"] = (lambda: prefill_attention(q, k, v, cache, cache, cu, ctx, tables, n_max, SCALE,
+                                                 causal=causal, out=t_out), lambda o: o)
+    for vname in variants:
+        g_out = torch.empty_like(q)
+        calls[vname] = (lambda cfg=VARIANTS[vname], g_out=g_out: gluon_prefill(
+            q, k, v, cu, n_max, SCALE, causal=causal, out=g_out, config=cfg), lambda o: o)
+    ref, timers = None, {}
+    for cname, (call, view) in calls.items():  # run once each: compile, check, then time
+        try:
+            out = view(call())
+            torch.cuda.synchronize()
+        except Exception as e:
+            row["err"][cname] = f"{type(e).__name__}: {str(e)[:200]}"
+            continue
+        ref = out.clone() if ref is None else ref
+        row["err"][cname] = rel_err(out, ref)
+        if row["err"][cname] < 2e-2:
+            timers[cname] = lambda call=call: triton.testing.do_bench(call, warmup=10, rep=50,
+                                                                      return_mode="median")
+    row["reference"] = next(iter(calls))
+    for cname, t in interleaved(timers, rounds=3).items():
+        row["tflops"][cname] = flops / t["ms"] / 1e9
+    log(f"  {name}: " + ", ".join(f"{c} {t:.0f}" for c, t in row["tflops"].items()))
+    return row
+
+
+def markdown(res: dict) -> str:
+    lines = ["# Gluon prefill (bf16, hdim 128, 16 heads, TFLOP/s)", "",
+             f"{res['device']}, torch {res['torch']}, triton {res['triton']}, {res['seconds']:.0f} s", "",
+             "## Variant checks", "", "| variant | ok | worst / detail |", "|---|---|---|"]
+    for name, r in res["checks"].items():
+        detail = r.get("error") or (max(r["errors"].values()) if "errors" in r else
+                                    {k: r[k] for k in ("wgmma", "softmax_under_two_groups", "shared_bytes") if k in r})
+        lines.append(f"| {name} | {r['ok']} | {detail} |")
+    for row in res["shapes"]:
+        t = row["tflops"]
+        gluon = {c: x for c, x in t.items() if c in VARIANTS}
+        best = max(gluon, key=gluon.get) if gluon else None
+        lines += ["", f"## {row['shape']} (lengths {row['lengths']}, kv heads {row['kv_heads']})", "",
+                  "| kernel | TFLOP/s | x cuDNN | x flash | x triton | rel err |", "|---|---|---|---|---|---|"]
+        for c, x in sorted(t.items(), key=lambda kv: -kv[1]):
+            ratios = [f"{x / t[b]:.2f}x" if b in t else "-" for b in ("sdpa_cudnn", "sdpa_flash", "triton")]
+            err = row["err"].get(c)
+            lines.append(f"| {c}{' (best gluon)' if c == best else ''} | {x:.0f} | {' | '.join(ratios)} | "
+                         f"{err:.1e} |" if isinstance(err, float) else f"| {c} | {x:.0f} | | | | |")
+        for c, e in row["err"].items():
+            if c not in t:
+                lines.append(f"| {c}: not timed | | | | | {e} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, default=HERE / "results" / "gluon")
+    ap.add_argument("--smoke", action="store_true", help="no GPU: compile every variant for sm_90 only")
+    ap.add_argument("--variants", nargs="*", default=list(VARIANTS))
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    import torch
+    import triton
+
+    def log(msg):
+        print(f"[{time.time() - t0:6.1f}s] {msg}", flush=True)
+
+    res = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (compile only)",
+           "torch": torch.__version__, "triton": triton.__version__, "checks": {}, "shapes": []}
+    watchdog(res, args.out, t0)
+    log("variant checks" + (" (compile only)" if args.smoke else ""))
+    res["checks"] = run_checks(args.variants, args.smoke, log)
+    passing = [n for n, r in res["checks"].items() if r["ok"]]
+    if not args.smoke:
+        for name, lengths, kv_heads, causal in SHAPES:
+            try:
+                res["shapes"].append(time_shape(name, lengths, kv_heads, causal, passing, log))
+            except Exception as e:  # one shape's failure must not lose the others
+                res["shapes"].append({"shape": name, "lengths": lengths, "kv_heads": kv_heads,
+                                      "tflops": {}, "err": {"all": f"{type(e).__name__}: {e}"[:300]}})
+            save(res, args.out, t0)
+    print(save(res, args.out, t0))
+
+
+def save(res: dict, out: Path, t0: float) -> str:
+    res["seconds"] = time.time() - t0
+    (out / "gluon_prefill.json").write_text(json.dumps(res, indent=1))
+    md = markdown(res)
+    (out / "gluon_prefill.md").write_text(md)
+    return md
+
+
+def watchdog(res: dict, out: Path, t0: float) -> None:
+    """Past TOTAL_LIMIT_S: print where the run is stuck, save, exit."""
+    def fire():
+        faulthandler.dump_traceback()
+        res["aborted"] = f"stopped after {TOTAL_LIMIT_S} s"
+        print(save(res, out, t0), flush=True)
+        os._exit(3)
+    timer = threading.Timer(TOTAL_LIMIT_S, fire)
+    timer.daemon = True
+    timer.start()
+
+
+if __name__ == "__main__":
+    main()
