@@ -1,0 +1,131 @@
+"""The Gluon prefill kernel (sm_90 only).
+
+On the CPU: every kernel variant compiles for sm_90 (a child process without the
+interpreter, as in test_sm90_compile.py) and its PTX has FlashAttention-3's
+overlap (the softmax's exp2 runs while the scores' and the previous P.V's
+wgmma groups were both issued, only the first waited on); bad input raises
+ValueError. On an H100/H200: outputs against the plain-PyTorch twin
+(reference.prefill_attention without context), bf16 and fp16.
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from slipstream.kernels import reference
+from slipstream.kernels.gluon_compile import overlap_report
+from slipstream.kernels.gluon_prefill import check_inputs, gluon_prefill, kernel_args
+
+ROOT = Path(__file__).resolve().parents[2]
+BASE = {"BLOCK_M": 128, "BLOCK_N": 128, "STAGES": 2, "WS": False, "PINGPONG": False, "num_warps": 8}
+CONFIGS = {
+    "default": ({}, {}),
+    "ws_n64_s4_fp16_gqa": ({"WS": True, "BLOCK_N": 64, "STAGES": 4},
+                           {"dtype": "float16", "kv_heads": 4, "causal": False}),
+    "pingpong": ({"WS": True, "PINGPONG": True, "num_warps": 4}, {}),
+    "m64_w4": ({"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4}, {"causal": False}),
+}
+_CHILD = """
+import json, sys, torch
+from slipstream.kernels.gluon_compile import compile_prefill, overlap_report
+out = {}
+for name, (cfg, kw) in json.loads(sys.argv[1]).items():
+    if "dtype" in kw:
+        kw["dtype"] = getattr(torch, kw["dtype"])
+    try:
+        k = compile_prefill(cfg, **kw)
+        out[name] = {"shared": k.metadata.shared, **overlap_report(k.asm["ptx"])}
+    except FileNotFoundError as e:  # a Triton build without its ptxas
+        out[name] = {"skip": str(e)}
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=os.pathsep.join(
+        [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    run = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(CONFIGS)], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_compiles_for_sm90_with_overlap(compiled, name):
+    r = compiled[name]
+    if "skip" in r:
+        pytest.skip(r["skip"])
+    assert r["wgmma"] >= 16 and r["tma_copies"] > 0, r
+    assert r["softmax_under_two_groups"], r
+    assert r["shared"] <= 227 * 1024, r
+
+
+def test_overlap_report_sees_serial_wgmma():
+    """A loop that waits on each group at once (what Triton 3.6 emits) is not
+    reported as overlapped."""
+    body = ["wgmma.mma_async.sync.aligned.m64n128k16 {...};", "wgmma.commit_group.sync.aligned;",
+            "wgmma.wait_group.sync.aligned 0;", "ex2.approx.ftz.f32 %r1, %r2;"]
+    assert not overlap_report("\n".join(body * 2))["softmax_under_two_groups"]
+    overlapped = body[:2] * 2 + ["wgmma.wait_group.sync.aligned 1;", "ex2.approx.f32 %r1, %r2;"]
+    assert overlap_report("\n".join(overlapped))["softmax_under_two_groups"]
+
+
+def _qkv(tokens=64, heads=4, kv_heads=2, dim=128, dtype=torch.bfloat16):
+    return (torch.zeros(tokens, heads, dim, dtype=dtype),
+            torch.zeros(tokens, kv_heads, dim, dtype=dtype),
+            torch.zeros(tokens, kv_heads, dim, dtype=dtype))
+
+
+@pytest.mark.parametrize("bad, match", [
+    (lambda q, k, v, cu: (q[..., :64], k[..., :64], v[..., :64], cu), "head_dim"),
+    (lambda q, k, v, cu: (q.float(), k.float(), v.float(), cu), "dtype"),
+    (lambda q, k, v, cu: (q[:, :3], k, v, cu), "heads"),
+    (lambda q, k, v, cu: (q, k[:32], v[:32], cu), "tokens"),
+    (lambda q, k, v, cu: (q.transpose(0, 1).contiguous().transpose(0, 1), k, v, cu), "strides"),
+    (lambda q, k, v, cu: (q, k, v, cu.long()), "cu_seqlens"),
+])
+def test_rejects_unsupported_input(bad, match):
+    q, k, v = _qkv()
+    cu = torch.tensor([0, 64], dtype=torch.int32)
+    with pytest.raises(ValueError, match=match):
+        check_inputs(*bad(q, k, v, cu))
+
+
+def test_needs_hopper_and_valid_config():
+    q, k, v = _qkv()
+    cu = torch.tensor([0, 64], dtype=torch.int32)
+    with pytest.raises(ValueError, match="sm_90"):
+        gluon_prefill(q, k, v, cu, 64, 0.1)  # CPU tensors
+    with pytest.raises(ValueError, match="PINGPONG"):
+        kernel_args(q, k, v, q, cu, 64, 0.1, True, {"PINGPONG": True})
+    with pytest.raises(ValueError, match="num_warps"):
+        kernel_args(q, k, v, q, cu, 64, 0.1, True, {"BLOCK_M": 64})
+
+
+hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                            reason="the Gluon prefill kernel needs an sm_90 GPU")
+
+
+@hopper
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("config", [BASE, {**BASE, "WS": True},
+                                    {**BASE, "WS": True, "PINGPONG": True, "num_warps": 4}])
+def test_matches_reference_on_gpu(dtype, causal, config):
+    lengths, heads, kv_heads = [1, 100, 128, 129, 777], 8, 2
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    q = torch.randn(sum(lengths), heads, 128, dtype=dtype, device="cuda")
+    k, v = (torch.randn(sum(lengths), kv_heads, 128, dtype=dtype, device="cuda") for _ in range(2))
+    out = torch.full_like(q, float("nan"))
+    gluon_prefill(q, k, v, cu, max(lengths), 128 ** -0.5, causal=causal, out=out, config=config)
+    cache = torch.zeros(1, 16, kv_heads, 128, dtype=dtype, device="cuda")
+    ref = reference.prefill_attention(
+        q, k, v, cache, cache, cu, torch.zeros(len(lengths), dtype=torch.int32, device="cuda"),
+        torch.zeros(len(lengths), 1, dtype=torch.int32, device="cuda"), 128 ** -0.5, causal=causal)
+    tol = 2e-2 if dtype == torch.bfloat16 else 4e-3
+    torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
