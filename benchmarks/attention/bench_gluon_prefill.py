@@ -157,7 +157,7 @@ def markdown(res: dict) -> str:
              "## Variant checks", "", "| variant | ok | worst / detail |", "|---|---|---|"]
     for name, r in res["checks"].items():
         detail = r.get("error") or (max(r["errors"].values()) if "errors" in r else
-                                    {k: r[k] for k in ("wgmma", "softmax_under_two_groups", "shared_bytes") if k in r})
+                                    {k: r[k] for k in ("wgmma", "sass_exp2_under_pv", "shared_bytes") if k in r})
         lines.append(f"| {name} | {r['ok']} | {detail} |")
     for row in res["shapes"]:
         t = row["tflops"]

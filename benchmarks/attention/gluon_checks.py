@@ -87,9 +87,10 @@ def check_variant(cfg: dict) -> dict:
 
 
 def compile_variant(cfg: dict) -> dict:
-    from slipstream.kernels.gluon_compile import compile_prefill, overlap_report
+    from slipstream.kernels.gluon_compile import compile_prefill, overlap_report, sass_overlap
     k = compile_prefill(cfg)
-    return {"ok": True, "shared_bytes": k.metadata.shared, **overlap_report(k.asm["ptx"])}
+    return {"ok": True, "shared_bytes": k.metadata.shared, **overlap_report(k.asm["ptx"]),
+            "sass_exp2_under_pv": sass_overlap(k.asm["cubin"])}
 
 
 def main(names: list[str], compile_only: bool) -> None:

@@ -3,13 +3,17 @@ read what it compiled to.
 
 Triton's compiler runs for a named target with its bundled LLVM and ptxas, so a
 CPU-only machine (CI) can check that every kernel variant still compiles and
-that its PTX has the FlashAttention-3 shape: the scores' wgmma group and the
-previous tile's P.V group both in flight (two commits, then `wait_group 1`)
-while the softmax's exp2 runs.
+has the FlashAttention-3 shape: the scores' wgmma group and the previous tile's
+P.V group both in flight (two commits, then `wait_group 1`) while the softmax's
+exp2 runs, in the PTX and, after ptxas's scheduling, in the SASS (exp2 between
+`WARPGROUP.DEPBAR.LE gsb0, 0x1` and the next `..., 0x0`).
 """
 from __future__ import annotations
 
 import re
+import subprocess
+import tempfile
+from pathlib import Path
 
 import torch
 import triton
@@ -79,3 +83,38 @@ def overlap_report(ptx: str) -> dict:
             j, steps = j + 1, steps + 1
     return {"wgmma": events.count("mma"), "commits": events.count("commit"),
             "softmax_under_two_groups": overlapped, "tma_copies": events.count("tma")}
+
+
+def _cuobjdump() -> Path:
+    import triton.backends.nvidia as nv
+    return Path(nv.__file__).parent / "bin" / "cuobjdump"
+
+
+def sass_overlap(cubin: bytes) -> list[int]:
+    """For each `WARPGROUP.DEPBAR.LE gsb0, 0x1` in the SASS, how many MUFU.EX2
+    run before the next full wait (`..., 0x0`), following unconditional
+    branches and the fall-through of conditional ones. Raises FileNotFoundError
+    where Triton ships no cuobjdump."""
+    tool = _cuobjdump()
+    if not tool.exists():
+        raise FileNotFoundError(tool)
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        sass = subprocess.run([str(tool), "-sass", f.name], capture_output=True, text=True,
+                              check=True).stdout
+    ins = [(int(m.group(1), 16), m.group(2).strip()) for ln in sass.splitlines()
+           if (m := re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", ln))]
+    at = {addr: i for i, (addr, _) in enumerate(ins)}
+    counts = []
+    for i, (_, text) in enumerate(ins):
+        if "DEPBAR.LE gsb0, 0x1" not in text:
+            continue
+        j, exp2, steps = i + 1, 0, 0
+        while j < len(ins) and steps < 20000 and "DEPBAR.LE gsb0, 0x0" not in ins[j][1]:
+            exp2 += "MUFU.EX2" in ins[j][1]
+            m = re.match(r"BRA (0x[0-9a-f]+)", ins[j][1])  # unconditional only
+            j = at.get(int(m.group(1), 16), j + 1) if m else j + 1
+            steps += 1
+        counts.append(exp2)
+    return counts

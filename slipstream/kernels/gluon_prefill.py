@@ -1,26 +1,21 @@
 """Prefill attention for Hopper (sm_90) in Gluon, laid out as FlashAttention-3.
 
-Triton's own compiler cannot overlap the tensor cores with the softmax on sm_90
-(an early QK^T is waited on at once, warp specialisation compiles to the same
-code). Gluon, Triton's lower-level dialect, states that overlap explicitly:
-
-  * K/V tiles stream through a ring of STAGES shared-memory slots filled by TMA
-    (bulk tensor copies), each slot with a "ready" mbarrier (bytes landed) and,
-    with warp specialisation, an "empty" one (the consumers are done with it);
-  * QK^T and P.V are asynchronous warpgroup MMAs (wgmma). In each step the next
-    tile's QK^T and the previous tile's P.V are issued before the softmax of the
-    current scores, so the softmax runs under both GEMMs (FA3's intra-warpgroup
-    pipelining); P goes to the second GEMM straight from registers;
-  * WS: one producer warp issues every TMA copy (the consumers never stall on a
-    copy of their own); PINGPONG: two consumer warpgroups, 64 query rows each,
-    take turns issuing their GEMMs (two mbarriers pass the turn), so one's
-    softmax runs while the other's GEMMs hold the tensor cores.
-
-Layout: q [tokens, heads, D], k/v [tokens, kv_heads, D] packed by request
-(cu_seqlens, no cached context), seen by TMA as 2-D [tokens, heads * D]; rows
-of a tile past the request end belong to the next request (or are zero-filled
-past the tensor) and are masked. GQA: query head h reads KV head h // GROUP.
-The portable path (any GPU, CPU interpreter) stays prefill_attention.py.
+Triton 3.6 does not overlap the tensor cores with the softmax on sm_90 (an
+early QK^T is waited on at once). Gluon, its lower-level dialect, states the
+FA3 structure explicitly:
+  * K/V tiles stream through a ring of STAGES shared-memory slots filled by TMA,
+    each with a "ready" mbarrier (bytes landed) and, with a producer warp, an
+    "empty" one (every consumer is done with the slot);
+  * QK^T and P.V are asynchronous wgmma: step j issues S_j = Q K_j^T and then
+    O += P_{j-1} V_{j-1} (P straight from registers), waits for S_j only, and
+    runs the softmax of S_j while P.V is still on the tensor cores;
+  * WS: one producer warp issues every copy; PINGPONG: two consumer warpgroups
+    of 64 query rows take turns issuing their GEMMs (two mbarriers pass the
+    turn), so one's softmax runs while the other's GEMMs hold the tensor cores.
+q [tokens, heads, D], k/v [tokens, kv_heads, D] packed by request (cu_seqlens,
+no cached context) are seen by TMA as 2-D [tokens, heads * D]; tile rows past a
+request's end (the next request's, or zeros past the tensor) are masked. GQA:
+query head h reads KV head h // GROUP. The portable path stays prefill_attention.py.
 """
 from __future__ import annotations
 
@@ -32,47 +27,17 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from slipstream.kernels.gluon_attention_tile import load_kv, producer, retire_pv, softmax_tile
+
 LOG2E = 1.4426950408889634
 HEAD_DIMS = (128,)
 DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
 @gluon.jit
-def _load_kv(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, t, kv_row0, kv_col, pred,
-             STAGES: gl.constexpr, BLOCK_N: gl.constexpr):
-    """Start the TMA copies of key/value tile t into slot t % STAGES."""
-    slot = t % STAGES
-    row = kv_row0 + t * BLOCK_N
-    mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes, pred)
-    tma.async_copy_global_to_shared(k_desc, [row, kv_col], k_ready.index(slot), k_bufs.index(slot), pred)
-    mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes, pred)
-    tma.async_copy_global_to_shared(v_desc, [row, kv_col], v_ready.index(slot), v_bufs.index(slot), pred)
-
-
-@gluon.jit
-def _softmax(s, m_i, l_i, start, offs_m, q_len, mask_from, qk_scale,
-             CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
-    """Online softmax of one score tile (keys start..start+BLOCK_N). m_i is kept
-    in log2 units (scaled), so p = exp2(s * scale - m) is one FMA and one MUFU op.
-    Only tiles at or past mask_from (causal diagonal, request end) are masked."""
-    if start >= mask_from:
-        offs_n = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        keep = offs_n[None, :] < q_len
-        if CAUSAL:
-            keep = keep & (offs_n[None, :] <= offs_m[:, None])
-        s = gl.where(keep, s, float("-inf"))
-    # Every row sees key 0 in the first tile, so m_new is finite from there on.
-    m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
-    p = gl.exp2(s * qk_scale - m_new[:, None])
-    alpha = gl.exp2(m_i - m_new)
-    l_i = l_i * alpha + gl.sum(p, axis=1)
-    return p, m_new, l_i, alpha
-
-
-@gluon.jit
 def _consumer(q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, q_bar, turn_bars,
-              k_desc, v_desc, o_desc, Out, q_start, q_len, m_row0, head, kv_row0, kv_col,
-              n_tiles, mask_from, stride_ot, qk_scale, ME: gl.constexpr,
+              k_desc, v_desc, o_desc, Out, q_start, q_len, m_row0, head, kv_col, n_tiles,
+              mask_from, stride_ot, qk_scale, ME: gl.constexpr,
               CAUSAL: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
               HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr,
               SELF_LOAD: gl.constexpr, PINGPONG: gl.constexpr):
@@ -99,8 +64,8 @@ def _consumer(q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, q_bar, turn_ba
     s = warpgroup_mma_wait(0, deps=(s_tok,))
     m_i = gl.full([ROWS], float("-inf"), gl.float32, row_layout)
     l_i = gl.zeros([ROWS], gl.float32, row_layout)
-    p, m_i, l_i, alpha = _softmax(s, m_i, l_i, 0, offs_m, q_len, mask_from, qk_scale,
-                                  CAUSAL, BLOCK_N, s_layout)
+    p, m_i, l_i, alpha = softmax_tile(s, m_i, l_i, 0, offs_m, q_len, mask_from, qk_scale,
+                                      CAUSAL, BLOCK_N, s_layout)
     acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
 
     for j in range(1, n_tiles):
@@ -110,31 +75,31 @@ def _consumer(q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, q_bar, turn_ba
         mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
         if PINGPONG:
             mbarrier.wait(turn_bars.index(ME), turn & 1)
-        # Issue S_j = Q K_j^T, then O += P_{j-1} V_{j-1}; the softmax of S_j
-        # below runs while P.V is still on the tensor cores.
+        # Issue S_j = Q K_j^T, rescale O (idle now), issue O += P_{j-1} V_{j-1};
+        # the softmax of S_j below runs while P.V is still on the tensor cores.
         s_tok = warpgroup_mma(q_smem, k_bufs.index(slot).permute((1, 0)), zero_s,
                               use_acc=False, is_async=True)
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
         p_op = gl.convert_layout(p.to(dtype), p_layout)
         acc_tok = warpgroup_mma(p_op, v_bufs.index(prev), acc, is_async=True)
         if PINGPONG:
             mbarrier.arrive(turn_bars.index(1 - ME))
             turn += 1
         s = warpgroup_mma_wait(1, deps=(s_tok,))  # wgmma groups retire in order: S_j done
-        p, m_i, l_i, alpha = _softmax(s, m_i, l_i, j * BLOCK_N, offs_m, q_len, mask_from,
-                                      qk_scale, CAUSAL, BLOCK_N, s_layout)
-        # P's registers feed the asynchronous P.V: kept alive (deps) until it retires.
-        acc, p_op = warpgroup_mma_wait(0, deps=(acc_tok, p_op))
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        p, m_i, l_i, alpha = softmax_tile(s, m_i, l_i, j * BLOCK_N, offs_m, q_len, mask_from,
+                                          qk_scale, CAUSAL, BLOCK_N, s_layout)
+        acc = retire_pv(acc_tok, p_op, q_start >= 0)
         # Tile j - 1 is consumed (K by S_{j-1}, V by the P.V just retired).
         if SELF_LOAD:
             gl.thread_barrier()  # both warpgroups are past it before it is overwritten
-            _load_kv(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, j - 1 + STAGES,
-                     kv_row0, kv_col, j - 1 + STAGES < n_tiles, STAGES, BLOCK_N)
+            load_kv(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, j - 1 + STAGES,
+                    q_start, kv_col, j - 1 + STAGES < n_tiles, STAGES, BLOCK_N)
         else:
             mbarrier.arrive(kv_empty.index(prev))
 
     last = (n_tiles - 1) % STAGES
     mbarrier.wait(v_ready.index(last), ((n_tiles - 1) // STAGES) & 1)
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
     p_op = gl.convert_layout(p.to(dtype), p_layout)
     acc_tok = warpgroup_mma(p_op, v_bufs.index(last), acc, is_async=True)
     acc, p_op = warpgroup_mma_wait(0, deps=(acc_tok, p_op))
@@ -151,30 +116,6 @@ def _consumer(q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, q_bar, turn_ba
         cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
         ptrs = Out + (q_start + rows).to(gl.int64)[:, None] * stride_ot + head * HEAD_DIM + cols[None, :]
         gl.store(ptrs, out, mask=(rows < q_len)[:, None])
-
-
-@gluon.jit
-def _producer(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, kv_empty, kv_row0, kv_col,
-              n_tiles, STAGES: gl.constexpr, BLOCK_N: gl.constexpr):
-    """One warp: refill each slot as soon as every consumer has released it."""
-    for t in range(n_tiles):
-        if t >= STAGES:
-            mbarrier.wait(kv_empty.index(t % STAGES), ((t - STAGES) // STAGES) & 1)
-        _load_kv(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, t, kv_row0, kv_col, True,
-                 STAGES, BLOCK_N)
-
-
-@gluon.jit
-def _pingpong_partner(q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, q_bar, turn_bars,
-                      k_desc, v_desc, o_desc, Out, q_start, q_len, m_row0, head, kv_row0, kv_col,
-                      n_tiles, mask_from, stride_ot, qk_scale, CAUSAL: gl.constexpr,
-                      ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                      STAGES: gl.constexpr):
-    """The second consumer warpgroup of PINGPONG: the block's lower ROWS rows."""
-    _consumer(q_smem.index(1), k_bufs, v_bufs, k_ready, v_ready, kv_empty, q_bar, turn_bars,
-              k_desc, v_desc, o_desc, Out, q_start, q_len, m_row0 + ROWS, head, kv_row0, kv_col,
-              n_tiles, mask_from, stride_ot, qk_scale, 1, CAUSAL, ROWS, BLOCK_N, HEAD_DIM,
-              STAGES, 4, False, True)
 
 
 @gluon.jit(do_not_specialize=["max_len", "qk_scale"])
@@ -224,34 +165,34 @@ def _prefill_kernel(q_desc, k_desc, v_desc, o_desc, Out, CuSeqlens, max_len, str
                                             q_bar, q_smem.index(c))
         if not WS:
             for t in gl.static_range(STAGES):
-                _load_kv(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, t, q_start, kv_col,
-                         t < n_tiles, STAGES, BLOCK_N)
+                load_kv(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, t, q_start, kv_col,
+                        t < n_tiles, STAGES, BLOCK_N)
             _consumer(q_smem.index(0), k_bufs, v_bufs, k_ready, v_ready, kv_empty, q_bar,
                       turn_bars, k_desc, v_desc, o_desc, Out, q_start, q_len, m_row0, head,
-                      q_start, kv_col, n_tiles, mask_from, stride_ot, qk_scale, 0, CAUSAL, ROWS,
+                      kv_col, n_tiles, mask_from, stride_ot, qk_scale, 0, CAUSAL, ROWS,
                       BLOCK_N, HEAD_DIM, STAGES, num_warps, True, False)
         elif PINGPONG:
             mbarrier.arrive(turn_bars.index(0))  # the upper rows' warpgroup goes first
             gl.warp_specialize([
                 (_consumer, (q_smem.index(0), k_bufs, v_bufs, k_ready, v_ready, kv_empty, q_bar,
                              turn_bars, k_desc, v_desc, o_desc, Out, q_start, q_len, m_row0, head,
-                             q_start, kv_col, n_tiles, mask_from, stride_ot, qk_scale, 0, CAUSAL,
+                             kv_col, n_tiles, mask_from, stride_ot, qk_scale, 0, CAUSAL,
                              ROWS, BLOCK_N, HEAD_DIM, STAGES, num_warps, False, True)),
-                (_pingpong_partner, (q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, q_bar,
-                                     turn_bars, k_desc, v_desc, o_desc, Out, q_start, q_len, m_row0,
-                                     head, q_start, kv_col, n_tiles, mask_from, stride_ot, qk_scale,
-                                     CAUSAL, ROWS, BLOCK_N, HEAD_DIM, STAGES)),
-                (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, kv_empty, q_start,
-                             kv_col, n_tiles, STAGES, BLOCK_N)),
+                (_consumer, (q_smem.index(1), k_bufs, v_bufs, k_ready, v_ready, kv_empty, q_bar,
+                             turn_bars, k_desc, v_desc, o_desc, Out, q_start, q_len, m_row0 + ROWS,
+                             head, kv_col, n_tiles, mask_from, stride_ot, qk_scale, 1,
+                             CAUSAL, ROWS, BLOCK_N, HEAD_DIM, STAGES, 4, False, True)),
+                (producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, kv_empty, q_start,
+                            kv_col, n_tiles, STAGES, BLOCK_N)),
             ], [4, 1], [240, 24])
         else:
             gl.warp_specialize([
                 (_consumer, (q_smem.index(0), k_bufs, v_bufs, k_ready, v_ready, kv_empty, q_bar,
                              turn_bars, k_desc, v_desc, o_desc, Out, q_start, q_len, m_row0, head,
-                             q_start, kv_col, n_tiles, mask_from, stride_ot, qk_scale, 0, CAUSAL,
+                             kv_col, n_tiles, mask_from, stride_ot, qk_scale, 0, CAUSAL,
                              ROWS, BLOCK_N, HEAD_DIM, STAGES, num_warps, False, False)),
-                (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, kv_empty, q_start,
-                             kv_col, n_tiles, STAGES, BLOCK_N)),
+                (producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, kv_empty, q_start,
+                            kv_col, n_tiles, STAGES, BLOCK_N)),
             ], [1], [24])
 
 
@@ -263,26 +204,23 @@ DEFAULT_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 128, "STAGES": 2, "WS": False, "PIN
 
 def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor) -> None:
     """ValueError for what this kernel does not serve (the caller falls back)."""
+    shapes = f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
     if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape:
-        raise ValueError(f"q, k, v must be [tokens, heads, head_dim] with k and v alike, got "
-                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+        raise ValueError(f"q, k, v must be [tokens, heads, head_dim], k and v alike: {shapes}")
     tokens, heads, head_dim = q.shape
     if head_dim not in HEAD_DIMS or k.shape[2] != head_dim:
-        raise ValueError(f"head_dim {head_dim} (k: {k.shape[2]}) is not one of {HEAD_DIMS}")
+        raise ValueError(f"head_dim must be one of {HEAD_DIMS} for q and k: {shapes}")
     if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
-        raise ValueError(f"dtype must be one of {list(DTYPES)} for q, k and v, got "
-                         f"{q.dtype}, {k.dtype}, {v.dtype}")
+        raise ValueError(f"dtype must be one of {list(DTYPES)}, alike: {q.dtype}, {k.dtype}, {v.dtype}")
     if k.shape[0] != tokens or heads % k.shape[1]:
-        raise ValueError(f"k has {k.shape[0]} tokens and {k.shape[1]} heads; q has {tokens} "
-                         f"tokens and {heads} heads (a multiple of k's is needed)")
+        raise ValueError(f"k needs q's tokens and a divisor of its heads: {shapes}")
     for name, x in (("q", q), ("k", k), ("v", v)):
-        if x.stride(2) != 1 or x.stride(1) != head_dim or (x.stride(0) * x.element_size()) % 16:
-            raise ValueError(f"{name} must have contiguous heads (strides [*, {head_dim}, 1], "
-                             f"rows 16-byte aligned), got {x.stride()}")
-        if x.data_ptr() % 16:
-            raise ValueError(f"{name} must be 16-byte aligned")
-    if cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-        raise ValueError("cu_seqlens must be a 1-D int32 tensor [num_seqs + 1]")
+        if x.stride(2) != 1 or x.stride(1) != head_dim or (x.stride(0) * x.element_size()) % 16 \
+                or x.data_ptr() % 16:
+            raise ValueError(f"{name} needs strides [*, {head_dim}, 1], 16-byte aligned rows: {x.stride()}")
+    if cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 \
+            or cu_seqlens.device != q.device:
+        raise ValueError("cu_seqlens must be a 1-D int32 tensor [num_seqs + 1] on q's device")
 
 
 def _descriptor(x: torch.Tensor, rows: int, head_dim: int) -> TensorDescriptor:
@@ -314,12 +252,10 @@ def gluon_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens:
                   max_seqlen: int, scale: float, *, causal: bool = True,
                   out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
     """Self-attention of packed requests (no cached context), on sm_90.
-
     q: [tokens, heads, 128]; k, v: [tokens, kv_heads, 128], bf16 or fp16, heads
     contiguous; cu_seqlens: [num_seqs + 1] int32 request starts; max_seqlen: host
-    int, the longest request (sizes the grid). config: tile config (DEFAULT_CONFIG
-    keys). Returns out: [tokens, heads, 128] in q's dtype.
-    """
+    int, the longest request (sizes the grid); config: DEFAULT_CONFIG keys.
+    Returns out: [tokens, heads, 128] in q's dtype."""
     check_inputs(q, k, v, cu_seqlens)
     if not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] != 9:
         raise ValueError("the Gluon prefill kernel needs an sm_90 (Hopper) GPU")

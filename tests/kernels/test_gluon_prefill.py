@@ -1,9 +1,10 @@
 """The Gluon prefill kernel (sm_90 only).
 
 On the CPU: every kernel variant compiles for sm_90 (a child process without the
-interpreter, as in test_sm90_compile.py) and its PTX has FlashAttention-3's
-overlap (the softmax's exp2 runs while the scores' and the previous P.V's
-wgmma groups were both issued, only the first waited on); bad input raises
+interpreter, as in test_sm90_compile.py) and has FlashAttention-3's overlap, in
+the PTX and after ptxas in the SASS: the softmax's exp2 runs while the scores'
+and the previous P.V's wgmma groups were both issued, only the first waited on
+(ptxas once hoisted the P.V wait above the whole softmax); bad input raises
 ValueError. On an H100/H200: outputs against the plain-PyTorch twin
 (reference.prefill_attention without context), bf16 and fp16.
 """
@@ -31,14 +32,15 @@ CONFIGS = {
 }
 _CHILD = """
 import json, sys, torch
-from slipstream.kernels.gluon_compile import compile_prefill, overlap_report
+from slipstream.kernels.gluon_compile import compile_prefill, overlap_report, sass_overlap
 out = {}
 for name, (cfg, kw) in json.loads(sys.argv[1]).items():
     if "dtype" in kw:
         kw["dtype"] = getattr(torch, kw["dtype"])
     try:
         k = compile_prefill(cfg, **kw)
-        out[name] = {"shared": k.metadata.shared, **overlap_report(k.asm["ptx"])}
+        out[name] = {"shared": k.metadata.shared, "block_n": cfg.get("BLOCK_N", 128),
+                     **overlap_report(k.asm["ptx"]), "sass_exp2": sass_overlap(k.asm["cubin"])}
     except FileNotFoundError as e:  # a Triton build without its ptxas
         out[name] = {"skip": str(e)}
 print(json.dumps(out))
@@ -63,6 +65,9 @@ def test_compiles_for_sm90_with_overlap(compiled, name):
     assert r["wgmma"] >= 16 and r["tma_copies"] > 0, r
     assert r["softmax_under_two_groups"], r
     assert r["shared"] <= 227 * 1024, r
+    # ptxas keeps the P.V wait below the softmax: every exp2 of a thread's share
+    # of the tile (BLOCK_N / 2 scores, 2 rescale factors) runs under P.V.
+    assert r["sass_exp2"] and min(r["sass_exp2"]) >= r["block_n"] // 2, r
 
 
 def test_overlap_report_sees_serial_wgmma():
