@@ -24,6 +24,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -35,6 +36,11 @@ from gluon_checks import VARIANTS, rel_err  # noqa: E402
 HEADS, HEAD_DIM, TOKENS = 16, 128, 16384
 SCALE = HEAD_DIM ** -0.5
 VARIANT_TIMEOUT_S = 90  # a variant's checks take seconds; longer means a hang
+# The Triton kernel's configs as its autotuner picked them on the H200 (results/
+# h200_2026-11-29d.json): 128 x 128 tiles, 3 stages, paired blocks for causal <= 4k.
+TRITON_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3}
+SMOKE_SHAPES = [("dense 2x64 causal", [64, 64], 16, True), ("gqa ragged", [5, 40, 19], 4, False)]
+DEVICE, DTYPE = "cuda", "bfloat16"  # --smoke: "cpu", "float16" (the interpreter's bf16 dots are wrong)
 TOTAL_LIMIT_S = 230  # past this, write what was measured and exit (a hang while timing)
 # name, request lengths, kv heads, causal
 SHAPES = [("dense 4x4k causal", [4096] * 4, 16, True),
@@ -45,12 +51,23 @@ SHAPES = [("dense 4x4k causal", [4096] * 4, 16, True),
           ("gqa 16/4 4x4k causal", [4096] * 4, 4, True)]
 
 
-def run_checks(names: list[str], smoke: bool, log) -> dict:
-    """Variant -> check result, from child processes; restarted past a hang."""
+def run_checks(names: list[str], smoke: bool, log, parallel: int = 4) -> dict:
+    """Variant -> check result, from `parallel` child processes at once (the
+    compiles dominate); a child past a hang is restarted on what it had left."""
+    groups = [names[i::parallel] for i in range(parallel)]
+    results = {}
+    with ThreadPoolExecutor(parallel) as pool:
+        for part in pool.map(lambda g: _check_group(g, smoke, log), [g for g in groups if g]):
+            results.update(part)
+    return {n: results[n] for n in names}
+
+
+def _check_group(names: list[str], smoke: bool, log) -> dict:
     results, todo = {}, list(names)
     while todo:
         cmd = [sys.executable, str(HERE / "gluon_checks.py"), *todo] + (["--compile-only"] if smoke else [])
-        child = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=ROOT)
+        child = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=ROOT,
+                                 env=dict(os.environ, TRITON_INTERPRET="0"))
         current, deadline = None, time.time() + VARIANT_TIMEOUT_S
         sel = selectors.DefaultSelector()
         sel.register(child.stdout, selectors.EVENT_READ)
@@ -74,9 +91,8 @@ def run_checks(names: list[str], smoke: bool, log) -> dict:
             current = None
         child.wait()
         left = [n for n in todo if n not in results]
-        if left and left == todo:  # the child died before its first result
-            for n in left:
-                results[n] = {"ok": False, "error": "check process exited without a result"}
+        if left == todo:  # the child died before its first result
+            results.update({n: {"ok": False, "error": "check process exited without a result"} for n in left})
             left = []
         todo = left
     return results
@@ -94,9 +110,8 @@ def _lengths(lengths):
     return out
 
 
-def time_shape(name, lengths, kv_heads, causal, variants, log) -> dict:
+def time_shape(name, lengths, kv_heads, causal, variants, tune_triton, log) -> dict:
     import torch
-    import triton
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from prefill_cases import attn_flops
@@ -105,9 +120,10 @@ def time_shape(name, lengths, kv_heads, causal, variants, log) -> dict:
     from slipstream.kernels.prefill_attention import prefill_attention
 
     lengths = _lengths(lengths)
-    dev, tokens, n_max = "cuda", sum(lengths), max(lengths)
-    q = torch.randn(tokens, HEADS, HEAD_DIM, device=dev, dtype=torch.bfloat16)
-    k, v = (torch.randn(tokens, kv_heads, HEAD_DIM, device=dev, dtype=torch.bfloat16) for _ in range(2))
+    dev, tokens, n_max = DEVICE, sum(lengths), max(lengths)
+    dtype = getattr(torch, DTYPE)
+    q = torch.randn(tokens, HEADS, HEAD_DIM, device=dev, dtype=dtype)
+    k, v = (torch.randn(tokens, kv_heads, HEAD_DIM, device=dev, dtype=dtype) for _ in range(2))
     cu = cu_seqlens(lengths, dev)
     flops = attn_flops(lengths, lengths, causal)
     row = {"shape": name, "lengths": lengths if len(lengths) <= 8 else f"{len(lengths)} ragged",
@@ -125,8 +141,14 @@ def time_shape(name, lengths, kv_heads, causal, variants, log) -> dict:
     ctx = torch.zeros(len(lengths), dtype=torch.int32, device=dev)
     tables = torch.zeros(len(lengths), 1, dtype=torch.int32, device=dev)
     t_out = torch.empty_like(q)
+    t_cfg = None if tune_triton else {**TRITON_CONFIG, "PAIRED": causal and n_max <= 4096}
     calls["triton"] = (lambda: prefill_attention(q, k, v, cache, cache, cu, ctx, tables, n_max, SCALE,
-                                                 causal=causal, out=t_out), lambda o: o)
+                                                 causal=causal, out=t_out, config=t_cfg), lambda o: o)
+    if DEVICE == "cpu":  # --smoke: the script's plumbing only, Gluon replaced by the reference
+        from gluon_checks import reference
+
+        def gluon_prefill(q, k, v, cu, n, scale, causal, out, config):
+            return out.copy_(reference(q, k, v, cu, causal, scale))
     for vname in variants:
         g_out = torch.empty_like(q)
         calls[vname] = (lambda cfg=VARIANTS[vname], g_out=g_out: gluon_prefill(
@@ -135,20 +157,29 @@ def time_shape(name, lengths, kv_heads, causal, variants, log) -> dict:
     for cname, (call, view) in calls.items():  # run once each: compile, check, then time
         try:
             out = view(call())
-            torch.cuda.synchronize()
+            if DEVICE == "cuda":
+                torch.cuda.synchronize()
         except Exception as e:
             row["err"][cname] = f"{type(e).__name__}: {str(e)[:200]}"
             continue
-        ref = out.clone() if ref is None else ref
+        if ref is None:
+            ref, row["reference"] = out.clone(), cname
         row["err"][cname] = rel_err(out, ref)
         if row["err"][cname] < 2e-2:
-            timers[cname] = lambda call=call: triton.testing.do_bench(call, warmup=10, rep=50,
-                                                                      return_mode="median")
-    row["reference"] = next(iter(calls))
+            timers[cname] = lambda call=call: _bench_ms(call)
     for cname, t in interleaved(timers, rounds=3).items():
         row["tflops"][cname] = flops / t["ms"] / 1e9
     log(f"  {name}: " + ", ".join(f"{c} {t:.0f}" for c, t in row["tflops"].items()))
     return row
+
+
+def _bench_ms(fn) -> float:
+    if DEVICE == "cuda":
+        import triton
+        return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
 
 
 def markdown(res: dict) -> str:
@@ -179,11 +210,19 @@ def markdown(res: dict) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=HERE / "results" / "gluon")
-    ap.add_argument("--smoke", action="store_true", help="no GPU: compile every variant for sm_90 only")
+    ap.add_argument("--smoke", action="store_true",
+                    help="no GPU: compile every variant for sm_90; time tiny shapes on the CPU with "
+                         "the Gluon calls replaced by the reference (the script's plumbing only)")
     ap.add_argument("--variants", nargs="*", default=list(VARIANTS))
+    ap.add_argument("--tune-triton", action="store_true",
+                    help="autotune the Triton kernel here (slower) instead of its tuned H200 configs")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
+    if args.smoke:  # the Triton kernel in its interpreter (set before triton is imported)
+        global DEVICE, DTYPE
+        DEVICE, DTYPE = "cpu", "float16"
+        os.environ["TRITON_INTERPRET"] = "1"
     import torch
     import triton
 
@@ -196,14 +235,14 @@ def main() -> None:
     log("variant checks" + (" (compile only)" if args.smoke else ""))
     res["checks"] = run_checks(args.variants, args.smoke, log)
     passing = [n for n, r in res["checks"].items() if r["ok"]]
-    if not args.smoke:
-        for name, lengths, kv_heads, causal in SHAPES:
-            try:
-                res["shapes"].append(time_shape(name, lengths, kv_heads, causal, passing, log))
-            except Exception as e:  # one shape's failure must not lose the others
-                res["shapes"].append({"shape": name, "lengths": lengths, "kv_heads": kv_heads,
-                                      "tflops": {}, "err": {"all": f"{type(e).__name__}: {e}"[:300]}})
-            save(res, args.out, t0)
+    for name, lengths, kv_heads, causal in SMOKE_SHAPES if args.smoke else SHAPES:
+        try:
+            res["shapes"].append(time_shape(name, lengths, kv_heads, causal, passing,
+                                            args.tune_triton, log))
+        except Exception as e:  # one shape's failure must not lose the others
+            res["shapes"].append({"shape": name, "lengths": lengths, "kv_heads": kv_heads,
+                                  "tflops": {}, "err": {"all": f"{type(e).__name__}: {e}"[:300]}})
+        save(res, args.out, t0)
     print(save(res, args.out, t0))
 
 

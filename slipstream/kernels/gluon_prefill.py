@@ -15,7 +15,7 @@ FA3 structure explicitly:
 q [tokens, heads, D], k/v [tokens, kv_heads, D] packed by request (cu_seqlens,
 no cached context) are seen by TMA as 2-D [tokens, heads * D]; tile rows past a
 request's end (the next request's, or zeros past the tensor) are masked. GQA:
-query head h reads KV head h // GROUP. The portable path stays prefill_attention.py.
+query head h reads KV head h // group. The portable path stays prefill_attention.py.
 """
 from __future__ import annotations
 
@@ -118,9 +118,9 @@ def _consumer(q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, q_bar, turn_ba
         gl.store(ptrs, out, mask=(rows < q_len)[:, None])
 
 
-@gluon.jit(do_not_specialize=["max_len", "qk_scale"])
+@gluon.jit(do_not_specialize=["max_len", "qk_scale", "group"])  # one compile for any batch
 def _prefill_kernel(q_desc, k_desc, v_desc, o_desc, Out, CuSeqlens, max_len, stride_ot, qk_scale,
-                    GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                    group, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                     WS: gl.constexpr, PINGPONG: gl.constexpr, num_warps: gl.constexpr):
     # Latest (longest causal) query blocks first: the grid's tail is short ones.
@@ -130,7 +130,7 @@ def _prefill_kernel(q_desc, k_desc, v_desc, o_desc, Out, CuSeqlens, max_len, str
     q_len = gl.load(CuSeqlens + seq + 1) - q_start
     m_row0 = (gl.cdiv(max_len, BLOCK_M) - 1 - gl.program_id(0)) * BLOCK_M
     if m_row0 < q_len:
-        kv_col = (head // GROUP) * HEAD_DIM
+        kv_col = (head // group) * HEAD_DIM
         hi = q_len
         if CAUSAL:
             hi = gl.minimum(q_len, m_row0 + BLOCK_M)
@@ -242,8 +242,8 @@ def kernel_args(q, k, v, out, cu_seqlens, max_seqlen: int, scale: float, causal:
         raise ValueError(f"{rows} rows a consumer need num_warps {rows // 16}")
     args = (_descriptor(q, rows, head_dim), _descriptor(k, cfg["BLOCK_N"], head_dim),
             _descriptor(v, cfg["BLOCK_N"], head_dim), _descriptor(out, rows, head_dim), out,
-            cu_seqlens, max_seqlen, out.stride(0), scale * LOG2E)
-    consts = dict(GROUP=q.shape[1] // k.shape[1], HEAD_DIM=head_dim, CAUSAL=causal, **cfg)
+            cu_seqlens, max_seqlen, out.stride(0), scale * LOG2E, q.shape[1] // k.shape[1])
+    consts = dict(HEAD_DIM=head_dim, CAUSAL=causal, **cfg)
     grid = (triton.cdiv(max_seqlen, cfg["BLOCK_M"]), q.shape[1], cu_seqlens.numel() - 1)
     return args, consts, grid
 
