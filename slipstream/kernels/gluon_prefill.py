@@ -19,6 +19,9 @@ query head h reads KV head h // group. The portable path stays prefill_attention
 """
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 import triton
 from triton.experimental import gluon
@@ -248,6 +251,18 @@ def kernel_args(q, k, v, out, cu_seqlens, max_seqlen: int, scale: float, causal:
     return args, consts, grid
 
 
+def gluon_prefill_wanted(device: torch.device) -> bool:
+    """Whether the backend should try this kernel: opted in with
+    SLIPSTREAM_GLUON_PREFILL=1, on an sm_90 GPU."""
+    return (os.environ.get("SLIPSTREAM_GLUON_PREFILL", "0") == "1" and device.type == "cuda"
+            and _is_sm90(device.index or 0))
+
+
+@functools.cache
+def _is_sm90(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] == 9
+
+
 def gluon_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                   max_seqlen: int, scale: float, *, causal: bool = True,
                   out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
@@ -257,7 +272,7 @@ def gluon_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens:
     int, the longest request (sizes the grid); config: DEFAULT_CONFIG keys.
     Returns out: [tokens, heads, 128] in q's dtype."""
     check_inputs(q, k, v, cu_seqlens)
-    if not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] != 9:
+    if not q.is_cuda or not _is_sm90(q.device.index or 0):
         raise ValueError("the Gluon prefill kernel needs an sm_90 (Hopper) GPU")
     if out is None:
         out = torch.empty_like(q)

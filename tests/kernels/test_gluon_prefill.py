@@ -134,3 +134,66 @@ def test_matches_reference_on_gpu(dtype, causal, config):
         torch.zeros(len(lengths), 1, dtype=torch.int32, device="cuda"), 128 ** -0.5, causal=causal)
     tol = 2e-2 if dtype == torch.bfloat16 else 4e-3
     torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
+
+
+def _prefill_step(b):
+    from slipstream.batch import ForwardBatch
+    q_lens = (b.cu_seqlens_q[1:] - b.cu_seqlens_q[:-1]).tolist()
+    n = b.q.shape[0]
+    return ForwardBatch(
+        input_ids=torch.zeros(n, dtype=torch.long), positions=torch.zeros(n, dtype=torch.long),
+        query_start_loc=b.cu_seqlens_q, seq_lens=b.seq_lens, context_lens=b.context_lens,
+        slot_mapping=b.slot_mapping, block_tables=b.block_tables,
+        logits_indices=torch.zeros(0, dtype=torch.long), max_query_len=max(q_lens),
+        max_seq_len=int(b.seq_lens.max()), query_lens_cpu=q_lens, seq_lens_cpu=b.seq_lens.tolist())
+
+
+@pytest.mark.parametrize("context, window, takes_gluon", [
+    ([0, 0], None, True),      # whole prompts
+    ([0, 24], None, False),    # a prompt chunk after cached context
+    ([0, 0], 5, False),        # sliding window
+])
+def test_backend_routes_whole_prompts_to_gluon(paged_batch, monkeypatch, context, window, takes_gluon):
+    """Opted in on sm_90 (both faked here), whole-prompt steps go to the Gluon
+    kernel with the step's own K/V; the rest, and a layer the kernel refuses
+    (ValueError), to the portable kernel, whose output stays correct."""
+    from types import SimpleNamespace
+    from slipstream.attention import triton_backend as tb
+    b = paged_batch(context, [19, 9], 4, 2, 64, 16, store_new=False)
+    layer = SimpleNamespace(layer_idx=0, num_heads=4, num_kv_heads=2, head_dim=64, scale=0.125,
+                            sliding_window=window, k_cache=b.k_cache.clone(),
+                            v_cache=b.v_cache.clone(), k_scale=None, v_scale=None)
+    calls = []
+
+    def fake(q, k, v, cu, max_len, scale, causal):
+        calls.append((q.shape, k.shape, max_len, scale, causal))
+        return torch.full_like(q, 7.0)
+
+    monkeypatch.setattr(tb, "gluon_prefill_wanted", lambda device: True)
+    monkeypatch.setattr(tb, "gluon_prefill", fake)
+    batch = _prefill_step(b)
+    backend = tb.TritonAttentionBackend()
+    backend.prepare(batch)
+    out = backend.forward(b.q, b.k, b.v, layer, batch)
+    assert bool((out == 7.0).all()) == takes_gluon
+    assert calls == ([(b.q.shape, b.k.shape, 19, 0.125, True)] if takes_gluon else [])
+
+    def refuse(*args, **kwargs):
+        raise ValueError("head_dim")
+    monkeypatch.setattr(tb, "gluon_prefill", refuse)
+    backend.prepare(batch)
+    layer.k_cache, layer.v_cache = b.k_cache.clone(), b.v_cache.clone()
+    out = backend.forward(b.q, b.k, b.v, layer, batch)
+    k_ref, v_ref = b.k_cache.clone(), b.v_cache.clone()
+    reference.store_kv(b.k, b.v, k_ref, v_ref, b.slot_mapping)
+    ref = reference.paged_attention(b.q.float(), k_ref.float(), v_ref.float(), b.cu_seqlens_q.tolist(),
+                                    b.seq_lens.tolist(), b.block_tables, 0.125, window)
+    torch.testing.assert_close(out.float(), ref.float(), atol=4e-3, rtol=4e-3)
+
+
+def test_gluon_not_wanted_without_opt_in_or_gpu(monkeypatch):
+    from slipstream.kernels.gluon_prefill import gluon_prefill_wanted
+    monkeypatch.setenv("SLIPSTREAM_GLUON_PREFILL", "1")
+    assert not gluon_prefill_wanted(torch.device("cpu"))
+    monkeypatch.setenv("SLIPSTREAM_GLUON_PREFILL", "0")
+    assert not gluon_prefill_wanted(torch.device("cpu"))
