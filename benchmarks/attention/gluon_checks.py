@@ -19,11 +19,13 @@ sys.path[:0] = [str(ROOT)]
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-_BASE = {"BLOCK_M": 128, "BLOCK_N": 128, "STAGES": 2, "WS": False, "PINGPONG": False, "num_warps": 8}
+_BASE = {"BLOCK_M": 128, "BLOCK_N": 128, "STAGES": 2, "WS": False, "PINGPONG": False, "PIN": True,
+         "num_warps": 8}
 _PP = {**_BASE, "WS": True, "PINGPONG": True, "num_warps": 4}
 # Smem: Q 32 KB + STAGES * (K + V) tiles (32 KB each at BLOCK_N 128); 227 KB at most.
 VARIANTS = {
     "m128_n128_s2": _BASE,
+    "m128_n128_s2_unpinned": {**_BASE, "PIN": False},  # ptxas's own wait placement, for comparison
     "m128_n128_s3": {**_BASE, "STAGES": 3},
     "m128_n64_s4": {**_BASE, "BLOCK_N": 64, "STAGES": 4},
     "m64_n64_s2_w4": {**_BASE, "BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4},
@@ -34,6 +36,7 @@ VARIANTS = {
     "pingpong_n128_s2": _PP,
     "pingpong_n128_s3": {**_PP, "STAGES": 3},
     "pingpong_n64_s4": {**_PP, "BLOCK_N": 64, "STAGES": 4},
+    "pingpong_n128_s2_unpinned": {**_PP, "PIN": False},
 }
 # (request lengths, heads, kv_heads, causal, dtype): ragged ends, GQA and MQA,
 # one-token and one-tile-plus-one requests, full blocks (bulk stores) and partial

@@ -43,9 +43,10 @@ def _consumer(q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, q_bar, turn_ba
               mask_from, stride_ot, qk_scale, ME: gl.constexpr,
               CAUSAL: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
               HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr,
-              SELF_LOAD: gl.constexpr, PINGPONG: gl.constexpr):
+              SELF_LOAD: gl.constexpr, PINGPONG: gl.constexpr, PIN: gl.constexpr):
     """ROWS query rows (m_row0.. within the request) against n_tiles key tiles.
-    SELF_LOAD: these warps also issue the TMA copies (no producer warp)."""
+    SELF_LOAD: these warps also issue the TMA copies (no producer warp). PIN:
+    keep the P.V wait below the softmax (retire_pv); off only to measure it."""
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout([3, 0], [WARPS, 1], [16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout([3, 0], [WARPS, 1], [16, HEAD_DIM, 16])
@@ -91,7 +92,10 @@ def _consumer(q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, q_bar, turn_ba
         s = warpgroup_mma_wait(1, deps=(s_tok,))  # wgmma groups retire in order: S_j done
         p, m_i, l_i, alpha = softmax_tile(s, m_i, l_i, j * BLOCK_N, offs_m, q_len, mask_from,
                                           qk_scale, CAUSAL, BLOCK_N, s_layout)
-        acc = retire_pv(acc_tok, p_op, q_start >= 0)
+        if PIN:
+            acc = retire_pv(acc_tok, p_op, q_start >= 0)
+        else:
+            acc, p_op = warpgroup_mma_wait(0, deps=(acc_tok, p_op))
         # Tile j - 1 is consumed (K by S_{j-1}, V by the P.V just retired).
         if SELF_LOAD:
             gl.thread_barrier()  # both warpgroups are past it before it is overwritten
@@ -125,7 +129,8 @@ def _consumer(q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, q_bar, turn_ba
 def _prefill_kernel(q_desc, k_desc, v_desc, o_desc, Out, CuSeqlens, max_len, stride_ot, qk_scale,
                     group, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                    WS: gl.constexpr, PINGPONG: gl.constexpr, num_warps: gl.constexpr):
+                    WS: gl.constexpr, PINGPONG: gl.constexpr, PIN: gl.constexpr,
+                    num_warps: gl.constexpr):
     # Latest (longest causal) query blocks first: the grid's tail is short ones.
     head = gl.program_id(1)
     seq = gl.program_id(2)
@@ -173,18 +178,18 @@ def _prefill_kernel(q_desc, k_desc, v_desc, o_desc, Out, CuSeqlens, max_len, str
             _consumer(q_smem.index(0), k_bufs, v_bufs, k_ready, v_ready, kv_empty, q_bar,
                       turn_bars, k_desc, v_desc, o_desc, Out, q_start, q_len, m_row0, head,
                       kv_col, n_tiles, mask_from, stride_ot, qk_scale, 0, CAUSAL, ROWS,
-                      BLOCK_N, HEAD_DIM, STAGES, num_warps, True, False)
+                      BLOCK_N, HEAD_DIM, STAGES, num_warps, True, False, PIN)
         elif PINGPONG:
             mbarrier.arrive(turn_bars.index(0))  # the upper rows' warpgroup goes first
             gl.warp_specialize([
                 (_consumer, (q_smem.index(0), k_bufs, v_bufs, k_ready, v_ready, kv_empty, q_bar,
                              turn_bars, k_desc, v_desc, o_desc, Out, q_start, q_len, m_row0, head,
                              kv_col, n_tiles, mask_from, stride_ot, qk_scale, 0, CAUSAL,
-                             ROWS, BLOCK_N, HEAD_DIM, STAGES, num_warps, False, True)),
+                             ROWS, BLOCK_N, HEAD_DIM, STAGES, num_warps, False, True, PIN)),
                 (_consumer, (q_smem.index(1), k_bufs, v_bufs, k_ready, v_ready, kv_empty, q_bar,
                              turn_bars, k_desc, v_desc, o_desc, Out, q_start, q_len, m_row0 + ROWS,
                              head, kv_col, n_tiles, mask_from, stride_ot, qk_scale, 1,
-                             CAUSAL, ROWS, BLOCK_N, HEAD_DIM, STAGES, 4, False, True)),
+                             CAUSAL, ROWS, BLOCK_N, HEAD_DIM, STAGES, 4, False, True, PIN)),
                 (producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, kv_empty, q_start,
                             kv_col, n_tiles, STAGES, BLOCK_N)),
             ], [4, 1], [240, 24])
@@ -193,7 +198,7 @@ def _prefill_kernel(q_desc, k_desc, v_desc, o_desc, Out, CuSeqlens, max_len, str
                 (_consumer, (q_smem.index(0), k_bufs, v_bufs, k_ready, v_ready, kv_empty, q_bar,
                              turn_bars, k_desc, v_desc, o_desc, Out, q_start, q_len, m_row0, head,
                              kv_col, n_tiles, mask_from, stride_ot, qk_scale, 0, CAUSAL,
-                             ROWS, BLOCK_N, HEAD_DIM, STAGES, num_warps, False, False)),
+                             ROWS, BLOCK_N, HEAD_DIM, STAGES, num_warps, False, False, PIN)),
                 (producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, kv_empty, q_start,
                             kv_col, n_tiles, STAGES, BLOCK_N)),
             ], [1], [24])
@@ -202,7 +207,7 @@ def _prefill_kernel(q_desc, k_desc, v_desc, o_desc, Out, CuSeqlens, max_len, str
 # --- launcher -------------------------------------------------------------------
 
 DEFAULT_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 128, "STAGES": 2, "WS": False, "PINGPONG": False,
-                  "num_warps": 8}
+                  "PIN": True, "num_warps": 8}
 
 
 def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor) -> None:
