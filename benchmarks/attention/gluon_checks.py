@@ -110,6 +110,11 @@ def main(names: list[str], compile_only: bool) -> None:
         t0 = time.time()
         try:
             res = (compile_variant if compile_only else check_variant)(VARIANTS[name])
+            if not compile_only:  # what it compiles to, for the report (ptxas may move waits)
+                try:
+                    res["compiled"] = compile_variant(VARIANTS[name])
+                except Exception as e:
+                    res["compiled"] = f"{type(e).__name__}: {str(e)[-200:]}"
         except Exception as e:  # a variant that does not compile or launch is a result too
             res = {"ok": False, "error": f"{type(e).__name__}: {str(e)[-600:]}"}
         res["seconds"] = round(time.time() - t0, 2)
