@@ -51,7 +51,7 @@ SHAPES = [("dense 4x4k causal", [4096] * 4, 16, True),
           ("gqa 16/4 4x4k causal", [4096] * 4, 4, True)]
 
 
-def run_checks(names: list[str], smoke: bool, log, parallel: int = 4) -> dict:
+def run_checks(names: list[str], smoke: bool, log, parallel: int = 6) -> dict:
     """Variant -> check result, from `parallel` child processes at once (the
     compiles dominate); a child past a hang is restarted on what it had left."""
     groups = [names[i::parallel] for i in range(parallel)]

@@ -2,7 +2,7 @@
 
 Triton 3.6 does not overlap the tensor cores with the softmax on sm_90 (an
 early QK^T is waited on at once). Gluon, its lower-level dialect, states the
-FA3 structure explicitly:
+FA3 structure explicitly (the per-block loop is gluon_attention_tile.py):
   * K/V tiles stream through a ring of STAGES shared-memory slots filled by TMA,
     each with a "ready" mbarrier (bytes landed) and, with a producer warp, an
     "empty" one (every consumer is done with the slot);
@@ -11,7 +11,9 @@ FA3 structure explicitly:
     runs the softmax of S_j while P.V is still on the tensor cores;
   * WS: one producer warp issues every copy; PINGPONG: two consumer warpgroups
     of 64 query rows take turns issuing their GEMMs (two mbarriers pass the
-    turn), so one's softmax runs while the other's GEMMs hold the tensor cores.
+    turn), so one's softmax runs while the other's GEMMs hold the tensor cores;
+    PERSISTENT (with WS): one program per SM walks the blocks, Q double-buffered,
+    so the next block's Q and first K/V tiles land during this one's last tiles.
 q [tokens, heads, D], k/v [tokens, kv_heads, D] packed by request (cu_seqlens,
 no cached context) are seen by TMA as 2-D [tokens, heads * D]; tile rows past a
 request's end (the next request's, or zeros past the tensor) are masked. GQA:
@@ -26,11 +28,11 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from slipstream.kernels.gluon_attention_tile import load_kv, producer, retire_pv, softmax_tile
+from slipstream.kernels.gluon_attention_tile import attend_block, load_kv, produce_block
+from slipstream.kernels.runtime import num_sms
 
 LOG2E = 1.4426950408889634
 HEAD_DIMS = (128,)
@@ -38,176 +40,159 @@ DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
 @gluon.jit
-def _consumer(q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, q_bar, turn_bars,
-              k_desc, v_desc, o_desc, Out, q_start, q_len, m_row0, head, kv_col, n_tiles,
-              mask_from, stride_ot, qk_scale, ME: gl.constexpr,
-              CAUSAL: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
-              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr,
-              SELF_LOAD: gl.constexpr, PINGPONG: gl.constexpr, PIN: gl.constexpr):
-    """ROWS query rows (m_row0.. within the request) against n_tiles key tiles.
-    SELF_LOAD: these warps also issue the TMA copies (no producer warp). PIN:
-    keep the P.V wait below the softmax (retire_pv); off only to measure it."""
-    dtype: gl.constexpr = q_smem.dtype
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout([3, 0], [WARPS, 1], [16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout([3, 0], [WARPS, 1], [16, HEAD_DIM, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(0, o_layout, 2)
-    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-    offs_m = m_row0 + gl.arange(0, ROWS, layout=row_layout)
-    zero_s = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
-    turn = 0  # ping-pong: how many times this warpgroup has taken its turn
-
-    # Tile 0: its scores alone, so the loop below always has a P to multiply.
-    mbarrier.wait(q_bar, 0)
-    mbarrier.wait(k_ready.index(0), 0)
-    if PINGPONG:
-        mbarrier.wait(turn_bars.index(ME), turn & 1)
-    s_tok = warpgroup_mma(q_smem, k_bufs.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-    if PINGPONG:
-        mbarrier.arrive(turn_bars.index(1 - ME))
-        turn += 1
-    s = warpgroup_mma_wait(0, deps=(s_tok,))
-    m_i = gl.full([ROWS], float("-inf"), gl.float32, row_layout)
-    l_i = gl.zeros([ROWS], gl.float32, row_layout)
-    p, m_i, l_i, alpha = softmax_tile(s, m_i, l_i, 0, offs_m, q_len, mask_from, qk_scale,
-                                      CAUSAL, BLOCK_N, s_layout)
-    acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
-
-    for j in range(1, n_tiles):
-        slot = j % STAGES
-        prev = (j - 1) % STAGES
-        mbarrier.wait(k_ready.index(slot), (j // STAGES) & 1)
-        mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
-        if PINGPONG:
-            mbarrier.wait(turn_bars.index(ME), turn & 1)
-        # Issue S_j = Q K_j^T, rescale O (idle now), issue O += P_{j-1} V_{j-1};
-        # the softmax of S_j below runs while P.V is still on the tensor cores.
-        s_tok = warpgroup_mma(q_smem, k_bufs.index(slot).permute((1, 0)), zero_s,
-                              use_acc=False, is_async=True)
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-        p_op = gl.convert_layout(p.to(dtype), p_layout)
-        acc_tok = warpgroup_mma(p_op, v_bufs.index(prev), acc, is_async=True)
-        if PINGPONG:
-            mbarrier.arrive(turn_bars.index(1 - ME))
-            turn += 1
-        s = warpgroup_mma_wait(1, deps=(s_tok,))  # wgmma groups retire in order: S_j done
-        p, m_i, l_i, alpha = softmax_tile(s, m_i, l_i, j * BLOCK_N, offs_m, q_len, mask_from,
-                                          qk_scale, CAUSAL, BLOCK_N, s_layout)
-        if PIN:
-            acc = retire_pv(acc_tok, p_op, q_start >= 0)
-        else:
-            acc, p_op = warpgroup_mma_wait(0, deps=(acc_tok, p_op))
-        # Tile j - 1 is consumed (K by S_{j-1}, V by the P.V just retired).
-        if SELF_LOAD:
-            gl.thread_barrier()  # both warpgroups are past it before it is overwritten
-            load_kv(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, j - 1 + STAGES,
-                    q_start, kv_col, j - 1 + STAGES < n_tiles, STAGES, BLOCK_N)
-        else:
-            mbarrier.arrive(kv_empty.index(prev))
-
-    last = (n_tiles - 1) % STAGES
-    mbarrier.wait(v_ready.index(last), ((n_tiles - 1) // STAGES) & 1)
-    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-    p_op = gl.convert_layout(p.to(dtype), p_layout)
-    acc_tok = warpgroup_mma(p_op, v_bufs.index(last), acc, is_async=True)
-    acc, p_op = warpgroup_mma_wait(0, deps=(acc_tok, p_op))
-
-    o_row: gl.constexpr = gl.SliceLayout(1, o_layout)
-    out = (acc / gl.convert_layout(l_i, o_row)[:, None]).to(dtype)
-    if m_row0 + ROWS <= q_len:  # a full block: through shared memory (Q's, now free), one bulk store
-        q_smem.store(out)
-        fence_async_shared()
-        tma.async_copy_shared_to_global(o_desc, [q_start + m_row0, head * HEAD_DIM], q_smem)
-        tma.store_wait(0)
-    else:  # the request's last rows: a masked store, the next request's rows untouched
-        rows = m_row0 + gl.arange(0, ROWS, layout=o_row)
-        cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-        ptrs = Out + (q_start + rows).to(gl.int64)[:, None] * stride_ot + head * HEAD_DIM + cols[None, :]
-        gl.store(ptrs, out, mask=(rows < q_len)[:, None])
-
-
-@gluon.jit(do_not_specialize=["max_len", "qk_scale", "group"])  # one compile for any batch
-def _prefill_kernel(q_desc, k_desc, v_desc, o_desc, Out, CuSeqlens, max_len, stride_ot, qk_scale,
-                    group, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                    WS: gl.constexpr, PINGPONG: gl.constexpr, PIN: gl.constexpr,
-                    num_warps: gl.constexpr):
-    # Latest (longest causal) query blocks first: the grid's tail is short ones.
-    head = gl.program_id(1)
-    seq = gl.program_id(2)
+def _block(t, CuSeqlens, n_mblocks, heads, group, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+           HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr):
+    """Work item t: query block, head, request (the block fastest, latest first:
+    the longest causal blocks start first and neighbours share a head's K/V in
+    L2). Returns (q_start, q_len, m_row0, head, kv_col, n_tiles, mask_from);
+    n_tiles is 0 for a block past its request's end."""
+    m_row0 = (n_mblocks - 1 - t % n_mblocks) * BLOCK_M
+    head = (t // n_mblocks) % heads
+    seq = t // (n_mblocks * heads)
     q_start = gl.load(CuSeqlens + seq)
     q_len = gl.load(CuSeqlens + seq + 1) - q_start
-    m_row0 = (gl.cdiv(max_len, BLOCK_M) - 1 - gl.program_id(0)) * BLOCK_M
-    if m_row0 < q_len:
-        kv_col = (head // group) * HEAD_DIM
-        hi = q_len
-        if CAUSAL:
-            hi = gl.minimum(q_len, m_row0 + BLOCK_M)
-            mask_from = gl.minimum(m_row0 // BLOCK_N * BLOCK_N, q_len // BLOCK_N * BLOCK_N)
-        else:
-            mask_from = q_len // BLOCK_N * BLOCK_N
-        n_tiles = gl.cdiv(hi, BLOCK_N)
-        CONSUMERS: gl.constexpr = 2 if PINGPONG else 1
-        ROWS: gl.constexpr = BLOCK_M // CONSUMERS
+    hi = q_len
+    mask_from = q_len // BLOCK_N * BLOCK_N
+    if CAUSAL:
+        hi = gl.minimum(q_len, m_row0 + BLOCK_M)
+        mask_from = gl.minimum(m_row0 // BLOCK_N * BLOCK_N, mask_from)
+    n_tiles = gl.cdiv(hi, BLOCK_N) * (m_row0 < q_len).to(gl.int32)
+    return q_start, q_len, m_row0, head, (head // group) * HEAD_DIM, n_tiles, mask_from
 
-        dtype: gl.constexpr = q_desc.dtype
-        q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, ROWS, HEAD_DIM], q_desc.layout)
-        k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
-        v_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
-        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        turn_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        mbarrier.init(q_bar, count=1)
-        for i in gl.static_range(STAGES):
-            mbarrier.init(k_ready.index(i), count=1)
-            mbarrier.init(v_ready.index(i), count=1)
-            mbarrier.init(kv_empty.index(i), count=CONSUMERS)  # every consumer releases each slot
-        for i in gl.static_range(2):
-            mbarrier.init(turn_bars.index(i), count=1)
 
-        # Q (each consumer's rows), then the first STAGES key/value tiles.
-        mbarrier.expect(q_bar, CONSUMERS * q_desc.block_type.nbytes)
-        for c in gl.static_range(CONSUMERS):
-            tma.async_copy_global_to_shared(q_desc, [q_start + m_row0 + c * ROWS, head * HEAD_DIM],
-                                            q_bar, q_smem.index(c))
-        if not WS:
-            for t in gl.static_range(STAGES):
-                load_kv(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, t, q_start, kv_col,
-                        t < n_tiles, STAGES, BLOCK_N)
-            _consumer(q_smem.index(0), k_bufs, v_bufs, k_ready, v_ready, kv_empty, q_bar,
-                      turn_bars, k_desc, v_desc, o_desc, Out, q_start, q_len, m_row0, head,
-                      kv_col, n_tiles, mask_from, stride_ot, qk_scale, 0, CAUSAL, ROWS,
-                      BLOCK_N, HEAD_DIM, STAGES, num_warps, True, False, PIN)
-        elif PINGPONG:
+@gluon.jit
+def _consume(t0, t_end, t_step, CuSeqlens, n_mblocks, heads, group, q_smem, q_ready, q_empty,
+             k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn_bars, k_desc, v_desc, o_desc, Out,
+             stride_ot, qk_scale, ME: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+             ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+             STAGES: gl.constexpr, Q_SLOTS: gl.constexpr, WARPS: gl.constexpr,
+             PINGPONG: gl.constexpr, PIN: gl.constexpr):
+    """A consumer warpgroup (set) over work items t0, t0 + t_step, .. < t_end."""
+    CONSUMERS: gl.constexpr = 2 if PINGPONG else 1
+    it0 = 0  # K/V tiles done so far (the ring position)
+    k = 0    # blocks done so far (the Q slot)
+    for t in range(t0, t_end, t_step):
+        q_start, q_len, m_row0, head, kv_col, n_tiles, mask_from = _block(
+            t, CuSeqlens, n_mblocks, heads, group, BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL)
+        if n_tiles > 0:
+            qs = k % Q_SLOTS
+            attend_block(q_smem.index(qs * CONSUMERS + ME), q_ready.index(qs), (k // Q_SLOTS) & 1,
+                         k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn_bars, k_desc, v_desc,
+                         o_desc, Out, q_start, q_len, m_row0 + ME * ROWS, head, kv_col, n_tiles,
+                         it0, mask_from, stride_ot, qk_scale, ME, CAUSAL, ROWS, BLOCK_N, HEAD_DIM,
+                         STAGES, WARPS, False, PINGPONG, PIN)
+            mbarrier.arrive(q_empty.index(qs))  # Q's slot (and the output staged in it) is free
+            it0 += n_tiles
+            k += 1
+
+
+@gluon.jit
+def _produce(t0, t_end, t_step, CuSeqlens, n_mblocks, heads, group, q_desc, q_smem, q_ready,
+             q_empty, k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, kv_empty,
+             CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, ROWS: gl.constexpr,
+             BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+             Q_SLOTS: gl.constexpr, CONSUMERS: gl.constexpr):
+    """The producer warp over the same work items: each block's Q, then its K/V."""
+    it0 = 0
+    k = 0
+    for t in range(t0, t_end, t_step):
+        q_start, q_len, m_row0, head, kv_col, n_tiles, mask_from = _block(
+            t, CuSeqlens, n_mblocks, heads, group, BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL)
+        if n_tiles > 0:
+            qs = k % Q_SLOTS
+            if k >= Q_SLOTS:
+                mbarrier.wait(q_empty.index(qs), ((k - Q_SLOTS) // Q_SLOTS) & 1)
+            mbarrier.expect(q_ready.index(qs), CONSUMERS * q_desc.block_type.nbytes)
+            for c in gl.static_range(CONSUMERS):
+                tma.async_copy_global_to_shared(q_desc, [q_start + m_row0 + c * ROWS, head * HEAD_DIM],
+                                                q_ready.index(qs), q_smem.index(qs * CONSUMERS + c))
+            produce_block(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, kv_empty, q_start,
+                          kv_col, n_tiles, it0, STAGES, BLOCK_N)
+            it0 += n_tiles
+            k += 1
+
+
+@gluon.jit(do_not_specialize=["max_len", "qk_scale", "group", "heads", "num_seqs"])
+def _prefill_kernel(q_desc, k_desc, v_desc, o_desc, Out, CuSeqlens, max_len, stride_ot, qk_scale,
+                    group, heads, num_seqs, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                    WS: gl.constexpr, PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr,
+                    PIN: gl.constexpr, num_warps: gl.constexpr):
+    n_mblocks = gl.cdiv(max_len, BLOCK_M)
+    if PERSISTENT:  # one program per SM, over every block in order
+        t0, t_end, t_step = gl.program_id(0), n_mblocks * heads * num_seqs, gl.num_programs(0)
+    else:  # grid (query block, head, request): one block
+        t0 = gl.program_id(0) + n_mblocks * (gl.program_id(1) + heads * gl.program_id(2))
+        t_end, t_step = t0 + 1, 1
+    CONSUMERS: gl.constexpr = 2 if PINGPONG else 1
+    ROWS: gl.constexpr = BLOCK_M // CONSUMERS
+    Q_SLOTS: gl.constexpr = 2 if PERSISTENT else 1
+    dtype: gl.constexpr = q_desc.dtype
+    q_smem = gl.allocate_shared_memory(dtype, [Q_SLOTS * CONSUMERS, ROWS, HEAD_DIM], q_desc.layout)
+    k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [Q_SLOTS, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [Q_SLOTS, 1], mbarrier.MBarrierLayout())
+    turn_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(kv_empty.index(i), count=CONSUMERS)  # every consumer releases each slot
+    for i in gl.static_range(Q_SLOTS):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=CONSUMERS)
+    for i in gl.static_range(2):
+        mbarrier.init(turn_bars.index(i), count=1)
+
+    if not WS:  # these warps copy too: Q and the first STAGES tiles, then the loop
+        q_start, q_len, m_row0, head, kv_col, n_tiles, mask_from = _block(
+            t0, CuSeqlens, n_mblocks, heads, group, BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL)
+        if n_tiles > 0:
+            mbarrier.expect(q_ready.index(0), q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [q_start + m_row0, head * HEAD_DIM],
+                                            q_ready.index(0), q_smem.index(0))
+            for i in gl.static_range(STAGES):
+                load_kv(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, i,
+                        q_start + i * BLOCK_N, kv_col, i < n_tiles, STAGES)
+            attend_block(q_smem.index(0), q_ready.index(0), 0, k_bufs, v_bufs, k_ready, v_ready,
+                         kv_empty, turn_bars, k_desc, v_desc, o_desc, Out, q_start, q_len, m_row0,
+                         head, kv_col, n_tiles, 0, mask_from, stride_ot, qk_scale, 0, CAUSAL, ROWS,
+                         BLOCK_N, HEAD_DIM, STAGES, num_warps, True, False, PIN)
+    else:
+        if PINGPONG:
             mbarrier.arrive(turn_bars.index(0))  # the upper rows' warpgroup goes first
             gl.warp_specialize([
-                (_consumer, (q_smem.index(0), k_bufs, v_bufs, k_ready, v_ready, kv_empty, q_bar,
-                             turn_bars, k_desc, v_desc, o_desc, Out, q_start, q_len, m_row0, head,
-                             kv_col, n_tiles, mask_from, stride_ot, qk_scale, 0, CAUSAL,
-                             ROWS, BLOCK_N, HEAD_DIM, STAGES, num_warps, False, True, PIN)),
-                (_consumer, (q_smem.index(1), k_bufs, v_bufs, k_ready, v_ready, kv_empty, q_bar,
-                             turn_bars, k_desc, v_desc, o_desc, Out, q_start, q_len, m_row0 + ROWS,
-                             head, kv_col, n_tiles, mask_from, stride_ot, qk_scale, 1,
-                             CAUSAL, ROWS, BLOCK_N, HEAD_DIM, STAGES, 4, False, True, PIN)),
-                (producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, kv_empty, q_start,
-                            kv_col, n_tiles, STAGES, BLOCK_N)),
-            ], [4, 1], [240, 24])
+                (_consume, (t0, t_end, t_step, CuSeqlens, n_mblocks, heads, group, q_smem, q_ready,
+                            q_empty, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn_bars, k_desc,
+                            v_desc, o_desc, Out, stride_ot, qk_scale, 0, CAUSAL, BLOCK_M, ROWS,
+                            BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS, num_warps, True, PIN)),
+                (_consume, (t0, t_end, t_step, CuSeqlens, n_mblocks, heads, group, q_smem, q_ready,
+                            q_empty, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn_bars, k_desc,
+                            v_desc, o_desc, Out, stride_ot, qk_scale, 1, CAUSAL, BLOCK_M, ROWS,
+                            BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS, 4, True, PIN)),
+                (_produce, (t0, t_end, t_step, CuSeqlens, n_mblocks, heads, group, q_desc, q_smem,
+                            q_ready, q_empty, k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready,
+                            kv_empty, CAUSAL, BLOCK_M, ROWS, BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS,
+                            CONSUMERS))], [4, 1], [240, 24])
         else:
             gl.warp_specialize([
-                (_consumer, (q_smem.index(0), k_bufs, v_bufs, k_ready, v_ready, kv_empty, q_bar,
-                             turn_bars, k_desc, v_desc, o_desc, Out, q_start, q_len, m_row0, head,
-                             kv_col, n_tiles, mask_from, stride_ot, qk_scale, 0, CAUSAL,
-                             ROWS, BLOCK_N, HEAD_DIM, STAGES, num_warps, False, False, PIN)),
-                (producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, kv_empty, q_start,
-                            kv_col, n_tiles, STAGES, BLOCK_N)),
-            ], [1], [24])
+                (_consume, (t0, t_end, t_step, CuSeqlens, n_mblocks, heads, group, q_smem, q_ready,
+                            q_empty, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn_bars, k_desc,
+                            v_desc, o_desc, Out, stride_ot, qk_scale, 0, CAUSAL, BLOCK_M, ROWS,
+                            BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS, num_warps, False, PIN)),
+                (_produce, (t0, t_end, t_step, CuSeqlens, n_mblocks, heads, group, q_desc, q_smem,
+                            q_ready, q_empty, k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready,
+                            kv_empty, CAUSAL, BLOCK_M, ROWS, BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS,
+                            CONSUMERS))], [1], [24])
 
 
 # --- launcher -------------------------------------------------------------------
 
 DEFAULT_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 128, "STAGES": 2, "WS": False, "PINGPONG": False,
-                  "PIN": True, "num_warps": 8}
+                  "PERSISTENT": False, "PIN": True, "num_warps": 8}
 
 
 def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor) -> None:
@@ -246,13 +231,19 @@ def kernel_args(q, k, v, out, cu_seqlens, max_seqlen: int, scale: float, causal:
     rows = cfg["BLOCK_M"] // (2 if cfg["PINGPONG"] else 1)
     if cfg["PINGPONG"] and (not cfg["WS"] or cfg["num_warps"] != 4 or rows != 64):
         raise ValueError("PINGPONG needs WS, num_warps 4 and BLOCK_M 128 (64 rows a warpgroup)")
+    if cfg["PERSISTENT"] and not cfg["WS"]:
+        raise ValueError("PERSISTENT needs WS (the producer warp walks the blocks ahead)")
     if rows != 16 * cfg["num_warps"]:
         raise ValueError(f"{rows} rows a consumer need num_warps {rows // 16}")
     args = (_descriptor(q, rows, head_dim), _descriptor(k, cfg["BLOCK_N"], head_dim),
             _descriptor(v, cfg["BLOCK_N"], head_dim), _descriptor(out, rows, head_dim), out,
-            cu_seqlens, max_seqlen, out.stride(0), scale * LOG2E, q.shape[1] // k.shape[1])
+            cu_seqlens, max_seqlen, out.stride(0), scale * LOG2E, q.shape[1] // k.shape[1],
+            q.shape[1], cu_seqlens.numel() - 1)
     consts = dict(HEAD_DIM=head_dim, CAUSAL=causal, **cfg)
     grid = (triton.cdiv(max_seqlen, cfg["BLOCK_M"]), q.shape[1], cu_seqlens.numel() - 1)
+    if cfg["PERSISTENT"]:
+        sms = num_sms(q.device.index or 0) if q.is_cuda else 132
+        grid = (min(sms, grid[0] * grid[1] * grid[2]), 1, 1)
     return args, consts, grid
 
 

@@ -28,6 +28,7 @@ CONFIGS = {
     "ws_n64_s4_fp16_gqa": ({"WS": True, "BLOCK_N": 64, "STAGES": 4},
                            {"dtype": "float16", "kv_heads": 4, "causal": False}),
     "pingpong": ({"WS": True, "PINGPONG": True, "num_warps": 4}, {}),
+    "pingpong_persistent": ({"WS": True, "PINGPONG": True, "num_warps": 4, "PERSISTENT": True}, {}),
     "m64_w4": ({"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4}, {"causal": False}),
     "unpinned": ({"PIN": False}, {}),  # the control: ptxas's own placement of the P.V wait
 }
@@ -116,6 +117,8 @@ def test_needs_hopper_and_valid_config():
         kernel_args(q, k, v, q, cu, 64, 0.1, True, {"PINGPONG": True})
     with pytest.raises(ValueError, match="num_warps"):
         kernel_args(q, k, v, q, cu, 64, 0.1, True, {"BLOCK_M": 64})
+    with pytest.raises(ValueError, match="PERSISTENT"):
+        kernel_args(q, k, v, q, cu, 64, 0.1, True, {"PERSISTENT": True})
 
 
 hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
@@ -126,7 +129,8 @@ hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_devi
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("config", [BASE, {**BASE, "WS": True},
-                                    {**BASE, "WS": True, "PINGPONG": True, "num_warps": 4}])
+                                    {**BASE, "WS": True, "PINGPONG": True, "num_warps": 4},
+                                    {**BASE, "WS": True, "PERSISTENT": True}])
 def test_matches_reference_on_gpu(dtype, causal, config):
     lengths, heads, kv_heads = [1, 100, 128, 129, 777], 8, 2
     cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
