@@ -43,12 +43,13 @@ VARIANTS = {
     "pingpong_persistent_n128_s2": {**_PP, "PERSISTENT": True},
     "pingpong_persistent_n64_s4": {**_PP, "PERSISTENT": True, "BLOCK_N": 64, "STAGES": 4},
 }
-# (request lengths, heads, kv_heads, causal, dtype): ragged ends, GQA and MQA,
-# one-token and one-tile-plus-one requests, full blocks (bulk stores) and partial
-# ones; three compiles a variant (dtype and causality are compile-time).
-CASES = [([1, 63, 128, 129, 700, 1500, 2048], 16, 4, True, torch.bfloat16),
-         ([5, 256, 1000, 64, 333, 4096], 8, 1, False, torch.bfloat16),
-         ([77, 1024, 2000], 8, 8, True, torch.float16)]
+# (request lengths, heads, kv_heads, causal, dtype, head_dim): ragged ends, GQA
+# and MQA, one-token and one-tile-plus-one requests, full blocks (bulk stores) and
+# partial ones, SmolLM2's 9/3 heads of 64; four compiles a variant.
+CASES = [([1, 63, 128, 129, 700, 1500, 2048], 16, 4, True, torch.bfloat16, 128),
+         ([5, 256, 1000, 64, 333, 4096], 8, 1, False, torch.bfloat16, 128),
+         ([77, 1024, 2000], 8, 8, True, torch.float16, 128),
+         ([100, 1000, 2048], 9, 3, True, torch.bfloat16, 64)]
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 5e-3}
 
 
@@ -77,13 +78,13 @@ _DATA: dict = {}  # case -> (q, k, v, cu, reference): shared by every variant
 
 def _case_data(i: int):
     if i not in _DATA:
-        lengths, heads, kv_heads, causal, dtype = CASES[i]
+        lengths, heads, kv_heads, causal, dtype, dim = CASES[i]
         gen = torch.Generator(device="cuda").manual_seed(i)
         cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
-        q = torch.randn(sum(lengths), heads, 128, device="cuda", dtype=dtype, generator=gen)
-        k, v = (torch.randn(sum(lengths), kv_heads, 128, device="cuda", dtype=dtype, generator=gen)
+        q = torch.randn(sum(lengths), heads, dim, device="cuda", dtype=dtype, generator=gen)
+        k, v = (torch.randn(sum(lengths), kv_heads, dim, device="cuda", dtype=dtype, generator=gen)
                 for _ in range(2))
-        _DATA[i] = (q, k, v, cu, reference(q, k, v, cu, causal, 128 ** -0.5))
+        _DATA[i] = (q, k, v, cu, reference(q, k, v, cu, causal, dim ** -0.5))
     return _DATA[i]
 
 
@@ -92,12 +93,13 @@ def check_variant(cfg: dict) -> dict:
     as NaN, so rows the kernel never wrote show."""
     from slipstream.kernels.gluon_prefill import gluon_prefill
     worst, errs = 0.0, {}
-    for i, (lengths, heads, kv_heads, causal, dtype) in enumerate(CASES):
+    for i, (lengths, heads, kv_heads, causal, dtype, dim) in enumerate(CASES):
         q, k, v, cu, ref = _case_data(i)
         out = torch.full_like(q, float("nan"))
-        gluon_prefill(q, k, v, cu, max(lengths), 128 ** -0.5, causal=causal, out=out, config=cfg)
+        gluon_prefill(q, k, v, cu, max(lengths), dim ** -0.5, causal=causal, out=out, config=cfg)
         err = rel_err(out, ref)
-        errs[f"{len(lengths)}seqs_h{heads}/{kv_heads}_{'causal' if causal else 'full'}_{str(dtype)[6:]}"] = err
+        errs[f"{len(lengths)}seqs_h{heads}/{kv_heads}x{dim}_{'causal' if causal else 'full'}_"
+             f"{str(dtype)[6:]}"] = err
         worst = max(worst, err / TOLERANCE[dtype])
     return {"ok": worst <= 1.0, "errors": errs}
 

@@ -29,14 +29,14 @@ _OPTIONS = ("num_warps", "num_stages", "maxnreg")
 
 def compile_prefill(config: dict | None = None, *, causal: bool = True,
                     dtype: torch.dtype = torch.bfloat16, heads: int = 16, kv_heads: int = 16,
-                    tokens: int = 4096):
+                    tokens: int = 4096, head_dim: int = 128):
     """The compiled kernel (triton CompiledKernel: .asm["ptx"], ["cubin"],
     .metadata.shared) for one config, built from CPU tensors of the given shape."""
-    q = torch.empty(tokens, heads, 128, dtype=dtype)
-    k = torch.empty(tokens, kv_heads, 128, dtype=dtype)
+    q = torch.empty(tokens, heads, head_dim, dtype=dtype)
+    k = torch.empty(tokens, kv_heads, head_dim, dtype=dtype)
     out = torch.empty_like(q)
     cu = torch.tensor([0, tokens], dtype=torch.int32)
-    args, consts, _ = gluon_prefill.kernel_args(q, k, k, out, cu, tokens, 128 ** -0.5, causal,
+    args, consts, _ = gluon_prefill.kernel_args(q, k, k, out, cu, tokens, head_dim ** -0.5, causal,
                                                 config or {})
     kernel = gluon_prefill._prefill_kernel
     options = {o: consts[o] for o in _OPTIONS if o in consts}

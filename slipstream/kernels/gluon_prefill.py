@@ -35,7 +35,7 @@ from slipstream.kernels.gluon_attention_tile import attend_block, load_kv, produ
 from slipstream.kernels.runtime import num_sms
 
 LOG2E = 1.4426950408889634
-HEAD_DIMS = (128,)
+HEAD_DIMS = (64, 128)
 DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
@@ -263,10 +263,10 @@ def gluon_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens:
                   max_seqlen: int, scale: float, *, causal: bool = True,
                   out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
     """Self-attention of packed requests (no cached context), on sm_90.
-    q: [tokens, heads, 128]; k, v: [tokens, kv_heads, 128], bf16 or fp16, heads
+    q: [tokens, heads, D]; k, v: [tokens, kv_heads, D], D in HEAD_DIMS, bf16 or fp16, heads
     contiguous; cu_seqlens: [num_seqs + 1] int32 request starts; max_seqlen: host
     int, the longest request (sizes the grid); config: DEFAULT_CONFIG keys.
-    Returns out: [tokens, heads, 128] in q's dtype."""
+    Returns out: [tokens, heads, D] in q's dtype."""
     check_inputs(q, k, v, cu_seqlens)
     if not q.is_cuda or not _is_sm90(q.device.index or 0):
         raise ValueError("the Gluon prefill kernel needs an sm_90 (Hopper) GPU")

@@ -30,6 +30,7 @@ CONFIGS = {
     "pingpong": ({"WS": True, "PINGPONG": True, "num_warps": 4}, {}),
     "pingpong_persistent": ({"WS": True, "PINGPONG": True, "num_warps": 4, "PERSISTENT": True}, {}),
     "m64_w4": ({"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4}, {"causal": False}),
+    "hdim64_ws": ({"WS": True}, {"head_dim": 64, "heads": 9, "kv_heads": 3}),
     "unpinned": ({"PIN": False}, {}),  # the control: ptxas's own placement of the P.V wait
 }
 _CHILD = """
@@ -94,7 +95,8 @@ def _qkv(tokens=64, heads=4, kv_heads=2, dim=128, dtype=torch.bfloat16):
 
 
 @pytest.mark.parametrize("bad, match", [
-    (lambda q, k, v, cu: (q[..., :64], k[..., :64], v[..., :64], cu), "head_dim"),
+    (lambda q, k, v, cu: (q[..., :32].contiguous(), k[..., :32].contiguous(),
+                          v[..., :32].contiguous(), cu), "head_dim"),
     (lambda q, k, v, cu: (q.float(), k.float(), v.float(), cu), "dtype"),
     (lambda q, k, v, cu: (q[:, :3], k, v, cu), "heads"),
     (lambda q, k, v, cu: (q, k[:32], v[:32], cu), "tokens"),
@@ -128,20 +130,22 @@ hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_devi
 @hopper
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("config", [BASE, {**BASE, "WS": True},
                                     {**BASE, "WS": True, "PINGPONG": True, "num_warps": 4},
                                     {**BASE, "WS": True, "PERSISTENT": True}])
-def test_matches_reference_on_gpu(dtype, causal, config):
+def test_matches_reference_on_gpu(dtype, causal, head_dim, config):
     lengths, heads, kv_heads = [1, 100, 128, 129, 777], 8, 2
     cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
-    q = torch.randn(sum(lengths), heads, 128, dtype=dtype, device="cuda")
-    k, v = (torch.randn(sum(lengths), kv_heads, 128, dtype=dtype, device="cuda") for _ in range(2))
+    q = torch.randn(sum(lengths), heads, head_dim, dtype=dtype, device="cuda")
+    k, v = (torch.randn(sum(lengths), kv_heads, head_dim, dtype=dtype, device="cuda") for _ in range(2))
     out = torch.full_like(q, float("nan"))
-    gluon_prefill(q, k, v, cu, max(lengths), 128 ** -0.5, causal=causal, out=out, config=config)
-    cache = torch.zeros(1, 16, kv_heads, 128, dtype=dtype, device="cuda")
+    gluon_prefill(q, k, v, cu, max(lengths), head_dim ** -0.5, causal=causal, out=out, config=config)
+    cache = torch.zeros(1, 16, kv_heads, head_dim, dtype=dtype, device="cuda")
     ref = reference.prefill_attention(
         q, k, v, cache, cache, cu, torch.zeros(len(lengths), dtype=torch.int32, device="cuda"),
-        torch.zeros(len(lengths), 1, dtype=torch.int32, device="cuda"), 128 ** -0.5, causal=causal)
+        torch.zeros(len(lengths), 1, dtype=torch.int32, device="cuda"), head_dim ** -0.5,
+        causal=causal)
     tol = 2e-2 if dtype == torch.bfloat16 else 4e-3
     torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
 
