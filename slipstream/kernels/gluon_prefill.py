@@ -272,8 +272,9 @@ def gluon_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens:
         raise ValueError("the Gluon prefill kernel needs an sm_90 (Hopper) GPU")
     if out is None:
         out = torch.empty_like(q)
-    elif out.shape != q.shape or out.dtype != q.dtype or out.stride() != q.stride():
-        raise ValueError("out must be shaped, typed and strided like q")
+    elif out.shape != q.shape or out.dtype != q.dtype or out.stride(2) != 1 \
+            or out.stride(1) != q.shape[2] or (out.stride(0) * out.element_size()) % 16 or out.data_ptr() % 16:
+        raise ValueError("out must be shaped and typed like q, heads contiguous, rows 16-byte aligned")
     if max_seqlen <= 0:
         return out
     args, consts, grid = kernel_args(q, k, v, out, cu_seqlens, max_seqlen, scale, causal, config or {})
