@@ -50,7 +50,10 @@ CASES = [([1, 63, 128, 129, 700, 1500, 2048], 16, 4, True, torch.bfloat16, 128),
          ([5, 256, 1000, 64, 333, 4096], 8, 1, False, torch.bfloat16, 128),
          ([77, 1024, 2000], 8, 8, True, torch.float16, 128),
          ([100, 1000, 2048], 9, 3, True, torch.bfloat16, 64)]
+# Relative (Frobenius) error, and the largest absolute one: a few wrong rows
+# (a request's ragged end) hardly move the first but show in the second.
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 5e-3}
+MAX_ABS = {torch.bfloat16: 5e-2, torch.float16: 1e-2}
 
 
 def reference(q, k, v, cu, causal, scale):
@@ -89,8 +92,8 @@ def _case_data(i: int):
 
 
 def check_variant(cfg: dict) -> dict:
-    """Relative error per case (over TOLERANCE[dtype] fails); the output starts
-    as NaN, so rows the kernel never wrote show."""
+    """Errors per case (over TOLERANCE or MAX_ABS fails); the output starts as
+    NaN, so rows the kernel never wrote show."""
     from slipstream.kernels.gluon_prefill import gluon_prefill
     worst, errs = 0.0, {}
     for i, (lengths, heads, kv_heads, causal, dtype, dim) in enumerate(CASES):
@@ -98,9 +101,11 @@ def check_variant(cfg: dict) -> dict:
         out = torch.full_like(q, float("nan"))
         gluon_prefill(q, k, v, cu, max(lengths), dim ** -0.5, causal=causal, out=out, config=cfg)
         err = rel_err(out, ref)
-        errs[f"{len(lengths)}seqs_h{heads}/{kv_heads}x{dim}_{'causal' if causal else 'full'}_"
-             f"{str(dtype)[6:]}"] = err
-        worst = max(worst, err / TOLERANCE[dtype])
+        max_abs = (out.float() - ref.float()).abs().max().item() if err != float("inf") else err
+        name = f"{len(lengths)}seqs_h{heads}/{kv_heads}x{dim}_{'causal' if causal else 'full'}_{str(dtype)[6:]}"
+        errs[name] = err
+        errs[name + "_max_abs"] = max_abs
+        worst = max(worst, err / TOLERANCE[dtype], max_abs / MAX_ABS[dtype])
     return {"ok": worst <= 1.0, "errors": errs}
 
 
