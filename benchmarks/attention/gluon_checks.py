@@ -20,7 +20,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 _BASE = {"BLOCK_M": 128, "BLOCK_N": 128, "STAGES": 2, "WS": False, "PINGPONG": False,
-         "PERSISTENT": False, "PIN": True, "num_warps": 8}
+         "TURNS": True, "PERSISTENT": False, "PIN": True, "num_warps": 8}
 _PP = {**_BASE, "WS": True, "PINGPONG": True, "num_warps": 4}
 # Smem: Q 32 KB + STAGES * (K + V) tiles (32 KB each at BLOCK_N 128); 227 KB at most.
 VARIANTS = {
@@ -37,11 +37,13 @@ VARIANTS = {
     "pingpong_n128_s3": {**_PP, "STAGES": 3},
     "pingpong_n64_s4": {**_PP, "BLOCK_N": 64, "STAGES": 4},
     "pingpong_n128_s2_unpinned": {**_PP, "PIN": False},
+    "two_consumers_n128_s2": {**_PP, "TURNS": False},  # two 4-warp consumers, no turns
     # Persistent (one program per SM, Q double-buffered: 64 KB + the K/V ring).
     "ws_persistent_n128_s2": {**_BASE, "WS": True, "PERSISTENT": True},
     "ws_persistent_n64_s4": {**_BASE, "WS": True, "PERSISTENT": True, "BLOCK_N": 64, "STAGES": 4},
     "pingpong_persistent_n128_s2": {**_PP, "PERSISTENT": True},
     "pingpong_persistent_n64_s4": {**_PP, "PERSISTENT": True, "BLOCK_N": 64, "STAGES": 4},
+    "two_consumers_persistent_n128_s2": {**_PP, "TURNS": False, "PERSISTENT": True},
 }
 # (request lengths, heads, kv_heads, causal, dtype, head_dim): ragged ends, GQA
 # and MQA, one-token and one-tile-plus-one requests, full blocks (bulk stores) and

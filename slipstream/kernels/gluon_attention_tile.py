@@ -79,10 +79,10 @@ def attend_block(q_smem, q_ready, q_phase, k_bufs, v_bufs, k_ready, v_ready, kv_
                  mask_from, stride_ot, qk_scale, ME: gl.constexpr, CAUSAL: gl.constexpr,
                  ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                  STAGES: gl.constexpr, WARPS: gl.constexpr, SELF_LOAD: gl.constexpr,
-                 PINGPONG: gl.constexpr, PIN: gl.constexpr):
+                 TURNS: gl.constexpr, PIN: gl.constexpr):
     """ROWS query rows (m_row0.. of the request) against its key tiles it0.. (n_tiles),
     then the output stored. SELF_LOAD: these warps also issue the copies (it0 = 0).
-    PINGPONG: warpgroup ME takes turns (turn_bars) with its partner to issue its
+    TURNS (ping-pong): warpgroup ME takes turns (turn_bars) with its partner to issue its
     GEMMs; both take one turn a tile, so turn k is tile it0 + j. PIN: keep the P.V
     wait below the softmax (retire_pv); off only to measure it."""
     dtype: gl.constexpr = q_smem.dtype
@@ -97,11 +97,11 @@ def attend_block(q_smem, q_ready, q_phase, k_bufs, v_bufs, k_ready, v_ready, kv_
     # Tile 0: its scores alone, so the loop below always has a P to multiply.
     mbarrier.wait(q_ready, q_phase)
     mbarrier.wait(k_ready.index(it0 % STAGES), (it0 // STAGES) & 1)
-    if PINGPONG:
+    if TURNS:
         mbarrier.wait(turn_bars.index(ME), it0 & 1)
     s_tok = warpgroup_mma(q_smem, k_bufs.index(it0 % STAGES).permute((1, 0)), zero_s,
                           use_acc=False, is_async=True)
-    if PINGPONG:
+    if TURNS:
         mbarrier.arrive(turn_bars.index(1 - ME))
     s = warpgroup_mma_wait(0, deps=(s_tok,))
     m_i = gl.full([ROWS], float("-inf"), gl.float32, row_layout)
@@ -116,7 +116,7 @@ def attend_block(q_smem, q_ready, q_phase, k_bufs, v_bufs, k_ready, v_ready, kv_
         prev = (it - 1) % STAGES
         mbarrier.wait(k_ready.index(slot), (it // STAGES) & 1)
         mbarrier.wait(v_ready.index(prev), ((it - 1) // STAGES) & 1)
-        if PINGPONG:
+        if TURNS:
             mbarrier.wait(turn_bars.index(ME), it & 1)
         # Issue S_j = Q K_j^T, rescale O (idle now), issue O += P_{j-1} V_{j-1};
         # the softmax of S_j below runs while P.V is still on the tensor cores.
@@ -125,7 +125,7 @@ def attend_block(q_smem, q_ready, q_phase, k_bufs, v_bufs, k_ready, v_ready, kv_
         acc = acc * gl.convert_layout(alpha, o_row)[:, None]
         p_op = gl.convert_layout(p.to(dtype), p_layout)
         acc_tok = warpgroup_mma(p_op, v_bufs.index(prev), acc, is_async=True)
-        if PINGPONG:
+        if TURNS:
             mbarrier.arrive(turn_bars.index(1 - ME))
         s = warpgroup_mma_wait(1, deps=(s_tok,))  # wgmma groups retire in order: S_j done
         p, m_i, l_i, alpha = softmax_tile(s, m_i, l_i, j * BLOCK_N, offs_m, q_len, mask_from,

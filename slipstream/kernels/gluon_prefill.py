@@ -11,7 +11,8 @@ FA3 structure explicitly (the per-block loop is gluon_attention_tile.py):
     runs the softmax of S_j while P.V is still on the tensor cores;
   * WS: one producer warp issues every copy; PINGPONG: two consumer warpgroups
     of 64 query rows take turns issuing their GEMMs (two mbarriers pass the
-    turn), so one's softmax runs while the other's GEMMs hold the tensor cores;
+    turn; TURNS=False: two independent consumers), so one's softmax runs while
+    the other's GEMMs hold the tensor cores;
     PERSISTENT (with WS): one program per SM walks the blocks, Q double-buffered,
     so the next block's Q and first K/V tiles land during this one's last tiles.
 q [tokens, heads, D], k/v [tokens, kv_heads, D] packed by request (cu_seqlens,
@@ -66,7 +67,7 @@ def _consume(t0, t_end, t_step, CuSeqlens, n_mblocks, heads, group, q_smem, q_re
              stride_ot, qk_scale, ME: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
              ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
              STAGES: gl.constexpr, Q_SLOTS: gl.constexpr, WARPS: gl.constexpr,
-             PINGPONG: gl.constexpr, PIN: gl.constexpr):
+             PINGPONG: gl.constexpr, TURNS: gl.constexpr, PIN: gl.constexpr):
     """A consumer warpgroup (set) over work items t0, t0 + t_step, .. < t_end."""
     CONSUMERS: gl.constexpr = 2 if PINGPONG else 1
     it0 = 0  # K/V tiles done so far (the ring position)
@@ -80,7 +81,7 @@ def _consume(t0, t_end, t_step, CuSeqlens, n_mblocks, heads, group, q_smem, q_re
                          k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn_bars, k_desc, v_desc,
                          o_desc, Out, q_start, q_len, m_row0 + ME * ROWS, head, kv_col, n_tiles,
                          it0, mask_from, stride_ot, qk_scale, ME, CAUSAL, ROWS, BLOCK_N, HEAD_DIM,
-                         STAGES, WARPS, False, PINGPONG, PIN)
+                         STAGES, WARPS, False, TURNS, PIN)
             mbarrier.arrive(q_empty.index(qs))  # Q's slot (and the output staged in it) is free
             it0 += n_tiles
             k += 1
@@ -116,8 +117,8 @@ def _produce(t0, t_end, t_step, CuSeqlens, n_mblocks, heads, group, q_desc, q_sm
 def _prefill_kernel(q_desc, k_desc, v_desc, o_desc, Out, CuSeqlens, max_len, stride_ot, qk_scale,
                     group, heads, num_seqs, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                    WS: gl.constexpr, PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr,
-                    PIN: gl.constexpr, num_warps: gl.constexpr):
+                    WS: gl.constexpr, PINGPONG: gl.constexpr, TURNS: gl.constexpr,
+                    PERSISTENT: gl.constexpr, PIN: gl.constexpr, num_warps: gl.constexpr):
     n_mblocks = gl.cdiv(max_len, BLOCK_M)
     if PERSISTENT:  # one program per SM, over every block in order
         t0, t_end, t_step = gl.program_id(0), n_mblocks * heads * num_seqs, gl.num_programs(0)
@@ -168,11 +169,11 @@ def _prefill_kernel(q_desc, k_desc, v_desc, o_desc, Out, CuSeqlens, max_len, str
                 (_consume, (t0, t_end, t_step, CuSeqlens, n_mblocks, heads, group, q_smem, q_ready,
                             q_empty, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn_bars, k_desc,
                             v_desc, o_desc, Out, stride_ot, qk_scale, 0, CAUSAL, BLOCK_M, ROWS,
-                            BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS, num_warps, True, PIN)),
+                            BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS, num_warps, True, TURNS, PIN)),
                 (_consume, (t0, t_end, t_step, CuSeqlens, n_mblocks, heads, group, q_smem, q_ready,
                             q_empty, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn_bars, k_desc,
                             v_desc, o_desc, Out, stride_ot, qk_scale, 1, CAUSAL, BLOCK_M, ROWS,
-                            BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS, 4, True, PIN)),
+                            BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS, 4, True, TURNS, PIN)),
                 (_produce, (t0, t_end, t_step, CuSeqlens, n_mblocks, heads, group, q_desc, q_smem,
                             q_ready, q_empty, k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready,
                             kv_empty, CAUSAL, BLOCK_M, ROWS, BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS,
@@ -182,7 +183,7 @@ def _prefill_kernel(q_desc, k_desc, v_desc, o_desc, Out, CuSeqlens, max_len, str
                 (_consume, (t0, t_end, t_step, CuSeqlens, n_mblocks, heads, group, q_smem, q_ready,
                             q_empty, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn_bars, k_desc,
                             v_desc, o_desc, Out, stride_ot, qk_scale, 0, CAUSAL, BLOCK_M, ROWS,
-                            BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS, num_warps, False, PIN)),
+                            BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS, num_warps, False, False, PIN)),
                 (_produce, (t0, t_end, t_step, CuSeqlens, n_mblocks, heads, group, q_desc, q_smem,
                             q_ready, q_empty, k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready,
                             kv_empty, CAUSAL, BLOCK_M, ROWS, BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS,
@@ -192,7 +193,7 @@ def _prefill_kernel(q_desc, k_desc, v_desc, o_desc, Out, CuSeqlens, max_len, str
 # --- launcher -------------------------------------------------------------------
 
 DEFAULT_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 128, "STAGES": 2, "WS": False, "PINGPONG": False,
-                  "PERSISTENT": False, "PIN": True, "num_warps": 8}
+                  "TURNS": True, "PERSISTENT": False, "PIN": True, "num_warps": 8}
 
 
 def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor) -> None:
