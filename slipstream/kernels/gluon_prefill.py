@@ -231,6 +231,9 @@ def _descriptor(x: torch.Tensor, rows: int, head_dim: int) -> TensorDescriptor:
 def kernel_args(q, k, v, out, cu_seqlens, max_seqlen: int, scale: float, causal: bool, config: dict):
     """(positional args, constexpr kwargs, grid) of one launch; shared with the
     sm_90 compile check, which builds the same arguments on the CPU."""
+    unknown = set(config) - set(DEFAULT_CONFIG)
+    if unknown:
+        raise ValueError(f"unknown config keys {sorted(unknown)}; known: {sorted(DEFAULT_CONFIG)}")
     cfg = {**DEFAULT_CONFIG, **config}
     head_dim = q.shape[2]
     rows = cfg["BLOCK_M"] // (2 if cfg["PINGPONG"] else 1)
@@ -280,7 +283,7 @@ def gluon_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens:
     elif out.shape != q.shape or out.dtype != q.dtype or out.stride(2) != 1 \
             or out.stride(1) != q.shape[2] or (out.stride(0) * out.element_size()) % 16 or out.data_ptr() % 16:
         raise ValueError("out must be shaped and typed like q, heads contiguous, rows 16-byte aligned")
-    if max_seqlen <= 0:
+    if max_seqlen <= 0 or q.shape[0] == 0:
         return out
     config = CHOSEN[bool(causal)] if config is None else config
     args, consts, grid = kernel_args(q, k, v, out, cu_seqlens, max_seqlen, scale, causal, config)

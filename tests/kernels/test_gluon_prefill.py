@@ -119,6 +119,8 @@ def test_needs_hopper_and_valid_config():
         kernel_args(q, k, v, q, cu, 64, 0.1, True, {"PINGPONG": True})
     with pytest.raises(ValueError, match="num_warps"):
         kernel_args(q, k, v, q, cu, 64, 0.1, True, {"BLOCK_M": 64})
+    with pytest.raises(ValueError, match="unknown config keys"):
+        kernel_args(q, k, v, q, cu, 64, 0.1, True, {"BLOCK_K": 64})
     with pytest.raises(ValueError, match="PERSISTENT"):
         kernel_args(q, k, v, q, cu, 64, 0.1, True, {"PERSISTENT": True})
 
