@@ -10,7 +10,8 @@
    1 x 16k, causal and not; ragged lengths; GQA 16/4) are timed for SDPA flash,
    SDPA cuDNN, our Triton kernel and every passing variant, interleaved in the
    same run, each output first checked against SDPA flash (or the Triton kernel);
-3. writes DIR/gluon_prefill.json and .md and prints the short table.
+3. writes DIR/gluon_prefill.json and .md (every variant, every shape) and
+   prints the short table (the best variant per shape against the baselines).
 --smoke (no GPU): step 1 compiles every variant for sm_90 instead, step 2 is skipped.
 """
 from __future__ import annotations
@@ -252,13 +253,33 @@ def main() -> None:
             res["shapes"].append({"shape": name, "lengths": lengths, "kv_heads": kv_heads,
                                   "tflops": {}, "err": {"all": f"{type(e).__name__}: {e}"[:300]}})
         save(res, args.out, t0)
-    print(save(res, args.out, t0))
+    save(res, args.out, t0)
+    print(short_table(res))
+
+
+def short_table(res: dict) -> str:
+    """Per shape: the best passing Gluon variant against the baselines (TFLOP/s)."""
+    failed = [n for n, r in res["checks"].items() if not r["ok"]]
+    lines = [f"variants failing their checks: {failed or 'none'} (details in gluon_prefill.md)",
+             "| shape | best gluon | TFLOP/s | cuDNN | flash | triton | x cuDNN | x triton | pinned/unpinned |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for row in res["shapes"]:
+        t = row["tflops"]
+        gluon = {c: x for c, x in t.items() if c in VARIANTS}
+        best = max(gluon, key=gluon.get) if gluon else None
+        cells = [f"{t[c]:.0f}" if c in t else "-" for c in (best, "sdpa_cudnn", "sdpa_flash", "triton")]
+        ratios = [f"{t[best] / t[c]:.2f}x" if best and c in t else "-" for c in ("sdpa_cudnn", "triton")]
+        pin = [f"{t[a] / t[a + '_unpinned']:.2f}x" for a in ("m128_n128_s2", "pingpong_n128_s2")
+               if a in t and a + "_unpinned" in t]  # what keeping the P.V wait in place buys
+        lines.append(f"| {row['shape']} | {best} | {' | '.join(cells)} | {' | '.join(ratios)} | "
+                     f"{', '.join(pin) or '-'} |")
+    return "\n".join(lines)
 
 
 def save(res: dict, out: Path, t0: float) -> str:
     res["seconds"] = time.time() - t0
     (out / "gluon_prefill.json").write_text(json.dumps(res, indent=1))
-    md = markdown(res)
+    md = markdown(res) + "\n## Summary\n\n" + short_table(res) + "\n"
     (out / "gluon_prefill.md").write_text(md)
     return md
 
