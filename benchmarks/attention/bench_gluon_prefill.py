@@ -194,11 +194,9 @@ def markdown(res: dict) -> str:
         comp = r.get("compiled", r)
         comp = {k: comp[k] for k in ("wgmma", "sass_exp2_under_pv", "shared_bytes")
                 if isinstance(comp, dict) and k in comp}
-        errs = r.get("errors", {})
-        rel = max((e for n, e in errs.items() if not n.endswith("max_abs")), default=None)
-        detail = r.get("error") or (f"rel err <= {rel:.1e}, max abs "
-                                    f"{max(e for n, e in errs.items() if n.endswith('max_abs')):.1e}; "
-                                    if rel is not None else "")
+        errs = [(n.endswith("max_abs"), e) for n, e in r.get("errors", {}).items()]
+        detail = r.get("error") or (f"rel err <= {max(e for a, e in errs if not a):.1e}, max abs "
+                                    f"{max(e for a, e in errs if a):.1e};" if errs else "")
         lines.append(f"| {name} | {r['ok']} | {detail} {comp} |")
     for row in res["shapes"]:
         t = row["tflops"]
