@@ -267,7 +267,7 @@ def short_table(res: dict) -> str:
         best = max(gluon, key=gluon.get) if gluon else None
         cells = [f"{t[c]:.0f}" if c in t else "-" for c in (best, "sdpa_cudnn", "sdpa_flash", "triton")]
         ratios = [f"{t[best] / t[c]:.2f}x" if best and c in t else "-" for c in ("sdpa_cudnn", "triton")]
-        pin = [f"{t[a] / t[a + '_unpinned']:.2f}x" for a in ("m128_n128_s2", "pingpong_n128_s2")
+        pin = [f"{t[a] / t[a + '_unpinned']:.2f}x" for a in ("pingpong_n128_s3", "pingpong_n128_s2")
                if a in t and a + "_unpinned" in t]  # what keeping the P.V wait in place buys
         lines.append(f"| {row['shape']} | {best} | {' | '.join(cells)} | {' | '.join(ratios)} | "
                      f"{', '.join(pin) or '-'} |")
