@@ -34,6 +34,7 @@ VARIANTS = {
     "pingpong_n128_s2": _PP,
     "pingpong_n128_s3": {**_PP, "STAGES": 3},
     "pingpong_n64_s4": {**_PP, "BLOCK_N": 64, "STAGES": 4},
+    "pingpong_n64_s6": {**_PP, "BLOCK_N": 64, "STAGES": 6},
     "pingpong_n128_s2_unpinned": {**_PP, "PIN": False},
     "pingpong_n128_s3_unpinned": {**_PP, "STAGES": 3, "PIN": False},
     "two_consumers_n128_s3": {**_PP, "STAGES": 3, "TURNS": False},  # two 4-warp consumers, no turns
@@ -41,6 +42,7 @@ VARIANTS = {
     "ws_persistent_n128_s2": {**_BASE, "WS": True, "PERSISTENT": True},
     "pingpong_persistent_n128_s2": {**_PP, "PERSISTENT": True},
     "pingpong_persistent_n64_s4": {**_PP, "PERSISTENT": True, "BLOCK_N": 64, "STAGES": 4},
+    "pingpong_persistent_n64_s5": {**_PP, "PERSISTENT": True, "BLOCK_N": 64, "STAGES": 5},
     "two_consumers_persistent_n128_s2": {**_PP, "TURNS": False, "PERSISTENT": True},
 }
 # (request lengths, heads, kv_heads, causal, dtype, head_dim): ragged ends, GQA
