@@ -20,7 +20,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 _BASE = {"BLOCK_M": 128, "BLOCK_N": 128, "STAGES": 2, "WS": False, "PINGPONG": False,
-         "TURNS": True, "PERSISTENT": False, "PIN": True, "num_warps": 8}
+         "TURNS": True, "PERSISTENT": False, "Q_BUFS": 2, "PIN": True, "num_warps": 8}
 _PP = {**_BASE, "WS": True, "PINGPONG": True, "num_warps": 4}
 # Smem: Q 32 KB + STAGES * (K + V) tiles (32 KB each at BLOCK_N 128); 227 KB at most.
 # The first H200 run (benchmarks/attention/GLUON.md) dropped BLOCK_M 64 and the
@@ -38,12 +38,13 @@ VARIANTS = {
     "pingpong_n128_s2_unpinned": {**_PP, "PIN": False},
     "pingpong_n128_s3_unpinned": {**_PP, "STAGES": 3, "PIN": False},
     "two_consumers_n128_s3": {**_PP, "STAGES": 3, "TURNS": False},  # two 4-warp consumers, no turns
-    # Persistent (one program per SM, Q double-buffered: 64 KB + the K/V ring).
+    # Persistent (one program per SM, Q double-buffered: 64 KB + the K/V ring; _q1: 32 KB).
     "ws_persistent_n128_s2": {**_BASE, "WS": True, "PERSISTENT": True},
     "pingpong_persistent_n128_s2": {**_PP, "PERSISTENT": True},
     "pingpong_persistent_n64_s4": {**_PP, "PERSISTENT": True, "BLOCK_N": 64, "STAGES": 4},
     "pingpong_persistent_n64_s5": {**_PP, "PERSISTENT": True, "BLOCK_N": 64, "STAGES": 5},
     "two_consumers_persistent_n128_s2": {**_PP, "TURNS": False, "PERSISTENT": True},
+    "pingpong_persistent_n128_s3_q1": {**_PP, "PERSISTENT": True, "STAGES": 3, "Q_BUFS": 1},
 }
 # (request lengths, heads, kv_heads, causal, dtype, head_dim): ragged ends, GQA
 # and MQA, one-token and one-tile-plus-one requests, full blocks (bulk stores) and

@@ -31,10 +31,10 @@ def load_kv(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, it, row, kv_col, p
 
 @gluon.jit
 def produce_block(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, kv_empty, q_start, kv_col,
-                  n_tiles, it0, STAGES: gl.constexpr, BLOCK_N: gl.constexpr):
-    """The producer warp's part of one block: each K, then V, tile as soon as its
-    slot is free."""
-    for j in range(n_tiles):
+                  j0, j1, it0, STAGES: gl.constexpr, BLOCK_N: gl.constexpr):
+    """The producer warp's part of one block, tiles j0..j1-1: each K, then V, tile
+    as soon as its slot is free."""
+    for j in range(j0, j1):
         it = it0 + j
         slot = it % STAGES
         row = q_start + j * BLOCK_N

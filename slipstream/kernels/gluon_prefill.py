@@ -4,17 +4,16 @@ Triton 3.6 does not overlap the tensor cores with the softmax on sm_90 (an
 early QK^T is waited on at once). Gluon, its lower-level dialect, states the
 FA3 structure explicitly (the per-block loop is gluon_attention_tile.py):
   * K/V tiles stream through a ring of STAGES shared-memory slots filled by TMA,
-    each with a "ready" mbarrier (bytes landed) and, with a producer warp, an
-    "empty" one (every consumer is done with the slot);
+    each with "ready" and (with a producer warp) "empty" mbarriers;
   * QK^T and P.V are asynchronous wgmma: step j issues S_j = Q K_j^T and then
     O += P_{j-1} V_{j-1} (P straight from registers), waits for S_j only, and
     runs the softmax of S_j while P.V is still on the tensor cores;
   * WS: one producer warp issues every copy; PINGPONG: two consumer warpgroups
-    of 64 query rows take turns issuing their GEMMs (two mbarriers pass the
-    turn; TURNS=False: two independent consumers), so one's softmax runs while
-    the other's GEMMs hold the tensor cores;
-    PERSISTENT (with WS): one program per SM walks the blocks, Q double-buffered,
-    so the next block's Q and first K/V tiles land during this one's last tiles.
+    of 64 query rows take turns issuing their GEMMs (two mbarriers pass the turn;
+    TURNS=False: no turns), so one's softmax runs under the other's GEMMs;
+    PERSISTENT (with WS): one program per SM walks the blocks, Q double-buffered
+    (Q_BUFS=1: single, for a third K/V stage), so the next block's Q and first
+    K/V tiles land during this one's last tiles.
 q [tokens, heads, D], k/v [tokens, kv_heads, D] packed by request (cu_seqlens,
 no cached context) are seen by TMA as 2-D [tokens, heads * D]; tile rows past a
 request's end (the next request's, or zeros past the tensor) are masked. GQA:
@@ -93,7 +92,9 @@ def _produce(t0, t_end, t_step, CuSeqlens, n_mblocks, heads, group, q_desc, q_sm
              CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, ROWS: gl.constexpr,
              BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
              Q_SLOTS: gl.constexpr, CONSUMERS: gl.constexpr):
-    """The producer warp over the same work items: each block's Q, then its K/V."""
+    """The producer warp over the same work items: each block's Q, then its K/V.
+    With one Q buffer (persistent), a later block's first STAGES tiles go first:
+    its Q must wait for the previous block's end, its K/V only for ring slots."""
     it0 = 0
     k = 0
     for t in range(t0, t_end, t_step):
@@ -101,6 +102,11 @@ def _produce(t0, t_end, t_step, CuSeqlens, n_mblocks, heads, group, q_desc, q_sm
             t, CuSeqlens, n_mblocks, heads, group, BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL)
         if n_tiles > 0:
             qs = k % Q_SLOTS
+            early = 0
+            if Q_SLOTS == 1:
+                early = gl.minimum(n_tiles, STAGES) * (k > 0).to(gl.int32)
+                produce_block(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, kv_empty, q_start,
+                              kv_col, 0, early, it0, STAGES, BLOCK_N)
             if k >= Q_SLOTS:
                 mbarrier.wait(q_empty.index(qs), ((k - Q_SLOTS) // Q_SLOTS) & 1)
             mbarrier.expect(q_ready.index(qs), CONSUMERS * q_desc.block_type.nbytes)
@@ -108,7 +114,7 @@ def _produce(t0, t_end, t_step, CuSeqlens, n_mblocks, heads, group, q_desc, q_sm
                 tma.async_copy_global_to_shared(q_desc, [q_start + m_row0 + c * ROWS, head * HEAD_DIM],
                                                 q_ready.index(qs), q_smem.index(qs * CONSUMERS + c))
             produce_block(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, kv_empty, q_start,
-                          kv_col, n_tiles, it0, STAGES, BLOCK_N)
+                          kv_col, early, n_tiles, it0, STAGES, BLOCK_N)
             it0 += n_tiles
             k += 1
 
@@ -118,7 +124,8 @@ def _prefill_kernel(q_desc, k_desc, v_desc, o_desc, Out, CuSeqlens, max_len, str
                     group, heads, num_seqs, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                     WS: gl.constexpr, PINGPONG: gl.constexpr, TURNS: gl.constexpr,
-                    PERSISTENT: gl.constexpr, PIN: gl.constexpr, num_warps: gl.constexpr):
+                    PERSISTENT: gl.constexpr, Q_BUFS: gl.constexpr, PIN: gl.constexpr,
+                    num_warps: gl.constexpr):
     n_mblocks = gl.cdiv(max_len, BLOCK_M)
     if PERSISTENT:  # one program per SM, over every block in order
         t0, t_end, t_step = gl.program_id(0), n_mblocks * heads * num_seqs, gl.num_programs(0)
@@ -127,7 +134,7 @@ def _prefill_kernel(q_desc, k_desc, v_desc, o_desc, Out, CuSeqlens, max_len, str
         t_end, t_step = t0 + 1, 1
     CONSUMERS: gl.constexpr = 2 if PINGPONG else 1
     ROWS: gl.constexpr = BLOCK_M // CONSUMERS
-    Q_SLOTS: gl.constexpr = 2 if PERSISTENT else 1
+    Q_SLOTS: gl.constexpr = Q_BUFS if PERSISTENT else 1
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [Q_SLOTS * CONSUMERS, ROWS, HEAD_DIM], q_desc.layout)
     k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
@@ -194,7 +201,7 @@ def _prefill_kernel(q_desc, k_desc, v_desc, o_desc, Out, CuSeqlens, max_len, str
 # --- launcher -------------------------------------------------------------------
 
 DEFAULT_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 128, "STAGES": 2, "WS": False, "PINGPONG": False,
-                  "TURNS": True, "PERSISTENT": False, "PIN": True, "num_warps": 8}
+                  "TURNS": True, "PERSISTENT": False, "Q_BUFS": 2, "PIN": True, "num_warps": 8}
 # What a call without `config` runs, by causality (keys over DEFAULT_CONFIG): the
 # fastest variant of the first H200 run on every shape (benchmarks/attention/GLUON.md).
 CHOSEN = {True: {"WS": True, "PINGPONG": True, "num_warps": 4, "STAGES": 3},
