@@ -2,15 +2,13 @@
 
     python3 benchmarks/attention/bench_gluon_prefill.py --out DIR [--smoke]
 
-1. every variant (gluon_checks.VARIANTS) is checked against an fp32 reference in
-   child processes with a timeout: a variant that fails to compile, is wrong or
-   hangs is reported and left out of the timing;
-2. the benchmark's prefill shapes (hdim 128, 16 heads, 16k tokens: 4 x 4k and
-   1 x 16k, causal and not; ragged lengths; GQA 16/4) are timed for SDPA flash,
-   SDPA cuDNN, our Triton kernel and every passing variant, interleaved in the
-   same run, each output first checked against SDPA flash (or the Triton kernel);
-3. writes DIR/gluon_prefill.json and .md (every variant, every shape) and
-   prints the short table (the best variant per shape against the baselines).
+1. each variant (gluon_checks.DEFAULT_RUN, or --variants) is checked against an
+   fp32 reference in child processes with a timeout; one that fails to compile,
+   is wrong or hangs is reported and left out of the timing;
+2. the prefill shapes (hdim 128, 16 heads, 16k tokens: 4 x 4k and 1 x 16k, causal
+   and not; ragged; GQA 16/4) are timed for SDPA flash and cuDNN, our Triton kernel
+   and every passing variant, interleaved, each output first checked;
+3. writes DIR/gluon_prefill.json and .md and prints a short table (best variant a shape).
 --smoke (no GPU): compile every variant for sm_90, and run step 2 on tiny shapes on the
 CPU with the Gluon calls replaced by the reference (the script's plumbing only).
 """
@@ -32,17 +30,17 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path[:0] = [str(ROOT), str(HERE)]
 
-from gluon_checks import VARIANTS, rel_err  # noqa: E402
+from gluon_checks import DEFAULT_RUN, VARIANTS, rel_err  # noqa: E402
 
 HEADS, HEAD_DIM, TOKENS = 16, 128, 16384
 SCALE = HEAD_DIM ** -0.5
 VARIANT_TIMEOUT_S = 45  # a variant's checks (4 compiles) take seconds; longer means a hang
-# The Triton kernel's configs as its autotuner picked them on the H200 (results/
-# h200_2026-11-29d.json): 128 x 128 tiles, 3 stages, paired blocks for causal <= 4k.
+# The Triton kernel as autotuned on the H200 (results/h200_2026-11-29d.json; + PAIRED for causal <= 4k)
 TRITON_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3}
 SMOKE_SHAPES = [("dense 2x64 causal", [64, 64], 16, True), ("gqa ragged", [5, 40, 19], 4, False)]
 DEVICE, DTYPE = "cuda", "bfloat16"  # --smoke: "cpu", "float16" (the interpreter's bf16 dots are wrong)
-TOTAL_LIMIT_S = 230  # past this, write what was measured and exit (a hang while timing)
+TOTAL_LIMIT_S = 85  # past this, write what was measured and exit (a hang, or a slow run)
+CHILDREN: set = set()
 # name, request lengths, kv heads, causal
 SHAPES = [("dense 4x4k causal", [4096] * 4, 16, True),
           ("dense 1x16k causal", [16384], 16, True),
@@ -69,8 +67,8 @@ def _check_group(names: list[str], smoke: bool, log) -> dict:
         cmd = [sys.executable, str(HERE / "gluon_checks.py"), *todo] + (["--compile-only"] if smoke else [])
         child = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=ROOT,
                                  env=dict(os.environ, TRITON_INTERPRET="0"))
-        current, deadline = None, time.time() + VARIANT_TIMEOUT_S
-        sel = selectors.DefaultSelector()
+        CHILDREN.add(child)  # killed by the watchdog if it fires
+        current, deadline, sel = None, time.time() + VARIANT_TIMEOUT_S, selectors.DefaultSelector()
         sel.register(child.stdout, selectors.EVENT_READ)
         while True:
             if not sel.select(timeout=max(deadline - time.time(), 0.1)):
@@ -95,8 +93,7 @@ def _check_group(names: list[str], smoke: bool, log) -> dict:
         left = [n for n in todo if n not in results]
         if left == todo:  # died before starting any: give up on these
             results.update({n: {"ok": False, "error": "check process exited without a result"} for n in left})
-            left = []
-        todo = left
+        todo = left if left != todo else []
     return results
 
 
@@ -177,8 +174,7 @@ def time_shape(name, lengths, kv_heads, causal, variants, tune_triton, log) -> d
 
 def _bench_ms(fn) -> float:
     if DEVICE == "cuda":
-        import triton
-        return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
+        return __import__("triton").testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
     t0 = time.perf_counter()
     fn()
     return (time.perf_counter() - t0) * 1e3
@@ -221,7 +217,9 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true",
                     help="no GPU: compile every variant for sm_90; time tiny shapes on the CPU with "
                          "the Gluon calls replaced by the reference (the script's plumbing only)")
-    ap.add_argument("--variants", nargs="*", default=list(VARIANTS))
+    ap.add_argument("--variants", nargs="*", default=DEFAULT_RUN, choices=list(VARIANTS),
+                    help="Gluon variants to check and time (default: DEFAULT_RUN)")
+    ap.add_argument("--limit", type=float, help=f"watchdog seconds (default {TOTAL_LIMIT_S}; 600 --smoke)")
     ap.add_argument("--tune-triton", action="store_true",
                     help="autotune the Triton kernel here (slower) instead of its tuned H200 configs")
     args = ap.parse_args()
@@ -239,7 +237,7 @@ def main() -> None:
 
     res = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (compile only)",
            "torch": torch.__version__, "triton": triton.__version__, "checks": {}, "shapes": []}
-    watchdog(res, args.out, t0)
+    watchdog(res, args.out, t0, args.limit or (600 if args.smoke else TOTAL_LIMIT_S))
     log("variant checks" + (" (compile only)" if args.smoke else ""))
     res["checks"] = run_checks(args.variants, args.smoke, log)
     passing = [n for n, r in res["checks"].items() if r["ok"]]
@@ -282,14 +280,17 @@ def save(res: dict, out: Path, t0: float) -> str:
     return md
 
 
-def watchdog(res: dict, out: Path, t0: float) -> None:
-    """Past TOTAL_LIMIT_S: print where the run is stuck, save, exit."""
+def watchdog(res: dict, out: Path, t0: float, limit: float) -> None:
+    """Past `limit` seconds: print where the run is, save what was measured, exit."""
     def fire():
         faulthandler.dump_traceback()
-        res["aborted"] = f"stopped after {TOTAL_LIMIT_S} s"
-        print(save(res, out, t0), flush=True)
+        for child in list(CHILDREN):
+            child.kill()
+        res["aborted"] = f"stopped after {limit} s"
+        save(res, out, t0)
+        print(short_table(res), flush=True)
         os._exit(3)
-    timer = threading.Timer(TOTAL_LIMIT_S, fire)
+    timer = threading.Timer(limit, fire)
     timer.daemon = True
     timer.start()
 

@@ -46,6 +46,11 @@ VARIANTS = {
     "two_consumers_persistent_n128_s2": {**_PP, "TURNS": False, "PERSISTENT": True},
     "pingpong_persistent_n128_s3_q1": {**_PP, "PERSISTENT": True, "STAGES": 3, "Q_BUFS": 1},
 }
+# What one run times by default (about 60 s on the H200); the others by --variants.
+DEFAULT_RUN = ["m128_n128_s3", "ws_m128_n128_s2", "ws_m128_n128_s3", "pingpong_n128_s2",
+               "pingpong_n128_s3", "pingpong_n128_s3_unpinned", "two_consumers_n128_s3",
+               "ws_persistent_n128_s2", "pingpong_persistent_n128_s2",
+               "pingpong_persistent_n128_s3_q1", "two_consumers_persistent_n128_s2"]
 # (request lengths, heads, kv_heads, causal, dtype, head_dim): ragged ends, GQA
 # and MQA, one-token and one-tile-plus-one requests, full blocks (bulk stores) and
 # partial ones, SmolLM2's 9/3 heads of 64; four compiles a variant.
