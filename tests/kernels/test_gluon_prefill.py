@@ -133,7 +133,8 @@ hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_devi
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("config", [BASE, {**BASE, "WS": True},
                                     {**BASE, "WS": True, "PINGPONG": True, "num_warps": 4},
-                                    {**BASE, "WS": True, "PERSISTENT": True}])
+                                    {**BASE, "WS": True, "PERSISTENT": True},
+                                    None])  # None: what the backend runs (CHOSEN)
 def test_matches_reference_on_gpu(dtype, causal, head_dim, config):
     lengths, heads, kv_heads = [1, 100, 128, 129, 777], 8, 2
     cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
