@@ -5,7 +5,9 @@ Per step (`prepare`) it picks one path from host-side metadata only:
   * decode only (every request brings one token): FlashDecoding split-KV kernel,
     with the split count chosen from the batch size and longest context (or
     fixed by `batch.decode_splits`, as a captured CUDA graph needs);
-  * prompts and prompt chunks: the FlashAttention-2 prefill kernel;
+  * prompts and prompt chunks: the FlashAttention-2 prefill kernel (opt-in,
+    SLIPSTREAM_GLUON_PREFILL=1: whole prompts on sm_90 go to the Gluon
+    FlashAttention-3-style kernel, kernels/gluon_prefill.py);
   * mixed steps: the decode rows (first in the step) go to the split-KV kernel
     and the rest to the prefill kernel, each writing its part of the output.
 Each layer first writes its new K/V into the paged cache (KV store kernel),
@@ -20,6 +22,7 @@ import torch
 from slipstream.attention.base import AttentionLayerInfo, register_backend
 from slipstream.kernels.decode_attention import (
     MAX_TREE_NODES, choose_num_splits, pack_tree_mask, split_kv_attention, split_kv_scratch)
+from slipstream.kernels.gluon_prefill import gluon_prefill, gluon_prefill_wanted
 from slipstream.kernels.kv_store import store_kv
 from slipstream.kernels.prefill_attention import prefill_attention
 from slipstream.batch import ForwardBatch
@@ -56,6 +59,10 @@ class TritonAttentionBackend:
         else:
             self._mode = "prefill"
             self._tree_bits = None
+        # Whole prompts (no cached context) may take the Gluon kernel; a layer it
+        # does not serve (ValueError) falls back to the portable kernel.
+        self._gluon = (self._mode == "prefill" and batch.seq_lens_cpu == batch.query_lens_cpu
+                       and gluon_prefill_wanted(batch.query_start_loc.device))
         self._splits: dict[tuple[int, int], int] = {}  # per head shape, set by the first layer
 
     def _num_splits(self, layer: AttentionLayerInfo, num_seqs: int, max_seq_len: int,
@@ -87,6 +94,12 @@ class TritonAttentionBackend:
         # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
         store_kv(k, v, layer.k_cache, layer.v_cache, batch.slot_mapping, layer.k_scale, layer.v_scale)
         if self._mode == "prefill":
+            if self._gluon and layer.sliding_window is None:
+                try:
+                    return gluon_prefill(q, k, v, batch.query_start_loc, batch.max_query_len,
+                                         layer.scale, causal=True)
+                except ValueError:
+                    self._gluon = False
             return prefill_attention(
                 q, k, v, layer.k_cache, layer.v_cache, batch.query_start_loc, batch.context_lens,
                 batch.block_tables, batch.max_query_len, layer.scale,

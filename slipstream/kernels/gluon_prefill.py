@@ -1,0 +1,299 @@
+"""Prefill attention for Hopper (sm_90) in Gluon, laid out as FlashAttention-3.
+
+Triton 3.6 does not overlap the tensor cores with the softmax on sm_90 (an
+early QK^T is waited on at once). Gluon, its lower-level dialect, states the
+FA3 structure explicitly (the per-block loop is gluon_attention_tile.py):
+  * K/V tiles stream through a ring of STAGES shared-memory slots filled by TMA,
+    each with "ready" and (with a producer warp) "empty" mbarriers;
+  * QK^T and P.V are asynchronous wgmma: step j issues S_j = Q K_j^T and then
+    O += P_{j-1} V_{j-1} (P straight from registers), waits for S_j only, and
+    runs the softmax of S_j while P.V is still on the tensor cores;
+  * WS: one producer warp issues every copy; PINGPONG: two consumer warpgroups
+    of 64 query rows take turns issuing their GEMMs (two mbarriers pass the turn;
+    TURNS=False: no turns), so one's softmax runs under the other's GEMMs;
+    PERSISTENT (with WS): one program per SM walks the blocks, Q double-buffered
+    (Q_BUFS=1: single, for a third K/V stage), so the next block's Q and first
+    K/V tiles land during this one's last tiles.
+q [tokens, heads, D], k/v [tokens, kv_heads, D] packed by request (cu_seqlens,
+no cached context) are seen by TMA as 2-D [tokens, heads * D]; tile rows past a
+request's end (the next request's, or zeros past the tensor) are masked. GQA:
+query head h reads KV head h // group. The portable path stays prefill_attention.py.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from slipstream.kernels.gluon_attention_tile import attend_block, load_kv, produce_block
+from slipstream.kernels.runtime import num_sms
+
+LOG2E = 1.4426950408889634
+HEAD_DIMS = (64, 128)
+DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+
+
+@gluon.jit
+def _block(t, CuSeqlens, n_mblocks, heads, group, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+           HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr):
+    """Work item t: query block, head, request (the block fastest, latest first:
+    the longest causal blocks start first and neighbours share a head's K/V in
+    L2). Returns (q_start, q_len, m_row0, head, kv_col, n_tiles, mask_from);
+    n_tiles is 0 for a block past its request's end."""
+    m_row0 = (n_mblocks - 1 - t % n_mblocks) * BLOCK_M
+    head = (t // n_mblocks) % heads
+    seq = t // (n_mblocks * heads)
+    q_start = gl.load(CuSeqlens + seq)
+    q_len = gl.load(CuSeqlens + seq + 1) - q_start
+    hi = q_len
+    mask_from = q_len // BLOCK_N * BLOCK_N
+    if CAUSAL:
+        hi = gl.minimum(q_len, m_row0 + BLOCK_M)
+        mask_from = gl.minimum(m_row0 // BLOCK_N * BLOCK_N, mask_from)
+    n_tiles = gl.cdiv(hi, BLOCK_N) * (m_row0 < q_len).to(gl.int32)
+    return q_start, q_len, m_row0, head, (head // group) * HEAD_DIM, n_tiles, mask_from
+
+
+@gluon.jit
+def _consume(t0, t_end, t_step, CuSeqlens, n_mblocks, heads, group, q_smem, q_ready, q_empty,
+             k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn_bars, k_desc, v_desc, o_desc, Out,
+             stride_ot, qk_scale, ME: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+             ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+             STAGES: gl.constexpr, Q_SLOTS: gl.constexpr, WARPS: gl.constexpr,
+             PINGPONG: gl.constexpr, TURNS: gl.constexpr, PIN: gl.constexpr):
+    """A consumer warpgroup (set) over work items t0, t0 + t_step, .. < t_end."""
+    CONSUMERS: gl.constexpr = 2 if PINGPONG else 1
+    it0 = 0  # K/V tiles done so far (the ring position)
+    k = 0    # blocks done so far (the Q slot)
+    for t in range(t0, t_end, t_step):
+        q_start, q_len, m_row0, head, kv_col, n_tiles, mask_from = _block(
+            t, CuSeqlens, n_mblocks, heads, group, BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL)
+        if n_tiles > 0:
+            qs = k % Q_SLOTS
+            attend_block(q_smem.index(qs * CONSUMERS + ME), q_ready.index(qs), (k // Q_SLOTS) & 1,
+                         k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn_bars, k_desc, v_desc,
+                         o_desc, Out, q_start, q_len, m_row0 + ME * ROWS, head, kv_col, n_tiles,
+                         it0, mask_from, stride_ot, qk_scale, ME, CAUSAL, ROWS, BLOCK_N, HEAD_DIM,
+                         STAGES, WARPS, False, TURNS, PIN)
+            mbarrier.arrive(q_empty.index(qs))  # Q's slot (and the output staged in it) is free
+            it0 += n_tiles
+            k += 1
+
+
+@gluon.jit
+def _produce(t0, t_end, t_step, CuSeqlens, n_mblocks, heads, group, q_desc, q_smem, q_ready,
+             q_empty, k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, kv_empty,
+             CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, ROWS: gl.constexpr,
+             BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+             Q_SLOTS: gl.constexpr, CONSUMERS: gl.constexpr):
+    """The producer warp over the same work items: each block's Q, then its K/V.
+    With one Q buffer (persistent), a later block's first STAGES tiles go first:
+    its Q must wait for the previous block's end, its K/V only for ring slots."""
+    it0 = 0
+    k = 0
+    for t in range(t0, t_end, t_step):
+        q_start, q_len, m_row0, head, kv_col, n_tiles, mask_from = _block(
+            t, CuSeqlens, n_mblocks, heads, group, BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL)
+        if n_tiles > 0:
+            qs = k % Q_SLOTS
+            early = 0
+            if Q_SLOTS == 1:
+                early = gl.minimum(n_tiles, STAGES) * (k > 0).to(gl.int32)
+                produce_block(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, kv_empty, q_start,
+                              kv_col, 0, early, it0, STAGES, BLOCK_N)
+            if k >= Q_SLOTS:
+                mbarrier.wait(q_empty.index(qs), ((k - Q_SLOTS) // Q_SLOTS) & 1)
+            mbarrier.expect(q_ready.index(qs), CONSUMERS * q_desc.block_type.nbytes)
+            for c in gl.static_range(CONSUMERS):
+                tma.async_copy_global_to_shared(q_desc, [q_start + m_row0 + c * ROWS, head * HEAD_DIM],
+                                                q_ready.index(qs), q_smem.index(qs * CONSUMERS + c))
+            produce_block(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, kv_empty, q_start,
+                          kv_col, early, n_tiles, it0, STAGES, BLOCK_N)
+            it0 += n_tiles
+            k += 1
+
+
+@gluon.jit(do_not_specialize=["max_len", "qk_scale", "group", "heads", "num_seqs"])
+def _prefill_kernel(q_desc, k_desc, v_desc, o_desc, Out, CuSeqlens, max_len, stride_ot, qk_scale,
+                    group, heads, num_seqs, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                    WS: gl.constexpr, PINGPONG: gl.constexpr, TURNS: gl.constexpr,
+                    PERSISTENT: gl.constexpr, Q_BUFS: gl.constexpr, PIN: gl.constexpr,
+                    num_warps: gl.constexpr):
+    n_mblocks = gl.cdiv(max_len, BLOCK_M)
+    if PERSISTENT:  # one program per SM, over every block in order
+        t0, t_end, t_step = gl.program_id(0), n_mblocks * heads * num_seqs, gl.num_programs(0)
+    else:  # grid (query block, head, request): one block
+        t0 = gl.program_id(0) + n_mblocks * (gl.program_id(1) + heads * gl.program_id(2))
+        t_end, t_step = t0 + 1, 1
+    CONSUMERS: gl.constexpr = 2 if PINGPONG else 1
+    ROWS: gl.constexpr = BLOCK_M // CONSUMERS
+    Q_SLOTS: gl.constexpr = Q_BUFS if PERSISTENT else 1
+    dtype: gl.constexpr = q_desc.dtype
+    q_smem = gl.allocate_shared_memory(dtype, [Q_SLOTS * CONSUMERS, ROWS, HEAD_DIM], q_desc.layout)
+    k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [2 * STAGES, 1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [Q_SLOTS, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [Q_SLOTS, 1], mbarrier.MBarrierLayout())
+    turn_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(kv_empty.index(i), count=CONSUMERS)  # every consumer releases K
+        mbarrier.init(kv_empty.index(STAGES + i), count=CONSUMERS)  # and V
+    for i in gl.static_range(Q_SLOTS):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=CONSUMERS)
+    for i in gl.static_range(2):
+        mbarrier.init(turn_bars.index(i), count=1)
+
+    if not WS:  # these warps copy too: Q and the first STAGES tiles, then the loop
+        q_start, q_len, m_row0, head, kv_col, n_tiles, mask_from = _block(
+            t0, CuSeqlens, n_mblocks, heads, group, BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL)
+        if n_tiles > 0:
+            mbarrier.expect(q_ready.index(0), q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [q_start + m_row0, head * HEAD_DIM],
+                                            q_ready.index(0), q_smem.index(0))
+            for i in gl.static_range(STAGES):
+                load_kv(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, i,
+                        q_start + i * BLOCK_N, kv_col, i < n_tiles, STAGES)
+            attend_block(q_smem.index(0), q_ready.index(0), 0, k_bufs, v_bufs, k_ready, v_ready,
+                         kv_empty, turn_bars, k_desc, v_desc, o_desc, Out, q_start, q_len, m_row0,
+                         head, kv_col, n_tiles, 0, mask_from, stride_ot, qk_scale, 0, CAUSAL, ROWS,
+                         BLOCK_N, HEAD_DIM, STAGES, num_warps, True, False, PIN)
+    else:
+        if PINGPONG:
+            mbarrier.arrive(turn_bars.index(0))  # the upper rows' warpgroup goes first
+            gl.warp_specialize([
+                (_consume, (t0, t_end, t_step, CuSeqlens, n_mblocks, heads, group, q_smem, q_ready,
+                            q_empty, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn_bars, k_desc,
+                            v_desc, o_desc, Out, stride_ot, qk_scale, 0, CAUSAL, BLOCK_M, ROWS,
+                            BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS, num_warps, True, TURNS, PIN)),
+                (_consume, (t0, t_end, t_step, CuSeqlens, n_mblocks, heads, group, q_smem, q_ready,
+                            q_empty, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn_bars, k_desc,
+                            v_desc, o_desc, Out, stride_ot, qk_scale, 1, CAUSAL, BLOCK_M, ROWS,
+                            BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS, 4, True, TURNS, PIN)),
+                (_produce, (t0, t_end, t_step, CuSeqlens, n_mblocks, heads, group, q_desc, q_smem,
+                            q_ready, q_empty, k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready,
+                            kv_empty, CAUSAL, BLOCK_M, ROWS, BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS,
+                            CONSUMERS))], [4, 1], [240, 24])
+        else:
+            gl.warp_specialize([
+                (_consume, (t0, t_end, t_step, CuSeqlens, n_mblocks, heads, group, q_smem, q_ready,
+                            q_empty, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn_bars, k_desc,
+                            v_desc, o_desc, Out, stride_ot, qk_scale, 0, CAUSAL, BLOCK_M, ROWS,
+                            BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS, num_warps, False, False, PIN)),
+                (_produce, (t0, t_end, t_step, CuSeqlens, n_mblocks, heads, group, q_desc, q_smem,
+                            q_ready, q_empty, k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready,
+                            kv_empty, CAUSAL, BLOCK_M, ROWS, BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS,
+                            CONSUMERS))], [1], [24])
+
+
+# --- launcher -------------------------------------------------------------------
+
+DEFAULT_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 128, "STAGES": 2, "WS": False, "PINGPONG": False,
+                  "TURNS": True, "PERSISTENT": False, "Q_BUFS": 2, "PIN": True, "num_warps": 8}
+# A call without `config` (H200, GLUON.md): ping-pong, 2 stages; persistent up to 4k
+# tokens a request (+3-6% at 4k), not past (-27% at 16k causal).
+CHOSEN = {"PERSISTENT_UP_TO": 4096, "config": {"WS": True, "PINGPONG": True, "num_warps": 4}}
+
+
+def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor) -> None:
+    """ValueError for what this kernel does not serve (the caller falls back)."""
+    shapes = f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+    if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape:
+        raise ValueError(f"q, k, v must be [tokens, heads, head_dim], k and v alike: {shapes}")
+    tokens, heads, head_dim = q.shape
+    if head_dim not in HEAD_DIMS or k.shape[2] != head_dim:
+        raise ValueError(f"head_dim must be one of {HEAD_DIMS} for q and k: {shapes}")
+    if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"dtype must be one of {list(DTYPES)}, alike: {q.dtype}, {k.dtype}, {v.dtype}")
+    if k.shape[0] != tokens or heads % k.shape[1]:
+        raise ValueError(f"k needs q's tokens and a divisor of its heads: {shapes}")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.stride(2) != 1 or x.stride(1) != head_dim or (x.stride(0) * x.element_size()) % 16 \
+                or x.data_ptr() % 16:
+            raise ValueError(f"{name} needs strides [*, {head_dim}, 1], 16-byte aligned rows: {x.stride()}")
+    if cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 \
+            or cu_seqlens.device != q.device:
+        raise ValueError("cu_seqlens must be a 1-D int32 tensor [num_seqs + 1] on q's device")
+
+
+def _descriptor(x: torch.Tensor, rows: int, head_dim: int) -> TensorDescriptor:
+    """x [tokens, heads, D] as 2-D [tokens, heads * D] in tiles [rows, D]."""
+    layout = gl.NVMMASharedLayout.get_default_for([rows, head_dim], DTYPES[x.dtype])
+    return TensorDescriptor(x, [x.shape[0], x.shape[1] * head_dim], [x.stride(0), 1],
+                            [rows, head_dim], layout)
+
+
+def kernel_args(q, k, v, out, cu_seqlens, max_seqlen: int, scale: float, causal: bool, config: dict):
+    """(positional args, constexpr kwargs, grid) of one launch; shared with the
+    sm_90 compile check, which builds the same arguments on the CPU."""
+    unknown = set(config) - set(DEFAULT_CONFIG)
+    if unknown:
+        raise ValueError(f"unknown config keys {sorted(unknown)}; known: {sorted(DEFAULT_CONFIG)}")
+    cfg = {**DEFAULT_CONFIG, **config}
+    head_dim = q.shape[2]
+    rows = cfg["BLOCK_M"] // (2 if cfg["PINGPONG"] else 1)
+    if cfg["PINGPONG"] and (not cfg["WS"] or cfg["num_warps"] != 4 or rows != 64):
+        raise ValueError("PINGPONG needs WS, num_warps 4 and BLOCK_M 128 (64 rows a warpgroup)")
+    if cfg["PERSISTENT"] and not cfg["WS"]:
+        raise ValueError("PERSISTENT needs WS (the producer warp walks the blocks ahead)")
+    if rows != 16 * cfg["num_warps"]:
+        raise ValueError(f"{rows} rows a consumer need num_warps {rows // 16}")
+    args = (_descriptor(q, rows, head_dim), _descriptor(k, cfg["BLOCK_N"], head_dim),
+            _descriptor(v, cfg["BLOCK_N"], head_dim), _descriptor(out, rows, head_dim), out,
+            cu_seqlens, max_seqlen, out.stride(0), scale * LOG2E, q.shape[1] // k.shape[1],
+            q.shape[1], cu_seqlens.numel() - 1)
+    consts = dict(HEAD_DIM=head_dim, CAUSAL=causal, **cfg)
+    grid = (triton.cdiv(max_seqlen, cfg["BLOCK_M"]), q.shape[1], cu_seqlens.numel() - 1)
+    if cfg["PERSISTENT"]:
+        sms = num_sms(q.device.index or 0) if q.is_cuda else 132
+        grid = (min(sms, grid[0] * grid[1] * grid[2]), 1, 1)
+    return args, consts, grid
+
+
+def gluon_prefill_wanted(device: torch.device) -> bool:
+    """Whether the backend should try this kernel: opted in with
+    SLIPSTREAM_GLUON_PREFILL=1, on an sm_90 GPU."""
+    return (os.environ.get("SLIPSTREAM_GLUON_PREFILL", "0") == "1" and device.type == "cuda"
+            and _is_sm90(device.index or 0))
+
+
+@functools.cache
+def _is_sm90(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] == 9
+
+
+def gluon_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                  max_seqlen: int, scale: float, *, causal: bool = True,
+                  out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+    """Self-attention of packed requests (no cached context), on sm_90.
+    q: [tokens, heads, D]; k, v: [tokens, kv_heads, D], D in HEAD_DIMS, bf16 or fp16, heads
+    contiguous; cu_seqlens: [num_seqs + 1] int32 request starts; max_seqlen: host
+    int, the longest request (sizes the grid); config: DEFAULT_CONFIG keys (None: CHOSEN).
+    Returns out: [tokens, heads, D] in q's dtype."""
+    check_inputs(q, k, v, cu_seqlens)
+    if not q.is_cuda or not _is_sm90(q.device.index or 0):
+        raise ValueError("the Gluon prefill kernel needs an sm_90 (Hopper) GPU")
+    if out is None:
+        out = torch.empty_like(q)
+    elif out.shape != q.shape or out.dtype != q.dtype or out.stride(2) != 1 \
+            or out.stride(1) != q.shape[2] or (out.stride(0) * out.element_size()) % 16 or out.data_ptr() % 16:
+        raise ValueError("out must be shaped and typed like q, heads contiguous, rows 16-byte aligned")
+    if max_seqlen <= 0 or q.shape[0] == 0:
+        return out
+    if config is None:
+        config = {**CHOSEN["config"], "PERSISTENT": max_seqlen <= CHOSEN["PERSISTENT_UP_TO"]}
+    args, consts, grid = kernel_args(q, k, v, out, cu_seqlens, max_seqlen, scale, causal, config)
+    _prefill_kernel[grid](*args, **consts)
+    return out
