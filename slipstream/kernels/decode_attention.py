@@ -45,9 +45,10 @@ from slipstream.kernels.attention_tile import (
 from slipstream.kernels.code_tile import attend_code_range, fp16_query, int8_query
 from slipstream.kernels.decode_configs import (  # noqa: F401 (re-exported)
     DEEP_CONFIG, DEEP_PER_SM, DEFAULT_KV_DOT, DEFAULT_PREFETCH, MAX_SPLITS, MAX_TREE_NODES,
-    MIN_TOKENS_PER_SPLIT, QUANT_DEEP_CONFIG, QUANT_WIDE_CONFIG, TALL_CONFIG, TALL_PER_SM,
-    UNSPLIT_MAX_LEN, WIDE_CONFIG, _launch_config, _tile_rows, choose_num_splits, default_kv_dot)
+    MIN_TOKENS_PER_SPLIT, QUANT_DEEP_CONFIG, QUANT_WIDE_CONFIG, SHORT_MAX_LEN, TALL_CONFIG,
+    TALL_PER_SM, UNSPLIT_MAX_LEN, WIDE_CONFIG, _launch_config, _tile_rows, choose_num_splits, default_kv_dot)
 from slipstream.kernels.runtime import interpreting, pdl_supported
+from slipstream.kernels.short_decode_attention import short_decode_attention
 
 LOG2E = 1.4426950408889634
 
@@ -196,7 +197,8 @@ def split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
                        tree_bits: torch.Tensor | None = None, out: torch.Tensor | None = None,
                        scratch: tuple[torch.Tensor, torch.Tensor] | None = None,
                        config: dict | None = None, k_scale: torch.Tensor | None = None,
-                       v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                       v_scale: torch.Tensor | None = None,
+                       max_seq_len: int | None = None) -> torch.Tensor:
     """Few query tokens per request against the paged cache, split over the KV
     sequence. Shared by decode (one token) and tree verification (a masked tree).
 
@@ -209,8 +211,20 @@ def split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     the launch config (BLOCK_N, num_warps, num_stages, CHAIN, KV_DOT), for benchmarks.
     k_scale, v_scale: [num_blocks, page_size, num_kv_heads] fp32 when the cache
     holds int8 / fp8 codes (kernels/kv_store.py writes them), else None.
+    max_seq_len: a bound on seq_lens (host int; for a captured graph, the bound of
+    its context class). Unsplit decode steps (one token a request, no window)
+    with max_seq_len <= SHORT_MAX_LEN run the short-context kernel
+    (short_decode_attention.py); config SHORT=True / False forces it on / off.
     returns out: [num_tokens, num_heads, head_dim] in q's dtype.
     """
+    config = dict(config or {})
+    short = config.pop("SHORT", None)
+    if short is None:
+        short = max_seq_len is not None and max_seq_len <= SHORT_MAX_LEN
+    if (short and num_splits == 1 and max_query_len == 1 and tree_bits is None
+            and sliding_window is None and q.shape[0] == cu_seqlens_q.shape[0] - 1):
+        return short_decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale,
+                                      out=out, k_scale=k_scale, v_scale=v_scale)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]
     if num_heads % num_kv_heads:
@@ -225,7 +239,7 @@ def split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     block_m, row_blocks = _tile_rows(max_query_len, group)
     num_seqs = cu_seqlens_q.shape[0] - 1
     cfg = {**_launch_config(block_m, num_seqs * num_kv_heads * row_blocks * num_splits, q.device,
-                            quant), **(config or {})}
+                            quant), **config}
     block_n = cfg.pop("BLOCK_N")
     kv_dot = cfg.pop("KV_DOT", default_kv_dot(k_cache.dtype, block_m))
     if kv_dot not in (0, 1, 2, 3):
@@ -317,4 +331,4 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                                        group=q.shape[1] // k_cache.shape[2])
     return split_kv_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, 1, scale,
                               num_splits, sliding_window, None, out, scratch, config,
-                              k_scale, v_scale)
+                              k_scale, v_scale, max_seq_len)
