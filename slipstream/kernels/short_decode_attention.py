@@ -11,11 +11,16 @@ second software-pipelined loop with its own prologue.
 Here the first tile is peeled off the loop and its block-table entries are read
 at once, before the sequence length is known (entries past the end of the
 request are read but never followed: the K/V reads are masked by the length).
-With programmatic dependent launch both reads overlap the kernel before (the KV
-store), so after the wait one round trip fetches the query and the whole first
-tile of K and V; a context of at most BLOCK_N keys is then one dot, one softmax
-and one dot, with no running-max rescale and no merge pass. Longer contexts
-continue with the split kernel's masked tile loop (attention_tile.py).
+Every key and value of the tile but the step's own token's were written by
+earlier steps, so with programmatic dependent launch (the kernel starts while
+the KV store before it runs) they are read before the wait on that kernel too
+(EARLY_KV), and after it only the query and the new token's key and value, one
+[2, head_dim] read whose column starts the softmax state. In the sm_90 code
+(bf16 cache, 256-key tile) every tile load and its shared-memory store come
+before the wait, and two loads after it. A context of at most BLOCK_N keys is
+then one dot, one softmax and one dot, with no merge pass. Longer contexts
+continue with the split kernel's masked tile loop (attention_tile.py), read
+after the wait.
 
 Rows of the tile are the GQA group's query heads (padded to 16 for the tensor
 cores), so each K/V tile is read once for the group. A quantized cache (int8 /
@@ -38,11 +43,10 @@ from slipstream.kernels.runtime import interpreting, num_sms, pdl_supported
 
 LOG2E = 1.4426950408889634
 # BLOCK_N: keys of the peeled first tile (contexts up to it take one tile).
-# Compiled for sm_90 (bf16 cache, GQA 4, head dim 128): 256 keys in 8 warps issue
-# 25 of a thread's 33 tile loads before the first waits (202 registers, 141 KB
-# shared memory, one program an SM): for up to one program an SM. Beyond that,
-# 64 keys in 4 warps (108 registers, 39 KB, five programs an SM). Not yet timed:
-# benchmarks/runtime/bench_decode_kernels.py times both on the device.
+# Compiled for sm_90 (bf16 cache, GQA 4, head dim 128): 256 keys in 8 warps
+# (198 registers, 141 KB shared memory, one program an SM) for up to one
+# program an SM; beyond that 64 keys in 4 warps (124 registers, 39 KB). Not yet
+# timed: benchmarks/runtime/bench_decode_kernels.py times these and others.
 FEW_CONFIG = {"BLOCK_N": 256, "num_warps": 8, "num_stages": 3}
 MANY_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
 INTERPRET_CONFIG = {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
@@ -55,7 +59,7 @@ def _short_decode_kernel(
         stride_cb, stride_cs, stride_ch, stride_sb, stride_ss, stride_bt, qk_scale,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
-        QUANT: tl.constexpr, CHAIN: tl.constexpr):
+        QUANT: tl.constexpr, CHAIN: tl.constexpr, EARLY_KV: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     # Nothing before the wait reads what the kernel before writes: the lengths
@@ -68,18 +72,37 @@ def _short_decode_kernel(
     else:  # every entry of the tile, in range of the table, whatever the length
         page = tl.load(bt_row + pos // PAGE_SIZE, mask=pos // PAGE_SIZE < max_blocks,
                        other=0).to(tl.int64)
-    if CHAIN:  # launched early: the query and the new token's K/V may still be being written
-        gdc_wait()
-
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     d_ok = offs_d < HEAD_DIM
     # The first tile: keys [0, BLOCK_N), those < seq_len read.
     key_ok = pos < seq_len
     offs = page * stride_cb + (pos % PAGE_SIZE) * stride_cs + kv_head * stride_ch
-    k = tl.load(KCache + offs[None, :] + offs_d[:, None], mask=key_ok[None, :] & d_ok[:, None],
-                other=0.0)
-    v = tl.load(VCache + offs[:, None] + offs_d[None, :], mask=key_ok[:, None] & d_ok[None, :],
-                other=0.0)
+    k_ptrs = KCache + offs[None, :] + offs_d[:, None]
+    v_ptrs = VCache + offs[:, None] + offs_d[None, :]
+    s_offs = page * stride_sb + (pos % PAGE_SIZE) * stride_ss + kv_head
+    if EARLY_KV:
+        # Every key but the step's own was written by an earlier step: the tile
+        # reads them before the wait, so the reads overlap the kernel before.
+        key_ok = pos < seq_len - 1
+        k = tl.load(k_ptrs, mask=key_ok[None, :] & d_ok[:, None], other=0.0)
+        v = tl.load(v_ptrs, mask=key_ok[:, None] & d_ok[None, :], other=0.0)
+        if QUANT:
+            k_scale = tl.load(KScale + s_offs, mask=key_ok, other=0.0)
+            v_scale = tl.load(VScale + s_offs, mask=key_ok, other=0.0)
+        # Where the new token's key and value lie, when in the first tile.
+        last = seq_len - 1
+        in_tile = (last >= 0) & (last < BLOCK_N)
+        last_page = tl.load(bt_row + last // PAGE_SIZE, mask=in_tile, other=0).to(tl.int64)
+        last_offs = last_page * stride_cb + (last % PAGE_SIZE) * stride_cs + kv_head * stride_ch
+        last_s = last_page * stride_sb + (last % PAGE_SIZE) * stride_ss + kv_head
+    if CHAIN:  # launched early: the query and the new token's K/V may still be being written
+        gdc_wait()
+    if not EARLY_KV:
+        k = tl.load(k_ptrs, mask=key_ok[None, :] & d_ok[:, None], other=0.0)
+        v = tl.load(v_ptrs, mask=key_ok[:, None] & d_ok[None, :], other=0.0)
+        if QUANT:
+            k_scale = tl.load(KScale + s_offs, mask=key_ok, other=0.0)
+            v_scale = tl.load(VScale + s_offs, mask=key_ok, other=0.0)
     # The query after the tile: its conversion for the dot waits on its load, and
     # the tile's loads are then already in flight.
     rows = tl.arange(0, BLOCK_M)
@@ -88,15 +111,30 @@ def _short_decode_kernel(
     q = tl.load(Q + seq.to(tl.int64) * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     qk = exact_dot(q, k.to(q.dtype))
-    v_scale = 1.0
     if QUANT:
-        s_offs = page * stride_sb + (pos % PAGE_SIZE) * stride_ss + kv_head
-        k_scale = tl.load(KScale + s_offs, mask=key_ok, other=0.0)
-        v_scale = tl.load(VScale + s_offs, mask=key_ok, other=0.0)
         qk = qk * k_scale[None, :]
+    else:
+        v_scale = 1.0
     m_i = tl.full([BLOCK_M], -1.0e6, tl.float32)  # (attention_tile.MASKED_SCORE)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+    if EARLY_KV:
+        # The new token's key and value, when in the first tile: the softmax
+        # state starts from that one column (a masked score, wiped by the tile,
+        # when it is not there). Key and value are one [2, D] load whose key
+        # row the state needs first, so the load is issued with the query's.
+        two = tl.arange(0, 2)
+        is_k = (two == 0)[:, None]
+        kv_ptrs = tl.where(is_k, KCache, VCache) + last_offs + offs_d[None, :]
+        kv_new = tl.load(kv_ptrs, mask=in_tile & d_ok[None, :], other=0.0).to(tl.float32)
+        if QUANT:
+            kv_new = kv_new * tl.load(tl.where(two == 0, KScale, VScale) + last_s, mask=in_tile,
+                                      other=0.0)[:, None]
+        k_new = tl.sum(tl.where(is_k, kv_new, 0.0), 0)
+        v_new = tl.sum(tl.where(is_k, 0.0, kv_new), 0)
+        m_i = tl.where(in_tile, tl.sum(q.to(tl.float32) * k_new[None, :], 1) * qk_scale, m_i)
+        l_i += 1.0
+        acc += v_new[None, :]
     acc, m_i, l_i = softmax_tile_update(acc, m_i, l_i, qk, v.to(q.dtype), qk_scale,
                                         key_ok[None, :], True, v_scale, QUANT)
     # The rest, if any, a masked tile at a time (the decode query sees every key).
@@ -130,7 +168,7 @@ def short_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     [num_blocks, page_size, num_kv_heads, head_dim]; seq_lens: [num_seqs] int32;
     block_tables: [num_seqs, max_blocks] int32; k_scale, v_scale: [num_blocks,
     page_size, num_kv_heads] fp32 for an int8 / fp8 cache, else None. config:
-    overrides of the launch config (BLOCK_N, num_warps, num_stages, CHAIN).
+    overrides of the launch config (BLOCK_N, num_warps, num_stages, CHAIN, EARLY_KV).
     returns out: [num_seqs, num_heads, head_dim] in q's dtype.
     """
     num_seqs, num_heads, head_dim = q.shape
@@ -150,6 +188,7 @@ def short_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     cfg = {**launch_config(num_seqs * num_kv_heads, q.device), **(config or {})}
     block_n = cfg.pop("BLOCK_N")
     chain = cfg.pop("CHAIN", True) and pdl_supported(q)
+    early = cfg.pop("EARLY_KV", True)
     _short_decode_kernel[(num_seqs, num_kv_heads)](
         q, k_cache, v_cache, *(k_scale, v_scale) if quant else (k_cache, v_cache), out,
         seq_lens, block_tables, block_tables.shape[1],
@@ -159,5 +198,5 @@ def short_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         scale * LOG2E,
         GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=next_pow2(head_dim),
         BLOCK_M=max(16, next_pow2(group)), BLOCK_N=block_n, PAGE_SIZE=page_size, QUANT=quant,
-        CHAIN=chain, launch_pdl=chain, **cfg)
+        CHAIN=chain, EARLY_KV=early, launch_pdl=chain, **cfg)
     return out

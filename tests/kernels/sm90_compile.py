@@ -110,7 +110,7 @@ def decode_step(kind):
             stride_ot=4096, stride_oh=128, stride_cb=16384, stride_cs=1024, stride_ch=128,
             stride_sb=128, stride_ss=8, stride_bt=512, qk_scale=0.1),
             dict(GROUP=4, HEAD_DIM=128, HEAD_DIM_PAD=128, BLOCK_M=16, BLOCK_N=cfg.pop("BLOCK_N"),
-                 PAGE_SIZE=16, QUANT=kind != "bf16", CHAIN=True), **cfg)
+                 PAGE_SIZE=16, QUANT=kind != "bf16", CHAIN=True, EARLY_KV=True), **cfg)
         assert "mma.sync" in k.asm["ptx"] and "griddepcontrol.wait" in k.asm["ptx"]
     compile_sm90(_rotary_store_kernel, dict(
         Q=BF16, K=BF16, V=BF16, Positions=i64, Cos=BF16, Sin=BF16, KCache=cache, VCache=cache,

@@ -28,11 +28,14 @@ def _run(b, dtype, config=None, **scales):
     (8, 32, 16),    # GQA 8, a page holds several tiles (one entry a tile)
 ])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-def test_short_decode_matches_reference(paged_batch, close, group, page_size, block_n, dtype):
-    # seq_len 1, within the first tile, exactly one tile, several tiles.
-    b = paged_batch([0, 5, block_n - 1, 3 * block_n + 7], [1] * 4, 8, 8 // group, 64, page_size,
-                    dtype=dtype, device=DEVICE)
-    out = _run(b, dtype, {"BLOCK_N": block_n})
+@pytest.mark.parametrize("early_kv", [True, False])
+def test_short_decode_matches_reference(paged_batch, close, group, page_size, block_n, dtype,
+                                        early_kv):
+    # seq_len 1, within the first tile, the new token the tile's last key, the
+    # new token the first after the tile, several tiles.
+    b = paged_batch([0, 5, block_n - 1, block_n, 3 * block_n + 7], [1] * 5, 8, 8 // group, 64,
+                    page_size, dtype=dtype, device=DEVICE)
+    out = _run(b, dtype, {"BLOCK_N": block_n, "EARLY_KV": early_kv})
     ref = reference.decode_attention(b.q.float(), b.k_cache.float(), b.v_cache.float(),
                                      b.seq_lens, b.block_tables, 0.125)
     close(out, ref, TOL[dtype], TOL[dtype])
@@ -48,20 +51,23 @@ def test_short_decode_odd_head_dim(paged_batch, close):
 
 
 @pytest.mark.parametrize("fmt", ["int8", "fp8"])
-def test_short_decode_quantized_cache(paged_batch, close, fmt):
-    b = paged_batch([4, 20, 70], [1] * 3, 8, 2, 64, 16, device=DEVICE)
+@pytest.mark.parametrize("early_kv", [True, False])
+def test_short_decode_quantized_cache(paged_batch, close, fmt, early_kv):
+    b = paged_batch([4, 20, 31, 70], [1] * 4, 8, 2, 64, 16, device=DEVICE)
     kc, ks, vc, vs = quantized_cache(b, fmt)
-    out = _run(b, torch.float16, {"BLOCK_N": 32}, caches=(kc, vc), k_scale=ks, v_scale=vs)
+    out = _run(b, torch.float16, {"BLOCK_N": 32, "EARLY_KV": early_kv}, caches=(kc, vc),
+               k_scale=ks, v_scale=vs)
     ref = reference.decode_attention(b.q.float(), kc, vc, b.seq_lens, b.block_tables, 0.125,
                                      k_scale=ks, v_scale=vs)
     close(out, ref, 4e-3, 4e-3)
 
 
-def test_short_decode_empty_row_writes_zeros(paged_batch):
-    """A padded row of a captured batch (length 0) gets zeros, not NaN."""
+@pytest.mark.parametrize("early_kv", [True, False])
+def test_short_decode_empty_row_writes_zeros(paged_batch, early_kv):
+    """A row of length 0 gets zeros, not NaN."""
     b = paged_batch([10, 3], [1, 1], 4, 1, 64, 16, device=DEVICE)
     b.seq_lens[1] = 0
-    out = _run(b, torch.float16)
+    out = _run(b, torch.float16, {"EARLY_KV": early_kv})
     assert torch.equal(out[1], torch.zeros_like(out[1]))
     assert not out[0].isnan().any()
 
