@@ -44,6 +44,11 @@ STREAM_BYTES, MAX_COPIES = 128 << 20, 256
 SHORT_CONFIGS = {"N256w8": (256, 8, True), "N256w8_late": (256, 8, False),
                  "N128w8": (128, 8, True), "N128w4": (128, 4, True), "N64w4": (64, 4, True)}
 BF16_TOL = 3e-2
+# Batch-1 GEMV against cuBLAS at the layer's weight shapes (N, K), and its configs.
+GEMV_SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096),
+               "down": (4096, 14336)}
+GEMV_CONFIGS = {"N32K256s4": (32, 256, 4, 4), "N32K512s3": (32, 512, 4, 3),
+                "N64K256w8s4": (64, 256, 8, 4), "N16K512s4": (16, 512, 4, 4)}
 
 
 def _cache(torch, kind, shape, device, gen):
@@ -291,6 +296,67 @@ def timing(torch, device, batches, contexts, caches, copy_bw) -> tuple[list, lis
     return attn, blocks
 
 
+def _gemv_cfg(name, prefetch=0):
+    bn, bk, w, st = GEMV_CONFIGS[name]
+    return {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w, "num_stages": st, "PREFETCH_K": prefetch}
+
+
+def gemv(torch, device, copy_bw) -> dict:
+    """Batch-1 GEMV (kernels/dense_gemv.py) against cuBLAS at the 8B layer's weights,
+    alone, then as the output projection after the short-context attention kernel
+    (which lets it launch early: its L2 prefetch of the weight overlaps the attention)."""
+    import torch.nn.functional as F
+    from slipstream.kernels.dense_gemv import dense_gemv
+    from slipstream.kernels.short_decode_attention import short_decode_attention
+    gen = torch.Generator(device=device).manual_seed(5)
+    shapes = {"o_proj": (64, 64)} if SMOKE else GEMV_SHAPES
+    out = {"alone": [], "after_attention": []}
+    for name, (n, k) in shapes.items():
+        copies = 1 if SMOKE else max(1, min(8, math.ceil(256e6 / (n * k * 2))))
+        ws = [(torch.randn(n, k, device=device, generator=gen) * 0.02).to(DTYPE) for _ in range(copies)]
+        xs = [torch.randn(1, k, device=device, generator=gen).to(DTYPE) for _ in range(copies)]
+        ref = F.linear(xs[0].float(), ws[0].float())
+        row = {"name": name, "n": n, "k": k, "bytes": n * k * 2, "us": {}, "check": {}}
+        for c in GEMV_CONFIGS:
+            row["check"][c] = _err(torch, dense_gemv(xs[0], ws[0], config=_gemv_cfg(c)), ref, 1e-2)
+        row["us"]["cublas"] = _timer([lambda x=x, w=w: F.linear(x, w) for x, w in zip(xs, ws)]) * 1e3
+        for c in GEMV_CONFIGS:
+            row["us"][c] = _timer([lambda x=x, w=w, c=c: dense_gemv(x, w, config=_gemv_cfg(c))
+                                   for x, w in zip(xs, ws)]) * 1e3
+        row["TBps"] = {key: row["bytes"] / (v * 1e-6) / 1e12 for key, v in row["us"].items()}
+        out["alone"].append(row)
+        print(f"  gemv {name}: " + ", ".join(f"{key} {v:.1f} us ({row['TBps'][key]:.2f} TB/s)"
+                                            for key, v in row["us"].items()), flush=True)
+        del ws, xs
+    # attention (b=1, 256-token context) then o_proj, old: cuBLAS; new: the GEMV launched early
+    n, k = (64 if SMOKE else HEADS * HEAD_DIM), HEADS * HEAD_DIM
+    ctx = 40 if SMOKE else 256
+    copies = 1 if SMOKE else 8
+    s = _setup(torch, 1, ctx, "bf16", device, copies)
+    ws = [(torch.randn(n, k, device=device, generator=gen) * 0.02).to(DTYPE) for _ in range(copies)]
+    best = min(GEMV_CONFIGS, key=lambda c: out["alone"][[r["name"] for r in out["alone"]].index(
+        "o_proj")]["us"][c])
+
+    def chain(d, w, how, prefetch=0):
+        def call():
+            o = short_decode_attention(d["q"], s["kc"], s["vc"], s["seq_lens"], d["tables"],
+                                       HEAD_DIM ** -0.5, out=d["out"], config={"TRIGGER": True})
+            o = o.view(1, -1)
+            if how == "attention":
+                return o
+            if how == "cublas":
+                return F.linear(o, w)
+            return dense_gemv(o, w, config=_gemv_cfg(best, prefetch))
+        return call
+    res = {"gemv_config": best}
+    for how, pf in (("attention", 0), ("cublas", 0), ("gemv", 0), ("gemv_prefetch1k", 1024),
+                    ("gemv_prefetch_all", k)):
+        res[how] = _timer([chain(d, w, how.split("_")[0], pf) for d, w in zip(s["data"], ws)]) * 1e3
+    out["after_attention"] = res
+    print(f"  attention + o_proj: {res}", flush=True)
+    return out
+
+
 def markdown(res) -> str:
     m = res["meta"]
     lines = [f"# Decode-step kernels ({m['device']})", "",
@@ -326,6 +392,21 @@ def markdown(res) -> str:
     for r in res["blocks"]:
         lines.append(f"| {r['cache']} | {r['batch']} | {r['context']} | {r['old_us']:.1f} | "
                      f"{r['new_us']:.1f} | {r['speedup']:.2f}x |")
+    g = res.get("gemv")
+    if g:
+        lines += ["", "## Batch-1 GEMV against cuBLAS (kernels/dense_gemv.py; not in the engine)", "",
+                  "us (TB/s). Configs: N rows a program, K columns a step, w warps, s stages.", "",
+                  "| weight | N x K | cuBLAS | " + " | ".join(GEMV_CONFIGS) + " |",
+                  "| --- | --- | ---: | " + "---: | " * len(GEMV_CONFIGS)]
+        for r in g["alone"]:
+            lines.append(f"| {r['name']} | {r['n']}x{r['k']} | " + " | ".join(
+                f"{r['us'][c]:.1f} ({r['TBps'][c]:.2f})" for c in ("cublas", *GEMV_CONFIGS)) + " |")
+        a = g["after_attention"]
+        lines += ["", "Short-context attention (batch 1, 256 keys) then the output projection, "
+                  f"us per pair (GEMV config {a['gemv_config']}): attention alone "
+                  f"{a['attention']:.1f}, + cuBLAS {a['cublas']:.1f}, + GEMV {a['gemv']:.1f}, + GEMV "
+                  f"launched early with 1k columns prefetched {a['gemv_prefetch1k']:.1f}, all "
+                  f"prefetched {a['gemv_prefetch_all']:.1f}."]
     return "\n".join(lines) + "\n"
 
 
@@ -364,6 +445,10 @@ def main() -> None:
     print(f"copy bandwidth {res['copy_GBps']:.0f} GB/s [{time.time() - t0:.0f}s]", flush=True)
     grid = ((1,), (40,), ("bf16", "int8")) if SMOKE else (BATCHES, CONTEXTS, CACHES)
     res["attention"], res["blocks"] = timing(torch, device, *grid, res["copy_GBps"] * 1e9)
+    print(f"gemv [{time.time() - t0:.0f}s]", flush=True)
+    res["gemv"] = gemv(torch, device, res["copy_GBps"] * 1e9)
+    for r in res["gemv"]["alone"]:
+        res["correctness"].update({f"gemv_{r['name']}_{c}": v for c, v in r["check"].items()})
     (args.out / "decode_kernels.json").write_text(json.dumps(res, indent=1))
     (args.out / "decode_kernels.md").write_text(markdown(res))
     ok = all(v["ok"] for v in res["correctness"].values()) and res.get("graph_replay_equal", True)

@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from triton.language.extra.cuda import gdc_wait
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from slipstream.kernels.attention_tile import (
     attend_paged_keys, check_kv_scales, exact_dot, next_pow2, softmax_tile_update)
@@ -59,7 +59,9 @@ def _short_decode_kernel(
         stride_cb, stride_cs, stride_ch, stride_sb, stride_ss, stride_bt, qk_scale,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
-        QUANT: tl.constexpr, CHAIN: tl.constexpr, EARLY_KV: tl.constexpr):
+        QUANT: tl.constexpr, CHAIN: tl.constexpr, EARLY_KV: tl.constexpr, TRIGGER: tl.constexpr):
+    if TRIGGER:  # a kernel after it launched as a programmatic dependent may start now
+        gdc_launch_dependents()
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     # Nothing before the wait reads what the kernel before writes: the lengths
@@ -168,7 +170,8 @@ def short_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     [num_blocks, page_size, num_kv_heads, head_dim]; seq_lens: [num_seqs] int32;
     block_tables: [num_seqs, max_blocks] int32; k_scale, v_scale: [num_blocks,
     page_size, num_kv_heads] fp32 for an int8 / fp8 cache, else None. config:
-    overrides of the launch config (BLOCK_N, num_warps, num_stages, CHAIN, EARLY_KV).
+    overrides of the launch config (BLOCK_N, num_warps, num_stages, CHAIN, EARLY_KV,
+    TRIGGER).
     returns out: [num_seqs, num_heads, head_dim] in q's dtype.
     """
     num_seqs, num_heads, head_dim = q.shape
@@ -189,6 +192,9 @@ def short_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     block_n = cfg.pop("BLOCK_N")
     chain = cfg.pop("CHAIN", True) and pdl_supported(q)
     early = cfg.pop("EARLY_KV", True)
+    # Lets a kernel after it that reads only its own inputs before its wait (the
+    # output projection's GEMV, kernels/dense_gemv.py) start early; none else does.
+    trigger = cfg.pop("TRIGGER", False) and pdl_supported(q)
     _short_decode_kernel[(num_seqs, num_kv_heads)](
         q, k_cache, v_cache, *(k_scale, v_scale) if quant else (k_cache, v_cache), out,
         seq_lens, block_tables, block_tables.shape[1],
@@ -198,5 +204,5 @@ def short_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         scale * LOG2E,
         GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=next_pow2(head_dim),
         BLOCK_M=max(16, next_pow2(group)), BLOCK_N=block_n, PAGE_SIZE=page_size, QUANT=quant,
-        CHAIN=chain, EARLY_KV=early, launch_pdl=chain, **cfg)
+        CHAIN=chain, EARLY_KV=early, TRIGGER=trigger, launch_pdl=chain, **cfg)
     return out

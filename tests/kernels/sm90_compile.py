@@ -13,6 +13,7 @@ from triton.compiler import ASTSource
 from triton.runtime.jit import mangle_type
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from slipstream.kernels.dense_gemv import _gemv_kernel as _dense_gemv_kernel
 from slipstream.kernels.int_weight_gemv import _dequantize_kernel, _gemv_kernel
 from slipstream.kernels.quant_act import _quantize_rows_kernel, quant_params
 from slipstream.kernels.quant_gemm import _int_weight_gemm_kernel
@@ -98,7 +99,8 @@ def weight_only(kind):
 
 def decode_step(kind):
     """The decode step's fused kernels over a bf16 / int8 / fp8 cache: short-context
-    decode attention (both launch configs; Llama-3-8B heads) and rotary + KV store."""
+    decode attention (both launch configs; Llama-3-8B heads) and rotary + KV store;
+    with bf16, the decode GEMV with its L2 prefetch."""
     cache = BF16 if kind == "bf16" else torch.empty(8, dtype=CODES[kind])
     scales = (BF16, BF16) if kind == "bf16" else (F32, F32)
     i32, i64 = torch.empty(8, dtype=torch.int32), torch.empty(8, dtype=torch.int64)
@@ -110,7 +112,8 @@ def decode_step(kind):
             stride_ot=4096, stride_oh=128, stride_cb=16384, stride_cs=1024, stride_ch=128,
             stride_sb=128, stride_ss=8, stride_bt=512, qk_scale=0.1),
             dict(GROUP=4, HEAD_DIM=128, HEAD_DIM_PAD=128, BLOCK_M=16, BLOCK_N=cfg.pop("BLOCK_N"),
-                 PAGE_SIZE=16, QUANT=kind != "bf16", CHAIN=True, EARLY_KV=True), **cfg)
+                 PAGE_SIZE=16, QUANT=kind != "bf16", CHAIN=True, EARLY_KV=True,
+                 TRIGGER=True), **cfg)
         assert "mma.sync" in k.asm["ptx"] and "griddepcontrol.wait" in k.asm["ptx"]
     compile_sm90(_rotary_store_kernel, dict(
         Q=BF16, K=BF16, V=BF16, Positions=i64, Cos=BF16, Sin=BF16, KCache=cache, VCache=cache,
@@ -120,6 +123,12 @@ def decode_step(kind):
         dict(NUM_HEADS=32, NUM_KV_HEADS=8, HALF=64, BLOCK_D=64, BLOCK_H=16, KV_PAD=8,
              PAGE_SIZE=16, QUANT=kind != "bf16", QMAX=127.0 if kind == "int8" else 448.0,
              IS_INT=kind == "int8", PDL=True), num_warps=4)
+    if kind == "bf16":
+        k = compile_sm90(_dense_gemv_kernel, dict(X=BF16, W=BF16, Y=BF16, M=1, N=4096, K=4096,
+                                                  stride_xm=4096, stride_wn=4096, stride_ym=4096),
+                         dict(BLOCK_M=1, BLOCK_N=32, BLOCK_K=256, PREFETCH_K=1024, CHAIN=True),
+                         num_warps=4, num_stages=4)
+        assert "prefetch.global.L2" in k.asm["ptx"] and "griddepcontrol.wait" in k.asm["ptx"]
 
 
 CHECKS = {f"{fn.__name__}-{kind}": (fn, kind) for fn in (gemm, tma_gemm, producers)
