@@ -42,7 +42,7 @@ STREAM_BYTES, MAX_COPIES = 128 << 20, 256
 # The short-context kernel's configs: (BLOCK_N, warps, K/V of earlier steps read
 # before the wait on the kernel before).
 SHORT_CONFIGS = {"N256w8": (256, 8, True), "N256w8_late": (256, 8, False),
-                 "N128w8": (128, 8, True), "N128w4": (128, 4, True), "N64w4": (64, 4, True)}
+                 "N128w4": (128, 4, True), "N64w4": (64, 4, True)}
 BF16_TOL = 3e-2
 # Batch-1 GEMV against cuBLAS at the layer's weight shapes (N, K), and its configs.
 GEMV_SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096),
