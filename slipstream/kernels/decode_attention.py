@@ -22,7 +22,10 @@ dtype (attention_tile.py) cost the loop more instructions than the bytes save;
 config KV_DOT picks the paths with fewer (code_tile.py, decode_configs.py).
 
 The grid depends only on the batch size, the head counts and the split count,
-so a decode step can be captured in a CUDA graph.
+so a decode step can be captured in a CUDA graph. Unsplit decode steps whose
+contexts are at most SHORT_MAX_LEN keys go to short_decode_attention.py
+instead (one program per request and KV head, the first tile's reads before
+the wait on the kernel before), which `split_kv_attention` dispatches to.
 
 On Hopper the kernels are chained by programmatic dependent launch: the split
 kernel may start while the kernel before it (the KV store, or the previous
