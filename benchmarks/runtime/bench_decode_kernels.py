@@ -303,14 +303,15 @@ def _gemv_cfg(name, prefetch=0):
 
 def gemv(torch, device, copy_bw) -> dict:
     """Batch-1 GEMV (kernels/dense_gemv.py) against cuBLAS at the 8B layer's weights,
-    alone, then as the output projection after the short-context attention kernel
-    (which lets it launch early: its L2 prefetch of the weight overlaps the attention)."""
+    alone, then after the kernel before it in a decode step (which lets it launch
+    early: its L2 prefetch of the weight overlaps that kernel)."""
     import torch.nn.functional as F
     from slipstream.kernels.dense_gemv import dense_gemv
     from slipstream.kernels.short_decode_attention import short_decode_attention
     gen = torch.Generator(device=device).manual_seed(5)
-    shapes = {"o_proj": (64, 64)} if SMOKE else GEMV_SHAPES
-    out = {"alone": [], "after_attention": []}
+    shapes = ({"qkv": (64, 4096), "o_proj": (64, 4096), "gate_up": (64, 4096), "down": (64, 128)}
+              if SMOKE else GEMV_SHAPES)
+    out = {"alone": [], "after_kernel": {}}
     for name, (n, k) in shapes.items():
         copies = 1 if SMOKE else max(1, min(8, math.ceil(256e6 / (n * k * 2))))
         ws = [(torch.randn(n, k, device=device, generator=gen) * 0.02).to(DTYPE) for _ in range(copies)]
@@ -328,32 +329,54 @@ def gemv(torch, device, copy_bw) -> dict:
         print(f"  gemv {name}: " + ", ".join(f"{key} {v:.1f} us ({row['TBps'][key]:.2f} TB/s)"
                                             for key, v in row["us"].items()), flush=True)
         del ws, xs
-    # attention (b=1, 256-token context) then o_proj, old: cuBLAS; new: the GEMV launched early
-    n, k = (64 if SMOKE else HEADS * HEAD_DIM), HEADS * HEAD_DIM
+    # Each weight after the kernel that precedes it in a decode step (batch 1), which
+    # lets a GEMV launch early: old cuBLAS; new the GEMV, with and without L2 prefetch.
+    from slipstream.kernels.rms_norm import rms_norm
+    from slipstream.kernels.silu_mul import silu_and_mul
     ctx = 40 if SMOKE else 256
-    copies = 1 if SMOKE else 8
+    copies = 1 if SMOKE else 4
     s = _setup(torch, 1, ctx, "bf16", device, copies)
-    ws = [(torch.randn(n, k, device=device, generator=gen) * 0.02).to(DTYPE) for _ in range(copies)]
-    best = min(GEMV_CONFIGS, key=lambda c: out["alone"][[r["name"] for r in out["alone"]].index(
-        "o_proj")]["us"][c])
+    hidden = HEADS * HEAD_DIM
+    norm_w = torch.ones(hidden, device=device, dtype=DTYPE)
+    res = {}
+    for name, (n, k) in shapes.items():
+        ws = [(torch.randn(n, k, device=device, generator=gen) * 0.02).to(DTYPE)
+              for _ in range(copies)]
+        ins = [torch.randn(1, 2 * k if name == "down" else hidden, device=device,
+                           generator=gen).to(DTYPE) for _ in range(copies)]
+        best = min(GEMV_CONFIGS, key=lambda c: next(
+            r for r in out["alone"] if r["name"] == name)["us"][c])
 
-    def chain(d, w, how, prefetch=0):
-        def call():
-            o = short_decode_attention(d["q"], s["kc"], s["vc"], s["seq_lens"], d["tables"],
-                                       HEAD_DIM ** -0.5, out=d["out"], config={"TRIGGER": True})
-            o = o.view(1, -1)
-            if how == "attention":
-                return o
-            if how == "cublas":
-                return F.linear(o, w)
-            return dense_gemv(o, w, config=_gemv_cfg(best, prefetch))
-        return call
-    res = {"gemv_config": best}
-    for how, pf in (("attention", 0), ("cublas", 0), ("gemv", 0), ("gemv_prefetch1k", 1024),
-                    ("gemv_prefetch_all", k)):
-        res[how] = _timer([chain(d, w, how.split("_")[0], pf) for d, w in zip(s["data"], ws)]) * 1e3
-    out["after_attention"] = res
-    print(f"  attention + o_proj: {res}", flush=True)
+        def before(i, d, name=name):
+            if name == "o_proj":
+                return short_decode_attention(d["q"], s["kc"], s["vc"], s["seq_lens"], d["tables"],
+                                              HEAD_DIM ** -0.5, out=d["out"],
+                                              config={"TRIGGER": True}).view(1, -1)
+            if name == "down":
+                return silu_and_mul(ins[i])
+            if name == "gate_up":
+                return rms_norm(ins[i], norm_w, 1e-5, residual=ins[i])[0]
+            return rms_norm(ins[i], norm_w, 1e-5)
+
+        def chain(i, d, how, prefetch, best=best, before=before):
+            def call():
+                x = before(i, d)
+                if how == "alone":
+                    return x
+                if how == "cublas":
+                    return F.linear(x, ws[i])
+                return dense_gemv(x, ws[i], config=_gemv_cfg(best, prefetch))
+            return call
+        row = {"gemv_config": best, "before": {"o_proj": "attention", "down": "silu_mul",
+                                               "gate_up": "add_rms_norm"}.get(name, "rms_norm")}
+        for how, pf in (("alone", 0), ("cublas", 0), ("gemv", 0), ("gemv_prefetch1k", 1024),
+                        ("gemv_prefetch_all", k)):
+            row[how] = _timer([chain(i, d, how.split("_")[0], pf)
+                               for i, d in enumerate(s["data"])]) * 1e3
+        res[name] = row
+        print(f"  {row['before']} + {name}: {row}", flush=True)
+        del ws, ins
+    out["after_kernel"] = res
     return out
 
 
@@ -401,12 +424,16 @@ def markdown(res) -> str:
         for r in g["alone"]:
             lines.append(f"| {r['name']} | {r['n']}x{r['k']} | " + " | ".join(
                 f"{r['us'][c]:.1f} ({r['TBps'][c]:.2f})" for c in ("cublas", *GEMV_CONFIGS)) + " |")
-        a = g["after_attention"]
-        lines += ["", "Short-context attention (batch 1, 256 keys) then the output projection, "
-                  f"us per pair (GEMV config {a['gemv_config']}): attention alone "
-                  f"{a['attention']:.1f}, + cuBLAS {a['cublas']:.1f}, + GEMV {a['gemv']:.1f}, + GEMV "
-                  f"launched early with 1k columns prefetched {a['gemv_prefetch1k']:.1f}, all "
-                  f"prefetched {a['gemv_prefetch_all']:.1f}."]
+        lines += ["", "Each weight after the kernel before it in a decode step (which lets a "
+                  "GEMV launch early), us per pair; GEMV in its best config above, without and "
+                  "with an L2 prefetch of its first 1k / all weight columns before its wait:", "",
+                  "| weight | kernel before | that kernel alone | + cuBLAS | + GEMV | "
+                  "+ GEMV prefetch 1k | + GEMV prefetch all |",
+                  "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+        for name, a in g["after_kernel"].items():
+            lines.append(f"| {name} | {a['before']} | {a['alone']:.1f} | {a['cublas']:.1f} | "
+                         f"{a['gemv']:.1f} | {a['gemv_prefetch1k']:.1f} | "
+                         f"{a['gemv_prefetch_all']:.1f} |")
     return "\n".join(lines) + "\n"
 
 

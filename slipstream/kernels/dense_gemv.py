@@ -15,6 +15,8 @@ Plain-PyTorch twin: torch.nn.functional.linear.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -25,6 +27,9 @@ from slipstream.kernels.attention_tile import next_pow2
 from slipstream.kernels.runtime import interpreting, pdl_supported
 
 MAX_ROWS = 4
+# Whether the engine's decode steps use it (layers/linear.py) and the kernels
+# before it let it launch early: SLIPSTREAM_DECODE_GEMV=1, until measured faster.
+ENABLED = os.environ.get("SLIPSTREAM_DECODE_GEMV", "0") == "1"
 DEFAULT_CONFIG = {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "num_stages": 4,
                   "PREFETCH_K": 0}
 INTERPRET_CONFIG = {"BLOCK_N": 16, "BLOCK_K": 32, "num_warps": 4, "num_stages": 1,
