@@ -38,7 +38,7 @@ sys.path[:0] = [str(ROOT), str(HERE)]
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
 BATCHES, CONTEXTS, CACHES = (1, 8, 64), (128, 1024, 4096), ("bf16", "int8", "fp8")
-STREAM_BYTES, MAX_COPIES = 128 << 20, 256
+STREAM_BYTES, MAX_COPIES = 128 << 20, 512
 # The short-context kernel's configs: (BLOCK_N, warps, K/V of earlier steps read
 # before the wait on the kernel before).
 SHORT_CONFIGS = {"N256w8": (256, 8, True), "N256w8_late": (256, 8, False),
