@@ -22,7 +22,7 @@ def gemv(torch, device, dtype, smoke, timer, err, setup) -> dict:
     """Batch-1 GEMV (kernels/dense_gemv.py) against cuBLAS at the 8B layer's weights,
     alone, then after the kernel before it in a decode step (which lets it launch
     early: its L2 prefetch of the weight overlaps that kernel). timer(calls) -> ms per
-    call; err(got, want, tol) -> {max_abs_err, ok}; setup(context, copies) -> the
+    call; err(torch, got, want, tol) -> {max_abs_err, ok}; setup(context, copies) -> the
     batch-1 attention case of bench_decode_kernels (queries, pages, caches)."""
     import torch.nn.functional as F
     from slipstream.kernels.dense_gemv import dense_gemv
