@@ -188,22 +188,25 @@ def correctness(torch, device, contexts) -> dict:
         # The block as the engine chains it: the new tokens' slots poisoned (NaN
         # values or scales) until the fused kernel writes them; the attention
         # kernel, launched early, must see the written ones.
-        c = [t.clone() if t is not None else None for t in (kc, vc, ks, vs)]
         new_slots = (tables[torch.arange(b, device=device), (seq_lens.long() - 1) // PAGE].long()
                      * PAGE + (seq_lens.long() - 1) % PAGE)
-        for t in (c[2:] if ks is not None else c[:2]):
-            t.view(-1, *t.shape[2:])[new_slots] = float("nan")
-        x = qkv.clone()
-        h, hk = HEADS, HEADS + KV_HEADS
-        torch.cuda.synchronize() if device == "cuda" else None
-        rotary_store_kv(x[:, :h], x[:, h:hk], x[:, hk:], pos, rope.cos, rope.sin, *c[:2],
-                        new_slots, *c[2:])
-        got = decode_attention(x[:, :h], *c[:2], seq_lens, tables, HEAD_DIM ** -0.5,
-                               max_seq_len=max(contexts), k_scale=c[2], v_scale=c[3])
-        ref = reference.decode_attention(x[:, :h].float(), c[0] if ks is not None else c[0].float(),
-                                         c[1] if ks is not None else c[1].float(), seq_lens,
-                                         tables, HEAD_DIM ** -0.5, k_scale=c[2], v_scale=c[3])
-        out[f"chained_block_{kind}"] = max_err(torch, got, ref, BF16_TOL)
+        for kernel, short in (("split", False), ("short", True)):
+            c = [t.clone() if t is not None else None for t in (kc, vc, ks, vs)]
+            for t in (c[2:] if ks is not None else c[:2]):
+                t.view(-1, *t.shape[2:])[new_slots] = float("nan")
+            x = qkv.clone()
+            h, hk = HEADS, HEADS + KV_HEADS
+            torch.cuda.synchronize() if device == "cuda" else None
+            rotary_store_kv(x[:, :h], x[:, h:hk], x[:, hk:], pos, rope.cos, rope.sin, *c[:2],
+                            new_slots, *c[2:])
+            got = decode_attention(x[:, :h], *c[:2], seq_lens, tables, HEAD_DIM ** -0.5,
+                                   max_seq_len=max(contexts), k_scale=c[2], v_scale=c[3],
+                                   config={"SHORT": short})
+            ref = reference.decode_attention(
+                x[:, :h].float(), c[0] if ks is not None else c[0].float(),
+                c[1] if ks is not None else c[1].float(), seq_lens, tables, HEAD_DIM ** -0.5,
+                k_scale=c[2], v_scale=c[3])
+            out[f"chained_block_{kernel}_{kind}"] = max_err(torch, got, ref, BF16_TOL)
     return out
 
 

@@ -215,17 +215,23 @@ def split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     k_scale, v_scale: [num_blocks, page_size, num_kv_heads] fp32 when the cache
     holds int8 / fp8 codes (kernels/kv_store.py writes them), else None.
     max_seq_len: a bound on seq_lens (host int; for a captured graph, the bound of
-    its context class). Unsplit decode steps (one token a request, no window)
-    with max_seq_len <= SHORT_MAX_LEN run the short-context kernel
-    (short_decode_attention.py); config SHORT=True / False forces it on / off.
+    its context class). Decode steps (one token a request, no window) with
+    max_seq_len <= SHORT_MAX_LEN (unsplit: choose_num_splits gives 1 there) run
+    the short-context kernel (short_decode_attention.py; not for fp16 queries
+    over an int8 / fp8 cache); config SHORT=True / False forces it on / off.
     returns out: [num_tokens, num_heads, head_dim] in q's dtype.
     """
     config = dict(config or {})
     short = config.pop("SHORT", None)
     if short is None:
-        short = max_seq_len is not None and max_seq_len <= SHORT_MAX_LEN
-    if (short and num_splits == 1 and max_query_len == 1 and tree_bits is None
-            and sliding_window is None and q.shape[0] == cu_seqlens_q.shape[0] - 1):
+        # Not when the caller tunes the split kernel (other config keys), nor for
+        # fp16 queries over an int8 / fp8 cache: the short kernel multiplies P by
+        # V's scales in the query's dtype, where small scales sink into fp16's
+        # subnormals (the split kernel's code paths rescale; bf16 has the range).
+        short = (max_seq_len is not None and max_seq_len <= SHORT_MAX_LEN and not config
+                 and not (k_scale is not None and q.dtype == torch.float16))
+    if (short and max_query_len == 1 and tree_bits is None and sliding_window is None
+            and q.shape[0] == cu_seqlens_q.shape[0] - 1):  # (num_splits then unused)
         return short_decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale,
                                       out=out, k_scale=k_scale, v_scale=v_scale)
     num_tokens, num_heads, head_dim = q.shape

@@ -26,7 +26,9 @@ Rows of the tile are the GQA group's query heads (padded to 16 for the tensor
 cores), so each K/V tile is read once for the group. A quantized cache (int8 /
 fp8 codes with per-token scales) is read as codes, converted to the query's
 dtype in registers; K's scale multiplies the score column and V's the
-probability (attention_tile.py's QUANT path). The grid is (requests, KV heads):
+probability (attention_tile.py's QUANT path; with an fp16 query that product
+can sink into fp16's subnormals for small scales, so decode_attention keeps the
+split kernel's rescaling code paths there). The grid is (requests, KV heads):
 fixed per batch size, so a decode step with it can be captured in a CUDA graph.
 """
 from __future__ import annotations
