@@ -58,7 +58,8 @@ def timing(torch, device, batches, contexts, caches, copy_bw) -> tuple[list, lis
                        "splits_fine": s["fine"], "kv_bytes": kv_bytes, "us": {}}
                 for which in ("old", "fine", "engine", *SHORT_CONFIGS):
                     row["us"][which] = time_calls(attention_calls(torch, s, ctx, which)) * 1e3
-                row["engine_kernel"] = ("short" if s["splits"] == 1 and ctx <= 512 else "split_kv")
+                row["engine_kernel"] = ("short" if kind == "bf16" and ctx <= 512
+                                        and b * KV_HEADS <= RUN.sms else "split_kv")
                 row["speedup_engine"] = row["us"]["old"] / row["us"]["engine"]
                 row["engine_pct_copy_bw"] = 100 * kv_bytes / (row["us"]["engine"] * 1e-6) / copy_bw
                 attn.append(row)
@@ -91,8 +92,8 @@ def markdown(res) -> str:
               "## Decode attention alone", "",
               "old: split-KV kernel at a decode graph's split count (unsplit up to 512); fine: "
               "the same kernel split into pieces of >= 64 keys; N*w*: the short-context kernel "
-              "(first tile of N keys, w warps; _late: earlier steps' K/V read after the wait "
-              "on the kernel before, not before); engine: what the engine now runs.", "",
+              "(first tile of N keys, w warps; _early: earlier steps' K/V read before the wait "
+              "on the kernel before, EARLY_KV); engine: what the engine now runs.", "",
               "| cache | batch | context | splits old/fine | old | fine | "
               + " | ".join(SHORT_CONFIGS) + " | engine | engine kernel | speed-up | % copy BW |",
               "| --- | ---: | ---: | ---: | ---: | ---: | " + "---: | " * len(SHORT_CONFIGS)

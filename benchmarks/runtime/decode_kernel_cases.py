@@ -13,8 +13,8 @@ HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
 CACHES = ("bf16", "int8", "fp8")
 # The short-context kernel's configs: (BLOCK_N, warps, K/V of earlier steps read
 # before the wait on the kernel before).
-SHORT_CONFIGS = {"N256w8": (256, 8, True), "N256w8_late": (256, 8, False),
-                 "N128w4": (128, 4, True), "N64w4": (64, 4, True)}
+SHORT_CONFIGS = {"N256w8": (256, 8, False), "N256w8_early": (256, 8, True),
+                 "N128w4": (128, 4, False), "N64w4": (64, 4, False)}
 BF16_TOL = 3e-2
 
 
@@ -45,6 +45,9 @@ def setup_case(torch, b, ctx, kind, device, copies):
                                sm_count=RUN.sms)
     fine = max(1, min(2 * RUN.sms // (b * KV_HEADS), -(-ctx // 64), 64))
     seq_lens = torch.full((b,), ctx, dtype=torch.int32, device=device)
+    # Passed to every call, as the engine does (else decode_attention launches an
+    # index kernel of its own before the attention, in the graph too).
+    cu = torch.arange(b + 1, dtype=torch.int32, device=device)
     data = []
     for i in range(copies):
         tables = perm[i * b * pages:(i + 1) * b * pages].view(b, pages).contiguous()
@@ -55,7 +58,7 @@ def setup_case(torch, b, ctx, kind, device, copies):
                          slots=slots, out=torch.empty(b, HEADS, HEAD_DIM, dtype=RUN.dtype, device=device),
                          scratch=split_kv_scratch(b, HEADS, max(splits, fine), HEAD_DIM, device)))
     return dict(kc=kc, vc=vc, ks=ks, vs=vs, seq_lens=seq_lens, splits=splits, fine=fine,
-                data=data)
+                data=data, cu=cu)
 
 
 def attention_calls(torch, s, ctx, which):
@@ -69,11 +72,13 @@ def attention_calls(torch, s, ctx, which):
             n = s["splits"] if which == "old" else s["fine"]
             sc = tuple(t[:, :, :n] for t in d["scratch"]) if n > 1 else None
             calls.append(lambda common=common, kw=kw, n=n, sc=sc: decode_attention(
-                *common, max_seq_len=ctx, num_splits=n, scratch=sc, config={"SHORT": False}, **kw))
+                *common, max_seq_len=ctx, num_splits=n, scratch=sc, config={"SHORT": False},
+                cu_seqlens_q=s["cu"], **kw))
         elif which == "engine":
             sc = tuple(t[:, :, :s["splits"]] for t in d["scratch"])
             calls.append(lambda common=common, kw=kw, sc=sc: decode_attention(
-                *common, max_seq_len=ctx, num_splits=s["splits"], scratch=sc, **kw))
+                *common, max_seq_len=ctx, num_splits=s["splits"], scratch=sc,
+                cu_seqlens_q=s["cu"], **kw))
         else:
             bn, w, early = SHORT_CONFIGS[which]
             cfg = {"BLOCK_N": bn, "num_warps": w, "num_stages": 3, "EARLY_KV": early}
@@ -105,6 +110,7 @@ def block_calls(torch, s, ctx, new, rope):
             return decode_attention(qkv[:, :h], *caches, s["seq_lens"], d["tables"],
                                     HEAD_DIM ** -0.5, max_seq_len=ctx, num_splits=s["splits"],
                                     scratch=sc, out=d["out"], k_scale=s["ks"], v_scale=s["vs"],
+                                    cu_seqlens_q=s["cu"],
                                     config=None if new else {"SHORT": False})
         calls.append(call)
     return calls

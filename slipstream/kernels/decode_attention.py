@@ -51,7 +51,7 @@ from slipstream.kernels.decode_configs import (  # noqa: F401 (re-exported)
     MIN_TOKENS_PER_SPLIT, QUANT_DEEP_CONFIG, QUANT_WIDE_CONFIG, SHORT_MAX_LEN, TALL_CONFIG,
     TALL_PER_SM, UNSPLIT_MAX_LEN, WIDE_CONFIG, _launch_config, _tile_rows, choose_num_splits, default_kv_dot)
 from slipstream.kernels.runtime import interpreting, pdl_supported
-from slipstream.kernels.short_decode_attention import short_decode_attention
+from slipstream.kernels.short_decode_attention import short_decode_attention, short_decode_default
 
 LOG2E = 1.4426950408889634
 
@@ -217,8 +217,9 @@ def split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     max_seq_len: a bound on seq_lens (host int; for a captured graph, the bound of
     its context class). Decode steps (one token a request, no window) with
     max_seq_len <= SHORT_MAX_LEN (unsplit: choose_num_splits gives 1 there) run
-    the short-context kernel (short_decode_attention.py; not for fp16 queries
-    over an int8 / fp8 cache); config SHORT=True / False forces it on / off.
+    the short-context kernel where it was measured faster (`short_decode_default`:
+    16-bit caches, at most one program an SM); config SHORT=True / False forces
+    it on / off.
     returns out: [num_tokens, num_heads, head_dim] in q's dtype.
     """
     config = dict(config or {})
@@ -230,6 +231,8 @@ def split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
         # subnormals (the split kernel's code paths rescale; bf16 has the range).
         short = (max_seq_len is not None and max_seq_len <= SHORT_MAX_LEN and not config
                  and not (k_scale is not None and q.dtype == torch.float16))
+        short = short and short_decode_default(q.shape[0] * k_cache.shape[2], k_scale is not None,
+                                               q.device)
     if (short and max_query_len == 1 and tree_bits is None and sliding_window is None
             and q.shape[0] == cu_seqlens_q.shape[0] - 1):  # (num_splits then unused)
         return short_decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale,

@@ -10,17 +10,21 @@ second software-pipelined loop with its own prologue.
 
 Here the first tile is peeled off the loop and its block-table entries are read
 at once, before the sequence length is known (entries past the end of the
-request are read but never followed: the K/V reads are masked by the length).
-Every key and value of the tile but the step's own token's were written by
-earlier steps, so with programmatic dependent launch (the kernel starts while
-the KV store before it runs) they are read before the wait on that kernel too
-(EARLY_KV), and after it only the query and the new token's key and value, one
-[2, head_dim] read whose column starts the softmax state. In the sm_90 code
-(bf16 cache, 256-key tile) every tile load and its shared-memory store come
-before the wait, and two loads after it. A context of at most BLOCK_N keys is
-then one dot, one softmax and one dot, with no merge pass. Longer contexts
-continue with the split kernel's masked tile loop (attention_tile.py), read
-after the wait.
+request are read but never followed: the K/V reads are masked by the length);
+with programmatic dependent launch that read overlaps the kernel before (the
+KV store). After the wait one round trip fetches the query and the whole first
+tile of K and V (their loads issued before the query's), and a context of at
+most BLOCK_N keys is one dot, one softmax and one dot, with no merge pass.
+Longer contexts continue with the split kernel's masked tile loop
+(attention_tile.py).
+
+EARLY_KV (off by default): every key and value of the tile but the step's own
+token's were written by earlier steps, so they can be read before the wait
+too, and after it only the query and the new token's key and value, one
+[2, head_dim] read whose column starts the softmax state (in the sm_90 code
+every tile load and its shared-memory store then come before the wait). Alone
+that is one round trip more; it pays only where the kernel before runs long
+enough to hide it.
 
 Rows of the tile are the GQA group's query heads (padded to 16 for the tensor
 cores), so each K/V tile is read once for the group. A quantized cache (int8 /
@@ -48,8 +52,15 @@ LOG2E = 1.4426950408889634
 # BLOCK_N: keys of the peeled first tile (contexts up to it take one tile).
 # Compiled for sm_90 (bf16 cache, GQA 4, head dim 128): 256 keys in 8 warps
 # (198 registers, 141 KB shared memory, one program an SM) for up to one
-# program an SM; beyond that 64 keys in 4 warps (124 registers, 39 KB). Not yet
-# timed: benchmarks/runtime/bench_decode_kernels.py times these and others.
+# program an SM; beyond that 64 keys in 4 warps (124 registers, 39 KB).
+# Measured alone (H200, benchmarks/runtime/bench_decode_kernels.py, commit
+# 0804f41; CUDA graphs, K/V from HBM), 128-token contexts, bf16 cache: batch 1
+# 6.5 us (256 keys, 8 warps, EARLY_KV off), 7.8 (EARLY_KV on), 6.2 (128 keys,
+# 4 warps) against 10.0 for the unsplit split-KV kernel (both of those two
+# figures include a ~1.8 us index kernel the benchmark ran before the old one);
+# batch 8 7.1 against 10.5; batch 64 16.8 (64 keys, 4 warps) against 16.3;
+# int8 / fp8 caches, batch 1: 7.3-9.4 against 8.7 / 8.3 (the split kernel's
+# fp16 / int8 code paths, code_tile.py). Hence `short_decode_default`.
 FEW_CONFIG = {"BLOCK_N": 256, "num_warps": 8, "num_stages": 3}
 MANY_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
 INTERPRET_CONFIG = {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
@@ -154,6 +165,16 @@ def _short_decode_kernel(
              out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
+def short_decode_default(programs: int, quantized: bool, device) -> bool:
+    """Whether decode_attention picks this kernel for a short-context step of
+    `programs` (requests x KV heads) programs: with a 16-bit cache and at most
+    one program an SM (measured faster there; see FEW_CONFIG's note)."""
+    if quantized:
+        return False
+    sms = num_sms(device.index or 0) if device.type == "cuda" else 132
+    return programs <= sms
+
+
 def launch_config(programs: int, device) -> dict:
     if interpreting():
         return INTERPRET_CONFIG
@@ -194,7 +215,9 @@ def short_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     cfg = {**launch_config(num_seqs * num_kv_heads, q.device), **(config or {})}
     block_n = cfg.pop("BLOCK_N")
     chain = cfg.pop("CHAIN", True) and pdl_supported(q)
-    early = cfg.pop("EARLY_KV", True)
+    # Off by default: alone it costs a round trip more (7.8 against 6.5 us above);
+    # chained after the KV store, where its reads overlap that kernel, not measured.
+    early = cfg.pop("EARLY_KV", False)
     # Lets a kernel after it that reads only its own inputs before its wait (the
     # output projection's GEMV, kernels/dense_gemv.py, when enabled) start early.
     trigger = cfg.pop("TRIGGER", gemv_enabled) and pdl_supported(q)
