@@ -12,10 +12,15 @@ PREFETCH_K columns of its rows, which then arrive while the kernel before
 finishes (at decode that kernel is latency-bound: the memory is otherwise
 idle); only x, that kernel's output, is read after the wait.
 Plain-PyTorch twin: torch.nn.functional.linear.
+
+Measured on an H200 (benchmarks/runtime/bench_decode_kernels.py, commit 24e2adb,
+batch 1, best of four configs): slower than cuBLAS at every Llama-3-8B weight,
+qkv 19.6 against 16.1 us, o_proj 16.6 against 13.4, gate_up 68.4 against 55.5,
+down 50.5 against 31.4; after the kernel before it, launched early, with or
+without the L2 prefetch, slower too (qkv after RMSNorm 21.6-26.1 against 18.7).
+The engine does not use it.
 """
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
@@ -27,9 +32,6 @@ from slipstream.kernels.attention_tile import next_pow2
 from slipstream.kernels.runtime import interpreting, pdl_supported
 
 MAX_ROWS = 4
-# Whether the engine's decode steps use it (layers/linear.py) and the kernels
-# before it let it launch early: SLIPSTREAM_DECODE_GEMV=1, until measured faster.
-ENABLED = os.environ.get("SLIPSTREAM_DECODE_GEMV", "0") == "1"
 DEFAULT_CONFIG = {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "num_stages": 4,
                   "PREFETCH_K": 0}
 INTERPRET_CONFIG = {"BLOCK_N": 16, "BLOCK_K": 32, "num_warps": 4, "num_stages": 1,
@@ -87,9 +89,13 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None =
     cfg = {**(INTERPRET_CONFIG if interpreting() else DEFAULT_CONFIG), **(config or {})}
     block_n, block_k = cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K")
     chain = cfg.pop("CHAIN", True) and pdl_supported(x)
-    prefetch = cfg.pop("PREFETCH_K")
+    prefetch = min(cfg.pop("PREFETCH_K"), next_pow2(k))
     if not chain:  # nothing to overlap
         prefetch = 0
+    if prefetch:  # a power of two, at least one 128-byte line (columns past K clamped)
+        prefetch = 1 << (prefetch.bit_length() - 1)
+        if prefetch < 128 // weight.element_size():
+            prefetch = 0
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
         BLOCK_M=next_pow2(m), BLOCK_N=block_n, BLOCK_K=block_k, PREFETCH_K=prefetch,

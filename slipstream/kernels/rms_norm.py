@@ -19,11 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from triton.language.extra.cuda import gdc_launch_dependents
-
 from slipstream.kernels.attention_tile import next_pow2
 from slipstream.kernels.quant_act import empty_rows, quant_params, quantize_block, row_scale
-from slipstream.kernels.runtime import pdl_supported
 
 
 @triton.jit
@@ -31,9 +28,7 @@ def _rms_norm_kernel(X, Res, W, Out, ResOut, eps,
                      stride_x, stride_r, stride_o, stride_ro,
                      N: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                      QUANT: tl.constexpr, S, QMAX: tl.constexpr, EPS: tl.constexpr,
-                     FP8: tl.constexpr, TRIGGER: tl.constexpr = False):
-    if TRIGGER:  # a GEMV after it (kernels/dense_gemv.py) may launch and stream its weight
-        gdc_launch_dependents()
+                     FP8: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
@@ -87,7 +82,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
             x, res, weight, out, res_out, eps,
             x.stride(0), res.stride(0), out.stride(0), res_out.stride(0),
             N=hidden, BLOCK=block, HAS_RESIDUAL=residual is not None,
-            TRIGGER=pdl_supported(x), num_warps=_num_warps(block), **extra)
+            num_warps=_num_warps(block), **extra)
     if quant is not None:
         out = (out, scale)
     return out if residual is None else (out, res_out)

@@ -45,7 +45,6 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from slipstream.kernels.attention_tile import (
     attend_paged_keys, check_kv_scales, exact_dot, next_pow2, softmax_tile_update)
-from slipstream.kernels.dense_gemv import ENABLED as gemv_enabled
 from slipstream.kernels.runtime import interpreting, num_sms, pdl_supported
 
 LOG2E = 1.4426950408889634
@@ -218,9 +217,9 @@ def short_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     # Off by default: alone it costs a round trip more (7.8 against 6.5 us above);
     # chained after the KV store, where its reads overlap that kernel, not measured.
     early = cfg.pop("EARLY_KV", False)
-    # Lets a kernel after it that reads only its own inputs before its wait (the
-    # output projection's GEMV, kernels/dense_gemv.py, when enabled) start early.
-    trigger = cfg.pop("TRIGGER", gemv_enabled) and pdl_supported(q)
+    # Lets a kernel after it that reads only its own inputs before its wait start
+    # early (the decode GEMV in benchmarks/runtime/decode_gemv_cases.py).
+    trigger = cfg.pop("TRIGGER", False) and pdl_supported(q)
     _short_decode_kernel[(num_seqs, num_kv_heads)](
         q, k_cache, v_cache, *(k_scale, v_scale) if quant else (k_cache, v_cache), out,
         seq_lens, block_tables, block_tables.shape[1],

@@ -23,17 +23,11 @@ import torch
 import triton
 import triton.language as tl
 
-from triton.language.extra.cuda import gdc_launch_dependents
-
 from slipstream.kernels.quant_act import empty_rows, quant_params, quantize_block, row_scale
-from slipstream.kernels.runtime import pdl_supported
 
 
 @triton.jit
-def _silu_mul_kernel(X, Out, stride_x, stride_o, D: tl.constexpr, BLOCK: tl.constexpr,
-                     TRIGGER: tl.constexpr = False):
-    if TRIGGER:  # a GEMV after it (kernels/dense_gemv.py) may launch and stream its weight
-        gdc_launch_dependents()
+def _silu_mul_kernel(X, Out, stride_x, stride_o, D: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < D
@@ -51,8 +45,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if num_tokens > 0:
         block = min(1024, triton.next_power_of_2(d))
         _silu_mul_kernel[(num_tokens, triton.cdiv(d, block))](
-            x, out, x.stride(0), out.stride(0), D=d, BLOCK=block, TRIGGER=pdl_supported(x),
-            num_warps=4)
+            x, out, x.stride(0), out.stride(0), D=d, BLOCK=block, num_warps=4)
     return out
 
 

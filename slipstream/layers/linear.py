@@ -24,7 +24,6 @@ Parameter attributes the loaders read:
 """
 from __future__ import annotations
 
-import os
 from typing import Protocol
 
 import torch
@@ -56,15 +55,7 @@ class QuantMethod(Protocol):
 
 
 class UnquantizedLinearMethod:
-    """The identity method: a dense weight [output_size, input_size] and F.linear.
-
-    With `use_gemv` (default: the environment's SLIPSTREAM_DECODE_GEMV=1), decode
-    rows (at most kernels.dense_gemv.MAX_ROWS) of a bias-free 16-bit layer run the
-    Triton GEMV instead, which streams its weight while the kernel before finishes;
-    off until the engine measures it faster than cuBLAS on the device
-    (benchmarks/runtime/bench_decode_kernels.py, bench_engine.py).
-    """
-    use_gemv: bool = os.environ.get("SLIPSTREAM_DECODE_GEMV", "0") == "1"  # (dense_gemv.ENABLED)
+    """The identity method: a dense weight [output_size, input_size] and F.linear."""
 
     def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int],
                        params_dtype: torch.dtype) -> None:
@@ -77,18 +68,7 @@ class UnquantizedLinearMethod:
         pass
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        if self.use_gemv and layer.bias is None and _gemv_fits(x, layer.weight):
-            from slipstream.kernels import dense_gemv
-            return dense_gemv.dense_gemv(x, layer.weight)
         return F.linear(x, layer.weight, layer.bias)
-
-
-def _gemv_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    from slipstream.kernels.dense_gemv import MAX_ROWS
-    from slipstream.kernels.runtime import interpreting
-    return (x.ndim == 2 and 0 < x.shape[0] <= MAX_ROWS and x.dtype == weight.dtype
-            and x.dtype in (torch.float16, torch.bfloat16) and x.stride(1) == 1
-            and weight.stride(1) == 1 and (x.is_cuda or interpreting()))
 
 
 class LinearBase(nn.Module):

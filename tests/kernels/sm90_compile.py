@@ -60,7 +60,7 @@ def producers(kind):
     compile_sm90(_rms_norm_kernel, dict(X=BF16, Res=BF16, W=BF16, Out=q, ResOut=BF16, eps=1e-5,
                                         stride_x=4096, stride_r=4096, stride_o=4096,
                                         stride_ro=4096, S=F32),
-                 dict(N=4096, BLOCK=4096, HAS_RESIDUAL=True, QUANT=True, TRIGGER=True, **p), num_warps=16)
+                 dict(N=4096, BLOCK=4096, HAS_RESIDUAL=True, QUANT=True, **p), num_warps=16)
     for one_pass, block, warps in ((False, 2048, 8), (True, 16384, 16)):
         compile_sm90(_silu_mul_quant_kernel, dict(X=BF16, Q=q, S=F32, stride_x=28672,
                                                   stride_q=14336, D=14336),

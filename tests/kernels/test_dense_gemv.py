@@ -33,21 +33,3 @@ def test_dense_gemv_rejects_bad_shapes():
     with pytest.raises(ValueError, match="columns"):
         dense_gemv(torch.randn(1, 8), torch.randn(4, 9))
 
-
-def test_linear_layer_uses_gemv_for_decode_rows(monkeypatch):
-    """UnquantizedLinearMethod with use_gemv: decode rows through the GEMV (same
-    result as F.linear), prefill rows and biased layers through F.linear."""
-    from slipstream.kernels import dense_gemv as gemv_module
-    from slipstream.layers.linear import ColumnParallelLinear, UnquantizedLinearMethod
-    calls = []
-    real = gemv_module.dense_gemv
-    monkeypatch.setattr(gemv_module, "dense_gemv", lambda *a, **k: calls.append(1) or real(*a, **k))
-    monkeypatch.setattr(UnquantizedLinearMethod, "use_gemv", True)
-    layer = ColumnParallelLinear(48, 40, bias=False).to(torch.float16)
-    torch.nn.init.normal_(layer.weight, std=0.1)
-    for rows, gemv in ((1, True), (4, True), (9, False)):
-        x = torch.randn(rows, 48).to(torch.float16)
-        torch.testing.assert_close(layer(x).float(), F.linear(x.float(), layer.weight.float()),
-                                   atol=2e-3, rtol=2e-3)
-        assert bool(calls) == gemv, rows
-        calls.clear()
