@@ -12,7 +12,9 @@ Per step (`prepare`) it picks one path from host-side metadata only:
     and the rest to the prefill kernel, each writing its part of the output.
 Each layer first writes its new K/V into the paged cache (KV store kernel),
 quantizing them when the cache holds int8 / fp8 codes (`layer.k_scale` set);
-every kernel then reads the codes and scales directly.
+every kernel then reads the codes and scales directly. Given the step's rotary
+(`rope`: the model leaves q and k unrotated when `fuses_rotary`), one kernel
+rotates q and k in place and stores K/V (kernels/rotary_kv_store.py).
 `forward` never reads device memory back, so it adds no host-device sync.
 """
 from __future__ import annotations
@@ -24,6 +26,7 @@ from slipstream.kernels.decode_attention import (
     MAX_TREE_NODES, choose_num_splits, pack_tree_mask, split_kv_attention, split_kv_scratch)
 from slipstream.kernels.gluon_prefill import gluon_prefill, gluon_prefill_wanted
 from slipstream.kernels.kv_store import store_kv
+from slipstream.kernels.rotary_kv_store import rotary_store_kv
 from slipstream.kernels.prefill_attention import prefill_attention
 from slipstream.batch import ForwardBatch
 
@@ -31,6 +34,9 @@ from slipstream.batch import ForwardBatch
 @register_backend("triton")
 class TritonAttentionBackend:
     name = "triton"
+    # The model may hand q and k over unrotated, with the step's rotary (one kernel
+    # rotates them and stores K/V); False keeps the separate rotary kernel.
+    fuses_rotary = True
 
     def __init__(self) -> None:
         self._scratch: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -90,9 +96,16 @@ class TritonAttentionBackend:
         return buf
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                layer: AttentionLayerInfo, batch: ForwardBatch) -> torch.Tensor:
-        # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
-        store_kv(k, v, layer.k_cache, layer.v_cache, batch.slot_mapping, layer.k_scale, layer.v_scale)
+                layer: AttentionLayerInfo, batch: ForwardBatch, rope=None) -> torch.Tensor:
+        # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim];
+        # rope: the step's StepRotary (layers/rotary.py) when q and k are still unrotated.
+        if rope is not None:  # q and k rotated in place, K/V stored: one kernel
+            rotary_store_kv(q, k, v, rope.positions, rope.cos_table, rope.sin_table,
+                            layer.k_cache, layer.v_cache, batch.slot_mapping, layer.k_scale,
+                            layer.v_scale)
+        else:
+            store_kv(k, v, layer.k_cache, layer.v_cache, batch.slot_mapping, layer.k_scale,
+                     layer.v_scale)
         if self._mode == "prefill":
             if self._gluon and layer.sliding_window is None:
                 try:
@@ -128,4 +141,4 @@ class TritonAttentionBackend:
             q, layer.k_cache, layer.v_cache, query_start_loc, seq_lens, block_tables,
             max_query_len, layer.scale, splits, sliding_window=layer.sliding_window,
             tree_bits=self._tree_bits, out=out, scratch=scratch, k_scale=layer.k_scale,
-            v_scale=layer.v_scale)
+            v_scale=layer.v_scale, max_seq_len=max_seq_len)

@@ -22,7 +22,10 @@ dtype (attention_tile.py) cost the loop more instructions than the bytes save;
 config KV_DOT picks the paths with fewer (code_tile.py, decode_configs.py).
 
 The grid depends only on the batch size, the head counts and the split count,
-so a decode step can be captured in a CUDA graph.
+so a decode step can be captured in a CUDA graph. Unsplit decode steps whose
+contexts are at most SHORT_MAX_LEN keys go to short_decode_attention.py
+instead (one program per request and KV head, the first tile's reads before
+the wait on the kernel before), which `split_kv_attention` dispatches to.
 
 On Hopper the kernels are chained by programmatic dependent launch: the split
 kernel may start while the kernel before it (the KV store, or the previous
@@ -45,9 +48,10 @@ from slipstream.kernels.attention_tile import (
 from slipstream.kernels.code_tile import attend_code_range, fp16_query, int8_query
 from slipstream.kernels.decode_configs import (  # noqa: F401 (re-exported)
     DEEP_CONFIG, DEEP_PER_SM, DEFAULT_KV_DOT, DEFAULT_PREFETCH, MAX_SPLITS, MAX_TREE_NODES,
-    MIN_TOKENS_PER_SPLIT, QUANT_DEEP_CONFIG, QUANT_WIDE_CONFIG, TALL_CONFIG, TALL_PER_SM,
-    UNSPLIT_MAX_LEN, WIDE_CONFIG, _launch_config, _tile_rows, choose_num_splits, default_kv_dot)
+    MIN_TOKENS_PER_SPLIT, QUANT_DEEP_CONFIG, QUANT_WIDE_CONFIG, SHORT_MAX_LEN, TALL_CONFIG,
+    TALL_PER_SM, UNSPLIT_MAX_LEN, WIDE_CONFIG, _launch_config, _tile_rows, choose_num_splits, default_kv_dot)
 from slipstream.kernels.runtime import interpreting, pdl_supported
+from slipstream.kernels.short_decode_attention import short_decode_attention, short_decode_default
 
 LOG2E = 1.4426950408889634
 
@@ -196,7 +200,8 @@ def split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
                        tree_bits: torch.Tensor | None = None, out: torch.Tensor | None = None,
                        scratch: tuple[torch.Tensor, torch.Tensor] | None = None,
                        config: dict | None = None, k_scale: torch.Tensor | None = None,
-                       v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                       v_scale: torch.Tensor | None = None,
+                       max_seq_len: int | None = None) -> torch.Tensor:
     """Few query tokens per request against the paged cache, split over the KV
     sequence. Shared by decode (one token) and tree verification (a masked tree).
 
@@ -209,8 +214,29 @@ def split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     the launch config (BLOCK_N, num_warps, num_stages, CHAIN, KV_DOT), for benchmarks.
     k_scale, v_scale: [num_blocks, page_size, num_kv_heads] fp32 when the cache
     holds int8 / fp8 codes (kernels/kv_store.py writes them), else None.
+    max_seq_len: a bound on seq_lens (host int; for a captured graph, the bound of
+    its context class). Decode steps (one token a request, no window) with
+    max_seq_len <= SHORT_MAX_LEN (unsplit: choose_num_splits gives 1 there) run
+    the short-context kernel where it was measured faster (`short_decode_default`:
+    16-bit caches, at most one program an SM); config SHORT=True / False forces
+    it on / off.
     returns out: [num_tokens, num_heads, head_dim] in q's dtype.
     """
+    config = dict(config or {})
+    short = config.pop("SHORT", None)
+    if short is None:
+        # Not when the caller tunes the split kernel (other config keys), nor for
+        # fp16 queries over an int8 / fp8 cache: the short kernel multiplies P by
+        # V's scales in the query's dtype, where small scales sink into fp16's
+        # subnormals (the split kernel's code paths rescale; bf16 has the range).
+        short = (max_seq_len is not None and max_seq_len <= SHORT_MAX_LEN and not config
+                 and not (k_scale is not None and q.dtype == torch.float16))
+        short = short and short_decode_default(q.shape[0] * k_cache.shape[2], k_scale is not None,
+                                               q.device)
+    if (short and max_query_len == 1 and tree_bits is None and sliding_window is None
+            and q.shape[0] == cu_seqlens_q.shape[0] - 1):  # (num_splits then unused)
+        return short_decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale,
+                                      out=out, k_scale=k_scale, v_scale=v_scale)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]
     if num_heads % num_kv_heads:
@@ -225,7 +251,7 @@ def split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     block_m, row_blocks = _tile_rows(max_query_len, group)
     num_seqs = cu_seqlens_q.shape[0] - 1
     cfg = {**_launch_config(block_m, num_seqs * num_kv_heads * row_blocks * num_splits, q.device,
-                            quant), **(config or {})}
+                            quant), **config}
     block_n = cfg.pop("BLOCK_N")
     kv_dot = cfg.pop("KV_DOT", default_kv_dot(k_cache.dtype, block_m))
     if kv_dot not in (0, 1, 2, 3):
@@ -317,4 +343,4 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                                        group=q.shape[1] // k_cache.shape[2])
     return split_kv_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, 1, scale,
                               num_splits, sliding_window, None, out, scratch, config,
-                              k_scale, v_scale)
+                              k_scale, v_scale, max_seq_len)

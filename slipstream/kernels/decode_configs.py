@@ -36,6 +36,11 @@ MIN_TOKENS_PER_SPLIT = 128
 # less than launching the merge kernel costs the host.
 UNSPLIT_MAX_LEN = 512
 MAX_SPLITS = 64
+# Unsplit decode steps whose contexts are all at most this long take the
+# short-context kernel (short_decode_attention.py): one program per (request,
+# KV head), no merge. A power of two >= 512, so that a captured graph's context
+# class (runner/cuda_graph.py) is wholly on one side.
+SHORT_MAX_LEN = 512
 MAX_TREE_NODES = 64  # one int64 bitmask per node
 # How a quantized cache meets the query: 0 codes -> the query's dtype
 # (attention_tile.py), 1 codes -> fp16 operands, 2 the same with V read as 16-bit

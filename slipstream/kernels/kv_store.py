@@ -29,6 +29,13 @@ from slipstream.kernels.runtime import pdl_supported
 def _quantize_rows(x, QMAX: tl.constexpr, IS_INT: tl.constexpr):
     """x: [H, D] fp32 -> (codes [H, D] fp32 holding exact code values, scale [H])."""
     scale = tl.maximum(tl.max(tl.abs(x), 1) / QMAX, 1e-10)
+    return codes_of(x, scale, QMAX, IS_INT), scale
+
+
+@triton.jit
+def codes_of(x, scale, QMAX: tl.constexpr, IS_INT: tl.constexpr):
+    """x: [H, D] fp32, scale: [H] (max |x| / QMAX of each row, at least 1e-10) ->
+    codes [H, D] fp32 holding exact code values."""
     y = x / scale[:, None]
     if IS_INT:
         y = tl.minimum(tl.maximum(tl.where(y >= 0, tl.floor(y + 0.5), -tl.floor(0.5 - y)),
@@ -38,7 +45,7 @@ def _quantize_rows(x, QMAX: tl.constexpr, IS_INT: tl.constexpr):
         bits = y.to(tl.int32, bitcast=True)
         bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000
         y = bits.to(tl.float32, bitcast=True)
-    return y, scale
+    return y
 
 
 @triton.jit

@@ -213,6 +213,18 @@ def rotary_inplace(qk: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
     return qk
 
 
+def rotary_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                    cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                    k_scale: torch.Tensor | None = None,
+                    v_scale: torch.Tensor | None = None) -> None:
+    """Twin of `kernels.rotary_kv_store`: rotate q and k in place, then store the
+    rotated k and v in the paged cache (`store_kv`)."""
+    rotary_inplace(q, positions, cos, sin)
+    rotary_inplace(k, positions, cos, sin)
+    store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+
+
 # ---- quantized linear layers (twins of kernels/quant_gemm.py, kernels/w8a8_gemm.py) ---
 
 def int_weight_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,

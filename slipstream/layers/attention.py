@@ -37,11 +37,19 @@ class Attention(nn.Module):
         self.k_scale: torch.Tensor | None = None
         self.v_scale: torch.Tensor | None = None
 
+    def fuses_rotary(self, rope) -> bool:
+        """Whether the backend applies `rope` (a StepRotary on its kernel path) itself,
+        in the kernel that stores K/V: q and k are then passed unrotated."""
+        return rope.gathered is None and getattr(self.backend, "fuses_rotary", False)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                batch: ForwardBatch) -> torch.Tensor:
+                batch: ForwardBatch, rope=None) -> torch.Tensor:
         """q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
-        (strided views are allowed; the last dim is contiguous)
-        -> [num_tokens, num_heads, head_dim]"""
+        (strided views are allowed; the last dim is contiguous); rope: the step's
+        rotary when q and k are unrotated (only if `fuses_rotary(rope)`: q and k
+        are rotated in place) -> [num_tokens, num_heads, head_dim]"""
+        if rope is not None:
+            return self.backend.forward(q, k, v, self, batch, rope=rope)
         return self.backend.forward(q, k, v, self, batch)
 
     def extra_repr(self) -> str:

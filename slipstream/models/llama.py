@@ -11,6 +11,8 @@ On CUDA the elementwise work of a layer runs as fused Triton kernels (add +
 RMSNorm, rotary in place on the qkv output, SiLU * up), so a decode step
 launches about ten kernels per layer: norm, qkv GEMM, rotary, KV store,
 attention (1-2), o_proj GEMM, add + norm, gate_up GEMM, silu * up, down GEMM.
+With the triton attention backend the rotary is done in its KV-store kernel
+(`Attention.fuses_rotary`), and short decode contexts take one attention kernel.
 The CPU runs the same layers' plain torch ops.
 
 Tensor parallelism (`tp`, see layers/linear.py and layers/embedding.py): each
@@ -94,6 +96,9 @@ class LlamaAttention(nn.Module):
         # x: [num_tokens, hidden] -> [num_tokens, hidden]
         h, hk = self.num_heads, self.num_heads + self.num_kv_heads
         qkv = self.qkv_proj(x).view(x.shape[0], hk + self.num_kv_heads, self.head_dim)
+        if self.attn.fuses_rotary(rope):  # rotated in place by the backend's KV-store kernel
+            o = self.attn(qkv[:, :h], qkv[:, h:hk], qkv[:, hk:], batch, rope=rope)
+            return self.o_proj(o.flatten(1))
         # Rotate the q and k heads together: one kernel (in place, on CUDA) or one
         # set of elementwise ops per layer.
         qk = rope(qkv[:, :hk])                          # [num_tokens, heads + kv_heads, head_dim]

@@ -6,9 +6,10 @@ decode step is padded to a batch-size bucket (1, 2, 4, 8, 16, 24, 32, ... up to
 `max_num_seqs`) and replays a graph captured for that bucket. The graph reads
 its inputs from the input batch's static buffers and its attention metadata is
 fixed per graph: the split-KV count is chosen for a context class (the next
-power of two of the longest context, at least 512), so the key is
-(bucket, splits). Graphs are captured on first use (an eager run of the same
-step first compiles any kernel), all in one memory pool.
+power of two of the longest context, at least 512), so the key is (bucket,
+splits, whether the class takes the short-context decode kernel). Graphs are
+captured on first use (an eager run of the same step first compiles any
+kernel), all in one memory pool.
 """
 from __future__ import annotations
 
@@ -48,9 +49,11 @@ class DecodeGraphs:
     def run(self, batch: ForwardBatch, bucket: int) -> torch.Tensor:
         """batch: a decode step padded to `bucket` sequences, in the static buffers.
         Returns the final hidden states [bucket, hidden] (valid until the next replay)."""
+        from slipstream.kernels.decode_configs import SHORT_MAX_LEN
         splits = self.splits_for(bucket, batch.max_seq_len)
         batch.decode_splits = splits
-        key = (bucket, splits)
+        # Unsplit steps up to SHORT_MAX_LEN run another attention kernel: a graph of its own.
+        key = (bucket, splits, batch.max_seq_len <= SHORT_MAX_LEN)
         entry = self.graphs.get(key)
         if entry is None:
             # Eager first: compiles kernels for these shapes and computes this step

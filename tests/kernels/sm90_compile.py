@@ -1,4 +1,4 @@
-"""Compile the W8A8 and weight-only kernels for sm_90 (H100/H200) without a GPU; run as a script with
+"""Compile the W8A8, weight-only and decode-step kernels for sm_90 (H100/H200) without a GPU; run as a script with
 TRITON_INTERPRET=0 (test_sm90_compile.py does), since the interpreter replaces the
 compiler. Prints one JSON object: check name -> "ok", "skip: ..." or the error."""
 from __future__ import annotations
@@ -13,10 +13,13 @@ from triton.compiler import ASTSource
 from triton.runtime.jit import mangle_type
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from slipstream.kernels.dense_gemv import _gemv_kernel as _dense_gemv_kernel
 from slipstream.kernels.int_weight_gemv import _dequantize_kernel, _gemv_kernel
 from slipstream.kernels.quant_act import _quantize_rows_kernel, quant_params
 from slipstream.kernels.quant_gemm import _int_weight_gemm_kernel
 from slipstream.kernels.rms_norm import _rms_norm_kernel
+from slipstream.kernels.rotary_kv_store import _rotary_store_kernel
+from slipstream.kernels.short_decode_attention import FEW_CONFIG, MANY_CONFIG, _short_decode_kernel
 from slipstream.kernels.silu_mul import _silu_mul_quant_kernel
 from slipstream.kernels.w8a8_gemm import _w8a8_gemm_kernel, _w8a8_tma_kernel
 
@@ -97,9 +100,44 @@ def weight_only(kind):
                  dict(BITS=bits, HAS_ZEROS=True, TILE=128, GROUP_TILES=1, BLOCK_N=32), num_warps=4)
 
 
+def decode_step(kind):
+    """The decode step's fused kernels over a bf16 / int8 / fp8 cache: short-context
+    decode attention (both launch configs; Llama-3-8B heads) and rotary + KV store;
+    with bf16, the decode GEMV with its L2 prefetch."""
+    cache = BF16 if kind == "bf16" else torch.empty(8, dtype=CODES[kind])
+    scales = (BF16, BF16) if kind == "bf16" else (F32, F32)
+    i32, i64 = torch.empty(8, dtype=torch.int32), torch.empty(8, dtype=torch.int64)
+    for cfg in (FEW_CONFIG, MANY_CONFIG):
+        cfg = dict(cfg)
+        k = compile_sm90(_short_decode_kernel, dict(
+            Q=BF16, KCache=cache, VCache=cache, KScale=scales[0], VScale=scales[1], Out=BF16,
+            SeqLens=i32, BlockTables=i32, max_blocks=512, stride_qt=6144, stride_qh=128,
+            stride_ot=4096, stride_oh=128, stride_cb=16384, stride_cs=1024, stride_ch=128,
+            stride_sb=128, stride_ss=8, stride_bt=512, qk_scale=0.1),
+            dict(GROUP=4, HEAD_DIM=128, HEAD_DIM_PAD=128, BLOCK_M=16, BLOCK_N=cfg.pop("BLOCK_N"),
+                 PAGE_SIZE=16, QUANT=kind != "bf16", CHAIN=True, EARLY_KV=True,
+                 TRIGGER=True), **cfg)
+        assert "mma.sync" in k.asm["ptx"] and "griddepcontrol.wait" in k.asm["ptx"]
+    compile_sm90(_rotary_store_kernel, dict(
+        Q=BF16, K=BF16, V=BF16, Positions=i64, Cos=BF16, Sin=BF16, KCache=cache, VCache=cache,
+        KScale=scales[0], VScale=scales[1], SlotMapping=i64, stride_qt=6144, stride_qh=128,
+        stride_kt=6144, stride_kh=128, stride_vt=6144, stride_vh=128, stride_cp=128,
+        stride_cb=16384, stride_cs=1024, stride_ch=128, stride_sb=128, stride_ss=8),
+        dict(NUM_HEADS=32, NUM_KV_HEADS=8, HALF=64, BLOCK_D=64, BLOCK_H=16, KV_PAD=8,
+             PAGE_SIZE=16, QUANT=kind != "bf16", QMAX=127.0 if kind == "int8" else 448.0,
+             IS_INT=kind == "int8", PDL=True), num_warps=4)
+    if kind == "bf16":
+        k = compile_sm90(_dense_gemv_kernel, dict(X=BF16, W=BF16, Y=BF16, M=1, N=4096, K=4096,
+                                                  stride_xm=4096, stride_wn=4096, stride_ym=4096),
+                         dict(BLOCK_M=1, BLOCK_N=32, BLOCK_K=256, PREFETCH_K=1024, CHAIN=True),
+                         num_warps=4, num_stages=4)
+        assert "prefetch.global.L2" in k.asm["ptx"] and "griddepcontrol.wait" in k.asm["ptx"]
+
+
 CHECKS = {f"{fn.__name__}-{kind}": (fn, kind) for fn in (gemm, tma_gemm, producers)
           for kind in ("int8", "fp8")}
 CHECKS.update({f"weight_only-{kind}": (weight_only, kind) for kind in ("int4", "int8")})
+CHECKS.update({f"decode_step-{kind}": (decode_step, kind) for kind in ("bf16", "int8", "fp8")})
 
 
 def main() -> int:

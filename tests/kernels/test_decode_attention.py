@@ -18,12 +18,12 @@ TOL = {torch.float16: 4e-3, torch.float32: 2e-5, torch.bfloat16: 3e-2}
 CONTEXTS = [0, 6, 40, 99]
 
 
-def _check(b, close, splits, window=None, dtype=torch.float16):
+def _check(b, close, splits, window=None, dtype=torch.float16, config=None):
     d = b.q.shape[-1]
     out = torch.full(b.q.shape, float("nan"), dtype=dtype, device=b.q.device)
     decode_attention(b.q, b.k_cache, b.v_cache, b.seq_lens, b.block_tables, d ** -0.5,
                      max_seq_len=int(b.seq_lens.max()), sliding_window=window,
-                     num_splits=splits, out=out)
+                     num_splits=splits, out=out, config=config)
     ref = reference.decode_attention(b.q.float(), b.k_cache.float(), b.v_cache.float(),
                                      b.seq_lens, b.block_tables, d ** -0.5, window)
     close(out, ref, TOL[dtype], TOL[dtype])
@@ -37,6 +37,14 @@ def _check(b, close, splits, window=None, dtype=torch.float16):
 def test_decode_gqa_splits(paged_batch, close, group, page_size, splits):
     b = paged_batch(CONTEXTS, [1] * 4, 8, 8 // group, 64, page_size, device=DEVICE)
     _check(b, close, splits)
+
+
+@pytest.mark.parametrize("short", [True, False])
+def test_decode_unsplit_kernels(paged_batch, close, short):
+    """One split: the short-context kernel (the default up to SHORT_MAX_LEN) and
+    the split kernel writing its output directly."""
+    b = paged_batch(CONTEXTS, [1] * 4, 8, 2, 64, 16, device=DEVICE)
+    _check(b, close, 1, config={"SHORT": short})
 
 
 def test_decode_more_splits_than_tiles(paged_batch, close):
