@@ -80,6 +80,23 @@ def _store_kv_kernel(K, V, KCache, VCache, KScale, VScale, SlotMapping,
     tl.store(VCache + dst, v.to(VCache.dtype.element_ty), mask=mask)
 
 
+def scale_pool_args(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor | None,
+                    v_scale: torch.Tensor | None) -> tuple:
+    """What a store kernel needs of the scale pools: (quantized?, the code format's qmax,
+    int codes?, (k, v) scale tensors or placeholders, their block and page strides)."""
+    quant = k_scale is not None
+    qmax, is_int = 0.0, False
+    if quant:
+        from slipstream.quant.kv_quant import kv_format_of
+        fmt = kv_format_of(k_cache.dtype)
+        qmax, is_int = fmt.qmax, fmt.storage == torch.int8
+        assert k_scale.stride() == v_scale.stride() and k_scale.stride(2) == 1
+        assert k_scale.dtype == torch.float32 and k_scale.shape == k_cache.shape[:3]
+    scales = (k_scale, v_scale) if quant else (k_cache, v_cache)
+    s_strides = (k_scale.stride(0), k_scale.stride(1)) if quant else (0, 0)
+    return quant, qmax, is_int, scales, s_strides
+
+
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
              v_scale: torch.Tensor | None = None) -> None:
@@ -92,16 +109,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         return
     assert k.stride(2) == 1 and v.stride(2) == 1 and k_cache.stride(3) == 1
     assert k_cache.stride() == v_cache.stride() and k_cache.shape[2:] == k.shape[1:]
-    quant = k_scale is not None
-    qmax, is_int = 0.0, False
-    if quant:
-        from slipstream.quant.kv_quant import kv_format_of
-        fmt = kv_format_of(k_cache.dtype)
-        qmax, is_int = fmt.qmax, fmt.storage == torch.int8
-        assert k_scale.stride() == v_scale.stride() and k_scale.stride(2) == 1
-        assert k_scale.dtype == torch.float32 and k_scale.shape == k_cache.shape[:3]
-    scales = (k_scale, v_scale) if quant else (k_cache, v_cache)
-    s_strides = (k_scale.stride(0), k_scale.stride(1)) if quant else (0, 0)
+    quant, qmax, is_int, scales, s_strides = scale_pool_args(k_cache, v_cache, k_scale, v_scale)
     _store_kv_kernel[(num_tokens,)](
         k, v, k_cache, v_cache, *scales, slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),

@@ -27,7 +27,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
 from slipstream.kernels.attention_tile import next_pow2
-from slipstream.kernels.kv_store import codes_of
+from slipstream.kernels.kv_store import codes_of, scale_pool_args
 from slipstream.kernels.runtime import pdl_supported
 
 
@@ -150,16 +150,7 @@ def rotary_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
     assert k_cache.shape[2:] == k.shape[1:]
     if num_tokens == 0:
         return
-    quant = k_scale is not None
-    qmax, is_int = 0.0, False
-    if quant:
-        from slipstream.quant.kv_quant import kv_format_of
-        fmt = kv_format_of(k_cache.dtype)
-        qmax, is_int = fmt.qmax, fmt.storage == torch.int8
-        assert k_scale.stride() == v_scale.stride() and k_scale.stride(2) == 1
-        assert k_scale.dtype == torch.float32 and k_scale.shape == k_cache.shape[:3]
-    scales = (k_scale, v_scale) if quant else (k_cache, v_cache)
-    s_strides = (k_scale.stride(0), k_scale.stride(1)) if quant else (0, 0)
+    quant, qmax, is_int, scales, s_strides = scale_pool_args(k_cache, v_cache, k_scale, v_scale)
     half = head_dim // 2
     block_h = min(next_pow2(num_heads), 16)
     _rotary_store_kernel[(num_tokens, triton.cdiv(num_heads, block_h) + 1)](
