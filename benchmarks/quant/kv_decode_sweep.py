@@ -102,7 +102,7 @@ def check_small(device, dtype, smoke, log) -> dict:
 
 
 def _tree(tq, kq, vq, cu, lens, tables, masks, nodes, ks, vs, cfg):
-    from slipstream.kernels.decode_attention import pack_tree_mask
+    from slipstream.kernels.tree_attention import pack_tree_mask
     bits = pack_tree_mask(masks)
     return da.split_kv_attention(tq, kq, vq, cu, lens, tables, nodes, SCALE, 2, tree_bits=bits,
                                  config=cfg, k_scale=ks, v_scale=vs)

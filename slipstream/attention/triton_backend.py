@@ -23,7 +23,8 @@ import torch
 
 from slipstream.attention.base import AttentionLayerInfo, register_backend
 from slipstream.kernels.decode_attention import (
-    MAX_TREE_NODES, choose_num_splits, pack_tree_mask, split_kv_attention, split_kv_scratch)
+    MAX_TREE_NODES, choose_num_splits, split_kv_attention, split_kv_scratch)
+from slipstream.kernels.tree_attention import pack_tree_mask
 from slipstream.kernels.gluon_prefill import gluon_prefill, gluon_prefill_wanted
 from slipstream.kernels.kv_store import store_kv
 from slipstream.kernels.rotary_kv_store import rotary_store_kv

@@ -52,6 +52,7 @@ from slipstream.kernels.decode_configs import (  # noqa: F401 (re-exported)
     TALL_PER_SM, UNSPLIT_MAX_LEN, WIDE_CONFIG, _launch_config, _tile_rows, choose_num_splits, default_kv_dot)
 from slipstream.kernels.runtime import interpreting, pdl_supported
 from slipstream.kernels.short_decode_attention import short_decode_attention, short_decode_default
+from slipstream.kernels.split_merge import merge_splits, split_kv_scratch  # noqa: F401 (re-exported)
 
 LOG2E = 1.4426950408889634
 
@@ -162,35 +163,6 @@ def _split_kv_kernel(
         tl.store(PartLse + tok * stride_lt + head * stride_lh + split, lse, mask=row_ok)
 
 
-@triton.jit(do_not_specialize=["num_splits"])
-def _merge_splits_kernel(PartO, PartLse, Out, num_splits,
-                         stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
-                         stride_ot, stride_oh,
-                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                         SPLITS_PAD: tl.constexpr, PDL: tl.constexpr):
-    # One program per (token, head, BLOCK_D channels): many small programs, so
-    # the merge costs about one L2 round trip.
-    tok = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    s = tl.arange(0, SPLITS_PAD)
-    s_ok = s < num_splits
-    offs_d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_DIM
-    if PDL:  # launched early (programmatic dependent launch): wait for the splits' writes
-        gdc_wait()
-        # Only now may the next split kernel launch: at the merge's start it would
-        # take SM slots from the splits still streaming (measured: 67% of copy
-        # bandwidth against 84% at B=1 L=32k).
-        gdc_launch_dependents()
-    lse = tl.load(PartLse + tok * stride_lt + head * stride_lh + s, mask=s_ok, other=float("-inf"))
-    o = tl.load(PartO + tok * stride_pt + head * stride_ph + s[:, None] * stride_ps + offs_d[None, :],
-                mask=s_ok[:, None] & d_ok[None, :], other=0.0)
-    w = tl.math.exp2(lse - tl.max(lse, 0))
-    out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
-    tl.store(Out + tok * stride_ot + head * stride_oh + offs_d, out.to(Out.dtype.element_ty),
-             mask=d_ok)
-
-
 # --- launcher -------------------------------------------------------------------
 
 def split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -293,32 +265,8 @@ def split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
         SLIDING=sliding_window is not None, TREE=tree_bits is not None, PDL=pdl, CHAIN=chain,
         QUANT=quant, KV_DOT=kv_dot, ASM=asm, PREFETCH=prefetch, launch_pdl=chain, **cfg)
     if num_splits > 1:
-        block_d = min(32, head_dim_pad)
-        _merge_splits_kernel[(num_tokens, num_heads, triton.cdiv(head_dim, block_d))](
-            part_o, part_lse, out, num_splits, *po_strides, *pl_strides, out.stride(0),
-            out.stride(1), HEAD_DIM=head_dim, BLOCK_D=block_d,
-            SPLITS_PAD=max(next_pow2(num_splits), MAX_SPLITS), PDL=pdl, num_warps=1,
-            launch_pdl=pdl)
+        merge_splits(part_o, part_lse, out, num_splits, head_dim, head_dim_pad, pdl)
     return out
-
-
-def pack_tree_mask(tree_mask: torch.Tensor) -> torch.Tensor:
-    """[num_seqs, n, m] bool (row t: the step's tokens token t may see) ->
-    [num_seqs, n] int64 bitmasks, bit j set when token j is visible; m <= 64."""
-    m = tree_mask.shape[-1]
-    if m > MAX_TREE_NODES:
-        raise ValueError(f"tree masks of at most {MAX_TREE_NODES} nodes are supported, got {m}")
-    weights = torch.ones(m, dtype=torch.int64, device=tree_mask.device) << torch.arange(
-        m, dtype=torch.int64, device=tree_mask.device)
-    # Distinct powers of two: the sum is the bitwise or (bit 63 wraps to the sign).
-    return (tree_mask.to(torch.bool).to(torch.int64) * weights).sum(-1)
-
-
-def split_kv_scratch(num_tokens: int, num_heads: int, num_splits: int, head_dim: int,
-                     device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Partial outputs and log-sum-exps of the splits (fp32)."""
-    return (torch.empty(num_tokens, num_heads, num_splits, head_dim, dtype=torch.float32, device=device),
-            torch.empty(num_tokens, num_heads, num_splits, dtype=torch.float32, device=device))
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from slipstream.kernels.decode_attention import (
-    MAX_TREE_NODES, choose_num_splits, pack_tree_mask, split_kv_attention)
+    MAX_TREE_NODES, choose_num_splits, split_kv_attention)
 
 
 def ancestor_mask(parents: list[int]) -> torch.Tensor:
@@ -60,3 +60,15 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
                               max_query_len, scale, num_splits, sliding_window,
                               pack_tree_mask(tree_mask[:, :max_query_len, :max_query_len]),
                               out, scratch, config, k_scale, v_scale)
+
+
+def pack_tree_mask(tree_mask: torch.Tensor) -> torch.Tensor:
+    """[num_seqs, n, m] bool (row t: the step's tokens token t may see) ->
+    [num_seqs, n] int64 bitmasks, bit j set when token j is visible; m <= 64."""
+    m = tree_mask.shape[-1]
+    if m > MAX_TREE_NODES:
+        raise ValueError(f"tree masks of at most {MAX_TREE_NODES} nodes are supported, got {m}")
+    weights = torch.ones(m, dtype=torch.int64, device=tree_mask.device) << torch.arange(
+        m, dtype=torch.int64, device=tree_mask.device)
+    # Distinct powers of two: the sum is the bitwise or (bit 63 wraps to the sign).
+    return (tree_mask.to(torch.bool).to(torch.int64) * weights).sum(-1)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from slipstream.kernels import reference
-from slipstream.kernels.decode_attention import pack_tree_mask
+from slipstream.kernels.tree_attention import pack_tree_mask
 from slipstream.kernels.tree_attention import ancestor_mask, tree_attention
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
