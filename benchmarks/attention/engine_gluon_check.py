@@ -32,7 +32,7 @@ def worker(model: str, smoke: bool) -> dict:
     longest = max(n for _, n in shapes.values())
     llm = LLM(None if smoke else model, load_format="auto" if smoke else "dummy", dtype="bfloat16" if not smoke else "float32",
               max_model_len=longest + 64 if smoke else 8192, max_num_batched_tokens=max(longest, 16384),
-              max_num_seqs=8, seed=0, device="cuda" if torch.cuda.is_available() else "cpu")
+              max_num_seqs=8, seed=0, enable_prefix_caching=False, device="cuda" if torch.cuda.is_available() else "cpu")
     vocab = llm.engine.config.model_config.vocab_size
     g = torch.Generator().manual_seed(1)
     res = {"gluon": os.environ.get("SLIPSTREAM_GLUON_PREFILL", "0"), "shapes": {}}
