@@ -21,7 +21,6 @@ from __future__ import annotations
 import warnings
 
 import torch
-import torch.nn.functional as F
 
 
 class EagleTreeExpander:
@@ -76,7 +75,7 @@ class EagleTreeExpander:
                 anc_new = torch.zeros(b, e, dtype=torch.bool, device=dev)
             else:
                 s = src[fr]
-                anc_new = anc[s] | F.one_hot(s, e).bool()
+                anc_new = anc[s] | (s[:, None] == torch.arange(e, device=dev))
             # A frontier node sees the real pairs, its expanded ancestors, itself.
             mask = torch.cat([valid.expand(b, ctx), anc_new,
                               torch.eye(b, dtype=torch.bool, device=dev)], dim=1)

@@ -1,0 +1,271 @@
+"""Greedy EAGLE decoding of one request with every round on the device.
+
+The engine's speculation round is serial: host work (schedule, pack, tree
+mask), the verification forward, then a wait and host work again (accept,
+scheduler, detokenize). On a 135M model a plain step costs about what its
+launches cost, so that host work alone eats the gain of a dynamic tree. Here
+a round reads nothing from the host and the host waits on nothing: from the
+candidate table of the last expansion it
+
+  1. selects the tree (the `max_nodes` best candidates, ordered by level then
+     score: a child never scores above its parent, so the set is closed under
+     ancestors) and its ancestor mask, on the device;
+  2. writes root + tree into a static ForwardBatch (positions context + depth,
+     slots context + row) and runs the target over it (tree attention);
+  3. verifies greedily (a node is accepted iff every node on its path is the
+     target's argmax at its parent: sibling tokens are distinct), moves the
+     accepted nodes' K/V to the slots after the root (a fixed D moves, the
+     unused ones in place);
+  4. runs the head over the D + 1 possible new pairs (past the accepted count
+     masked) into static K/V buffers and expands the next tree;
+  5. appends the emitted tokens to a device ring.
+
+On a GPU the whole round is one CUDA graph (captured per generation length
+class, checked against the eager round), replayed back to back; the host
+copies the ring once per batch of rounds, sized so that no request can pass
+its max_tokens inside a batch. Scope: one request, greedy, the EAGLE head;
+the engine's own path (spec/speculator.py) covers everything else.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from slipstream.batch import ForwardBatch
+from slipstream.spec.eagle import EagleHead
+from slipstream.spec.eagle_tree import EagleTreeExpander
+from slipstream.spec.heads import DraftLMHead, read_draft_vocab, resolve_head
+
+
+class EagleLoop:
+    def __init__(self, llm, head_path: str | None = None, depth: int = 6, topk: int = 8,
+                 beam: int = 8, max_nodes: int = 48, max_len: int = 1024, graphs: bool = True):
+        from slipstream.kernels.decode_attention import MAX_TREE_NODES
+        if max_nodes + 1 > MAX_TREE_NODES or min(depth, topk, beam, max_nodes) < 1:
+            raise ValueError(f"eagle loop: depth, topk, beam >= 1 and 1 <= max_nodes < "
+                             f"{MAX_TREE_NODES}, got {depth}, {topk}, {beam}, {max_nodes}")
+        runner = llm.engine.runner
+        self.llm, self.model, self.backend = llm, runner.model, runner.backend
+        self.pools = (runner.kv_cache, runner.kv_scales)
+        self.block_pool = llm.engine.scheduler.kv.pool
+        self.bs = llm.engine.config.cache.block_size
+        self.dev = dev = runner.device
+        dtype = runner.dtype
+        path = resolve_head(head_path, "eagle")
+        self.head = EagleHead.load(path, dev, dtype)
+        self.lm_head = DraftLMHead(self.model, read_draft_vocab(path), dtype, dev)
+        self.embed = self.model.model.embed_tokens
+        self.expander = EagleTreeExpander(self.head, self.embed, self.lm_head,
+                                          self.lm_head.token_ids, depth, topk, beam)
+        self.depth, self.nodes = depth, max_nodes
+        self.max_len = max_len
+        self.graphs = graphs and dev.type == "cuda"
+        self.graph = None
+        self.rounds = self.emitted = 0
+        s = self.head.shape
+        t, i64 = max_nodes + 1, dict(dtype=torch.int64, device=dev)
+        m = max_len + depth + 2                      # head pairs
+        self.nblocks = math.ceil((max_len + t + depth + 2) / self.bs)
+        # Static state (the graph reads and writes these).
+        self.block_table = torch.zeros(1, self.nblocks, dtype=torch.int32, device=dev)
+        self.n_ctx = torch.zeros((), **i64)          # tokens in the cache; the root sits at n_ctx
+        self.root = torch.zeros((), **i64)
+        self.feat = torch.zeros(s.hidden_size, dtype=dtype, device=dev)
+        self.hk = torch.zeros(m, s.num_kv_heads, s.head_dim, dtype=dtype, device=dev)
+        self.hv = torch.zeros_like(self.hk)
+        self.hvalid = torch.zeros(m, dtype=torch.bool, device=dev)
+        self.hptr = torch.zeros((), **i64)
+        self.table = None                            # [4, C] float64, set by the first expansion
+        self.ring = torch.zeros(max_len + 1, depth + 2, **i64)   # per round: count, tokens
+        self.rix = torch.zeros((), **i64)
+        self.rows = torch.arange(t, **i64)
+        self.batch = ForwardBatch(
+            input_ids=torch.zeros(t, **i64), positions=torch.zeros(t, **i64),
+            query_start_loc=torch.tensor([0, t], dtype=torch.int32, device=dev),
+            seq_lens=torch.zeros(1, dtype=torch.int32, device=dev),
+            context_lens=torch.zeros(1, dtype=torch.int32, device=dev),
+            slot_mapping=torch.zeros(t, **i64), block_tables=self.block_table,
+            logits_indices=self.rows.clone(), max_query_len=t, max_seq_len=max_len,
+            query_lens_cpu=[t], seq_lens_cpu=[max_len],
+            tree_mask=torch.zeros(1, t, t, dtype=torch.bool, device=dev))
+        if dev.type == "cuda":
+            from slipstream.kernels.decode_attention import choose_num_splits
+            mc = self.model.config
+            ctx = max(512, 1 << (max_len - 1).bit_length())
+            self.batch.decode_splits = choose_num_splits(
+                1, mc.num_key_value_heads, ctx, max_query_len=t,
+                group=mc.num_attention_heads // mc.num_key_value_heads)
+
+    # ---- one generation --------------------------------------------------------------
+
+    @torch.inference_mode()
+    def generate(self, prompt: list[int], max_tokens: int) -> list[int]:
+        """Greedy continuation of `prompt` (no stop tokens), max_tokens long."""
+        d1 = self.depth + 1
+        if len(prompt) + max_tokens > self.max_len:
+            raise ValueError(f"eagle loop: prompt + max_tokens must be <= max_len={self.max_len}")
+        blocks = self.block_pool.allocate(self.nblocks)
+        try:
+            ids = torch.tensor([b.block_id for b in blocks], dtype=torch.int32)
+            self.block_table[0].copy_(ids)
+            out = [self._prefill(prompt)]
+            while len(out) < max_tokens:
+                # Each round emits 1 .. D + 1 tokens: this many cannot pass max_tokens.
+                n = max(1, (max_tokens - len(out)) // d1)
+                self.rix.zero_()
+                for _ in range(n):
+                    self._step()
+                ring = self.ring[:n].cpu()
+                for row in ring.tolist():
+                    out.extend(row[1:1 + row[0]])
+                self.rounds += n
+            self.emitted += len(out) - 1
+            return out[:max_tokens]
+        finally:
+            self.block_pool.free(blocks[::-1])
+
+    def _slots(self, pos: torch.Tensor) -> torch.Tensor:
+        bt = self.block_table[0].long()
+        return bt[pos // self.bs] * self.bs + pos % self.bs
+
+    def _prefill(self, prompt: list[int]) -> int:
+        p, dev = len(prompt), self.dev
+        ids = torch.tensor(prompt, dtype=torch.int64, device=dev)
+        pos = torch.arange(p, device=dev)
+        batch = ForwardBatch(
+            input_ids=ids, positions=pos,
+            query_start_loc=torch.tensor([0, p], dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor([p], dtype=torch.int32, device=dev),
+            context_lens=torch.zeros(1, dtype=torch.int32, device=dev),
+            slot_mapping=self._slots(pos), block_tables=self.block_table,
+            logits_indices=torch.tensor([p - 1], device=dev), max_query_len=p, max_seq_len=p,
+            query_lens_cpu=[p], seq_lens_cpu=[p])
+        self.backend.prepare(batch)
+        hidden = self.model(batch)                                         # [P, hidden]
+        first = self.model.compute_logits(hidden[-1:]).argmax(-1)          # [1]
+        dt = self.head.fc.weight.dtype
+        toks = torch.cat([ids[1:], first])                                 # pair j: (f_j, t_{j+1})
+        f, k, v = self.head(self.embed(toks).to(dt), hidden.to(dt), pos, None, None)
+        self.hk[:p], self.hv[:p] = k, v
+        self.hvalid.zero_()
+        self.hvalid[:p] = True
+        self.hptr.fill_(p)
+        self.n_ctx.fill_(p)
+        self.root.copy_(first[0])
+        self.feat.copy_(f[-1])
+        table = self.expander.levels(self.feat, self.hk, self.hv, self.hvalid, self.n_ctx)
+        if self.table is None:
+            self.table = table.clone()
+        else:
+            self.table.copy_(table)
+        return int(first[0])
+
+    # ---- the round -------------------------------------------------------------------
+
+    def _step(self) -> None:
+        if not self.graphs:
+            self.round()
+            return
+        if self.graph is None:
+            self._capture()
+        self.graph.replay()
+
+    def _capture(self) -> None:
+        state = (self.n_ctx, self.root, self.feat, self.hvalid, self.hptr, self.table, self.rix)
+        saved = [x.clone() for x in state]
+        self.round()                                   # compiles kernels; results checked below
+        eager = (self.ring[0].clone(), self.table.clone())
+        for x, y in zip(state, saved):
+            x.copy_(y)
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self.round()                               # warm-up on a side stream, as torch asks
+        torch.cuda.current_stream().wait_stream(stream)
+        for x, y in zip(state, saved):
+            x.copy_(y)
+        with torch.cuda.graph(graph):
+            self.round()
+        for x, y in zip(state, saved):
+            x.copy_(y)
+        graph.replay()
+        if not (torch.equal(self.ring[0], eager[0]) and torch.equal(self.table[[0, 2, 3]],
+                                                                    eager[1][[0, 2, 3]])):
+            raise RuntimeError("eagle loop: the replayed round differs from the eager one")
+        for x, y in zip(state, saved):   # the check's round again, now by the graph
+            x.copy_(y)
+        self.graph = graph
+
+    def round(self) -> None:
+        """One round on the device (no host value read; shapes fixed)."""
+        d, nn, t = self.depth, self.nodes, self.nodes + 1
+        rows, n = self.rows, self.n_ctx
+        tok_c, score, par, level = self.table
+        # 1. The tree: the best nn candidates (ties: shallower first), by level then score.
+        sel = (score - 1e-6 * level).topk(nn).indices
+        order = (level[sel] * 1e6 - score[sel]).argsort()
+        nodes = sel[order]
+        where = torch.zeros(tok_c.shape[0], dtype=torch.int64, device=self.dev)
+        where.scatter_(0, nodes, rows[1:])                         # candidate -> row
+        p = par[nodes].long()
+        prow = torch.cat([rows[:1], torch.where(p >= 0, where[p.clamp_min(0)], 0)])   # [t]
+        depth = torch.cat([rows[:1], level[nodes].long()])                             # [t]
+        tokens = torch.cat([self.root.view(1), tok_c[nodes].long()])                   # [t]
+        anc = torch.zeros(t, t, dtype=torch.bool, device=self.dev)   # row sees: ancestors, self
+        cur = rows
+        for _ in range(d + 1):
+            anc.scatter_(1, cur[:, None], True)
+            cur = prow[cur]
+        # 2. The target over root + tree.
+        b = self.batch
+        b.input_ids.copy_(tokens)
+        b.positions.copy_(n + depth)
+        b.slot_mapping.copy_(self._slots(n + rows))
+        b.context_lens.copy_(n.view(1))
+        b.seq_lens.copy_((n + t).view(1))
+        b.tree_mask.copy_(anc[None])
+        if self.dev.type != "cuda":      # the CPU kernels size their loops from host lengths
+            b.max_seq_len = int(n) + t
+            b.seq_lens_cpu = [b.max_seq_len]
+        self.backend.prepare(b)
+        hidden = self.model(b)                                         # [t, hidden]
+        am = self.model.compute_logits(hidden).argmax(-1)              # [t]
+        # 3. Greedy acceptance, K/V of the accepted path after the root.
+        wrong = (tokens != am[prow]) & (rows > 0)
+        good = ~(anc & wrong[None]).any(1) & (rows > 0)
+        a = good.sum()
+        last = torch.where(good, rows, 0).amax()
+        path = torch.full((d + 1,), -1, dtype=torch.int64, device=self.dev)
+        path.scatter_(0, torch.where(good, depth - 1, d), rows - 1)   # node row - 1 per depth
+        path = path[:d]
+        emitted = torch.cat([torch.where(path >= 0, tokens[(path + 1).clamp_min(0)], -1),
+                             path.new_full((1,), -1)])
+        emitted.scatter_(0, a.view(1), am[last].view(1))               # [d + 1]
+        dst = n + 1 + rows[:d]
+        src = torch.where(rows[:d] < a, n + 1 + path, dst)
+        for pool in self.pools:
+            if pool is not None:
+                flat = pool.flatten(2, 3)
+                flat.index_copy_(2, self._slots(dst), flat.index_select(2, self._slots(src)))
+        # 4. The head over the new pairs, then the next tree.
+        offs = rows[:d + 1]
+        dt = self.head.fc.weight.dtype
+        h = hidden[torch.cat([rows[:1], path + 1]).clamp_min(0)]       # [d + 1, hidden]
+        causal = torch.ones(d + 1, d + 1, dtype=torch.bool, device=self.dev).tril()
+        mask = torch.cat([self.hvalid.expand(d + 1, -1), causal], 1)
+        f, k, v = self.head(self.embed(emitted.clamp_min(0)).to(dt), h.to(dt), n + offs,
+                            (self.hk, self.hv), mask)
+        at = self.hptr + offs
+        self.hk.index_copy_(0, at, k)
+        self.hv.index_copy_(0, at, v)
+        self.hvalid.index_copy_(0, at, offs <= a)
+        self.hptr.add_(a + 1)
+        self.feat.copy_(f.index_select(0, a.view(1))[0])
+        self.root.copy_(am[last])
+        n.add_(a + 1)
+        self.table.copy_(self.expander.levels(self.feat, self.hk, self.hv, self.hvalid, n))
+        # 5. The ring: accepted + 1, then the tokens.
+        self.ring.index_copy_(0, self.rix.view(1), torch.cat([(a + 1).view(1), emitted])[None])
+        self.rix.add_(1)
