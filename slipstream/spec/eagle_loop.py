@@ -125,6 +125,30 @@ class EagleLoop:
         finally:
             self.block_pool.free(blocks[::-1])
 
+    @torch.inference_mode()
+    def time_rounds(self, prompt: list[int], n: int) -> float:
+        """Seconds per round of n rounds run back to back after `prompt`
+        (GPU: replays, timed from the host after a synchronize)."""
+        import time
+        if len(prompt) + n * (self.depth + 1) > self.max_len:
+            raise ValueError("eagle loop: prompt + n rounds must fit in max_len")
+        blocks = self.block_pool.allocate(self.nblocks)
+        try:
+            self.block_table[0].copy_(torch.tensor([b.block_id for b in blocks], dtype=torch.int32))
+            self._prefill(prompt)
+            self.rix.zero_()
+            self._step()
+            sync = torch.cuda.synchronize if self.dev.type == "cuda" else (lambda: None)
+            sync()
+            t0 = time.perf_counter()
+            self.rix.zero_()
+            for _ in range(n):
+                self._step()
+            sync()
+            return (time.perf_counter() - t0) / n
+        finally:
+            self.block_pool.free(blocks[::-1])
+
     def _slots(self, pos: torch.Tensor) -> torch.Tensor:
         bt = self.block_table[0].long()
         return bt[pos // self.bs] * self.bs + pos % self.bs

@@ -1,0 +1,151 @@
+"""EAGLE with every round on the device (slipstream/spec/eagle_loop.py) against
+plain decoding, batch 1, greedy, on the default model.
+
+Per tree shape (depth, topk, beam, nodes): the plain engine (`LLM.generate`,
+one CUDA graph per decode step) and the loop answer each prompt of
+benchmarks/spec/prompts.txt in turn, in one process; reported: tokens/s of
+both, speedup, tau (tokens per round), ms per round, and the fraction of
+outputs token-identical to plain decoding (bf16 near-ties may flip).
+
+    python benchmarks/spec/bench_loop.py --device cuda --out OUT            # H200, ~1 minute
+    python benchmarks/spec/bench_loop.py --smoke --out /tmp/x               # CPU, tiny model
+
+Writes loop_<device>.{json,md} to --out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parents[1]))
+
+WARM = ["Explain how a bicycle gear works, step by step.",
+        "List five uses of a paper clip and say why each works."]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--num-prompts", type=int, default=None)
+    ap.add_argument("--trees", default="6,8,8,48;5,4,4,16;7,10,10,63;4,4,4,24",
+                    help="';'-separated depth,topk,beam,nodes")
+    ap.add_argument("--eagle-head", default=None, help="head file (default: shipped)")
+    ap.add_argument("--no-graphs", action="store_true", help="eager rounds")
+    ap.add_argument("--smoke", action="store_true", help="tiny random model on the CPU")
+    ap.add_argument("--out", default=str(HERE / "results"))
+    args = ap.parse_args(argv)
+    import torch
+    from slipstream import LLM, SamplingParams
+    from slipstream.spec.eagle_loop import EagleLoop
+
+    model, head = None, args.eagle_head
+    opts = dict(device=args.device, max_model_len=1024, seed=0)
+    if args.smoke:
+        import tempfile
+        from bench_spec import _tiny_model
+        model, heads = _tiny_model(Path(tempfile.mkdtemp()) / "smoke-model")
+        head = head or heads["eagle"]
+        args.device = opts["device"] = "cpu"
+        args.max_tokens, args.num_prompts = min(args.max_tokens, 16), args.num_prompts or 2
+        opts["max_model_len"], opts["dtype"] = 256, "float32"   # fp32: exact identity
+    if args.device == "cpu":
+        opts["kv_cache_memory"] = 256 << 20
+    else:
+        opts["gpu_memory_utilization"] = 0.4
+    llm = LLM(model, **opts)
+    tok = llm.get_tokenizer()
+
+    def encode(t):
+        return tok.encode(tok.apply_chat_template([{"role": "user", "content": t}]),
+                          add_special_tokens=False)
+    texts = [s.strip() for s in (HERE / "prompts.txt").read_text().splitlines() if s.strip()]
+    prompts = [encode(t) for t in texts[:args.num_prompts] if t]
+    warm = [encode(t) for t in WARM]
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+
+    def plain(ids):
+        res = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
+        return list(res[0].outputs[0].token_ids)
+
+    def sync():
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+    for w in warm:
+        plain(w)
+    env = dict(device=args.device, device_name=torch.cuda.get_device_name() if args.device == "cuda"
+               else "cpu", torch=torch.__version__, dtype=str(llm.engine.config.dtype),
+               prompts=len(prompts), max_tokens=args.max_tokens,
+               graphs=args.device == "cuda" and not args.no_graphs)
+    results = []
+    for spec in args.trees.split(";"):
+        d, k, b, n = (int(x) for x in spec.split(","))
+        row = dict(tree=dict(depth=d, topk=k, beam=b, nodes=n))
+        try:
+            t0 = time.perf_counter()
+            loop = EagleLoop(llm, head, depth=d, topk=k, beam=b, max_nodes=n,
+                             max_len=opts["max_model_len"], graphs=not args.no_graphs)
+            for w in warm:
+                loop.generate(w, min(args.max_tokens, 48))
+            row["setup_s"] = round(time.perf_counter() - t0, 2)
+            loop.rounds = loop.emitted = 0
+            ps = ls = 0.0
+            same = tokens = 0
+            for ids in prompts:
+                sync()
+                t0 = time.perf_counter()
+                ref = plain(ids)
+                t1 = time.perf_counter()
+                out = loop.generate(ids, args.max_tokens)
+                t2 = time.perf_counter()
+                ps, ls = ps + t1 - t0, ls + t2 - t1
+                same += out == ref
+                tokens += len(out)
+            # Rounds alone: one long batch of replays timed on the device.
+            round_ms = loop.time_rounds(prompts[0], 8 if args.smoke else 64) * 1e3
+            row.update(tokens=tokens, plain_tok_s=round(tokens / ps, 1),
+                       loop_tok_s=round(tokens / ls, 1), speedup=round(ps / ls, 3),
+                       tau=round(loop.emitted / max(loop.rounds, 1), 3),
+                       round_ms=round(round_ms, 3),
+                       plain_step_ms=round(ps / tokens * 1e3, 3),
+                       identical=round(same / len(prompts), 3),
+                       graphs=loop.graph is not None)
+        except Exception as e:   # noqa: BLE001 - one shape failing must not lose the others
+            traceback.print_exc()
+            row["error"] = f"{type(e).__name__}: {e}"[:400]
+        results.append(row)
+        print(json.dumps(row), flush=True)
+        _write(args, env, results)
+    return 0
+
+
+def _write(args, env, results) -> None:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / f"loop_{env['device']}"
+    stem.with_suffix(".json").write_text(json.dumps(dict(env=env, results=results), indent=1))
+    lines = [f"# EAGLE loop (every round on the device), {env['device_name']}", "",
+             f"{env['prompts']} chat prompts, greedy, batch 1, {env['max_tokens']} tokens; "
+             f"torch {env['torch']}, {env['dtype']}; CUDA graphs: {env['graphs']}. Plain = "
+             "LLM.generate in the same process, alternating prompt by prompt.", "",
+             "| depth,topk,beam,nodes | loop tok/s | plain tok/s | speedup | tau | ms/round | "
+             "plain ms/token | identical | graph |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        t = r["tree"]
+        shape = f"{t['depth']},{t['topk']},{t['beam']},{t['nodes']}"
+        if "error" in r:
+            lines.append(f"| {shape} | error: {r['error']} ||||||||")
+            continue
+        lines.append(f"| {shape} | {r['loop_tok_s']} | {r['plain_tok_s']} | {r['speedup']} | "
+                     f"{r['tau']} | {r['round_ms']} | {r['plain_step_ms']} | {r['identical']} | "
+                     f"{r['graphs']} |")
+    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
