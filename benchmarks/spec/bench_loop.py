@@ -35,7 +35,8 @@ def main(argv=None) -> int:
     ap.add_argument("--num-prompts", type=int, default=None)
     ap.add_argument("--trees", default="6,8,8,48;5,4,4,16;7,10,10,63;4,4,4,24",
                     help="';'-separated depth,topk,beam,nodes")
-    ap.add_argument("--eagle-head", default=None, help="head file (default: shipped)")
+    ap.add_argument("--eagle-head", action="append", default=None,
+                    help="head file (default: shipped); repeat to compare heads")
     ap.add_argument("--no-graphs", action="store_true", help="eager rounds")
     ap.add_argument("--smoke", action="store_true", help="tiny random model on the CPU")
     ap.add_argument("--out", default=str(HERE / "results"))
@@ -44,13 +45,13 @@ def main(argv=None) -> int:
     from slipstream import LLM, SamplingParams
     from slipstream.spec.eagle_loop import EagleLoop
 
-    model, head = None, args.eagle_head
+    model, heads = None, args.eagle_head or [None]
     opts = dict(device=args.device, max_model_len=1024, seed=0)
     if args.smoke:
         import tempfile
         from bench_spec import _tiny_model
-        model, heads = _tiny_model(Path(tempfile.mkdtemp()) / "smoke-model")
-        head = head or heads["eagle"]
+        model, tiny = _tiny_model(Path(tempfile.mkdtemp()) / "smoke-model")
+        heads = [tiny["eagle"] if h is None else h for h in heads]
         args.device = opts["device"] = "cpu"
         args.max_tokens, args.num_prompts = min(args.max_tokens, 16), args.num_prompts or 2
         opts["max_model_len"], opts["dtype"] = 256, "float32"   # fp32: exact identity
@@ -83,9 +84,9 @@ def main(argv=None) -> int:
                prompts=len(prompts), max_tokens=args.max_tokens,
                graphs=args.device == "cuda" and not args.no_graphs)
     results = []
-    for spec in args.trees.split(";"):
+    for head, spec in [(h, t) for h in heads for t in args.trees.split(";")]:
         d, k, b, n = (int(x) for x in spec.split(","))
-        row = dict(tree=dict(depth=d, topk=k, beam=b, nodes=n))
+        row = dict(head=head or "shipped", tree=dict(depth=d, topk=k, beam=b, nodes=n))
         try:
             t0 = time.perf_counter()
             loop = EagleLoop(llm, head, depth=d, topk=k, beam=b, max_nodes=n,
@@ -114,7 +115,7 @@ def main(argv=None) -> int:
                        round_ms=round(round_ms, 3),
                        plain_step_ms=round(ps / tokens * 1e3, 3),
                        identical=round(same / len(prompts), 3),
-                       graphs=loop.graph is not None)
+                       graphs=loop.graph is not None, graph_matches_eager=loop.graph_matches)
         except Exception as e:   # noqa: BLE001 - one shape failing must not lose the others
             traceback.print_exc()
             row["error"] = f"{type(e).__name__}: {e}"[:400]
@@ -133,15 +134,16 @@ def _write(args, env, results) -> None:
              f"{env['prompts']} chat prompts, greedy, batch 1, {env['max_tokens']} tokens; "
              f"torch {env['torch']}, {env['dtype']}; CUDA graphs: {env['graphs']}. Plain = "
              "LLM.generate in the same process, alternating prompt by prompt.", "",
-             "| depth,topk,beam,nodes | loop tok/s | plain tok/s | speedup | tau | ms/round | "
-             "plain ms/token | identical | graph |", "|---|---|---|---|---|---|---|---|---|"]
+             "| head | depth,topk,beam,nodes | loop tok/s | plain tok/s | speedup | tau | ms/round | "
+             "plain ms/token | identical | graph |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         t = r["tree"]
         shape = f"{t['depth']},{t['topk']},{t['beam']},{t['nodes']}"
         if "error" in r:
-            lines.append(f"| {shape} | error: {r['error']} ||||||||")
+            lines.append(f"| {Path(r['head']).name} | {shape} | error: {r['error']} ||||||||")
             continue
-        lines.append(f"| {shape} | {r['loop_tok_s']} | {r['plain_tok_s']} | {r['speedup']} | "
+        lines.append(f"| {Path(r['head']).name} | {shape} | {r['loop_tok_s']} | "
+                     f"{r['plain_tok_s']} | {r['speedup']} | "
                      f"{r['tau']} | {r['round_ms']} | {r['plain_step_ms']} | {r['identical']} | "
                      f"{r['graphs']} |")
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
