@@ -115,7 +115,8 @@ def main(argv=None) -> int:
                        round_ms=round(round_ms, 3),
                        plain_step_ms=round(ps / tokens * 1e3, 3),
                        identical=round(same / len(prompts), 3),
-                       graphs=loop.graph is not None, graph_matches_eager=loop.graph_matches)
+                       graphs=loop.graph is not None, graph_matches_eager=loop.graph_matches,
+                       graph_error=loop.graph_error)
         except Exception as e:   # noqa: BLE001 - one shape failing must not lose the others
             traceback.print_exc()
             row["error"] = f"{type(e).__name__}: {e}"[:400]

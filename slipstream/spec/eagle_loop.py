@@ -63,6 +63,7 @@ class EagleLoop:
         self.graphs = graphs and dev.type == "cuda"
         self.graph = None
         self.graph_matches: bool | None = None
+        self.graph_error: str | None = None
         self.rounds = self.emitted = 0
         s = self.head.shape
         t, i64 = max_nodes + 1, dict(dtype=torch.int64, device=dev)
@@ -193,7 +194,21 @@ class EagleLoop:
             self.round()
             return
         if self.graph is None:
-            self._capture()
+            state = (self.n_ctx, self.root, self.feat, self.hvalid, self.hptr, self.table,
+                     self.rix)
+            saved = [x.clone() for x in state]
+            try:
+                self._capture()
+            except Exception as e:   # noqa: BLE001 - the eager round stays correct
+                import warnings
+                warnings.warn(f"eagle loop: CUDA graph capture failed, rounds run eagerly: {e!r}")
+                self.graph_error = repr(e)[:300]
+                self.graphs = False
+                torch.cuda.synchronize()
+                for x, y in zip(state, saved):
+                    x.copy_(y)
+                self.round()
+                return
         self.graph.replay()
 
     def _capture(self) -> None:
@@ -271,7 +286,7 @@ class EagleLoop:
         path = path[:d]
         emitted = torch.cat([torch.where(path >= 0, tokens[(path + 1).clamp_min(0)], -1),
                              path.new_full((1,), -1)])
-        emitted.scatter_(0, a.view(1), am[last].view(1))               # [d + 1]
+        emitted.scatter_(0, a.view(1), am.index_select(0, last.view(1)))               # [d + 1]
         dst = n + 1 + rows[:d]
         src = torch.where(rows[:d] < a, n + 1 + path, dst)
         for pool in self.pools:
@@ -292,7 +307,7 @@ class EagleLoop:
         self.hvalid.index_copy_(0, at, offs <= a)
         self.hptr.add_(a + 1)
         self.feat.copy_(f.index_select(0, a.view(1))[0])
-        self.root.copy_(am[last])
+        self.root.copy_(am.index_select(0, last.view(1))[0])
         n.add_(a + 1)
         self.table.copy_(self.expander.levels(self.feat, self.hk, self.hv, self.hvalid, n))
         # 5. The ring: accepted + 1, then the tokens.
