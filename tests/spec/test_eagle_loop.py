@@ -1,0 +1,46 @@
+"""The EAGLE loop (every round on the device) emits exactly plain greedy
+decoding's tokens, with the shipped head on the default model (acceptance
+around one half, so rounds accept none, some and all of their drafts)."""
+import pytest
+import torch
+
+from slipstream import LLM, SamplingParams
+from slipstream.spec.eagle_loop import EagleLoop
+
+TEXTS = ["Write a haiku about the sea.", "List five uses of a paper clip and say why each works."]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(device="cpu", max_model_len=256, seed=0, kv_cache_memory=64 << 20,
+               enable_prefix_caching=False)
+
+
+def _prompt(llm, text):
+    tok = llm.get_tokenizer()
+    return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]),
+                      add_special_tokens=False)
+
+
+@pytest.mark.parametrize("shape", [(5, 4, 4, 16), (3, 2, 1, 3)])
+def test_loop_is_token_identical_to_plain_greedy(llm, shape):
+    d, k, b, n = shape
+    loop = EagleLoop(llm, depth=d, topk=k, beam=b, max_nodes=n, max_len=256)
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    for text in TEXTS:
+        ids = _prompt(llm, text)
+        ref = list(llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
+                   .outputs[0].token_ids)
+        assert loop.generate(ids, 32) == ref
+    assert loop.emitted / loop.rounds > 1.2         # drafts were accepted
+    free = loop.block_pool.num_free_blocks
+    loop.generate(ids, 8)
+    assert loop.block_pool.num_free_blocks == free  # blocks given back
+
+
+def test_loop_checks_its_options(llm):
+    with pytest.raises(ValueError, match="max_nodes"):
+        EagleLoop(llm, max_nodes=64)
+    loop = EagleLoop(llm, depth=2, topk=2, beam=2, max_nodes=4, max_len=64)
+    with pytest.raises(ValueError, match="max_len"):
+        loop.generate(list(range(60)), 8)
