@@ -45,11 +45,12 @@ class EagleLoop:
         if max_nodes + 1 > MAX_TREE_NODES or min(depth, topk, beam, max_nodes) < 1:
             raise ValueError(f"eagle loop: depth, topk, beam >= 1 and 1 <= max_nodes < "
                              f"{MAX_TREE_NODES}, got {depth}, {topk}, {beam}, {max_nodes}")
-        runner = llm.engine.runner
-        self.llm, self.model, self.backend = llm, runner.model, runner.backend
+        engine = getattr(llm, "engine", llm)          # an LLM or its Engine
+        runner = engine.runner
+        self.model, self.backend = runner.model, runner.backend
         self.pools = (runner.kv_cache, runner.kv_scales)
-        self.block_pool = llm.engine.scheduler.kv.pool
-        self.bs = llm.engine.config.cache.block_size
+        self.block_pool = engine.scheduler.kv.pool
+        self.bs = engine.config.cache.block_size
         self.dev = dev = runner.device
         dtype = runner.dtype
         path = resolve_head(head_path, "eagle")
@@ -102,8 +103,11 @@ class EagleLoop:
     # ---- one generation --------------------------------------------------------------
 
     @torch.inference_mode()
-    def generate(self, prompt: list[int], max_tokens: int) -> list[int]:
-        """Greedy continuation of `prompt` (no stop tokens), max_tokens long."""
+    def generate(self, prompt: list[int], max_tokens: int, done=None) -> list[int]:
+        """Greedy continuation of `prompt`, max_tokens long, or shorter when
+        `done(new_tokens)` (called with each batch of new tokens) returns True;
+        the tokens past that point are not returned. `accepted` lists the
+        drafts accepted per round."""
         d1 = self.depth + 1
         if len(prompt) + max_tokens > self.max_len:
             raise ValueError(f"eagle loop: prompt + max_tokens must be <= max_len={self.max_len}")
@@ -112,17 +116,23 @@ class EagleLoop:
             ids = torch.tensor([b.block_id for b in blocks], dtype=torch.int32)
             self.block_table[0].copy_(ids)
             out = [self._prefill(prompt)]
-            while len(out) < max_tokens:
+            self.accepted = []
+            stop = done is not None and done(out)
+            while len(out) < max_tokens and not stop:
                 # Each round emits 1 .. D + 1 tokens: this many cannot pass max_tokens.
                 n = max(1, (max_tokens - len(out)) // d1)
                 self.rix.zero_()
                 for _ in range(n):
                     self._step()
                 ring = self.ring[:n].cpu()
+                new = []
                 for row in ring.tolist():
-                    out.extend(row[1:1 + row[0]])
+                    new.extend(row[1:1 + row[0]])
+                    self.accepted.append(row[0] - 1)
+                out.extend(new)
                 self.rounds += n
-            self.emitted += len(out) - 1
+                self.emitted += len(new)
+                stop = done is not None and done(new)
             return out[:max_tokens]
         finally:
             self.block_pool.free(blocks[::-1])

@@ -44,3 +44,29 @@ def test_loop_checks_its_options(llm):
     loop = EagleLoop(llm, depth=2, topk=2, beam=2, max_nodes=4, max_len=64)
     with pytest.raises(ValueError, match="max_len"):
         loop.generate(list(range(60)), 8)
+
+
+def test_llm_generate_takes_the_loop_for_one_greedy_prompt(llm):
+    """Same tokens, text, finish reason and stops as plain decoding; counters
+    of the speculator count the loop's rounds; other requests take the engine."""
+    spec = LLM(device="cpu", max_model_len=256, seed=0, kv_cache_memory=64 << 20,
+               enable_prefix_caching=False, speculative_method="eagle",
+               num_speculative_tokens=4, speculative_tree="4,4,12", speculative_device_loop=True)
+    prompt = {"prompt_token_ids": _prompt(llm, TEXTS[0])}
+    cases = [SamplingParams(temperature=0.0, max_tokens=40),
+             SamplingParams(temperature=0.0, max_tokens=40, stop=[" the"]),
+             SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[28]),
+             SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True)]
+    for params in cases:
+        want = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+        got = spec.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+        assert (got.token_ids, got.text, got.finish_reason, got.stop_reason) == (
+            want.token_ids, want.text, want.finish_reason, want.stop_reason)
+    st = spec.engine.spec_stats
+    assert st.rounds > 0 and st.tau > 1.2
+    assert spec._loop.loop.rounds == st.rounds
+    # Two prompts (or sampling) take the engine's speculative path.
+    rounds = spec._loop.loop.rounds
+    spec.generate([prompt, prompt], cases[0], use_tqdm=False)
+    spec.generate(prompt, SamplingParams(temperature=0.8, seed=1, max_tokens=8), use_tqdm=False)
+    assert spec._loop.loop.rounds == rounds
