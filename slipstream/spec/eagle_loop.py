@@ -72,6 +72,7 @@ class EagleLoop:
         self.nblocks = math.ceil((max_len + t + depth + 2) / self.bs)
         # Static state (the graph reads and writes these).
         self.block_table = torch.zeros(1, self.nblocks, dtype=torch.int32, device=dev)
+        self.slot_of = torch.zeros(self.nblocks * self.bs, **i64)   # position -> KV slot
         self.n_ctx = torch.zeros((), **i64)          # tokens in the cache; the root sits at n_ctx
         self.root = torch.zeros((), **i64)
         self.feat = torch.zeros(s.hidden_size, dtype=dtype, device=dev)
@@ -114,7 +115,7 @@ class EagleLoop:
         blocks = self.block_pool.allocate(self.nblocks)
         try:
             ids = torch.tensor([b.block_id for b in blocks], dtype=torch.int32)
-            self.block_table[0].copy_(ids)
+            self._use_blocks(ids)
             out = [self._prefill(prompt)]
             self.accepted = []
             stop = done is not None and done(out)
@@ -146,7 +147,7 @@ class EagleLoop:
             raise ValueError("eagle loop: prompt + n rounds must fit in max_len")
         blocks = self.block_pool.allocate(self.nblocks)
         try:
-            self.block_table[0].copy_(torch.tensor([b.block_id for b in blocks], dtype=torch.int32))
+            self._use_blocks(torch.tensor([b.block_id for b in blocks], dtype=torch.int32))
             self._prefill(prompt)
             self.rix.zero_()
             self._step()
@@ -161,9 +162,15 @@ class EagleLoop:
         finally:
             self.block_pool.free(blocks[::-1])
 
+    def _use_blocks(self, ids: torch.Tensor) -> None:
+        """ids: [nblocks] int32 block ids; fills the block table and the slot of
+        every position (one gather per lookup in the round)."""
+        self.block_table[0].copy_(ids)
+        slots = self.block_table[0].long()[:, None] * self.bs + torch.arange(self.bs, device=self.dev)
+        self.slot_of.copy_(slots.flatten())
+
     def _slots(self, pos: torch.Tensor) -> torch.Tensor:
-        bt = self.block_table[0].long()
-        return bt[pos // self.bs] * self.bs + pos % self.bs
+        return self.slot_of[pos]
 
     def _prefill(self, prompt: list[int]) -> int:
         p, dev = len(prompt), self.dev
