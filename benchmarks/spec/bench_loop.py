@@ -31,6 +31,7 @@ WARM = ["Explain how a bicycle gear works, step by step.",
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--num-prompts", type=int, default=None)
     ap.add_argument("--trees", default="6,8,8,48;5,4,4,16;7,10,10,63;4,4,4,24",
@@ -45,7 +46,7 @@ def main(argv=None) -> int:
     from slipstream import LLM, SamplingParams
     from slipstream.spec.eagle_loop import EagleLoop
 
-    model, heads = None, args.eagle_head or [None]
+    model, heads = args.model, args.eagle_head or [None]
     opts = dict(device=args.device, max_model_len=1024, seed=0)
     if args.smoke:
         import tempfile
