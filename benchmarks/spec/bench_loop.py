@@ -34,7 +34,7 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--num-prompts", type=int, default=None)
-    ap.add_argument("--trees", default="6,8,8,48;5,4,4,16;7,10,10,63;4,4,4,24",
+    ap.add_argument("--trees", default="6,8,8,48;4,10,10,48;3,10,10,40;7,10,10,63",
                     help="';'-separated depth,topk,beam,nodes")
     ap.add_argument("--eagle-head", action="append", default=None,
                     help="head file (default: shipped); repeat to compare heads")
