@@ -23,11 +23,22 @@ from slipstream.spec.eagle_loop import EagleLoop
 
 class LoopPath:
     def __init__(self, engine):
-        spec = engine.config.speculative
         self.engine = engine
-        self.loop = EagleLoop(engine, spec.model, spec.num_speculative_tokens, spec.eagle_topk,
-                              spec.eagle_beam, spec.eagle_max_nodes,
-                              max_len=engine.max_model_len)
+        # One loop per length class (a power of two >= 256): static buffers, the head's
+        # past and the target's split-KV launch are sized by it.
+        self.loops: dict[int, EagleLoop] = {}
+        self.loop: EagleLoop | None = None           # the last one used
+
+    def _loop_for(self, length: int) -> EagleLoop:
+        cap = self.engine.max_model_len
+        size = min(max(256, 1 << (length - 1).bit_length()), cap)
+        if size not in self.loops:
+            spec = self.engine.config.speculative
+            self.loops[size] = EagleLoop(self.engine, spec.model, spec.num_speculative_tokens,
+                                         spec.eagle_topk, spec.eagle_beam, spec.eagle_max_nodes,
+                                         max_len=size)
+        self.loop = self.loops[size]
+        return self.loop
 
     def accepts(self, prompts: list, params: list) -> bool:
         if len(prompts) != 1 or self.engine.has_unfinished_requests():
@@ -60,13 +71,10 @@ class LoopPath:
                 if stopped:
                     return True
             return False
-        room = self.loop.max_len - len(ids)
-        if room < req.max_tokens:
-            raise ValueError(f"prompt: {len(ids)} tokens leave room for {room} of max_tokens="
-                             f"{req.max_tokens} in the speculation loop")
-        self.loop.generate(ids, req.max_tokens, done=take)
+        loop = self._loop_for(len(ids) + req.max_tokens)
+        loop.generate(ids, req.max_tokens, done=take)
         detok.flush()
-        self._count(self.loop.accepted)
+        self._count(loop.accepted)
         comp = CompletionOutput(index=0, text=detok.text, token_ids=list(req.output_token_ids),
                                 finish_reason=req.status.finish_reason,
                                 stop_reason=req.stop_reason)
