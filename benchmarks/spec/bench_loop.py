@@ -70,6 +70,9 @@ def main(argv=None) -> int:
     prompts = [encode(t) for t in texts[:args.num_prompts] if t]
     warm = [encode(t) for t in WARM]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    # The loop's length class, as spec/loop_path.py picks it (buffers and launches sized by it).
+    longest = max(len(p) for p in prompts + warm) + args.max_tokens
+    max_len = min(max(256, 1 << (longest - 1).bit_length()), opts["max_model_len"])
 
     def plain(ids):
         res = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
@@ -91,7 +94,7 @@ def main(argv=None) -> int:
         try:
             t0 = time.perf_counter()
             loop = EagleLoop(llm, head, depth=d, topk=k, beam=b, max_nodes=n,
-                             max_len=opts["max_model_len"], graphs=not args.no_graphs)
+                             max_len=max_len, graphs=not args.no_graphs)
             for w in warm:
                 loop.generate(w, min(args.max_tokens, 48))
             row["setup_s"] = round(time.perf_counter() - t0, 2)
@@ -109,7 +112,8 @@ def main(argv=None) -> int:
                 same += out == ref
                 tokens += len(out)
             # Rounds alone: one long batch of replays timed on the device.
-            round_ms = loop.time_rounds(prompts[0], 8 if args.smoke else 64) * 1e3
+            rounds = min(64, (max_len - len(prompts[0])) // (d + 1))
+            round_ms = loop.time_rounds(prompts[0], rounds) * 1e3
             row.update(tokens=tokens, plain_tok_s=round(tokens / ps, 1),
                        loop_tok_s=round(tokens / ls, 1), speedup=round(ps / ls, 3),
                        tau=round(loop.emitted / max(loop.rounds, 1), 3),
