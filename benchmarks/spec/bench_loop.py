@@ -122,6 +122,11 @@ def main(argv=None) -> int:
                        identical=round(same / len(prompts), 3),
                        graphs=loop.graph is not None, graph_matches_eager=loop.graph_matches,
                        graph_error=loop.graph_error)
+            if args.device == "cuda":
+                try:
+                    row["parts_ms"] = _parts(loop, prompts[0])
+                except Exception as e:   # noqa: BLE001 - the row stands without it
+                    row["parts_ms"] = f"{type(e).__name__}: {e}"[:200]
         except Exception as e:   # noqa: BLE001 - one shape failing must not lose the others
             traceback.print_exc()
             row["error"] = f"{type(e).__name__}: {e}"[:400]
@@ -129,6 +134,46 @@ def main(argv=None) -> int:
         print(json.dumps(row), flush=True)
         _write(args, env, results)
     return 0
+
+
+def _parts(loop, prompt, n: int = 32) -> dict:
+    """Milliseconds of parts of a round, each captured in a graph of its own and
+    replayed n times: the target over root + tree (forward and logits), and the
+    tree expansion of the head."""
+    import torch
+    out = {}
+    blocks = loop.block_pool.allocate(loop.nblocks)
+    try:
+        with torch.inference_mode():
+            loop._use_blocks(torch.tensor([b.block_id for b in blocks], dtype=torch.int32))
+            loop._prefill(prompt)
+            loop.rix.zero_()
+            loop._step()
+
+            def target():
+                loop.backend.prepare(loop.batch)
+                return loop.model.compute_logits(loop.model(loop.batch)).argmax(-1)
+
+            def draft():
+                return loop.expander.levels(loop.feat, loop.hk, loop.hv, loop.hvalid, loop.n_ctx)
+            for name, fn in (("target", target), ("expansion", draft)):
+                try:
+                    fn()
+                    g = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(g):
+                        fn()
+                    g.replay()
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    for _ in range(n):
+                        g.replay()
+                    torch.cuda.synchronize()
+                    out[name] = round((time.perf_counter() - t0) / n * 1e3, 3)
+                except Exception as e:   # noqa: BLE001 - a part that does not capture
+                    out[name] = f"{type(e).__name__}: {e}"[:120]
+    finally:
+        loop.block_pool.free(blocks[::-1])
+    return out
 
 
 def _write(args, env, results) -> None:
@@ -141,7 +186,7 @@ def _write(args, env, results) -> None:
              f"torch {env['torch']}, {env['dtype']}; CUDA graphs: {env['graphs']}. Plain = "
              "LLM.generate in the same process, alternating prompt by prompt.", "",
              "| head | depth,topk,beam,nodes | loop tok/s | plain tok/s | speedup | tau | ms/round | "
-             "plain ms/token | identical | graph |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "plain ms/token | identical | graph | parts ms |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         t = r["tree"]
         shape = f"{t['depth']},{t['topk']},{t['beam']},{t['nodes']}"
@@ -151,7 +196,7 @@ def _write(args, env, results) -> None:
         lines.append(f"| {Path(r['head']).name} | {shape} | {r['loop_tok_s']} | "
                      f"{r['plain_tok_s']} | {r['speedup']} | "
                      f"{r['tau']} | {r['round_ms']} | {r['plain_step_ms']} | {r['identical']} | "
-                     f"{r['graphs']} |")
+                     f"{r['graphs']} | {r.get('parts_ms', '')} |")
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
 
