@@ -70,13 +70,18 @@ class EagleHead(nn.Module):
     def forward(self, emb: torch.Tensor, feat: torch.Tensor, positions: torch.Tensor,
                 past: tuple[torch.Tensor, torch.Tensor] | None, mask: torch.Tensor | None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """emb, feat: [T, hidden]; positions: [T]; past: K, V [C, kv_heads, head_dim];
+        """emb, feat: [T, hidden]; positions: [T]; past: K, V [C, kv_heads, head_dim]
+        (or lists of blocks of such rows, C in all);
         mask: [T, C + T] bool (None: causal over the T new rows, all of past).
         Returns (predicted features [T, hidden], K [T, kv_heads, d], V [T, kv_heads, d])."""
         t = emb.shape[0]
         x = self.fuse(emb, feat)
         q, k, v = self.qkv(x, *self.rotary.lookup(positions))
-        kk, vv = (k, v) if past is None else (torch.cat([past[0], k]), torch.cat([past[1], v]))
+        if past is None:
+            kk, vv = k, v
+        else:   # past K / V: tensors, or lists of row blocks (one copy here, not two)
+            pk, pv = ([x] if torch.is_tensor(x) else list(x) for x in past)
+            kk, vv = torch.cat(pk + [k]), torch.cat(pv + [v])
         if mask is None:
             c = kk.shape[0] - t
             mask = torch.ones(t, c + t, dtype=torch.bool, device=x.device)

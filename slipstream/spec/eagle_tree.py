@@ -91,7 +91,7 @@ class EagleTreeExpander:
             toks = self.token_ids(cols[-1][fr])
             pos = (base + (lvl - 1)).expand(b)
             f, kn, vn = self.head(self.embed(toks).to(dt), feat_in[fr], pos,
-                                  (torch.cat(ks), torch.cat(vs)), mask)
+                                  (ks, vs), mask)
             ks.append(kn), vs.append(vn)
             logp = torch.log_softmax(self.lm_head(f), -1, dtype=torch.float32)
             top = logp.topk(min(k, logp.shape[-1]))              # [b, k]
