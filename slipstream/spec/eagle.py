@@ -80,7 +80,7 @@ class EagleHead(nn.Module):
         if past is None:
             kk, vv = k, v
         else:   # past K / V: tensors, or lists of row blocks (one copy here, not two)
-            pk, pv = ([x] if torch.is_tensor(x) else list(x) for x in past)
+            pk, pv = ([p] if torch.is_tensor(p) else list(p) for p in past)
             kk, vv = torch.cat(pk + [k]), torch.cat(pv + [v])
         if mask is None:
             c = kk.shape[0] - t
