@@ -98,7 +98,8 @@ def main(argv=None) -> int:
             for w in warm:
                 loop.generate(w, min(args.max_tokens, 48))
             row["setup_s"] = round(time.perf_counter() - t0, 2)
-            loop.rounds = loop.emitted = 0
+            loop.rounds = loop.emitted = loop.batches = 0
+            loop.seconds = {"prefill": 0.0, "rounds": 0.0}
             ps = ls = 0.0
             same = tokens = 0
             for ids in prompts:
@@ -119,6 +120,10 @@ def main(argv=None) -> int:
                        tau=round(loop.emitted / max(loop.rounds, 1), 3),
                        round_ms=round(round_ms, 3),
                        plain_step_ms=round(ps / tokens * 1e3, 3),
+                       prefill_ms=round(loop.seconds["prefill"] / len(prompts) * 1e3, 2),
+                       round_ms_in_generate=round(loop.seconds["rounds"] / max(loop.rounds, 1)
+                                                  * 1e3, 3),
+                       batches_per_prompt=round(loop.batches / len(prompts), 1),
                        identical=round(same / len(prompts), 3),
                        graphs=loop.graph is not None, graph_matches_eager=loop.graph_matches,
                        graph_error=loop.graph_error)
@@ -186,7 +191,8 @@ def _write(args, env, results) -> None:
              f"torch {env['torch']}, {env['dtype']}; CUDA graphs: {env['graphs']}. Plain = "
              "LLM.generate in the same process, alternating prompt by prompt.", "",
              "| head | depth,topk,beam,nodes | loop tok/s | plain tok/s | speedup | tau | ms/round | "
-             "plain ms/token | identical | graph | parts ms |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "plain ms/token | identical | graph | parts ms | prefill ms | ms/round in generate |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         t = r["tree"]
         shape = f"{t['depth']},{t['topk']},{t['beam']},{t['nodes']}"
@@ -196,7 +202,8 @@ def _write(args, env, results) -> None:
         lines.append(f"| {Path(r['head']).name} | {shape} | {r['loop_tok_s']} | "
                      f"{r['plain_tok_s']} | {r['speedup']} | "
                      f"{r['tau']} | {r['round_ms']} | {r['plain_step_ms']} | {r['identical']} | "
-                     f"{r['graphs']} | {r.get('parts_ms', '')} |")
+                     f"{r['graphs']} | {r.get('parts_ms', '')} | {r.get('prefill_ms', '')} | "
+                     f"{r.get('round_ms_in_generate', '')} |")
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
 

@@ -29,6 +29,7 @@ the engine's own path (spec/speculator.py) covers everything else.
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 
@@ -65,6 +66,9 @@ class EagleLoop:
         self.graph = None
         self.graph_matches: bool | None = None
         self.graph_error: str | None = None
+        self.expand_graph = None
+        self.seconds = {"prefill": 0.0, "rounds": 0.0}   # host wall time, summed
+        self.batches = 0
         self.rounds = self.emitted = 0
         s = self.head.shape
         t, i64 = max_nodes + 1, dict(dtype=torch.int64, device=dev)
@@ -112,11 +116,13 @@ class EagleLoop:
         d1 = self.depth + 1
         if len(prompt) + max_tokens > self.max_len:
             raise ValueError(f"eagle loop: prompt + max_tokens must be <= max_len={self.max_len}")
+        t0 = time.perf_counter()
         blocks = self.block_pool.allocate(self.nblocks)
         try:
             ids = torch.tensor([b.block_id for b in blocks], dtype=torch.int32)
             self._use_blocks(ids)
-            out = [self._prefill(prompt)]
+            out = [self._prefill(prompt)]                  # ends on a sync (the first token)
+            t1 = time.perf_counter()
             self.accepted = []
             stop = done is not None and done(out)
             while len(out) < max_tokens and not stop:
@@ -132,8 +138,11 @@ class EagleLoop:
                     self.accepted.append(row[0] - 1)
                 out.extend(new)
                 self.rounds += n
+                self.batches += 1
                 self.emitted += len(new)
                 stop = done is not None and done(new)
+            self.seconds["prefill"] += t1 - t0
+            self.seconds["rounds"] += time.perf_counter() - t1
             return out[:max_tokens]
         finally:
             self.block_pool.free(blocks[::-1])
@@ -142,7 +151,6 @@ class EagleLoop:
     def time_rounds(self, prompt: list[int], n: int) -> float:
         """Seconds per round of n rounds run back to back after `prompt`
         (GPU: replays, timed from the host after a synchronize)."""
-        import time
         if len(prompt) + n * (self.depth + 1) > self.max_len:
             raise ValueError("eagle loop: prompt + n rounds must fit in max_len")
         blocks = self.block_pool.allocate(self.nblocks)
@@ -197,12 +205,33 @@ class EagleLoop:
         self.n_ctx.fill_(p)
         self.root.copy_(first[0])
         self.feat.copy_(f[-1])
-        table = self.expander.levels(self.feat, self.hk, self.hv, self.hvalid, self.n_ctx)
-        if self.table is None:
-            self.table = table.clone()
-        else:
-            self.table.copy_(table)
+        self._expand()
         return int(first[0])
+
+    def _expand(self) -> None:
+        """The first tree after a prompt: eagerly once (the table's shape), then
+        from a CUDA graph of its own (about 50 launches a level, from Python
+        otherwise)."""
+        def levels():
+            return self.expander.levels(self.feat, self.hk, self.hv, self.hvalid, self.n_ctx)
+        if self.table is None:
+            self.table = levels().clone()
+            return
+        if self.graphs and self.expand_graph is None:
+            try:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    self.table.copy_(levels())
+                self.expand_graph = graph
+            except Exception as e:   # noqa: BLE001 - the eager expansion stays correct
+                import warnings
+                warnings.warn(f"eagle loop: no graph for the first expansion: {e!r}")
+                torch.cuda.synchronize()
+                self.expand_graph = False
+        if self.expand_graph:
+            self.expand_graph.replay()
+        else:
+            self.table.copy_(levels())
 
     # ---- the round -------------------------------------------------------------------
 
