@@ -83,6 +83,7 @@ class SpecGovernor:
         self._on_steps = 0
         self.last_k = self.k
         self.request_limit: int | None = None    # requests to draft for this step (probes)
+        self.quiet = False                       # off with no probes at the last batch asked
 
     def _ema(self, old: float | None, new: float) -> float:
         return new if old is None else self.decay * old + (1 - self.decay) * new
@@ -174,6 +175,7 @@ class SpecGovernor:
         """Draft budget per request for the next step (0: do not speculate);
         sets `request_limit` for probe rounds. Call once per step."""
         self.request_limit = None
+        self.quiet = False
         if not self.auto_off:
             return self.k
         s = self.predicted_speedup(batch)
@@ -185,7 +187,7 @@ class SpecGovernor:
             # need not be measured there (batch 1 keeps probing: its probes re-measure
             # the verification step, whose first timing may include a graph capture).
             if batch > 1 and s * (self.k + 1) / max(self.tau, 1.0) <= 1.0:
-                self.last_k = 0
+                self.last_k, self.quiet = 0, True
                 return 0
             if self._off_steps % self._probe_interval(batch):
                 self.last_k = 0

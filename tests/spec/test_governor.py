@@ -140,3 +140,15 @@ def test_cpu_costs_verified_tokens_by_measurement():
     assert g._token_cost(1) > 0.2
     g.last_k = 4
     assert g.num_tokens(1) <= k
+
+
+def test_quiet_where_no_round_could_pay():
+    g = _gov("eagle")
+    g.observe_round(emitted=3, requests=1, drafted=16)
+    g.observe_draft(0.001)
+    g.observe_step(0.006, 1, "spec")
+    g.observe_step(0.002, 1, "plain")
+    g.observe_step(0.004, 64, "plain")
+    assert g.num_tokens(64) == 0 and g.quiet          # 64 x 1 ms of drafting: never pays
+    g.num_tokens(1)
+    assert not g.quiet                                # batch 1 keeps its probes
