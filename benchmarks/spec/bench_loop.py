@@ -40,6 +40,9 @@ def main(argv=None) -> int:
                     help="head file (default: shipped); repeat to compare heads")
     ap.add_argument("--no-graphs", action="store_true", help="eager rounds")
     ap.add_argument("--smoke", action="store_true", help="tiny random model on the CPU")
+    ap.add_argument("--kernel-profile", action="store_true",
+                    help="CUDA: kernels of one eager round of the first tree (torch.profiler) "
+                         "to kernels_cuda.txt in --out")
     ap.add_argument("--out", default=str(HERE / "results"))
     args = ap.parse_args(argv)
     import torch
@@ -132,6 +135,11 @@ def main(argv=None) -> int:
                     row["parts_ms"] = _parts(loop, prompts[0])
                 except Exception as e:   # noqa: BLE001 - the row stands without it
                     row["parts_ms"] = f"{type(e).__name__}: {e}"[:200]
+                if args.kernel_profile and not results:
+                    try:
+                        _kernels(loop, prompts[0], Path(args.out) / "kernels_cuda.txt", spec)
+                    except Exception as e:   # noqa: BLE001
+                        print(f"kernel profile failed: {e!r}", flush=True)
         except Exception as e:   # noqa: BLE001 - one shape failing must not lose the others
             traceback.print_exc()
             row["error"] = f"{type(e).__name__}: {e}"[:400]
@@ -179,6 +187,33 @@ def _parts(loop, prompt, n: int = 32) -> dict:
     finally:
         loop.block_pool.free(blocks[::-1])
     return out
+
+
+def _kernels(loop, prompt, path: Path, shape: str) -> None:
+    """torch.profiler over eager rounds (kernel times without launch gaps) and
+    the kernel count of a round."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    blocks = loop.block_pool.allocate(loop.nblocks)
+    try:
+        with torch.inference_mode():
+            loop._use_blocks(torch.tensor([b.block_id for b in blocks], dtype=torch.int32))
+            loop._prefill(prompt)
+            loop.rix.zero_()
+            loop.round()
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(4):
+                    loop.round()
+                torch.cuda.synchronize()
+    finally:
+        loop.block_pool.free(blocks[::-1])
+    kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"tree {shape}: {len(kernels) / 4:.0f} kernels a round, "
+                    f"{sum(e.device_time for e in kernels) / 4 / 1e3:.3f} ms of kernel time "
+                    "a round (eager, no launch gaps)\n\n" + table + "\n")
 
 
 def _write(args, env, results) -> None:
