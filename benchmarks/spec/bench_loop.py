@@ -39,6 +39,9 @@ def main(argv=None) -> int:
     ap.add_argument("--eagle-head", action="append", default=None,
                     help="head file (default: shipped); repeat to compare heads")
     ap.add_argument("--no-graphs", action="store_true", help="eager rounds")
+    ap.add_argument("--compile-trees", default="",
+                    help="';'-separated shapes to run once more with the expansion compiled "
+                         "(torch.compile), after the others")
     ap.add_argument("--smoke", action="store_true", help="tiny random model on the CPU")
     ap.add_argument("--kernel-profile", action="store_true",
                     help="CUDA: kernels of one eager round of the first tree (torch.profiler) "
@@ -91,13 +94,17 @@ def main(argv=None) -> int:
                prompts=len(prompts), max_tokens=args.max_tokens,
                graphs=args.device == "cuda" and not args.no_graphs)
     results = []
-    for head, spec in [(h, t) for h in heads for t in args.trees.split(";")]:
+    runs = [(h, t, False) for h in heads for t in args.trees.split(";")]
+    runs += [(heads[0], t, True) for t in args.compile_trees.split(";") if t]
+    for head, spec, comp in runs:
         d, k, b, n = (int(x) for x in spec.split(","))
         row = dict(head=head or "shipped", tree=dict(depth=d, topk=k, beam=b, nodes=n))
+        if comp:
+            row["compiled"] = True
         try:
             t0 = time.perf_counter()
             loop = EagleLoop(llm, head, depth=d, topk=k, beam=b, max_nodes=n,
-                             max_len=max_len, graphs=not args.no_graphs)
+                             max_len=max_len, graphs=not args.no_graphs, compile_expansion=comp)
             for w in warm:
                 loop.generate(w, min(args.max_tokens, 48))
             row["setup_s"] = round(time.perf_counter() - t0, 2)
@@ -129,7 +136,7 @@ def main(argv=None) -> int:
                        batches_per_prompt=round(loop.batches / len(prompts), 1),
                        identical=round(same / len(prompts), 3),
                        graphs=loop.graph is not None, graph_matches_eager=loop.graph_matches,
-                       graph_error=loop.graph_error)
+                       graph_error=loop.graph_error, compile_error=loop.compile_error)
             if args.device == "cuda":
                 try:
                     row["parts_ms"] = _parts(loop, prompts[0])
@@ -168,7 +175,7 @@ def _parts(loop, prompt, n: int = 32) -> dict:
                 return loop.model.compute_logits(loop.model(loop.batch)).argmax(-1)
 
             def draft():
-                return loop.expander.levels(loop.feat, loop.hk, loop.hv, loop.hvalid, loop.n_ctx)
+                return loop._levels(loop.feat, loop.hk, loop.hv, loop.hvalid, loop.n_ctx)
             for name, fn in (("target", target), ("expansion", draft)):
                 try:
                     fn()
@@ -230,7 +237,8 @@ def _write(args, env, results) -> None:
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         t = r["tree"]
-        shape = f"{t['depth']},{t['topk']},{t['beam']},{t['nodes']}"
+        shape = f"{t['depth']},{t['topk']},{t['beam']},{t['nodes']}" + (
+            " compiled" if r.get("compiled") else "")
         if "error" in r:
             lines.append(f"| {Path(r['head']).name} | {shape} | error: {r['error']} ||||||||")
             continue

@@ -41,7 +41,10 @@ from slipstream.spec.heads import DraftLMHead, read_draft_vocab, resolve_head
 
 class EagleLoop:
     def __init__(self, llm, head_path: str | None = None, depth: int = 6, topk: int = 8,
-                 beam: int = 8, max_nodes: int = 48, max_len: int = 1024, graphs: bool = True):
+                 beam: int = 8, max_nodes: int = 48, max_len: int = 1024, graphs: bool = True,
+                 compile_expansion: bool = False):
+        """compile_expansion: the tree expansion through torch.compile (fuses its
+        small ops; experimental, falls back to the plain expansion on any error)."""
         from slipstream.kernels.decode_attention import MAX_TREE_NODES
         if max_nodes + 1 > MAX_TREE_NODES or min(depth, topk, beam, max_nodes) < 1:
             raise ValueError(f"eagle loop: depth, topk, beam >= 1 and 1 <= max_nodes < "
@@ -61,6 +64,10 @@ class EagleLoop:
         self.expander = EagleTreeExpander(self.head, self.embed, self.lm_head,
                                           self.lm_head.token_ids, depth, topk, beam)
         self.depth, self.nodes = depth, max_nodes
+        self._levels = self.expander.levels
+        self.compile_error: str | None = None
+        if compile_expansion:
+            self._levels = self._compiled(torch.compile(self.expander.levels, dynamic=False))
         self.max_len = max_len
         self.graphs = graphs and dev.type == "cuda"
         self.graph = None
@@ -208,12 +215,25 @@ class EagleLoop:
         self._expand()
         return int(first[0])
 
+    def _compiled(self, fn):
+        """fn, or the plain expansion after fn failed once."""
+        def run(*args):
+            if self.compile_error is None:
+                try:
+                    return fn(*args)
+                except Exception as e:   # noqa: BLE001 - the plain expansion stays correct
+                    import warnings
+                    warnings.warn(f"eagle loop: compiled expansion failed: {e!r}")
+                    self.compile_error = repr(e)[:300]
+            return self.expander.levels(*args)
+        return run
+
     def _expand(self) -> None:
         """The first tree after a prompt: eagerly once (the table's shape), then
         from a CUDA graph of its own (about 50 launches a level, from Python
         otherwise)."""
         def levels():
-            return self.expander.levels(self.feat, self.hk, self.hv, self.hvalid, self.n_ctx)
+            return self._levels(self.feat, self.hk, self.hv, self.hvalid, self.n_ctx)
         if self.table is None:
             self.table = levels().clone()
             return
@@ -355,7 +375,7 @@ class EagleLoop:
         self.feat.copy_(f.index_select(0, a.view(1))[0])
         self.root.copy_(am.index_select(0, last.view(1))[0])
         n.add_(a + 1)
-        self.table.copy_(self.expander.levels(self.feat, self.hk, self.hv, self.hvalid, n))
+        self.table.copy_(self._levels(self.feat, self.hk, self.hv, self.hvalid, n))
         # 5. The ring: accepted + 1, then the tokens.
         self.ring.index_copy_(0, self.rix.view(1), torch.cat([(a + 1).view(1), emitted])[None])
         self.rix.add_(1)
