@@ -20,15 +20,15 @@ if [ -n "${SMOKE:-}" ]; then
   LOOP="--smoke --trees 3,10,10,40;2,4,4,8 --compile-trees 2,4,4,8"
   BENCH="--smoke --batch 1 2 --speculative-method eagle-loop,eagle,ngram --no-sync-check"
 else
-  LOOP="--device cuda --max-tokens 128 --kernel-profile --trees 3,10,10,40;4,10,10,48;3,16,12,48;2,16,16,32 --compile-trees 3,10,10,40"
+  LOOP="--device cuda --max-tokens 128 --kernel-profile --trees 3,10,10,40;4,10,10,48;2,16,16,32 --compile-trees 3,10,10,40"
   BENCH="--device cuda --batch 1 64 --max-tokens 128 --speculative-method eagle-loop,eagle,ngram --eagle-depth 3 --eagle-tree 10,10,40 --eagle-graphs --no-sync-check"
 fi
 echo "== bench_loop $LOOP" | tee "$OUT/loop.log"
-timeout "${T_LOOP:-130}" $PY benchmarks/spec/bench_loop.py $LOOP ${MODEL:+--model $MODEL} --out "$OUT" >> "$OUT/loop.log" 2>&1
+timeout "${T_LOOP:-140}" $PY benchmarks/spec/bench_loop.py $LOOP ${MODEL:+--model $MODEL} --out "$OUT" >> "$OUT/loop.log" 2>&1
 echo "loop exit: $? at $(date -u +%T)" | tee -a "$OUT/loop.log"
 cat "$OUT"/loop_*.md 2>/dev/null
 head -3 "$OUT"/kernels_cuda.txt 2>/dev/null
 echo "== bench_spec $BENCH" | tee "$OUT/bench.log"
-timeout "${T_BENCH:-100}" $PY benchmarks/spec/bench_spec.py $BENCH ${MODEL:+--model $MODEL} --out "$OUT" >> "$OUT/bench.log" 2>&1
+timeout "${T_BENCH:-95}" $PY benchmarks/spec/bench_spec.py $BENCH ${MODEL:+--model $MODEL} --out "$OUT" >> "$OUT/bench.log" 2>&1
 echo "bench exit: $? at $(date -u +%T)" | tee -a "$OUT/bench.log"
 cat "$OUT"/results_*.md "$OUT"/smoke.md 2>/dev/null

@@ -43,8 +43,9 @@ class EagleLoop:
     def __init__(self, llm, head_path: str | None = None, depth: int = 6, topk: int = 8,
                  beam: int = 8, max_nodes: int = 48, max_len: int = 1024, graphs: bool = True,
                  compile_expansion: bool = False):
-        """compile_expansion: the tree expansion through torch.compile (fuses its
-        small ops; experimental, falls back to the plain expansion on any error)."""
+        """compile_expansion: the tree expansion and the round's other parts
+        between its state writes through torch.compile (fuses small ops;
+        experimental, the plain functions run after any error)."""
         from slipstream.kernels.decode_attention import MAX_TREE_NODES
         if max_nodes + 1 > MAX_TREE_NODES or min(depth, topk, beam, max_nodes) < 1:
             raise ValueError(f"eagle loop: depth, topk, beam >= 1 and 1 <= max_nodes < "
@@ -65,9 +66,12 @@ class EagleLoop:
                                           self.lm_head.token_ids, depth, topk, beam)
         self.depth, self.nodes = depth, max_nodes
         self._levels = self.expander.levels
+        self._tree_fn, self._accept_fn, self._pairs_fn = self._tree, self._accept, self._pairs
         self.compile_error: str | None = None
         if compile_expansion:
-            self._levels = self._compiled(torch.compile(self.expander.levels, dynamic=False))
+            self._levels, self._tree_fn, self._accept_fn, self._pairs_fn = (
+                self._compiled(torch.compile(f, dynamic=False), f)
+                for f in (self.expander.levels, self._tree, self._accept, self._pairs))
         self.max_len = max_len
         self.graphs = graphs and dev.type == "cuda"
         self.graph = None
@@ -215,17 +219,17 @@ class EagleLoop:
         self._expand()
         return int(first[0])
 
-    def _compiled(self, fn):
-        """fn, or the plain expansion after fn failed once."""
+    def _compiled(self, fn, plain):
+        """fn (compiled), or `plain` once any compiled part has failed."""
         def run(*args):
             if self.compile_error is None:
                 try:
                     return fn(*args)
-                except Exception as e:   # noqa: BLE001 - the plain expansion stays correct
+                except Exception as e:   # noqa: BLE001 - the plain functions stay correct
                     import warnings
-                    warnings.warn(f"eagle loop: compiled expansion failed: {e!r}")
+                    warnings.warn(f"eagle loop: a compiled part failed: {e!r}")
                     self.compile_error = repr(e)[:300]
-            return self.expander.levels(*args)
+            return plain(*args)
         return run
 
     def _expand(self) -> None:
@@ -310,24 +314,10 @@ class EagleLoop:
 
     def round(self) -> None:
         """One round on the device (no host value read; shapes fixed)."""
-        d, nn, t = self.depth, self.nodes, self.nodes + 1
+        d, t = self.depth, self.nodes + 1
         rows, n = self.rows, self.n_ctx
-        tok_c, score, par, level = self.table
-        # 1. The tree: the best nn candidates (ties: shallower first), by level then score.
-        sel = (score - 1e-6 * level).topk(nn).indices
-        order = (level[sel] * 1e6 - score[sel]).argsort()
-        nodes = sel[order]
-        where = torch.zeros(tok_c.shape[0], dtype=torch.int64, device=self.dev)
-        where.scatter_(0, nodes, rows[1:])                         # candidate -> row
-        p = par[nodes].long()
-        prow = torch.cat([rows[:1], torch.where(p >= 0, where[p.clamp_min(0)], 0)])   # [t]
-        depth = torch.cat([rows[:1], level[nodes].long()])                             # [t]
-        tokens = torch.cat([self.root.view(1), tok_c[nodes].long()])                   # [t]
-        anc = torch.zeros(t, t, dtype=torch.bool, device=self.dev)   # row sees: ancestors, self
-        cur = rows
-        for _ in range(d + 1):
-            anc.scatter_(1, cur[:, None], True)
-            cur = prow[cur]
+        # 1. The tree from the last expansion's candidates.
+        tokens, prow, depth, anc = self._tree_fn(self.table, self.root)
         # 2. The target over root + tree.
         b = self.batch
         b.input_ids.copy_(tokens)
@@ -343,16 +333,7 @@ class EagleLoop:
         hidden = self.model(b)                                         # [t, hidden]
         am = self.model.compute_logits(hidden).argmax(-1)              # [t]
         # 3. Greedy acceptance, K/V of the accepted path after the root.
-        wrong = (tokens != am[prow]) & (rows > 0)
-        good = ~(anc & wrong[None]).any(1) & (rows > 0)
-        a = good.sum()
-        last = torch.where(good, rows, 0).amax()
-        path = torch.full((d + 1,), -1, dtype=torch.int64, device=self.dev)
-        path.scatter_(0, torch.where(good, depth - 1, d), rows - 1)   # node row - 1 per depth
-        path = path[:d]
-        emitted = torch.cat([torch.where(path >= 0, tokens[(path + 1).clamp_min(0)], -1),
-                             path.new_full((1,), -1)])
-        emitted.scatter_(0, a.view(1), am.index_select(0, last.view(1)))               # [d + 1]
+        a, last, path, emitted = self._accept_fn(tokens, am, prow, depth, anc)
         dst = n + 1 + rows[:d]
         src = torch.where(rows[:d] < a, n + 1 + path, dst)
         for pool in self.pools:
@@ -360,22 +341,68 @@ class EagleLoop:
                 flat = pool.flatten(2, 3)
                 flat.index_copy_(2, self._slots(dst), flat.index_select(2, self._slots(src)))
         # 4. The head over the new pairs, then the next tree.
-        offs = rows[:d + 1]
-        dt = self.head.fc.weight.dtype
-        h = hidden[torch.cat([rows[:1], path + 1]).clamp_min(0)]       # [d + 1, hidden]
-        causal = torch.ones(d + 1, d + 1, dtype=torch.bool, device=self.dev).tril()
-        mask = torch.cat([self.hvalid.expand(d + 1, -1), causal], 1)
-        f, k, v = self.head(self.embed(emitted.clamp_min(0)).to(dt), h.to(dt), n + offs,
-                            (self.hk, self.hv), mask)
-        at = self.hptr + offs
+        feat, k, v, valid = self._pairs_fn(hidden, path, emitted, a, n, self.hk, self.hv,
+                                           self.hvalid)
+        at = self.hptr + rows[:d + 1]
         self.hk.index_copy_(0, at, k)
         self.hv.index_copy_(0, at, v)
-        self.hvalid.index_copy_(0, at, offs <= a)
+        self.hvalid.index_copy_(0, at, valid)
         self.hptr.add_(a + 1)
-        self.feat.copy_(f.index_select(0, a.view(1))[0])
+        self.feat.copy_(feat)
         self.root.copy_(am.index_select(0, last.view(1))[0])
         n.add_(a + 1)
         self.table.copy_(self._levels(self.feat, self.hk, self.hv, self.hvalid, n))
         # 5. The ring: accepted + 1, then the tokens.
         self.ring.index_copy_(0, self.rix.view(1), torch.cat([(a + 1).view(1), emitted])[None])
         self.rix.add_(1)
+
+    # The round's parts between its writes to state (pure: torch.compile can fuse them).
+    def _tree(self, table: torch.Tensor, root: torch.Tensor):
+        """table [4, C] -> root + tree: tokens, parent rows, depths [t], ancestor mask [t, t]
+        (the best nodes by score, ties: shallower first; ordered by level then score)."""
+        d, nn, t = self.depth, self.nodes, self.nodes + 1
+        rows = self.rows
+        tok_c, score, par, level = table
+        sel = (score - 1e-6 * level).topk(nn).indices
+        order = (level[sel] * 1e6 - score[sel]).argsort()
+        nodes = sel[order]
+        where = torch.zeros(tok_c.shape[0], dtype=torch.int64, device=table.device)
+        where = where.scatter(0, nodes, rows[1:])                  # candidate -> row
+        p = par[nodes].long()
+        prow = torch.cat([rows[:1], torch.where(p >= 0, where[p.clamp_min(0)], 0)])   # [t]
+        depth = torch.cat([rows[:1], level[nodes].long()])                             # [t]
+        tokens = torch.cat([root.view(1), tok_c[nodes].long()])                        # [t]
+        anc = torch.zeros(t, t, dtype=torch.bool, device=table.device)   # ancestors, self
+        cur = rows
+        for _ in range(d + 1):
+            anc = anc.scatter(1, cur[:, None], True)
+            cur = prow[cur]
+        return tokens, prow, depth, anc
+
+    def _accept(self, tokens, am, prow, depth, anc):
+        """-> accepted count, last accepted row, path [D] (node rows - 1, -1 pad),
+        emitted tokens [D + 1] (-1 pad)."""
+        d, rows = self.depth, self.rows
+        wrong = (tokens != am[prow]) & (rows > 0)
+        good = ~(anc & wrong[None]).any(1) & (rows > 0)
+        a = good.sum()
+        last = torch.where(good, rows, 0).amax()
+        path = torch.full((d + 1,), -1, dtype=torch.int64, device=tokens.device)
+        path = path.scatter(0, torch.where(good, depth - 1, d), rows - 1)[:d]
+        emitted = torch.cat([torch.where(path >= 0, tokens[(path + 1).clamp_min(0)], -1),
+                             path.new_full((1,), -1)])
+        emitted = emitted.scatter(0, a.view(1), am.index_select(0, last.view(1)))
+        return a, last, path, emitted
+
+    def _pairs(self, hidden, path, emitted, a, n, hk, hv, hvalid):
+        """The head over the D + 1 possible new pairs -> f^ after the last real one,
+        their K, V and validity (past the accepted count: masked)."""
+        d, rows = self.depth, self.rows
+        offs = rows[:d + 1]
+        dt = self.head.fc.weight.dtype
+        h = hidden[torch.cat([rows[:1], path + 1]).clamp_min(0)]       # [d + 1, hidden]
+        causal = torch.ones(d + 1, d + 1, dtype=torch.bool, device=hidden.device).tril()
+        mask = torch.cat([hvalid.expand(d + 1, -1), causal], 1)
+        f, k, v = self.head(self.embed(emitted.clamp_min(0)).to(dt), h.to(dt), n + offs,
+                            (hk, hv), mask)
+        return f.index_select(0, a.view(1))[0], k, v, offs <= a
