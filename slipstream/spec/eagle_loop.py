@@ -78,6 +78,7 @@ class EagleLoop:
         self.graph_matches: bool | None = None
         self.graph_error: str | None = None
         self.expand_graph = None
+        self.prefill_graphs: dict[int, tuple | bool] = {}   # prompt length class -> graph
         self.seconds = {"prefill": 0.0, "rounds": 0.0}   # host wall time, summed
         self.batches = 0
         self.rounds = self.emitted = 0
@@ -192,6 +193,83 @@ class EagleLoop:
         return self.slot_of[pos]
 
     def _prefill(self, prompt: list[int]) -> int:
+        """The prompt's forward, the head over its pairs and the first tree; on a
+        GPU from a CUDA graph per prompt-length class (the prompt padded: the pad
+        rows come after the real ones, so causal attention keeps the real rows
+        exact; their K/V lie past the context and are rewritten later)."""
+        p = len(prompt)
+        size = max(64, 1 << (p - 1).bit_length())
+        if not self.graphs or size > self.max_len or self.prefill_graphs.get(size) is False:
+            return self._prefill_eager(prompt)
+        ids = torch.tensor(prompt + [0] * (size - p), dtype=torch.int64)
+        entry = self.prefill_graphs.get(size)
+        if entry is None:
+            first = self._prefill_eager(prompt)          # compiles; the reference
+            want = self.root.clone()
+            try:
+                entry = self._capture_prefill(size)
+                entry[1]["ids"].copy_(ids)
+                entry[1]["last"].fill_(p - 1)
+                entry[0].replay()
+                # The first token must match; the draft table may differ in near-ties
+                # (the padded rows change the products' rounding in 16-bit types).
+                if not (torch.equal(self.root, want) and bool(self.table[1].isfinite().all())):
+                    raise RuntimeError("the replayed prefill differs from the eager one")
+            except Exception as e:   # noqa: BLE001 - the eager prefill stays correct
+                import warnings
+                warnings.warn(f"eagle loop: prefill graphs are off: {e!r}")
+                torch.cuda.synchronize()
+                self.prefill_graphs[size] = False
+                return self._prefill_eager(prompt)
+            self.prefill_graphs[size] = entry
+            return int(self.root)
+        graph, buf = entry
+        buf["ids"].copy_(ids)
+        buf["last"].fill_(p - 1)
+        graph.replay()
+        return int(self.root)
+
+    def _capture_prefill(self, size: int) -> tuple:
+        dev = self.dev
+        buf = dict(ids=torch.zeros(size, dtype=torch.int64, device=dev),
+                   last=torch.zeros((), dtype=torch.int64, device=dev),
+                   pos=torch.arange(size, device=dev),
+                   loc=torch.tensor([0, size], dtype=torch.int32, device=dev),
+                   lens=torch.full((1,), size, dtype=torch.int32, device=dev),
+                   ctx=torch.zeros(1, dtype=torch.int32, device=dev),
+                   rows=torch.arange(self.hvalid.shape[0], device=dev))
+        self._prefill_body(buf, size)                    # compiles this size's kernels
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self._prefill_body(buf, size)
+        return graph, buf
+
+    def _prefill_body(self, buf: dict, size: int) -> None:
+        """The padded prefill from static buffers (made outside any capture):
+        ids [size], last = p - 1."""
+        ids, last, pos = buf["ids"], buf["last"], buf["pos"]
+        batch = ForwardBatch(
+            input_ids=ids, positions=pos, query_start_loc=buf["loc"], seq_lens=buf["lens"],
+            context_lens=buf["ctx"], slot_mapping=self.slot_of[:size], block_tables=self.block_table,
+            logits_indices=last.view(1), max_query_len=size, max_seq_len=size,
+            query_lens_cpu=[size], seq_lens_cpu=[size])
+        self.backend.prepare(batch)
+        hidden = self.model(batch)                                         # [size, hidden]
+        first = self.model.compute_logits(hidden.index_select(0, last.view(1))).argmax(-1)
+        dt = self.head.fc.weight.dtype
+        toks = ids.roll(-1).scatter(0, last.view(1), first)                # pair j: (f_j, t_{j+1})
+        f, k, v = self.head(self.embed(toks).to(dt), hidden.to(dt), pos, None, None)
+        self.hk[:size].copy_(k)
+        self.hv[:size].copy_(v)
+        self.hvalid.copy_(buf["rows"] <= last)
+        self.hptr.copy_(last + 1)
+        self.n_ctx.copy_(last + 1)
+        self.root.copy_(first[0])
+        self.feat.copy_(f.index_select(0, last.view(1))[0])
+        self.table.copy_(self._levels(self.feat, self.hk, self.hv, self.hvalid, self.n_ctx))
+
+    def _prefill_eager(self, prompt: list[int]) -> int:
         p, dev = len(prompt), self.dev
         ids = torch.tensor(prompt, dtype=torch.int64, device=dev)
         pos = torch.arange(p, device=dev)
