@@ -70,3 +70,33 @@ def test_llm_generate_takes_the_loop_for_one_greedy_prompt(llm):
     spec.generate([prompt, prompt], cases[0], use_tqdm=False)
     spec.generate(prompt, SamplingParams(temperature=0.8, seed=1, max_tokens=8), use_tqdm=False)
     assert sum(lp.rounds for lp in spec._loop.loops.values()) == rounds
+
+
+def test_padded_prefill_body_matches_the_eager_prefill(llm):
+    """What the prefill graph runs (a GPU captures it): the prompt padded to its
+    length class gives the same first token, head context and next tokens."""
+    loop = EagleLoop(llm, depth=3, topk=4, beam=4, max_nodes=12, max_len=256)
+    ids = _prompt(llm, TEXTS[1])
+    ref = loop.generate(ids, 16)
+    blocks = loop.block_pool.allocate(loop.nblocks)
+    try:
+        loop._use_blocks(torch.tensor([b.block_id for b in blocks], dtype=torch.int32))
+        with torch.inference_mode():
+            size = 64
+            buf = dict(ids=torch.tensor(ids + [0] * (size - len(ids))),
+                       last=torch.tensor(len(ids) - 1), pos=torch.arange(size),
+                       loc=torch.tensor([0, size], dtype=torch.int32),
+                       lens=torch.tensor([size], dtype=torch.int32),
+                       ctx=torch.zeros(1, dtype=torch.int32), rows=torch.arange(loop.hvalid.shape[0]))
+            loop._prefill_body(buf, size)
+            assert int(loop.n_ctx) == int(loop.hptr) == int(loop.hvalid.sum()) == len(ids)
+            assert int(loop.root) == ref[0]
+            out = [int(loop.root)]
+            loop.rix.zero_()
+            for _ in range(8):
+                loop.round()
+            for row in loop.ring[:8].tolist():
+                out.extend(row[1:1 + row[0]])
+        assert out[:16] == ref
+    finally:
+        loop.block_pool.free(blocks[::-1])
