@@ -124,7 +124,7 @@ def main(argv=None) -> int:
                 tokens += len(out)
             # Rounds alone: one long batch of replays timed on the device.
             rounds = min(64, (max_len - len(prompts[0])) // (d + 1))
-            round_ms = loop.time_rounds(prompts[0], rounds) * 1e3
+            round_ms = _time_rounds(loop, prompts[0], rounds) * 1e3
             row.update(tokens=tokens, plain_tok_s=round(tokens / ps, 1),
                        loop_tok_s=round(tokens / ls, 1), speedup=round(ps / ls, 3),
                        tau=round(loop.emitted / max(loop.rounds, 1), 3),
@@ -154,6 +154,31 @@ def main(argv=None) -> int:
         print(json.dumps(row), flush=True)
         _write(args, env, results)
     return 0
+
+
+def _time_rounds(loop, prompt: list[int], n: int) -> float:
+    """Seconds per round of n rounds run back to back after `prompt`
+    (GPU: replays, timed from the host after a synchronize)."""
+    import torch
+    if len(prompt) + n * (loop.depth + 1) > loop.max_len:
+        raise ValueError("eagle loop: prompt + n rounds must fit in max_len")
+    blocks = loop.block_pool.allocate(loop.nblocks)
+    try:
+        with torch.inference_mode():
+            loop._use_blocks(torch.tensor([b.block_id for b in blocks], dtype=torch.int32))
+            loop._prefill(prompt)
+            loop.rix.zero_()
+            loop._step()
+            sync = torch.cuda.synchronize if loop.dev.type == "cuda" else (lambda: None)
+            sync()
+            t0 = time.perf_counter()
+            loop.rix.zero_()
+            for _ in range(n):
+                loop._step()
+            sync()
+            return (time.perf_counter() - t0) / n
+    finally:
+        loop.block_pool.free(blocks[::-1])
 
 
 def _parts(loop, prompt, n: int = 32) -> dict:

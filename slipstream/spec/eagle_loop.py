@@ -37,9 +37,11 @@ from slipstream.batch import ForwardBatch
 from slipstream.spec.eagle import EagleHead
 from slipstream.spec.eagle_tree import EagleTreeExpander
 from slipstream.spec.heads import DraftLMHead, read_draft_vocab, resolve_head
+from slipstream.spec.loop_parts import LoopParts
+from slipstream.spec.loop_prefill import LoopPrefill
 
 
-class EagleLoop:
+class EagleLoop(LoopPrefill, LoopParts):
     def __init__(self, llm, head_path: str | None = None, depth: int = 6, topk: int = 8,
                  beam: int = 8, max_nodes: int = 48, max_len: int = 1024, graphs: bool = True,
                  compile_expansion: bool = False):
@@ -159,29 +161,6 @@ class EagleLoop:
         finally:
             self.block_pool.free(blocks[::-1])
 
-    @torch.inference_mode()
-    def time_rounds(self, prompt: list[int], n: int) -> float:
-        """Seconds per round of n rounds run back to back after `prompt`
-        (GPU: replays, timed from the host after a synchronize)."""
-        if len(prompt) + n * (self.depth + 1) > self.max_len:
-            raise ValueError("eagle loop: prompt + n rounds must fit in max_len")
-        blocks = self.block_pool.allocate(self.nblocks)
-        try:
-            self._use_blocks(torch.tensor([b.block_id for b in blocks], dtype=torch.int32))
-            self._prefill(prompt)
-            self.rix.zero_()
-            self._step()
-            sync = torch.cuda.synchronize if self.dev.type == "cuda" else (lambda: None)
-            sync()
-            t0 = time.perf_counter()
-            self.rix.zero_()
-            for _ in range(n):
-                self._step()
-            sync()
-            return (time.perf_counter() - t0) / n
-        finally:
-            self.block_pool.free(blocks[::-1])
-
     def _use_blocks(self, ids: torch.Tensor) -> None:
         """ids: [nblocks] int32 block ids; fills the block table and the slot of
         every position (one gather per lookup in the round)."""
@@ -191,111 +170,6 @@ class EagleLoop:
 
     def _slots(self, pos: torch.Tensor) -> torch.Tensor:
         return self.slot_of[pos]
-
-    def _prefill(self, prompt: list[int]) -> int:
-        """The prompt's forward, the head over its pairs and the first tree; on a
-        GPU from a CUDA graph per prompt-length class (the prompt padded: the pad
-        rows come after the real ones, so causal attention keeps the real rows
-        exact; their K/V lie past the context and are rewritten later)."""
-        p = len(prompt)
-        size = max(64, 1 << (p - 1).bit_length())
-        if not self.graphs or size > self.max_len or self.prefill_graphs.get(size) is False:
-            return self._prefill_eager(prompt)
-        ids = torch.tensor(prompt + [0] * (size - p), dtype=torch.int64)
-        entry = self.prefill_graphs.get(size)
-        if entry is None:
-            first = self._prefill_eager(prompt)          # compiles; the reference
-            want = self.root.clone()
-            try:
-                entry = self._capture_prefill(size)
-                entry[1]["ids"].copy_(ids)
-                entry[1]["last"].fill_(p - 1)
-                entry[0].replay()
-                # The first token must match; the draft table may differ in near-ties
-                # (the padded rows change the products' rounding in 16-bit types).
-                if not (torch.equal(self.root, want) and bool(self.table[1].isfinite().all())):
-                    raise RuntimeError("the replayed prefill differs from the eager one")
-            except Exception as e:   # noqa: BLE001 - the eager prefill stays correct
-                import warnings
-                warnings.warn(f"eagle loop: prefill graphs are off: {e!r}")
-                torch.cuda.synchronize()
-                self.prefill_graphs[size] = False
-                return self._prefill_eager(prompt)
-            self.prefill_graphs[size] = entry
-            return int(self.root)
-        graph, buf = entry
-        buf["ids"].copy_(ids)
-        buf["last"].fill_(p - 1)
-        graph.replay()
-        return int(self.root)
-
-    def _capture_prefill(self, size: int) -> tuple:
-        dev = self.dev
-        buf = dict(ids=torch.zeros(size, dtype=torch.int64, device=dev),
-                   last=torch.zeros((), dtype=torch.int64, device=dev),
-                   pos=torch.arange(size, device=dev),
-                   loc=torch.tensor([0, size], dtype=torch.int32, device=dev),
-                   lens=torch.full((1,), size, dtype=torch.int32, device=dev),
-                   ctx=torch.zeros(1, dtype=torch.int32, device=dev),
-                   rows=torch.arange(self.hvalid.shape[0], device=dev))
-        self._prefill_body(buf, size)                    # compiles this size's kernels
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            self._prefill_body(buf, size)
-        return graph, buf
-
-    def _prefill_body(self, buf: dict, size: int) -> None:
-        """The padded prefill from static buffers (made outside any capture):
-        ids [size], last = p - 1."""
-        ids, last, pos = buf["ids"], buf["last"], buf["pos"]
-        batch = ForwardBatch(
-            input_ids=ids, positions=pos, query_start_loc=buf["loc"], seq_lens=buf["lens"],
-            context_lens=buf["ctx"], slot_mapping=self.slot_of[:size], block_tables=self.block_table,
-            logits_indices=last.view(1), max_query_len=size, max_seq_len=size,
-            query_lens_cpu=[size], seq_lens_cpu=[size])
-        self.backend.prepare(batch)
-        hidden = self.model(batch)                                         # [size, hidden]
-        first = self.model.compute_logits(hidden.index_select(0, last.view(1))).argmax(-1)
-        dt = self.head.fc.weight.dtype
-        toks = ids.roll(-1).scatter(0, last.view(1), first)                # pair j: (f_j, t_{j+1})
-        f, k, v = self.head(self.embed(toks).to(dt), hidden.to(dt), pos, None, None)
-        self.hk[:size].copy_(k)
-        self.hv[:size].copy_(v)
-        self.hvalid.copy_(buf["rows"] <= last)
-        self.hptr.copy_(last + 1)
-        self.n_ctx.copy_(last + 1)
-        self.root.copy_(first[0])
-        self.feat.copy_(f.index_select(0, last.view(1))[0])
-        self.table.copy_(self._levels(self.feat, self.hk, self.hv, self.hvalid, self.n_ctx))
-
-    def _prefill_eager(self, prompt: list[int]) -> int:
-        p, dev = len(prompt), self.dev
-        ids = torch.tensor(prompt, dtype=torch.int64, device=dev)
-        pos = torch.arange(p, device=dev)
-        batch = ForwardBatch(
-            input_ids=ids, positions=pos,
-            query_start_loc=torch.tensor([0, p], dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor([p], dtype=torch.int32, device=dev),
-            context_lens=torch.zeros(1, dtype=torch.int32, device=dev),
-            slot_mapping=self._slots(pos), block_tables=self.block_table,
-            logits_indices=torch.tensor([p - 1], device=dev), max_query_len=p, max_seq_len=p,
-            query_lens_cpu=[p], seq_lens_cpu=[p])
-        self.backend.prepare(batch)
-        hidden = self.model(batch)                                         # [P, hidden]
-        first = self.model.compute_logits(hidden[-1:]).argmax(-1)          # [1]
-        dt = self.head.fc.weight.dtype
-        toks = torch.cat([ids[1:], first])                                 # pair j: (f_j, t_{j+1})
-        f, k, v = self.head(self.embed(toks).to(dt), hidden.to(dt), pos, None, None)
-        self.hk[:p], self.hv[:p] = k, v
-        self.hvalid.zero_()
-        self.hvalid[:p] = True
-        self.hptr.fill_(p)
-        self.n_ctx.fill_(p)
-        self.root.copy_(first[0])
-        self.feat.copy_(f[-1])
-        self._expand()
-        return int(first[0])
 
     def _compiled(self, fn, plain):
         """fn (compiled), or `plain` once any compiled part has failed."""
@@ -309,31 +183,6 @@ class EagleLoop:
                     self.compile_error = repr(e)[:300]
             return plain(*args)
         return run
-
-    def _expand(self) -> None:
-        """The first tree after a prompt: eagerly once (the table's shape), then
-        from a CUDA graph of its own (about 50 launches a level, from Python
-        otherwise)."""
-        def levels():
-            return self._levels(self.feat, self.hk, self.hv, self.hvalid, self.n_ctx)
-        if self.table is None:
-            self.table = levels().clone()
-            return
-        if self.graphs and self.expand_graph is None:
-            try:
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    self.table.copy_(levels())
-                self.expand_graph = graph
-            except Exception as e:   # noqa: BLE001 - the eager expansion stays correct
-                import warnings
-                warnings.warn(f"eagle loop: no graph for the first expansion: {e!r}")
-                torch.cuda.synchronize()
-                self.expand_graph = False
-        if self.expand_graph:
-            self.expand_graph.replay()
-        else:
-            self.table.copy_(levels())
 
     # ---- the round -------------------------------------------------------------------
 
@@ -433,54 +282,3 @@ class EagleLoop:
         # 5. The ring: accepted + 1, then the tokens.
         self.ring.index_copy_(0, self.rix.view(1), torch.cat([(a + 1).view(1), emitted])[None])
         self.rix.add_(1)
-
-    # The round's parts between its writes to state (pure: torch.compile can fuse them).
-    def _tree(self, table: torch.Tensor, root: torch.Tensor):
-        """table [4, C] -> root + tree: tokens, parent rows, depths [t], ancestor mask [t, t]
-        (the best nodes by score, ties: shallower first; ordered by level then score)."""
-        d, nn, t = self.depth, self.nodes, self.nodes + 1
-        rows = self.rows
-        tok_c, score, par, level = table
-        sel = (score - 1e-6 * level).topk(nn).indices
-        order = (level[sel] * 1e6 - score[sel]).argsort()
-        nodes = sel[order]
-        where = torch.zeros(tok_c.shape[0], dtype=torch.int64, device=table.device)
-        where = where.scatter(0, nodes, rows[1:])                  # candidate -> row
-        p = par[nodes].long()
-        prow = torch.cat([rows[:1], torch.where(p >= 0, where[p.clamp_min(0)], 0)])   # [t]
-        depth = torch.cat([rows[:1], level[nodes].long()])                             # [t]
-        tokens = torch.cat([root.view(1), tok_c[nodes].long()])                        # [t]
-        anc = torch.zeros(t, t, dtype=torch.bool, device=table.device)   # ancestors, self
-        cur = rows
-        for _ in range(d + 1):
-            anc = anc.scatter(1, cur[:, None], True)
-            cur = prow[cur]
-        return tokens, prow, depth, anc
-
-    def _accept(self, tokens, am, prow, depth, anc):
-        """-> accepted count, last accepted row, path [D] (node rows - 1, -1 pad),
-        emitted tokens [D + 1] (-1 pad)."""
-        d, rows = self.depth, self.rows
-        wrong = (tokens != am[prow]) & (rows > 0)
-        good = ~(anc & wrong[None]).any(1) & (rows > 0)
-        a = good.sum()
-        last = torch.where(good, rows, 0).amax()
-        path = torch.full((d + 1,), -1, dtype=torch.int64, device=tokens.device)
-        path = path.scatter(0, torch.where(good, depth - 1, d), rows - 1)[:d]
-        emitted = torch.cat([torch.where(path >= 0, tokens[(path + 1).clamp_min(0)], -1),
-                             path.new_full((1,), -1)])
-        emitted = emitted.scatter(0, a.view(1), am.index_select(0, last.view(1)))
-        return a, last, path, emitted
-
-    def _pairs(self, hidden, path, emitted, a, n, hk, hv, hvalid):
-        """The head over the D + 1 possible new pairs -> f^ after the last real one,
-        their K, V and validity (past the accepted count: masked)."""
-        d, rows = self.depth, self.rows
-        offs = rows[:d + 1]
-        dt = self.head.fc.weight.dtype
-        h = hidden[torch.cat([rows[:1], path + 1]).clamp_min(0)]       # [d + 1, hidden]
-        causal = torch.ones(d + 1, d + 1, dtype=torch.bool, device=hidden.device).tril()
-        mask = torch.cat([hvalid.expand(d + 1, -1), causal], 1)
-        f, k, v = self.head(self.embed(emitted.clamp_min(0)).to(dt), h.to(dt), n + offs,
-                            (hk, hv), mask)
-        return f.index_select(0, a.view(1))[0], k, v, offs <= a
