@@ -72,7 +72,10 @@ class EagleTreeExpander:
         offset = 0                                # global index of the level's first candidate
         for lvl in range(1, self.depth):
             sc = scores[-1]
-            fr = sc.topk(min(self.beam, sc.shape[0])).indices   # the level's best: expand them
+            # The level's best: expand them. A sort of these few hundred values, not
+            # topk (the H200 profile of a round shows top-k kernels of ~85 us, a small
+            # sort ~4 us; the effect of this change is not measured yet).
+            fr = sc.sort(descending=True, stable=True).indices[:min(self.beam, sc.shape[0])]
             b, e = fr.shape[0], anc.shape[0]
             # Shape-only tensors are made once (no launches in a replayed graph).
             def zeros(r: int, c: int) -> torch.Tensor:

@@ -15,7 +15,7 @@ class LoopParts:
         d, nn, t = self.depth, self.nodes, self.nodes + 1
         rows = self.rows
         tok_c, score, par, level = table
-        sel = (score - 1e-6 * level).topk(nn).indices
+        sel = (score - 1e-6 * level).sort(descending=True, stable=True).indices[:nn]   # not topk
         order = (level[sel] * 1e6 - score[sel]).argsort()
         nodes = sel[order]
         where = torch.zeros(tok_c.shape[0], dtype=torch.int64, device=table.device)
