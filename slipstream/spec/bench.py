@@ -30,8 +30,9 @@ METHODS = {
     "eagle": dict(speculative_method="eagle", num_speculative_tokens=5,
                   speculative_tree="4,4,16"),
     # EAGLE with every round of a single greedy prompt on the device (spec/loop_path.py).
-    "eagle-loop": dict(speculative_method="eagle", num_speculative_tokens=6,
-                       speculative_tree="8,8,48", speculative_device_loop=True),
+    # Tree: the best of the H200 loop runs (depth 3, top-10, beam 10, 40 nodes).
+    "eagle-loop": dict(speculative_method="eagle", num_speculative_tokens=3,
+                       speculative_tree="10,10,40", speculative_device_loop=True),
     # The widest tree one verification graph takes (64 rows), 7 levels deep.
     "eagle-wide": dict(speculative_method="eagle", num_speculative_tokens=7,
                        speculative_tree="10,10,63"),
