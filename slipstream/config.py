@@ -79,6 +79,7 @@ class SpecConfig:
     eagle_max_nodes: int = 16
     auto_off: bool = True                # skip drafting when the roofline predicts no gain
     draft_graphs: bool = False           # EAGLE: tree expansion from a CUDA graph (GPU)
+    device_loop: bool = False            # EAGLE: spec/loop_path.py for single greedy prompts
 
     @property
     def enabled(self) -> bool:

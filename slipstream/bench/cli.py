@@ -46,6 +46,7 @@ ENGINE_OPTIONS = {
     "speculative_tree": (str, None, "medusa top-k per head '3,2,1,1'; eagle 'topk,beam,nodes'"),
     "speculative_auto_off": (bool, True, "stop drafting where the roofline predicts no gain"),
     "speculative_draft_graphs": (bool, False, "EAGLE: tree expansion from a CUDA graph (GPU)"),
+    "speculative_device_loop": (bool, False, "EAGLE: one greedy prompt with every round on the device"),
 }
 
 

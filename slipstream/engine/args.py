@@ -39,6 +39,8 @@ class EngineArgs:
     speculative_auto_off: bool = True
     # EAGLE's tree expansion replayed from a CUDA graph (opt-in until measured on a GPU)
     speculative_draft_graphs: bool = False
+    # EAGLE: one greedy prompt of LLM.generate, every round on the device (spec/loop_path.py)
+    speculative_device_loop: bool = False
     seed: int = 0
     load_format: str = "auto"                # "auto": the model's weights; "dummy": random
     tensor_parallel_size: int = 1            # ranks sharing each layer (distributed/)
@@ -135,6 +137,8 @@ class EngineArgs:
             raise ValueError("speculative_draft_layers applies to speculative_method='draft'")
         if self.speculative_draft_graphs and method != "eagle":
             raise ValueError("speculative_draft_graphs applies to speculative_method='eagle'")
+        if self.speculative_device_loop and method != "eagle":
+            raise ValueError("speculative_device_loop applies to speculative_method='eagle'")
         extra = {}
         if self.speculative_tree:
             try:
@@ -155,7 +159,8 @@ class EngineArgs:
         return SpecConfig(method=method, num_speculative_tokens=k, model=self.speculative_model,
                           draft_num_layers=self.speculative_draft_layers,
                           auto_off=self.speculative_auto_off,
-                          draft_graphs=self.speculative_draft_graphs, **extra)
+                          draft_graphs=self.speculative_draft_graphs,
+                          device_loop=self.speculative_device_loop, **extra)
 
 
 def _tree_nodes(method: str, extra: dict) -> int:

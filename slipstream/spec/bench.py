@@ -29,6 +29,10 @@ METHODS = {
     "medusa": dict(speculative_method="medusa", speculative_tree="3,2,1"),
     "eagle": dict(speculative_method="eagle", num_speculative_tokens=5,
                   speculative_tree="4,4,16"),
+    # EAGLE with every round of a single greedy prompt on the device (spec/loop_path.py).
+    # Tree: the best of the H200 loop runs (depth 3, top-10, beam 10, 40 nodes).
+    "eagle-loop": dict(speculative_method="eagle", num_speculative_tokens=3,
+                       speculative_tree="10,10,40", speculative_device_loop=True),
     # The widest tree one verification graph takes (64 rows), 7 levels deep.
     "eagle-wide": dict(speculative_method="eagle", num_speculative_tokens=7,
                        speculative_tree="10,10,63"),
@@ -155,9 +159,9 @@ def run(args, model=None, heads: dict | None = None, stem: str | None = None) ->
         if name not in METHODS:
             raise ValueError(f"--speculative-method: unknown {name!r}; choose from {sorted(METHODS)}")
         opts = dict(METHODS[name])
-        if name == "eagle" and getattr(args, "eagle_tree", None):
+        if name in ("eagle", "eagle-loop") and getattr(args, "eagle_tree", None):
             opts["speculative_tree"] = args.eagle_tree
-        if name == "eagle" and getattr(args, "eagle_depth", None):
+        if name in ("eagle", "eagle-loop") and getattr(args, "eagle_depth", None):
             opts["num_speculative_tokens"] = args.eagle_depth
         if name == "medusa" and getattr(args, "medusa_tree", None):
             opts["speculative_tree"] = args.medusa_tree

@@ -67,6 +67,8 @@ def add_spec_options(p: argparse.ArgumentParser) -> None:
                    help="speculate even where the roofline model predicts no gain")
     g.add_argument("--spec-draft-graphs", action="store_true",
                    help="EAGLE: replay the tree expansion from a CUDA graph (GPU)")
+    g.add_argument("--spec-device-loop", action="store_true",
+                   help="EAGLE: answer single greedy prompts with every round on the device")
 
 
 def spec_engine_args(args: argparse.Namespace) -> dict:
@@ -76,7 +78,8 @@ def spec_engine_args(args: argparse.Namespace) -> dict:
                 speculative_draft_layers=args.speculative_draft_layers,
                 speculative_tree=args.spec_tree,
                 speculative_auto_off=not args.no_spec_auto_off,
-                speculative_draft_graphs=args.spec_draft_graphs)
+                speculative_draft_graphs=args.spec_draft_graphs,
+                speculative_device_loop=getattr(args, "spec_device_loop", False))
 
 
 def add_bench_parser(bench_subparsers) -> None:

@@ -72,6 +72,7 @@ def quantize_head(head: nn.Module, lm_head: DraftLMHead) -> DraftLMHead:
         lin = getattr(head, name)
         if lin.out_features % 16 == 0 and lin.in_features % 32 == 0:
             setattr(head, name, QuantLinear(lin))
+    head.qkv_weight = None      # the fused fp32 q/k/v product would bypass the Q8_0 layers
     owner = getattr(lm_head.target.lm_head, "_owner", [None])[0]
     qm = getattr(owner, "gguf_weight", None)
     if lm_head.vocab is not None and isinstance(qm, QuantMatrix) and len(qm.segments) == 1:

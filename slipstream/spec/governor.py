@@ -19,8 +19,10 @@ all, the roofline rule alone decides (`round_speedup`).
 
 While speculation is on, every `plain_every`-th step runs plainly to keep
 plain(B) measured; while it is off, every `probe_every`-th step (or rarer,
-keeping probes under 2% of the time) drafts for at most `probe_requests`
-requests so tau keeps being measured at little cost. A probe at batch > 1
+keeping probes under 2% of the time at batch 1 and 0.5% above) drafts for at
+most `probe_requests` requests so tau keeps being measured at little cost;
+above batch 1 no probes run where even rounds accepting every draft
+(tau = k + 1) would not pay. A probe at batch > 1
 shares its step with plain decodes, which then runs without a CUDA graph
 and breaks the overlap of steps: its cost is measured (`probe_time`), and
 until it is, assumed to be 4 plain steps (a first probe after ~200 steps).
@@ -81,6 +83,7 @@ class SpecGovernor:
         self._on_steps = 0
         self.last_k = self.k
         self.request_limit: int | None = None    # requests to draft for this step (probes)
+        self.quiet = False                       # off with no probes at the last batch asked
 
     def _ema(self, old: float | None, new: float) -> float:
         return new if old is None else self.decay * old + (1 - self.decay) * new
@@ -164,12 +167,15 @@ class SpecGovernor:
             if one_spec is None:
                 return self.probe_every
             extra = max(one_spec - plain, 0.0) + draft
-        return max(self.probe_every, int(50 * extra / plain) + 1)
+        # Probes may take 2% of the time at batch 1 (a probe is a round), 0.5% above it.
+        budget = 50 if batch <= 1 else 200
+        return max(self.probe_every, int(budget * extra / plain) + 1)
 
     def num_tokens(self, batch: int) -> int:
         """Draft budget per request for the next step (0: do not speculate);
         sets `request_limit` for probe rounds. Call once per step."""
         self.request_limit = None
+        self.quiet = False
         if not self.auto_off:
             return self.k
         s = self.predicted_speedup(batch)
@@ -177,6 +183,12 @@ class SpecGovernor:
             return self.k
         if s <= 1.0:
             self._off_steps += 1
+            # Above batch 1, where even rounds accepting every draft would not pay, tau
+            # need not be measured there (batch 1 keeps probing: its probes re-measure
+            # the verification step, whose first timing may include a graph capture).
+            if batch > 1 and s * (self.k + 1) / max(self.tau, 1.0) <= 1.0:
+                self.last_k, self.quiet = 0, True
+                return 0
             if self._off_steps % self._probe_interval(batch):
                 self.last_k = 0
                 return 0

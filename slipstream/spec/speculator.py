@@ -192,8 +192,8 @@ class Speculator:
         off) only the last row of as many requests as a probe drafts for is
         kept: EAGLE restarts its context after a gap, Medusa reads the last
         state, and the others draft again one step after speculation resumes."""
-        if not self.proposer.needs_hidden:
-            return
+        if not self.proposer.needs_hidden or (self.overlapping and self.governor.quiet):
+            return       # quiet: no probe will draft at this batch size
         rids, idx, counts = [], [], []
         loc = 0
         # While overlapping only the requests a probe round would draft for.

@@ -28,17 +28,25 @@ def test_speculates_until_measured_then_measures_plain_then_follows_measurements
     g.observe_step(0.010, 1, "plain")
     assert g.num_tokens(1) >= 1
     assert abs(g.predicted_speedup(1) - 4 * 0.010 / (0.012 + 0.0001)) < 1e-9
-    # At a batch far past Bc the 5 verified tokens per request cost 5x: off,
-    # except for a probe round every 4th step, which drafts for one request
+    # At a batch far past Bc the 5 verified tokens per request cost 5x: off.
+    # Where a better draft could still pay (here a verifying step measured at
+    # 1.2 plain steps), a probe round every 4th step drafts for one request
     # (a probe measured as costing next to nothing there).
     g.observe_step(0.0100, 512, "plain")
     g.observe_step(0.0101, 512, "probe")
+    g.observe_step(0.0120, 512, "spec")
+    g.tau, g.draft_per_request = 1.0, 0.0
     asks, limits = [], []
     for _ in range(8):
         asks.append(g.num_tokens(512))
         limits.append(g.request_limit)
     assert asks.count(0) == 6 and asks.count(4) == 2
     assert [lim for a, lim in zip(asks, limits) if a] == [1, 1]
+    # Where even 5 tokens a round (every draft accepted) would not pay: no probes.
+    g.observe_step(0.0600, 256, "plain")
+    g.observe_step(0.3500, 256, "spec")
+    assert g.predicted_speedup(256) * 5 / g.tau <= 1
+    assert [g.num_tokens(256) for _ in range(8)] == [0] * 8
 
 
 def test_slow_verification_switches_off_even_below_the_critical_batch():
@@ -85,13 +93,15 @@ def test_unmeasured_probes_among_other_requests_start_late_then_follow_their_cos
     g.observe_step(0.002, 1, "spec")
     g.observe_step(0.001, 1, "plain")
     g.observe_step(0.001, 64, "plain")
+    g.observe_step(0.0012, 64, "spec")     # off (tau 1), but a better draft could pay
     assert g.num_tokens(64) == 0
-    # No probe measured at 64: assumed to cost 4 plain steps -> one per 201 steps.
-    assert g._probe_interval(64) == 201
-    asks = [g.num_tokens(64) for _ in range(250)]
-    assert asks.count(0) == 249 and asks.index(4) == 199
+    # No probe measured at 64: assumed to cost 4 plain steps -> one per 801 steps
+    # (probes above batch 1 take at most 0.5% of the time).
+    assert g._probe_interval(64) == 801
+    asks = [g.num_tokens(64) for _ in range(1000)]
+    assert asks.count(0) == 999 and asks.index(4) == 799
     g.observe_step(0.011, 64, "probe")     # measured: 10 plain steps extra
-    assert 495 <= g._probe_interval(64) <= 501
+    assert 1995 <= g._probe_interval(64) <= 2001
 
 
 def test_expensive_probes_are_spaced_out():
@@ -130,3 +140,15 @@ def test_cpu_costs_verified_tokens_by_measurement():
     assert g._token_cost(1) > 0.2
     g.last_k = 4
     assert g.num_tokens(1) <= k
+
+
+def test_quiet_where_no_round_could_pay():
+    g = _gov("eagle")
+    g.observe_round(emitted=3, requests=1, drafted=16)
+    g.observe_draft(0.001)
+    g.observe_step(0.006, 1, "spec")
+    g.observe_step(0.002, 1, "plain")
+    g.observe_step(0.004, 64, "plain")
+    assert g.num_tokens(64) == 0 and g.quiet          # 64 x 1 ms of drafting: never pays
+    g.num_tokens(1)
+    assert not g.quiet                                # batch 1 keeps its probes

@@ -1,0 +1,60 @@
+"""The pure parts of an EAGLE loop round (spec/eagle_loop.py), between its
+writes to state: tree selection, greedy acceptance, the head over the new
+pairs. Pure, so that torch.compile can fuse their small ops."""
+from __future__ import annotations
+
+import torch
+
+
+class LoopParts:
+    """Mixin of EagleLoop (reads depth, nodes, rows, head, embed)."""
+
+    def _tree(self, table: torch.Tensor, root: torch.Tensor):
+        """table [4, C] -> root + tree: tokens, parent rows, depths [t], ancestor mask [t, t]
+        (the best nodes by score, ties: shallower first; ordered by level then score)."""
+        d, nn, t = self.depth, self.nodes, self.nodes + 1
+        rows = self.rows
+        tok_c, score, par, level = table
+        sel = (score - 1e-6 * level).sort(descending=True, stable=True).indices[:nn]   # not topk
+        order = (level[sel] * 1e6 - score[sel]).argsort()
+        nodes = sel[order]
+        where = torch.zeros(tok_c.shape[0], dtype=torch.int64, device=table.device)
+        where = where.scatter(0, nodes, rows[1:])                  # candidate -> row
+        p = par[nodes].long()
+        prow = torch.cat([rows[:1], torch.where(p >= 0, where[p.clamp_min(0)], 0)])   # [t]
+        depth = torch.cat([rows[:1], level[nodes].long()])                             # [t]
+        tokens = torch.cat([root.view(1), tok_c[nodes].long()])                        # [t]
+        anc = torch.zeros(t, t, dtype=torch.bool, device=table.device)   # ancestors, self
+        cur = rows
+        for _ in range(d + 1):
+            anc = anc.scatter(1, cur[:, None], True)
+            cur = prow[cur]
+        return tokens, prow, depth, anc
+
+    def _accept(self, tokens, am, prow, depth, anc):
+        """-> accepted count, last accepted row, path [D] (node rows - 1, -1 pad),
+        emitted tokens [D + 1] (-1 pad)."""
+        d, rows = self.depth, self.rows
+        wrong = (tokens != am[prow]) & (rows > 0)
+        good = ~(anc & wrong[None]).any(1) & (rows > 0)
+        a = good.sum()
+        last = torch.where(good, rows, 0).amax()
+        path = torch.full((d + 1,), -1, dtype=torch.int64, device=tokens.device)
+        path = path.scatter(0, torch.where(good, depth - 1, d), rows - 1)[:d]
+        emitted = torch.cat([torch.where(path >= 0, tokens[(path + 1).clamp_min(0)], -1),
+                             path.new_full((1,), -1)])
+        emitted = emitted.scatter(0, a.view(1), am.index_select(0, last.view(1)))
+        return a, last, path, emitted
+
+    def _pairs(self, hidden, path, emitted, a, n, hk, hv, hvalid):
+        """The head over the D + 1 possible new pairs -> f^ after the last real one,
+        their K, V and validity (past the accepted count: masked)."""
+        d, rows = self.depth, self.rows
+        offs = rows[:d + 1]
+        dt = self.head.fc.weight.dtype
+        h = hidden[torch.cat([rows[:1], path + 1]).clamp_min(0)]       # [d + 1, hidden]
+        causal = torch.ones(d + 1, d + 1, dtype=torch.bool, device=hidden.device).tril()
+        mask = torch.cat([hvalid.expand(d + 1, -1), causal], 1)
+        f, k, v = self.head(self.embed(emitted.clamp_min(0)).to(dt), h.to(dt), n + offs,
+                            (hk, hv), mask)
+        return f.index_select(0, a.view(1))[0], k, v, offs <= a

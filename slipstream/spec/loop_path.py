@@ -1,0 +1,95 @@
+"""`LLM.generate` of one greedy prompt through the EAGLE loop (opt-in:
+`speculative_device_loop=True` with `speculative_method="eagle"`).
+
+The loop (spec/eagle_loop.py) runs each speculation round as one CUDA graph
+with no host round trip; this path hands it the requests it can answer
+exactly as the engine would: one prompt, greedy, no penalties, log
+probabilities, logit bias or min_tokens. Stops are the engine's own (EOS,
+stop token ids, stop strings, max_tokens, through `Request.check_stop` and
+the incremental detokenizer), checked after each batch of rounds; tokens
+past a stop are dropped. Everything else (several prompts, sampling, serving)
+takes the engine's path. The speculator's counters (tau, acceptance per
+depth) count the loop's rounds too.
+"""
+from __future__ import annotations
+
+import time
+
+from slipstream.engine.detokenizer import IncrementalDetokenizer
+from slipstream.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from slipstream.engine.request import Request, RequestStatus
+from slipstream.spec.eagle_loop import EagleLoop
+
+
+class LoopPath:
+    def __init__(self, engine):
+        self.engine = engine
+        # One loop per length class (a power of two >= 256): static buffers, the head's
+        # past and the target's split-KV launch are sized by it.
+        self.loops: dict[int, EagleLoop] = {}
+        self.loop: EagleLoop | None = None           # the last one used
+
+    def _loop_for(self, length: int) -> EagleLoop:
+        cap = self.engine.max_model_len
+        size = min(max(256, 1 << (length - 1).bit_length()), cap)
+        if size not in self.loops:
+            spec = self.engine.config.speculative
+            self.loops[size] = EagleLoop(self.engine, spec.model, spec.num_speculative_tokens,
+                                         spec.eagle_topk, spec.eagle_beam, spec.eagle_max_nodes,
+                                         max_len=size)
+        self.loop = self.loops[size]
+        return self.loop
+
+    def accepts(self, prompts: list, params: list) -> bool:
+        if len(prompts) != 1 or self.engine.has_unfinished_requests():
+            return False
+        p = params[0]
+        return (p.n == 1 and p.is_greedy and not p.has_penalties and p.logprobs is None
+                and p.prompt_logprobs is None and not p.logit_bias and p.min_tokens == 0)
+
+    def generate(self, prompt, params) -> RequestOutput:
+        engine = self.engine
+        text, ids = engine.tokenize(prompt)
+        arrival = time.monotonic()
+        req = Request("loop", ids, params, engine.eos_token_ids, engine.max_model_len, None,
+                      prompt=text)
+        detok = IncrementalDetokenizer(engine.tokenizer, ids, params)
+        first_time = None
+
+        def take(tokens: list[int]) -> bool:
+            nonlocal first_time
+            first_time = first_time or time.monotonic()
+            for t in tokens:          # as Engine._absorb_token does
+                req.append_token(t)
+                stopped = req.check_stop()
+                by_token = stopped and req.status == RequestStatus.FINISHED_STOPPED
+                if not by_token or detok.include_stop:
+                    s = detok.add_tokens([t])
+                    if s is not None:
+                        req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, s
+                        stopped = True
+                if stopped:
+                    return True
+            return False
+        loop = self._loop_for(len(ids) + req.max_tokens)
+        loop.generate(ids, req.max_tokens, done=take)
+        detok.flush()
+        self._count(loop.accepted)
+        comp = CompletionOutput(index=0, text=detok.text, token_ids=list(req.output_token_ids),
+                                finish_reason=req.status.finish_reason,
+                                stop_reason=req.stop_reason)
+        return RequestOutput(request_id=str(next(engine._ids)), prompt=text,
+                             prompt_token_ids=ids, outputs=[comp], finished=True,
+                             metrics=RequestMetrics(arrival, first_time, time.monotonic()))
+
+    def _count(self, accepted: list[int]) -> None:
+        spec = self.engine.runner.speculator
+        if spec is None:
+            return
+        st, d, n = spec.stats, self.loop.depth, self.loop.nodes
+        for a in accepted:
+            st.rounds += 1
+            st.drafted += n
+            st.accepted += a
+            st.emitted += a + 1
+            st.record(d, a)
