@@ -1,0 +1,87 @@
+"""Inputs of the FP8 Gluon prefill kernel (gluon_fp8_prefill.py), and the
+plain-PyTorch twin of its arithmetic.
+
+`quantize_fp8_inputs`: Q and K rotated by the existing FP8 path's random
+orthogonal matrix (incoherent processing, fp8_attention.py: (qR)(kR)^T = qk^T)
+and block-quantised to e4m3 (Q per `q_block` tokens of a request and head, K per
+`kv_block`: one scale a kernel tile), V block-quantised per `kv_block` and
+transposed to V^T [kv_heads * D, tokens padded to 16] (FP8 wgmma wants P.V's
+operand K-major: tokens contiguous). Scales are stored per token, fp32.
+
+`emulate_fp8_prefill`: what the kernel computes, in fp32 on dequantised
+inputs, with P cast to e4m3 as the kernel does (P * 2^8 relative to the row
+maximum; the kernel uses the running maximum, so the two differ by P's
+rounding only).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from slipstream.kernels.fp8_attention import FP8, quantize_fp8_blocks, random_orthogonal
+
+P_SCALE = 256.0  # gluon_fp8_tile.P_SHIFT = log2(P_SCALE)
+
+
+class Fp8Inputs(NamedTuple):
+    q8: torch.Tensor       # [tokens, heads, D] e4m3
+    k8: torch.Tensor       # [tokens, kv_heads, D] e4m3
+    vt8: torch.Tensor      # [kv_heads * D, tokens_pad] e4m3
+    q_scale: torch.Tensor  # [tokens, heads] fp32
+    k_scale: torch.Tensor  # [tokens, kv_heads] fp32
+    v_scale: torch.Tensor  # [tokens, kv_heads] fp32
+
+
+def quantize_fp8_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                        *, rotate: bool = True, q_block: int = 64, kv_block: int = 128) -> Fp8Inputs:
+    """q [tokens, heads, D], k / v [tokens, kv_heads, D] (any float dtype), cu_seqlens
+    [num_seqs + 1] int32 -> Fp8Inputs. kv_block must be the kernel's BLOCK_N."""
+    if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape or q.shape[0] != k.shape[0] \
+            or q.shape[2] != k.shape[2]:
+        raise ValueError(f"q, k, v must be [tokens, heads, D], k and v alike: "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if q_block <= 0 or kv_block not in (64, 128):
+        raise ValueError(f"q_block must be positive and kv_block 64 or 128: {q_block}, {kv_block}")
+    if rotate:
+        rot = random_orthogonal(q.shape[-1], q.device)
+        q, k = q.float() @ rot, k.float() @ rot
+    q8, q_scale = quantize_fp8_blocks(q, cu_seqlens, q_block)
+    k8, k_scale = quantize_fp8_blocks(k, cu_seqlens, kv_block)
+    v8, v_scale = quantize_fp8_blocks(v, cu_seqlens, kv_block)
+    tokens, kv_heads, d = v.shape
+    vt8 = torch.zeros(kv_heads * d, tokens + (-tokens) % 16, dtype=torch.uint8, device=v.device)
+    vt8[:, :tokens] = v8.view(torch.uint8).permute(1, 2, 0).reshape(kv_heads * d, tokens)
+    return Fp8Inputs(q8.contiguous(), k8.contiguous(), vt8.view(FP8), q_scale.contiguous(),
+                     k_scale.contiguous(), v_scale.contiguous())
+
+
+def dequantize_fp8_inputs(x: Fp8Inputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q, k, v) fp32 as the kernel sees them (q, k still rotated)."""
+    tokens, kv_heads, d = x.k8.shape
+    v8 = x.vt8[:, :tokens].reshape(kv_heads, d, tokens).permute(2, 0, 1)
+    return (x.q8.float() * x.q_scale[..., None], x.k8.float() * x.k_scale[..., None],
+            v8.float() * x.v_scale[..., None])
+
+
+def emulate_fp8_prefill(x: Fp8Inputs, cu_seqlens: torch.Tensor, scale: float, *,
+                        causal: bool = True, quantize_p: bool = True) -> torch.Tensor:
+    """The kernel's arithmetic in fp32: [tokens, heads, D] fp32."""
+    q, k, v = dequantize_fp8_inputs(x)
+    group = q.shape[1] // k.shape[1]
+    out = torch.zeros_like(q)
+    starts = cu_seqlens.tolist()
+    for a, e in zip(starts[:-1], starts[1:]):
+        qs = q[a:e].transpose(0, 1)                                  # [heads, n, D]
+        ks = k[a:e].transpose(0, 1).repeat_interleave(group, 0)
+        vs = v[a:e].transpose(0, 1).repeat_interleave(group, 0)
+        s = qs @ ks.transpose(1, 2) * scale
+        if causal:
+            n = e - a
+            s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+        p = torch.exp(s - s.amax(-1, keepdim=True)) * P_SCALE
+        l = p.sum(-1, keepdim=True)
+        if quantize_p:
+            p = p.to(FP8).float()
+        out[a:e] = (p @ vs / l).transpose(0, 1)
+    return out
