@@ -49,7 +49,7 @@ def main():
             try:
                 q, k, v, cu = data(lengths, heads, kvh, dim)
                 x = quantize_fp8_inputs(q, k, v, cu)
-                o = gluon_fp8_prefill(*x, cu, max(lengths), dim ** -0.5, causal=causal, config=cfg)
+                o = gluon_fp8_prefill(x, cu, max(lengths), dim ** -0.5, causal=causal, config=cfg)
                 torch.cuda.synchronize()
                 ref = reference(q.float(), k.float(), v.float(), cu, causal, dim ** -0.5)
                 em = emulate_fp8_prefill(x, cu, dim ** -0.5, causal=causal)
@@ -66,7 +66,7 @@ def main():
             x = quantize_fp8_inputs(q, k, v, cu)
             flops = 4 * 16 * 128 * sum(n * n for n in lengths) / 2
             t = {"gluon_bf16": do_bench(lambda: gluon_prefill(q, k, v, cu, max(lengths), 128 ** -0.5)),
-                 "gluon_fp8": do_bench(lambda: gluon_fp8_prefill(*x, cu, max(lengths), 128 ** -0.5)),
+                 "gluon_fp8": do_bench(lambda: gluon_fp8_prefill(x, cu, max(lengths), 128 ** -0.5)),
                  "quantize": do_bench(lambda: quantize_fp8_inputs(q, k, v, cu))}
             res[f"time {lengths[0]}x{len(lengths)} causal"] = {
                 kk: {"ms": ms, "tflops": flops / ms / 1e9} for kk, ms in t.items()}

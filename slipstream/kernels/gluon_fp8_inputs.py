@@ -31,6 +31,7 @@ class Fp8Inputs(NamedTuple):
     q_scale: torch.Tensor  # [tokens, heads] fp32
     k_scale: torch.Tensor  # [tokens, kv_heads] fp32
     v_scale: torch.Tensor  # [tokens, kv_heads] fp32
+    kv_block: int          # K's and V's scales are constant over kv_block tokens of a request
 
 
 def quantize_fp8_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
@@ -53,7 +54,7 @@ def quantize_fp8_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_se
     vt8 = torch.zeros(kv_heads * d, tokens + (-tokens) % 16, dtype=torch.uint8, device=v.device)
     vt8[:, :tokens] = v8.view(torch.uint8).permute(1, 2, 0).reshape(kv_heads * d, tokens)
     return Fp8Inputs(q8.contiguous(), k8.contiguous(), vt8.view(FP8), q_scale.contiguous(),
-                     k_scale.contiguous(), v_scale.contiguous())
+                     k_scale.contiguous(), v_scale.contiguous(), kv_block)
 
 
 def dequantize_fp8_inputs(x: Fp8Inputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -21,6 +21,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from slipstream.kernels.gluon_fp8_inputs import Fp8Inputs
 from slipstream.kernels.gluon_fp8_tile import attend_block_fp8, produce_block_fp8
 from slipstream.kernels.gluon_prefill import HEAD_DIMS, LOG2E, _block, _is_sm90
 from slipstream.kernels.runtime import num_sms
@@ -146,8 +147,9 @@ def _descriptor(x: torch.Tensor, block: list[int]) -> TensorDescriptor:
     return TensorDescriptor(x, list(x.shape), [x.stride(0), 1], block, layout)
 
 
-def check_fp8_inputs(q8, k8, vt8, q_scale, k_scale, v_scale, cu_seqlens, block_n: int) -> None:
+def check_fp8_inputs(x: Fp8Inputs, cu_seqlens: torch.Tensor, block_n: int) -> None:
     """ValueError for inputs this kernel does not take (shapes as quantize_fp8_inputs makes)."""
+    q8, k8, vt8, q_scale, k_scale, v_scale, kv_block = x
     shapes = f"q {tuple(q8.shape)}, k {tuple(k8.shape)}, v^T {tuple(vt8.shape)}"
     if q8.dim() != 3 or k8.dim() != 3 or vt8.dim() != 2:
         raise ValueError(f"q, k must be [tokens, heads, D] and v^T [kv_heads * D, tokens]: {shapes}")
@@ -156,7 +158,7 @@ def check_fp8_inputs(q8, k8, vt8, q_scale, k_scale, v_scale, cu_seqlens, block_n
         raise ValueError(f"head_dim in {HEAD_DIMS}, k with q's tokens and a divisor of its heads: {shapes}")
     if vt8.shape[0] != k8.shape[1] * d or vt8.shape[1] < tokens or vt8.shape[1] % 16:
         raise ValueError(f"v^T must be [kv_heads * D, tokens padded to 16]: {shapes}")
-    if any(x.dtype != FP8 for x in (q8, k8, vt8)):
+    if any(t.dtype != FP8 for t in (q8, k8, vt8)):
         raise ValueError(f"q, k, v^T must be float8_e4m3fn: {q8.dtype}, {k8.dtype}, {vt8.dtype}")
     if not (q8.is_contiguous() and k8.is_contiguous() and vt8.is_contiguous()):
         raise ValueError("q, k, v^T must be contiguous")
@@ -166,12 +168,12 @@ def check_fp8_inputs(q8, k8, vt8, q_scale, k_scale, v_scale, cu_seqlens, block_n
             raise ValueError(f"{name} must be contiguous fp32 [{tokens}, {n}]: {s.dtype} {tuple(s.shape)}")
     if cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
         raise ValueError("cu_seqlens must be a 1-D int32 tensor [num_seqs + 1]")
-    if block_n not in (64, 128):
-        raise ValueError(f"BLOCK_N must be 64 or 128, got {block_n}")
+    if block_n not in (64, 128) or kv_block % block_n:
+        raise ValueError(f"BLOCK_N must be 64 or 128 and divide the K/V scale block {kv_block}: {block_n}")
 
 
-def fp8_kernel_args(q8, k8, vt8, q_scale, k_scale, v_scale, out, cu_seqlens, max_seqlen: int,
-                    scale: float, causal: bool, config: dict):
+def fp8_kernel_args(x: Fp8Inputs, out, cu_seqlens, max_seqlen: int, scale: float, causal: bool,
+                    config: dict):
     """(positional args, constexpr kwargs, grid) of one launch (also for the sm_90 compile check)."""
     unknown = set(config) - set(DEFAULT_CONFIG)
     if unknown:
@@ -179,7 +181,8 @@ def fp8_kernel_args(q8, k8, vt8, q_scale, k_scale, v_scale, out, cu_seqlens, max
     cfg = {**DEFAULT_CONFIG, **config}
     if cfg["BLOCK_M"] != 128 or cfg["num_warps"] != 4:
         raise ValueError("the FP8 kernel runs BLOCK_M 128 as two warpgroups of 64 rows (num_warps 4)")
-    check_fp8_inputs(q8, k8, vt8, q_scale, k_scale, v_scale, cu_seqlens, cfg["BLOCK_N"])
+    check_fp8_inputs(x, cu_seqlens, cfg["BLOCK_N"])
+    q8, k8, vt8, q_scale, k_scale, v_scale, _ = x
     tokens, heads, d = q8.shape
     kv_heads = k8.shape[1]
     args = (_descriptor(q8.view(tokens, heads * d), [64, d]),
@@ -195,15 +198,15 @@ def fp8_kernel_args(q8, k8, vt8, q_scale, k_scale, v_scale, out, cu_seqlens, max
     return args, consts, grid
 
 
-def gluon_fp8_prefill(q8, k8, vt8, q_scale, k_scale, v_scale, cu_seqlens: torch.Tensor,
-                      max_seqlen: int, scale: float, *, causal: bool = True,
-                      out_dtype: torch.dtype = torch.bfloat16, out: torch.Tensor | None = None,
-                      config: dict | None = None) -> torch.Tensor:
-    """Self-attention of packed requests from FP8 inputs (quantize_fp8_inputs), on sm_90.
+def gluon_fp8_prefill(x: Fp8Inputs, cu_seqlens: torch.Tensor, max_seqlen: int, scale: float, *,
+                      causal: bool = True, out_dtype: torch.dtype = torch.bfloat16,
+                      out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+    """Self-attention of packed requests from FP8 inputs, on sm_90. x (quantize_fp8_inputs):
     q8 [tokens, heads, D], k8 [tokens, kv_heads, D], vt8 [kv_heads * D, tokens_pad] e4m3;
     q_scale [tokens, heads], k_scale / v_scale [tokens, kv_heads] fp32, K's and V's constant
-    over each BLOCK_N tokens of a request; cu_seqlens [num_seqs + 1] int32; max_seqlen: host
+    over each kv_block tokens of a request; cu_seqlens [num_seqs + 1] int32; max_seqlen: host
     int. Returns out [tokens, heads, D] in out_dtype (bf16 / fp16)."""
+    q8 = x.q8
     if out_dtype not in OUT_DTYPES:
         raise ValueError(f"out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
     if not q8.is_cuda or not _is_sm90(q8.device.index or 0):
@@ -216,7 +219,6 @@ def gluon_fp8_prefill(q8, k8, vt8, q_scale, k_scale, v_scale, cu_seqlens: torch.
         return out
     if config is None:
         config = {"PERSISTENT": max_seqlen <= PERSISTENT_UP_TO}
-    args, consts, grid = fp8_kernel_args(q8, k8, vt8, q_scale, k_scale, v_scale, out, cu_seqlens,
-                                         max_seqlen, scale, causal, config)
+    args, consts, grid = fp8_kernel_args(x, out, cu_seqlens, max_seqlen, scale, causal, config)
     _fp8_prefill_kernel[grid](*args, **consts)
     return out
