@@ -22,6 +22,7 @@ from gluon_checks import reference, rel_err  # noqa: E402
 from slipstream.kernels.gluon_fp8_inputs import emulate_fp8_prefill, quantize_fp8_inputs  # noqa: E402
 from slipstream.kernels.gluon_fp8_prefill import gluon_fp8_prefill  # noqa: E402
 from slipstream.kernels.gluon_prefill import gluon_prefill  # noqa: E402
+from slipstream.kernels.fp8_attention import fp8_prefill_attention  # noqa: E402
 
 CASES = [([1, 63, 128, 129, 700, 1500], 16, 4, True, 128), ([256, 1000, 333], 8, 8, False, 128),
          ([100, 1000], 9, 3, True, 64), ([4096] * 4, 16, 16, True, 128)]
@@ -53,7 +54,9 @@ def main():
                 torch.cuda.synchronize()
                 ref = reference(q.float(), k.float(), v.float(), cu, causal, dim ** -0.5)
                 em = emulate_fp8_prefill(x, cu, dim ** -0.5, causal=causal)
+                old = fp8_prefill_attention(q, k, v, cu, max(lengths), dim ** -0.5, causal=causal)
                 res[name] = {"err_vs_fp32": rel_err(o, ref), "err_vs_twin": rel_err(o, em),
+                             "triton_fp8_err_vs_fp32": rel_err(old, ref),
                              "twin_vs_fp32": rel_err(em, ref),
                              "max_abs": (o.float() - ref).abs().max().item()}
             except Exception:
@@ -67,6 +70,10 @@ def main():
             flops = 4 * 16 * 128 * sum(n * n for n in lengths) / 2
             t = {"gluon_bf16": do_bench(lambda: gluon_prefill(q, k, v, cu, max(lengths), 128 ** -0.5)),
                  "gluon_fp8": do_bench(lambda: gluon_fp8_prefill(x, cu, max(lengths), 128 ** -0.5)),
+                 "gluon_fp8_persistent": do_bench(lambda: gluon_fp8_prefill(
+                     x, cu, max(lengths), 128 ** -0.5, config={"PERSISTENT": True})),
+                 "triton_fp8_with_quant": do_bench(lambda: fp8_prefill_attention(
+                     q, k, v, cu, max(lengths), 128 ** -0.5)),
                  "quantize": do_bench(lambda: quantize_fp8_inputs(q, k, v, cu))}
             res[f"time {lengths[0]}x{len(lengths)} causal"] = {
                 kk: {"ms": ms, "tflops": flops / ms / 1e9} for kk, ms in t.items()}
