@@ -1,0 +1,171 @@
+"""The FP8 (e4m3) Gluon prefill kernel, its inputs and its PyTorch twin.
+
+On the CPU: the quantisation (block scales, V^T layout, rotation), the twin's
+error against fp32 attention, argument checks, and an sm_90 compile (a child
+process without the interpreter) with both GEMMs on the FP8 tensor cores and the
+softmax under P.V in the SASS. On an H100/H200: the kernel against its twin and
+against fp32 attention.
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from slipstream.kernels.gluon_fp8_inputs import (
+    Fp8Inputs, dequantize_fp8_inputs, emulate_fp8_prefill, quantize_fp8_inputs)
+from slipstream.kernels.gluon_fp8_prefill import fp8_kernel_args, gluon_fp8_prefill
+
+ROOT = Path(__file__).resolve().parents[2]
+LENGTHS = [1, 130, 300]
+ERROR_BOUND = 6e-2  # relative (Frobenius) error against fp32 attention, random data
+
+
+def _data(lengths=LENGTHS, heads=4, kv_heads=2, dim=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
+    q = torch.randn(sum(lengths), heads, dim, generator=g)
+    k, v = (torch.randn(sum(lengths), kv_heads, dim, generator=g) for _ in range(2))
+    return q, k, v, cu
+
+
+def _attention(q, k, v, cu, scale, causal=True):
+    group = q.shape[1] // k.shape[1]
+    out = torch.zeros_like(q)
+    for a, e in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        s = q[a:e].transpose(0, 1) @ k[a:e].transpose(0, 1).repeat_interleave(group, 0).transpose(1, 2)
+        if causal:
+            s = s.masked_fill(torch.ones(e - a, e - a, dtype=torch.bool).triu(1), float("-inf"))
+        p = (s * scale).softmax(-1)
+        out[a:e] = (p @ v[a:e].transpose(0, 1).repeat_interleave(group, 0)).transpose(0, 1)
+    return out
+
+
+def _rel(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+def test_quantize_layout_and_scales():
+    q, k, v, cu = _data()
+    x = quantize_fp8_inputs(q, k, v, cu, kv_block=128)
+    tokens = q.shape[0]
+    assert x.vt8.shape == (2 * 64, tokens + (-tokens) % 16) and x.vt8.dtype == torch.float8_e4m3fn
+    assert not x.vt8[:, tokens:].float().any()  # the padding is zeros
+    assert x.q_scale.shape == (tokens, 4) and x.k_scale.shape == x.v_scale.shape == (tokens, 2)
+    qd, kd, vd = dequantize_fp8_inputs(x)
+    assert _rel(vd, v) < 0.05  # e4m3: 3 mantissa bits
+    # rotation: the scores of the dequantised (rotated) q, k are q k^T's
+    s_ref = torch.einsum("thd,shd->hts", q[:, :2], k)
+    s_fp8 = torch.einsum("thd,shd->hts", qd[:, :2], kd)
+    assert _rel(s_fp8, s_ref) < 0.08
+    # K's and V's scales: constant over each 128 tokens of a request, restarting at its start
+    for a, e in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        for b in range(a, e, 128):
+            blk = x.k_scale[b:min(b + 128, e)]
+            assert (blk == blk[0]).all() and (x.v_scale[b:min(b + 128, e)] == x.v_scale[b]).all()
+    assert (x.k_scale[1] != x.k_scale[131]).all()  # another request's block: its own scale
+
+
+def test_twin_is_within_the_error_bound():
+    q, k, v, cu = _data(dim=128)
+    scale = 128 ** -0.5
+    ref = _attention(q, k, v, cu, scale)
+    x = quantize_fp8_inputs(q, k, v, cu)
+    err = _rel(emulate_fp8_prefill(x, cu, scale), ref)
+    err_p16 = _rel(emulate_fp8_prefill(x, cu, scale, quantize_p=False), ref)
+    assert 1e-3 < err < ERROR_BOUND and err_p16 <= err * 1.05, (err, err_p16)
+    # a request's first row attends to its first key only: out = that V row (P = 256 exact)
+    first = emulate_fp8_prefill(x, cu, scale)[cu[:-1].long()]
+    v_deq = dequantize_fp8_inputs(x)[2][cu[:-1].long()].repeat_interleave(2, 1)
+    torch.testing.assert_close(first, v_deq, atol=1e-5, rtol=1e-5)
+    # not causal, no rotation: still within the bound
+    x = quantize_fp8_inputs(q, k, v, cu, rotate=False)
+    assert _rel(emulate_fp8_prefill(x, cu, scale, causal=False),
+                _attention(q, k, v, cu, scale, causal=False)) < ERROR_BOUND
+
+
+def test_rejects_unsupported_input():
+    q, k, v, cu = _data()
+    x = quantize_fp8_inputs(q, k, v, cu)
+    out = torch.empty(q.shape, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="sm_90"):
+        gluon_fp8_prefill(x, cu, 300, 0.1)
+    with pytest.raises(ValueError, match="out_dtype"):
+        gluon_fp8_prefill(x, cu, 300, 0.1, out_dtype=torch.float32)
+    with pytest.raises(ValueError, match="scale block"):
+        fp8_kernel_args(quantize_fp8_inputs(q, k, v, cu, kv_block=64), out, cu, 300, 0.1, True, {})
+    fp8_kernel_args(quantize_fp8_inputs(q, k, v, cu, kv_block=128), out, cu, 300, 0.1, True,
+                    {"BLOCK_N": 64})  # 64-token tiles inside 128-token scale blocks: fine
+    with pytest.raises(ValueError, match="float8"):
+        fp8_kernel_args(x._replace(q8=x.q8.float()), out, cu, 300, 0.1, True, {})
+    with pytest.raises(ValueError, match="v\\^T"):
+        fp8_kernel_args(x._replace(vt8=x.vt8[:, :300].contiguous()), out, cu, 300, 0.1, True, {})
+    with pytest.raises(ValueError, match="k_scale"):
+        fp8_kernel_args(x._replace(k_scale=x.k_scale.double()), out, cu, 300, 0.1, True, {})
+    with pytest.raises(ValueError, match="BLOCK_M"):
+        fp8_kernel_args(x, out, cu, 300, 0.1, True, {"BLOCK_M": 64})
+    with pytest.raises(ValueError, match="unknown config"):
+        fp8_kernel_args(x, out, cu, 300, 0.1, True, {"WS": True})
+    with pytest.raises(ValueError, match="kv_block"):
+        quantize_fp8_inputs(q, k, v, cu, kv_block=32)
+    assert isinstance(x, Fp8Inputs) and x.kv_block == 128
+
+
+_CHILD = """
+import json, re, torch
+from slipstream.kernels.gluon_compile import compile_fp8_prefill, overlap_report, sass, sass_overlap
+out = {}
+for name, (cfg, kw) in {"default": ({}, {}),
+                        "persistent_n64_gqa_hdim64_fp16": ({"PERSISTENT": True, "BLOCK_N": 64, "STAGES": 3},
+                            {"heads": 9, "kv_heads": 3, "head_dim": 64, "causal": False,
+                             "out_dtype": torch.float16})}.items():
+    try:
+        k = compile_fp8_prefill(cfg, **kw)
+        out[name] = {"shared": k.metadata.shared, "block_n": cfg.get("BLOCK_N", 128),
+                     "qgmma": len(re.findall(r"QGMMA\\.64x\\d+x32\\.F32\\.E4M3\\.E4M3", sass(k.asm["cubin"]))),
+                     **overlap_report(k.asm["ptx"]), "sass_exp2": sass_overlap(k.asm["cubin"])}
+    except FileNotFoundError as e:
+        out[name] = {"skip": str(e)}
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=os.pathsep.join(
+        [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    run = subprocess.run([sys.executable, "-c", _CHILD], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("name", ["default", "persistent_n64_gqa_hdim64_fp16"])
+def test_compiles_for_sm90_on_fp8_tensor_cores(compiled, name):
+    r = compiled[name]
+    if "skip" in r:
+        pytest.skip(r["skip"])
+    # both GEMMs of every tile as e4m3 wgmma (fp32 accumulators): QK^T and P.V
+    assert r["qgmma"] >= 2 * 2 * 128 // 32 and r["qgmma"] == r["wgmma"], r
+    assert r["softmax_under_two_groups"] and r["shared"] <= 227 * 1024, r
+    assert r["sass_exp2"] and min(r["sass_exp2"]) >= r["block_n"] // 2, r
+
+
+hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                            reason="the Gluon FP8 prefill kernel needs an sm_90 GPU")
+
+
+@hopper
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("config", [{"PERSISTENT": False}, {"PERSISTENT": True}, None])
+def test_matches_twin_on_gpu(causal, head_dim, config):
+    q, k, v, cu = (t.cuda() for t in _data([1, 100, 128, 129, 777], 8, 2, head_dim))
+    x = quantize_fp8_inputs(q, k, v, cu)
+    out = gluon_fp8_prefill(x, cu, 777, head_dim ** -0.5, causal=causal, config=config).float()
+    assert torch.isfinite(out).all()
+    assert _rel(out, emulate_fp8_prefill(x, cu, head_dim ** -0.5, causal=causal)) < 3e-2
+    assert _rel(out, _attention(q, k, v, cu, head_dim ** -0.5, causal)) < ERROR_BOUND
