@@ -1,0 +1,278 @@
+"""FP8 (e4m3) Gluon prefill against bf16 Gluon, cuDNN (bf16) and the Triton FP8 path,
+in one run on an H100/H200:
+
+    python3 benchmarks/attention/bench_gluon_fp8.py --out DIR [--smoke]
+
+1. checks (child processes with a timeout, gluon_fp8_checks.py / gluon_checks.py): every
+   FP8 variant against fp32 attention (ERROR_BOUND) and its PyTorch twin, every bf16
+   variant against fp32; the existing paths' errors on the same cases. A variant that
+   fails to compile, is wrong or hangs is reported and left out of the timing;
+2. accuracy on data with outliers (0.1% of entries from N(0, 10^2), FlashAttention-3's
+   test) against float64 attention: bf16 Gluon, Triton FP8 path, FP8 Gluon;
+3. timing (hdim 128, 16 heads, 16k tokens): every contender's output is first checked
+   against fp32 attention (its bound), then three interleaved rounds of do_bench.
+   FP8 kernels are timed on inputs quantised beforehand (as they would come from an
+   FP8 KV cache / a fused quantising store); `*_e2e` include the quantisation in PyTorch.
+4. writes DIR/gluon_fp8.json and .md after every shape, prints a short table last.
+--smoke (no GPU): compile every variant for sm_90, time tiny shapes on the CPU with the
+Gluon kernels replaced by their PyTorch twins (the plumbing only).
+"""
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import json
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+sys.path[:0] = [str(ROOT), str(HERE)]
+
+import bench_gluon_prefill as bgp  # noqa: E402
+import gluon_checks  # noqa: E402
+import gluon_fp8_checks as fc  # noqa: E402
+
+HEADS, HEAD_DIM = 16, 128
+SCALE = HEAD_DIM ** -0.5
+BF16_BOUND = 2e-2
+SHAPES = [("dense 4x4k causal", [4096] * 4, 16, True), ("dense 1x16k causal", [16384], 16, True),
+          ("dense 4x4k", [4096] * 4, 16, False), ("dense 1x16k", [16384], 16, False),
+          ("varlen causal", None, 16, True), ("gqa 16/4 4x4k causal", [4096] * 4, 4, True)]
+SMOKE_SHAPES = [("dense 2x200 causal", [200, 200], 16, True), ("gqa ragged", [5, 140, 19], 4, False)]
+BF16_RUN = ["pingpong_n128_s2", "pingpong_persistent_n128_s2"]
+DEV = "cuda"
+
+
+def fp32_reference(q, k, v, cu, causal):
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    backends = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH] if DEV == "cuda" else [SDPBackend.MATH]
+    with sdpa_kernel(backends):
+        return gluon_checks.reference(q.float(), k.float(), v.float(), cu, causal, SCALE)
+
+
+def contenders(q, k, v, cu, n_max, causal, fp8_variants, bf16_variants):
+    """name -> (call, error bound): the baselines, bf16 and FP8 Gluon variants."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from slipstream.kernels.fp8_attention import fp8_prefill_attention, quantize_fp8_blocks, random_orthogonal
+    from slipstream.kernels.gluon_fp8_inputs import emulate_fp8_prefill, quantize_fp8_inputs
+    from slipstream.kernels.gluon_fp8_prefill import gluon_fp8_prefill
+    from slipstream.kernels.gluon_prefill import gluon_prefill
+    from slipstream.kernels.prefill_attention import prefill_attention
+    tokens, kv_heads = q.shape[0], k.shape[1]
+    lengths = (cu[1:] - cu[:-1]).tolist()
+    calls = {}
+    if len(set(lengths)) == 1 and kv_heads == HEADS and DEV == "cuda":
+        b = len(lengths)
+        qb, kb, vb = (t.view(b, n_max, HEADS, HEAD_DIM).transpose(1, 2) for t in (q, k, v))
+
+        def cudnn():
+            with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+                o = F.scaled_dot_product_attention(qb, kb, vb, is_causal=causal, scale=SCALE)
+            return o.transpose(1, 2).reshape(tokens, HEADS, HEAD_DIM)
+        calls["sdpa_cudnn"] = (cudnn, BF16_BOUND)
+    if DEV == "cpu":  # --smoke: twins instead of the Gluon kernels
+        gluon_prefill = lambda q, k, v, cu, n, s, causal, out, config: out.copy_(  # noqa: E731
+            gluon_checks.reference(q, k, v, cu, causal, s))
+        gluon_fp8_prefill = lambda x, cu, n, s, causal, out, config: out.copy_(  # noqa: E731
+            emulate_fp8_prefill(x, cu, s, causal=causal))
+    bf16 = {"gluon_bf16": None, **{n: gluon_checks.VARIANTS[n] for n in bf16_variants}}
+    for name, cfg in bf16.items():
+        o = torch.empty_like(q)
+        calls[name] = (lambda cfg=cfg, o=o: gluon_prefill(q, k, v, cu, n_max, SCALE, causal=causal,
+                                                          out=o, config=cfg), BF16_BOUND)
+    rot = random_orthogonal(HEAD_DIM, q.device)
+    q8, qs = quantize_fp8_blocks(q.float() @ rot, cu, 64)
+    k8, ks = quantize_fp8_blocks(k.float() @ rot, cu, 64)
+    cache = torch.empty(1, 16, kv_heads, HEAD_DIM, dtype=q.dtype, device=q.device)
+    ctx = torch.zeros(len(lengths), dtype=torch.int32, device=q.device)
+    tables = torch.zeros(len(lengths), 1, dtype=torch.int32, device=q.device)
+    t_out = torch.empty_like(q)
+    calls["triton_fp8"] = (lambda: prefill_attention(q8, k8, v, cache, cache, cu, ctx, tables, n_max, SCALE,
+                                                     causal=causal, q_scale=qs, k_scale=ks, out=t_out),
+                           fc.ERROR_BOUND)
+    calls["triton_fp8_e2e"] = (lambda: fp8_prefill_attention(q, k, v, cu, n_max, SCALE, causal=causal,
+                                                             out=t_out), fc.ERROR_BOUND)
+    x = quantize_fp8_inputs(q, k, v, cu)
+    for name in fp8_variants:
+        o = torch.empty_like(q)
+        calls[name] = (lambda cfg=fc.VARIANTS[name], o=o: gluon_fp8_prefill(
+            x, cu, n_max, SCALE, causal=causal, out=o, config=cfg), fc.ERROR_BOUND)
+    o8 = torch.empty_like(q)
+    calls["gluon_fp8_e2e"] = (lambda: gluon_fp8_prefill(quantize_fp8_inputs(q, k, v, cu), cu, n_max, SCALE,
+                                                        causal=causal, out=o8, config=None), fc.ERROR_BOUND)
+    return calls, (lambda: quantize_fp8_inputs(q, k, v, cu))
+
+
+def time_shape(name, lengths, kv_heads, causal, fp8_variants, bf16_variants, log) -> dict:
+    import torch
+    from prefill_cases import attn_flops
+    from timing import cu_seqlens, interleaved
+    lengths = bgp._lengths(lengths)
+    tokens, n_max = sum(lengths), max(lengths)
+    dtype = torch.bfloat16 if DEV == "cuda" else torch.float32
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    q = torch.randn(tokens, HEADS, HEAD_DIM, device=DEV, dtype=dtype, generator=gen)
+    k, v = (torch.randn(tokens, kv_heads, HEAD_DIM, device=DEV, dtype=dtype, generator=gen) for _ in range(2))
+    cu = cu_seqlens(lengths, DEV)
+    flops = attn_flops(lengths, lengths, causal)
+    row = {"shape": name, "lengths": lengths if len(lengths) <= 8 else f"{len(lengths)} ragged",
+           "kv_heads": kv_heads, "causal": causal, "flops": flops, "tflops": {}, "err": {}}
+    ref = fp32_reference(q, k, v, cu, causal)
+    calls, quantize = contenders(q, k, v, cu, n_max, causal, fp8_variants, bf16_variants)
+    timers = {}
+    for cname, (call, bound) in calls.items():  # once each: compile, check against fp32, then time
+        try:
+            out = call()
+            if DEV == "cuda":
+                torch.cuda.synchronize()
+            row["err"][cname] = err = gluon_checks.rel_err(out, ref)
+        except Exception as e:
+            row["err"][cname] = f"{type(e).__name__}: {str(e)[:200]}"
+            continue
+        if err <= bound:
+            timers[cname] = lambda call=call: bgp._bench_ms(call)
+        else:
+            row["err"][cname] = f"{err:.3g} over its bound {bound}: not timed"
+    if timers:
+        timers["quantize_fp8_inputs"] = lambda: bgp._bench_ms(quantize)
+    for cname, t in interleaved(timers, rounds=3).items():
+        if cname == "quantize_fp8_inputs":
+            row["quantize_ms"] = t["ms"]
+        else:
+            row["tflops"][cname] = flops / t["ms"] / 1e9
+    log(f"  {name}: " + ", ".join(f"{c} {t:.0f}" for c, t in row["tflops"].items()))
+    return row
+
+
+def outlier_accuracy(log) -> dict:
+    """prefill_cases.fp8's data (4 x 4k causal, 0.1% outliers) against float64 attention."""
+    import torch
+    import torch.nn.functional as F
+    from timing import cu_seqlens
+    from slipstream.kernels.fp8_attention import fp8_prefill_attention
+    from slipstream.kernels.gluon_fp8_inputs import quantize_fp8_inputs
+    from slipstream.kernels.gluon_fp8_prefill import gluon_fp8_prefill
+    from slipstream.kernels.gluon_prefill import gluon_prefill
+    b, n = (4, 4096) if DEV == "cuda" else (2, 200)
+    gen = torch.Generator(device=DEV).manual_seed(3)
+
+    def draw():
+        x = torch.randn(b * n, HEADS, HEAD_DIM, device=DEV, generator=gen)
+        outliers = torch.rand(x.shape, device=DEV, generator=gen) < 1e-3
+        return torch.where(outliers, 10 * torch.randn(x.shape, device=DEV, generator=gen), x)
+    q32, k32, v32 = draw(), draw(), draw()
+    q, k, v = (t.to(torch.bfloat16) for t in (q32, k32, v32))
+    cu = cu_seqlens([n] * b, DEV)
+    qb, kb, vb = (t.double().view(b, n, HEADS, HEAD_DIM).transpose(1, 2) for t in (q32, k32, v32))
+    exact = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=SCALE)
+    exact = exact.transpose(1, 2).reshape(b * n, HEADS, HEAD_DIM)
+    row = {"data": f"{b} x {n} causal, N(0,1) with 0.1% of entries from N(0, 10^2)"}
+    runs = {"gluon_bf16": lambda: gluon_prefill(q, k, v, cu, n, SCALE),
+            "triton_fp8": lambda: fp8_prefill_attention(q, k, v, cu, n, SCALE),
+            "triton_fp8_unrotated": lambda: fp8_prefill_attention(q, k, v, cu, n, SCALE, rotate=False),
+            "gluon_fp8": lambda: gluon_fp8_prefill(quantize_fp8_inputs(q, k, v, cu), cu, n, SCALE),
+            "gluon_fp8_unrotated": lambda: gluon_fp8_prefill(quantize_fp8_inputs(q, k, v, cu, rotate=False),
+                                                             cu, n, SCALE)}
+    for name, run in runs.items():
+        try:
+            row["err_" + name] = gluon_checks.rel_err(run(), exact)
+        except Exception as e:
+            row["err_" + name] = f"{type(e).__name__}: {str(e)[:200]}"
+    log(f"  outliers: {row}")
+    return row
+
+
+def short_table(res: dict) -> str:
+    failed = [n for n, r in res["checks"].items() if not r["ok"]]
+    lines = [f"variants failing their checks: {failed or 'none'} (details in gluon_fp8.md)",
+             "| shape | best fp8 | fp8 | bf16 gluon | cuDNN | triton fp8 | fp8 e2e | fp8 x bf16 gluon "
+             "| fp8 x cuDNN | fp8 x triton fp8 | err fp8 / triton fp8 |", "|" + "---|" * 11]
+    for row in res["shapes"]:
+        t, e = row["tflops"], row["err"]
+        fp8 = {c: x for c, x in t.items() if c in fc.VARIANTS}
+        best = max(fp8, key=fp8.get) if fp8 else None
+        cells = [f"{t[c]:.0f}" if c in t else "-" for c in (best, "gluon_bf16", "sdpa_cudnn", "triton_fp8",
+                                                             "gluon_fp8_e2e")]
+        ratios = [f"{t[best] / t[c]:.2f}x" if best and c in t else "-"
+                  for c in ("gluon_bf16", "sdpa_cudnn", "triton_fp8")]
+        errs = " / ".join(f"{e[c]:.1e}" if isinstance(e.get(c), float) else "-" for c in (best, "triton_fp8"))
+        lines.append(f"| {row['shape']} | {best} | {' | '.join(cells)} | {' | '.join(ratios)} | {errs} |")
+    if res.get("outliers"):
+        lines.append("outlier data, error vs float64: " + ", ".join(
+            f"{k[4:]} {v:.2e}" if isinstance(v, float) else f"{k[4:]} {v}"
+            for k, v in res["outliers"].items() if k.startswith("err_")))
+    return "\n".join(lines)
+
+
+def save(res: dict, out: Path, t0: float) -> None:
+    res["seconds"] = time.time() - t0
+    (out / "gluon_fp8.json").write_text(json.dumps(res, indent=1))
+    md = [f"# FP8 Gluon prefill (hdim 128, 16 heads, TFLOP/s)\n\n{res['device']}, torch {res['torch']}, "
+          f"triton {res['triton']}, {res['seconds']:.0f} s\n", "## Checks\n", "```",
+          json.dumps(res["checks"], indent=1), "```\n", "## Shapes\n", "```",
+          json.dumps(res["shapes"], indent=1), "```\n", "## Summary\n", short_table(res)]
+    (out / "gluon_fp8.md").write_text("\n".join(md) + "\n")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, default=HERE / "results" / "gluon_fp8")
+    ap.add_argument("--smoke", action="store_true", help="no GPU: compile for sm_90, CPU plumbing run")
+    ap.add_argument("--fp8-variants", nargs="*", default=fc.DEFAULT_RUN, choices=list(fc.VARIANTS))
+    ap.add_argument("--bf16-variants", nargs="*", default=BF16_RUN, choices=list(gluon_checks.VARIANTS))
+    ap.add_argument("--limit", type=float, default=220, help="watchdog seconds (default 220)")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    global DEV
+    if args.smoke:
+        DEV = bgp.DEVICE = "cpu"
+        os.environ["TRITON_INTERPRET"] = "1"
+    import torch
+    import triton
+
+    def log(msg):
+        print(f"[{time.time() - t0:6.1f}s] {msg}", flush=True)
+
+    res = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (smoke)",
+           "torch": torch.__version__, "triton": triton.__version__, "checks": {}, "shapes": []}
+
+    def fire():
+        faulthandler.dump_traceback()
+        for child in list(bgp.CHILDREN):
+            child.kill()
+        res["aborted"] = f"stopped after {args.limit} s"
+        save(res, args.out, t0)
+        print(short_table(res), flush=True)
+        os._exit(3)
+    threading.Timer(args.limit, fire).start()
+    log("checks" + (" (compile only)" if args.smoke else ""))
+    res["checks"] = bgp.run_checks(["triton_fp8_path"] + args.fp8_variants, args.smoke, log,
+                                   script="gluon_fp8_checks.py")
+    res["checks"].update(bgp.run_checks(args.bf16_variants, args.smoke, log) if args.bf16_variants else {})
+    passing = [n for n, r in res["checks"].items() if r["ok"]]
+    try:
+        res["outliers"] = outlier_accuracy(log)
+    except Exception as e:
+        res["outliers"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+    for name, lengths, kv_heads, causal in SMOKE_SHAPES if args.smoke else SHAPES:
+        try:
+            res["shapes"].append(time_shape(name, lengths, kv_heads, causal,
+                                            [n for n in args.fp8_variants if n in passing],
+                                            [n for n in args.bf16_variants if n in passing], log))
+        except Exception as e:  # one shape's failure must not lose the others
+            res["shapes"].append({"shape": name, "tflops": {}, "err": {"all": f"{type(e).__name__}: {e}"[:300]}})
+        save(res, args.out, t0)
+    print(short_table(res), flush=True)
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
