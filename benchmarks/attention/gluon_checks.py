@@ -45,6 +45,13 @@ VARIANTS = {
     "pingpong_persistent_n64_s5": {**_PP, "PERSISTENT": True, "BLOCK_N": 64, "STAGES": 5},
     "two_consumers_persistent_n128_s2": {**_PP, "TURNS": False, "PERSISTENT": True},
     "pingpong_persistent_n128_s3_q1": {**_PP, "PERSISTENT": True, "STAGES": 3, "Q_BUFS": 1},
+    # Work order (gluon_schedule.py; its twin puts the busiest persistent program at 4x4k causal
+    # 1.12x the mean tiles in the order above, 1.03x snake, 1.003x snake + LPT; at 16k 1.56x,
+    # 1.53x, 1.001x). lpt: longest blocks of all heads first; g2: two heads at a time.
+    "pingpong_persistent_n128_s2_snake": {**_PP, "PERSISTENT": True, "SNAKE": True},
+    "pingpong_persistent_n128_s2_snake_g2": {**_PP, "PERSISTENT": True, "SNAKE": True, "HEAD_GROUP": 2},
+    "pingpong_persistent_n128_s2_lpt": {**_PP, "PERSISTENT": True, "SNAKE": True, "HEAD_GROUP": 4096},
+    "pingpong_n128_s2_lpt": {**_PP, "HEAD_GROUP": 4096},
 }
 # What one run times by default (about 60 s on the H200); the others by --variants.
 DEFAULT_RUN = ["m128_n128_s3", "ws_m128_n128_s2", "ws_m128_n128_s3", "pingpong_n128_s2",

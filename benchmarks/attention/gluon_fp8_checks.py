@@ -29,7 +29,7 @@ ERROR_BOUND = 6e-2   # relative (Frobenius) against fp32 attention; the twin mea
 TWIN_BOUND = 1e-2    # relative against the twin (bf16 output rounding: 1.6e-3)
 TWIN_MAX_ABS = 6e-2  # largest absolute difference to the twin
 _BASE = {"BLOCK_M": 128, "BLOCK_N": 128, "STAGES": 2, "PERSISTENT": False, "Q_BUFS": 2, "PIN": True,
-         "num_warps": 4}
+         "SNAKE": False, "HEAD_GROUP": 0, "num_warps": 4}
 # Shared memory: Q 16 KB a buffer, K + V^T 32 KB a stage at BLOCK_N 128.
 VARIANTS = {
     "fp8_s2": _BASE,
@@ -40,9 +40,14 @@ VARIANTS = {
     "fp8_persistent_s2": {**_BASE, "PERSISTENT": True},
     "fp8_persistent_s3": {**_BASE, "PERSISTENT": True, "STAGES": 3},
     "fp8_persistent_s4": {**_BASE, "PERSISTENT": True, "STAGES": 4},
+    # work orders (gluon_schedule.py, gluon_checks.py)
+    "fp8_persistent_s2_snake": {**_BASE, "PERSISTENT": True, "SNAKE": True},
+    "fp8_persistent_s2_lpt": {**_BASE, "PERSISTENT": True, "SNAKE": True, "HEAD_GROUP": 4096},
+    "fp8_persistent_s3_lpt": {**_BASE, "PERSISTENT": True, "SNAKE": True, "HEAD_GROUP": 4096, "STAGES": 3},
+    "fp8_s2_lpt": {**_BASE, "HEAD_GROUP": 4096},
 }
-DEFAULT_RUN = ["fp8_s2", "fp8_s3", "fp8_s4", "fp8_s2_unpinned", "fp8_persistent_s2",
-               "fp8_persistent_s3", "fp8_persistent_s4"]
+DEFAULT_RUN = ["fp8_s2", "fp8_s3", "fp8_s2_unpinned", "fp8_persistent_s2", "fp8_persistent_s3",
+               "fp8_persistent_s2_snake", "fp8_persistent_s2_lpt", "fp8_persistent_s3_lpt", "fp8_s2_lpt"]
 # (request lengths, heads, kv_heads, causal, out dtype, head_dim): ragged ends, GQA, MQA,
 # one-token and one-tile-plus-one requests, hdim 64 (SmolLM2's 9/3 heads), fp16 output.
 CASES = [([1, 63, 128, 129, 700, 1500, 2048], 16, 4, True, torch.bfloat16, 128),

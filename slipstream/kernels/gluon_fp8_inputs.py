@@ -9,9 +9,9 @@ transposed to V^T [kv_heads * D, tokens padded to 16] (FP8 wgmma wants P.V's
 operand K-major: tokens contiguous). Scales are stored per token, fp32.
 
 `emulate_fp8_prefill`: what the kernel computes, in fp32 on dequantised
-inputs, with P cast to e4m3 as the kernel does (P * 2^8 relative to the row
-maximum; the kernel uses the running maximum, so the two differ by P's
-rounding only).
+inputs, with P cast to e4m3 as the kernel does (P * 2^8 relative to the row's
+running maximum over the key tiles so far), so the kernel matches it to about
+its output's rounding.
 """
 from __future__ import annotations
 
@@ -66,23 +66,33 @@ def dequantize_fp8_inputs(x: Fp8Inputs) -> tuple[torch.Tensor, torch.Tensor, tor
 
 
 def emulate_fp8_prefill(x: Fp8Inputs, cu_seqlens: torch.Tensor, scale: float, *,
-                        causal: bool = True, quantize_p: bool = True) -> torch.Tensor:
-    """The kernel's arithmetic in fp32: [tokens, heads, D] fp32."""
+                        causal: bool = True, quantize_p: bool = True, block_n: int = 128) -> torch.Tensor:
+    """The kernel's arithmetic in fp32 [tokens, heads, D]: the scores of the dequantised
+    q, k; P cast to e4m3 as 2^8 exp(s - m) with m the row's running maximum over the key
+    tiles of block_n so far (the online softmax's), rescaled to the final one after the
+    cast; l of the unrounded P."""
     q, k, v = dequantize_fp8_inputs(x)
     group = q.shape[1] // k.shape[1]
     out = torch.zeros_like(q)
     starts = cu_seqlens.tolist()
     for a, e in zip(starts[:-1], starts[1:]):
+        n = e - a
         qs = q[a:e].transpose(0, 1)                                  # [heads, n, D]
         ks = k[a:e].transpose(0, 1).repeat_interleave(group, 0)
         vs = v[a:e].transpose(0, 1).repeat_interleave(group, 0)
-        s = qs @ ks.transpose(1, 2) * scale
+        s = qs @ ks.transpose(1, 2) * scale                          # [heads, n, n]
         if causal:
-            n = e - a
             s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
-        p = torch.exp(s - s.amax(-1, keepdim=True)) * P_SCALE
-        l = p.sum(-1, keepdim=True)
+        tiles = -(-n // block_n)
+        pad = torch.full((*s.shape[:2], tiles * block_n - n), float("-inf"), device=s.device)
+        m_tile = torch.cat([s, pad], -1).view(*s.shape[:2], tiles, block_n).amax(-1)
+        m_run = m_tile.cummax(-1).values.repeat_interleave(block_n, -1)[..., :n]
+        m_fin = m_run[..., -1:]
+        m_run = torch.where(torch.isfinite(m_run), m_run, m_fin)     # keys past a row's last tile
+        p = torch.exp(s - m_run) * P_SCALE
         if quantize_p:
             p = p.to(FP8).float()
+        p = p * torch.exp(m_run - m_fin)
+        l = (torch.exp(s - m_fin) * P_SCALE).sum(-1, keepdim=True)
         out[a:e] = (p @ vs / l).transpose(0, 1)
     return out

@@ -23,7 +23,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from slipstream.kernels.gluon_fp8_inputs import Fp8Inputs
 from slipstream.kernels.gluon_fp8_tile import attend_block_fp8, produce_block_fp8
-from slipstream.kernels.gluon_prefill import HEAD_DIMS, LOG2E, _block, _is_sm90
+from slipstream.kernels.gluon_prefill import HEAD_DIMS, LOG2E, _is_sm90
+from slipstream.kernels.gluon_schedule import work_item, work_range
 from slipstream.kernels.runtime import num_sms
 
 FP8 = torch.float8_e4m3fn
@@ -31,18 +32,21 @@ OUT_DTYPES = (torch.bfloat16, torch.float16)
 
 
 @gluon.jit
-def _consume(t0, t_end, t_step, CuSeqlens, n_mblocks, heads, kv_heads, group, q_smem, q_ready,
+def _consume(t0, t_end, t_step, total, CuSeqlens, n_mblocks, heads, num_seqs, kv_heads, group,
+             q_smem, q_ready,
              q_empty, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn_bars, Out, QScale, KScale,
              VScale, stride_ot, qk_scale, ME: gl.constexpr, CAUSAL: gl.constexpr,
              BLOCK_M: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, Q_SLOTS: gl.constexpr,
-             PIN: gl.constexpr):
+             PIN: gl.constexpr, PERSISTENT: gl.constexpr, SNAKE: gl.constexpr,
+             HEAD_GROUP: gl.constexpr):
     """One consumer warpgroup (ME: its 64 rows of each block) over work items t0, t0 + t_step, .."""
     it0 = 0
     k = 0
     for t in range(t0, t_end, t_step):
-        q_start, q_len, m_row0, head, kv_col, n_tiles, mask_from = _block(
-            t, CuSeqlens, n_mblocks, heads, group, BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL)
+        q_start, q_len, m_row0, head, kv_col, n_tiles, mask_from = work_item(
+            t, total, CuSeqlens, n_mblocks, heads, num_seqs, group, BLOCK_M, BLOCK_N, HEAD_DIM,
+            CAUSAL, PERSISTENT, SNAKE, HEAD_GROUP)
         if n_tiles > 0:
             qs = k % Q_SLOTS
             attend_block_fp8(q_smem.index(qs * 2 + ME), q_ready.index(qs), (k // Q_SLOTS) & 1,
@@ -56,18 +60,21 @@ def _consume(t0, t_end, t_step, CuSeqlens, n_mblocks, heads, kv_heads, group, q_
 
 
 @gluon.jit
-def _produce(t0, t_end, t_step, CuSeqlens, n_mblocks, heads, group, q_desc, q_smem, q_ready,
+def _produce(t0, t_end, t_step, total, CuSeqlens, n_mblocks, heads, num_seqs, group, q_desc,
+             q_smem, q_ready,
              q_empty, k_desc, vt_desc, k_bufs, v_bufs, k_ready, v_ready, kv_empty,
              CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, ROWS: gl.constexpr,
              BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-             Q_SLOTS: gl.constexpr):
+             Q_SLOTS: gl.constexpr, PERSISTENT: gl.constexpr, SNAKE: gl.constexpr,
+             HEAD_GROUP: gl.constexpr):
     """The producer warp: each block's two Q halves, then its K / V^T tiles
     (with one Q buffer, a later block's first STAGES tiles before its Q)."""
     it0 = 0
     k = 0
     for t in range(t0, t_end, t_step):
-        q_start, q_len, m_row0, head, kv_col, n_tiles, mask_from = _block(
-            t, CuSeqlens, n_mblocks, heads, group, BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL)
+        q_start, q_len, m_row0, head, kv_col, n_tiles, mask_from = work_item(
+            t, total, CuSeqlens, n_mblocks, heads, num_seqs, group, BLOCK_M, BLOCK_N, HEAD_DIM,
+            CAUSAL, PERSISTENT, SNAKE, HEAD_GROUP)
         if n_tiles > 0:
             qs = k % Q_SLOTS
             early = 0
@@ -92,13 +99,10 @@ def _fp8_prefill_kernel(q_desc, k_desc, vt_desc, Out, QScale, KScale, VScale, Cu
                         stride_ot, qk_scale, group, heads, kv_heads, num_seqs,
                         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                         STAGES: gl.constexpr, CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr,
-                        Q_BUFS: gl.constexpr, PIN: gl.constexpr, num_warps: gl.constexpr):
+                        Q_BUFS: gl.constexpr, PIN: gl.constexpr, SNAKE: gl.constexpr,
+                        HEAD_GROUP: gl.constexpr, num_warps: gl.constexpr):
     n_mblocks = gl.cdiv(max_len, BLOCK_M)
-    if PERSISTENT:
-        t0, t_end, t_step = gl.program_id(0), n_mblocks * heads * num_seqs, gl.num_programs(0)
-    else:
-        t0 = gl.program_id(0) + n_mblocks * (gl.program_id(1) + heads * gl.program_id(2))
-        t_end, t_step = t0 + 1, 1
+    t0, t_end, t_step, total = work_range(n_mblocks, heads, num_seqs, PERSISTENT, SNAKE)
     ROWS: gl.constexpr = BLOCK_M // 2
     Q_SLOTS: gl.constexpr = Q_BUFS if PERSISTENT else 1
     q_smem = gl.allocate_shared_memory(gl.float8e4nv, [Q_SLOTS * 2, ROWS, HEAD_DIM], q_desc.layout)
@@ -122,23 +126,24 @@ def _fp8_prefill_kernel(q_desc, k_desc, vt_desc, Out, QScale, KScale, VScale, Cu
         mbarrier.init(turn_bars.index(i), count=1)
     mbarrier.arrive(turn_bars.index(0))  # the upper rows' warpgroup goes first
     gl.warp_specialize([
-        (_consume, (t0, t_end, t_step, CuSeqlens, n_mblocks, heads, kv_heads, group, q_smem,
-                    q_ready, q_empty, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn_bars, Out,
-                    QScale, KScale, VScale, stride_ot, qk_scale, 0, CAUSAL, BLOCK_M, ROWS, BLOCK_N,
-                    HEAD_DIM, STAGES, Q_SLOTS, PIN)),
-        (_consume, (t0, t_end, t_step, CuSeqlens, n_mblocks, heads, kv_heads, group, q_smem,
-                    q_ready, q_empty, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn_bars, Out,
-                    QScale, KScale, VScale, stride_ot, qk_scale, 1, CAUSAL, BLOCK_M, ROWS, BLOCK_N,
-                    HEAD_DIM, STAGES, Q_SLOTS, PIN)),
-        (_produce, (t0, t_end, t_step, CuSeqlens, n_mblocks, heads, group, q_desc, q_smem, q_ready,
-                    q_empty, k_desc, vt_desc, k_bufs, v_bufs, k_ready, v_ready, kv_empty, CAUSAL,
-                    BLOCK_M, ROWS, BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS))], [4, 1], [240, 24])
+        (_consume, (t0, t_end, t_step, total, CuSeqlens, n_mblocks, heads, num_seqs, kv_heads, group,
+                    q_smem, q_ready, q_empty, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn_bars,
+                    Out, QScale, KScale, VScale, stride_ot, qk_scale, 0, CAUSAL, BLOCK_M, ROWS,
+                    BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS, PIN, PERSISTENT, SNAKE, HEAD_GROUP)),
+        (_consume, (t0, t_end, t_step, total, CuSeqlens, n_mblocks, heads, num_seqs, kv_heads, group,
+                    q_smem, q_ready, q_empty, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn_bars,
+                    Out, QScale, KScale, VScale, stride_ot, qk_scale, 1, CAUSAL, BLOCK_M, ROWS,
+                    BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS, PIN, PERSISTENT, SNAKE, HEAD_GROUP)),
+        (_produce, (t0, t_end, t_step, total, CuSeqlens, n_mblocks, heads, num_seqs, group, q_desc,
+                    q_smem, q_ready, q_empty, k_desc, vt_desc, k_bufs, v_bufs, k_ready, v_ready,
+                    kv_empty, CAUSAL, BLOCK_M, ROWS, BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS, PERSISTENT,
+                    SNAKE, HEAD_GROUP))], [4, 1], [240, 24])
 
 
 # --- launcher -------------------------------------------------------------------
 
 DEFAULT_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 128, "STAGES": 2, "PERSISTENT": False, "Q_BUFS": 2,
-                  "PIN": True, "num_warps": 4}
+                  "PIN": True, "SNAKE": False, "HEAD_GROUP": 0, "num_warps": 4}  # gluon_schedule.py
 PERSISTENT_UP_TO = 4096  # as the bf16 kernel (GLUON.md): persistent for requests up to 4k
 
 
@@ -181,6 +186,8 @@ def fp8_kernel_args(x: Fp8Inputs, out, cu_seqlens, max_seqlen: int, scale: float
     cfg = {**DEFAULT_CONFIG, **config}
     if cfg["BLOCK_M"] != 128 or cfg["num_warps"] != 4:
         raise ValueError("the FP8 kernel runs BLOCK_M 128 as two warpgroups of 64 rows (num_warps 4)")
+    if (cfg["SNAKE"] and not cfg["PERSISTENT"]) or cfg["HEAD_GROUP"] < 0:
+        raise ValueError("SNAKE needs PERSISTENT, HEAD_GROUP >= 0 (gluon_schedule.py)")
     check_fp8_inputs(x, cu_seqlens, cfg["BLOCK_N"])
     q8, k8, vt8, q_scale, k_scale, v_scale, _ = x
     tokens, heads, d = q8.shape

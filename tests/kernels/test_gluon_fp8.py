@@ -22,6 +22,7 @@ from slipstream.kernels.gluon_fp8_prefill import fp8_kernel_args, gluon_fp8_pref
 ROOT = Path(__file__).resolve().parents[2]
 LENGTHS = [1, 130, 300]
 ERROR_BOUND = 6e-2  # relative (Frobenius) error against fp32 attention, random data
+TWIN_BOUND = 1e-2   # against the twin: the output's bf16 rounding (1.6e-3) and rare e4m3 rounding flips
 
 
 def _data(lengths=LENGTHS, heads=4, kv_heads=2, dim=64, seed=0):
@@ -167,5 +168,5 @@ def test_matches_twin_on_gpu(causal, head_dim, config):
     x = quantize_fp8_inputs(q, k, v, cu)
     out = gluon_fp8_prefill(x, cu, 777, head_dim ** -0.5, causal=causal, config=config).float()
     assert torch.isfinite(out).all()
-    assert _rel(out, emulate_fp8_prefill(x, cu, head_dim ** -0.5, causal=causal)) < 3e-2
+    assert _rel(out, emulate_fp8_prefill(x, cu, head_dim ** -0.5, causal=causal)) < TWIN_BOUND
     assert _rel(out, _attention(q, k, v, cu, head_dim ** -0.5, causal)) < ERROR_BOUND

@@ -134,6 +134,8 @@ hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_devi
 @pytest.mark.parametrize("config", [BASE, {**BASE, "WS": True},
                                     {**BASE, "WS": True, "PINGPONG": True, "num_warps": 4},
                                     {**BASE, "WS": True, "PERSISTENT": True},
+                                    {**BASE, "WS": True, "PINGPONG": True, "num_warps": 4,
+                                     "PERSISTENT": True, "SNAKE": True, "HEAD_GROUP": 4096},
                                     None])  # None: what the backend runs (CHOSEN)
 def test_matches_reference_on_gpu(dtype, causal, head_dim, config):
     lengths, heads, kv_heads = [1, 100, 128, 129, 777], 8, 2
