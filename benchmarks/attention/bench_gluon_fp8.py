@@ -102,10 +102,12 @@ def contenders(q, k, v, cu, n_max, causal, fp8_variants, bf16_variants):
                            fc.ERROR_BOUND)
     calls["triton_fp8_e2e"] = (lambda: fp8_prefill_attention(q, k, v, cu, n_max, SCALE, causal=causal,
                                                              out=t_out), fc.ERROR_BOUND)
-    x = quantize_fp8_inputs(q, k, v, cu)
+    v16 = v if v.dtype == torch.bfloat16 else v.half()  # --smoke runs fp32
+    xs = {True: quantize_fp8_inputs(q, k, v, cu), False: quantize_fp8_inputs(q, k, v16, cu, fp8_v=False)}
     for name in fp8_variants:
         o = torch.empty_like(q)
-        calls[name] = (lambda cfg=fc.VARIANTS[name], o=o: gluon_fp8_prefill(
+        cfg, fp8_v = fc.kernel_config(name)
+        calls[name] = (lambda cfg=cfg, x=xs[fp8_v], o=o: gluon_fp8_prefill(
             x, cu, n_max, SCALE, causal=causal, out=o, config=cfg), fc.ERROR_BOUND)
     o8 = torch.empty_like(q)
     calls["gluon_fp8_e2e"] = (lambda: gluon_fp8_prefill(quantize_fp8_inputs(q, k, v, cu), cu, n_max, SCALE,
@@ -182,7 +184,8 @@ def outlier_accuracy(log) -> dict:
             "triton_fp8_unrotated": lambda: fp8_prefill_attention(q, k, v, cu, n, SCALE, rotate=False),
             "gluon_fp8": lambda: gluon_fp8_prefill(quantize_fp8_inputs(q, k, v, cu), cu, n, SCALE),
             "gluon_fp8_unrotated": lambda: gluon_fp8_prefill(quantize_fp8_inputs(q, k, v, cu, rotate=False),
-                                                             cu, n, SCALE)}
+                                                             cu, n, SCALE),
+            "gluon_qk8": lambda: gluon_fp8_prefill(quantize_fp8_inputs(q, k, v, cu, fp8_v=False), cu, n, SCALE)}
     for name, run in runs.items():
         try:
             row["err_" + name] = gluon_checks.rel_err(run(), exact)
@@ -198,24 +201,26 @@ def short_table(res: dict) -> str:
     failed = [n for n, r in res["checks"].items() if not r["ok"]]
     lines = [f"variants failing their checks: {failed or 'none'} (details in gluon_fp8.md)",
              "| shape | cuDNN | bf16 gluon | best bf16 variant | x cuDNN | triton fp8 | best fp8 variant "
-             "| fp8 e2e | fp8 x bf16 | fp8 x cuDNN | fp8 x triton fp8 | err fp8 / triton fp8 |",
-             "|" + "---|" * 12]
+             "| fp8 e2e | fp8 x bf16 | fp8 x cuDNN | fp8 x triton fp8 | err fp8 / triton fp8 "
+             "| QK-only fp8 (x bf16, err) |", "|" + "---|" * 13]
     for row in res["shapes"]:
         t, e = row["tflops"], row["err"]
 
         def best(names):
             have = {c: x for c, x in t.items() if c in names}
             return max(have, key=have.get) if have else None
-        b8, b16 = best(fc.VARIANTS), best(gluon_checks.VARIANTS)
+        b8, b16 = best([n for n in fc.VARIANTS if n.startswith("fp8")]), best(gluon_checks.VARIANTS)
+        bq = best([n for n in fc.VARIANTS if n.startswith("qk8")])
         bf16 = max([t[c] for c in ("gluon_bf16", b16) if c in t], default=None)
         f = lambda c: f"{t[c]:.0f}" if c in t else "-"  # noqa: E731
         r = lambda a, b: f"{a / b:.2f}x" if a and b else "-"  # noqa: E731
         fp8 = t.get(b8)
         errs = " / ".join(f"{e[c]:.1e}" if isinstance(e.get(c), float) else "-" for c in (b8, "triton_fp8"))
+        qk8 = f"{bq} {f(bq)} ({r(t.get(bq), bf16)}, {e[bq]:.1e})" if bq else "-"
         lines.append(f"| {row['shape']} | {f('sdpa_cudnn')} | {f('gluon_bf16')} | {b16} {f(b16)} | "
                      f"{r(bf16, t.get('sdpa_cudnn'))} | {f('triton_fp8')} | {b8} {f(b8)} | "
                      f"{f('gluon_fp8_e2e')} | {r(fp8, bf16)} | {r(fp8, t.get('sdpa_cudnn'))} | "
-                     f"{r(fp8, t.get('triton_fp8'))} | {errs} |")
+                     f"{r(fp8, t.get('triton_fp8'))} | {errs} | {qk8} |")
     if res.get("outliers"):
         lines.append("outlier data, error vs float64: " + ", ".join(
             f"{k[4:]} {v:.2e}" if isinstance(v, float) else f"{k[4:]} {v}"

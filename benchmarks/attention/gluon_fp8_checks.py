@@ -45,9 +45,19 @@ VARIANTS = {
     "fp8_persistent_s2_lpt": {**_BASE, "PERSISTENT": True, "SNAKE": True, "HEAD_GROUP": 4096},
     "fp8_persistent_s3_lpt": {**_BASE, "PERSISTENT": True, "SNAKE": True, "HEAD_GROUP": 4096, "STAGES": 3},
     "fp8_s2_lpt": {**_BASE, "HEAD_GROUP": 4096},
+    # QK^T-only FP8 (the existing path's split: V and P.V in bf16), for its error
+    "qk8_s2": {**_BASE, "FP8_V": False},
+    "qk8_persistent_s2_lpt": {**_BASE, "PERSISTENT": True, "SNAKE": True, "HEAD_GROUP": 4096, "FP8_V": False},
 }
 DEFAULT_RUN = ["fp8_s2", "fp8_s3", "fp8_s2_unpinned", "fp8_persistent_s2", "fp8_persistent_s3",
-               "fp8_persistent_s2_snake", "fp8_persistent_s2_lpt", "fp8_persistent_s3_lpt", "fp8_s2_lpt"]
+               "fp8_persistent_s2_snake", "fp8_persistent_s2_lpt", "fp8_persistent_s3_lpt", "fp8_s2_lpt",
+               "qk8_s2", "qk8_persistent_s2_lpt"]
+
+
+def kernel_config(name: str) -> tuple[dict, bool]:
+    """(the kernel's config, whether V is FP8) of a variant."""
+    cfg = dict(VARIANTS[name])
+    return cfg, cfg.pop("FP8_V", True)
 # (request lengths, heads, kv_heads, causal, out dtype, head_dim): ragged ends, GQA, MQA,
 # one-token and one-tile-plus-one requests, hdim 64 (SmolLM2's 9/3 heads), fp16 output.
 CASES = [([1, 63, 128, 129, 700, 1500, 2048], 16, 4, True, torch.bfloat16, 128),
@@ -57,10 +67,10 @@ CASES = [([1, 63, 128, 129, 700, 1500, 2048], 16, 4, True, torch.bfloat16, 128),
 _DATA: dict = {}
 
 
-def case_data(i: int):
+def case_data(i: int, fp8_v: bool = True):
     """(q, k, v bf16, cu, fp32 reference, Fp8Inputs) of case i, shared by every variant."""
     from slipstream.kernels.gluon_fp8_inputs import quantize_fp8_inputs
-    if i not in _DATA:
+    if (i, fp8_v) not in _DATA:
         lengths, heads, kv_heads, causal, _, dim = CASES[i]
         gen = torch.Generator(device="cuda").manual_seed(i)
         cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
@@ -68,21 +78,24 @@ def case_data(i: int):
         k, v = (torch.randn(sum(lengths), kv_heads, dim, device="cuda", dtype=torch.bfloat16,
                             generator=gen) for _ in range(2))
         ref = reference(q.float(), k.float(), v.float(), cu, causal, dim ** -0.5)
-        _DATA[i] = (q, k, v, cu, ref, quantize_fp8_inputs(q, k, v, cu))
-    return _DATA[i]
+        _DATA[i, fp8_v] = (q, k, v, cu, ref, quantize_fp8_inputs(q, k, v, cu, fp8_v=fp8_v))
+    return _DATA[i, fp8_v]
 
 
 def _name(lengths, heads, kv_heads, causal, dtype, dim) -> str:
     return f"{len(lengths)}seqs_h{heads}/{kv_heads}x{dim}_{'causal' if causal else 'full'}_{str(dtype)[6:]}"
 
 
-def check_variant(cfg: dict) -> dict:
+def check_variant(name: str) -> dict:
     """Errors per case; the output starts as NaN, so rows never written show."""
     from slipstream.kernels.gluon_fp8_inputs import emulate_fp8_prefill
     from slipstream.kernels.gluon_fp8_prefill import gluon_fp8_prefill
+    cfg, fp8_v = kernel_config(name)
     worst, errs = 0.0, {}
     for i, (lengths, heads, kv_heads, causal, dtype, dim) in enumerate(CASES):
-        q, k, v, cu, ref, x = case_data(i)
+        q, k, v, cu, ref, x = case_data(i, fp8_v)
+        if not fp8_v and dtype != torch.bfloat16:  # P.V in v's dtype: the output's here
+            x = x._replace(v=x.v.to(dtype))
         out = torch.full(q.shape, float("nan"), dtype=dtype, device="cuda")
         gluon_fp8_prefill(x, cu, max(lengths), dim ** -0.5, causal=causal, out=out, config=cfg)
         twin = emulate_fp8_prefill(x, cu, dim ** -0.5, causal=causal, block_n=cfg["BLOCK_N"])
@@ -111,9 +124,10 @@ def baseline_errors() -> dict:
     return {"ok": True, "errors": errs}
 
 
-def compile_variant(cfg: dict) -> dict:
+def compile_variant(name: str) -> dict:
     from slipstream.kernels.gluon_compile import compile_fp8_prefill, overlap_report, sass_overlap
-    k = compile_fp8_prefill(cfg)
+    cfg, fp8_v = kernel_config(name)
+    k = compile_fp8_prefill(cfg, fp8_v=fp8_v)
     return {"ok": True, "shared_bytes": k.metadata.shared, **overlap_report(k.asm["ptx"]),
             "sass_exp2_under_pv": sass_overlap(k.asm["cubin"])}
 
@@ -126,10 +140,10 @@ def main(names: list[str], compile_only: bool) -> None:
             if name == "triton_fp8_path":
                 res = {"ok": True, "skipped": "no GPU"} if compile_only else baseline_errors()
             else:
-                res = (compile_variant if compile_only else check_variant)(VARIANTS[name])
+                res = (compile_variant if compile_only else check_variant)(name)
                 if not compile_only:
                     try:
-                        res["compiled"] = compile_variant(VARIANTS[name])
+                        res["compiled"] = compile_variant(name)
                     except Exception as e:
                         res["compiled"] = f"{type(e).__name__}: {str(e)[-200:]}"
         except Exception as e:

@@ -43,14 +43,16 @@ def compile_prefill(config: dict | None = None, *, causal: bool = True,
 
 def compile_fp8_prefill(config: dict | None = None, *, causal: bool = True,
                         out_dtype: torch.dtype = torch.bfloat16, heads: int = 16, kv_heads: int = 16,
-                        tokens: int = 4096, head_dim: int = 128):
-    """compile_prefill for the FP8 kernel (gluon_fp8_prefill), from CPU tensors."""
+                        tokens: int = 4096, head_dim: int = 128, fp8_v: bool = True):
+    """compile_prefill for the FP8 kernel (gluon_fp8_prefill), from CPU tensors
+    (fp8_v False: QK^T-only FP8, V in out_dtype)."""
     from slipstream.kernels import gluon_fp8_prefill
     from slipstream.kernels.gluon_fp8_inputs import Fp8Inputs
     fp8 = torch.float8_e4m3fn
     q = torch.empty(tokens, heads, head_dim, dtype=fp8)
     k = torch.empty(tokens, kv_heads, head_dim, dtype=fp8)
-    vt = torch.empty(kv_heads * head_dim, tokens + (-tokens) % 16, dtype=fp8)
+    vt = torch.empty(kv_heads * head_dim, tokens + (-tokens) % 16, dtype=fp8) if fp8_v else \
+        torch.empty(tokens, kv_heads, head_dim, dtype=out_dtype)
     q_scale, kv_scale = torch.empty(tokens, heads), torch.empty(tokens, kv_heads)
     out = torch.empty(tokens, heads, head_dim, dtype=out_dtype)
     cu = torch.tensor([0, tokens], dtype=torch.int32)

@@ -9,7 +9,7 @@ transposed to V^T [kv_heads * D, tokens padded to 16] (FP8 wgmma wants P.V's
 operand K-major: tokens contiguous). Scales are stored per token, fp32.
 
 `emulate_fp8_prefill`: what the kernel computes, in fp32 on dequantised
-inputs, with P cast to e4m3 as the kernel does (P * 2^8 relative to the row's
+inputs, with P cast to e4m3 (QK^T-only: v's dtype) as the kernel does (P * 2^8 relative to the row's
 running maximum over the key tiles so far), so the kernel matches it to about
 its output's rounding.
 """
@@ -27,7 +27,7 @@ P_SCALE = 256.0  # gluon_fp8_tile.P_SHIFT = log2(P_SCALE)
 class Fp8Inputs(NamedTuple):
     q8: torch.Tensor       # [tokens, heads, D] e4m3
     k8: torch.Tensor       # [tokens, kv_heads, D] e4m3
-    vt8: torch.Tensor      # [kv_heads * D, tokens_pad] e4m3
+    v: torch.Tensor        # V^T [kv_heads * D, tokens_pad] e4m3; QK^T-only: V [tokens, kv_heads, D] 16-bit
     q_scale: torch.Tensor  # [tokens, heads] fp32
     k_scale: torch.Tensor  # [tokens, kv_heads] fp32
     v_scale: torch.Tensor  # [tokens, kv_heads] fp32
@@ -35,9 +35,12 @@ class Fp8Inputs(NamedTuple):
 
 
 def quantize_fp8_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                        *, rotate: bool = True, q_block: int = 64, kv_block: int = 128) -> Fp8Inputs:
+                        *, rotate: bool = True, q_block: int = 64, kv_block: int = 128,
+                        fp8_v: bool = True) -> Fp8Inputs:
     """q [tokens, heads, D], k / v [tokens, kv_heads, D] (any float dtype), cu_seqlens
-    [num_seqs + 1] int32 -> Fp8Inputs. kv_block must be the kernel's BLOCK_N."""
+    [num_seqs + 1] int32 -> Fp8Inputs. kv_block must be a multiple of the kernel's BLOCK_N.
+    fp8_v False: QK^T-only FP8 (the existing path's split): v kept as is (bf16 / fp16,
+    contiguous), its scale 1; P.V then runs in v's dtype."""
     if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape or q.shape[0] != k.shape[0] \
             or q.shape[2] != k.shape[2]:
         raise ValueError(f"q, k, v must be [tokens, heads, D], k and v alike: "
@@ -49,8 +52,13 @@ def quantize_fp8_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_se
         q, k = q.float() @ rot, k.float() @ rot
     q8, q_scale = quantize_fp8_blocks(q, cu_seqlens, q_block)
     k8, k_scale = quantize_fp8_blocks(k, cu_seqlens, kv_block)
-    v8, v_scale = quantize_fp8_blocks(v, cu_seqlens, kv_block)
     tokens, kv_heads, d = v.shape
+    if not fp8_v:
+        if v.dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(f"with fp8_v=False v must be bf16 or fp16, got {v.dtype}")
+        return Fp8Inputs(q8.contiguous(), k8.contiguous(), v.contiguous(), q_scale.contiguous(),
+                         k_scale.contiguous(), torch.ones_like(k_scale), kv_block)
+    v8, v_scale = quantize_fp8_blocks(v, cu_seqlens, kv_block)
     vt8 = torch.zeros(kv_heads * d, tokens + (-tokens) % 16, dtype=torch.uint8, device=v.device)
     vt8[:, :tokens] = v8.view(torch.uint8).permute(1, 2, 0).reshape(kv_heads * d, tokens)
     return Fp8Inputs(q8.contiguous(), k8.contiguous(), vt8.view(FP8), q_scale.contiguous(),
@@ -60,9 +68,9 @@ def quantize_fp8_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_se
 def dequantize_fp8_inputs(x: Fp8Inputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q, k, v) fp32 as the kernel sees them (q, k still rotated)."""
     tokens, kv_heads, d = x.k8.shape
-    v8 = x.vt8[:, :tokens].reshape(kv_heads, d, tokens).permute(2, 0, 1)
+    v = x.v.float() if x.v.dtype != FP8 else x.v[:, :tokens].reshape(kv_heads, d, tokens).permute(2, 0, 1)
     return (x.q8.float() * x.q_scale[..., None], x.k8.float() * x.k_scale[..., None],
-            v8.float() * x.v_scale[..., None])
+            v.float() * x.v_scale[..., None])
 
 
 def emulate_fp8_prefill(x: Fp8Inputs, cu_seqlens: torch.Tensor, scale: float, *,
@@ -91,7 +99,7 @@ def emulate_fp8_prefill(x: Fp8Inputs, cu_seqlens: torch.Tensor, scale: float, *,
         m_run = torch.where(torch.isfinite(m_run), m_run, m_fin)     # keys past a row's last tile
         p = torch.exp(s - m_run) * P_SCALE
         if quantize_p:
-            p = p.to(FP8).float()
+            p = p.to(FP8 if x.v.dtype == FP8 else x.v.dtype).float()
         p = p * torch.exp(m_run - m_fin)
         l = (torch.exp(s - m_fin) * P_SCALE).sum(-1, keepdim=True)
         out[a:e] = (p @ vs / l).transpose(0, 1)

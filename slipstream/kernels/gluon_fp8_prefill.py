@@ -39,7 +39,7 @@ def _consume(t0, t_end, t_step, total, CuSeqlens, n_mblocks, heads, num_seqs, kv
              BLOCK_M: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, Q_SLOTS: gl.constexpr,
              PIN: gl.constexpr, PERSISTENT: gl.constexpr, SNAKE: gl.constexpr,
-             HEAD_GROUP: gl.constexpr):
+             HEAD_GROUP: gl.constexpr, V_FP8: gl.constexpr):
     """One consumer warpgroup (ME: its 64 rows of each block) over work items t0, t0 + t_step, .."""
     it0 = 0
     k = 0
@@ -53,7 +53,7 @@ def _consume(t0, t_end, t_step, total, CuSeqlens, n_mblocks, heads, num_seqs, kv
                              k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn_bars, Out, QScale,
                              KScale, VScale, q_start, q_len, m_row0 + ME * ROWS, head, heads,
                              head // group, kv_heads, n_tiles, it0, mask_from, stride_ot,
-                             qk_scale, ME, CAUSAL, ROWS, BLOCK_N, HEAD_DIM, STAGES, 4, PIN)
+                             qk_scale, ME, CAUSAL, ROWS, BLOCK_N, HEAD_DIM, STAGES, 4, PIN, V_FP8)
             mbarrier.arrive(q_empty.index(qs))
             it0 += n_tiles
             k += 1
@@ -66,7 +66,7 @@ def _produce(t0, t_end, t_step, total, CuSeqlens, n_mblocks, heads, num_seqs, gr
              CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, ROWS: gl.constexpr,
              BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
              Q_SLOTS: gl.constexpr, PERSISTENT: gl.constexpr, SNAKE: gl.constexpr,
-             HEAD_GROUP: gl.constexpr):
+             HEAD_GROUP: gl.constexpr, V_FP8: gl.constexpr):
     """The producer warp: each block's two Q halves, then its K / V^T tiles
     (with one Q buffer, a later block's first STAGES tiles before its Q)."""
     it0 = 0
@@ -81,7 +81,7 @@ def _produce(t0, t_end, t_step, total, CuSeqlens, n_mblocks, heads, num_seqs, gr
             if Q_SLOTS == 1:
                 early = gl.minimum(n_tiles, STAGES) * (k > 0).to(gl.int32)
                 produce_block_fp8(k_desc, vt_desc, k_bufs, v_bufs, k_ready, v_ready, kv_empty,
-                                  q_start, kv_col, 0, early, it0, STAGES, BLOCK_N)
+                                  q_start, kv_col, 0, early, it0, STAGES, BLOCK_N, V_FP8)
             if k >= Q_SLOTS:
                 mbarrier.wait(q_empty.index(qs), ((k - Q_SLOTS) // Q_SLOTS) & 1)
             mbarrier.expect(q_ready.index(qs), 2 * q_desc.block_type.nbytes)
@@ -89,7 +89,7 @@ def _produce(t0, t_end, t_step, total, CuSeqlens, n_mblocks, heads, num_seqs, gr
                 tma.async_copy_global_to_shared(q_desc, [q_start + m_row0 + c * ROWS, head * HEAD_DIM],
                                                 q_ready.index(qs), q_smem.index(qs * 2 + c))
             produce_block_fp8(k_desc, vt_desc, k_bufs, v_bufs, k_ready, v_ready, kv_empty, q_start,
-                              kv_col, early, n_tiles, it0, STAGES, BLOCK_N)
+                              kv_col, early, n_tiles, it0, STAGES, BLOCK_N, V_FP8)
             it0 += n_tiles
             k += 1
 
@@ -100,14 +100,15 @@ def _fp8_prefill_kernel(q_desc, k_desc, vt_desc, Out, QScale, KScale, VScale, Cu
                         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                         STAGES: gl.constexpr, CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr,
                         Q_BUFS: gl.constexpr, PIN: gl.constexpr, SNAKE: gl.constexpr,
-                        HEAD_GROUP: gl.constexpr, num_warps: gl.constexpr):
+                        HEAD_GROUP: gl.constexpr, V_FP8: gl.constexpr, num_warps: gl.constexpr):
     n_mblocks = gl.cdiv(max_len, BLOCK_M)
     t0, t_end, t_step, total = work_range(n_mblocks, heads, num_seqs, PERSISTENT, SNAKE)
     ROWS: gl.constexpr = BLOCK_M // 2
     Q_SLOTS: gl.constexpr = Q_BUFS if PERSISTENT else 1
     q_smem = gl.allocate_shared_memory(gl.float8e4nv, [Q_SLOTS * 2, ROWS, HEAD_DIM], q_desc.layout)
     k_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
-    v_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, HEAD_DIM, BLOCK_N], vt_desc.layout)
+    v_tile: gl.constexpr = vt_desc.block_type.shape  # V^T's [D, BLOCK_N], or V's [BLOCK_N, D]
+    v_bufs = gl.allocate_shared_memory(vt_desc.dtype, [STAGES, v_tile[0], v_tile[1]], vt_desc.layout)
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [2 * STAGES, 1], mbarrier.MBarrierLayout())
@@ -129,15 +130,15 @@ def _fp8_prefill_kernel(q_desc, k_desc, vt_desc, Out, QScale, KScale, VScale, Cu
         (_consume, (t0, t_end, t_step, total, CuSeqlens, n_mblocks, heads, num_seqs, kv_heads, group,
                     q_smem, q_ready, q_empty, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn_bars,
                     Out, QScale, KScale, VScale, stride_ot, qk_scale, 0, CAUSAL, BLOCK_M, ROWS,
-                    BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS, PIN, PERSISTENT, SNAKE, HEAD_GROUP)),
+                    BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS, PIN, PERSISTENT, SNAKE, HEAD_GROUP, V_FP8)),
         (_consume, (t0, t_end, t_step, total, CuSeqlens, n_mblocks, heads, num_seqs, kv_heads, group,
                     q_smem, q_ready, q_empty, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn_bars,
                     Out, QScale, KScale, VScale, stride_ot, qk_scale, 1, CAUSAL, BLOCK_M, ROWS,
-                    BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS, PIN, PERSISTENT, SNAKE, HEAD_GROUP)),
+                    BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS, PIN, PERSISTENT, SNAKE, HEAD_GROUP, V_FP8)),
         (_produce, (t0, t_end, t_step, total, CuSeqlens, n_mblocks, heads, num_seqs, group, q_desc,
                     q_smem, q_ready, q_empty, k_desc, vt_desc, k_bufs, v_bufs, k_ready, v_ready,
                     kv_empty, CAUSAL, BLOCK_M, ROWS, BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS, PERSISTENT,
-                    SNAKE, HEAD_GROUP))], [4, 1], [240, 24])
+                    SNAKE, HEAD_GROUP, V_FP8))], [4, 1], [240, 24])
 
 
 # --- launcher -------------------------------------------------------------------
@@ -147,24 +148,30 @@ DEFAULT_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 128, "STAGES": 2, "PERSISTENT": Fal
 PERSISTENT_UP_TO = 4096  # as the bf16 kernel (GLUON.md): persistent for requests up to 4k
 
 
+GL_DTYPES = {FP8: gl.float8e4nv, torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+
+
 def _descriptor(x: torch.Tensor, block: list[int]) -> TensorDescriptor:
-    layout = gl.NVMMASharedLayout.get_default_for(block, gl.float8e4nv)
+    layout = gl.NVMMASharedLayout.get_default_for(block, GL_DTYPES[x.dtype])
     return TensorDescriptor(x, list(x.shape), [x.stride(0), 1], block, layout)
 
 
 def check_fp8_inputs(x: Fp8Inputs, cu_seqlens: torch.Tensor, block_n: int) -> None:
     """ValueError for inputs this kernel does not take (shapes as quantize_fp8_inputs makes)."""
     q8, k8, vt8, q_scale, k_scale, v_scale, kv_block = x
-    shapes = f"q {tuple(q8.shape)}, k {tuple(k8.shape)}, v^T {tuple(vt8.shape)}"
-    if q8.dim() != 3 or k8.dim() != 3 or vt8.dim() != 2:
-        raise ValueError(f"q, k must be [tokens, heads, D] and v^T [kv_heads * D, tokens]: {shapes}")
+    shapes = f"q {tuple(q8.shape)}, k {tuple(k8.shape)}, v {tuple(vt8.shape)}"
+    if q8.dim() != 3 or k8.dim() != 3 or vt8.dim() != (2 if vt8.dtype == FP8 else 3):
+        raise ValueError(f"q, k must be [tokens, heads, D], v^T [kv_heads * D, tokens] e4m3 "
+                         f"(or v like k in bf16 / fp16): {shapes}")
     tokens, heads, d = q8.shape
     if d not in HEAD_DIMS or k8.shape[2] != d or k8.shape[0] != tokens or heads % k8.shape[1]:
         raise ValueError(f"head_dim in {HEAD_DIMS}, k with q's tokens and a divisor of its heads: {shapes}")
-    if vt8.shape[0] != k8.shape[1] * d or vt8.shape[1] < tokens or vt8.shape[1] % 16:
+    if vt8.dtype == FP8 and (vt8.shape[0] != k8.shape[1] * d or vt8.shape[1] < tokens or vt8.shape[1] % 16):
         raise ValueError(f"v^T must be [kv_heads * D, tokens padded to 16]: {shapes}")
-    if any(t.dtype != FP8 for t in (q8, k8, vt8)):
-        raise ValueError(f"q, k, v^T must be float8_e4m3fn: {q8.dtype}, {k8.dtype}, {vt8.dtype}")
+    if vt8.dtype != FP8 and (vt8.shape != k8.shape or vt8.dtype not in OUT_DTYPES):
+        raise ValueError(f"a 16-bit v must be bf16 / fp16 shaped like k: {shapes}, {vt8.dtype}")
+    if q8.dtype != FP8 or k8.dtype != FP8:
+        raise ValueError(f"q, k must be float8_e4m3fn: {q8.dtype}, {k8.dtype}")
     if not (q8.is_contiguous() and k8.is_contiguous() and vt8.is_contiguous()):
         raise ValueError("q, k, v^T must be contiguous")
     for name, s, n in (("q_scale", q_scale, heads), ("k_scale", k_scale, k8.shape[1]),
@@ -192,12 +199,14 @@ def fp8_kernel_args(x: Fp8Inputs, out, cu_seqlens, max_seqlen: int, scale: float
     q8, k8, vt8, q_scale, k_scale, v_scale, _ = x
     tokens, heads, d = q8.shape
     kv_heads = k8.shape[1]
+    v_fp8 = vt8.dtype == FP8
+    v_desc = _descriptor(vt8, [d, cfg["BLOCK_N"]]) if v_fp8 else \
+        _descriptor(vt8.view(tokens, kv_heads * d), [cfg["BLOCK_N"], d])
     args = (_descriptor(q8.view(tokens, heads * d), [64, d]),
-            _descriptor(k8.view(tokens, kv_heads * d), [cfg["BLOCK_N"], d]),
-            _descriptor(vt8, [d, cfg["BLOCK_N"]]), out, q_scale, k_scale, v_scale, cu_seqlens,
+            _descriptor(k8.view(tokens, kv_heads * d), [cfg["BLOCK_N"], d]), v_desc, out, q_scale, k_scale, v_scale, cu_seqlens,
             max_seqlen, out.stride(0), scale * LOG2E, heads // kv_heads, heads, kv_heads,
             cu_seqlens.numel() - 1)
-    consts = dict(HEAD_DIM=d, CAUSAL=causal, **cfg)
+    consts = dict(HEAD_DIM=d, CAUSAL=causal, V_FP8=v_fp8, **cfg)
     grid = (triton.cdiv(max_seqlen, cfg["BLOCK_M"]), heads, cu_seqlens.numel() - 1)
     if cfg["PERSISTENT"]:
         sms = num_sms(q8.device.index or 0) if q8.is_cuda else 132
@@ -209,7 +218,8 @@ def gluon_fp8_prefill(x: Fp8Inputs, cu_seqlens: torch.Tensor, max_seqlen: int, s
                       causal: bool = True, out_dtype: torch.dtype = torch.bfloat16,
                       out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
     """Self-attention of packed requests from FP8 inputs, on sm_90. x (quantize_fp8_inputs):
-    q8 [tokens, heads, D], k8 [tokens, kv_heads, D], vt8 [kv_heads * D, tokens_pad] e4m3;
+    q8 [tokens, heads, D], k8 [tokens, kv_heads, D], v: V^T [kv_heads * D, tokens_pad] e4m3
+    (or, QK^T-only FP8, V [tokens, kv_heads, D] bf16 / fp16);
     q_scale [tokens, heads], k_scale / v_scale [tokens, kv_heads] fp32, K's and V's constant
     over each kv_block tokens of a request; cu_seqlens [num_seqs + 1] int32; max_seqlen: host
     int. Returns out [tokens, heads, D] in out_dtype (bf16 / fp16)."""

@@ -45,9 +45,10 @@ def retire_pv_fp8(acc_tok, always):
 
 @gluon.jit
 def produce_block_fp8(k_desc, vt_desc, k_bufs, v_bufs, k_ready, v_ready, kv_empty, q_start,
-                      kv_col, j0, j1, it0, STAGES: gl.constexpr, BLOCK_N: gl.constexpr):
+                      kv_col, j0, j1, it0, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
+                      V_FP8: gl.constexpr):
     """The producer warp's part of one block, tiles j0..j1-1: K tile [BLOCK_N, D]
-    at (row, kv_col), V^T tile [D, BLOCK_N] at (kv_col, row)."""
+    at (row, kv_col), V^T tile [D, BLOCK_N] at (kv_col, row) (not V_FP8: V [BLOCK_N, D])."""
     for j in range(j0, j1):
         it = it0 + j
         slot = it % STAGES
@@ -60,7 +61,19 @@ def produce_block_fp8(k_desc, vt_desc, k_bufs, v_bufs, k_ready, v_ready, kv_empt
         if it >= STAGES:
             mbarrier.wait(kv_empty.index(STAGES + slot), phase)
         mbarrier.expect(v_ready.index(slot), vt_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(vt_desc, [kv_col, row], v_ready.index(slot), v_bufs.index(slot))
+        if V_FP8:
+            tma.async_copy_global_to_shared(vt_desc, [kv_col, row], v_ready.index(slot), v_bufs.index(slot))
+        else:
+            tma.async_copy_global_to_shared(vt_desc, [row, kv_col], v_ready.index(slot), v_bufs.index(slot))
+
+
+@gluon.jit
+def _v_operand(v_tile, V_FP8: gl.constexpr):
+    """P.V's B operand [BLOCK_N, D]: V^T's tile transposed (tokens contiguous: K-major), or V's."""
+    if V_FP8:
+        return v_tile.permute((1, 0))
+    else:
+        return v_tile
 
 
 @gluon.jit
@@ -87,14 +100,17 @@ def attend_block_fp8(q_smem, q_ready, q_phase, k_bufs, v_bufs, k_ready, v_ready,
                      kv_head, kv_heads, n_tiles, it0, mask_from, stride_ot, qk_scale,
                      ME: gl.constexpr, CAUSAL: gl.constexpr, ROWS: gl.constexpr,
                      BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                     WARPS: gl.constexpr, PIN: gl.constexpr):
+                     WARPS: gl.constexpr, PIN: gl.constexpr, V_FP8: gl.constexpr):
     """ROWS query rows (m_row0.. of the request) against key tiles it0.. (n_tiles) with
     ping-pong turns; the output (Out's dtype) stored with a masked store.
     Scales: QScale [tokens, heads], KScale / VScale [tokens, kv_heads] fp32 (a tile's
-    scale is read at its first token)."""
+    scale is read at its first token). Not V_FP8 (QK^T-only FP8): V [BLOCK_N, D] tiles in
+    v_bufs' 16-bit dtype, P cast to it, V's scale 1."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout([3, 0], [WARPS, 1], [16, BLOCK_N, 32])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout([3, 0], [WARPS, 1], [16, HEAD_DIM, 32])
-    p_layout: gl.constexpr = gl.DotOperandLayout(0, o_layout, 4)
+    p_dtype: gl.constexpr = v_bufs.dtype
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout([3, 0], [WARPS, 1],
+                                                       [16, HEAD_DIM, 256 // p_dtype.primitive_bitwidth])
+    p_layout: gl.constexpr = gl.DotOperandLayout(0, o_layout, 32 // p_dtype.primitive_bitwidth)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     o_row: gl.constexpr = gl.SliceLayout(1, o_layout)
     offs_m = m_row0 + gl.arange(0, ROWS, layout=row_layout)
@@ -134,8 +150,8 @@ def attend_block_fp8(q_smem, q_ready, q_phase, k_bufs, v_bufs, k_ready, v_ready,
                               use_acc=False, is_async=True)
         acc = acc * gl.convert_layout(alpha * (vs_prev / vs), o_row)[:, None]
         vs_prev = vs
-        p_op = gl.convert_layout(p.to(gl.float8e4nv), p_layout)
-        acc_tok = warpgroup_mma(p_op, v_bufs.index(prev).permute((1, 0)), acc, is_async=True)
+        p_op = gl.convert_layout(p.to(p_dtype), p_layout)
+        acc_tok = warpgroup_mma(p_op, _v_operand(v_bufs.index(prev), V_FP8), acc, is_async=True)
         mbarrier.arrive(turn_bars.index(1 - ME))
         s = warpgroup_mma_wait(1, deps=(s_tok,))
         mbarrier.arrive(kv_empty.index(slot))  # K_j is consumed
@@ -151,8 +167,8 @@ def attend_block_fp8(q_smem, q_ready, q_phase, k_bufs, v_bufs, k_ready, v_ready,
     vs = gl.load(v_base + (n_tiles - 1) * tile_step)
     mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
     acc = acc * gl.convert_layout(alpha * (vs_prev / vs), o_row)[:, None]
-    p_op = gl.convert_layout(p.to(gl.float8e4nv), p_layout)
-    acc_tok = warpgroup_mma(p_op, v_bufs.index(last % STAGES).permute((1, 0)), acc, is_async=True)
+    p_op = gl.convert_layout(p.to(p_dtype), p_layout)
+    acc_tok = warpgroup_mma(p_op, _v_operand(v_bufs.index(last % STAGES), V_FP8), acc, is_async=True)
     acc = warpgroup_mma_wait(0, deps=(acc_tok,))
     mbarrier.arrive(kv_empty.index(STAGES + last % STAGES))
 

@@ -53,8 +53,8 @@ def test_quantize_layout_and_scales():
     q, k, v, cu = _data()
     x = quantize_fp8_inputs(q, k, v, cu, kv_block=128)
     tokens = q.shape[0]
-    assert x.vt8.shape == (2 * 64, tokens + (-tokens) % 16) and x.vt8.dtype == torch.float8_e4m3fn
-    assert not x.vt8[:, tokens:].float().any()  # the padding is zeros
+    assert x.v.shape == (2 * 64, tokens + (-tokens) % 16) and x.v.dtype == torch.float8_e4m3fn
+    assert not x.v[:, tokens:].float().any()  # the padding is zeros
     assert x.q_scale.shape == (tokens, 4) and x.k_scale.shape == x.v_scale.shape == (tokens, 2)
     qd, kd, vd = dequantize_fp8_inputs(x)
     assert _rel(vd, v) < 0.05  # e4m3: 3 mantissa bits
@@ -82,6 +82,10 @@ def test_twin_is_within_the_error_bound():
     first = emulate_fp8_prefill(x, cu, scale)[cu[:-1].long()]
     v_deq = dequantize_fp8_inputs(x)[2][cu[:-1].long()].repeat_interleave(2, 1)
     torch.testing.assert_close(first, v_deq, atol=1e-5, rtol=1e-5)
+    # QK^T-only FP8 (V, P in bf16): the existing path's split, a smaller error
+    x16 = quantize_fp8_inputs(q, k, v.bfloat16(), cu, fp8_v=False)
+    assert x16.v.dtype == torch.bfloat16 and (x16.v_scale == 1).all()
+    assert _rel(emulate_fp8_prefill(x16, cu, scale), ref) < 0.85 * err
     # not causal, no rotation: still within the bound
     x = quantize_fp8_inputs(q, k, v, cu, rotate=False)
     assert _rel(emulate_fp8_prefill(x, cu, scale, causal=False),
@@ -103,7 +107,14 @@ def test_rejects_unsupported_input():
     with pytest.raises(ValueError, match="float8"):
         fp8_kernel_args(x._replace(q8=x.q8.float()), out, cu, 300, 0.1, True, {})
     with pytest.raises(ValueError, match="v\\^T"):
-        fp8_kernel_args(x._replace(vt8=x.vt8[:, :300].contiguous()), out, cu, 300, 0.1, True, {})
+        fp8_kernel_args(x._replace(v=x.v[:, :300].contiguous()), out, cu, 300, 0.1, True, {})
+    with pytest.raises(ValueError, match="16-bit v"):
+        fp8_kernel_args(x._replace(v=v.float()), out, cu, 300, 0.1, True, {})
+    with pytest.raises(ValueError, match="fp8_v"):
+        quantize_fp8_inputs(q, k, v.float(), cu, fp8_v=False)
+    _, consts, _ = fp8_kernel_args(quantize_fp8_inputs(q, k, v.bfloat16(), cu, fp8_v=False), out, cu,
+                                   300, 0.1, True, {})
+    assert consts["V_FP8"] is False
     with pytest.raises(ValueError, match="k_scale"):
         fp8_kernel_args(x._replace(k_scale=x.k_scale.double()), out, cu, 300, 0.1, True, {})
     with pytest.raises(ValueError, match="BLOCK_M"):
@@ -122,11 +133,14 @@ out = {}
 for name, (cfg, kw) in {"default": ({}, {}),
                         "persistent_n64_gqa_hdim64_fp16": ({"PERSISTENT": True, "BLOCK_N": 64, "STAGES": 3},
                             {"heads": 9, "kv_heads": 3, "head_dim": 64, "causal": False,
-                             "out_dtype": torch.float16})}.items():
+                             "out_dtype": torch.float16}),
+                        "qk8_persistent": ({"PERSISTENT": True, "SNAKE": True, "HEAD_GROUP": 4096},
+                                           {"fp8_v": False})}.items():
     try:
         k = compile_fp8_prefill(cfg, **kw)
         out[name] = {"shared": k.metadata.shared, "block_n": cfg.get("BLOCK_N", 128),
                      "qgmma": len(re.findall(r"QGMMA\\.64x\\d+x32\\.F32\\.E4M3\\.E4M3", sass(k.asm["cubin"]))),
+                     "fp8_v": kw.get("fp8_v", True), "head_dim": kw.get("head_dim", 128),
                      **overlap_report(k.asm["ptx"]), "sass_exp2": sass_overlap(k.asm["cubin"])}
     except FileNotFoundError as e:
         out[name] = {"skip": str(e)}
@@ -144,13 +158,18 @@ def compiled():
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("name", ["default", "persistent_n64_gqa_hdim64_fp16"])
+@pytest.mark.parametrize("name", ["default", "persistent_n64_gqa_hdim64_fp16", "qk8_persistent"])
 def test_compiles_for_sm90_on_fp8_tensor_cores(compiled, name):
     r = compiled[name]
     if "skip" in r:
         pytest.skip(r["skip"])
-    # both GEMMs of every tile as e4m3 wgmma (fp32 accumulators): QK^T and P.V
-    assert r["qgmma"] >= 2 * 2 * 128 // 32 and r["qgmma"] == r["wgmma"], r
+    # Each of 2 consumers issues QK^T and P.V in 2 places (the first tile, the loop):
+    # e4m3 wgmma of K = 32 (D / 32 and BLOCK_N / 32 of them); QK^T-only, P.V as bf16 (K = 16).
+    qk = 2 * 2 * r["head_dim"] // 32
+    if r["fp8_v"]:
+        assert r["qgmma"] == qk + 2 * 2 * r["block_n"] // 32 == r["wgmma"], r
+    else:
+        assert r["qgmma"] == qk and r["wgmma"] == qk + 2 * 2 * r["block_n"] // 16, r
     assert r["softmax_under_two_groups"] and r["shared"] <= 227 * 1024, r
     assert r["sass_exp2"] and min(r["sass_exp2"]) >= r["block_n"] // 2, r
 
@@ -162,10 +181,12 @@ hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_devi
 @hopper
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("config", [{"PERSISTENT": False}, {"PERSISTENT": True}, None])
-def test_matches_twin_on_gpu(causal, head_dim, config):
+@pytest.mark.parametrize("config", [{"PERSISTENT": False}, {"PERSISTENT": True}, None,
+                                    {"PERSISTENT": True, "SNAKE": True, "HEAD_GROUP": 4096}])
+@pytest.mark.parametrize("fp8_v", [True, False])
+def test_matches_twin_on_gpu(causal, head_dim, config, fp8_v):
     q, k, v, cu = (t.cuda() for t in _data([1, 100, 128, 129, 777], 8, 2, head_dim))
-    x = quantize_fp8_inputs(q, k, v, cu)
+    x = quantize_fp8_inputs(q, k, v.bfloat16(), cu, fp8_v=fp8_v)
     out = gluon_fp8_prefill(x, cu, 777, head_dim ** -0.5, causal=causal, config=config).float()
     assert torch.isfinite(out).all()
     assert _rel(out, emulate_fp8_prefill(x, cu, head_dim ** -0.5, causal=causal)) < TWIN_BOUND
