@@ -46,7 +46,7 @@ SHAPES = [("dense 4x4k causal", [4096] * 4, 16, True), ("dense 1x16k causal", [1
 SMOKE_SHAPES = [("dense 2x200 causal", [200, 200], 16, True), ("gqa ragged", [5, 140, 19], 4, False)]
 BF16_RUN = ["pingpong_n128_s2", "pingpong_persistent_n128_s2", "pingpong_persistent_n128_s2_snake",
             "pingpong_persistent_n128_s2_snake_g2", "pingpong_persistent_n128_s2_lpt",
-            "pingpong_n128_s2_lpt"]
+            "pingpong_n128_s2_lpt", "pingpong_n128_s2_table", "pingpong_persistent_n128_s2_table"]
 DEV = "cuda"
 
 
@@ -81,15 +81,15 @@ def contenders(q, k, v, cu, n_max, causal, fp8_variants, bf16_variants):
             return o.transpose(1, 2).reshape(tokens, HEADS, HEAD_DIM)
         calls["sdpa_cudnn"] = (cudnn, BF16_BOUND)
     if DEV == "cpu":  # --smoke: twins instead of the Gluon kernels
-        gluon_prefill = lambda q, k, v, cu, n, s, causal, out, config: out.copy_(  # noqa: E731
+        gluon_prefill = lambda q, k, v, cu, n, s, causal, out, config, lengths: out.copy_(  # noqa: E731
             gluon_checks.reference(q, k, v, cu, causal, s))
-        gluon_fp8_prefill = lambda x, cu, n, s, causal, out, config: out.copy_(  # noqa: E731
+        gluon_fp8_prefill = lambda x, cu, n, s, causal, out, config, lengths: out.copy_(  # noqa: E731
             emulate_fp8_prefill(x, cu, s, causal=causal))
     bf16 = {"gluon_bf16": None, **{n: gluon_checks.VARIANTS[n] for n in bf16_variants}}
     for name, cfg in bf16.items():
         o = torch.empty_like(q)
         calls[name] = (lambda cfg=cfg, o=o: gluon_prefill(q, k, v, cu, n_max, SCALE, causal=causal,
-                                                          out=o, config=cfg), BF16_BOUND)
+                                                          out=o, config=cfg, lengths=lengths), BF16_BOUND)
     rot = random_orthogonal(HEAD_DIM, q.device)
     q8, qs = quantize_fp8_blocks(q.float() @ rot, cu, 64)
     k8, ks = quantize_fp8_blocks(k.float() @ rot, cu, 64)
@@ -108,10 +108,11 @@ def contenders(q, k, v, cu, n_max, causal, fp8_variants, bf16_variants):
         o = torch.empty_like(q)
         cfg, fp8_v = fc.kernel_config(name)
         calls[name] = (lambda cfg=cfg, x=xs[fp8_v], o=o: gluon_fp8_prefill(
-            x, cu, n_max, SCALE, causal=causal, out=o, config=cfg), fc.ERROR_BOUND)
+            x, cu, n_max, SCALE, causal=causal, out=o, config=cfg, lengths=lengths), fc.ERROR_BOUND)
     o8 = torch.empty_like(q)
     calls["gluon_fp8_e2e"] = (lambda: gluon_fp8_prefill(quantize_fp8_inputs(q, k, v, cu), cu, n_max, SCALE,
-                                                        causal=causal, out=o8, config=None), fc.ERROR_BOUND)
+                                                        causal=causal, out=o8, config=None,
+                                                        lengths=lengths), fc.ERROR_BOUND)
     return calls, (lambda: quantize_fp8_inputs(q, k, v, cu))
 
 

@@ -146,12 +146,12 @@ def time_shape(name, lengths, kv_heads, causal, variants, tune_triton, log) -> d
     if DEVICE == "cpu":  # --smoke: the script's plumbing only, Gluon replaced by the reference
         from gluon_checks import reference
 
-        def gluon_prefill(q, k, v, cu, n, scale, causal, out, config):
+        def gluon_prefill(q, k, v, cu, n, scale, causal, out, config, lengths):
             return out.copy_(reference(q, k, v, cu, causal, scale))
     for vname in variants:
         g_out = torch.empty_like(q)
         calls[vname] = (lambda cfg=VARIANTS[vname], g_out=g_out: gluon_prefill(
-            q, k, v, cu, n_max, SCALE, causal=causal, out=g_out, config=cfg), lambda o: o)
+            q, k, v, cu, n_max, SCALE, causal=causal, out=g_out, config=cfg, lengths=lengths), lambda o: o)
     ref, timers = None, {}
     for cname, (call, view) in calls.items():  # run once each: compile, check, then time
         try:

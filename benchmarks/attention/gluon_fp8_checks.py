@@ -45,13 +45,15 @@ VARIANTS = {
     "fp8_persistent_s2_lpt": {**_BASE, "PERSISTENT": True, "SNAKE": True, "HEAD_GROUP": 4096},
     "fp8_persistent_s3_lpt": {**_BASE, "PERSISTENT": True, "SNAKE": True, "HEAD_GROUP": 4096, "STAGES": 3},
     "fp8_s2_lpt": {**_BASE, "HEAD_GROUP": 4096},
+    "fp8_s2_table": {**_BASE, "TABLE": True},
+    "fp8_persistent_s2_table": {**_BASE, "PERSISTENT": True, "SNAKE": True, "TABLE": True},
     # QK^T-only FP8 (the existing path's split: V and P.V in bf16), for its error
     "qk8_s2": {**_BASE, "FP8_V": False},
     "qk8_persistent_s2_lpt": {**_BASE, "PERSISTENT": True, "SNAKE": True, "HEAD_GROUP": 4096, "FP8_V": False},
 }
 DEFAULT_RUN = ["fp8_s2", "fp8_s3", "fp8_s2_unpinned", "fp8_persistent_s2", "fp8_persistent_s3",
                "fp8_persistent_s2_snake", "fp8_persistent_s2_lpt", "fp8_persistent_s3_lpt", "fp8_s2_lpt",
-               "qk8_s2", "qk8_persistent_s2_lpt"]
+               "fp8_s2_table", "fp8_persistent_s2_table", "qk8_s2", "qk8_persistent_s2_lpt"]
 
 
 def kernel_config(name: str) -> tuple[dict, bool]:
@@ -97,7 +99,8 @@ def check_variant(name: str) -> dict:
         if not fp8_v and dtype != torch.bfloat16:  # P.V in v's dtype: the output's here
             x = x._replace(v=x.v.to(dtype))
         out = torch.full(q.shape, float("nan"), dtype=dtype, device="cuda")
-        gluon_fp8_prefill(x, cu, max(lengths), dim ** -0.5, causal=causal, out=out, config=cfg)
+        gluon_fp8_prefill(x, cu, max(lengths), dim ** -0.5, causal=causal, out=out, config=cfg,
+                          lengths=lengths)
         twin = emulate_fp8_prefill(x, cu, dim ** -0.5, causal=causal, block_n=cfg["BLOCK_N"])
         name = _name(lengths, heads, kv_heads, causal, dtype, dim)
         errs[name] = rel_err(out, ref)

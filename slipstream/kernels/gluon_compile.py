@@ -37,7 +37,7 @@ def compile_prefill(config: dict | None = None, *, causal: bool = True,
     out = torch.empty_like(q)
     cu = torch.tensor([0, tokens], dtype=torch.int32)
     args, consts, _ = gluon_prefill.kernel_args(q, k, k, out, cu, tokens, head_dim ** -0.5, causal,
-                                                config or {})
+                                                config or {}, [tokens])
     return _compile(gluon_prefill._prefill_kernel, args, consts)
 
 
@@ -58,7 +58,7 @@ def compile_fp8_prefill(config: dict | None = None, *, causal: bool = True,
     cu = torch.tensor([0, tokens], dtype=torch.int32)
     x = Fp8Inputs(q, k, vt, q_scale, kv_scale, kv_scale, 128)
     args, consts, _ = gluon_fp8_prefill.fp8_kernel_args(x, out, cu, tokens, head_dim ** -0.5, causal,
-                                                        config or {})
+                                                        config or {}, [tokens])
     return _compile(gluon_fp8_prefill._fp8_prefill_kernel, args, consts)
 
 

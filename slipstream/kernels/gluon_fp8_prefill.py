@@ -15,7 +15,6 @@ speed: at most 4/3 of bf16 overall, short of the 1.5x asked.
 from __future__ import annotations
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
@@ -24,7 +23,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from slipstream.kernels.gluon_fp8_inputs import Fp8Inputs
 from slipstream.kernels.gluon_fp8_tile import attend_block_fp8, produce_block_fp8
 from slipstream.kernels.gluon_prefill import HEAD_DIMS, LOG2E, _is_sm90
-from slipstream.kernels.gluon_schedule import work_item, work_range
+from slipstream.kernels.gluon_schedule import plan, work_item, work_range
 from slipstream.kernels.runtime import num_sms
 
 FP8 = torch.float8_e4m3fn
@@ -32,21 +31,21 @@ OUT_DTYPES = (torch.bfloat16, torch.float16)
 
 
 @gluon.jit
-def _consume(t0, t_end, t_step, total, CuSeqlens, n_mblocks, heads, num_seqs, kv_heads, group,
-             q_smem, q_ready,
-             q_empty, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn_bars, Out, QScale, KScale,
+def _consume(t0, t_end, t_step, total, CuSeqlens, Items, n_mblocks, heads, num_seqs, kv_heads, group,
+             q_smem, q_ready, q_empty, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn_bars, Out,
+             QScale, KScale,
              VScale, stride_ot, qk_scale, ME: gl.constexpr, CAUSAL: gl.constexpr,
              BLOCK_M: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, Q_SLOTS: gl.constexpr,
              PIN: gl.constexpr, PERSISTENT: gl.constexpr, SNAKE: gl.constexpr,
-             HEAD_GROUP: gl.constexpr, V_FP8: gl.constexpr):
+             HEAD_GROUP: gl.constexpr, TABLE: gl.constexpr, V_FP8: gl.constexpr):
     """One consumer warpgroup (ME: its 64 rows of each block) over work items t0, t0 + t_step, .."""
     it0 = 0
     k = 0
     for t in range(t0, t_end, t_step):
         q_start, q_len, m_row0, head, kv_col, n_tiles, mask_from = work_item(
-            t, total, CuSeqlens, n_mblocks, heads, num_seqs, group, BLOCK_M, BLOCK_N, HEAD_DIM,
-            CAUSAL, PERSISTENT, SNAKE, HEAD_GROUP)
+            t, total, CuSeqlens, Items, n_mblocks, heads, num_seqs, group, BLOCK_M, BLOCK_N, HEAD_DIM,
+            CAUSAL, PERSISTENT, SNAKE, HEAD_GROUP, TABLE)
         if n_tiles > 0:
             qs = k % Q_SLOTS
             attend_block_fp8(q_smem.index(qs * 2 + ME), q_ready.index(qs), (k // Q_SLOTS) & 1,
@@ -60,21 +59,20 @@ def _consume(t0, t_end, t_step, total, CuSeqlens, n_mblocks, heads, num_seqs, kv
 
 
 @gluon.jit
-def _produce(t0, t_end, t_step, total, CuSeqlens, n_mblocks, heads, num_seqs, group, q_desc,
-             q_smem, q_ready,
-             q_empty, k_desc, vt_desc, k_bufs, v_bufs, k_ready, v_ready, kv_empty,
+def _produce(t0, t_end, t_step, total, CuSeqlens, Items, n_mblocks, heads, num_seqs, group, q_desc,
+             q_smem, q_ready, q_empty, k_desc, vt_desc, k_bufs, v_bufs, k_ready, v_ready, kv_empty,
              CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, ROWS: gl.constexpr,
              BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
              Q_SLOTS: gl.constexpr, PERSISTENT: gl.constexpr, SNAKE: gl.constexpr,
-             HEAD_GROUP: gl.constexpr, V_FP8: gl.constexpr):
+             HEAD_GROUP: gl.constexpr, TABLE: gl.constexpr, V_FP8: gl.constexpr):
     """The producer warp: each block's two Q halves, then its K / V^T tiles
     (with one Q buffer, a later block's first STAGES tiles before its Q)."""
     it0 = 0
     k = 0
     for t in range(t0, t_end, t_step):
         q_start, q_len, m_row0, head, kv_col, n_tiles, mask_from = work_item(
-            t, total, CuSeqlens, n_mblocks, heads, num_seqs, group, BLOCK_M, BLOCK_N, HEAD_DIM,
-            CAUSAL, PERSISTENT, SNAKE, HEAD_GROUP)
+            t, total, CuSeqlens, Items, n_mblocks, heads, num_seqs, group, BLOCK_M, BLOCK_N, HEAD_DIM,
+            CAUSAL, PERSISTENT, SNAKE, HEAD_GROUP, TABLE)
         if n_tiles > 0:
             qs = k % Q_SLOTS
             early = 0
@@ -95,14 +93,15 @@ def _produce(t0, t_end, t_step, total, CuSeqlens, n_mblocks, heads, num_seqs, gr
 
 
 @gluon.jit(do_not_specialize=["max_len", "qk_scale", "group", "heads", "kv_heads", "num_seqs"])
-def _fp8_prefill_kernel(q_desc, k_desc, vt_desc, Out, QScale, KScale, VScale, CuSeqlens, max_len,
-                        stride_ot, qk_scale, group, heads, kv_heads, num_seqs,
+def _fp8_prefill_kernel(q_desc, k_desc, vt_desc, Out, QScale, KScale, VScale, CuSeqlens, Items,
+                        max_len, stride_ot, qk_scale, group, heads, kv_heads, num_seqs,
                         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                         STAGES: gl.constexpr, CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr,
                         Q_BUFS: gl.constexpr, PIN: gl.constexpr, SNAKE: gl.constexpr,
-                        HEAD_GROUP: gl.constexpr, V_FP8: gl.constexpr, num_warps: gl.constexpr):
+                        HEAD_GROUP: gl.constexpr, TABLE: gl.constexpr, V_FP8: gl.constexpr,
+                        num_warps: gl.constexpr):
     n_mblocks = gl.cdiv(max_len, BLOCK_M)
-    t0, t_end, t_step, total = work_range(n_mblocks, heads, num_seqs, PERSISTENT, SNAKE)
+    t0, t_end, t_step, total = work_range(n_mblocks, heads, num_seqs, Items, PERSISTENT, SNAKE, TABLE)
     ROWS: gl.constexpr = BLOCK_M // 2
     Q_SLOTS: gl.constexpr = Q_BUFS if PERSISTENT else 1
     q_smem = gl.allocate_shared_memory(gl.float8e4nv, [Q_SLOTS * 2, ROWS, HEAD_DIM], q_desc.layout)
@@ -127,24 +126,25 @@ def _fp8_prefill_kernel(q_desc, k_desc, vt_desc, Out, QScale, KScale, VScale, Cu
         mbarrier.init(turn_bars.index(i), count=1)
     mbarrier.arrive(turn_bars.index(0))  # the upper rows' warpgroup goes first
     gl.warp_specialize([
-        (_consume, (t0, t_end, t_step, total, CuSeqlens, n_mblocks, heads, num_seqs, kv_heads, group,
+        (_consume, (t0, t_end, t_step, total, CuSeqlens, Items, n_mblocks, heads, num_seqs, kv_heads, group,
                     q_smem, q_ready, q_empty, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn_bars,
                     Out, QScale, KScale, VScale, stride_ot, qk_scale, 0, CAUSAL, BLOCK_M, ROWS,
-                    BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS, PIN, PERSISTENT, SNAKE, HEAD_GROUP, V_FP8)),
-        (_consume, (t0, t_end, t_step, total, CuSeqlens, n_mblocks, heads, num_seqs, kv_heads, group,
+                    BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS, PIN, PERSISTENT, SNAKE, HEAD_GROUP, TABLE, V_FP8)),
+        (_consume, (t0, t_end, t_step, total, CuSeqlens, Items, n_mblocks, heads, num_seqs, kv_heads, group,
                     q_smem, q_ready, q_empty, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn_bars,
                     Out, QScale, KScale, VScale, stride_ot, qk_scale, 1, CAUSAL, BLOCK_M, ROWS,
-                    BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS, PIN, PERSISTENT, SNAKE, HEAD_GROUP, V_FP8)),
-        (_produce, (t0, t_end, t_step, total, CuSeqlens, n_mblocks, heads, num_seqs, group, q_desc,
+                    BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS, PIN, PERSISTENT, SNAKE, HEAD_GROUP, TABLE, V_FP8)),
+        (_produce, (t0, t_end, t_step, total, CuSeqlens, Items, n_mblocks, heads, num_seqs, group, q_desc,
                     q_smem, q_ready, q_empty, k_desc, vt_desc, k_bufs, v_bufs, k_ready, v_ready,
                     kv_empty, CAUSAL, BLOCK_M, ROWS, BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS, PERSISTENT,
-                    SNAKE, HEAD_GROUP, V_FP8))], [4, 1], [240, 24])
+                    SNAKE, HEAD_GROUP, TABLE, V_FP8))], [4, 1], [240, 24])
 
 
 # --- launcher -------------------------------------------------------------------
 
 DEFAULT_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 128, "STAGES": 2, "PERSISTENT": False, "Q_BUFS": 2,
-                  "PIN": True, "SNAKE": False, "HEAD_GROUP": 0, "num_warps": 4}  # gluon_schedule.py
+                  "PIN": True, "SNAKE": False, "HEAD_GROUP": 0, "TABLE": False,
+                  "num_warps": 4}  # SNAKE..TABLE: gluon_schedule.py
 PERSISTENT_UP_TO = 4096  # as the bf16 kernel (GLUON.md): persistent for requests up to 4k
 
 
@@ -185,7 +185,7 @@ def check_fp8_inputs(x: Fp8Inputs, cu_seqlens: torch.Tensor, block_n: int) -> No
 
 
 def fp8_kernel_args(x: Fp8Inputs, out, cu_seqlens, max_seqlen: int, scale: float, causal: bool,
-                    config: dict):
+                    config: dict, lengths=None):
     """(positional args, constexpr kwargs, grid) of one launch (also for the sm_90 compile check)."""
     unknown = set(config) - set(DEFAULT_CONFIG)
     if unknown:
@@ -202,27 +202,26 @@ def fp8_kernel_args(x: Fp8Inputs, out, cu_seqlens, max_seqlen: int, scale: float
     v_fp8 = vt8.dtype == FP8
     v_desc = _descriptor(vt8, [d, cfg["BLOCK_N"]]) if v_fp8 else \
         _descriptor(vt8.view(tokens, kv_heads * d), [cfg["BLOCK_N"], d])
+    items, grid = plan(cfg, lengths, max_seqlen, heads, cu_seqlens, causal,
+                       num_sms(q8.device.index or 0) if q8.is_cuda else 132)
     args = (_descriptor(q8.view(tokens, heads * d), [64, d]),
-            _descriptor(k8.view(tokens, kv_heads * d), [cfg["BLOCK_N"], d]), v_desc, out, q_scale, k_scale, v_scale, cu_seqlens,
-            max_seqlen, out.stride(0), scale * LOG2E, heads // kv_heads, heads, kv_heads,
-            cu_seqlens.numel() - 1)
-    consts = dict(HEAD_DIM=d, CAUSAL=causal, V_FP8=v_fp8, **cfg)
-    grid = (triton.cdiv(max_seqlen, cfg["BLOCK_M"]), heads, cu_seqlens.numel() - 1)
-    if cfg["PERSISTENT"]:
-        sms = num_sms(q8.device.index or 0) if q8.is_cuda else 132
-        grid = (min(sms, grid[0] * grid[1] * grid[2]), 1, 1)
-    return args, consts, grid
+            _descriptor(k8.view(tokens, kv_heads * d), [cfg["BLOCK_N"], d]), v_desc, out, q_scale,
+            k_scale, v_scale, cu_seqlens, items, max_seqlen, out.stride(0), scale * LOG2E,
+            heads // kv_heads, heads, kv_heads, cu_seqlens.numel() - 1)
+    return args, dict(HEAD_DIM=d, CAUSAL=causal, V_FP8=v_fp8, **cfg), grid
 
 
 def gluon_fp8_prefill(x: Fp8Inputs, cu_seqlens: torch.Tensor, max_seqlen: int, scale: float, *,
                       causal: bool = True, out_dtype: torch.dtype = torch.bfloat16,
-                      out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+                      out: torch.Tensor | None = None, config: dict | None = None,
+                      lengths=None) -> torch.Tensor:
     """Self-attention of packed requests from FP8 inputs, on sm_90. x (quantize_fp8_inputs):
     q8 [tokens, heads, D], k8 [tokens, kv_heads, D], v: V^T [kv_heads * D, tokens_pad] e4m3
     (or, QK^T-only FP8, V [tokens, kv_heads, D] bf16 / fp16);
     q_scale [tokens, heads], k_scale / v_scale [tokens, kv_heads] fp32, K's and V's constant
     over each kv_block tokens of a request; cu_seqlens [num_seqs + 1] int32; max_seqlen: host
-    int. Returns out [tokens, heads, D] in out_dtype (bf16 / fp16)."""
+    int; lengths: the request lengths as host ints (config TABLE needs them).
+    Returns out [tokens, heads, D] in out_dtype (bf16 / fp16)."""
     q8 = x.q8
     if out_dtype not in OUT_DTYPES:
         raise ValueError(f"out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
@@ -236,6 +235,7 @@ def gluon_fp8_prefill(x: Fp8Inputs, cu_seqlens: torch.Tensor, max_seqlen: int, s
         return out
     if config is None:
         config = {"PERSISTENT": max_seqlen <= PERSISTENT_UP_TO}
-    args, consts, grid = fp8_kernel_args(x, out, cu_seqlens, max_seqlen, scale, causal, config)
-    _fp8_prefill_kernel[grid](*args, **consts)
+    args, consts, grid = fp8_kernel_args(x, out, cu_seqlens, max_seqlen, scale, causal, config, lengths)
+    if grid[0]:
+        _fp8_prefill_kernel[grid](*args, **consts)
     return out

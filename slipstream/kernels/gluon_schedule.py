@@ -17,6 +17,9 @@ longest items first no program gets the longest of every round.
 """
 from __future__ import annotations
 
+import functools
+
+import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
@@ -24,9 +27,12 @@ ALL_HEADS = 4096  # HEAD_GROUP for "every head of every request in one group": L
 
 
 @gluon.jit
-def work_range(n_mblocks, heads, num_seqs, PERSISTENT: gl.constexpr, SNAKE: gl.constexpr):
+def work_range(n_mblocks, heads, num_seqs, Items, PERSISTENT: gl.constexpr, SNAKE: gl.constexpr,
+               TABLE: gl.constexpr):
     """(i0, i_end, i_step, total): this program's loop over item slots i, and the item count."""
     total = n_mblocks * heads * num_seqs
+    if TABLE:  # the host's list of the non-empty items (item_table), its length first
+        total = gl.load(Items)
     if PERSISTENT:
         i0, i_end, i_step = gl.program_id(0), total, gl.num_programs(0)
         if SNAKE:  # every program runs every round; slots past the end are empty
@@ -38,9 +44,10 @@ def work_range(n_mblocks, heads, num_seqs, PERSISTENT: gl.constexpr, SNAKE: gl.c
 
 
 @gluon.jit
-def work_item(i, total, CuSeqlens, n_mblocks, heads, num_seqs, group, BLOCK_M: gl.constexpr,
+def work_item(i, total, CuSeqlens, Items, n_mblocks, heads, num_seqs, group, BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
-              PERSISTENT: gl.constexpr, SNAKE: gl.constexpr, HEAD_GROUP: gl.constexpr):
+              PERSISTENT: gl.constexpr, SNAKE: gl.constexpr, HEAD_GROUP: gl.constexpr,
+              TABLE: gl.constexpr):
     """Item slot i -> (q_start, q_len, m_row0, head, kv_col, n_tiles, mask_from); n_tiles
     is 0 for an empty slot or a block past its request's end."""
     t = i
@@ -51,7 +58,11 @@ def work_item(i, total, CuSeqlens, n_mblocks, heads, num_seqs, group, BLOCK_M: g
         t = r * P + p + (r % 2) * (P - 1 - 2 * p)
     valid = (t < total).to(gl.int32)
     t = gl.minimum(t, total - 1)
-    if HEAD_GROUP > 0:
+    if TABLE:
+        seq = gl.load(Items + 1 + 3 * t)
+        head = gl.load(Items + 2 + 3 * t)
+        mb = n_mblocks - 1 - gl.load(Items + 3 + 3 * t)
+    elif HEAD_GROUP > 0:
         span = HEAD_GROUP * n_mblocks
         grp = t // span
         within = t - grp * span
@@ -74,6 +85,42 @@ def work_item(i, total, CuSeqlens, n_mblocks, heads, num_seqs, group, BLOCK_M: g
         mask_from = gl.minimum(m_row0 // BLOCK_N * BLOCK_N, mask_from)
     n_tiles = gl.cdiv(hi, BLOCK_N) * (m_row0 < q_len).to(gl.int32) * valid
     return q_start, q_len, m_row0, head, (head // group) * HEAD_DIM, n_tiles, mask_from
+
+
+def plan(cfg: dict, lengths, max_seqlen: int, heads: int, cu_seqlens: torch.Tensor, causal: bool,
+         sms: int) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """(the kernel's Items argument, grid) of a launch with config cfg (PERSISTENT, TABLE,
+    BLOCK_M, BLOCK_N); lengths: the requests' lengths as host ints (needed for TABLE)."""
+    num_seqs = cu_seqlens.numel() - 1
+    if cfg["TABLE"]:
+        if lengths is None or len(lengths) != num_seqs or max(lengths, default=0) > max_seqlen:
+            raise ValueError(f"TABLE needs the {num_seqs} request lengths as host ints, at most max_seqlen")
+        items = item_table(lengths, heads, cfg["BLOCK_M"], cfg["BLOCK_N"], causal, cu_seqlens.device)
+        n = (items.numel() - 1) // 3
+        return items, ((min(sms, n) if cfg["PERSISTENT"] else n), 1, 1)
+    grid = (-(-max_seqlen // cfg["BLOCK_M"]), heads, num_seqs)
+    if cfg["PERSISTENT"]:
+        grid = (min(sms, grid[0] * grid[1] * grid[2]), 1, 1)
+    return cu_seqlens, grid
+
+
+def item_table(lengths: tuple[int, ...], heads: int, block_m: int, block_n: int, causal: bool,
+               device) -> torch.Tensor:
+    """int32 [1 + 3 n]: n, then (request, head, query block) of every non-empty item,
+    the most key tiles first (ties: by block, request, head). Cached per arguments."""
+    return _item_table(tuple(lengths), heads, block_m, block_n, causal, str(device))
+
+
+@functools.lru_cache(maxsize=64)
+def _item_table(lengths, heads, block_m, block_n, causal, device) -> torch.Tensor:
+    items = []
+    for seq, n in enumerate(lengths):
+        for mb in range(-(-n // block_m)):
+            tiles = -(-min(n, (mb + 1) * block_m) // block_n) if causal else -(-n // block_n)
+            items += [(-tiles, -mb, seq, head) for head in range(heads)]
+    items.sort()
+    flat = [len(items)] + [x for _, mb, seq, head in items for x in (seq, head, -mb)]
+    return torch.tensor(flat, dtype=torch.int32).to(device)
 
 
 def schedule(n_mblocks: int, heads: int, num_seqs: int, programs: int | None, snake: bool = False,

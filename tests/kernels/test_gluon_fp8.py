@@ -182,12 +182,14 @@ hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_devi
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("config", [{"PERSISTENT": False}, {"PERSISTENT": True}, None,
-                                    {"PERSISTENT": True, "SNAKE": True, "HEAD_GROUP": 4096}])
+                                    {"PERSISTENT": True, "SNAKE": True, "HEAD_GROUP": 4096},
+                                    {"PERSISTENT": True, "SNAKE": True, "TABLE": True}])
 @pytest.mark.parametrize("fp8_v", [True, False])
 def test_matches_twin_on_gpu(causal, head_dim, config, fp8_v):
     q, k, v, cu = (t.cuda() for t in _data([1, 100, 128, 129, 777], 8, 2, head_dim))
     x = quantize_fp8_inputs(q, k, v.bfloat16(), cu, fp8_v=fp8_v)
-    out = gluon_fp8_prefill(x, cu, 777, head_dim ** -0.5, causal=causal, config=config).float()
+    out = gluon_fp8_prefill(x, cu, 777, head_dim ** -0.5, causal=causal, config=config,
+                            lengths=[1, 100, 128, 129, 777]).float()
     assert torch.isfinite(out).all()
     assert _rel(out, emulate_fp8_prefill(x, cu, head_dim ** -0.5, causal=causal)) < TWIN_BOUND
     assert _rel(out, _attention(q, k, v, cu, head_dim ** -0.5, causal)) < ERROR_BOUND

@@ -136,6 +136,7 @@ hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_devi
                                     {**BASE, "WS": True, "PERSISTENT": True},
                                     {**BASE, "WS": True, "PINGPONG": True, "num_warps": 4,
                                      "PERSISTENT": True, "SNAKE": True, "HEAD_GROUP": 4096},
+                                    {**BASE, "WS": True, "PINGPONG": True, "num_warps": 4, "TABLE": True},
                                     None])  # None: what the backend runs (CHOSEN)
 def test_matches_reference_on_gpu(dtype, causal, head_dim, config):
     lengths, heads, kv_heads = [1, 100, 128, 129, 777], 8, 2
@@ -143,7 +144,8 @@ def test_matches_reference_on_gpu(dtype, causal, head_dim, config):
     q = torch.randn(sum(lengths), heads, head_dim, dtype=dtype, device="cuda")
     k, v = (torch.randn(sum(lengths), kv_heads, head_dim, dtype=dtype, device="cuda") for _ in range(2))
     out = torch.full_like(q, float("nan"))
-    gluon_prefill(q, k, v, cu, max(lengths), head_dim ** -0.5, causal=causal, out=out, config=config)
+    gluon_prefill(q, k, v, cu, max(lengths), head_dim ** -0.5, causal=causal, out=out, config=config,
+                  lengths=lengths)
     cache = torch.zeros(1, 16, kv_heads, head_dim, dtype=dtype, device="cuda")
     ref = reference.prefill_attention(
         q, k, v, cache, cache, cu, torch.zeros(len(lengths), dtype=torch.int32, device="cuda"),

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from slipstream.kernels.gluon_prefill import kernel_args
-from slipstream.kernels.gluon_schedule import ALL_HEADS, schedule
+from slipstream.kernels.gluon_schedule import ALL_HEADS, item_table, plan, schedule
 
 
 def _busiest(order, per_item=1.5):
@@ -45,3 +45,29 @@ def test_order_options_checked():
     _, consts, grid = kernel_args(q, q, q, q, cu, 64, 0.1, True,
                                   {**pp, "PERSISTENT": True, "SNAKE": True, "HEAD_GROUP": ALL_HEADS})
     assert consts["SNAKE"] and consts["HEAD_GROUP"] == ALL_HEADS and grid == (4, 1, 1)
+
+
+def test_item_table_lists_nonempty_items_longest_first():
+    lengths, heads = [300, 1, 129], 2
+    table = item_table(lengths, heads, 128, 64, True, "cpu").tolist()
+    n, items = table[0], [tuple(table[1 + 3 * i: 4 + 3 * i]) for i in range(table[0])]
+    expected = {(s, h, b) for s, L in enumerate(lengths) for h in range(heads) for b in range(-(-L // 128))}
+    assert n == len(items) == len(expected) and set(items) == expected
+    tiles = [-(-min(lengths[s], (b + 1) * 128) // 64) for s, _, b in items]  # causal key tiles
+    assert tiles == sorted(tiles, reverse=True) and tiles[0] == 5 and tiles[-1] == 1
+    full = item_table(lengths, heads, 128, 64, False, "cpu").tolist()
+    assert [-(-lengths[full[1 + 3 * i]] // 64) for i in range(n)][:2] == [5, 5]
+
+
+def test_plan_grids():
+    cu = torch.tensor([0, 300, 301, 430], dtype=torch.int32)
+    base = {"BLOCK_M": 128, "BLOCK_N": 128, "PERSISTENT": False, "TABLE": False}
+    assert plan(base, None, 300, 4, cu, True, 132) == (cu, (3, 4, 3))
+    assert plan({**base, "PERSISTENT": True}, None, 300, 4, cu, True, 132)[1] == (36, 1, 1)
+    items, grid = plan({**base, "TABLE": True}, [300, 1, 129], 300, 4, cu, True, 132)
+    assert grid == (4 * (3 + 1 + 2), 1, 1) and items[0] == 24
+    assert plan({**base, "TABLE": True, "PERSISTENT": True}, [300, 1, 129], 300, 4, cu, True, 8)[1] == (8, 1, 1)
+    with pytest.raises(ValueError, match="TABLE"):
+        plan({**base, "TABLE": True}, None, 300, 4, cu, True, 132)
+    with pytest.raises(ValueError, match="TABLE"):
+        plan({**base, "TABLE": True}, [300, 1], 300, 4, cu, True, 132)
