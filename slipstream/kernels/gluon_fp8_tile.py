@@ -77,11 +77,13 @@ def _v_operand(v_tile, V_FP8: gl.constexpr):
 
 
 @gluon.jit
-def softmax_tile_fp8(s, m_i, l_i, f, start, offs_m, q_len, mask_from,
-                     CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
+def softmax_tile_fp8(s, m_i, l_i, f, start, offs_m, q_len, CAUSAL: gl.constexpr,
+                     BLOCK_N: gl.constexpr, s_layout: gl.constexpr, MASK: gl.constexpr):
     """Online softmax of one FP8 score tile; f [rows] = q_scale * k_scale * qk_scale
-    (> 0), m_i in log2 units. Returns P * 2^P_SHIFT (and l of the same)."""
-    if start >= mask_from:
+    (> 0), m_i in log2 units. Returns P * 2^P_SHIFT (and l of the same). MASK: the
+    tile reaches the causal diagonal or the request's end (a runtime branch here was
+    if-converted by the compiler: its compares and selects ran on every tile)."""
+    if MASK:
         offs_n = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         keep = offs_n[None, :] < q_len
         if CAUSAL:
@@ -92,6 +94,43 @@ def softmax_tile_fp8(s, m_i, l_i, f, start, offs_m, q_len, mask_from,
     alpha = gl.exp2(m_i - m_new)
     l_i = l_i * alpha + gl.sum(p, axis=1)
     return p, m_new, l_i, alpha
+
+
+@gluon.jit
+def _tiles_fp8(j0, j1, acc, p, m_i, l_i, alpha, vs_prev, qf, offs_m, zero_s, q_smem, k_bufs, v_bufs,
+               k_ready, v_ready, kv_empty, turn_bars, kv_base, v_base, tile_step, q_start, q_len,
+               it0, ME: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
+               STAGES: gl.constexpr, PIN: gl.constexpr, V_FP8: gl.constexpr,
+               s_layout: gl.constexpr, o_row: gl.constexpr, p_layout: gl.constexpr,
+               MASK: gl.constexpr):
+    """Key tiles j0..j1-1 of a block: issue S_j, rescale O, issue P_{j-1} V_{j-1}, the
+    softmax of S_j under it, retire P.V. Returns the carried state."""
+    for j in range(j0, j1):
+        it = it0 + j
+        slot = it % STAGES
+        prev = (it - 1) % STAGES
+        ks = gl.load(kv_base + j * tile_step)
+        vs = gl.load(v_base + (j - 1) * tile_step)  # P_{j-1} V_{j-1}'s scale
+        mbarrier.wait(k_ready.index(slot), (it // STAGES) & 1)
+        mbarrier.wait(v_ready.index(prev), ((it - 1) // STAGES) & 1)
+        mbarrier.wait(turn_bars.index(ME), it & 1)
+        s_tok = warpgroup_mma(q_smem, k_bufs.index(slot).permute((1, 0)), zero_s,
+                              use_acc=False, is_async=True)
+        acc = acc * gl.convert_layout(alpha * (vs_prev / vs), o_row)[:, None]
+        vs_prev = vs
+        p_op = gl.convert_layout(p.to(v_bufs.dtype), p_layout)
+        acc_tok = warpgroup_mma(p_op, _v_operand(v_bufs.index(prev), V_FP8), acc, is_async=True)
+        mbarrier.arrive(turn_bars.index(1 - ME))
+        s = warpgroup_mma_wait(1, deps=(s_tok,))
+        mbarrier.arrive(kv_empty.index(slot))  # K_j is consumed
+        p, m_i, l_i, alpha = softmax_tile_fp8(s, m_i, l_i, qf * ks, j * BLOCK_N, offs_m, q_len,
+                                              CAUSAL, BLOCK_N, s_layout, MASK)
+        if PIN:
+            acc = retire_pv_fp8(acc_tok, q_start >= 0)
+        else:
+            acc = warpgroup_mma_wait(0, deps=(acc_tok,))
+        mbarrier.arrive(kv_empty.index(STAGES + prev))  # V_{j-1} is consumed
+    return acc, p, m_i, l_i, alpha, vs_prev
 
 
 @gluon.jit
@@ -133,35 +172,20 @@ def attend_block_fp8(q_smem, q_ready, q_phase, k_bufs, v_bufs, k_ready, v_ready,
     mbarrier.arrive(kv_empty.index(it0 % STAGES))  # K_0 is consumed
     m_i = gl.full([ROWS], float("-inf"), gl.float32, row_layout)
     l_i = gl.zeros([ROWS], gl.float32, row_layout)
-    p, m_i, l_i, alpha = softmax_tile_fp8(s, m_i, l_i, qf * ks, 0, offs_m, q_len, mask_from,
-                                          CAUSAL, BLOCK_N, s_layout)
+    p, m_i, l_i, alpha = softmax_tile_fp8(s, m_i, l_i, qf * ks, 0, offs_m, q_len, CAUSAL, BLOCK_N,
+                                          s_layout, True)
     acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
 
-    for j in range(1, n_tiles):
-        it = it0 + j
-        slot = it % STAGES
-        prev = (it - 1) % STAGES
-        ks = gl.load(kv_base + j * tile_step)
-        vs = gl.load(v_base + (j - 1) * tile_step)  # P_{j-1} V_{j-1}'s scale
-        mbarrier.wait(k_ready.index(slot), (it // STAGES) & 1)
-        mbarrier.wait(v_ready.index(prev), ((it - 1) // STAGES) & 1)
-        mbarrier.wait(turn_bars.index(ME), it & 1)
-        s_tok = warpgroup_mma(q_smem, k_bufs.index(slot).permute((1, 0)), zero_s,
-                              use_acc=False, is_async=True)
-        acc = acc * gl.convert_layout(alpha * (vs_prev / vs), o_row)[:, None]
-        vs_prev = vs
-        p_op = gl.convert_layout(p.to(p_dtype), p_layout)
-        acc_tok = warpgroup_mma(p_op, _v_operand(v_bufs.index(prev), V_FP8), acc, is_async=True)
-        mbarrier.arrive(turn_bars.index(1 - ME))
-        s = warpgroup_mma_wait(1, deps=(s_tok,))
-        mbarrier.arrive(kv_empty.index(slot))  # K_j is consumed
-        p, m_i, l_i, alpha = softmax_tile_fp8(s, m_i, l_i, qf * ks, j * BLOCK_N, offs_m, q_len,
-                                              mask_from, CAUSAL, BLOCK_N, s_layout)
-        if PIN:
-            acc = retire_pv_fp8(acc_tok, q_start >= 0)
-        else:
-            acc = warpgroup_mma_wait(0, deps=(acc_tok,))
-        mbarrier.arrive(kv_empty.index(STAGES + prev))  # V_{j-1} is consumed
+    # tiles 1 .. n_free - 1 need no mask, the rest (diagonal, request end) do
+    n_free = gl.maximum(gl.minimum(mask_from // BLOCK_N, n_tiles), 1)
+    acc, p, m_i, l_i, alpha, vs_prev = _tiles_fp8(
+        1, n_free, acc, p, m_i, l_i, alpha, vs_prev, qf, offs_m, zero_s, q_smem, k_bufs, v_bufs,
+        k_ready, v_ready, kv_empty, turn_bars, kv_base, v_base, tile_step, q_start, q_len, it0, ME,
+        CAUSAL, BLOCK_N, STAGES, PIN, V_FP8, s_layout, o_row, p_layout, False)
+    acc, p, m_i, l_i, alpha, vs_prev = _tiles_fp8(
+        n_free, n_tiles, acc, p, m_i, l_i, alpha, vs_prev, qf, offs_m, zero_s, q_smem, k_bufs,
+        v_bufs, k_ready, v_ready, kv_empty, turn_bars, kv_base, v_base, tile_step, q_start, q_len,
+        it0, ME, CAUSAL, BLOCK_N, STAGES, PIN, V_FP8, s_layout, o_row, p_layout, True)
 
     last = it0 + n_tiles - 1
     vs = gl.load(v_base + (n_tiles - 1) * tile_step)
