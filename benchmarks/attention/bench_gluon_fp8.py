@@ -12,7 +12,8 @@ in one run on an H100/H200:
 3. timing (hdim 128, 16 heads, 16k tokens): every contender's output is first checked
    against fp32 attention (its bound), then three interleaved rounds of do_bench.
    FP8 kernels are timed on inputs quantised beforehand (as they would come from an
-   FP8 KV cache / a fused quantising store); `*_e2e` include the quantisation in PyTorch.
+   FP8 KV cache / a fused quantising store); `triton_fp8_e2e` includes its PyTorch rotation and
+   quantisation, `gluon_fp8_e2e` the fused quantiser (fp8_quantize.py; both quantisers timed alone).
 4. writes DIR/gluon_fp8.json and .md after every shape, prints a short table last.
 --smoke (no GPU): compile every variant for sm_90, time tiny shapes on the CPU with the
 Gluon kernels replaced by their PyTorch twins (the plumbing only).
@@ -64,6 +65,7 @@ def contenders(q, k, v, cu, n_max, causal, fp8_variants, bf16_variants):
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from slipstream.kernels.fp8_attention import fp8_prefill_attention, quantize_fp8_blocks, random_orthogonal
+    from slipstream.kernels.fp8_quantize import quantize_fp8_inputs_fused
     from slipstream.kernels.gluon_fp8_inputs import emulate_fp8_prefill, quantize_fp8_inputs
     from slipstream.kernels.gluon_fp8_prefill import gluon_fp8_prefill
     from slipstream.kernels.gluon_prefill import gluon_prefill
@@ -110,10 +112,13 @@ def contenders(q, k, v, cu, n_max, causal, fp8_variants, bf16_variants):
         calls[name] = (lambda cfg=cfg, x=xs[fp8_v], o=o: gluon_fp8_prefill(
             x, cu, n_max, SCALE, causal=causal, out=o, config=cfg, lengths=lengths), fc.ERROR_BOUND)
     o8 = torch.empty_like(q)
-    calls["gluon_fp8_e2e"] = (lambda: gluon_fp8_prefill(quantize_fp8_inputs(q, k, v, cu), cu, n_max, SCALE,
+    fused = quantize_fp8_inputs_fused if DEV == "cuda" else (
+        lambda q, k, v, cu, n: quantize_fp8_inputs(q, k, v, cu))
+    calls["gluon_fp8_e2e"] = (lambda: gluon_fp8_prefill(fused(q, k, v, cu, n_max), cu, n_max, SCALE,
                                                         causal=causal, out=o8, config=None,
                                                         lengths=lengths), fc.ERROR_BOUND)
-    return calls, (lambda: quantize_fp8_inputs(q, k, v, cu))
+    return calls, {"quantize_torch": lambda: quantize_fp8_inputs(q, k, v, cu),
+                   "quantize_fused": lambda: fused(q, k, v, cu, n_max)}
 
 
 def time_shape(name, lengths, kv_heads, causal, fp8_variants, bf16_variants, log) -> dict:
@@ -131,7 +136,7 @@ def time_shape(name, lengths, kv_heads, causal, fp8_variants, bf16_variants, log
     row = {"shape": name, "lengths": lengths if len(lengths) <= 8 else f"{len(lengths)} ragged",
            "kv_heads": kv_heads, "causal": causal, "flops": flops, "tflops": {}, "err": {}}
     ref = fp32_reference(q, k, v, cu, causal)
-    calls, quantize = contenders(q, k, v, cu, n_max, causal, fp8_variants, bf16_variants)
+    calls, quantizers = contenders(q, k, v, cu, n_max, causal, fp8_variants, bf16_variants)
     timers = {}
     for cname, (call, bound) in calls.items():  # once each: compile, check against fp32, then time
         try:
@@ -147,52 +152,13 @@ def time_shape(name, lengths, kv_heads, causal, fp8_variants, bf16_variants, log
         else:
             row["err"][cname] = f"{err:.3g} over its bound {bound}: not timed"
     if timers:
-        timers["quantize_fp8_inputs"] = lambda: bgp._bench_ms(quantize)
+        timers.update({n: lambda f=f: bgp._bench_ms(f) for n, f in quantizers.items()})
     for cname, t in interleaved(timers, rounds=3).items():
-        if cname == "quantize_fp8_inputs":
-            row["quantize_ms"] = t["ms"]
+        if cname in quantizers:
+            row[cname + "_ms"] = t["ms"]
         else:
             row["tflops"][cname] = flops / t["ms"] / 1e9
     log(f"  {name}: " + ", ".join(f"{c} {t:.0f}" for c, t in row["tflops"].items()))
-    return row
-
-
-def outlier_accuracy(log) -> dict:
-    """prefill_cases.fp8's data (4 x 4k causal, 0.1% outliers) against float64 attention."""
-    import torch
-    import torch.nn.functional as F
-    from timing import cu_seqlens
-    from slipstream.kernels.fp8_attention import fp8_prefill_attention
-    from slipstream.kernels.gluon_fp8_inputs import quantize_fp8_inputs
-    from slipstream.kernels.gluon_fp8_prefill import gluon_fp8_prefill
-    from slipstream.kernels.gluon_prefill import gluon_prefill
-    b, n = (4, 4096) if DEV == "cuda" else (2, 200)
-    gen = torch.Generator(device=DEV).manual_seed(3)
-
-    def draw():
-        x = torch.randn(b * n, HEADS, HEAD_DIM, device=DEV, generator=gen)
-        outliers = torch.rand(x.shape, device=DEV, generator=gen) < 1e-3
-        return torch.where(outliers, 10 * torch.randn(x.shape, device=DEV, generator=gen), x)
-    q32, k32, v32 = draw(), draw(), draw()
-    q, k, v = (t.to(torch.bfloat16) for t in (q32, k32, v32))
-    cu = cu_seqlens([n] * b, DEV)
-    qb, kb, vb = (t.double().view(b, n, HEADS, HEAD_DIM).transpose(1, 2) for t in (q32, k32, v32))
-    exact = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=SCALE)
-    exact = exact.transpose(1, 2).reshape(b * n, HEADS, HEAD_DIM)
-    row = {"data": f"{b} x {n} causal, N(0,1) with 0.1% of entries from N(0, 10^2)"}
-    runs = {"gluon_bf16": lambda: gluon_prefill(q, k, v, cu, n, SCALE),
-            "triton_fp8": lambda: fp8_prefill_attention(q, k, v, cu, n, SCALE),
-            "triton_fp8_unrotated": lambda: fp8_prefill_attention(q, k, v, cu, n, SCALE, rotate=False),
-            "gluon_fp8": lambda: gluon_fp8_prefill(quantize_fp8_inputs(q, k, v, cu), cu, n, SCALE),
-            "gluon_fp8_unrotated": lambda: gluon_fp8_prefill(quantize_fp8_inputs(q, k, v, cu, rotate=False),
-                                                             cu, n, SCALE),
-            "gluon_qk8": lambda: gluon_fp8_prefill(quantize_fp8_inputs(q, k, v, cu, fp8_v=False), cu, n, SCALE)}
-    for name, run in runs.items():
-        try:
-            row["err_" + name] = gluon_checks.rel_err(run(), exact)
-        except Exception as e:
-            row["err_" + name] = f"{type(e).__name__}: {str(e)[:200]}"
-    log(f"  outliers: {row}")
     return row
 
 
@@ -280,7 +246,7 @@ def main() -> None:
         res["checks"] = {**fp8.result(), **(bf16.result() if bf16 else {})}
     passing = [n for n, r in res["checks"].items() if r["ok"]]
     try:
-        res["outliers"] = outlier_accuracy(log)
+        res["outliers"] = fc.outlier_accuracy(DEV, log)
     except Exception as e:
         res["outliers"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
     for name, lengths, kv_heads, causal in SMOKE_SHAPES if args.smoke else SHAPES:

@@ -127,6 +127,50 @@ def baseline_errors() -> dict:
     return {"ok": True, "errors": errs}
 
 
+def outlier_accuracy(dev: str, log) -> dict:
+    """prefill_cases.fp8's data (4 x 4k causal, 0.1% outliers) against float64 attention."""
+    import torch
+    import torch.nn.functional as F
+    from timing import cu_seqlens
+    from slipstream.kernels.fp8_attention import fp8_prefill_attention
+    from slipstream.kernels.fp8_quantize import quantize_fp8_inputs_fused
+    from slipstream.kernels.gluon_fp8_inputs import quantize_fp8_inputs
+    from slipstream.kernels.gluon_fp8_prefill import gluon_fp8_prefill
+    from slipstream.kernels.gluon_prefill import gluon_prefill
+    b, n = (4, 4096) if dev == "cuda" else (2, 200)
+    heads, dim = 16, 128
+    scale = dim ** -0.5
+    gen = torch.Generator(device=dev).manual_seed(3)
+
+    def draw():
+        x = torch.randn(b * n, heads, dim, device=dev, generator=gen)
+        outliers = torch.rand(x.shape, device=dev, generator=gen) < 1e-3
+        return torch.where(outliers, 10 * torch.randn(x.shape, device=dev, generator=gen), x)
+    q32, k32, v32 = draw(), draw(), draw()
+    q, k, v = (t.to(torch.bfloat16) for t in (q32, k32, v32))
+    cu = cu_seqlens([n] * b, dev)
+    qb, kb, vb = (t.double().view(b, n, heads, dim).transpose(1, 2) for t in (q32, k32, v32))
+    exact = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale)
+    exact = exact.transpose(1, 2).reshape(b * n, heads, dim)
+    row = {"data": f"{b} x {n} causal, N(0,1) with 0.1% of entries from N(0, 10^2)"}
+    runs = {"gluon_bf16": lambda: gluon_prefill(q, k, v, cu, n, scale),
+            "triton_fp8": lambda: fp8_prefill_attention(q, k, v, cu, n, scale),
+            "triton_fp8_unrotated": lambda: fp8_prefill_attention(q, k, v, cu, n, scale, rotate=False),
+            "gluon_fp8": lambda: gluon_fp8_prefill(quantize_fp8_inputs(q, k, v, cu), cu, n, scale),
+            "gluon_fp8_unrotated": lambda: gluon_fp8_prefill(quantize_fp8_inputs(q, k, v, cu, rotate=False),
+                                                             cu, n, scale),
+            "gluon_fp8_fused_quantiser": lambda: gluon_fp8_prefill(
+                quantize_fp8_inputs_fused(q, k, v, cu, n), cu, n, scale),
+            "gluon_qk8": lambda: gluon_fp8_prefill(quantize_fp8_inputs(q, k, v, cu, fp8_v=False), cu, n, scale)}
+    for name, run in runs.items():
+        try:
+            row["err_" + name] = rel_err(run(), exact)
+        except Exception as e:
+            row["err_" + name] = f"{type(e).__name__}: {str(e)[:200]}"
+    log(f"  outliers: {row}")
+    return row
+
+
 def compile_variant(name: str) -> dict:
     from slipstream.kernels.gluon_compile import compile_fp8_prefill, overlap_report, sass_overlap
     cfg, fp8_v = kernel_config(name)

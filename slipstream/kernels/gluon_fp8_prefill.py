@@ -14,6 +14,8 @@ speed: at most 4/3 of bf16 overall, short of the 1.5x asked.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -209,6 +211,11 @@ def fp8_kernel_args(x: Fp8Inputs, out, cu_seqlens, max_seqlen: int, scale: float
             k_scale, v_scale, cu_seqlens, items, max_seqlen, out.stride(0), scale * LOG2E,
             heads // kv_heads, heads, kv_heads, cu_seqlens.numel() - 1)
     return args, dict(HEAD_DIM=d, CAUSAL=causal, V_FP8=v_fp8, **cfg), grid
+
+
+def gluon_fp8_prefill_wanted() -> bool:
+    """The backend's opt-in (SLIPSTREAM_GLUON_PREFILL=fp8; gluon_prefill_wanted checks the GPU)."""
+    return os.environ.get("SLIPSTREAM_GLUON_PREFILL", "0") == "fp8"
 
 
 def gluon_fp8_prefill(x: Fp8Inputs, cu_seqlens: torch.Tensor, max_seqlen: int, scale: float, *,

@@ -255,8 +255,8 @@ def kernel_args(q, k, v, out, cu_seqlens, max_seqlen: int, scale: float, causal:
 
 def gluon_prefill_wanted(device: torch.device) -> bool:
     """Whether the backend should try this kernel: opted in with
-    SLIPSTREAM_GLUON_PREFILL=1, on an sm_90 GPU."""
-    return (os.environ.get("SLIPSTREAM_GLUON_PREFILL", "0") == "1" and device.type == "cuda"
+    SLIPSTREAM_GLUON_PREFILL=1 (or =fp8, its FP8 version), on an sm_90 GPU."""
+    return (os.environ.get("SLIPSTREAM_GLUON_PREFILL", "0") in ("1", "fp8") and device.type == "cuda"
             and _is_sm90(device.index or 0))
 
 

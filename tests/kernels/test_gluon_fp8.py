@@ -194,3 +194,37 @@ def test_matches_twin_on_gpu(causal, head_dim, config, fp8_v):
     assert torch.isfinite(out).all()
     assert _rel(out, emulate_fp8_prefill(x, cu, head_dim ** -0.5, causal=causal)) < TWIN_BOUND
     assert _rel(out, _attention(q, k, v, cu, head_dim ** -0.5, causal)) < ERROR_BOUND
+
+
+def test_backend_routes_whole_prompts_to_fp8(paged_batch, monkeypatch):
+    """SLIPSTREAM_GLUON_PREFILL=fp8 (on sm_90, faked): whole prompts are quantised and go to
+    the FP8 kernel with the step's lengths, its output in q's dtype."""
+    from types import SimpleNamespace
+    from slipstream.attention import triton_backend as tb
+    from slipstream.batch import ForwardBatch
+    b = paged_batch([0, 0], [19, 9], 4, 2, 64, 16, store_new=False)
+    n = b.q.shape[0]
+    batch = ForwardBatch(
+        input_ids=torch.zeros(n, dtype=torch.long), positions=torch.zeros(n, dtype=torch.long),
+        query_start_loc=b.cu_seqlens_q, seq_lens=b.seq_lens, context_lens=b.context_lens,
+        slot_mapping=b.slot_mapping, block_tables=b.block_tables,
+        logits_indices=torch.zeros(0, dtype=torch.long), max_query_len=19, max_seq_len=19,
+        query_lens_cpu=[19, 9], seq_lens_cpu=[19, 9])
+    layer = SimpleNamespace(layer_idx=0, num_heads=4, num_kv_heads=2, head_dim=64, scale=0.125,
+                            sliding_window=None, k_cache=b.k_cache.clone(), v_cache=b.v_cache.clone(),
+                            k_scale=None, v_scale=None)
+    calls = []
+    monkeypatch.setenv("SLIPSTREAM_GLUON_PREFILL", "fp8")
+    monkeypatch.setattr(tb, "gluon_prefill_wanted", lambda device: True)
+    monkeypatch.setattr(tb, "quantize_fp8_inputs_fused",
+                        lambda q, k, v, cu, n: quantize_fp8_inputs(q, k, v, cu))
+
+    def fake(x, cu, max_len, scale, out_dtype, lengths):
+        calls.append((x.q8.dtype, max_len, scale, out_dtype, lengths))
+        return torch.full(x.q8.shape, 7.0, dtype=out_dtype)
+    monkeypatch.setattr(tb, "gluon_fp8_prefill", fake)
+    backend = tb.TritonAttentionBackend()
+    backend.prepare(batch)
+    out = backend.forward(b.q, b.k, b.v, layer, batch)
+    assert bool((out == 7.0).all()) and out.dtype == b.q.dtype
+    assert calls == [(torch.float8_e4m3fn, 19, 0.125, b.q.dtype, [19, 9])]

@@ -184,7 +184,8 @@ def test_backend_routes_whole_prompts_to_gluon(paged_batch, monkeypatch, context
                             v_cache=b.v_cache.clone(), k_scale=None, v_scale=None)
     calls = []
 
-    def fake(q, k, v, cu, max_len, scale, causal):
+    def fake(q, k, v, cu, max_len, scale, causal, lengths):
+        assert lengths == b.seq_lens.tolist()
         calls.append((q.shape, k.shape, max_len, scale, causal))
         return torch.full_like(q, 7.0)
 
