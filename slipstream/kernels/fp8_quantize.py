@@ -1,7 +1,8 @@
 """One Triton kernel for the FP8 Gluon prefill's inputs (gluon_fp8_inputs.quantize_fp8_inputs,
 in PyTorch there, a dozen passes over each tensor): per block of tokens of one request and
 one head, load, optionally rotate (x @ R on the tensor cores, tf32), take the block's
-maximum, scale to e4m3 and store, V transposed (V^T [kv_heads * D, tokens padded to 16]).
+maximum, scale to e4m3 and store, V transposed (V^T [kv_heads * D, columns], each
+request's columns from a multiple of 16: gluon_fp8_inputs.v_columns).
 Each scale is stored per token [tokens, heads] fp32, as the PyTorch version does.
 """
 from __future__ import annotations
@@ -11,11 +12,11 @@ import triton
 import triton.language as tl
 
 from slipstream.kernels.fp8_attention import FP8, FP8_MAX, random_orthogonal
-from slipstream.kernels.gluon_fp8_inputs import Fp8Inputs
+from slipstream.kernels.gluon_fp8_inputs import Fp8Inputs, v_columns
 
 
 @triton.jit
-def _quantize_blocks_kernel(X, R, Q, Scale, CuSeqlens, heads, stride_xt, stride_xh, stride_q,
+def _quantize_blocks_kernel(X, R, Q, Scale, CuSeqlens, VStarts, heads, stride_xt, stride_xh, stride_q,
                             D: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr,
                             ROTATE: tl.constexpr, TRANSPOSE: tl.constexpr):
     """Program (block, head, request): tokens block*BLOCK.. of the request, scales per SUB."""
@@ -37,18 +38,19 @@ def _quantize_blocks_kernel(X, R, Q, Scale, CuSeqlens, heads, stride_xt, stride_
         scale = tl.maximum(amax / 448.0, 1e-12)
         row_scale = tl.reshape(tl.broadcast_to(scale[:, None], [BLOCK // SUB, SUB]), [BLOCK])
         q = tl.clamp(x / row_scale[:, None], -448.0, 448.0).to(tl.float8e4nv)
-        if TRANSPOSE:  # Q is V^T [kv_heads * D, tokens_pad]
-            tl.store(Q + (h * D + cols)[None, :].to(tl.int64) * stride_q + tok[:, None], q,
+        if TRANSPOSE:  # Q is V^T [kv_heads * D, columns], the request's from VStarts[seq]
+            col = tl.load(VStarts + seq) + rows
+            tl.store(Q + (h * D + cols)[None, :].to(tl.int64) * stride_q + col[:, None], q,
                      mask=keep[:, None])
         else:
             tl.store(Q + tok[:, None] * stride_q + h * D + cols[None, :], q, mask=keep[:, None])
         tl.store(Scale + tok * heads + h, row_scale, mask=keep)
 
 
-def _launch(x, out, scale, cu_seqlens, max_seqlen, rot, block, sub, transpose):
+def _launch(x, out, scale, cu_seqlens, v_starts, max_seqlen, rot, block, sub, transpose):
     tokens, heads, d = x.shape
     grid = (triton.cdiv(max_seqlen, block), heads, cu_seqlens.numel() - 1)
-    _quantize_blocks_kernel[grid](x, rot if rot is not None else x, out, scale, cu_seqlens, heads,
+    _quantize_blocks_kernel[grid](x, rot if rot is not None else x, out, scale, cu_seqlens, v_starts, heads,
                                   x.stride(0), x.stride(1), out.stride(0), D=d, BLOCK=block, SUB=sub,
                                   ROTATE=rot is not None, TRANSPOSE=transpose, num_warps=8)
 
@@ -70,15 +72,16 @@ def quantize_fp8_inputs_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     rot = random_orthogonal(d, q.device).contiguous() if rotate else None
     q8 = torch.empty(q.shape, dtype=FP8, device=q.device)
     k8 = torch.empty(k.shape, dtype=FP8, device=q.device)
-    vt8 = torch.zeros(kv_heads * d, tokens + (-tokens) % 16, dtype=torch.uint8, device=q.device).view(FP8)
+    v_starts, v_cols, width = v_columns(cu_seqlens, tokens)
+    vt8 = torch.zeros(kv_heads * d, width, dtype=torch.uint8, device=q.device).view(FP8)
     q_scale = torch.empty(tokens, heads, dtype=torch.float32, device=q.device)
     k_scale = torch.empty(tokens, kv_heads, dtype=torch.float32, device=q.device)
     v_scale = torch.empty_like(k_scale)
     if max_seqlen > 0 and tokens:
-        _launch(q, q8, q_scale, cu_seqlens, max_seqlen, rot, 128, q_block, False)
-        _launch(k, k8, k_scale, cu_seqlens, max_seqlen, rot, 128, kv_block, False)
-        _launch(v, vt8, v_scale, cu_seqlens, max_seqlen, None, 128, kv_block, True)
-    return Fp8Inputs(q8, k8, vt8, q_scale, k_scale, v_scale, kv_block)
+        _launch(q, q8, q_scale, cu_seqlens, v_starts, max_seqlen, rot, 128, q_block, False)
+        _launch(k, k8, k_scale, cu_seqlens, v_starts, max_seqlen, rot, 128, kv_block, False)
+        _launch(v, vt8, v_scale, cu_seqlens, v_starts, max_seqlen, None, 128, kv_block, True)
+    return Fp8Inputs(q8, k8, vt8, q_scale, k_scale, v_scale, kv_block, v_starts, v_cols)
 
 
 assert FP8_MAX == 448.0  # the kernel's constant

@@ -56,7 +56,7 @@ def compile_fp8_prefill(config: dict | None = None, *, causal: bool = True,
     q_scale, kv_scale = torch.empty(tokens, heads), torch.empty(tokens, kv_heads)
     out = torch.empty(tokens, heads, head_dim, dtype=out_dtype)
     cu = torch.tensor([0, tokens], dtype=torch.int32)
-    x = Fp8Inputs(q, k, vt, q_scale, kv_scale, kv_scale, 128)
+    x = Fp8Inputs(q, k, vt, q_scale, kv_scale, kv_scale, 128, cu, torch.arange(tokens))
     args, consts, _ = gluon_fp8_prefill.fp8_kernel_args(x, out, cu, tokens, head_dim ** -0.5, causal,
                                                         config or {}, [tokens])
     return _compile(gluon_fp8_prefill._fp8_prefill_kernel, args, consts)

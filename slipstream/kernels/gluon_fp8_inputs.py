@@ -5,8 +5,9 @@ plain-PyTorch twin of its arithmetic.
 orthogonal matrix (incoherent processing, fp8_attention.py: (qR)(kR)^T = qk^T)
 and block-quantised to e4m3 (Q per `q_block` tokens of a request and head, K per
 `kv_block`: one scale a kernel tile), V block-quantised per `kv_block` and
-transposed to V^T [kv_heads * D, tokens padded to 16] (FP8 wgmma wants P.V's
-operand K-major: tokens contiguous). Scales are stored per token, fp32.
+transposed to V^T [kv_heads * D, columns] (FP8 wgmma wants P.V's operand K-major:
+tokens contiguous), each request's columns from a multiple of 16 (v_columns). Scales
+are stored per token, fp32.
 
 `emulate_fp8_prefill`: what the kernel computes, in fp32 on dequantised
 inputs, with P cast to e4m3 (QK^T-only: v's dtype) as the kernel does (P * 2^8 relative to the row's
@@ -27,11 +28,26 @@ P_SCALE = 256.0  # gluon_fp8_tile.P_SHIFT = log2(P_SCALE)
 class Fp8Inputs(NamedTuple):
     q8: torch.Tensor       # [tokens, heads, D] e4m3
     k8: torch.Tensor       # [tokens, kv_heads, D] e4m3
-    v: torch.Tensor        # V^T [kv_heads * D, tokens_pad] e4m3; QK^T-only: V [tokens, kv_heads, D] 16-bit
+    v: torch.Tensor        # V^T [kv_heads * D, columns] e4m3; QK^T-only: V [tokens, kv_heads, D] 16-bit
     q_scale: torch.Tensor  # [tokens, heads] fp32
     k_scale: torch.Tensor  # [tokens, kv_heads] fp32
     v_scale: torch.Tensor  # [tokens, kv_heads] fp32
     kv_block: int          # K's and V's scales are constant over kv_block tokens of a request
+    v_starts: torch.Tensor  # [num_seqs + 1] int32: each request's first V^T column, a multiple of 16
+    v_cols: torch.Tensor   # [tokens] int64: each token's V^T column
+
+
+def v_columns(cu_seqlens: torch.Tensor, tokens: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """V^T's token axis: each request starts at a multiple of 16 columns (TMA reads V^T
+    tiles from a request's start, and wants that inner coordinate 16-byte aligned).
+    Returns (v_starts [num_seqs + 1] int32, v_cols [tokens] int64, width: a host bound)."""
+    cu = cu_seqlens.long()
+    padded = (cu[1:] - cu[:-1] + 15) // 16 * 16
+    starts = torch.cat([torch.zeros(1, dtype=torch.long, device=cu.device), padded.cumsum(0)])
+    tok = torch.arange(tokens, device=cu.device)
+    seq = torch.searchsorted(cu[1:], tok, right=True)
+    width = (tokens + 16 * (cu.numel() - 1) + 15) // 16 * 16
+    return starts.int(), starts[seq] + tok - cu[seq], width
 
 
 def quantize_fp8_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
@@ -57,18 +73,21 @@ def quantize_fp8_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_se
         if v.dtype not in (torch.bfloat16, torch.float16):
             raise ValueError(f"with fp8_v=False v must be bf16 or fp16, got {v.dtype}")
         return Fp8Inputs(q8.contiguous(), k8.contiguous(), v.contiguous(), q_scale.contiguous(),
-                         k_scale.contiguous(), torch.ones_like(k_scale), kv_block)
+                         k_scale.contiguous(), torch.ones_like(k_scale), kv_block, cu_seqlens,
+                         torch.arange(tokens, device=v.device))
     v8, v_scale = quantize_fp8_blocks(v, cu_seqlens, kv_block)
-    vt8 = torch.zeros(kv_heads * d, tokens + (-tokens) % 16, dtype=torch.uint8, device=v.device)
-    vt8[:, :tokens] = v8.view(torch.uint8).permute(1, 2, 0).reshape(kv_heads * d, tokens)
+    v_starts, v_cols, width = v_columns(cu_seqlens, tokens)
+    vt8 = torch.zeros(kv_heads * d, width, dtype=torch.uint8, device=v.device)
+    vt8[:, v_cols] = v8.view(torch.uint8).permute(1, 2, 0).reshape(kv_heads * d, tokens)
     return Fp8Inputs(q8.contiguous(), k8.contiguous(), vt8.view(FP8), q_scale.contiguous(),
-                     k_scale.contiguous(), v_scale.contiguous(), kv_block)
+                     k_scale.contiguous(), v_scale.contiguous(), kv_block, v_starts, v_cols)
 
 
 def dequantize_fp8_inputs(x: Fp8Inputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q, k, v) fp32 as the kernel sees them (q, k still rotated)."""
     tokens, kv_heads, d = x.k8.shape
-    v = x.v.float() if x.v.dtype != FP8 else x.v[:, :tokens].reshape(kv_heads, d, tokens).permute(2, 0, 1)
+    v = x.v.float() if x.v.dtype != FP8 else \
+        x.v.view(torch.uint8)[:, x.v_cols].view(FP8).reshape(kv_heads, d, tokens).permute(2, 0, 1)
     return (x.q8.float() * x.q_scale[..., None], x.k8.float() * x.k_scale[..., None],
             v.float() * x.v_scale[..., None])
 

@@ -45,7 +45,7 @@ def _consume(t0, t_end, t_step, total, CuSeqlens, Items, n_mblocks, heads, num_s
     it0 = 0
     k = 0
     for t in range(t0, t_end, t_step):
-        q_start, q_len, m_row0, head, kv_col, n_tiles, mask_from = work_item(
+        q_start, q_len, m_row0, head, kv_col, n_tiles, mask_from, seq = work_item(
             t, total, CuSeqlens, Items, n_mblocks, heads, num_seqs, group, BLOCK_M, BLOCK_N, HEAD_DIM,
             CAUSAL, PERSISTENT, SNAKE, HEAD_GROUP, TABLE)
         if n_tiles > 0:
@@ -61,7 +61,8 @@ def _consume(t0, t_end, t_step, total, CuSeqlens, Items, n_mblocks, heads, num_s
 
 
 @gluon.jit
-def _produce(t0, t_end, t_step, total, CuSeqlens, Items, n_mblocks, heads, num_seqs, group, q_desc,
+def _produce(t0, t_end, t_step, total, CuSeqlens, Items, VStarts, n_mblocks, heads, num_seqs, group,
+             q_desc,
              q_smem, q_ready, q_empty, k_desc, vt_desc, k_bufs, v_bufs, k_ready, v_ready, kv_empty,
              CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, ROWS: gl.constexpr,
              BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
@@ -72,16 +73,19 @@ def _produce(t0, t_end, t_step, total, CuSeqlens, Items, n_mblocks, heads, num_s
     it0 = 0
     k = 0
     for t in range(t0, t_end, t_step):
-        q_start, q_len, m_row0, head, kv_col, n_tiles, mask_from = work_item(
+        q_start, q_len, m_row0, head, kv_col, n_tiles, mask_from, seq = work_item(
             t, total, CuSeqlens, Items, n_mblocks, heads, num_seqs, group, BLOCK_M, BLOCK_N, HEAD_DIM,
             CAUSAL, PERSISTENT, SNAKE, HEAD_GROUP, TABLE)
         if n_tiles > 0:
             qs = k % Q_SLOTS
             early = 0
+            v_start = q_start  # V^T: the request's first column (a multiple of 16: TMA)
+            if V_FP8:
+                v_start = gl.load(VStarts + seq)
             if Q_SLOTS == 1:
                 early = gl.minimum(n_tiles, STAGES) * (k > 0).to(gl.int32)
                 produce_block_fp8(k_desc, vt_desc, k_bufs, v_bufs, k_ready, v_ready, kv_empty,
-                                  q_start, kv_col, 0, early, it0, STAGES, BLOCK_N, V_FP8)
+                                  q_start, v_start, kv_col, 0, early, it0, STAGES, BLOCK_N, V_FP8)
             if k >= Q_SLOTS:
                 mbarrier.wait(q_empty.index(qs), ((k - Q_SLOTS) // Q_SLOTS) & 1)
             mbarrier.expect(q_ready.index(qs), 2 * q_desc.block_type.nbytes)
@@ -89,14 +93,14 @@ def _produce(t0, t_end, t_step, total, CuSeqlens, Items, n_mblocks, heads, num_s
                 tma.async_copy_global_to_shared(q_desc, [q_start + m_row0 + c * ROWS, head * HEAD_DIM],
                                                 q_ready.index(qs), q_smem.index(qs * 2 + c))
             produce_block_fp8(k_desc, vt_desc, k_bufs, v_bufs, k_ready, v_ready, kv_empty, q_start,
-                              kv_col, early, n_tiles, it0, STAGES, BLOCK_N, V_FP8)
+                              v_start, kv_col, early, n_tiles, it0, STAGES, BLOCK_N, V_FP8)
             it0 += n_tiles
             k += 1
 
 
 @gluon.jit(do_not_specialize=["max_len", "qk_scale", "group", "heads", "kv_heads", "num_seqs"])
 def _fp8_prefill_kernel(q_desc, k_desc, vt_desc, Out, QScale, KScale, VScale, CuSeqlens, Items,
-                        max_len, stride_ot, qk_scale, group, heads, kv_heads, num_seqs,
+                        VStarts, max_len, stride_ot, qk_scale, group, heads, kv_heads, num_seqs,
                         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                         STAGES: gl.constexpr, CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr,
                         Q_BUFS: gl.constexpr, PIN: gl.constexpr, SNAKE: gl.constexpr,
@@ -136,8 +140,8 @@ def _fp8_prefill_kernel(q_desc, k_desc, vt_desc, Out, QScale, KScale, VScale, Cu
                     q_smem, q_ready, q_empty, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn_bars,
                     Out, QScale, KScale, VScale, stride_ot, qk_scale, 1, CAUSAL, BLOCK_M, ROWS,
                     BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS, PIN, PERSISTENT, SNAKE, HEAD_GROUP, TABLE, V_FP8)),
-        (_produce, (t0, t_end, t_step, total, CuSeqlens, Items, n_mblocks, heads, num_seqs, group, q_desc,
-                    q_smem, q_ready, q_empty, k_desc, vt_desc, k_bufs, v_bufs, k_ready, v_ready,
+        (_produce, (t0, t_end, t_step, total, CuSeqlens, Items, VStarts, n_mblocks, heads, num_seqs,
+                    group, q_desc, q_smem, q_ready, q_empty, k_desc, vt_desc, k_bufs, v_bufs, k_ready, v_ready,
                     kv_empty, CAUSAL, BLOCK_M, ROWS, BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS, PERSISTENT,
                     SNAKE, HEAD_GROUP, TABLE, V_FP8))], [4, 1], [240, 24])
 
@@ -160,7 +164,7 @@ def _descriptor(x: torch.Tensor, block: list[int]) -> TensorDescriptor:
 
 def check_fp8_inputs(x: Fp8Inputs, cu_seqlens: torch.Tensor, block_n: int) -> None:
     """ValueError for inputs this kernel does not take (shapes as quantize_fp8_inputs makes)."""
-    q8, k8, vt8, q_scale, k_scale, v_scale, kv_block = x
+    q8, k8, vt8, q_scale, k_scale, v_scale, kv_block, v_starts, _ = x
     shapes = f"q {tuple(q8.shape)}, k {tuple(k8.shape)}, v {tuple(vt8.shape)}"
     if q8.dim() != 3 or k8.dim() != 3 or vt8.dim() != (2 if vt8.dtype == FP8 else 3):
         raise ValueError(f"q, k must be [tokens, heads, D], v^T [kv_heads * D, tokens] e4m3 "
@@ -169,7 +173,9 @@ def check_fp8_inputs(x: Fp8Inputs, cu_seqlens: torch.Tensor, block_n: int) -> No
     if d not in HEAD_DIMS or k8.shape[2] != d or k8.shape[0] != tokens or heads % k8.shape[1]:
         raise ValueError(f"head_dim in {HEAD_DIMS}, k with q's tokens and a divisor of its heads: {shapes}")
     if vt8.dtype == FP8 and (vt8.shape[0] != k8.shape[1] * d or vt8.shape[1] < tokens or vt8.shape[1] % 16):
-        raise ValueError(f"v^T must be [kv_heads * D, tokens padded to 16]: {shapes}")
+        raise ValueError(f"v^T must be [kv_heads * D, columns (a multiple of 16)]: {shapes}")
+    if v_starts.dtype != torch.int32 or v_starts.shape != cu_seqlens.shape:
+        raise ValueError(f"v_starts must be int32 like cu_seqlens: {v_starts.dtype} {tuple(v_starts.shape)}")
     if vt8.dtype != FP8 and (vt8.shape != k8.shape or vt8.dtype not in OUT_DTYPES):
         raise ValueError(f"a 16-bit v must be bf16 / fp16 shaped like k: {shapes}, {vt8.dtype}")
     if q8.dtype != FP8 or k8.dtype != FP8:
@@ -198,7 +204,7 @@ def fp8_kernel_args(x: Fp8Inputs, out, cu_seqlens, max_seqlen: int, scale: float
     if (cfg["SNAKE"] and not cfg["PERSISTENT"]) or cfg["HEAD_GROUP"] < 0:
         raise ValueError("SNAKE needs PERSISTENT, HEAD_GROUP >= 0 (gluon_schedule.py)")
     check_fp8_inputs(x, cu_seqlens, cfg["BLOCK_N"])
-    q8, k8, vt8, q_scale, k_scale, v_scale, _ = x
+    q8, k8, vt8, q_scale, k_scale, v_scale, _, v_starts, _ = x
     tokens, heads, d = q8.shape
     kv_heads = k8.shape[1]
     v_fp8 = vt8.dtype == FP8
@@ -208,7 +214,7 @@ def fp8_kernel_args(x: Fp8Inputs, out, cu_seqlens, max_seqlen: int, scale: float
                        num_sms(q8.device.index or 0) if q8.is_cuda else 132)
     args = (_descriptor(q8.view(tokens, heads * d), [64, d]),
             _descriptor(k8.view(tokens, kv_heads * d), [cfg["BLOCK_N"], d]), v_desc, out, q_scale,
-            k_scale, v_scale, cu_seqlens, items, max_seqlen, out.stride(0), scale * LOG2E,
+            k_scale, v_scale, cu_seqlens, items, v_starts, max_seqlen, out.stride(0), scale * LOG2E,
             heads // kv_heads, heads, kv_heads, cu_seqlens.numel() - 1)
     return args, dict(HEAD_DIM=d, CAUSAL=causal, V_FP8=v_fp8, **cfg), grid
 

@@ -45,10 +45,13 @@ def retire_pv_fp8(acc_tok, always):
 
 @gluon.jit
 def produce_block_fp8(k_desc, vt_desc, k_bufs, v_bufs, k_ready, v_ready, kv_empty, q_start,
-                      kv_col, j0, j1, it0, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
+                      v_start, kv_col, j0, j1, it0, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
                       V_FP8: gl.constexpr):
-    """The producer warp's part of one block, tiles j0..j1-1: K tile [BLOCK_N, D]
-    at (row, kv_col), V^T tile [D, BLOCK_N] at (kv_col, row) (not V_FP8: V [BLOCK_N, D])."""
+    """The producer warp's part of one block, tiles j0..j1-1: K tile [BLOCK_N, D] at
+    (q_start + j * BLOCK_N, kv_col), V^T tile [D, BLOCK_N] at (kv_col, v_start + j * BLOCK_N)
+    (not V_FP8: V [BLOCK_N, D] as K). TMA needs V^T's (inner) token coordinate 16-byte
+    aligned (unaligned ones raised "illegal instruction" on the H200): each request's
+    columns start at a multiple of 16 (gluon_fp8_inputs)."""
     for j in range(j0, j1):
         it = it0 + j
         slot = it % STAGES
@@ -62,7 +65,8 @@ def produce_block_fp8(k_desc, vt_desc, k_bufs, v_bufs, k_ready, v_ready, kv_empt
             mbarrier.wait(kv_empty.index(STAGES + slot), phase)
         mbarrier.expect(v_ready.index(slot), vt_desc.block_type.nbytes)
         if V_FP8:
-            tma.async_copy_global_to_shared(vt_desc, [kv_col, row], v_ready.index(slot), v_bufs.index(slot))
+            tma.async_copy_global_to_shared(vt_desc, [kv_col, v_start + j * BLOCK_N], v_ready.index(slot),
+                                            v_bufs.index(slot))
         else:
             tma.async_copy_global_to_shared(vt_desc, [row, kv_col], v_ready.index(slot), v_bufs.index(slot))
 

@@ -54,7 +54,7 @@ def _consume(t0, t_end, t_step, total, CuSeqlens, Items, n_mblocks, heads, num_s
     it0 = 0  # K/V tiles done so far (the ring position)
     k = 0    # blocks done so far (the Q slot)
     for t in range(t0, t_end, t_step):
-        q_start, q_len, m_row0, head, kv_col, n_tiles, mask_from = work_item(
+        q_start, q_len, m_row0, head, kv_col, n_tiles, mask_from, seq = work_item(
             t, total, CuSeqlens, Items, n_mblocks, heads, num_seqs, group, BLOCK_M, BLOCK_N, HEAD_DIM,
             CAUSAL, PERSISTENT, SNAKE, HEAD_GROUP, TABLE)
         if n_tiles > 0:
@@ -82,7 +82,7 @@ def _produce(t0, t_end, t_step, total, CuSeqlens, Items, n_mblocks, heads, num_s
     it0 = 0
     k = 0
     for t in range(t0, t_end, t_step):
-        q_start, q_len, m_row0, head, kv_col, n_tiles, mask_from = work_item(
+        q_start, q_len, m_row0, head, kv_col, n_tiles, mask_from, seq = work_item(
             t, total, CuSeqlens, Items, n_mblocks, heads, num_seqs, group, BLOCK_M, BLOCK_N, HEAD_DIM,
             CAUSAL, PERSISTENT, SNAKE, HEAD_GROUP, TABLE)
         if n_tiles > 0:
@@ -140,7 +140,7 @@ def _prefill_kernel(q_desc, k_desc, v_desc, o_desc, Out, CuSeqlens, Items, max_l
         mbarrier.init(turn_bars.index(i), count=1)
 
     if not WS:  # these warps copy too: Q and the first STAGES tiles, then the loop
-        q_start, q_len, m_row0, head, kv_col, n_tiles, mask_from = work_item(
+        q_start, q_len, m_row0, head, kv_col, n_tiles, mask_from, seq = work_item(
             t0, total, CuSeqlens, Items, n_mblocks, heads, num_seqs, group, BLOCK_M, BLOCK_N, HEAD_DIM,
             CAUSAL, False, False, HEAD_GROUP, TABLE)
         if n_tiles > 0:

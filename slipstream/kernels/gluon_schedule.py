@@ -48,8 +48,8 @@ def work_item(i, total, CuSeqlens, Items, n_mblocks, heads, num_seqs, group, BLO
               BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
               PERSISTENT: gl.constexpr, SNAKE: gl.constexpr, HEAD_GROUP: gl.constexpr,
               TABLE: gl.constexpr):
-    """Item slot i -> (q_start, q_len, m_row0, head, kv_col, n_tiles, mask_from); n_tiles
-    is 0 for an empty slot or a block past its request's end."""
+    """Item slot i -> (q_start, q_len, m_row0, head, kv_col, n_tiles, mask_from, request);
+    n_tiles is 0 for an empty slot or a block past its request's end."""
     t = i
     if PERSISTENT and SNAKE:
         P = gl.num_programs(0)
@@ -84,7 +84,7 @@ def work_item(i, total, CuSeqlens, Items, n_mblocks, heads, num_seqs, group, BLO
         hi = gl.minimum(q_len, m_row0 + BLOCK_M)
         mask_from = gl.minimum(m_row0 // BLOCK_N * BLOCK_N, mask_from)
     n_tiles = gl.cdiv(hi, BLOCK_N) * (m_row0 < q_len).to(gl.int32) * valid
-    return q_start, q_len, m_row0, head, (head // group) * HEAD_DIM, n_tiles, mask_from
+    return q_start, q_len, m_row0, head, (head // group) * HEAD_DIM, n_tiles, mask_from, seq
 
 
 def plan(cfg: dict, lengths, max_seqlen: int, heads: int, cu_seqlens: torch.Tensor, causal: bool,

@@ -28,8 +28,11 @@ def test_fused_matches_pytorch(rotate, q_block):
     k, v = (torch.randn(431, 2, 64, generator=g) * 3 for _ in range(2))
     a = quantize_fp8_inputs_fused(q, k, v, cu, max(lengths), rotate=rotate, q_block=q_block)
     b = quantize_fp8_inputs(q, k, v, cu, rotate=rotate, q_block=q_block)
-    assert a.v.shape == b.v.shape == (128, 432) and a.kv_block == b.kv_block == 128
-    assert not a.v.view(torch.uint8)[:, 431:].any()
+    assert a.v.shape == b.v.shape == (128, (431 + 3 * 16 + 15) // 16 * 16) and a.kv_block == 128
+    assert a.v_starts.tolist() == b.v_starts.tolist() == [0, 16, 160, 464]
+    unused = torch.ones(a.v.shape[1], dtype=torch.bool)
+    unused[a.v_cols] = False
+    assert not a.v.view(torch.uint8)[:, unused].any()
     for name in ("q_scale", "k_scale", "v_scale"):
         torch.testing.assert_close(getattr(a, name), getattr(b, name), rtol=1e-5, atol=0)
     for x, y in zip(dequantize_fp8_inputs(a), dequantize_fp8_inputs(b)):
@@ -53,7 +56,7 @@ from triton.runtime.jit import mangle_type
 from slipstream.kernels.fp8_quantize import _quantize_blocks_kernel as K
 t = dict(X=torch.empty(8, dtype=torch.bfloat16), R=torch.empty(8),
          Q=torch.empty(8, dtype=torch.float8_e4m3fn), Scale=torch.empty(8),
-         CuSeqlens=torch.empty(2, dtype=torch.int32), heads=16, stride_xt=2048, stride_xh=128,
+         CuSeqlens=torch.empty(2, dtype=torch.int32), VStarts=torch.empty(2, dtype=torch.int32), heads=16, stride_xt=2048, stride_xh=128,
          stride_q=2048)
 out = []
 for rot, tr, sub in ((True, False, 64), (False, True, 128)):

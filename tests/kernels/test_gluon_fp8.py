@@ -53,8 +53,11 @@ def test_quantize_layout_and_scales():
     q, k, v, cu = _data()
     x = quantize_fp8_inputs(q, k, v, cu, kv_block=128)
     tokens = q.shape[0]
-    assert x.v.shape == (2 * 64, tokens + (-tokens) % 16) and x.v.dtype == torch.float8_e4m3fn
-    assert not x.v[:, tokens:].float().any()  # the padding is zeros
+    assert x.v.shape == (2 * 64, (tokens + 3 * 16 + 15) // 16 * 16) and x.v.dtype == torch.float8_e4m3fn
+    assert x.v_starts.tolist() == [0, 16, 160, 464]  # each request's V^T columns from a multiple of 16
+    unused = torch.ones(x.v.shape[1], dtype=torch.bool)
+    unused[x.v_cols] = False
+    assert not x.v.view(torch.uint8)[:, unused].any()  # the padding is zeros
     assert x.q_scale.shape == (tokens, 4) and x.k_scale.shape == x.v_scale.shape == (tokens, 2)
     qd, kd, vd = dequantize_fp8_inputs(x)
     assert _rel(vd, v) < 0.05  # e4m3: 3 mantissa bits
