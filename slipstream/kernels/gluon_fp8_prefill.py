@@ -40,7 +40,8 @@ def _consume(t0, t_end, t_step, total, CuSeqlens, Items, n_mblocks, heads, num_s
              BLOCK_M: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, Q_SLOTS: gl.constexpr,
              PIN: gl.constexpr, PERSISTENT: gl.constexpr, SNAKE: gl.constexpr,
-             HEAD_GROUP: gl.constexpr, TABLE: gl.constexpr, V_FP8: gl.constexpr):
+             HEAD_GROUP: gl.constexpr, TABLE: gl.constexpr, V_FP8: gl.constexpr,
+             TURNS: gl.constexpr):
     """One consumer warpgroup (ME: its 64 rows of each block) over work items t0, t0 + t_step, .."""
     it0 = 0
     k = 0
@@ -54,7 +55,7 @@ def _consume(t0, t_end, t_step, total, CuSeqlens, Items, n_mblocks, heads, num_s
                              k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn_bars, Out, QScale,
                              KScale, VScale, q_start, q_len, m_row0 + ME * ROWS, head, heads,
                              head // group, kv_heads, n_tiles, it0, mask_from, stride_ot,
-                             qk_scale, ME, CAUSAL, ROWS, BLOCK_N, HEAD_DIM, STAGES, 4, PIN, V_FP8)
+                             qk_scale, ME, CAUSAL, ROWS, BLOCK_N, HEAD_DIM, STAGES, 4, PIN, V_FP8, TURNS)
             mbarrier.arrive(q_empty.index(qs))
             it0 += n_tiles
             k += 1
@@ -105,7 +106,7 @@ def _fp8_prefill_kernel(q_desc, k_desc, vt_desc, Out, QScale, KScale, VScale, Cu
                         STAGES: gl.constexpr, CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr,
                         Q_BUFS: gl.constexpr, PIN: gl.constexpr, SNAKE: gl.constexpr,
                         HEAD_GROUP: gl.constexpr, TABLE: gl.constexpr, V_FP8: gl.constexpr,
-                        num_warps: gl.constexpr):
+                        TURNS: gl.constexpr, num_warps: gl.constexpr):
     n_mblocks = gl.cdiv(max_len, BLOCK_M)
     t0, t_end, t_step, total = work_range(n_mblocks, heads, num_seqs, Items, PERSISTENT, SNAKE, TABLE)
     ROWS: gl.constexpr = BLOCK_M // 2
@@ -135,11 +136,13 @@ def _fp8_prefill_kernel(q_desc, k_desc, vt_desc, Out, QScale, KScale, VScale, Cu
         (_consume, (t0, t_end, t_step, total, CuSeqlens, Items, n_mblocks, heads, num_seqs, kv_heads, group,
                     q_smem, q_ready, q_empty, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn_bars,
                     Out, QScale, KScale, VScale, stride_ot, qk_scale, 0, CAUSAL, BLOCK_M, ROWS,
-                    BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS, PIN, PERSISTENT, SNAKE, HEAD_GROUP, TABLE, V_FP8)),
+                    BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS, PIN, PERSISTENT, SNAKE, HEAD_GROUP, TABLE, V_FP8,
+                    TURNS)),
         (_consume, (t0, t_end, t_step, total, CuSeqlens, Items, n_mblocks, heads, num_seqs, kv_heads, group,
                     q_smem, q_ready, q_empty, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn_bars,
                     Out, QScale, KScale, VScale, stride_ot, qk_scale, 1, CAUSAL, BLOCK_M, ROWS,
-                    BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS, PIN, PERSISTENT, SNAKE, HEAD_GROUP, TABLE, V_FP8)),
+                    BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS, PIN, PERSISTENT, SNAKE, HEAD_GROUP, TABLE, V_FP8,
+                    TURNS)),
         (_produce, (t0, t_end, t_step, total, CuSeqlens, Items, VStarts, n_mblocks, heads, num_seqs,
                     group, q_desc, q_smem, q_ready, q_empty, k_desc, vt_desc, k_bufs, v_bufs, k_ready, v_ready,
                     kv_empty, CAUSAL, BLOCK_M, ROWS, BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS, PERSISTENT,
@@ -149,7 +152,7 @@ def _fp8_prefill_kernel(q_desc, k_desc, vt_desc, Out, QScale, KScale, VScale, Cu
 # --- launcher -------------------------------------------------------------------
 
 DEFAULT_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 128, "STAGES": 2, "PERSISTENT": False, "Q_BUFS": 2,
-                  "PIN": True, "SNAKE": False, "HEAD_GROUP": 0, "TABLE": False,
+                  "PIN": True, "SNAKE": False, "HEAD_GROUP": 0, "TABLE": False, "TURNS": True,
                   "num_warps": 4}  # SNAKE..TABLE: gluon_schedule.py
 PERSISTENT_UP_TO = 4096  # as the bf16 kernel (GLUON.md): persistent for requests up to 4k
 

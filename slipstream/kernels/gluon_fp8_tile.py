@@ -106,7 +106,7 @@ def _tiles_fp8(j0, j1, acc, p, m_i, l_i, alpha, vs_prev, qf, offs_m, zero_s, q_s
                it0, ME: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
                STAGES: gl.constexpr, PIN: gl.constexpr, V_FP8: gl.constexpr,
                s_layout: gl.constexpr, o_row: gl.constexpr, p_layout: gl.constexpr,
-               MASK: gl.constexpr):
+               MASK: gl.constexpr, TURNS: gl.constexpr):
     """Key tiles j0..j1-1 of a block: issue S_j, rescale O, issue P_{j-1} V_{j-1}, the
     softmax of S_j under it, retire P.V. Returns the carried state."""
     for j in range(j0, j1):
@@ -117,14 +117,16 @@ def _tiles_fp8(j0, j1, acc, p, m_i, l_i, alpha, vs_prev, qf, offs_m, zero_s, q_s
         vs = gl.load(v_base + (j - 1) * tile_step)  # P_{j-1} V_{j-1}'s scale
         mbarrier.wait(k_ready.index(slot), (it // STAGES) & 1)
         mbarrier.wait(v_ready.index(prev), ((it - 1) // STAGES) & 1)
-        mbarrier.wait(turn_bars.index(ME), it & 1)
+        if TURNS:
+            mbarrier.wait(turn_bars.index(ME), it & 1)
         s_tok = warpgroup_mma(q_smem, k_bufs.index(slot).permute((1, 0)), zero_s,
                               use_acc=False, is_async=True)
         acc = acc * gl.convert_layout(alpha * (vs_prev / vs), o_row)[:, None]
         vs_prev = vs
         p_op = gl.convert_layout(p.to(v_bufs.dtype), p_layout)
         acc_tok = warpgroup_mma(p_op, _v_operand(v_bufs.index(prev), V_FP8), acc, is_async=True)
-        mbarrier.arrive(turn_bars.index(1 - ME))
+        if TURNS:
+            mbarrier.arrive(turn_bars.index(1 - ME))
         s = warpgroup_mma_wait(1, deps=(s_tok,))
         mbarrier.arrive(kv_empty.index(slot))  # K_j is consumed
         p, m_i, l_i, alpha = softmax_tile_fp8(s, m_i, l_i, qf * ks, j * BLOCK_N, offs_m, q_len,
@@ -143,7 +145,8 @@ def attend_block_fp8(q_smem, q_ready, q_phase, k_bufs, v_bufs, k_ready, v_ready,
                      kv_head, kv_heads, n_tiles, it0, mask_from, stride_ot, qk_scale,
                      ME: gl.constexpr, CAUSAL: gl.constexpr, ROWS: gl.constexpr,
                      BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                     WARPS: gl.constexpr, PIN: gl.constexpr, V_FP8: gl.constexpr):
+                     WARPS: gl.constexpr, PIN: gl.constexpr, V_FP8: gl.constexpr,
+                     TURNS: gl.constexpr):
     """ROWS query rows (m_row0.. of the request) against key tiles it0.. (n_tiles) with
     ping-pong turns; the output (Out's dtype) stored with a masked store.
     Scales: QScale [tokens, heads], KScale / VScale [tokens, kv_heads] fp32 (a tile's
@@ -166,10 +169,12 @@ def attend_block_fp8(q_smem, q_ready, q_phase, k_bufs, v_bufs, k_ready, v_ready,
 
     mbarrier.wait(q_ready, q_phase)
     mbarrier.wait(k_ready.index(it0 % STAGES), (it0 // STAGES) & 1)
-    mbarrier.wait(turn_bars.index(ME), it0 & 1)
+    if TURNS:
+        mbarrier.wait(turn_bars.index(ME), it0 & 1)
     s_tok = warpgroup_mma(q_smem, k_bufs.index(it0 % STAGES).permute((1, 0)), zero_s,
                           use_acc=False, is_async=True)
-    mbarrier.arrive(turn_bars.index(1 - ME))
+    if TURNS:
+        mbarrier.arrive(turn_bars.index(1 - ME))
     ks = gl.load(kv_base)
     vs_prev = gl.load(v_base)  # the V scale O is kept in
     s = warpgroup_mma_wait(0, deps=(s_tok,))
@@ -185,11 +190,11 @@ def attend_block_fp8(q_smem, q_ready, q_phase, k_bufs, v_bufs, k_ready, v_ready,
     acc, p, m_i, l_i, alpha, vs_prev = _tiles_fp8(
         1, n_free, acc, p, m_i, l_i, alpha, vs_prev, qf, offs_m, zero_s, q_smem, k_bufs, v_bufs,
         k_ready, v_ready, kv_empty, turn_bars, kv_base, v_base, tile_step, q_start, q_len, it0, ME,
-        CAUSAL, BLOCK_N, STAGES, PIN, V_FP8, s_layout, o_row, p_layout, False)
+        CAUSAL, BLOCK_N, STAGES, PIN, V_FP8, s_layout, o_row, p_layout, False, TURNS)
     acc, p, m_i, l_i, alpha, vs_prev = _tiles_fp8(
         n_free, n_tiles, acc, p, m_i, l_i, alpha, vs_prev, qf, offs_m, zero_s, q_smem, k_bufs,
         v_bufs, k_ready, v_ready, kv_empty, turn_bars, kv_base, v_base, tile_step, q_start, q_len,
-        it0, ME, CAUSAL, BLOCK_N, STAGES, PIN, V_FP8, s_layout, o_row, p_layout, True)
+        it0, ME, CAUSAL, BLOCK_N, STAGES, PIN, V_FP8, s_layout, o_row, p_layout, True, TURNS)
 
     last = it0 + n_tiles - 1
     vs = gl.load(v_base + (n_tiles - 1) * tile_step)
