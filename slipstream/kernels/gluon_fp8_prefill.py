@@ -154,7 +154,7 @@ def _fp8_prefill_kernel(q_desc, k_desc, vt_desc, Out, QScale, KScale, VScale, Cu
 DEFAULT_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 128, "STAGES": 2, "PERSISTENT": False, "Q_BUFS": 2,
                   "PIN": True, "SNAKE": False, "HEAD_GROUP": 0, "TABLE": False, "TURNS": True,
                   "num_warps": 4}  # SNAKE..TABLE: gluon_schedule.py
-PERSISTENT_UP_TO = 4096  # as the bf16 kernel (GLUON.md): persistent for requests up to 4k
+PERSISTENT_UP_TO = 4096  # as the bf16 kernel (GLUON.md): persistent (snake order) up to 4k
 
 
 GL_DTYPES = {FP8: gl.float8e4nv, torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
@@ -250,7 +250,7 @@ def gluon_fp8_prefill(x: Fp8Inputs, cu_seqlens: torch.Tensor, max_seqlen: int, s
     if max_seqlen <= 0 or q8.shape[0] == 0:
         return out
     if config is None:
-        config = {"PERSISTENT": max_seqlen <= PERSISTENT_UP_TO}
+        config = {"PERSISTENT": max_seqlen <= PERSISTENT_UP_TO, "SNAKE": max_seqlen <= PERSISTENT_UP_TO}
     args, consts, grid = fp8_kernel_args(x, out, cu_seqlens, max_seqlen, scale, causal, config, lengths)
     if grid[0]:
         _fp8_prefill_kernel[grid](*args, **consts)
