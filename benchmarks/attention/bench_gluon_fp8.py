@@ -46,8 +46,8 @@ SHAPES = [("dense 4x4k causal", [4096] * 4, 16, True), ("dense 1x16k causal", [1
           ("varlen causal", None, 16, True), ("gqa 16/4 4x4k causal", [4096] * 4, 4, True)]
 SMOKE_SHAPES = [("dense 2x200 causal", [200, 200], 16, True), ("gqa ragged", [5, 140, 19], 4, False)]
 BF16_RUN = ["pingpong_n128_s2", "pingpong_persistent_n128_s2", "pingpong_persistent_n128_s2_snake",
-            "pingpong_persistent_n128_s2_snake_g2", "pingpong_persistent_n128_s2_lpt",
-            "pingpong_n128_s2_table", "pingpong_persistent_n128_s2_table"]
+            "pingpong_persistent_n128_s3_q1_snake", "pingpong_persistent_n128_s2_snake_g2",
+            "pingpong_persistent_n128_s2_lpt", "pingpong_n128_s2_table", "pingpong_persistent_n128_s2_table"]
 DEV = "cuda"
 
 

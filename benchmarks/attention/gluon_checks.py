@@ -49,6 +49,8 @@ VARIANTS = {
     # 1.12x the mean tiles in the order above, 1.03x snake, 1.003x snake + LPT; at 16k 1.56x,
     # 1.53x, 1.001x). lpt: longest blocks of all heads first; g2: two heads at a time.
     "pingpong_persistent_n128_s2_snake": {**_PP, "PERSISTENT": True, "SNAKE": True},
+    "pingpong_persistent_n128_s3_q1_snake": {**_PP, "PERSISTENT": True, "SNAKE": True, "STAGES": 3,
+                                             "Q_BUFS": 1},
     "pingpong_persistent_n128_s2_snake_g2": {**_PP, "PERSISTENT": True, "SNAKE": True, "HEAD_GROUP": 2},
     "pingpong_persistent_n128_s2_lpt": {**_PP, "PERSISTENT": True, "SNAKE": True, "HEAD_GROUP": 4096},
     "pingpong_n128_s2_lpt": {**_PP, "HEAD_GROUP": 4096},

@@ -42,6 +42,8 @@ VARIANTS = {
     "fp8_persistent_s4": {**_BASE, "PERSISTENT": True, "STAGES": 4},
     # work orders (gluon_schedule.py, gluon_checks.py)
     "fp8_persistent_s2_snake": {**_BASE, "PERSISTENT": True, "SNAKE": True},
+    "fp8_persistent_s3_snake": {**_BASE, "PERSISTENT": True, "SNAKE": True, "STAGES": 3},
+    "fp8_persistent_s4_snake": {**_BASE, "PERSISTENT": True, "SNAKE": True, "STAGES": 4},
     "fp8_persistent_s2_lpt": {**_BASE, "PERSISTENT": True, "SNAKE": True, "HEAD_GROUP": 4096},
     "fp8_persistent_s3_lpt": {**_BASE, "PERSISTENT": True, "SNAKE": True, "HEAD_GROUP": 4096, "STAGES": 3},
     "fp8_s2_lpt": {**_BASE, "HEAD_GROUP": 4096},
@@ -53,10 +55,11 @@ VARIANTS = {
     # QK^T-only FP8 (the existing path's split: V and P.V in bf16), for its error
     "qk8_s2": {**_BASE, "FP8_V": False},
     "qk8_persistent_s2_lpt": {**_BASE, "PERSISTENT": True, "SNAKE": True, "HEAD_GROUP": 4096, "FP8_V": False},
+    "qk8_persistent_s2_snake": {**_BASE, "PERSISTENT": True, "SNAKE": True, "FP8_V": False},
 }
-DEFAULT_RUN = ["fp8_s2", "fp8_s3", "fp8_persistent_s2", "fp8_persistent_s2_snake", "fp8_persistent_s2_lpt",
-               "fp8_persistent_s3_lpt", "fp8_s2_table", "fp8_persistent_s2_table", "fp8_s2_noturns",
-               "fp8_persistent_s2_snake_noturns", "qk8_s2", "qk8_persistent_s2_lpt"]
+DEFAULT_RUN = ["fp8_s2", "fp8_s3", "fp8_s4", "fp8_persistent_s2_snake", "fp8_persistent_s3_snake",
+               "fp8_persistent_s4_snake", "fp8_persistent_s2_lpt", "fp8_s2_table", "fp8_persistent_s2_table",
+               "fp8_s2_noturns", "fp8_persistent_s2_snake_noturns", "qk8_s2", "qk8_persistent_s2_snake"]
 
 
 def kernel_config(name: str) -> tuple[dict, bool]:
