@@ -25,7 +25,7 @@ import torch  # noqa: E402
 
 from gluon_checks import reference, rel_err  # noqa: E402
 
-ERROR_BOUND = 6e-2   # relative (Frobenius) against fp32 attention; the twin measures 4.7e-2 on the CPU
+ERROR_BOUND = 8e-2   # relative (Frobenius) against fp32 attention (H200: 4.8-5.4e-2 dense, twin 4.7e-2)
 TWIN_BOUND = 1e-2    # relative against the twin (bf16 output rounding: 1.6e-3)
 TWIN_MAX_ABS = 6e-2  # largest absolute difference to the twin
 _BASE = {"BLOCK_M": 128, "BLOCK_N": 128, "STAGES": 2, "PERSISTENT": False, "Q_BUFS": 2, "PIN": True,
