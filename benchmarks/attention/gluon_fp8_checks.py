@@ -27,7 +27,9 @@ from gluon_checks import reference, rel_err  # noqa: E402
 
 ERROR_BOUND = 8e-2   # relative (Frobenius) against fp32 attention (H200: 4.8-5.4e-2 dense, twin 4.7e-2)
 TWIN_BOUND = 1e-2    # relative against the twin (bf16 output rounding: 1.6e-3)
-TWIN_MAX_ABS = 6e-2  # largest absolute difference to the twin
+TWIN_MAX_ABS = 0.25  # largest absolute difference to the twin: one P value rounded to the next e4m3
+#   step (6-12%) in a row of few keys moves its output by up to ~0.1 (H200: 0.079, rel 3.6e-3);
+#   a wrong scale or tile gives O(1)
 _BASE = {"BLOCK_M": 128, "BLOCK_N": 128, "STAGES": 2, "PERSISTENT": False, "Q_BUFS": 2, "PIN": True,
          "SNAKE": False, "HEAD_GROUP": 0, "num_warps": 4}
 # Shared memory: Q 16 KB a buffer, K + V^T 32 KB a stage at BLOCK_N 128.

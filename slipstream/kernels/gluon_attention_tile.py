@@ -50,14 +50,12 @@ def produce_block(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, kv_empty, q_
 
 
 @gluon.jit
-def softmax_tile(s, m_i, l_i, start, offs_m, q_len, qk_scale, CAUSAL: gl.constexpr,
-                 BLOCK_N: gl.constexpr, s_layout: gl.constexpr, MASK: gl.constexpr):
+def softmax_tile(s, m_i, l_i, start, offs_m, q_len, mask_from, qk_scale,
+                 CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
     """Online softmax of one score tile (keys start..start+BLOCK_N). m_i is kept
     in log2 units (scaled), so p = exp2(s * scale - m) is one FMA and one MUFU op.
-    MASK: only for tiles at or past the block's mask_from (causal diagonal, request
-    end); the loops over the others are separate, since a runtime branch here was
-    if-converted (seen in the SASS: its compares and selects ran on every tile)."""
-    if MASK:
+    Only tiles at or past mask_from (causal diagonal, request end) are masked."""
+    if start >= mask_from:
         offs_n = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         keep = offs_n[None, :] < q_len
         if CAUSAL:
@@ -85,50 +83,6 @@ def retire_pv(acc_tok, p_op, always):
         acc, p_op = warpgroup_mma_wait(0, deps=(acc_tok, p_op))
         gl.thread_barrier()
     return acc
-
-
-@gluon.jit
-def _tiles(j0, j1, acc, p, m_i, l_i, alpha, offs_m, zero_s, q_smem, k_bufs, v_bufs, k_ready,
-           v_ready, kv_empty, turn_bars, k_desc, v_desc, q_start, q_len, kv_col, n_tiles, it0,
-           qk_scale, ME: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
-           STAGES: gl.constexpr, SELF_LOAD: gl.constexpr, TURNS: gl.constexpr, PIN: gl.constexpr,
-           s_layout: gl.constexpr, o_row: gl.constexpr, p_layout: gl.constexpr,
-           MASK: gl.constexpr):
-    """Key tiles j0..j1-1 of a block (attend_block's loop). Returns the carried state."""
-    for j in range(j0, j1):
-        it = it0 + j
-        slot = it % STAGES
-        prev = (it - 1) % STAGES
-        mbarrier.wait(k_ready.index(slot), (it // STAGES) & 1)
-        mbarrier.wait(v_ready.index(prev), ((it - 1) // STAGES) & 1)
-        if TURNS:
-            mbarrier.wait(turn_bars.index(ME), it & 1)
-        # Issue S_j = Q K_j^T, rescale O (idle now), issue O += P_{j-1} V_{j-1};
-        # the softmax of S_j below runs while P.V is still on the tensor cores.
-        s_tok = warpgroup_mma(q_smem, k_bufs.index(slot).permute((1, 0)), zero_s,
-                              use_acc=False, is_async=True)
-        acc = acc * gl.convert_layout(alpha, o_row)[:, None]
-        p_op = gl.convert_layout(p.to(q_smem.dtype), p_layout)
-        acc_tok = warpgroup_mma(p_op, v_bufs.index(prev), acc, is_async=True)
-        if TURNS:
-            mbarrier.arrive(turn_bars.index(1 - ME))
-        s = warpgroup_mma_wait(1, deps=(s_tok,))  # wgmma groups retire in order: S_j done
-        if not SELF_LOAD:
-            mbarrier.arrive(kv_empty.index(slot))  # K_j is consumed
-        p, m_i, l_i, alpha = softmax_tile(s, m_i, l_i, j * BLOCK_N, offs_m, q_len, qk_scale,
-                                          CAUSAL, BLOCK_N, s_layout, MASK)
-        if PIN:
-            acc = retire_pv(acc_tok, p_op, q_start >= 0)
-        else:
-            acc, p_op = warpgroup_mma_wait(0, deps=(acc_tok, p_op))
-        # V_{j-1} is consumed (the P.V just retired), and with it all of tile j - 1.
-        if SELF_LOAD:
-            gl.thread_barrier()  # both warpgroups are past it before it is overwritten
-            load_kv(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, j - 1 + STAGES,
-                    q_start + (j - 1 + STAGES) * BLOCK_N, kv_col, j - 1 + STAGES < n_tiles, STAGES)
-        else:
-            mbarrier.arrive(kv_empty.index(STAGES + prev))
-    return acc, p, m_i, l_i, alpha
 
 
 @gluon.jit
@@ -166,22 +120,43 @@ def attend_block(q_smem, q_ready, q_phase, k_bufs, v_bufs, k_ready, v_ready, kv_
         mbarrier.arrive(kv_empty.index(it0 % STAGES))  # K_0 is consumed
     m_i = gl.full([ROWS], float("-inf"), gl.float32, row_layout)
     l_i = gl.zeros([ROWS], gl.float32, row_layout)
-    p, m_i, l_i, alpha = softmax_tile(s, m_i, l_i, 0, offs_m, q_len, qk_scale, CAUSAL, BLOCK_N,
-                                      s_layout, True)
+    p, m_i, l_i, alpha = softmax_tile(s, m_i, l_i, 0, offs_m, q_len, mask_from, qk_scale,
+                                      CAUSAL, BLOCK_N, s_layout)
     acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
 
-    # tiles 1 .. n_free - 1 need no mask, the rest (diagonal, request end) do
-    n_free = gl.maximum(gl.minimum(mask_from // BLOCK_N, n_tiles), 1)
-    acc, p, m_i, l_i, alpha = _tiles(
-        1, n_free, acc, p, m_i, l_i, alpha, offs_m, zero_s, q_smem, k_bufs, v_bufs, k_ready,
-        v_ready, kv_empty, turn_bars, k_desc, v_desc, q_start, q_len, kv_col, n_tiles, it0,
-        qk_scale, ME, CAUSAL, BLOCK_N, STAGES, SELF_LOAD, TURNS, PIN, s_layout, o_row, p_layout,
-        False)
-    acc, p, m_i, l_i, alpha = _tiles(
-        n_free, n_tiles, acc, p, m_i, l_i, alpha, offs_m, zero_s, q_smem, k_bufs, v_bufs, k_ready,
-        v_ready, kv_empty, turn_bars, k_desc, v_desc, q_start, q_len, kv_col, n_tiles, it0,
-        qk_scale, ME, CAUSAL, BLOCK_N, STAGES, SELF_LOAD, TURNS, PIN, s_layout, o_row, p_layout,
-        True)
+    for j in range(1, n_tiles):
+        it = it0 + j
+        slot = it % STAGES
+        prev = (it - 1) % STAGES
+        mbarrier.wait(k_ready.index(slot), (it // STAGES) & 1)
+        mbarrier.wait(v_ready.index(prev), ((it - 1) // STAGES) & 1)
+        if TURNS:
+            mbarrier.wait(turn_bars.index(ME), it & 1)
+        # Issue S_j = Q K_j^T, rescale O (idle now), issue O += P_{j-1} V_{j-1};
+        # the softmax of S_j below runs while P.V is still on the tensor cores.
+        s_tok = warpgroup_mma(q_smem, k_bufs.index(slot).permute((1, 0)), zero_s,
+                              use_acc=False, is_async=True)
+        acc = acc * gl.convert_layout(alpha, o_row)[:, None]
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+        acc_tok = warpgroup_mma(p_op, v_bufs.index(prev), acc, is_async=True)
+        if TURNS:
+            mbarrier.arrive(turn_bars.index(1 - ME))
+        s = warpgroup_mma_wait(1, deps=(s_tok,))  # wgmma groups retire in order: S_j done
+        if not SELF_LOAD:
+            mbarrier.arrive(kv_empty.index(slot))  # K_j is consumed
+        p, m_i, l_i, alpha = softmax_tile(s, m_i, l_i, j * BLOCK_N, offs_m, q_len, mask_from,
+                                          qk_scale, CAUSAL, BLOCK_N, s_layout)
+        if PIN:
+            acc = retire_pv(acc_tok, p_op, q_start >= 0)
+        else:
+            acc, p_op = warpgroup_mma_wait(0, deps=(acc_tok, p_op))
+        # V_{j-1} is consumed (the P.V just retired), and with it all of tile j - 1.
+        if SELF_LOAD:
+            gl.thread_barrier()  # both warpgroups are past it before it is overwritten
+            load_kv(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, j - 1 + STAGES,
+                    q_start + (j - 1 + STAGES) * BLOCK_N, kv_col, j - 1 + STAGES < n_tiles, STAGES)
+        else:
+            mbarrier.arrive(kv_empty.index(STAGES + prev))
 
     last = it0 + n_tiles - 1
     mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
