@@ -50,21 +50,21 @@ SHAPES = [("dense 4x4k causal", [4096] * 4, 16, True),
           ("gqa 16/4 4x4k causal", [4096] * 4, 4, True)]
 
 
-def run_checks(names: list[str], smoke: bool, log, parallel: int = 6) -> dict:
-    """Variant -> check result, from `parallel` child processes at once (the
-    compiles dominate); a child past a hang is restarted on what it had left."""
+def run_checks(names: list[str], smoke: bool, log, parallel: int = 6,
+               script: str = "gluon_checks.py") -> dict:
+    """Variant -> check result, from `parallel` children of `script` (a hung one restarted)."""
     groups = [names[i::parallel] for i in range(parallel)]
     results = {}
     with ThreadPoolExecutor(parallel) as pool:
-        for part in pool.map(lambda g: _check_group(g, smoke, log), [g for g in groups if g]):
+        for part in pool.map(lambda g: _check_group(g, smoke, log, script), [g for g in groups if g]):
             results.update(part)
     return {n: results[n] for n in names}
 
 
-def _check_group(names: list[str], smoke: bool, log) -> dict:
+def _check_group(names: list[str], smoke: bool, log, script: str) -> dict:
     results, todo = {}, list(names)
     while todo:
-        cmd = [sys.executable, str(HERE / "gluon_checks.py"), *todo] + (["--compile-only"] if smoke else [])
+        cmd = [sys.executable, str(HERE / script), *todo] + (["--compile-only"] if smoke else [])
         child = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=ROOT,
                                  env=dict(os.environ, TRITON_INTERPRET="0"))
         CHILDREN.add(child)  # killed by the watchdog if it fires
@@ -146,12 +146,12 @@ def time_shape(name, lengths, kv_heads, causal, variants, tune_triton, log) -> d
     if DEVICE == "cpu":  # --smoke: the script's plumbing only, Gluon replaced by the reference
         from gluon_checks import reference
 
-        def gluon_prefill(q, k, v, cu, n, scale, causal, out, config):
+        def gluon_prefill(q, k, v, cu, n, scale, causal, out, config, lengths):
             return out.copy_(reference(q, k, v, cu, causal, scale))
     for vname in variants:
         g_out = torch.empty_like(q)
         calls[vname] = (lambda cfg=VARIANTS[vname], g_out=g_out: gluon_prefill(
-            q, k, v, cu, n_max, SCALE, causal=causal, out=g_out, config=cfg), lambda o: o)
+            q, k, v, cu, n_max, SCALE, causal=causal, out=g_out, config=cfg, lengths=lengths), lambda o: o)
     ref, timers = None, {}
     for cname, (call, view) in calls.items():  # run once each: compile, check, then time
         try:

@@ -45,6 +45,18 @@ VARIANTS = {
     "pingpong_persistent_n64_s5": {**_PP, "PERSISTENT": True, "BLOCK_N": 64, "STAGES": 5},
     "two_consumers_persistent_n128_s2": {**_PP, "TURNS": False, "PERSISTENT": True},
     "pingpong_persistent_n128_s3_q1": {**_PP, "PERSISTENT": True, "STAGES": 3, "Q_BUFS": 1},
+    # Work order (gluon_schedule.py; its twin puts the busiest persistent program at 4x4k causal
+    # 1.12x the mean tiles in the order above, 1.03x snake, 1.003x snake + LPT; at 16k 1.56x,
+    # 1.53x, 1.001x). lpt: longest blocks of all heads first; g2: two heads at a time.
+    "pingpong_persistent_n128_s2_snake": {**_PP, "PERSISTENT": True, "SNAKE": True},
+    "pingpong_persistent_n128_s3_q1_snake": {**_PP, "PERSISTENT": True, "SNAKE": True, "STAGES": 3,
+                                             "Q_BUFS": 1},
+    "pingpong_persistent_n128_s2_snake_g2": {**_PP, "PERSISTENT": True, "SNAKE": True, "HEAD_GROUP": 2},
+    "pingpong_persistent_n128_s2_lpt": {**_PP, "PERSISTENT": True, "SNAKE": True, "HEAD_GROUP": 4096},
+    "pingpong_n128_s2_lpt": {**_PP, "HEAD_GROUP": 4096},
+    # table: the non-empty items only, longest first, from the host's request lengths
+    "pingpong_n128_s2_table": {**_PP, "TABLE": True},
+    "pingpong_persistent_n128_s2_table": {**_PP, "PERSISTENT": True, "SNAKE": True, "TABLE": True},
 }
 # What one run times by default (about 60 s on the H200); the others by --variants.
 DEFAULT_RUN = ["m128_n128_s3", "ws_m128_n128_s2", "ws_m128_n128_s3", "pingpong_n128_s2",
@@ -107,7 +119,8 @@ def check_variant(cfg: dict) -> dict:
     for i, (lengths, heads, kv_heads, causal, dtype, dim) in enumerate(CASES):
         q, k, v, cu, ref = _case_data(i)
         out = torch.full_like(q, float("nan"))
-        gluon_prefill(q, k, v, cu, max(lengths), dim ** -0.5, causal=causal, out=out, config=cfg)
+        gluon_prefill(q, k, v, cu, max(lengths), dim ** -0.5, causal=causal, out=out, config=cfg,
+                      lengths=lengths)
         err = rel_err(out, ref)
         max_abs = (out.float() - ref.float()).abs().max().item() if err != float("inf") else err
         name = f"{len(lengths)}seqs_h{heads}/{kv_heads}x{dim}_{'causal' if causal else 'full'}_{str(dtype)[6:]}"

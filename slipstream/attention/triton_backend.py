@@ -7,7 +7,8 @@ Per step (`prepare`) it picks one path from host-side metadata only:
     fixed by `batch.decode_splits`, as a captured CUDA graph needs);
   * prompts and prompt chunks: the FlashAttention-2 prefill kernel (opt-in,
     SLIPSTREAM_GLUON_PREFILL=1: whole prompts on sm_90 go to the Gluon
-    FlashAttention-3-style kernel, kernels/gluon_prefill.py);
+    FlashAttention-3-style kernel, kernels/gluon_prefill.py; =fp8: to its FP8
+    version, q / k / v quantised by kernels/fp8_quantize.py first);
   * mixed steps: the decode rows (first in the step) go to the split-KV kernel
     and the rest to the prefill kernel, each writing its part of the output.
 Each layer first writes its new K/V into the paged cache (KV store kernel),
@@ -24,6 +25,8 @@ import torch
 from slipstream.attention.base import AttentionLayerInfo, register_backend
 from slipstream.kernels.decode_attention import (
     MAX_TREE_NODES, choose_num_splits, split_kv_attention, split_kv_scratch)
+from slipstream.kernels.fp8_quantize import quantize_fp8_inputs_fused
+from slipstream.kernels.gluon_fp8_prefill import gluon_fp8_prefill, gluon_fp8_prefill_wanted
 from slipstream.kernels.tree_attention import pack_tree_mask
 from slipstream.kernels.gluon_prefill import gluon_prefill, gluon_prefill_wanted
 from slipstream.kernels.kv_store import store_kv
@@ -70,6 +73,7 @@ class TritonAttentionBackend:
         # does not serve (ValueError) falls back to the portable kernel.
         self._gluon = (self._mode == "prefill" and batch.seq_lens_cpu == batch.query_lens_cpu
                        and gluon_prefill_wanted(batch.query_start_loc.device))
+        self._gluon_fp8 = self._gluon and gluon_fp8_prefill_wanted()
         self._splits: dict[tuple[int, int], int] = {}  # per head shape, set by the first layer
 
     def _num_splits(self, layer: AttentionLayerInfo, num_seqs: int, max_seq_len: int,
@@ -110,8 +114,13 @@ class TritonAttentionBackend:
         if self._mode == "prefill":
             if self._gluon and layer.sliding_window is None:
                 try:
+                    if self._gluon_fp8:
+                        x = quantize_fp8_inputs_fused(q, k, v, batch.query_start_loc, batch.max_query_len)
+                        return gluon_fp8_prefill(x, batch.query_start_loc, batch.max_query_len,
+                                                 layer.scale, out_dtype=q.dtype,
+                                                 lengths=batch.query_lens_cpu)
                     return gluon_prefill(q, k, v, batch.query_start_loc, batch.max_query_len,
-                                         layer.scale, causal=True)
+                                         layer.scale, causal=True, lengths=batch.query_lens_cpu)
                 except ValueError:
                     self._gluon = False
             return prefill_attention(

@@ -37,8 +37,32 @@ def compile_prefill(config: dict | None = None, *, causal: bool = True,
     out = torch.empty_like(q)
     cu = torch.tensor([0, tokens], dtype=torch.int32)
     args, consts, _ = gluon_prefill.kernel_args(q, k, k, out, cu, tokens, head_dim ** -0.5, causal,
-                                                config or {})
-    kernel = gluon_prefill._prefill_kernel
+                                                config or {}, [tokens])
+    return _compile(gluon_prefill._prefill_kernel, args, consts)
+
+
+def compile_fp8_prefill(config: dict | None = None, *, causal: bool = True,
+                        out_dtype: torch.dtype = torch.bfloat16, heads: int = 16, kv_heads: int = 16,
+                        tokens: int = 4096, head_dim: int = 128, fp8_v: bool = True):
+    """compile_prefill for the FP8 kernel (gluon_fp8_prefill), from CPU tensors
+    (fp8_v False: QK^T-only FP8, V in out_dtype)."""
+    from slipstream.kernels import gluon_fp8_prefill
+    from slipstream.kernels.gluon_fp8_inputs import Fp8Inputs
+    fp8 = torch.float8_e4m3fn
+    q = torch.empty(tokens, heads, head_dim, dtype=fp8)
+    k = torch.empty(tokens, kv_heads, head_dim, dtype=fp8)
+    vt = torch.empty(kv_heads * head_dim, tokens + (-tokens) % 16, dtype=fp8) if fp8_v else \
+        torch.empty(tokens, kv_heads, head_dim, dtype=out_dtype)
+    q_scale, kv_scale = torch.empty(tokens, heads), torch.empty(tokens, kv_heads)
+    out = torch.empty(tokens, heads, head_dim, dtype=out_dtype)
+    cu = torch.tensor([0, tokens], dtype=torch.int32)
+    x = Fp8Inputs(q, k, vt, q_scale, kv_scale, kv_scale, 128, cu, torch.arange(tokens))
+    args, consts, _ = gluon_fp8_prefill.fp8_kernel_args(x, out, cu, tokens, head_dim ** -0.5, causal,
+                                                        config or {}, [tokens])
+    return _compile(gluon_fp8_prefill._fp8_prefill_kernel, args, consts)
+
+
+def _compile(kernel, args, consts):
     options = {o: consts[o] for o in _OPTIONS if o in consts}
     consts = {n: v for n, v in consts.items() if n not in ("num_stages", "maxnreg")}
     values = dict(zip(kernel.arg_names, args))
@@ -90,20 +114,24 @@ def _cuobjdump() -> Path:
     return Path(nv.__file__).parent / "bin" / "cuobjdump"
 
 
-def sass_overlap(cubin: bytes) -> list[int]:
-    """For each `WARPGROUP.DEPBAR.LE gsb0, 0x1` in the SASS, how many MUFU.EX2
-    run before the next full wait (`..., 0x0`), following unconditional
-    branches and the fall-through of conditional ones. Raises FileNotFoundError
-    where Triton ships no cuobjdump."""
+def sass(cubin: bytes) -> str:
+    """The cubin's SASS (cuobjdump; FileNotFoundError where Triton ships none)."""
     tool = _cuobjdump()
     if not tool.exists():
         raise FileNotFoundError(tool)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        sass = subprocess.run([str(tool), "-sass", f.name], capture_output=True, text=True,
+        return subprocess.run([str(tool), "-sass", f.name], capture_output=True, text=True,
                               check=True).stdout
-    ins = [(int(m.group(1), 16), m.group(2).strip()) for ln in sass.splitlines()
+
+
+def sass_overlap(cubin: bytes) -> list[int]:
+    """For each `WARPGROUP.DEPBAR.LE gsb0, 0x1` in the SASS, how many MUFU.EX2
+    run before the next full wait (`..., 0x0`), following unconditional
+    branches and the fall-through of conditional ones. Raises FileNotFoundError
+    where Triton ships no cuobjdump."""
+    ins = [(int(m.group(1), 16), m.group(2).strip()) for ln in sass(cubin).splitlines()
            if (m := re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", ln))]
     at = {addr: i for i, (addr, _) in enumerate(ins)}
     counts = []

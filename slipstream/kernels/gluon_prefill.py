@@ -25,13 +25,13 @@ import functools
 import os
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from slipstream.kernels.gluon_attention_tile import attend_block, load_kv, produce_block
+from slipstream.kernels.gluon_schedule import plan, work_item, work_range
 from slipstream.kernels.runtime import num_sms
 
 LOG2E = 1.4426950408889634
@@ -40,40 +40,23 @@ DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
 @gluon.jit
-def _block(t, CuSeqlens, n_mblocks, heads, group, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-           HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr):
-    """Work item t: query block, head, request (the block fastest, latest first:
-    the longest causal blocks start first and neighbours share a head's K/V in
-    L2). Returns (q_start, q_len, m_row0, head, kv_col, n_tiles, mask_from);
-    n_tiles is 0 for a block past its request's end."""
-    m_row0 = (n_mblocks - 1 - t % n_mblocks) * BLOCK_M
-    head = (t // n_mblocks) % heads
-    seq = t // (n_mblocks * heads)
-    q_start = gl.load(CuSeqlens + seq)
-    q_len = gl.load(CuSeqlens + seq + 1) - q_start
-    hi = q_len
-    mask_from = q_len // BLOCK_N * BLOCK_N
-    if CAUSAL:
-        hi = gl.minimum(q_len, m_row0 + BLOCK_M)
-        mask_from = gl.minimum(m_row0 // BLOCK_N * BLOCK_N, mask_from)
-    n_tiles = gl.cdiv(hi, BLOCK_N) * (m_row0 < q_len).to(gl.int32)
-    return q_start, q_len, m_row0, head, (head // group) * HEAD_DIM, n_tiles, mask_from
-
-
-@gluon.jit
-def _consume(t0, t_end, t_step, CuSeqlens, n_mblocks, heads, group, q_smem, q_ready, q_empty,
-             k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn_bars, k_desc, v_desc, o_desc, Out,
+def _consume(t0, t_end, t_step, total, CuSeqlens, Items, n_mblocks, heads, num_seqs, group, q_smem,
+             q_ready, q_empty, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn_bars, k_desc, v_desc,
+             o_desc, Out,
              stride_ot, qk_scale, ME: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
              ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
              STAGES: gl.constexpr, Q_SLOTS: gl.constexpr, WARPS: gl.constexpr,
-             PINGPONG: gl.constexpr, TURNS: gl.constexpr, PIN: gl.constexpr):
-    """A consumer warpgroup (set) over work items t0, t0 + t_step, .. < t_end."""
+             PINGPONG: gl.constexpr, TURNS: gl.constexpr, PIN: gl.constexpr,
+             PERSISTENT: gl.constexpr, SNAKE: gl.constexpr, HEAD_GROUP: gl.constexpr,
+             TABLE: gl.constexpr):
+    """A consumer warpgroup (set) over item slots t0, t0 + t_step, .. < t_end (gluon_schedule)."""
     CONSUMERS: gl.constexpr = 2 if PINGPONG else 1
     it0 = 0  # K/V tiles done so far (the ring position)
     k = 0    # blocks done so far (the Q slot)
     for t in range(t0, t_end, t_step):
-        q_start, q_len, m_row0, head, kv_col, n_tiles, mask_from = _block(
-            t, CuSeqlens, n_mblocks, heads, group, BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL)
+        q_start, q_len, m_row0, head, kv_col, n_tiles, mask_from, seq = work_item(
+            t, total, CuSeqlens, Items, n_mblocks, heads, num_seqs, group, BLOCK_M, BLOCK_N, HEAD_DIM,
+            CAUSAL, PERSISTENT, SNAKE, HEAD_GROUP, TABLE)
         if n_tiles > 0:
             qs = k % Q_SLOTS
             attend_block(q_smem.index(qs * CONSUMERS + ME), q_ready.index(qs), (k // Q_SLOTS) & 1,
@@ -87,19 +70,21 @@ def _consume(t0, t_end, t_step, CuSeqlens, n_mblocks, heads, group, q_smem, q_re
 
 
 @gluon.jit
-def _produce(t0, t_end, t_step, CuSeqlens, n_mblocks, heads, group, q_desc, q_smem, q_ready,
-             q_empty, k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, kv_empty,
+def _produce(t0, t_end, t_step, total, CuSeqlens, Items, n_mblocks, heads, num_seqs, group, q_desc,
+             q_smem, q_ready, q_empty, k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, kv_empty,
              CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, ROWS: gl.constexpr,
              BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-             Q_SLOTS: gl.constexpr, CONSUMERS: gl.constexpr):
+             Q_SLOTS: gl.constexpr, CONSUMERS: gl.constexpr, PERSISTENT: gl.constexpr,
+             SNAKE: gl.constexpr, HEAD_GROUP: gl.constexpr, TABLE: gl.constexpr):
     """The producer warp over the same work items: each block's Q, then its K/V.
     With one Q buffer (persistent), a later block's first STAGES tiles go first:
     its Q must wait for the previous block's end, its K/V only for ring slots."""
     it0 = 0
     k = 0
     for t in range(t0, t_end, t_step):
-        q_start, q_len, m_row0, head, kv_col, n_tiles, mask_from = _block(
-            t, CuSeqlens, n_mblocks, heads, group, BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL)
+        q_start, q_len, m_row0, head, kv_col, n_tiles, mask_from, seq = work_item(
+            t, total, CuSeqlens, Items, n_mblocks, heads, num_seqs, group, BLOCK_M, BLOCK_N, HEAD_DIM,
+            CAUSAL, PERSISTENT, SNAKE, HEAD_GROUP, TABLE)
         if n_tiles > 0:
             qs = k % Q_SLOTS
             early = 0
@@ -120,18 +105,16 @@ def _produce(t0, t_end, t_step, CuSeqlens, n_mblocks, heads, group, q_desc, q_sm
 
 
 @gluon.jit(do_not_specialize=["max_len", "qk_scale", "group", "heads", "num_seqs"])
-def _prefill_kernel(q_desc, k_desc, v_desc, o_desc, Out, CuSeqlens, max_len, stride_ot, qk_scale,
-                    group, heads, num_seqs, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+def _prefill_kernel(q_desc, k_desc, v_desc, o_desc, Out, CuSeqlens, Items, max_len, stride_ot,
+                    qk_scale, group, heads, num_seqs, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                     WS: gl.constexpr, PINGPONG: gl.constexpr, TURNS: gl.constexpr,
                     PERSISTENT: gl.constexpr, Q_BUFS: gl.constexpr, PIN: gl.constexpr,
+                    SNAKE: gl.constexpr, HEAD_GROUP: gl.constexpr, TABLE: gl.constexpr,
                     num_warps: gl.constexpr):
     n_mblocks = gl.cdiv(max_len, BLOCK_M)
-    if PERSISTENT:  # one program per SM, over every block in order
-        t0, t_end, t_step = gl.program_id(0), n_mblocks * heads * num_seqs, gl.num_programs(0)
-    else:  # grid (query block, head, request): one block
-        t0 = gl.program_id(0) + n_mblocks * (gl.program_id(1) + heads * gl.program_id(2))
-        t_end, t_step = t0 + 1, 1
+    # persistent: one program per SM over every block; else grid (query block, head, request)
+    t0, t_end, t_step, total = work_range(n_mblocks, heads, num_seqs, Items, PERSISTENT, SNAKE, TABLE)
     CONSUMERS: gl.constexpr = 2 if PINGPONG else 1
     ROWS: gl.constexpr = BLOCK_M // CONSUMERS
     Q_SLOTS: gl.constexpr = Q_BUFS if PERSISTENT else 1
@@ -157,8 +140,9 @@ def _prefill_kernel(q_desc, k_desc, v_desc, o_desc, Out, CuSeqlens, max_len, str
         mbarrier.init(turn_bars.index(i), count=1)
 
     if not WS:  # these warps copy too: Q and the first STAGES tiles, then the loop
-        q_start, q_len, m_row0, head, kv_col, n_tiles, mask_from = _block(
-            t0, CuSeqlens, n_mblocks, heads, group, BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL)
+        q_start, q_len, m_row0, head, kv_col, n_tiles, mask_from, seq = work_item(
+            t0, total, CuSeqlens, Items, n_mblocks, heads, num_seqs, group, BLOCK_M, BLOCK_N, HEAD_DIM,
+            CAUSAL, False, False, HEAD_GROUP, TABLE)
         if n_tiles > 0:
             mbarrier.expect(q_ready.index(0), q_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(q_desc, [q_start + m_row0, head * HEAD_DIM],
@@ -174,36 +158,42 @@ def _prefill_kernel(q_desc, k_desc, v_desc, o_desc, Out, CuSeqlens, max_len, str
         if PINGPONG:
             mbarrier.arrive(turn_bars.index(0))  # the upper rows' warpgroup goes first
             gl.warp_specialize([
-                (_consume, (t0, t_end, t_step, CuSeqlens, n_mblocks, heads, group, q_smem, q_ready,
-                            q_empty, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn_bars, k_desc,
-                            v_desc, o_desc, Out, stride_ot, qk_scale, 0, CAUSAL, BLOCK_M, ROWS,
-                            BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS, num_warps, True, TURNS, PIN)),
-                (_consume, (t0, t_end, t_step, CuSeqlens, n_mblocks, heads, group, q_smem, q_ready,
-                            q_empty, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn_bars, k_desc,
-                            v_desc, o_desc, Out, stride_ot, qk_scale, 1, CAUSAL, BLOCK_M, ROWS,
-                            BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS, 4, True, TURNS, PIN)),
-                (_produce, (t0, t_end, t_step, CuSeqlens, n_mblocks, heads, group, q_desc, q_smem,
-                            q_ready, q_empty, k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready,
-                            kv_empty, CAUSAL, BLOCK_M, ROWS, BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS,
-                            CONSUMERS))], [4, 1], [240, 24])
+                (_consume, (t0, t_end, t_step, total, CuSeqlens, Items, n_mblocks, heads, num_seqs, group,
+                            q_smem, q_ready, q_empty, k_bufs, v_bufs, k_ready, v_ready, kv_empty,
+                            turn_bars, k_desc, v_desc, o_desc, Out, stride_ot, qk_scale, 0, CAUSAL,
+                            BLOCK_M, ROWS, BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS, num_warps, True,
+                            TURNS, PIN, PERSISTENT, SNAKE, HEAD_GROUP, TABLE)),
+                (_consume, (t0, t_end, t_step, total, CuSeqlens, Items, n_mblocks, heads, num_seqs, group,
+                            q_smem, q_ready, q_empty, k_bufs, v_bufs, k_ready, v_ready, kv_empty,
+                            turn_bars, k_desc, v_desc, o_desc, Out, stride_ot, qk_scale, 1, CAUSAL,
+                            BLOCK_M, ROWS, BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS, 4, True, TURNS, PIN,
+                            PERSISTENT, SNAKE, HEAD_GROUP, TABLE)),
+                (_produce, (t0, t_end, t_step, total, CuSeqlens, Items, n_mblocks, heads, num_seqs, group,
+                            q_desc, q_smem, q_ready, q_empty, k_desc, v_desc, k_bufs, v_bufs,
+                            k_ready, v_ready, kv_empty, CAUSAL, BLOCK_M, ROWS, BLOCK_N, HEAD_DIM,
+                            STAGES, Q_SLOTS, CONSUMERS, PERSISTENT, SNAKE, HEAD_GROUP, TABLE))],
+                [4, 1], [240, 24])
         else:
             gl.warp_specialize([
-                (_consume, (t0, t_end, t_step, CuSeqlens, n_mblocks, heads, group, q_smem, q_ready,
-                            q_empty, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn_bars, k_desc,
-                            v_desc, o_desc, Out, stride_ot, qk_scale, 0, CAUSAL, BLOCK_M, ROWS,
-                            BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS, num_warps, False, False, PIN)),
-                (_produce, (t0, t_end, t_step, CuSeqlens, n_mblocks, heads, group, q_desc, q_smem,
-                            q_ready, q_empty, k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready,
-                            kv_empty, CAUSAL, BLOCK_M, ROWS, BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS,
-                            CONSUMERS))], [1], [24])
+                (_consume, (t0, t_end, t_step, total, CuSeqlens, Items, n_mblocks, heads, num_seqs, group,
+                            q_smem, q_ready, q_empty, k_bufs, v_bufs, k_ready, v_ready, kv_empty,
+                            turn_bars, k_desc, v_desc, o_desc, Out, stride_ot, qk_scale, 0, CAUSAL,
+                            BLOCK_M, ROWS, BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS, num_warps, False,
+                            False, PIN, PERSISTENT, SNAKE, HEAD_GROUP, TABLE)),
+                (_produce, (t0, t_end, t_step, total, CuSeqlens, Items, n_mblocks, heads, num_seqs, group,
+                            q_desc, q_smem, q_ready, q_empty, k_desc, v_desc, k_bufs, v_bufs,
+                            k_ready, v_ready, kv_empty, CAUSAL, BLOCK_M, ROWS, BLOCK_N, HEAD_DIM,
+                            STAGES, Q_SLOTS, CONSUMERS, PERSISTENT, SNAKE, HEAD_GROUP, TABLE))],
+                [1], [24])
 
 
 # --- launcher -------------------------------------------------------------------
 
 DEFAULT_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 128, "STAGES": 2, "WS": False, "PINGPONG": False,
-                  "TURNS": True, "PERSISTENT": False, "Q_BUFS": 2, "PIN": True, "num_warps": 8}
-# A call without `config` (H200, GLUON.md): ping-pong, 2 stages; persistent up to 4k
-# tokens a request (+3-6% at 4k), not past (-27% at 16k causal).
+                  "TURNS": True, "PERSISTENT": False, "Q_BUFS": 2, "PIN": True, "SNAKE": False,
+                  "HEAD_GROUP": 0, "TABLE": False, "num_warps": 8}  # SNAKE..TABLE: gluon_schedule.py
+# A call without `config` (H200, GLUON.md): ping-pong, 2 stages; persistent with the snake
+# order up to 4k tokens a request (+8% at 4k causal over round robin), not past (grid best).
 CHOSEN = {"PERSISTENT_UP_TO": 4096, "config": {"WS": True, "PINGPONG": True, "num_warps": 4}}
 
 
@@ -235,9 +225,11 @@ def _descriptor(x: torch.Tensor, rows: int, head_dim: int) -> TensorDescriptor:
                             [rows, head_dim], layout)
 
 
-def kernel_args(q, k, v, out, cu_seqlens, max_seqlen: int, scale: float, causal: bool, config: dict):
+def kernel_args(q, k, v, out, cu_seqlens, max_seqlen: int, scale: float, causal: bool, config: dict,
+                lengths=None):
     """(positional args, constexpr kwargs, grid) of one launch; shared with the
-    sm_90 compile check, which builds the same arguments on the CPU."""
+    sm_90 compile check, which builds the same arguments on the CPU. lengths: the
+    requests' lengths as host ints (config TABLE: gluon_schedule.plan)."""
     unknown = set(config) - set(DEFAULT_CONFIG)
     if unknown:
         raise ValueError(f"unknown config keys {sorted(unknown)}; known: {sorted(DEFAULT_CONFIG)}")
@@ -248,24 +240,23 @@ def kernel_args(q, k, v, out, cu_seqlens, max_seqlen: int, scale: float, causal:
         raise ValueError("PINGPONG needs WS, num_warps 4 and BLOCK_M 128 (64 rows a warpgroup)")
     if cfg["PERSISTENT"] and not cfg["WS"]:
         raise ValueError("PERSISTENT needs WS (the producer warp walks the blocks ahead)")
+    if (cfg["SNAKE"] and not cfg["PERSISTENT"]) or cfg["HEAD_GROUP"] < 0:
+        raise ValueError("SNAKE needs PERSISTENT, HEAD_GROUP >= 0 (gluon_schedule.py)")
     if rows != 16 * cfg["num_warps"]:
         raise ValueError(f"{rows} rows a consumer need num_warps {rows // 16}")
+    items, grid = plan(cfg, lengths, max_seqlen, q.shape[1], cu_seqlens, causal,
+                       num_sms(q.device.index or 0) if q.is_cuda else 132)
     args = (_descriptor(q, rows, head_dim), _descriptor(k, cfg["BLOCK_N"], head_dim),
             _descriptor(v, cfg["BLOCK_N"], head_dim), _descriptor(out, rows, head_dim), out,
-            cu_seqlens, max_seqlen, out.stride(0), scale * LOG2E, q.shape[1] // k.shape[1],
+            cu_seqlens, items, max_seqlen, out.stride(0), scale * LOG2E, q.shape[1] // k.shape[1],
             q.shape[1], cu_seqlens.numel() - 1)
-    consts = dict(HEAD_DIM=head_dim, CAUSAL=causal, **cfg)
-    grid = (triton.cdiv(max_seqlen, cfg["BLOCK_M"]), q.shape[1], cu_seqlens.numel() - 1)
-    if cfg["PERSISTENT"]:
-        sms = num_sms(q.device.index or 0) if q.is_cuda else 132
-        grid = (min(sms, grid[0] * grid[1] * grid[2]), 1, 1)
-    return args, consts, grid
+    return args, dict(HEAD_DIM=head_dim, CAUSAL=causal, **cfg), grid
 
 
 def gluon_prefill_wanted(device: torch.device) -> bool:
     """Whether the backend should try this kernel: opted in with
-    SLIPSTREAM_GLUON_PREFILL=1, on an sm_90 GPU."""
-    return (os.environ.get("SLIPSTREAM_GLUON_PREFILL", "0") == "1" and device.type == "cuda"
+    SLIPSTREAM_GLUON_PREFILL=1 (or =fp8, its FP8 version), on an sm_90 GPU."""
+    return (os.environ.get("SLIPSTREAM_GLUON_PREFILL", "0") in ("1", "fp8") and device.type == "cuda"
             and _is_sm90(device.index or 0))
 
 
@@ -276,11 +267,13 @@ def _is_sm90(index: int) -> bool:
 
 def gluon_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                   max_seqlen: int, scale: float, *, causal: bool = True,
-                  out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+                  out: torch.Tensor | None = None, config: dict | None = None,
+                  lengths=None) -> torch.Tensor:
     """Self-attention of packed requests (no cached context), on sm_90.
     q: [tokens, heads, D]; k, v: [tokens, kv_heads, D], D in HEAD_DIMS, bf16 or fp16, heads
     contiguous; cu_seqlens: [num_seqs + 1] int32 request starts; max_seqlen: host
-    int, the longest request (sizes the grid); config: DEFAULT_CONFIG keys (None: CHOSEN).
+    int, the longest request (sizes the grid); config: DEFAULT_CONFIG keys (None: CHOSEN);
+    lengths: the request lengths as host ints (config TABLE needs them).
     Returns out: [tokens, heads, D] in q's dtype."""
     check_inputs(q, k, v, cu_seqlens)
     if not q.is_cuda or not _is_sm90(q.device.index or 0):
@@ -293,7 +286,9 @@ def gluon_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens:
     if max_seqlen <= 0 or q.shape[0] == 0:
         return out
     if config is None:
-        config = {**CHOSEN["config"], "PERSISTENT": max_seqlen <= CHOSEN["PERSISTENT_UP_TO"]}
-    args, consts, grid = kernel_args(q, k, v, out, cu_seqlens, max_seqlen, scale, causal, config)
-    _prefill_kernel[grid](*args, **consts)
+        persistent = max_seqlen <= CHOSEN["PERSISTENT_UP_TO"]
+        config = {**CHOSEN["config"], "PERSISTENT": persistent, "SNAKE": persistent}
+    args, consts, grid = kernel_args(q, k, v, out, cu_seqlens, max_seqlen, scale, causal, config, lengths)
+    if grid[0]:
+        _prefill_kernel[grid](*args, **consts)
     return out

@@ -134,6 +134,9 @@ hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_devi
 @pytest.mark.parametrize("config", [BASE, {**BASE, "WS": True},
                                     {**BASE, "WS": True, "PINGPONG": True, "num_warps": 4},
                                     {**BASE, "WS": True, "PERSISTENT": True},
+                                    {**BASE, "WS": True, "PINGPONG": True, "num_warps": 4,
+                                     "PERSISTENT": True, "SNAKE": True, "HEAD_GROUP": 4096},
+                                    {**BASE, "WS": True, "PINGPONG": True, "num_warps": 4, "TABLE": True},
                                     None])  # None: what the backend runs (CHOSEN)
 def test_matches_reference_on_gpu(dtype, causal, head_dim, config):
     lengths, heads, kv_heads = [1, 100, 128, 129, 777], 8, 2
@@ -141,7 +144,8 @@ def test_matches_reference_on_gpu(dtype, causal, head_dim, config):
     q = torch.randn(sum(lengths), heads, head_dim, dtype=dtype, device="cuda")
     k, v = (torch.randn(sum(lengths), kv_heads, head_dim, dtype=dtype, device="cuda") for _ in range(2))
     out = torch.full_like(q, float("nan"))
-    gluon_prefill(q, k, v, cu, max(lengths), head_dim ** -0.5, causal=causal, out=out, config=config)
+    gluon_prefill(q, k, v, cu, max(lengths), head_dim ** -0.5, causal=causal, out=out, config=config,
+                  lengths=lengths)
     cache = torch.zeros(1, 16, kv_heads, head_dim, dtype=dtype, device="cuda")
     ref = reference.prefill_attention(
         q, k, v, cache, cache, cu, torch.zeros(len(lengths), dtype=torch.int32, device="cuda"),
@@ -180,7 +184,8 @@ def test_backend_routes_whole_prompts_to_gluon(paged_batch, monkeypatch, context
                             v_cache=b.v_cache.clone(), k_scale=None, v_scale=None)
     calls = []
 
-    def fake(q, k, v, cu, max_len, scale, causal):
+    def fake(q, k, v, cu, max_len, scale, causal, lengths):
+        assert lengths == b.seq_lens.tolist()
         calls.append((q.shape, k.shape, max_len, scale, causal))
         return torch.full_like(q, 7.0)
 
