@@ -21,7 +21,14 @@ Stages, each in its own process (a fresh GPU memory pool and process group):
   8b-tp1-fp32, 8b-tp2-fp32
               greedy tokens only, in float32: the TP=2 == TP=1 check without bf16's
               rounding (with random weights the top logits are near ties, and bf16
-              runs of different kernel shapes part after a few tokens)
+              runs of different kernel shapes part after a few tokens); the full
+              8B shape (32 layers), with PyTorch attention and no CUDA graphs (the
+              Triton attention kernels' float32 tuning compiled past the limit)
+  8b-tp1-prof, 8b-tp2-prof, 8b-tp2-symm-prof (only when named in --stages)
+              batch-1 decode under torch.profiler on every rank: 20 steps for
+              kernel tables, 4 more for Chrome traces; writes
+              {stage}_rank{r}_kernels.{json,md} and {stage}-trace_rank{r}_trace.json
+              under --out, and the unprofiled wall time per step
 An engine stage generates greedy tokens for 4 fixed prompts (the correctness
 check), then times batch-1 decode (128-token prompt, 160 outputs, median step
 time after 32 warm-up steps) and reports it as a share of the copy bandwidth:
@@ -45,7 +52,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from benchmarks.stages import StageRunner  # noqa: E402
-STAGES = ("allreduce", "8b-tp1", "8b-tp2", "70b-tp2", "8b-tp2-symm", "8b-tp1-fp32", "8b-tp2-fp32")
+STAGES = ("allreduce", "8b-tp1", "8b-tp2", "70b-tp2", "8b-tp2-symm", "8b-tp1-fp32", "8b-tp2-fp32",
+          "8b-tp1-prof", "8b-tp2-prof", "8b-tp2-symm-prof")
 # Collectives of one decode step on the critical path (analysis/tensor_parallel.py):
 # 2 all-reduces per layer + the embedding's.
 ALL_REDUCES = {"8b": (2 * 32 + 1, "8KiB"), "70b": (2 * 80 + 1, "16KiB")}
@@ -167,10 +175,10 @@ def stage_engine(name: str, smoke: bool) -> dict:
     import torch
     from slipstream import LLM, SamplingParams
     from slipstream.analysis.hardware import measure_copy_bandwidth
-    size, tp = name.split("-tp")
-    tp = tp.removesuffix("-eager").removesuffix("-symm").removesuffix("-fp32")
-    fp32 = name.endswith("-fp32")   # the correctness check without bf16 rounding
-    if name.endswith("-symm"):
+    size, tp, *flags = name.split("-")   # e.g. 8b-tp2-symm-prof
+    tp = tp.removeprefix("tp")
+    fp32 = "fp32" in flags   # the correctness check without bf16 rounding
+    if "symm" in flags:
         os.environ["SLIPSTREAM_SYMM_ALL_REDUCE"] = "1"
     model = _tiny_model() if smoke else MODELS[size]
     # A stage cut off at its limit prints every rank's Python stack a little before.
@@ -180,18 +188,27 @@ def stage_engine(name: str, smoke: bool) -> dict:
     faulthandler.dump_traceback_later(dump_s, exit=False)
     opts = dict(load_format="dummy", seed=0, tensor_parallel_size=int(tp), max_num_seqs=8,
                 max_model_len=512)
-    if name.endswith("-eager"):
+    if "eager" in flags:
         opts.update(enforce_eager=True)
     if smoke:
         opts.update(device="cpu", dtype="float32")
     else:
         opts.update(dtype="float32" if fp32 else "bfloat16", gpu_memory_utilization=0.85)
+    if fp32 and not smoke:
+        # The Triton attention kernels' float32 tuning candidates compiled for over 80 s
+        # (run 3: still in the prefill kernel's autotuner at the limit); the check needs
+        # the model's arithmetic, not those kernels: PyTorch attention, no graphs.
+        opts.update(attention_backend="torch", enforce_eager=True)
     t0 = time.perf_counter()
     _progress(f"{name}: starting the engine")
     llm = LLM(model, **opts)
     load_s = time.perf_counter() - t0
     _progress(f"{name}: engine up in {load_s:.1f} s")
     engine = llm.engine
+    if "prof" in flags:
+        result = _profile_decode(name, engine, smoke)
+        engine.shutdown()
+        return {"model": model if not smoke else "tiny", "tp": int(tp), "load_s": load_s, **result}
     greedy = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, logprobs=0)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy, use_tqdm=False)
     tokens = [o.outputs[0].token_ids for o in outs]
@@ -232,12 +249,59 @@ def stage_engine(name: str, smoke: bool) -> dict:
             "share_of_copy_bandwidth": weight_bytes / step / copy_bw}
 
 
+def _profile_decode(name: str, engine, smoke: bool) -> dict:
+    """Batch-1 decode under torch.profiler on every rank: a 20-step window for the
+    kernel tables, then a 4-step one (host activity too) for the Chrome traces.
+    Every rank writes {name}_rank{r}_kernels.{json,md} (and _trace.json) under --out."""
+    import torch
+    from slipstream import SamplingParams
+    from slipstream.distributed.rank_profile import ProfileCommand, RankProfiler
+    out = os.environ.get("TP_BENCH_OUT") or str(Path(__file__).parent / "results")
+    runner = engine.runner
+    local = None if hasattr(runner, "profile") else RankProfiler(0, runner.config.device)
+
+    def window(steps: int, tag: str, trace: bool) -> dict:
+        start = ProfileCommand("start", cpu=trace)
+        stop = ProfileCommand("stop", out_dir=out, tag=tag, steps=steps, trace=trace)
+        (runner.profile if local is None else local.start)(start)
+        for _ in range(steps):
+            engine.step()
+        return (runner.profile if local is None else local.stop)(stop)
+
+    def sync():
+        if not smoke:
+            torch.cuda.synchronize()
+
+    engine.add_request({"prompt_token_ids": [(5 * j) % 1000 + 1 for j in range(128)]},
+                       SamplingParams(max_tokens=120, temperature=0, ignore_eos=True))
+    for _ in range(24):   # prefill, graph warm-up
+        engine.step()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(20):
+        engine.step()
+    sync()
+    plain_ms = (time.perf_counter() - t0) / 20 * 1e3
+    _progress(f"{name}: {plain_ms:.3f} ms a step unprofiled; profiling")
+    table = window(20, name, trace=False)
+    trace = window(4, name + "-trace", trace=True)
+    while engine.has_unfinished_requests():
+        engine.step()
+    _progress(f"{name}: profiled")
+    keep = ("wall_ms_per_step", "kernel_ms_per_step", "busy_ms_per_step",
+            "collective_ms_per_step", "launches_per_step")
+    return {"decode_step_ms_unprofiled": plain_ms,
+            "rank0": {k: table[k] for k in keep} | {"top": table["kernels"][:15]},
+            "rank0_trace_window": {k: trace[k] for k in keep}, "files": out}
+
+
 # ---- driver -----------------------------------------------------------------
 
 # Seconds each stage may take at most, and the whole run (a stuck stage is cut off and
 # reported, the others still run, and the results are written).
 STAGE_LIMIT_S = {"allreduce": 60, "8b-tp1": 90, "8b-tp2": 120, "8b-tp2-symm": 100,
-                 "8b-tp2-eager": 100, "70b-tp2": 150, "8b-tp1-fp32": 150, "8b-tp2-fp32": 150}
+                 "8b-tp2-eager": 100, "70b-tp2": 150, "8b-tp1-fp32": 150, "8b-tp2-fp32": 150,
+                 "8b-tp1-prof": 100, "8b-tp2-prof": 120, "8b-tp2-symm-prof": 120}
 TOTAL_LIMIT_S = 540
 _STAGES = StageRunner(__file__, STAGE_LIMIT_S, TOTAL_LIMIT_S)
 
@@ -279,6 +343,14 @@ def _markdown(res: dict) -> str:
         lines.append(f"| {name} | {r['decode_step_ms']:.3f} | {r['tokens_per_s']:.1f} | "
                      f"{r['weight_bytes_per_gpu'] / 1e9:.2f} | {r['copy_bandwidth_GBps']:.0f} | "
                      f"{r['share_of_copy_bandwidth'] * 100:.1f}% |")
+    for name, r in res["stages"].items():
+        if name.endswith("-prof") and "error" not in r:
+            p = r["rank0"]
+            lines.append(f"\n{name}: {r['decode_step_ms_unprofiled']:.3f} ms a step unprofiled; "
+                         f"rank 0 profiled: wall {p['wall_ms_per_step']:.3f} ms, kernels "
+                         f"{p['kernel_ms_per_step']:.3f} ms, busy {p['busy_ms_per_step']} ms, "
+                         f"collectives {p['collective_ms_per_step']:.3f} ms (every rank's "
+                         f"tables: {name}_rank*_kernels.md)")
     c = res.get("correctness_8b")
     if c:
         lines += ["", f"TP=2 vs TP=1 greedy tokens (8B shape, 4 prompts x 32 tokens): "
@@ -312,8 +384,12 @@ def main() -> None:
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     ap.add_argument("--smoke", action="store_true", help="CPU, gloo, a tiny model")
     ap.add_argument("--stage", choices=STAGES + ("8b-tp2-eager",), help=argparse.SUPPRESS)
-    ap.add_argument("--stages", default=",".join(STAGES), help="comma-separated subset to run")
+    ap.add_argument("--stages", default=",".join(STAGES[:7]),
+                    help="comma-separated subset to run (the -prof stages only when named)")
+    ap.add_argument("--budget-s", type=float, default=TOTAL_LIMIT_S,
+                    help="seconds the whole run may take; later stages are skipped past it")
     args = ap.parse_args()
+    _STAGES.total = args.budget_s
     if args.stage:
         fn = stage_allreduce if args.stage == "allreduce" else \
             (lambda smoke: stage_engine(args.stage, smoke))
@@ -322,6 +398,7 @@ def main() -> None:
     res = {"smoke": args.smoke, "stages": {}}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    os.environ["TP_BENCH_OUT"] = str(out.resolve())   # where the -prof stages' ranks write
     for stage in args.stages.split(","):
         print(f"running {stage} ...", file=sys.stderr, flush=True)
         res["stages"][stage] = _STAGES.run(stage, args.smoke)
