@@ -11,12 +11,17 @@ Stages, each in its own process (a fresh GPU memory pool and process group):
               activations (8 KiB for hidden 4096, 16 KiB for 8192) and of 64 MiB,
               eager and replayed from a CUDA graph; median of many calls; with
               SLIPSTREAM_SYMM_ALL_REDUCE=1 the small ones also through the
-              symmetric-memory one-shot all-reduce
+              symmetric-memory one-shot all-reduce; and a decode row's sum + cast +
+              residual add + RMSNorm: NCCL + the norm kernel against the fused kernel
+              (distributed/all_reduce_norm.py)
   8b-tp1      Llama-3-8B shape, random bf16 weights (seed 0), TP=1
   8b-tp2      the same weights at TP=2: every rank keeps its slice of the tensors
               one process draws, so greedy tokens must equal TP=1's
   8b-tp2-symm the same with small all-reduces through the symmetric-memory
               one-shot kernel (SLIPSTREAM_SYMM_ALL_REDUCE=1)
+  8b-tp2-fused, 70b-tp2-fused
+              TP=2 with each row-parallel sum fused into the next RMSNorm
+              (SLIPSTREAM_FUSED_ALL_REDUCE_NORM=1): same tokens as 8b-tp2 expected
   70b-tp2     a 70B-class shape (llama-2-70b: 80 layers, hidden 8192, GQA 64/8), TP=2
   8b-tp1-fp32, 8b-tp2-fp32
               greedy tokens only, in float32: the TP=2 == TP=1 check without bf16's
@@ -53,7 +58,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from benchmarks.stages import StageRunner  # noqa: E402
 STAGES = ("allreduce", "8b-tp1", "8b-tp2", "70b-tp2", "8b-tp2-symm", "8b-tp1-fp32", "8b-tp2-fp32",
-          "8b-tp1-prof", "8b-tp2-prof", "8b-tp2-symm-prof")
+          "8b-tp2-fused", "70b-tp2-fused",
+          "8b-tp1-prof", "8b-tp2-prof", "8b-tp2-symm-prof", "8b-tp2-fused-prof")
 # Collectives of one decode step on the critical path (analysis/tensor_parallel.py):
 # 2 all-reduces per layer + the embedding's.
 ALL_REDUCES = {"8b": (2 * 32 + 1, "8KiB"), "70b": (2 * 80 + 1, "16KiB")}
@@ -141,10 +147,44 @@ def _allreduce_rank(rank: int, port: int, smoke: bool, queue) -> None:
                     row["symm_error"] = repr(exc)[:300]
         row["bus_GBps_eager"] = nbytes / (row["eager_us"] * 1e-6) / 1e9   # 2(N-1)/N = 1 at N=2
         results[label] = row
+    if not smoke:
+        results["norm"] = _fused_norm_us(device)
     if rank == 0:
         queue.put(results)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _fused_norm_us(device) -> dict:
+    """What a decode row's sum costs the layer: NCCL all-reduce of the fp32 partial +
+    cast + residual add + RMSNorm (three kernels), against the fused kernel
+    (distributed/all_reduce_norm.py), both in CUDA graphs; hidden 4096 and 8192."""
+    import torch
+    import torch.distributed as dist
+    from slipstream.distributed.all_reduce_norm import AllReduceNorm
+    from slipstream.kernels.rms_norm import rms_norm
+    out = {}
+    for hidden in (4096, 8192):
+        row = {}
+        partial = torch.randn(1, hidden, device=device)
+        residual = torch.randn(1, hidden, device=device).to(torch.bfloat16)
+        weight = torch.ones(hidden, device=device, dtype=torch.bfloat16)
+
+        def plain():
+            y = partial.clone()
+            dist.all_reduce(y)
+            return rms_norm(y.to(torch.bfloat16), weight, 1e-5, residual)
+        row["nccl_cast_norm_us"] = _graph_us(plain)
+        try:
+            op = AllReduceNorm(dist.group.WORLD, device, hidden)
+            got, want = op(partial, residual, weight, 1e-5), plain()
+            torch.cuda.synchronize()
+            row["fused_correct"] = bool(torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]))
+            row["fused_us"] = _graph_us(lambda: op(partial, residual, weight, 1e-5))
+        except Exception as exc:
+            row["fused_error"] = repr(exc)[:300]
+        out[f"hidden{hidden}"] = row
+    return out
 
 
 def stage_allreduce(smoke: bool) -> dict:
@@ -180,6 +220,8 @@ def stage_engine(name: str, smoke: bool) -> dict:
     fp32 = "fp32" in flags   # the correctness check without bf16 rounding
     if "symm" in flags:
         os.environ["SLIPSTREAM_SYMM_ALL_REDUCE"] = "1"
+    if "fused" in flags:   # row-parallel sums fused into the next RMSNorm
+        os.environ["SLIPSTREAM_FUSED_ALL_REDUCE_NORM"] = "reference" if smoke else "1"
     model = _tiny_model() if smoke else MODELS[size]
     # A stage cut off at its limit prints every rank's Python stack a little before.
     import faulthandler
@@ -301,7 +343,8 @@ def _profile_decode(name: str, engine, smoke: bool) -> dict:
 # reported, the others still run, and the results are written).
 STAGE_LIMIT_S = {"allreduce": 60, "8b-tp1": 90, "8b-tp2": 120, "8b-tp2-symm": 100,
                  "8b-tp2-eager": 100, "70b-tp2": 150, "8b-tp1-fp32": 150, "8b-tp2-fp32": 150,
-                 "8b-tp1-prof": 100, "8b-tp2-prof": 120, "8b-tp2-symm-prof": 120}
+                 "8b-tp1-prof": 100, "8b-tp2-prof": 120, "8b-tp2-symm-prof": 120,
+                 "8b-tp2-fused": 120, "70b-tp2-fused": 150, "8b-tp2-fused-prof": 120}
 TOTAL_LIMIT_S = 540
 _STAGES = StageRunner(__file__, STAGE_LIMIT_S, TOTAL_LIMIT_S)
 
@@ -328,6 +371,10 @@ def _markdown(res: dict) -> str:
             if isinstance(r, dict) and "eager_us" in r:
                 lines.append(f"| {k} | {r['eager_us']:.1f} | {r.get('graph_us', float('nan')):.1f} "
                              f"| {r.get('symm_graph_us', float('nan')):.1f} | {r['bus_GBps_eager']:.1f} |")
+        for k, r in ar.get("norm", {}).items():
+            lines.append(f"Decode row sum + residual add + RMSNorm, {k}: NCCL + norm kernel "
+                         f"{r['nccl_cast_norm_us']:.1f} us, fused {r.get('fused_us', float('nan')):.1f} us"
+                         f" (equal: {r.get('fused_correct')}{', ' + r['fused_error'] if 'fused_error' in r else ''})")
         lines.append("")
     lines += ["| stage | decode step ms | tok/s | weights/GPU GB | copy GB/s | share of copy bw |",
               "|---|---|---|---|---|---|"]
@@ -365,6 +412,15 @@ def _markdown(res: dict) -> str:
     s = res.get("speedup_8b_tp2")
     if s:
         lines.append(f"8B batch-1 decode, TP=2 over TP=1: {s:.2f}x (target 1.6x)")
+    c = res.get("fused_vs_nccl_8b_tp2")
+    if c:
+        lines.append(f"8B TP=2 with sums fused into the norms vs NCCL: {c['prompts_identical']}/"
+                     f"{c['prompts']} prompts with identical tokens (expected: all), first "
+                     f"differences {c['first_difference']}; step "
+                     f"{res['fused_speedup_8b_tp2']:.3f}x the speed of NCCL + the norm kernel")
+    if res.get("fused_speedup_70b_tp2"):
+        lines.append(f"70B-class TP=2 with sums fused into the norms: step "
+                     f"{res['fused_speedup_70b_tp2']:.3f}x the speed with NCCL")
     s = res.get("speedup_8b_tp2_symm")
     if s:
         lines.append(f"8B batch-1 decode, TP=2 with the one-shot symmetric-memory all-reduce, "
@@ -384,7 +440,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     ap.add_argument("--smoke", action="store_true", help="CPU, gloo, a tiny model")
     ap.add_argument("--stage", choices=STAGES + ("8b-tp2-eager",), help=argparse.SUPPRESS)
-    ap.add_argument("--stages", default=",".join(STAGES[:7]),
+    ap.add_argument("--stages", default=",".join(STAGES[:9]),
                     help="comma-separated subset to run (the -prof stages only when named)")
     ap.add_argument("--budget-s", type=float, default=TOTAL_LIMIT_S,
                     help="seconds the whole run may take; later stages are skipped past it")
@@ -416,6 +472,14 @@ def main() -> None:
     f1, f2 = res["stages"].get("8b-tp1-fp32", {}), res["stages"].get("8b-tp2-fp32", {})
     if f1 and f2 and "error" not in f1 and "error" not in f2:
         res["correctness_8b_fp32"] = _compare(f1, f2)
+    c = res["stages"].get("8b-tp2-fused", {})
+    if b and "error" not in b and c and "error" not in c:
+        # the same sums and roundings as NCCL + the norm kernel: the same tokens expected
+        res["fused_vs_nccl_8b_tp2"] = _compare(b, c)
+        res["fused_speedup_8b_tp2"] = b["decode_step_ms"] / c["decode_step_ms"]
+    a70, c70 = res["stages"].get("70b-tp2", {}), res["stages"].get("70b-tp2-fused", {})
+    if a70 and c70 and "error" not in a70 and "error" not in c70:
+        res["fused_speedup_70b_tp2"] = a70["decode_step_ms"] / c70["decode_step_ms"]
     c = res["stages"].get("8b-tp2-symm", {})
     if a and "error" not in a and c and "error" not in c:
         res["speedup_8b_tp2_symm"] = a["decode_step_ms"] / c["decode_step_ms"]

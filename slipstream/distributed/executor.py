@@ -171,7 +171,12 @@ class TPExecutor:
             self._profiler = RankProfiler(0, self.config.device)
         if cmd.op == "start":
             return self._profiler.start(cmd)
-        return self._profiler.stop(cmd)
+        summary = self._profiler.stop(cmd)
+        try:
+            torch.distributed.barrier(group=self.tp.cpu_group)   # every rank wrote its files
+        except RuntimeError as e:
+            self._fail(e)
+        return summary
 
     def shutdown(self) -> None:
         """Tell the workers to stop, wait for them (briefly), release the process group."""

@@ -74,6 +74,7 @@ def run_worker(rank: int, size: int, store_port: int | None, args, local_rank: i
                     profiler.start(sched)
                 else:
                     profiler.stop(sched)
+                    torch.distributed.barrier(group=tp.cpu_group)   # files written
                 continue
             handle = runner.execute(sched)
             if pending is not None:

@@ -62,6 +62,11 @@ class ModelRunner:
             from slipstream.distributed import symm_all_reduce
             comm.use_small_all_reduce(tp.device_group,
                                       symm_all_reduce.build(tp.device_group, self.device, self.dtype))
+        if tp is not None:   # collective too; None unless asked for (SLIPSTREAM_FUSED_...)
+            from slipstream.distributed import all_reduce_norm
+            fused = all_reduce_norm.build(tp.device_group, self.device, mc.hidden_size, self.dtype)
+            if fused is not None and hasattr(self.model, "fuse_all_reduce_norm"):
+                self.model.fuse_all_reduce_norm(fused)
         self.vocab_size = mc.vocab_size
         self.sampler = Sampler()
         rank_config = config

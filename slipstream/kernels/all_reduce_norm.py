@@ -1,0 +1,117 @@
+"""All-reduce of two ranks' partial rows + residual add + RMSNorm in one kernel.
+
+At tensor parallelism 2, a row-parallel layer's output is each rank's partial
+product; the sum goes through an all-reduce, then the next RMSNorm adds the
+residual and normalises. Here one program per row does all of it over
+peer-to-peer memory (symmetric memory mapped from the other GPU, no NVLink
+multicast), as TensorRT-LLM's fused all-reduce + norm does:
+
+    wait until the peer has read my previous push     (its "free" flag, local spin)
+    write my partial row into the peer's inbox        (NVLink stores)
+    raise the peer's "ready" flag (release, system scope)
+    wait for my "ready" flag (acquire), read the peer's row from my own inbox
+    raise the peer's "free" flag (release): it may push again
+    s   = (mine + peer's, fp32).to(dtype)             (as all_reduce then .to(dtype))
+    r'  = (s + residual).to(dtype)                    (kernels/rms_norm.py from here on)
+    out = weight * (r' * rsqrt(mean(r'^2) + eps)).to(dtype)
+
+Both ranks add the same two fp32 numbers, so both hold the same residual stream,
+bit for bit, and the result equals `all_reduce(partial)` + `rms_norm(s, w, eps,
+residual)` (kernels.reference.all_reduce_rms_norm is the twin). The flags are
+per row and come in consumed pairs, so consecutive calls (and CUDA graph
+replays) need no epoch counter. A spin gives up after SPIN_LIMIT tries (seconds:
+a peer that died) and leaves its row unreduced rather than hang the GPU.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from slipstream.kernels.attention_tile import next_pow2
+
+SPIN_LIMIT = 1 << 24
+
+
+@triton.jit
+def _take_flag(F, SPIN: tl.constexpr, SEM: tl.constexpr):
+    """Wait until the flag at F is 1 and set it back to 0."""
+    v = tl.atomic_cas(F, 1, 0, sem=SEM, scope="sys")
+    n = 0
+    while (v != 1) & (n < SPIN):
+        v = tl.atomic_cas(F, 1, 0, sem=SEM, scope="sys")
+        n += 1
+
+
+@triton.jit
+def _give_flag(F, SPIN: tl.constexpr):
+    """Wait until the flag at F is 0 (its last raise was taken), then raise it."""
+    v = tl.atomic_cas(F, 0, 1, sem="release", scope="sys")
+    n = 0
+    while (v != 0) & (n < SPIN):
+        v = tl.atomic_cas(F, 0, 1, sem="release", scope="sys")
+        n += 1
+
+
+@triton.jit
+def _all_reduce_norm_kernel(X, Res, W, Out, ResOut, Inbox, PeerInbox, Flags, PeerFlags, eps,
+                            stride_x, stride_r, stride_o, stride_ro, max_rows,
+                            N: tl.constexpr, BLOCK: tl.constexpr, SPIN: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    mine = tl.load(X + row.to(tl.int64) * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    # Flags: [ready x max_rows | free x max_rows] int32, this rank's and the peer's.
+    _take_flag(Flags + max_rows + row, SPIN, "acquire")    # the peer read my last push
+    tl.store(PeerInbox + row.to(tl.int64) * BLOCK + cols, mine, mask=mask)
+    tl.debug_barrier()                                     # every thread's stores issued
+    _give_flag(PeerFlags + row, SPIN)                      # release: my row is there
+    _take_flag(Flags + row, SPIN, "acquire")               # the peer's row is in my inbox
+    tl.debug_barrier()
+    theirs = tl.load(Inbox + row.to(tl.int64) * BLOCK + cols, mask=mask, other=0.0,
+                     volatile=True)
+    tl.debug_barrier()                                     # every thread has read it
+    _give_flag(PeerFlags + max_rows + row, SPIN)           # the peer may push again
+    dt = Res.dtype.element_ty
+    s = (mine + theirs).to(dt)
+    r = tl.load(Res + row.to(tl.int64) * stride_r + cols, mask=mask, other=0.0)
+    x = (s.to(tl.float32) + r.to(tl.float32)).to(dt)
+    tl.store(ResOut + row.to(tl.int64) * stride_ro + cols, x, mask=mask)
+    h = x.to(tl.float32)
+    inv_rms = tl.rsqrt(tl.sum(h * h, axis=0) / N + eps)
+    normed = (h * inv_rms).to(dt).to(tl.float32)
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Out + row.to(tl.int64) * stride_o + cols, (w * normed).to(Out.dtype.element_ty),
+             mask=mask)
+
+
+def inbox_width(hidden: int) -> int:
+    """Row length of an inbox for rows of `hidden` features."""
+    return next_pow2(hidden)
+
+
+def all_reduce_rms_norm(partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                        eps: float, inbox: torch.Tensor, peer_inbox: torch.Tensor,
+                        flags: torch.Tensor, peer_flags: torch.Tensor,
+                        spin_limit: int = SPIN_LIMIT) -> tuple[torch.Tensor, torch.Tensor]:
+    """partial: [num_tokens, hidden] (fp32 or the model dtype), this rank's share;
+    residual: [num_tokens, hidden] in the model dtype; weight: [hidden].
+    inbox / peer_inbox: [max_rows, inbox_width(hidden)] fp32, this rank's and the
+    peer's (mapped); flags / peer_flags: [2 * max_rows] int32, ready then free,
+    initialised to 0 and 1. The peer must make the same call.
+    -> (normed, partial + peer's partial + residual), both [num_tokens, hidden]."""
+    num_tokens, hidden = partial.shape
+    max_rows, width = inbox.shape
+    if num_tokens > max_rows or width != inbox_width(hidden):
+        raise ValueError(f"all_reduce_rms_norm: {num_tokens} rows of {hidden} do not fit an "
+                         f"inbox of {max_rows} x {width}")
+    assert partial.stride(1) == 1 and residual.stride(1) == 1 and weight.is_contiguous()
+    assert residual.shape == partial.shape and inbox.dtype == peer_inbox.dtype == torch.float32
+    out = torch.empty_like(residual)
+    res_out = torch.empty_like(residual)
+    if num_tokens > 0:
+        _all_reduce_norm_kernel[(num_tokens,)](
+            partial, residual, weight, out, res_out, inbox, peer_inbox, flags, peer_flags, eps,
+            partial.stride(0), residual.stride(0), out.stride(0), res_out.stride(0), max_rows,
+            N=hidden, BLOCK=width, SPIN=spin_limit, num_warps=max(1, min(16, width // 256)))
+    return out, res_out

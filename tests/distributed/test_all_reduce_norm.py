@@ -1,0 +1,81 @@
+"""The fused all-reduce + residual add + RMSNorm (kernels/all_reduce_norm.py):
+the kernel on the CPU interpreter, two processes sharing the inboxes and flags
+as two GPUs share symmetric memory; and the layers' hand-over in a TP=2 engine
+through the plain-PyTorch twin (gloo)."""
+import os
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from slipstream import SamplingParams
+from slipstream.kernels import reference
+from tests.distributed.test_tensor_parallel import _assert_same, _generate, split_kv_folder  # noqa: F401
+
+
+def _rank(rank, calls, weight, inboxes, flags, outs):
+    os.environ["TRITON_INTERPRET"] = "1"
+    from slipstream.kernels.all_reduce_norm import all_reduce_rms_norm
+    for i, (residual, partials) in enumerate(calls):
+        out, res = all_reduce_rms_norm(partials[rank], residual, weight, 1e-5, inboxes[rank],
+                                       inboxes[1 - rank], flags[rank], flags[1 - rank],
+                                       spin_limit=1 << 16)
+        outs[rank][i][0][: len(out)] = out
+        outs[rank][i][1][: len(out)] = res
+
+
+@pytest.mark.parametrize("partial_dtype", [torch.float32, torch.float16])
+def test_kernel_two_ranks_consecutive_calls(partial_dtype):
+    """Calls of 3, 1, 4, 2, 2 rows in a row (the flags are reused with no reset):
+    both ranks get the twin's result bit for bit, and the flags end as they began."""
+    from slipstream.kernels.all_reduce_norm import inbox_width
+    torch.manual_seed(0)
+    hidden, max_rows, dt = 96, 4, torch.float16
+    weight = torch.randn(hidden).to(dt)
+    inboxes = [torch.zeros(max_rows, inbox_width(hidden)).share_memory_() for _ in range(2)]
+    start = torch.tensor([0] * max_rows + [1] * max_rows, dtype=torch.int32)
+    flags = [start.clone().share_memory_() for _ in range(2)]
+    calls = [(torch.randn(n, hidden).to(dt), [torch.randn(n, hidden).to(partial_dtype)
+                                              for _ in range(2)]) for n in (3, 1, 4, 2, 2)]
+    outs = [[tuple(torch.zeros(max_rows, hidden, dtype=dt).share_memory_() for _ in range(2))
+             for _ in calls] for _ in range(2)]
+    ctx = mp.get_context("fork")
+    procs = [ctx.Process(target=_rank, args=(r, calls, weight, inboxes, flags, outs))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    assert [p.exitcode for p in procs] == [0, 0]
+    for i, (residual, partials) in enumerate(calls):
+        n = len(residual)
+        want_out, want_res = reference.all_reduce_rms_norm(partials, residual, weight, 1e-5)
+        for r in range(2):
+            assert torch.equal(outs[r][i][0][:n], want_out), (i, r)
+            assert torch.equal(outs[r][i][1][:n], want_res), (i, r)
+    assert all(torch.equal(f, start) for f in flags)
+
+
+def test_inbox_too_small_is_refused():
+    from slipstream.kernels.all_reduce_norm import all_reduce_rms_norm
+    x = torch.zeros(5, 8)
+    inbox, flags = torch.zeros(4, 8), torch.zeros(8, dtype=torch.int32)
+    with pytest.raises(ValueError, match="do not fit"):
+        all_reduce_rms_norm(x, x, torch.ones(8), 1e-5, inbox, inbox, flags, flags)
+
+
+def test_tp2_with_sums_in_the_norms_matches_tp1(split_kv_folder, monkeypatch):
+    """Every row-parallel output goes to the norm after it unreduced (the twin sums
+    it there): TP=2 still gives TP=1's tokens and log-probs."""
+    _, ref = _generate(split_kv_folder, 1)
+    monkeypatch.setenv("SLIPSTREAM_FUSED_ALL_REDUCE_NORM", "reference")
+    llm, got = _generate(split_kv_folder, 2)
+    try:
+        model = llm.engine.runner.model
+        layers = model.model.layers
+        op = layers[0].mlp.down_proj.defer_to
+        assert op is not None and op.calls > 0
+        assert layers[-1].self_attn.o_proj.defer_to is op and model.model.norm.reduce is op
+        _assert_same(ref, got)
+    finally:
+        llm.engine.shutdown()
