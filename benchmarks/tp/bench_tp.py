@@ -344,7 +344,7 @@ def _profile_decode(name: str, engine, smoke: bool) -> dict:
 STAGE_LIMIT_S = {"allreduce": 60, "8b-tp1": 90, "8b-tp2": 120, "8b-tp2-symm": 100,
                  "8b-tp2-eager": 100, "70b-tp2": 150, "8b-tp1-fp32": 150, "8b-tp2-fp32": 150,
                  "8b-tp1-prof": 100, "8b-tp2-prof": 120, "8b-tp2-symm-prof": 120,
-                 "8b-tp2-fused": 120, "70b-tp2-fused": 150, "8b-tp2-fused-prof": 120}
+                 "8b-tp2-fused": 120, "70b-tp2-fused": 150, "8b-tp2-fused-prof": 90}
 TOTAL_LIMIT_S = 540
 _STAGES = StageRunner(__file__, STAGE_LIMIT_S, TOTAL_LIMIT_S)
 
