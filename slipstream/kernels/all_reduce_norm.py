@@ -26,14 +26,19 @@ residual)` (kernels.reference.all_reduce_rms_norm is the twin). The flags are
 per row and come in consumed pairs, so consecutive calls (and CUDA graph
 replays) need no epoch counter. A spin gives up after SPIN_LIMIT tries (seconds:
 a peer that died) and leaves its row unreduced rather than hang the GPU.
+On Hopper the kernel is launched early (programmatic dependent launch): it
+takes its "free" flag while the GEMM before it runs, and reads nothing the
+earlier kernels write before `gdc_wait`.
 """
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 from slipstream.kernels.attention_tile import next_pow2
+from slipstream.kernels.runtime import pdl_supported
 
 SPIN_LIMIT = 1 << 24
 
@@ -58,13 +63,16 @@ def _give_flag(F):
 @triton.jit
 def _all_reduce_norm_kernel(X, Res, W, Out, ResOut, Inbox, PeerInbox, Flags, PeerFlags, eps,
                             stride_x, stride_r, stride_o, stride_ro, max_rows,
-                            N: tl.constexpr, BLOCK: tl.constexpr, SPIN: tl.constexpr):
+                            N: tl.constexpr, BLOCK: tl.constexpr, SPIN: tl.constexpr,
+                            PDL: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
-    mine = tl.load(X + row.to(tl.int64) * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     # Flags: [ready x max_rows | free x max_rows] int32, this rank's and the peer's.
     _take_flag(Flags + max_rows + row, SPIN, "acquire")    # the peer read my last push
+    if PDL:   # launched early (during the GEMM before): wait for it before reading data
+        gdc_wait()
+    mine = tl.load(X + row.to(tl.int64) * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(PeerInbox + row.to(tl.int64) * BLOCK + cols, mine, mask=mask)
     tl.debug_barrier()                                     # every thread's stores issued
     _give_flag(PeerFlags + row)                            # release: my row is there
@@ -111,9 +119,11 @@ def all_reduce_rms_norm(partial: torch.Tensor, residual: torch.Tensor, weight: t
     assert residual.shape == partial.shape and inbox.dtype == peer_inbox.dtype == torch.float32
     out = torch.empty_like(residual)
     res_out = torch.empty_like(residual)
+    pdl = pdl_supported(partial)
     if num_tokens > 0:
         _all_reduce_norm_kernel[(num_tokens,)](
             partial, residual, weight, out, res_out, inbox, peer_inbox, flags, peer_flags, eps,
             partial.stride(0), residual.stride(0), out.stride(0), res_out.stride(0), max_rows,
-            N=hidden, BLOCK=width, SPIN=spin_limit, num_warps=max(1, min(16, width // 256)))
+            N=hidden, BLOCK=width, SPIN=spin_limit, PDL=pdl, launch_pdl=pdl,
+            num_warps=max(1, min(16, width // 256)))
     return out, res_out
