@@ -79,3 +79,39 @@ def test_tp2_with_sums_in_the_norms_matches_tp1(split_kv_folder, monkeypatch):
         _assert_same(ref, got)
     finally:
         llm.engine.shutdown()
+
+
+_COMPILE = """
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.jit import mangle_type
+from slipstream.kernels.all_reduce_norm import _all_reduce_norm_kernel as k
+t = lambda dt: torch.empty(8, dtype=dt)
+args = dict(X=t(torch.float32), Res=t(torch.bfloat16), W=t(torch.bfloat16), Out=t(torch.bfloat16),
+            ResOut=t(torch.bfloat16), Inbox=t(torch.float32), PeerInbox=t(torch.float32),
+            Flags=t(torch.int32), PeerFlags=t(torch.int32), eps=1e-5, stride_x=4096,
+            stride_r=4096, stride_o=4096, stride_ro=4096, max_rows=64)
+const = dict(N=4096, BLOCK=4096, SPIN=1 << 24, PDL=True)
+sig = {n: "constexpr" if n in const else mangle_type(args[n]) for n in k.arg_names}
+c = triton.compile(ASTSource(k, sig, const), target=GPUTarget("cuda", 90, 32),
+                   options=dict(num_warps=16))
+print(c.asm["ptx"])
+"""
+
+
+def test_kernel_compiles_for_sm90_with_system_scope_flags():
+    """What the interpreter cannot show: the flags compile to system-scope acquire /
+    release atomics (visible across the NVLink pair) and the early launch waits."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(root))
+    run = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    ptx = run.stdout
+    assert "atom.global.acquire.sys.cas.b32" in ptx
+    assert "atom.global.sys.release.exch.b32" in ptx or "atom.global.release.sys.exch.b32" in ptx
+    assert "griddepcontrol.wait" in ptx
