@@ -193,8 +193,9 @@ class ModelRunner:
         sb = self.sampling.build(plan.sample_rows)
         result = self.sampler(logits, sb)
         sampled = result.sampled_token_ids                                # [S] int64
-        if self.tp is not None:
-            # Rank 0's draw is the step's: every rank records the same tokens.
+        if self.tp is not None and not sb.all_greedy:
+            # Rank 0's draw is the step's: every rank records the same tokens. (Greedy
+            # rows need no broadcast: every rank holds the same all-gathered logits.)
             comm.broadcast(sampled, self.tp.device_group)
         self.input_batch.last_sampled.index_copy_(0, sb.rows, sampled)
         self.sampling.record_sampled(sb, plan.sample_rows, sampled)
