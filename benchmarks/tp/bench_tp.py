@@ -397,7 +397,7 @@ def _markdown(res: dict) -> str:
                          f"rank 0 profiled: wall {p['wall_ms_per_step']:.3f} ms, kernels "
                          f"{p['kernel_ms_per_step']:.3f} ms, busy {p['busy_ms_per_step']} ms, "
                          f"collectives {p['collective_ms_per_step']:.3f} ms (every rank's "
-                         f"tables: {name}_rank*_kernels.md)")
+                         f"tables: {name}_rank*_kernels.md in profiles.tar.gz)")
     c = res.get("correctness_8b")
     if c:
         lines += ["", f"TP=2 vs TP=1 greedy tokens (8B shape, 4 prompts x 32 tokens): "
@@ -433,6 +433,21 @@ def _markdown(res: dict) -> str:
                          f"= {calls * t / 1e3:.3f} ms per step "
                          f"({'CUDA graph' if 'graph_us' in r else 'eager'} timing above)")
     return "\n".join(lines) + "\n"
+
+
+def _pack_profiles(out: Path) -> None:
+    """Every rank's profile files in one archive, profiles.tar.gz (a run's results
+    come back from the GPU machine as a limited number of files)."""
+    import tarfile
+    files = sorted(p for p in out.iterdir() if p.name.endswith(("_kernels.json", "_kernels.md",
+                                                                 "_trace.json")))
+    if not files:
+        return
+    with tarfile.open(out / "profiles.tar.gz", "w:gz") as tar:
+        for p in files:
+            tar.add(p, arcname=p.name)
+    for p in files:
+        p.unlink()
 
 
 def main() -> None:
@@ -485,6 +500,7 @@ def main() -> None:
         res["speedup_8b_tp2_symm"] = a["decode_step_ms"] / c["decode_step_ms"]
     (out / "results.json").write_text(json.dumps(res, indent=2) + "\n")
     (out / "results.md").write_text(_markdown(res))
+    _pack_profiles(out)
     print(_markdown(res))
 
 

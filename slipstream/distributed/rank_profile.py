@@ -119,13 +119,21 @@ def _on_device(e) -> bool:
 
 
 def kernel_table(prof, device: torch.device) -> list[dict]:
-    """Rows {name, count, total_us}, largest total first."""
-    rows = []
-    for e in prof.key_averages():
-        t = e.self_device_time_total if device.type == "cuda" else e.self_cpu_time_total
-        if t <= 0:
-            continue
-        rows.append({"name": e.key[:200], "count": int(e.count), "total_us": float(t)})
+    """Rows {name, count, total_us}, largest total first: the device's kernels (and
+    copies) on a GPU, counted once even where host operators were recorded too
+    (their device time would count the same kernels again); operators on the CPU."""
+    acc: dict[str, list] = {}
+    if device.type == "cuda":
+        for e in prof.events():
+            if _on_device(e):
+                row = acc.setdefault(e.name[:200], [0, 0.0])
+                row[0] += 1
+                row[1] += e.time_range.end - e.time_range.start
+    else:
+        for e in prof.key_averages():
+            if e.self_cpu_time_total > 0:
+                acc[e.key[:200]] = [int(e.count), float(e.self_cpu_time_total)]
+    rows = [{"name": k, "count": c, "total_us": float(t)} for k, (c, t) in acc.items() if t > 0]
     rows.sort(key=lambda r: -r["total_us"])
     return rows
 
