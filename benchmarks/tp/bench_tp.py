@@ -19,9 +19,10 @@ Stages, each in its own process (a fresh GPU memory pool and process group):
               one process draws, so greedy tokens must equal TP=1's
   8b-tp2-symm the same with small all-reduces through the symmetric-memory
               one-shot kernel (SLIPSTREAM_SYMM_ALL_REDUCE=1)
-  8b-tp2-fused, 70b-tp2-fused
+  8b-tp2-fused, 70b-tp2-fused, 8b-tp2-fused-flags
               TP=2 with each row-parallel sum fused into the next RMSNorm
-              (SLIPSTREAM_FUSED_ALL_REDUCE_NORM=1): same tokens as 8b-tp2 expected
+              (SLIPSTREAM_FUSED_ALL_REDUCE_NORM=lamport, or =flags): same tokens as
+              8b-tp2 expected
   70b-tp2     a 70B-class shape (llama-2-70b: 80 layers, hidden 8192, GQA 64/8), TP=2
   8b-tp1-fp32, 8b-tp2-fp32
               greedy tokens only, in float32: the TP=2 == TP=1 check without bf16's
@@ -58,8 +59,9 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from benchmarks.stages import StageRunner  # noqa: E402
 STAGES = ("allreduce", "8b-tp1", "8b-tp2", "70b-tp2", "8b-tp2-symm", "8b-tp1-fp32", "8b-tp2-fp32",
-          "8b-tp2-fused", "70b-tp2-fused",
-          "8b-tp1-prof", "8b-tp2-prof", "8b-tp2-symm-prof", "8b-tp2-fused-prof")
+          "8b-tp2-fused", "70b-tp2-fused", "8b-tp2-fused-flags",
+          "8b-tp1-prof", "8b-tp2-prof", "8b-tp2-symm-prof", "8b-tp2-fused-prof",
+          "8b-tp2-fused-flags-prof")
 # Collectives of one decode step on the critical path (analysis/tensor_parallel.py):
 # 2 all-reduces per layer + the embedding's.
 ALL_REDUCES = {"8b": (2 * 32 + 1, "8KiB"), "70b": (2 * 80 + 1, "16KiB")}
@@ -175,14 +177,17 @@ def _fused_norm_us(device) -> dict:
             dist.all_reduce(y)
             return rms_norm(y.to(torch.bfloat16), weight, 1e-5, residual)
         row["nccl_cast_norm_us"] = _graph_us(plain)
-        try:
-            op = AllReduceNorm(dist.group.WORLD, device, hidden)
-            got, want = op(partial, residual, weight, 1e-5), plain()
-            torch.cuda.synchronize()
-            row["fused_correct"] = bool(torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]))
-            row["fused_us"] = _graph_us(lambda: op(partial, residual, weight, 1e-5))
-        except Exception as exc:
-            row["fused_error"] = repr(exc)[:300]
+        for protocol in ("lamport", "flags"):
+            key = "fused" if protocol == "lamport" else "fused_flags"
+            try:
+                op = AllReduceNorm(dist.group.WORLD, device, hidden, protocol=protocol)
+                got, want = op(partial, residual, weight, 1e-5), plain()
+                torch.cuda.synchronize()
+                row[f"{key}_correct"] = bool(torch.equal(got[0], want[0])
+                                             and torch.equal(got[1], want[1]))
+                row[f"{key}_us"] = _graph_us(lambda: op(partial, residual, weight, 1e-5))
+            except Exception as exc:
+                row[f"{key}_error"] = repr(exc)[:300]
         out[f"hidden{hidden}"] = row
     return out
 
@@ -221,7 +226,8 @@ def stage_engine(name: str, smoke: bool) -> dict:
     if "symm" in flags:
         os.environ["SLIPSTREAM_SYMM_ALL_REDUCE"] = "1"
     if "fused" in flags:   # row-parallel sums fused into the next RMSNorm
-        os.environ["SLIPSTREAM_FUSED_ALL_REDUCE_NORM"] = "reference" if smoke else "1"
+        os.environ["SLIPSTREAM_FUSED_ALL_REDUCE_NORM"] = (
+            "reference" if smoke else "flags" if "flags" in flags else "lamport")
     model = _tiny_model() if smoke else MODELS[size]
     # A stage cut off at its limit prints every rank's Python stack a little before.
     import faulthandler
@@ -344,7 +350,8 @@ def _profile_decode(name: str, engine, smoke: bool) -> dict:
 STAGE_LIMIT_S = {"allreduce": 60, "8b-tp1": 90, "8b-tp2": 120, "8b-tp2-symm": 100,
                  "8b-tp2-eager": 100, "70b-tp2": 150, "8b-tp1-fp32": 150, "8b-tp2-fp32": 150,
                  "8b-tp1-prof": 100, "8b-tp2-prof": 120, "8b-tp2-symm-prof": 120,
-                 "8b-tp2-fused": 120, "70b-tp2-fused": 150, "8b-tp2-fused-prof": 90}
+                 "8b-tp2-fused": 120, "70b-tp2-fused": 150, "8b-tp2-fused-prof": 90,
+                 "8b-tp2-fused-flags": 120, "8b-tp2-fused-flags-prof": 90}
 TOTAL_LIMIT_S = 540
 _STAGES = StageRunner(__file__, STAGE_LIMIT_S, TOTAL_LIMIT_S)
 
@@ -373,8 +380,12 @@ def _markdown(res: dict) -> str:
                              f"| {r.get('symm_graph_us', float('nan')):.1f} | {r['bus_GBps_eager']:.1f} |")
         for k, r in ar.get("norm", {}).items():
             lines.append(f"Decode row sum + residual add + RMSNorm, {k}: NCCL + norm kernel "
-                         f"{r['nccl_cast_norm_us']:.1f} us, fused {r.get('fused_us', float('nan')):.1f} us"
-                         f" (equal: {r.get('fused_correct')}{', ' + r['fused_error'] if 'fused_error' in r else ''})")
+                         f"{r['nccl_cast_norm_us']:.1f} us, fused lamport "
+                         f"{r.get('fused_us', float('nan')):.1f} us (equal: {r.get('fused_correct')}"
+                         f"{', ' + r['fused_error'] if 'fused_error' in r else ''}), fused flags "
+                         f"{r.get('fused_flags_us', float('nan')):.1f} us (equal: "
+                         f"{r.get('fused_flags_correct')}"
+                         f"{', ' + r['fused_flags_error'] if 'fused_flags_error' in r else ''})")
         lines.append("")
     lines += ["| stage | decode step ms | tok/s | weights/GPU GB | copy GB/s | share of copy bw |",
               "|---|---|---|---|---|---|"]
@@ -412,12 +423,11 @@ def _markdown(res: dict) -> str:
     s = res.get("speedup_8b_tp2")
     if s:
         lines.append(f"8B batch-1 decode, TP=2 over TP=1: {s:.2f}x (target 1.6x)")
-    c = res.get("fused_vs_nccl_8b_tp2")
-    if c:
-        lines.append(f"8B TP=2 with sums fused into the norms vs NCCL: {c['prompts_identical']}/"
-                     f"{c['prompts']} prompts with identical tokens (expected: all), first "
-                     f"differences {c['first_difference']}; step "
-                     f"{res['fused_speedup_8b_tp2']:.3f}x the speed of NCCL + the norm kernel")
+    for name, c in res.get("fused_vs_nccl", {}).items():
+        lines.append(f"{name} (sums fused into the norms) vs 8b-tp2 (NCCL): "
+                     f"{c['prompts_identical']}/{c['prompts']} prompts with identical tokens "
+                     f"(expected: all), first differences {c['first_difference']}; step "
+                     f"{c['speedup']:.3f}x the speed of NCCL + the norm kernel")
     if res.get("fused_speedup_70b_tp2"):
         lines.append(f"70B-class TP=2 with sums fused into the norms: step "
                      f"{res['fused_speedup_70b_tp2']:.3f}x the speed with NCCL")
@@ -487,11 +497,12 @@ def main() -> None:
     f1, f2 = res["stages"].get("8b-tp1-fp32", {}), res["stages"].get("8b-tp2-fp32", {})
     if f1 and f2 and "error" not in f1 and "error" not in f2:
         res["correctness_8b_fp32"] = _compare(f1, f2)
-    c = res["stages"].get("8b-tp2-fused", {})
-    if b and "error" not in b and c and "error" not in c:
-        # the same sums and roundings as NCCL + the norm kernel: the same tokens expected
-        res["fused_vs_nccl_8b_tp2"] = _compare(b, c)
-        res["fused_speedup_8b_tp2"] = b["decode_step_ms"] / c["decode_step_ms"]
+    for name in ("8b-tp2-fused", "8b-tp2-fused-flags"):
+        c = res["stages"].get(name, {})
+        if b and "error" not in b and c and "error" not in c:
+            # the same sums and roundings as NCCL + the norm kernel: the same tokens expected
+            res.setdefault("fused_vs_nccl", {})[name] = _compare(b, c) | {
+                "speedup": b["decode_step_ms"] / c["decode_step_ms"]}
     a70, c70 = res["stages"].get("70b-tp2", {}), res["stages"].get("70b-tp2-fused", {})
     if a70 and c70 and "error" not in a70 and "error" not in c70:
         res["fused_speedup_70b_tp2"] = a70["decode_step_ms"] / c70["decode_step_ms"]

@@ -82,6 +82,14 @@ def _all_reduce_norm_kernel(X, Res, W, Out, ResOut, Inbox, PeerInbox, Flags, Pee
                      volatile=True)
     tl.debug_barrier()                                     # every thread has read it
     _give_flag(PeerFlags + max_rows + row)                 # the peer may push again
+    add_norm_store(mine, theirs, Res, W, Out, ResOut, eps, row, cols, mask,
+                   stride_r, stride_o, stride_ro, N)
+
+
+@triton.jit
+def add_norm_store(mine, theirs, Res, W, Out, ResOut, eps, row, cols, mask,
+                   stride_r, stride_o, stride_ro, N: tl.constexpr):
+    """The sum's rounding, the residual add and the norm of kernels/rms_norm.py."""
     dt = Res.dtype.element_ty
     s = (mine + theirs).to(dt)
     r = tl.load(Res + row.to(tl.int64) * stride_r + cols, mask=mask, other=0.0)

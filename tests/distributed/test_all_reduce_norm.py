@@ -13,39 +13,53 @@ from slipstream.kernels import reference
 from tests.distributed.test_tensor_parallel import _assert_same, _generate, split_kv_folder  # noqa: F401
 
 
-def _rank(rank, calls, weight, inboxes, flags, outs):
+def _rank(rank, protocol, calls, weight, inboxes, flags, outs):
     os.environ["TRITON_INTERPRET"] = "1"
     from slipstream.kernels.all_reduce_norm import all_reduce_rms_norm
+    from slipstream.kernels.all_reduce_norm_lamport import all_reduce_rms_norm_lamport
     for i, (residual, partials) in enumerate(calls):
-        out, res = all_reduce_rms_norm(partials[rank], residual, weight, 1e-5, inboxes[rank],
-                                       inboxes[1 - rank], flags[rank], flags[1 - rank],
-                                       spin_limit=1 << 16)
+        if protocol == "flags":
+            out, res = all_reduce_rms_norm(partials[rank], residual, weight, 1e-5, inboxes[rank],
+                                           inboxes[1 - rank], flags[rank], flags[1 - rank],
+                                           spin_limit=1 << 16)
+        else:   # flags[rank]: this rank's call counts
+            out, res = all_reduce_rms_norm_lamport(partials[rank], residual, weight, 1e-5,
+                                                   inboxes[rank], inboxes[1 - rank], flags[rank],
+                                                   spin_limit=1 << 16)
         outs[rank][i][0][: len(out)] = out
         outs[rank][i][1][: len(out)] = res
 
 
+@pytest.mark.parametrize("protocol", ["flags", "lamport"])
 @pytest.mark.parametrize("partial_dtype", [torch.float32, torch.float16])
-def test_kernel_two_ranks_consecutive_calls(partial_dtype):
-    """Calls of 3, 1, 4, 2, 2 rows in a row (the flags are reused with no reset):
-    both ranks get the twin's result bit for bit, and the flags end as they began."""
+def test_kernel_two_ranks_consecutive_calls(protocol, partial_dtype):
+    """Calls of 3, 1, 4, 2, 2, 3, 1 rows in a row (inboxes and flags reused with no
+    reset, the lamport slots going round twice): both ranks get the twin's result
+    bit for bit; the flags end as they began, the inboxes empty."""
     from slipstream.kernels.all_reduce_norm import inbox_width
+    from slipstream.kernels.all_reduce_norm_lamport import EMPTY, new_inbox
     torch.manual_seed(0)
     hidden, max_rows, dt = 96, 4, torch.float16
     weight = torch.randn(hidden).to(dt)
-    inboxes = [torch.zeros(max_rows, inbox_width(hidden)).share_memory_() for _ in range(2)]
-    start = torch.tensor([0] * max_rows + [1] * max_rows, dtype=torch.int32)
+    if protocol == "flags":
+        inboxes = [torch.zeros(max_rows, inbox_width(hidden)).share_memory_() for _ in range(2)]
+        start = torch.tensor([0] * max_rows + [1] * max_rows, dtype=torch.int32)
+    else:
+        inboxes = [new_inbox(max_rows, hidden, "cpu").share_memory_() for _ in range(2)]
+        start = torch.zeros(max_rows, dtype=torch.int32)
     flags = [start.clone().share_memory_() for _ in range(2)]
     calls = [(torch.randn(n, hidden).to(dt), [torch.randn(n, hidden).to(partial_dtype)
-                                              for _ in range(2)]) for n in (3, 1, 4, 2, 2)]
+                                              for _ in range(2)]) for n in (3, 1, 4, 2, 2, 3, 1)]
+    calls[0][1][0][0, :5] = -0.0   # the lamport marker's bits, sent as +0.0
     outs = [[tuple(torch.zeros(max_rows, hidden, dtype=dt).share_memory_() for _ in range(2))
              for _ in calls] for _ in range(2)]
     ctx = mp.get_context("fork")
-    procs = [ctx.Process(target=_rank, args=(r, calls, weight, inboxes, flags, outs))
+    procs = [ctx.Process(target=_rank, args=(r, protocol, calls, weight, inboxes, flags, outs))
              for r in range(2)]
     for p in procs:
         p.start()
     for p in procs:
-        p.join(60)
+        p.join(120)
     assert [p.exitcode for p in procs] == [0, 0]
     for i, (residual, partials) in enumerate(calls):
         n = len(residual)
@@ -53,7 +67,13 @@ def test_kernel_two_ranks_consecutive_calls(partial_dtype):
         for r in range(2):
             assert torch.equal(outs[r][i][0][:n], want_out), (i, r)
             assert torch.equal(outs[r][i][1][:n], want_res), (i, r)
-    assert all(torch.equal(f, start) for f in flags)
+    if protocol == "flags":
+        assert all(torch.equal(f, start) for f in flags)
+    else:   # every row index's calls counted; every slot empty again
+        counts = torch.tensor([sum(n > j for n in (3, 1, 4, 2, 2, 3, 1)) for j in range(max_rows)],
+                              dtype=torch.int32)
+        assert all(torch.equal(f, counts) for f in flags)
+        assert all(bool((b == EMPTY).all()) for b in inboxes)
 
 
 def test_inbox_too_small_is_refused():
@@ -82,17 +102,22 @@ def test_tp2_with_sums_in_the_norms_matches_tp1(split_kv_folder, monkeypatch):
 
 
 _COMPILE = """
-import torch, triton
+import sys, torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import mangle_type
-from slipstream.kernels.all_reduce_norm import _all_reduce_norm_kernel as k
+from slipstream.kernels.all_reduce_norm import _all_reduce_norm_kernel
+from slipstream.kernels.all_reduce_norm_lamport import EMPTY, _lamport_kernel
 t = lambda dt: torch.empty(8, dtype=dt)
-args = dict(X=t(torch.float32), Res=t(torch.bfloat16), W=t(torch.bfloat16), Out=t(torch.bfloat16),
-            ResOut=t(torch.bfloat16), Inbox=t(torch.float32), PeerInbox=t(torch.float32),
-            Flags=t(torch.int32), PeerFlags=t(torch.int32), eps=1e-5, stride_x=4096,
+bf16, f32, i32 = t(torch.bfloat16), t(torch.float32), t(torch.int32)
+args = dict(X=f32, Res=bf16, W=bf16, Out=bf16, ResOut=bf16, eps=1e-5, stride_x=4096,
             stride_r=4096, stride_o=4096, stride_ro=4096, max_rows=64)
-const = dict(N=4096, BLOCK=4096, SPIN=1 << 24, PDL=True)
+if sys.argv[1] == "flags":
+    k, args = _all_reduce_norm_kernel, dict(args, Inbox=f32, PeerInbox=f32, Flags=i32, PeerFlags=i32)
+    const = dict(N=4096, BLOCK=4096, SPIN=1 << 24, PDL=True)
+else:
+    k, args = _lamport_kernel, dict(args, Inbox=i32, PeerInbox=i32, Count=i32)
+    const = dict(N=4096, BLOCK=4096, SPIN=1 << 24, PDL=True, EMPTY_BITS=EMPTY)
 sig = {n: "constexpr" if n in const else mangle_type(args[n]) for n in k.arg_names}
 c = triton.compile(ASTSource(k, sig, const), target=GPUTarget("cuda", 90, 32),
                    options=dict(num_warps=16))
@@ -100,18 +125,23 @@ print(c.asm["ptx"])
 """
 
 
-def test_kernel_compiles_for_sm90_with_system_scope_flags():
+@pytest.mark.parametrize("protocol", ["flags", "lamport"])
+def test_kernel_compiles_for_sm90(protocol):
     """What the interpreter cannot show: the flags compile to system-scope acquire /
-    release atomics (visible across the NVLink pair) and the early launch waits."""
+    release atomics (visible across the NVLink pair), the lamport polls to volatile
+    loads, and the early launch waits."""
     import subprocess
     import sys
     from pathlib import Path
     root = Path(__file__).resolve().parents[2]
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(root))
-    run = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True,
-                         text=True, timeout=300)
+    run = subprocess.run([sys.executable, "-c", _COMPILE, protocol], env=env,
+                         capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     ptx = run.stdout
-    assert "atom.global.acquire.sys.cas.b32" in ptx
-    assert "atom.global.sys.release.exch.b32" in ptx or "atom.global.release.sys.exch.b32" in ptx
     assert "griddepcontrol.wait" in ptx
+    if protocol == "flags":
+        assert "atom.global.acquire.sys.cas.b32" in ptx
+        assert "atom.global.sys.release.exch.b32" in ptx or "atom.global.release.sys.exch.b32" in ptx
+    else:
+        assert "ld.volatile.global" in ptx and "atom" not in ptx
