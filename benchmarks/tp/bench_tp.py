@@ -274,7 +274,15 @@ def stage_engine(name: str, smoke: bool) -> dict:
         engine.step()
     # Wall time over many steps: with the overlapped step a single step() returns
     # before its GPU work ends, so a per-step time would be host time only.
-    steps = 0
+    steps, waited = 0, [0.0]
+    plain_resolve = engine.runner.resolve
+
+    def timed_resolve(handle):   # rank 0's host waiting for its GPU (~0: host-bound)
+        t = time.perf_counter()
+        out = plain_resolve(handle)
+        waited[0] += time.perf_counter() - t
+        return out
+    engine.runner.resolve = timed_resolve
     if not smoke:
         torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -284,6 +292,7 @@ def stage_engine(name: str, smoke: bool) -> dict:
     if not smoke:
         torch.cuda.synchronize()
     step = (time.perf_counter() - t0) / steps
+    del engine.runner.resolve
     weight_bytes = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
     copy_bw = measure_copy_bandwidth("cpu" if smoke else "cuda:0")
     engine.shutdown()
@@ -292,7 +301,8 @@ def stage_engine(name: str, smoke: bool) -> dict:
         shutil.rmtree(model, ignore_errors=True)
     return {"model": model if not smoke else "tiny", "tp": int(tp), "load_s": load_s,
             "tokens": tokens, "logprobs": logprobs, "decode_step_ms": step * 1e3,
-            "tokens_per_s": 1 / step, "weight_bytes_per_gpu": weight_bytes,
+            "tokens_per_s": 1 / step, "host_wait_ms_per_step": waited[0] / steps * 1e3,
+            "weight_bytes_per_gpu": weight_bytes,
             "copy_bandwidth_GBps": copy_bw / 1e9,
             "share_of_copy_bandwidth": weight_bytes / step / copy_bw}
 
@@ -307,6 +317,11 @@ def _profile_decode(name: str, engine, smoke: bool) -> dict:
     out = os.environ.get("TP_BENCH_OUT") or str(Path(__file__).parent / "results")
     runner = engine.runner
     local = None if hasattr(runner, "profile") else RankProfiler(0, runner.config.device)
+
+    if local is not None:   # TP=1: time rank 0's waits for the GPU as the executor does
+        from types import SimpleNamespace
+        plain = SimpleNamespace(resolve=runner.resolve)
+        runner.resolve = lambda handle: local.resolve(plain, handle)
 
     def window(steps: int, tag: str, trace: bool) -> dict:
         start = ProfileCommand("start", cpu=trace)
@@ -336,8 +351,8 @@ def _profile_decode(name: str, engine, smoke: bool) -> dict:
     while engine.has_unfinished_requests():
         engine.step()
     _progress(f"{name}: profiled")
-    keep = ("wall_ms_per_step", "kernel_ms_per_step", "busy_ms_per_step",
-            "collective_ms_per_step", "launches_per_step")
+    keep = ("wall_ms_per_step", "resolve_wait_ms_per_step", "kernel_ms_per_step",
+            "busy_ms_per_step", "collective_ms_per_step", "launches_per_step")
     return {"decode_step_ms_unprofiled": plain_ms,
             "rank0": {k: table[k] for k in keep} | {"top": table["kernels"][:15]},
             "rank0_trace_window": {k: trace[k] for k in keep}, "files": out}
@@ -387,25 +402,27 @@ def _markdown(res: dict) -> str:
                          f"{r.get('fused_flags_correct')}"
                          f"{', ' + r['fused_flags_error'] if 'fused_flags_error' in r else ''})")
         lines.append("")
-    lines += ["| stage | decode step ms | tok/s | weights/GPU GB | copy GB/s | share of copy bw |",
-              "|---|---|---|---|---|---|"]
+    lines += ["| stage | decode step ms | tok/s | weights/GPU GB | copy GB/s | share of copy bw "
+              "| rank 0 host waits ms/step |", "|---|---|---|---|---|---|---|"]
     for name in STAGES[1:]:
         r = res["stages"].get(name, {})
         if not r:
             continue   # not run (--stages)
         if "error" in r:
-            lines.append(f"| {name} | failed | | | | |")
+            lines.append(f"| {name} | failed | | | | | |")
             continue
         if "decode_step_ms" not in r:
             continue   # a correctness-only stage
         lines.append(f"| {name} | {r['decode_step_ms']:.3f} | {r['tokens_per_s']:.1f} | "
                      f"{r['weight_bytes_per_gpu'] / 1e9:.2f} | {r['copy_bandwidth_GBps']:.0f} | "
-                     f"{r['share_of_copy_bandwidth'] * 100:.1f}% |")
+                     f"{r['share_of_copy_bandwidth'] * 100:.1f}% | "
+                     f"{r.get('host_wait_ms_per_step', float('nan')):.3f} |")
     for name, r in res["stages"].items():
         if name.endswith("-prof") and "error" not in r:
             p = r["rank0"]
             lines.append(f"\n{name}: {r['decode_step_ms_unprofiled']:.3f} ms a step unprofiled; "
-                         f"rank 0 profiled: wall {p['wall_ms_per_step']:.3f} ms, kernels "
+                         f"rank 0 profiled: wall {p['wall_ms_per_step']:.3f} ms (host waits "
+                         f"{p['resolve_wait_ms_per_step']:.3f}), kernels "
                          f"{p['kernel_ms_per_step']:.3f} ms, busy {p['busy_ms_per_step']} ms, "
                          f"collectives {p['collective_ms_per_step']:.3f} ms (every rank's "
                          f"tables: {name}_rank*_kernels.md in profiles.tar.gz)")

@@ -155,6 +155,8 @@ class TPExecutor:
 
     def resolve(self, handle: StepHandle) -> StepOutput:
         try:
+            if self._profiler is not None:   # times the wait inside a profile window
+                return self._profiler.resolve(self.runner, handle)
             return self.runner.resolve(handle)
         except RuntimeError as e:
             self._fail(e)

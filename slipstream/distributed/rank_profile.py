@@ -62,6 +62,17 @@ class RankProfiler:
         self.rank, self.device = rank, device
         self._prof = None
         self._t0 = 0.0
+        self._wait = 0.0
+
+    def resolve(self, runner, handle):
+        """runner.resolve(handle), timing the wait inside a window: a rank whose host
+        keeps ahead of its GPU waits most of each step there; one that waits ~0 is
+        bound by its host (the GPU then idles between steps)."""
+        t = time.perf_counter()
+        out = runner.resolve(handle)
+        if self._prof is not None:
+            self._wait += time.perf_counter() - t
+        return out
 
     def start(self, cmd: ProfileCommand | None = None) -> None:
         from torch.profiler import ProfilerActivity, profile
@@ -73,6 +84,7 @@ class RankProfiler:
         if self.device.type != "cuda" or (cmd is not None and cmd.cpu):
             acts.append(ProfilerActivity.CPU)
         _sync(self.device)
+        self._wait = 0.0
         self._prof = profile(activities=acts)
         self._prof.__enter__()
         self._t0 = time.perf_counter()
@@ -97,6 +109,7 @@ class RankProfiler:
             "rank": self.rank, "tag": cmd.tag, "steps": steps, "device": str(self.device),
             "time": "device (kernels)" if gpu else "self CPU (operators)",
             "wall_ms_per_step": wall_us / steps / 1e3,
+            "resolve_wait_ms_per_step": self._wait / steps * 1e3,
             "kernel_ms_per_step": sum(r["total_us"] for r in table) / steps / 1e3,
             "busy_ms_per_step": busy / steps / 1e3 if busy is not None else None,
             "collective_ms_per_step": sum(r["total_us"] for r in table
@@ -141,7 +154,8 @@ def kernel_table(prof, device: torch.device) -> list[dict]:
 def markdown(s: dict, top: int = 40) -> str:
     busy = f", busy {s['busy_ms_per_step']:.3f}" if s["busy_ms_per_step"] is not None else ""
     lines = [f"# {s['tag']}, rank {s['rank']} ({s['device']}), {s['steps']} steps",
-             "", f"Per step: wall {s['wall_ms_per_step']:.3f} ms, {s['time']} "
+             "", f"Per step: wall {s['wall_ms_per_step']:.3f} ms (host waiting for the GPU "
+             f"{s['resolve_wait_ms_per_step']:.3f}), {s['time']} "
              f"{s['kernel_ms_per_step']:.3f} ms{busy}, collectives "
              f"{s['collective_ms_per_step']:.3f} ms, {s['launches_per_step']:.0f} launches", "",
              "| name | count/step | us/step | mean us | % of step |", "|---|---:|---:|---:|---:|"]

@@ -60,16 +60,15 @@ def run_worker(rank: int, size: int, store_port: int | None, args, local_rank: i
         # received and launched before step N's result is waited for, so this
         # rank's host work hides behind its GPU work (else every step costs host +
         # GPU time here, and rank 0 waits for it in the next collective).
-        pending, profiler = None, None
+        pending, profiler = None, RankProfiler(rank, device)
         while True:
             sched = comm.broadcast_object(None, tp.cpu_group)
             if sched is None:
                 break
             if isinstance(sched, ProfileCommand):   # rank 0 opens or closes a window
                 if pending is not None:
-                    runner.resolve(pending)
+                    profiler.resolve(runner, pending)
                     pending = None
-                profiler = profiler or RankProfiler(rank, device)
                 if sched.op == "start":
                     profiler.start(sched)
                 else:
@@ -78,7 +77,7 @@ def run_worker(rank: int, size: int, store_port: int | None, args, local_rank: i
                 continue
             handle = runner.execute(sched)
             if pending is not None:
-                runner.resolve(pending)
+                profiler.resolve(runner, pending)
             pending = handle
         if pending is not None:
             runner.resolve(pending)
