@@ -17,8 +17,8 @@ Sums: this rank adds its own fp32 value and the peer's as received; -0.0 sent
 as +0.0 changes no sum but -0.0 + -0.0 (+0.0 here); both ranks still get the
 same bits (a + b' = b + a'). The norm is kernels/rms_norm.py's, as in the flag
 version. A poll gives up after SPIN_LIMIT tries (a dead peer: garbage, no hang).
-On Hopper it is launched early (programmatic dependent launch) and reads the
-call count before `gdc_wait`.
+On Hopper it is launched early (programmatic dependent launch) and reads
+nothing before `gdc_wait`.
 """
 from __future__ import annotations
 
@@ -42,10 +42,12 @@ def _lamport_kernel(X, Res, W, Out, ResOut, Inbox, PeerInbox, Count, eps,
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
-    k = tl.load(Count + row)   # this row index's calls so far (only this program writes it)
-    at = ((k % 3) * max_rows + row).to(tl.int64) * BLOCK + cols
-    if PDL:   # launched early (during the GEMM before): wait for it before reading data
+    if PDL:   # launched early (as the kernel before ends): wait for it before reading data
         gdc_wait()
+    # This row index's calls so far (only this program writes it; read after the wait:
+    # two of these kernels back to back, the count must be the earlier one's).
+    k = tl.load(Count + row)
+    at = ((k % 3) * max_rows + row).to(tl.int64) * BLOCK + cols
     mine = tl.load(X + row.to(tl.int64) * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     bits = mine.to(tl.int32, bitcast=True)
     tl.store(PeerInbox + at, tl.where(bits == EMPTY_BITS, 0, bits), mask=mask)
