@@ -26,9 +26,9 @@ residual)` (kernels.reference.all_reduce_rms_norm is the twin). The flags are
 per row and come in consumed pairs, so consecutive calls (and CUDA graph
 replays) need no epoch counter. A spin gives up after SPIN_LIMIT tries (seconds:
 a peer that died) and leaves its row unreduced rather than hang the GPU.
-On Hopper the kernel is launched early (programmatic dependent launch): it
-takes its "free" flag while the GEMM before it runs, and reads nothing the
-earlier kernels write before `gdc_wait`.
+On Hopper the kernel is launched early (programmatic dependent launch: as the
+GEMM before it ends, its launch latency hidden): it takes its "free" flag
+first, and reads nothing the earlier kernels write before `gdc_wait`.
 """
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ def _all_reduce_norm_kernel(X, Res, W, Out, ResOut, Inbox, PeerInbox, Flags, Pee
     mask = cols < N
     # Flags: [ready x max_rows | free x max_rows] int32, this rank's and the peer's.
     _take_flag(Flags + max_rows + row, SPIN, "acquire")    # the peer read my last push
-    if PDL:   # launched early (during the GEMM before): wait for it before reading data
+    if PDL:   # launched early (as the GEMM before ends): wait for it before reading data
         gdc_wait()
     mine = tl.load(X + row.to(tl.int64) * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(PeerInbox + row.to(tl.int64) * BLOCK + cols, mine, mask=mask)
