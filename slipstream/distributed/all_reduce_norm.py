@@ -20,9 +20,9 @@ Two protocols: "lamport" (the data is its own signal: one one-way NVLink trip)
 and "flags" (ready / free flags, release / acquire). Measured on the H200 pair
 (flags, hidden 4096, in a CUDA graph): 6.9 us against 11.6 us for NCCL + cast +
 norm; 8B batch-1 decode at TP=2 3.18 ms a step against 3.55 ms.
-Off unless `SLIPSTREAM_FUSED_ALL_REDUCE_NORM=1` (lamport, else flags) or
-`=flags`, until the default is decided on the H200 pair (`=reference`: the
-plain-PyTorch twin, on any device).
+On by default where it applies, with the measured flags protocol;
+`SLIPSTREAM_FUSED_ALL_REDUCE_NORM=lamport` tries the other first, `=0` keeps
+NCCL, `=reference` runs the plain-PyTorch twin on any device.
 """
 from __future__ import annotations
 
@@ -127,17 +127,18 @@ def build(group, device: torch.device, hidden: int, dtype: torch.dtype
           ) -> AllReduceNorm | ReferenceAllReduceNorm | None:
     """A checked AllReduceNorm for `group` (collective: every rank calls it), or
     None where it is off, not for this group or device, unavailable, or wrong.
-    SLIPSTREAM_FUSED_ALL_REDUCE_NORM: "1" or "lamport" (the flags protocol if that
-    fails its check), "flags", "reference" (the twin, any device)."""
-    mode = os.environ.get(ENV, "")
+    SLIPSTREAM_FUSED_ALL_REDUCE_NORM: unset, "1" or "flags" (the default), "lamport"
+    (the flags protocol if that fails its check), "0" (NCCL), "reference" (the
+    twin, any device)."""
+    mode = os.environ.get(ENV, "flags")
+    if mode not in ("0", "1", "reference") + PROTOCOLS:
+        raise ValueError(f"{ENV} must be 0, 1, flags, lamport or reference, got {mode!r}")
     if mode == "reference":
         return ReferenceAllReduceNorm(group)
-    if mode in ("", "0") or device.type != "cuda" or dist.get_world_size(group) != 2 \
+    if mode == "0" or device.type != "cuda" or dist.get_world_size(group) != 2 \
             or dtype not in (torch.bfloat16, torch.float16):
         return None
-    if mode not in ("1",) + PROTOCOLS:
-        raise ValueError(f"{ENV} must be 0, 1, lamport, flags or reference, got {mode!r}")
-    for protocol in ("lamport", "flags") if mode in ("1", "lamport") else (mode,):
+    for protocol in ("lamport", "flags") if mode == "lamport" else ("flags",):
         op = _build(group, device, hidden, dtype, protocol)
         if op is not None:
             log.info("row-parallel sums + residual add + RMSNorm fused (%s, up to %d rows)",

@@ -145,3 +145,16 @@ def test_kernel_compiles_for_sm90(protocol):
         assert "atom.global.sys.release.exch.b32" in ptx or "atom.global.release.sys.exch.b32" in ptx
     else:
         assert "ld.volatile.global" in ptx and "atom" not in ptx
+
+
+def test_build_options(monkeypatch):
+    """On by default, but only for two CUDA ranks: nothing to build on the CPU; a bad
+    value is refused by name."""
+    from slipstream.distributed import all_reduce_norm
+    monkeypatch.delenv(all_reduce_norm.ENV, raising=False)
+    assert all_reduce_norm.build(object(), torch.device("cpu"), 64, torch.float32) is None
+    monkeypatch.setenv(all_reduce_norm.ENV, "0")
+    assert all_reduce_norm.build(object(), torch.device("cuda", 0), 64, torch.bfloat16) is None
+    monkeypatch.setenv(all_reduce_norm.ENV, "yes")
+    with pytest.raises(ValueError, match="SLIPSTREAM_FUSED_ALL_REDUCE_NORM"):
+        all_reduce_norm.build(object(), torch.device("cpu"), 64, torch.float32)
