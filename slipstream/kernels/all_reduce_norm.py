@@ -24,8 +24,8 @@ Both ranks add the same two fp32 numbers, so both hold the same residual stream,
 bit for bit, and the result equals `all_reduce(partial)` + `rms_norm(s, w, eps,
 residual)` (kernels.reference.all_reduce_rms_norm is the twin). The flags are
 per row and come in consumed pairs, so consecutive calls (and CUDA graph
-replays) need no epoch counter. A spin gives up after SPIN_LIMIT tries (seconds:
-a peer that died) and leaves its row unreduced rather than hang the GPU.
+replays) need no epoch counter. A wait gives up after SPIN_LIMIT_NS (30 s by the GPU's
+clock: a peer that died) and leaves its row unreduced rather than hang the GPU.
 On Hopper the kernel is launched early (programmatic dependent launch: as the
 GEMM before it ends, its launch latency hidden): it takes its "free" flag
 first, and reads nothing the earlier kernels write before `gdc_wait`.
@@ -38,19 +38,42 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
 from slipstream.kernels.attention_tile import next_pow2
-from slipstream.kernels.runtime import pdl_supported
+from slipstream.kernels.runtime import interpreting, pdl_supported
 
-SPIN_LIMIT = 1 << 24
+SPIN_LIMIT_NS = 30 * 10**9   # compiled: a wait gives up after 30 s (NCCL's own limit is 120 s)
+SPIN_LIMIT = 1 << 24         # interpreted: after this many tries
 
 
 @triton.jit
-def _take_flag(F, SPIN: tl.constexpr, SEM: tl.constexpr):
+def clock_ns(TIMED: tl.constexpr):
+    """The GPU's global timer (ns) where TIMED, else 0 (the interpreter runs no PTX)."""
+    if TIMED:
+        t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
+                                      is_pure=False, pack=1)
+    else:
+        t = tl.full((), 0, tl.int64)
+    return t
+
+
+@triton.jit
+def waited(start, spent, TIMED: tl.constexpr):
+    """How long a wait begun at `start` has lasted: ns where TIMED, else tries."""
+    if TIMED:
+        spent = clock_ns(TIMED) - start
+    else:
+        spent = spent + 1
+    return spent
+
+
+@triton.jit
+def _take_flag(F, SPIN: tl.constexpr, SEM: tl.constexpr, TIMED: tl.constexpr):
     """Wait until the flag at F is 1 and set it back to 0."""
     v = tl.atomic_cas(F, 1, 0, sem=SEM, scope="sys")
-    n = 0
-    while (v != 1) & (n < SPIN):
+    start = clock_ns(TIMED)
+    spent = start - start
+    while (v != 1) & (spent < SPIN):
         v = tl.atomic_cas(F, 1, 0, sem=SEM, scope="sys")
-        n += 1
+        spent = waited(start, spent, TIMED)
 
 
 @triton.jit
@@ -64,19 +87,19 @@ def _give_flag(F):
 def _all_reduce_norm_kernel(X, Res, W, Out, ResOut, Inbox, PeerInbox, Flags, PeerFlags, eps,
                             stride_x, stride_r, stride_o, stride_ro, max_rows,
                             N: tl.constexpr, BLOCK: tl.constexpr, SPIN: tl.constexpr,
-                            PDL: tl.constexpr):
+                            PDL: tl.constexpr, TIMED: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
     # Flags: [ready x max_rows | free x max_rows] int32, this rank's and the peer's.
-    _take_flag(Flags + max_rows + row, SPIN, "acquire")    # the peer read my last push
+    _take_flag(Flags + max_rows + row, SPIN, "acquire", TIMED)    # the peer read my last push
     if PDL:   # launched early (as the GEMM before ends): wait for it before reading data
         gdc_wait()
     mine = tl.load(X + row.to(tl.int64) * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(PeerInbox + row.to(tl.int64) * BLOCK + cols, mine, mask=mask)
     tl.debug_barrier()                                     # every thread's stores issued
     _give_flag(PeerFlags + row)                            # release: my row is there
-    _take_flag(Flags + row, SPIN, "acquire")               # the peer's row is in my inbox
+    _take_flag(Flags + row, SPIN, "acquire", TIMED)               # the peer's row is in my inbox
     tl.debug_barrier()
     theirs = tl.load(Inbox + row.to(tl.int64) * BLOCK + cols, mask=mask, other=0.0,
                      volatile=True)
@@ -103,6 +126,13 @@ def add_norm_store(mine, theirs, Res, W, Out, ResOut, eps, row, cols, mask,
              mask=mask)
 
 
+def spin_args(x: torch.Tensor, spin_limit: int | None) -> tuple[bool, int]:
+    """(TIMED, SPIN): waits timed in ns by the GPU's clock where compiled, else
+    counted in tries; spin_limit overrides the default in its unit."""
+    timed = x.is_cuda and not interpreting()
+    return timed, spin_limit or (SPIN_LIMIT_NS if timed else SPIN_LIMIT)
+
+
 def inbox_width(hidden: int) -> int:
     """Row length of an inbox for rows of `hidden` features."""
     return next_pow2(hidden)
@@ -111,7 +141,7 @@ def inbox_width(hidden: int) -> int:
 def all_reduce_rms_norm(partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                         eps: float, inbox: torch.Tensor, peer_inbox: torch.Tensor,
                         flags: torch.Tensor, peer_flags: torch.Tensor,
-                        spin_limit: int = SPIN_LIMIT) -> tuple[torch.Tensor, torch.Tensor]:
+                        spin_limit: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """partial: [num_tokens, hidden] (fp32 or the model dtype), this rank's share;
     residual: [num_tokens, hidden] in the model dtype; weight: [hidden].
     inbox / peer_inbox: [max_rows, inbox_width(hidden)] fp32, this rank's and the
@@ -128,10 +158,11 @@ def all_reduce_rms_norm(partial: torch.Tensor, residual: torch.Tensor, weight: t
     out = torch.empty_like(residual)
     res_out = torch.empty_like(residual)
     pdl = pdl_supported(partial)
+    timed, spin = spin_args(partial, spin_limit)
     if num_tokens > 0:
         _all_reduce_norm_kernel[(num_tokens,)](
             partial, residual, weight, out, res_out, inbox, peer_inbox, flags, peer_flags, eps,
             partial.stride(0), residual.stride(0), out.stride(0), res_out.stride(0), max_rows,
-            N=hidden, BLOCK=width, SPIN=spin_limit, PDL=pdl, launch_pdl=pdl,
+            N=hidden, BLOCK=width, SPIN=spin, PDL=pdl, TIMED=timed, launch_pdl=pdl,
             num_warps=max(1, min(16, width // 256)))
     return out, res_out

@@ -16,7 +16,7 @@ emptied at call k-1.
 Sums: this rank adds its own fp32 value and the peer's as received; -0.0 sent
 as +0.0 changes no sum but -0.0 + -0.0 (+0.0 here); both ranks still get the
 same bits (a + b' = b + a'). The norm is kernels/rms_norm.py's, as in the flag
-version. A poll gives up after SPIN_LIMIT tries (a dead peer: garbage, no hang).
+version. A poll gives up after 30 s (a dead peer: garbage, no hang).
 On Hopper it is launched early (programmatic dependent launch) and reads
 nothing before `gdc_wait`.
 """
@@ -27,7 +27,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
-from slipstream.kernels.all_reduce_norm import SPIN_LIMIT, add_norm_store, inbox_width
+from slipstream.kernels.all_reduce_norm import (add_norm_store, clock_ns, inbox_width, spin_args,
+                                                waited)
 from slipstream.kernels.runtime import pdl_supported
 
 EMPTY = -(1 << 31)   # int32 bits of -0.0
@@ -38,7 +39,7 @@ SLOTS = 3
 def _lamport_kernel(X, Res, W, Out, ResOut, Inbox, PeerInbox, Count, eps,
                     stride_x, stride_r, stride_o, stride_ro, max_rows,
                     N: tl.constexpr, BLOCK: tl.constexpr, SPIN: tl.constexpr,
-                    PDL: tl.constexpr, EMPTY_BITS: tl.constexpr):
+                    PDL: tl.constexpr, EMPTY_BITS: tl.constexpr, TIMED: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
@@ -52,10 +53,11 @@ def _lamport_kernel(X, Res, W, Out, ResOut, Inbox, PeerInbox, Count, eps,
     bits = mine.to(tl.int32, bitcast=True)
     tl.store(PeerInbox + at, tl.where(bits == EMPTY_BITS, 0, bits), mask=mask)
     got = tl.load(Inbox + at, mask=mask, other=0, volatile=True)
-    n = 0
-    while (tl.max((got == EMPTY_BITS).to(tl.int32), axis=0) > 0) & (n < SPIN):
+    start = clock_ns(TIMED)
+    spent = start - start
+    while (tl.max((got == EMPTY_BITS).to(tl.int32), axis=0) > 0) & (spent < SPIN):
         got = tl.load(Inbox + at, mask=mask, other=0, volatile=True)
-        n += 1
+        spent = waited(start, spent, TIMED)
     tl.debug_barrier()
     tl.store(Inbox + at, tl.full([BLOCK], EMPTY_BITS, tl.int32), mask=mask)   # for call k + 3
     tl.store(Count + row, k + 1)
@@ -73,7 +75,7 @@ def new_inbox(max_rows: int, hidden: int, device, alloc=torch.empty) -> torch.Te
 def all_reduce_rms_norm_lamport(partial: torch.Tensor, residual: torch.Tensor,
                                 weight: torch.Tensor, eps: float, inbox: torch.Tensor,
                                 peer_inbox: torch.Tensor, count: torch.Tensor,
-                                spin_limit: int = SPIN_LIMIT) -> tuple[torch.Tensor, torch.Tensor]:
+                                spin_limit: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """As all_reduce_norm.all_reduce_rms_norm; inbox / peer_inbox: new_inbox()'s, this
     rank's and the peer's (mapped); count: [max_rows] int32 zeros, this rank's."""
     num_tokens, hidden = partial.shape
@@ -87,11 +89,13 @@ def all_reduce_rms_norm_lamport(partial: torch.Tensor, residual: torch.Tensor,
     out = torch.empty_like(residual)
     res_out = torch.empty_like(residual)
     pdl = pdl_supported(partial)
+    timed, spin = spin_args(partial, spin_limit)
     if num_tokens > 0:
         width = inbox.shape[1]
         _lamport_kernel[(num_tokens,)](
             partial, residual, weight, out, res_out, inbox, peer_inbox, count, eps,
             partial.stride(0), residual.stride(0), out.stride(0), res_out.stride(0), max_rows,
-            N=hidden, BLOCK=width, SPIN=spin_limit, PDL=pdl, EMPTY_BITS=EMPTY, launch_pdl=pdl,
+            N=hidden, BLOCK=width, SPIN=spin, PDL=pdl, EMPTY_BITS=EMPTY, TIMED=timed,
+            launch_pdl=pdl,
             num_warps=max(1, min(16, width // 256)))
     return out, res_out

@@ -114,10 +114,10 @@ args = dict(X=f32, Res=bf16, W=bf16, Out=bf16, ResOut=bf16, eps=1e-5, stride_x=4
             stride_r=4096, stride_o=4096, stride_ro=4096, max_rows=64)
 if sys.argv[1] == "flags":
     k, args = _all_reduce_norm_kernel, dict(args, Inbox=f32, PeerInbox=f32, Flags=i32, PeerFlags=i32)
-    const = dict(N=4096, BLOCK=4096, SPIN=1 << 24, PDL=True)
+    const = dict(N=4096, BLOCK=4096, SPIN=30 * 10**9, PDL=True, TIMED=True)
 else:
     k, args = _lamport_kernel, dict(args, Inbox=i32, PeerInbox=i32, Count=i32)
-    const = dict(N=4096, BLOCK=4096, SPIN=1 << 24, PDL=True, EMPTY_BITS=EMPTY)
+    const = dict(N=4096, BLOCK=4096, SPIN=30 * 10**9, PDL=True, EMPTY_BITS=EMPTY, TIMED=True)
 sig = {n: "constexpr" if n in const else mangle_type(args[n]) for n in k.arg_names}
 c = triton.compile(ASTSource(k, sig, const), target=GPUTarget("cuda", 90, 32),
                    options=dict(num_warps=16))
@@ -139,7 +139,7 @@ def test_kernel_compiles_for_sm90(protocol):
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     ptx = run.stdout
-    assert "griddepcontrol.wait" in ptx
+    assert "griddepcontrol.wait" in ptx and "%globaltimer" in ptx
     if protocol == "flags":
         assert "atom.global.acquire.sys.cas.b32" in ptx
         assert "atom.global.sys.release.exch.b32" in ptx or "atom.global.release.sys.exch.b32" in ptx
