@@ -49,7 +49,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -58,13 +57,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from benchmarks.stages import StageRunner  # noqa: E402
+from benchmarks.tp.collectives import stage_allreduce  # noqa: E402
+from benchmarks.tp.report import compare, markdown, pack_profiles  # noqa: E402
 STAGES = ("allreduce", "8b-tp1", "8b-tp2", "70b-tp2", "8b-tp2-symm", "8b-tp1-fp32", "8b-tp2-fp32",
           "8b-tp2-fused", "70b-tp2-fused", "8b-tp2-fused-flags",
           "8b-tp1-prof", "8b-tp2-prof", "8b-tp2-symm-prof", "8b-tp2-fused-prof",
           "8b-tp2-fused-flags-prof")
-# Collectives of one decode step on the critical path (analysis/tensor_parallel.py):
-# 2 all-reduces per layer + the embedding's.
-ALL_REDUCES = {"8b": (2 * 32 + 1, "8KiB"), "70b": (2 * 80 + 1, "16KiB")}
 MODELS = {"8b": "llama-3-8b", "70b": "llama-2-70b"}
 PROMPTS = [[(31 * i + 7 * j) % 1000 + 1 for j in range(24 + 8 * i)] for i in range(4)]
 
@@ -77,136 +75,6 @@ def _tiny_model() -> str:
         intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         max_position_embeddings=512, rms_norm_eps=1e-5, rope_theta=10000.0)))
     return str(folder)
-
-
-# ---- all-reduce -------------------------------------------------------------
-
-def _graph_us(call, calls: int = 20) -> float:
-    """Median microseconds per call of `calls` calls captured in one CUDA graph
-    (warmed up on a side stream first), over 20 replays."""
-    import torch
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            call()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            call()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(20):
-        t0 = time.perf_counter()
-        g.replay()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) / calls)
-    return statistics.median(times) * 1e6
-
-
-def _allreduce_rank(rank: int, port: int, smoke: bool, queue) -> None:
-    import torch
-    import torch.distributed as dist
-    device = torch.device("cpu") if smoke else torch.device("cuda", rank)
-    if not smoke:
-        torch.cuda.set_device(device)
-    dist.init_process_group("gloo" if smoke else "nccl", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=rank, world_size=2)
-    dtype = torch.float32 if smoke else torch.bfloat16
-    results, ar = {}, None
-    for label, nbytes in (("8KiB", 8 << 10), ("16KiB", 16 << 10), ("64MiB", 64 << 20)):
-        x = torch.ones(nbytes // torch.empty((), dtype=dtype).element_size(), dtype=dtype,
-                       device=device)
-        reps = 20 if smoke or nbytes > 1 << 20 else 200
-        for _ in range(10):
-            dist.all_reduce(x)
-        times = []
-        for _ in range(reps):
-            if not smoke:
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            dist.all_reduce(x)
-            if not smoke:
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
-        row = {"bytes": nbytes, "eager_us": statistics.median(times) * 1e6}
-        if not smoke:   # 20 all-reduces captured in one graph, replayed
-            row["graph_us"] = _graph_us(lambda: dist.all_reduce(x))
-            if nbytes <= 1 << 20 and os.environ.get("SLIPSTREAM_SYMM_ALL_REDUCE") == "1":
-                # the one-shot all-reduce the engine can use for these (opt-in)
-                try:
-                    if ar is None:   # one buffer (1 MiB) serves every small size
-                        from slipstream.distributed.symm_all_reduce import SymmAllReduce
-                        ar = SymmAllReduce(dist.group.WORLD, device, dtype)
-                    y = torch.ones_like(x)
-                    ar(y)
-                    torch.cuda.synchronize()
-                    row["symm_correct"] = bool((y == 2).all())
-                    row["symm_graph_us"] = _graph_us(lambda: ar(y))
-                except Exception as exc:
-                    row["symm_error"] = repr(exc)[:300]
-        row["bus_GBps_eager"] = nbytes / (row["eager_us"] * 1e-6) / 1e9   # 2(N-1)/N = 1 at N=2
-        results[label] = row
-    if not smoke:
-        results["norm"] = _fused_norm_us(device)
-    if rank == 0:
-        queue.put(results)
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-def _fused_norm_us(device) -> dict:
-    """What a decode row's sum costs the layer: NCCL all-reduce of the fp32 partial +
-    cast + residual add + RMSNorm (three kernels), against the fused kernel
-    (distributed/all_reduce_norm.py), both in CUDA graphs; hidden 4096 and 8192."""
-    import torch
-    import torch.distributed as dist
-    from slipstream.distributed.all_reduce_norm import AllReduceNorm
-    from slipstream.kernels.rms_norm import rms_norm
-    out = {}
-    for hidden in (4096, 8192):
-        row = {}
-        partial = torch.randn(1, hidden, device=device)
-        residual = torch.randn(1, hidden, device=device).to(torch.bfloat16)
-        weight = torch.ones(hidden, device=device, dtype=torch.bfloat16)
-
-        def plain():
-            y = partial.clone()
-            dist.all_reduce(y)
-            return rms_norm(y.to(torch.bfloat16), weight, 1e-5, residual)
-        row["nccl_cast_norm_us"] = _graph_us(plain)
-        for protocol in ("lamport", "flags"):
-            key = "fused" if protocol == "lamport" else "fused_flags"
-            try:
-                op = AllReduceNorm(dist.group.WORLD, device, hidden, protocol=protocol)
-                got, want = op(partial, residual, weight, 1e-5), plain()
-                torch.cuda.synchronize()
-                row[f"{key}_correct"] = bool(torch.equal(got[0], want[0])
-                                             and torch.equal(got[1], want[1]))
-                row[f"{key}_us"] = _graph_us(lambda: op(partial, residual, weight, 1e-5))
-            except Exception as exc:
-                row[f"{key}_error"] = repr(exc)[:300]
-        out[f"hidden{hidden}"] = row
-    return out
-
-
-def stage_allreduce(smoke: bool) -> dict:
-    import torch.multiprocessing as mp
-    from slipstream.distributed.parallel import host_store
-    store = host_store(1)   # only to find a free port the ranks then meet at
-    port = store.port
-    del store
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_allreduce_rank, args=(r, port, smoke, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    result = queue.get(timeout=240)
-    for p in procs:
-        p.join(timeout=60)
-    return result
 
 
 # ---- engine -----------------------------------------------------------------
@@ -372,113 +240,6 @@ TOTAL_LIMIT_S = 540
 _STAGES = StageRunner(__file__, STAGE_LIMIT_S, TOTAL_LIMIT_S)
 
 
-def _compare(a: dict, b: dict) -> dict:
-    same = [x == y for x, y in zip(a["tokens"], b["tokens"])]
-    first_diff = []
-    for x, y in zip(a["tokens"], b["tokens"]):
-        first_diff.append(next((i for i, (s, t) in enumerate(zip(x, y)) if s != t), None))
-    dl = [abs(p - q) for la, lb, x, y in zip(a["logprobs"], b["logprobs"], a["tokens"], b["tokens"])
-          for p, q, s, t in zip(la, lb, x, y) if s == t]
-    return {"prompts_identical": sum(same), "prompts": len(same), "first_difference": first_diff,
-            "max_logprob_diff_on_equal_tokens": max(dl) if dl else None}
-
-
-def _markdown(res: dict) -> str:
-    lines = ["# Tensor parallelism on " + ("the CPU (smoke: times mean nothing)" if res["smoke"]
-                                           else "2x H200 (NCCL)"), ""]
-    ar = res["stages"].get("allreduce", {})
-    if "error" not in ar:
-        lines += ["| all-reduce | NCCL eager us | NCCL graph us | one-shot symm graph us | bus GB/s (eager) |",
-                  "|---|---|---|---|---|"]
-        for k, r in ar.items():
-            if isinstance(r, dict) and "eager_us" in r:
-                lines.append(f"| {k} | {r['eager_us']:.1f} | {r.get('graph_us', float('nan')):.1f} "
-                             f"| {r.get('symm_graph_us', float('nan')):.1f} | {r['bus_GBps_eager']:.1f} |")
-        for k, r in ar.get("norm", {}).items():
-            lines.append(f"Decode row sum + residual add + RMSNorm, {k}: NCCL + norm kernel "
-                         f"{r['nccl_cast_norm_us']:.1f} us, fused lamport "
-                         f"{r.get('fused_us', float('nan')):.1f} us (equal: {r.get('fused_correct')}"
-                         f"{', ' + r['fused_error'] if 'fused_error' in r else ''}), fused flags "
-                         f"{r.get('fused_flags_us', float('nan')):.1f} us (equal: "
-                         f"{r.get('fused_flags_correct')}"
-                         f"{', ' + r['fused_flags_error'] if 'fused_flags_error' in r else ''})")
-        lines.append("")
-    lines += ["| stage | decode step ms | tok/s | weights/GPU GB | copy GB/s | share of copy bw "
-              "| rank 0 host waits ms/step |", "|---|---|---|---|---|---|---|"]
-    for name in STAGES[1:]:
-        r = res["stages"].get(name, {})
-        if not r:
-            continue   # not run (--stages)
-        if "error" in r:
-            lines.append(f"| {name} | failed | | | | | |")
-            continue
-        if "decode_step_ms" not in r:
-            continue   # a correctness-only stage
-        lines.append(f"| {name} | {r['decode_step_ms']:.3f} | {r['tokens_per_s']:.1f} | "
-                     f"{r['weight_bytes_per_gpu'] / 1e9:.2f} | {r['copy_bandwidth_GBps']:.0f} | "
-                     f"{r['share_of_copy_bandwidth'] * 100:.1f}% | "
-                     f"{r.get('host_wait_ms_per_step', float('nan')):.3f} |")
-    for name, r in res["stages"].items():
-        if name.endswith("-prof") and "error" not in r:
-            p = r["rank0"]
-            lines.append(f"\n{name}: {r['decode_step_ms_unprofiled']:.3f} ms a step unprofiled; "
-                         f"rank 0 profiled: wall {p['wall_ms_per_step']:.3f} ms (host waits "
-                         f"{p['resolve_wait_ms_per_step']:.3f}), kernels "
-                         f"{p['kernel_ms_per_step']:.3f} ms, busy {p['busy_ms_per_step']} ms, "
-                         f"collectives {p['collective_ms_per_step']:.3f} ms (every rank's "
-                         f"tables: {name}_rank*_kernels.md in profiles.tar.gz)")
-    c = res.get("correctness_8b")
-    if c:
-        lines += ["", f"TP=2 vs TP=1 greedy tokens (8B shape, 4 prompts x 32 tokens): "
-                      f"{c['prompts_identical']}/{c['prompts']} identical; first differences "
-                      f"{c['first_difference']}; max |logprob diff| on equal tokens "
-                      f"{c['max_logprob_diff_on_equal_tokens']}"]
-    c = res.get("correctness_8b_fp32")
-    if c:
-        lines += [f"The same in float32 weights and activations: {c['prompts_identical']}/"
-                  f"{c['prompts']} identical; first differences {c['first_difference']}; max "
-                  f"|logprob diff| on equal tokens {c['max_logprob_diff_on_equal_tokens']}"]
-    s = res.get("speedup_8b_tp2")
-    if s:
-        lines.append(f"8B batch-1 decode, TP=2 over TP=1: {s:.2f}x (target 1.6x)")
-    for name, c in res.get("fused_vs_nccl", {}).items():
-        lines.append(f"{name} (sums fused into the norms) vs 8b-tp2 (NCCL): "
-                     f"{c['prompts_identical']}/{c['prompts']} prompts with identical tokens "
-                     f"(expected: all), first differences {c['first_difference']}; step "
-                     f"{c['speedup']:.3f}x the speed of NCCL + the norm kernel"
-                     + (f"; over TP=1: {c['over_tp1']:.2f}x (target 1.6x)" if c["over_tp1"] else ""))
-    if res.get("fused_speedup_70b_tp2"):
-        lines.append(f"70B-class TP=2 with sums fused into the norms: step "
-                     f"{res['fused_speedup_70b_tp2']:.3f}x the speed with NCCL")
-    s = res.get("speedup_8b_tp2_symm")
-    if s:
-        lines.append(f"8B batch-1 decode, TP=2 with the one-shot symmetric-memory all-reduce, "
-                     f"over TP=1: {s:.2f}x")
-    for size, (calls, label) in ALL_REDUCES.items():
-        r = ar.get(label) if "error" not in ar else None
-        if r:
-            t = r.get("graph_us", r["eager_us"])
-            lines.append(f"{size} decode step: {calls} all-reduces of [1, hidden] bf16 x {t:.1f} us "
-                         f"= {calls * t / 1e3:.3f} ms per step "
-                         f"({'CUDA graph' if 'graph_us' in r else 'eager'} timing above)")
-    return "\n".join(lines) + "\n"
-
-
-def _pack_profiles(out: Path) -> None:
-    """Every rank's profile files in one archive, profiles.tar.gz (a run's results
-    come back from the GPU machine as a limited number of files)."""
-    import tarfile
-    files = sorted(p for p in out.iterdir() if p.name.endswith(("_kernels.json", "_kernels.md",
-                                                                 "_trace.json")))
-    if not files:
-        return
-    with tarfile.open(out / "profiles.tar.gz", "w:gz") as tar:
-        for p in files:
-            tar.add(p, arcname=p.name)
-    for p in files:
-        p.unlink()
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
@@ -511,16 +272,16 @@ def main() -> None:
         (out / "results.json").write_text(json.dumps(res, indent=2) + "\n")
     a, b = res["stages"].get("8b-tp1", {}), res["stages"].get("8b-tp2", {})
     if a and b and "error" not in a and "error" not in b:
-        res["correctness_8b"] = _compare(a, b)
+        res["correctness_8b"] = compare(a, b)
         res["speedup_8b_tp2"] = a["decode_step_ms"] / b["decode_step_ms"]
     f1, f2 = res["stages"].get("8b-tp1-fp32", {}), res["stages"].get("8b-tp2-fp32", {})
     if f1 and f2 and "error" not in f1 and "error" not in f2:
-        res["correctness_8b_fp32"] = _compare(f1, f2)
+        res["correctness_8b_fp32"] = compare(f1, f2)
     for name in ("8b-tp2-fused", "8b-tp2-fused-flags"):
         c = res["stages"].get(name, {})
         if b and "error" not in b and c and "error" not in c:
             # the same sums and roundings as NCCL + the norm kernel: the same tokens expected
-            res.setdefault("fused_vs_nccl", {})[name] = _compare(b, c) | {
+            res.setdefault("fused_vs_nccl", {})[name] = compare(b, c) | {
                 "speedup": b["decode_step_ms"] / c["decode_step_ms"],
                 "over_tp1": a["decode_step_ms"] / c["decode_step_ms"]
                 if a and "error" not in a else None}
@@ -531,9 +292,9 @@ def main() -> None:
     if a and "error" not in a and c and "error" not in c:
         res["speedup_8b_tp2_symm"] = a["decode_step_ms"] / c["decode_step_ms"]
     (out / "results.json").write_text(json.dumps(res, indent=2) + "\n")
-    (out / "results.md").write_text(_markdown(res))
-    _pack_profiles(out)
-    print(_markdown(res))
+    (out / "results.md").write_text(markdown(res, STAGES))
+    pack_profiles(out)
+    print(markdown(res, STAGES))
 
 
 if __name__ == "__main__":
