@@ -190,9 +190,8 @@ class ColumnParallelLinear(LinearBase):
 
 @dataclass(frozen=True)
 class PartialSum:
-    """A row-parallel layer's output before the sum over ranks: this rank's
-    partial [num_tokens, output_size] (fp32 or the model dtype). Only an RMSNorm
-    with a fused all-reduce (`RMSNorm.reduce`) takes it."""
+    """A row-parallel output before the sum over ranks: this rank's [num_tokens,
+    output_size] (fp32 or the model dtype), for an RMSNorm with `reduce` set."""
     partial: torch.Tensor
 
 
@@ -219,11 +218,9 @@ class RowParallelLinear(LinearBase):
         return y.to(x.dtype) if fp32 else y
 
     def _partial(self, x: torch.Tensor, fp32: bool) -> torch.Tensor:
-        """This rank's share of the output (the bias only on rank 0, by the loader).
-        fp32: partial sums leave the GEMM in fp32 and are rounded once after the
-        sum, as one GPU rounds its fp32 accumulator once: TP=2 then differs from
-        TP=1 only by the order of fp32 additions, not by an extra bf16 rounding per
-        layer."""
+        """This rank's share (bias on rank 0 only). fp32: partials leave the GEMM in
+        fp32, rounded once after the sum as one GPU rounds its accumulator: TP=2
+        then differs from TP=1 only in the order of fp32 additions."""
         if fp32:
             try:
                 y = torch.mm(x, self.weight.t(), out_dtype=torch.float32)
