@@ -21,8 +21,8 @@ Stages, each in its own process (a fresh GPU memory pool and process group):
               one-shot kernel (SLIPSTREAM_SYMM_ALL_REDUCE=1)
   8b-tp2-fused, 70b-tp2-fused, 8b-tp2-fused-flags
               TP=2 with each row-parallel sum fused into the next RMSNorm
-              (SLIPSTREAM_FUSED_ALL_REDUCE_NORM=lamport, or =flags, the engine's
-              default; every other stage sets =0, NCCL): same tokens as 8b-tp2 expected
+              (SLIPSTREAM_FUSED_ALL_REDUCE_NORM=lamport, the engine's default, or
+              =flags; every other stage sets =0, NCCL): same tokens as 8b-tp2 expected
   70b-tp2     a 70B-class shape (llama-2-70b: 80 layers, hidden 8192, GQA 64/8), TP=2
   8b-tp1-fp32, 8b-tp2-fp32
               greedy tokens only, in float32: the TP=2 == TP=1 check without bf16's
@@ -93,7 +93,7 @@ def stage_engine(name: str, smoke: bool) -> dict:
     fp32 = "fp32" in flags   # the correctness check without bf16 rounding
     if "symm" in flags:
         os.environ["SLIPSTREAM_SYMM_ALL_REDUCE"] = "1"
-    # Row-parallel sums fused into the next RMSNorm (the engine's default, flags) only
+    # Row-parallel sums fused into the next RMSNorm (the engine's default, lamport) only
     # in the -fused stages: the others measure NCCL + the norm kernel.
     os.environ["SLIPSTREAM_FUSED_ALL_REDUCE_NORM"] = "0" if "fused" not in flags else (
         "reference" if smoke else "flags" if "flags" in flags else "lamport")

@@ -18,11 +18,12 @@ bit); anything else keeps NCCL. Rows beyond `max_rows` (prefill) use NCCL.
 
 Two protocols: "lamport" (the data is its own signal: one one-way NVLink trip)
 and "flags" (ready / free flags, release / acquire). Measured on the H200 pair
-(flags, hidden 4096, in a CUDA graph): 6.9 us against 11.6 us for NCCL + cast +
-norm; 8B batch-1 decode at TP=2 3.18 ms a step against 3.55 ms.
-On by default where it applies, with the measured flags protocol;
-`SLIPSTREAM_FUSED_ALL_REDUCE_NORM=lamport` tries the other first, `=0` keeps
-NCCL, `=reference` runs the plain-PyTorch twin on any device.
+(hidden 4096, in a CUDA graph; benchmarks/tp, run 5): lamport 4.1 us, flags
+6.4 us, NCCL + cast + norm 11.5 us; 8B batch-1 decode at TP=2 3.00 ms a step
+(lamport), 3.14 (flags), 3.51 (NCCL), TP=1 4.48; the same tokens as NCCL.
+On by default where it applies, lamport first (flags if lamport fails its
+check); `SLIPSTREAM_FUSED_ALL_REDUCE_NORM=flags` uses flags, `=0` keeps NCCL,
+`=reference` runs the plain-PyTorch twin on any device.
 """
 from __future__ import annotations
 
@@ -127,10 +128,10 @@ def build(group, device: torch.device, hidden: int, dtype: torch.dtype
           ) -> AllReduceNorm | ReferenceAllReduceNorm | None:
     """A checked AllReduceNorm for `group` (collective: every rank calls it), or
     None where it is off, not for this group or device, unavailable, or wrong.
-    SLIPSTREAM_FUSED_ALL_REDUCE_NORM: unset, "1" or "flags" (the default), "lamport"
-    (the flags protocol if that fails its check), "0" (NCCL), "reference" (the
+    SLIPSTREAM_FUSED_ALL_REDUCE_NORM: unset, "1" or "lamport" (the default; the flags
+    protocol if lamport fails its check), "flags", "0" (NCCL), "reference" (the
     twin, any device)."""
-    mode = os.environ.get(ENV, "flags")
+    mode = os.environ.get(ENV, "lamport")
     if mode not in ("0", "1", "reference") + PROTOCOLS:
         raise ValueError(f"{ENV} must be 0, 1, flags, lamport or reference, got {mode!r}")
     if mode == "reference":
@@ -138,7 +139,7 @@ def build(group, device: torch.device, hidden: int, dtype: torch.dtype
     if mode == "0" or device.type != "cuda" or dist.get_world_size(group) != 2 \
             or dtype not in (torch.bfloat16, torch.float16):
         return None
-    for protocol in ("lamport", "flags") if mode == "lamport" else ("flags",):
+    for protocol in ("flags",) if mode == "flags" else ("lamport", "flags"):
         op = _build(group, device, hidden, dtype, protocol)
         if op is not None:
             log.info("row-parallel sums + residual add + RMSNorm fused (%s, up to %d rows)",

@@ -36,7 +36,7 @@ SLOTS = 3
 
 
 @triton.jit
-def _lamport_kernel(X, Res, W, Out, ResOut, Inbox, PeerInbox, Count, eps,
+def _all_reduce_norm_lamport_kernel(X, Res, W, Out, ResOut, Inbox, PeerInbox, Count, eps,
                     stride_x, stride_r, stride_o, stride_ro, max_rows,
                     N: tl.constexpr, BLOCK: tl.constexpr, SPIN: tl.constexpr,
                     PDL: tl.constexpr, EMPTY_BITS: tl.constexpr, TIMED: tl.constexpr):
@@ -92,7 +92,7 @@ def all_reduce_rms_norm_lamport(partial: torch.Tensor, residual: torch.Tensor,
     timed, spin = spin_args(partial, spin_limit)
     if num_tokens > 0:
         width = inbox.shape[1]
-        _lamport_kernel[(num_tokens,)](
+        _all_reduce_norm_lamport_kernel[(num_tokens,)](
             partial, residual, weight, out, res_out, inbox, peer_inbox, count, eps,
             partial.stride(0), residual.stride(0), out.stride(0), res_out.stride(0), max_rows,
             N=hidden, BLOCK=width, SPIN=spin, PDL=pdl, EMPTY_BITS=EMPTY, TIMED=timed,

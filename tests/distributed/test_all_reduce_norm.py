@@ -107,7 +107,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import mangle_type
 from slipstream.kernels.all_reduce_norm import _all_reduce_norm_kernel
-from slipstream.kernels.all_reduce_norm_lamport import EMPTY, _lamport_kernel
+from slipstream.kernels.all_reduce_norm_lamport import EMPTY, _all_reduce_norm_lamport_kernel
 t = lambda dt: torch.empty(8, dtype=dt)
 bf16, f32, i32 = t(torch.bfloat16), t(torch.float32), t(torch.int32)
 args = dict(X=f32, Res=bf16, W=bf16, Out=bf16, ResOut=bf16, eps=1e-5, stride_x=4096,
@@ -116,7 +116,7 @@ if sys.argv[1] == "flags":
     k, args = _all_reduce_norm_kernel, dict(args, Inbox=f32, PeerInbox=f32, Flags=i32, PeerFlags=i32)
     const = dict(N=4096, BLOCK=4096, SPIN=30 * 10**9, PDL=True, TIMED=True)
 else:
-    k, args = _lamport_kernel, dict(args, Inbox=i32, PeerInbox=i32, Count=i32)
+    k, args = _all_reduce_norm_lamport_kernel, dict(args, Inbox=i32, PeerInbox=i32, Count=i32)
     const = dict(N=4096, BLOCK=4096, SPIN=30 * 10**9, PDL=True, EMPTY_BITS=EMPTY, TIMED=True)
 sig = {n: "constexpr" if n in const else mangle_type(args[n]) for n in k.arg_names}
 c = triton.compile(ASTSource(k, sig, const), target=GPUTarget("cuda", 90, 32),
