@@ -11,17 +11,30 @@ Stages, each in its own process (a fresh GPU memory pool and process group):
               activations (8 KiB for hidden 4096, 16 KiB for 8192) and of 64 MiB,
               eager and replayed from a CUDA graph; median of many calls; with
               SLIPSTREAM_SYMM_ALL_REDUCE=1 the small ones also through the
-              symmetric-memory one-shot all-reduce
+              symmetric-memory one-shot all-reduce; and a decode row's sum + cast +
+              residual add + RMSNorm: NCCL + the norm kernel against the fused kernel
+              (distributed/all_reduce_norm.py)
   8b-tp1      Llama-3-8B shape, random bf16 weights (seed 0), TP=1
   8b-tp2      the same weights at TP=2: every rank keeps its slice of the tensors
               one process draws, so greedy tokens must equal TP=1's
   8b-tp2-symm the same with small all-reduces through the symmetric-memory
               one-shot kernel (SLIPSTREAM_SYMM_ALL_REDUCE=1)
+  8b-tp2-fused, 70b-tp2-fused, 8b-tp2-fused-flags
+              TP=2 with each row-parallel sum fused into the next RMSNorm
+              (SLIPSTREAM_FUSED_ALL_REDUCE_NORM=lamport, the engine's default, or
+              =flags; every other stage sets =0, NCCL): same tokens as 8b-tp2 expected
   70b-tp2     a 70B-class shape (llama-2-70b: 80 layers, hidden 8192, GQA 64/8), TP=2
   8b-tp1-fp32, 8b-tp2-fp32
               greedy tokens only, in float32: the TP=2 == TP=1 check without bf16's
               rounding (with random weights the top logits are near ties, and bf16
-              runs of different kernel shapes part after a few tokens)
+              runs of different kernel shapes part after a few tokens); the full
+              8B shape (32 layers), with PyTorch attention and no CUDA graphs (the
+              Triton attention kernels' float32 tuning compiled past the limit)
+  8b-tp1-prof, 8b-tp2-prof, 8b-tp2-symm-prof (only when named in --stages)
+              batch-1 decode under torch.profiler on every rank: 20 steps for
+              kernel tables, 4 more for Chrome traces; writes
+              {stage}_rank{r}_kernels.{json,md} and {stage}-trace_rank{r}_trace.json
+              under --out, and the unprofiled wall time per step
 An engine stage generates greedy tokens for 4 fixed prompts (the correctness
 check), then times batch-1 decode (128-token prompt, 160 outputs, median step
 time after 32 warm-up steps) and reports it as a share of the copy bandwidth:
@@ -36,7 +49,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -45,10 +57,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from benchmarks.stages import StageRunner  # noqa: E402
-STAGES = ("allreduce", "8b-tp1", "8b-tp2", "70b-tp2", "8b-tp2-symm", "8b-tp1-fp32", "8b-tp2-fp32")
-# Collectives of one decode step on the critical path (analysis/tensor_parallel.py):
-# 2 all-reduces per layer + the embedding's.
-ALL_REDUCES = {"8b": (2 * 32 + 1, "8KiB"), "70b": (2 * 80 + 1, "16KiB")}
+from benchmarks.tp.collectives import stage_allreduce  # noqa: E402
+from benchmarks.tp.report import compare, markdown, pack_profiles  # noqa: E402
+STAGES = ("allreduce", "8b-tp1", "8b-tp2", "70b-tp2", "8b-tp2-symm", "8b-tp1-fp32", "8b-tp2-fp32",
+          "8b-tp2-fused", "70b-tp2-fused", "8b-tp2-fused-flags",
+          "8b-tp1-prof", "8b-tp2-prof", "8b-tp2-symm-prof", "8b-tp2-fused-prof",
+          "8b-tp2-fused-flags-prof")
 MODELS = {"8b": "llama-3-8b", "70b": "llama-2-70b"}
 PROMPTS = [[(31 * i + 7 * j) % 1000 + 1 for j in range(24 + 8 * i)] for i in range(4)]
 
@@ -63,99 +77,6 @@ def _tiny_model() -> str:
     return str(folder)
 
 
-# ---- all-reduce -------------------------------------------------------------
-
-def _graph_us(call, calls: int = 20) -> float:
-    """Median microseconds per call of `calls` calls captured in one CUDA graph
-    (warmed up on a side stream first), over 20 replays."""
-    import torch
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            call()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            call()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(20):
-        t0 = time.perf_counter()
-        g.replay()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) / calls)
-    return statistics.median(times) * 1e6
-
-
-def _allreduce_rank(rank: int, port: int, smoke: bool, queue) -> None:
-    import torch
-    import torch.distributed as dist
-    device = torch.device("cpu") if smoke else torch.device("cuda", rank)
-    if not smoke:
-        torch.cuda.set_device(device)
-    dist.init_process_group("gloo" if smoke else "nccl", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=rank, world_size=2)
-    dtype = torch.float32 if smoke else torch.bfloat16
-    results, ar = {}, None
-    for label, nbytes in (("8KiB", 8 << 10), ("16KiB", 16 << 10), ("64MiB", 64 << 20)):
-        x = torch.ones(nbytes // torch.empty((), dtype=dtype).element_size(), dtype=dtype,
-                       device=device)
-        reps = 20 if smoke or nbytes > 1 << 20 else 200
-        for _ in range(10):
-            dist.all_reduce(x)
-        times = []
-        for _ in range(reps):
-            if not smoke:
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            dist.all_reduce(x)
-            if not smoke:
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
-        row = {"bytes": nbytes, "eager_us": statistics.median(times) * 1e6}
-        if not smoke:   # 20 all-reduces captured in one graph, replayed
-            row["graph_us"] = _graph_us(lambda: dist.all_reduce(x))
-            if nbytes <= 1 << 20 and os.environ.get("SLIPSTREAM_SYMM_ALL_REDUCE") == "1":
-                # the one-shot all-reduce the engine can use for these (opt-in)
-                try:
-                    if ar is None:   # one buffer (1 MiB) serves every small size
-                        from slipstream.distributed.symm_all_reduce import SymmAllReduce
-                        ar = SymmAllReduce(dist.group.WORLD, device, dtype)
-                    y = torch.ones_like(x)
-                    ar(y)
-                    torch.cuda.synchronize()
-                    row["symm_correct"] = bool((y == 2).all())
-                    row["symm_graph_us"] = _graph_us(lambda: ar(y))
-                except Exception as exc:
-                    row["symm_error"] = repr(exc)[:300]
-        row["bus_GBps_eager"] = nbytes / (row["eager_us"] * 1e-6) / 1e9   # 2(N-1)/N = 1 at N=2
-        results[label] = row
-    if rank == 0:
-        queue.put(results)
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-def stage_allreduce(smoke: bool) -> dict:
-    import torch.multiprocessing as mp
-    from slipstream.distributed.parallel import host_store
-    store = host_store(1)   # only to find a free port the ranks then meet at
-    port = store.port
-    del store
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_allreduce_rank, args=(r, port, smoke, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    result = queue.get(timeout=240)
-    for p in procs:
-        p.join(timeout=60)
-    return result
-
-
 # ---- engine -----------------------------------------------------------------
 
 def _progress(msg: str) -> None:
@@ -167,11 +88,15 @@ def stage_engine(name: str, smoke: bool) -> dict:
     import torch
     from slipstream import LLM, SamplingParams
     from slipstream.analysis.hardware import measure_copy_bandwidth
-    size, tp = name.split("-tp")
-    tp = tp.removesuffix("-eager").removesuffix("-symm").removesuffix("-fp32")
-    fp32 = name.endswith("-fp32")   # the correctness check without bf16 rounding
-    if name.endswith("-symm"):
+    size, tp, *flags = name.split("-")   # e.g. 8b-tp2-symm-prof
+    tp = tp.removeprefix("tp")
+    fp32 = "fp32" in flags   # the correctness check without bf16 rounding
+    if "symm" in flags:
         os.environ["SLIPSTREAM_SYMM_ALL_REDUCE"] = "1"
+    # Row-parallel sums fused into the next RMSNorm (the engine's default, lamport) only
+    # in the -fused stages: the others measure NCCL + the norm kernel.
+    os.environ["SLIPSTREAM_FUSED_ALL_REDUCE_NORM"] = "0" if "fused" not in flags else (
+        "reference" if smoke else "flags" if "flags" in flags else "lamport")
     model = _tiny_model() if smoke else MODELS[size]
     # A stage cut off at its limit prints every rank's Python stack a little before.
     import faulthandler
@@ -180,18 +105,27 @@ def stage_engine(name: str, smoke: bool) -> dict:
     faulthandler.dump_traceback_later(dump_s, exit=False)
     opts = dict(load_format="dummy", seed=0, tensor_parallel_size=int(tp), max_num_seqs=8,
                 max_model_len=512)
-    if name.endswith("-eager"):
+    if "eager" in flags:
         opts.update(enforce_eager=True)
     if smoke:
         opts.update(device="cpu", dtype="float32")
     else:
         opts.update(dtype="float32" if fp32 else "bfloat16", gpu_memory_utilization=0.85)
+    if fp32 and not smoke:
+        # The Triton attention kernels' float32 tuning candidates compiled for over 80 s
+        # (run 3: still in the prefill kernel's autotuner at the limit); the check needs
+        # the model's arithmetic, not those kernels: PyTorch attention, no graphs.
+        opts.update(attention_backend="torch", enforce_eager=True)
     t0 = time.perf_counter()
     _progress(f"{name}: starting the engine")
     llm = LLM(model, **opts)
     load_s = time.perf_counter() - t0
     _progress(f"{name}: engine up in {load_s:.1f} s")
     engine = llm.engine
+    if "prof" in flags:
+        result = _profile_decode(name, engine, smoke)
+        engine.shutdown()
+        return {"model": model if not smoke else "tiny", "tp": int(tp), "load_s": load_s, **result}
     greedy = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, logprobs=0)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy, use_tqdm=False)
     tokens = [o.outputs[0].token_ids for o in outs]
@@ -209,7 +143,15 @@ def stage_engine(name: str, smoke: bool) -> dict:
         engine.step()
     # Wall time over many steps: with the overlapped step a single step() returns
     # before its GPU work ends, so a per-step time would be host time only.
-    steps = 0
+    steps, waited = 0, [0.0]
+    plain_resolve = engine.runner.resolve
+
+    def timed_resolve(handle):   # rank 0's host waiting for its GPU (~0: host-bound)
+        t = time.perf_counter()
+        out = plain_resolve(handle)
+        waited[0] += time.perf_counter() - t
+        return out
+    engine.runner.resolve = timed_resolve
     if not smoke:
         torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -219,6 +161,7 @@ def stage_engine(name: str, smoke: bool) -> dict:
     if not smoke:
         torch.cuda.synchronize()
     step = (time.perf_counter() - t0) / steps
+    del engine.runner.resolve
     weight_bytes = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
     copy_bw = measure_copy_bandwidth("cpu" if smoke else "cuda:0")
     engine.shutdown()
@@ -227,9 +170,61 @@ def stage_engine(name: str, smoke: bool) -> dict:
         shutil.rmtree(model, ignore_errors=True)
     return {"model": model if not smoke else "tiny", "tp": int(tp), "load_s": load_s,
             "tokens": tokens, "logprobs": logprobs, "decode_step_ms": step * 1e3,
-            "tokens_per_s": 1 / step, "weight_bytes_per_gpu": weight_bytes,
+            "tokens_per_s": 1 / step, "host_wait_ms_per_step": waited[0] / steps * 1e3,
+            "weight_bytes_per_gpu": weight_bytes,
             "copy_bandwidth_GBps": copy_bw / 1e9,
             "share_of_copy_bandwidth": weight_bytes / step / copy_bw}
+
+
+def _profile_decode(name: str, engine, smoke: bool) -> dict:
+    """Batch-1 decode under torch.profiler on every rank: a 20-step window for the
+    kernel tables, then a 4-step one (host activity too) for the Chrome traces.
+    Every rank writes {name}_rank{r}_kernels.{json,md} (and _trace.json) under --out."""
+    import torch
+    from slipstream import SamplingParams
+    from slipstream.distributed.rank_profile import ProfileCommand, RankProfiler
+    out = os.environ.get("TP_BENCH_OUT") or str(Path(__file__).parent / "results")
+    runner = engine.runner
+    local = None if hasattr(runner, "profile") else RankProfiler(0, runner.config.device)
+
+    if local is not None:   # TP=1: time rank 0's waits for the GPU as the executor does
+        from types import SimpleNamespace
+        plain = SimpleNamespace(resolve=runner.resolve)
+        runner.resolve = lambda handle: local.resolve(plain, handle)
+
+    def window(steps: int, tag: str, trace: bool) -> dict:
+        start = ProfileCommand("start", cpu=trace)
+        stop = ProfileCommand("stop", out_dir=out, tag=tag, steps=steps, trace=trace)
+        (runner.profile if local is None else local.start)(start)
+        for _ in range(steps):
+            engine.step()
+        return (runner.profile if local is None else local.stop)(stop)
+
+    def sync():
+        if not smoke:
+            torch.cuda.synchronize()
+
+    engine.add_request({"prompt_token_ids": [(5 * j) % 1000 + 1 for j in range(128)]},
+                       SamplingParams(max_tokens=120, temperature=0, ignore_eos=True))
+    for _ in range(24):   # prefill, graph warm-up
+        engine.step()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(20):
+        engine.step()
+    sync()
+    plain_ms = (time.perf_counter() - t0) / 20 * 1e3
+    _progress(f"{name}: {plain_ms:.3f} ms a step unprofiled; profiling")
+    table = window(20, name, trace=False)
+    trace = window(4, name + "-trace", trace=True)
+    while engine.has_unfinished_requests():
+        engine.step()
+    _progress(f"{name}: profiled")
+    keep = ("wall_ms_per_step", "resolve_wait_ms_per_step", "kernel_ms_per_step",
+            "busy_ms_per_step", "collective_ms_per_step", "launches_per_step")
+    return {"decode_step_ms_unprofiled": plain_ms,
+            "rank0": {k: table[k] for k in keep} | {"top": table["kernels"][:15]},
+            "rank0_trace_window": {k: trace[k] for k in keep}, "files": out}
 
 
 # ---- driver -----------------------------------------------------------------
@@ -237,74 +232,12 @@ def stage_engine(name: str, smoke: bool) -> dict:
 # Seconds each stage may take at most, and the whole run (a stuck stage is cut off and
 # reported, the others still run, and the results are written).
 STAGE_LIMIT_S = {"allreduce": 60, "8b-tp1": 90, "8b-tp2": 120, "8b-tp2-symm": 100,
-                 "8b-tp2-eager": 100, "70b-tp2": 150, "8b-tp1-fp32": 150, "8b-tp2-fp32": 150}
+                 "8b-tp2-eager": 100, "70b-tp2": 150, "8b-tp1-fp32": 150, "8b-tp2-fp32": 150,
+                 "8b-tp1-prof": 100, "8b-tp2-prof": 120, "8b-tp2-symm-prof": 120,
+                 "8b-tp2-fused": 120, "70b-tp2-fused": 150, "8b-tp2-fused-prof": 90,
+                 "8b-tp2-fused-flags": 120, "8b-tp2-fused-flags-prof": 90}
 TOTAL_LIMIT_S = 540
 _STAGES = StageRunner(__file__, STAGE_LIMIT_S, TOTAL_LIMIT_S)
-
-
-def _compare(a: dict, b: dict) -> dict:
-    same = [x == y for x, y in zip(a["tokens"], b["tokens"])]
-    first_diff = []
-    for x, y in zip(a["tokens"], b["tokens"]):
-        first_diff.append(next((i for i, (s, t) in enumerate(zip(x, y)) if s != t), None))
-    dl = [abs(p - q) for la, lb, x, y in zip(a["logprobs"], b["logprobs"], a["tokens"], b["tokens"])
-          for p, q, s, t in zip(la, lb, x, y) if s == t]
-    return {"prompts_identical": sum(same), "prompts": len(same), "first_difference": first_diff,
-            "max_logprob_diff_on_equal_tokens": max(dl) if dl else None}
-
-
-def _markdown(res: dict) -> str:
-    lines = ["# Tensor parallelism on " + ("the CPU (smoke: times mean nothing)" if res["smoke"]
-                                           else "2x H200 (NCCL)"), ""]
-    ar = res["stages"].get("allreduce", {})
-    if "error" not in ar:
-        lines += ["| all-reduce | NCCL eager us | NCCL graph us | one-shot symm graph us | bus GB/s (eager) |",
-                  "|---|---|---|---|---|"]
-        for k, r in ar.items():
-            if isinstance(r, dict) and "eager_us" in r:
-                lines.append(f"| {k} | {r['eager_us']:.1f} | {r.get('graph_us', float('nan')):.1f} "
-                             f"| {r.get('symm_graph_us', float('nan')):.1f} | {r['bus_GBps_eager']:.1f} |")
-        lines.append("")
-    lines += ["| stage | decode step ms | tok/s | weights/GPU GB | copy GB/s | share of copy bw |",
-              "|---|---|---|---|---|---|"]
-    for name in STAGES[1:]:
-        r = res["stages"].get(name, {})
-        if not r:
-            continue   # not run (--stages)
-        if "error" in r:
-            lines.append(f"| {name} | failed | | | | |")
-            continue
-        if "decode_step_ms" not in r:
-            continue   # a correctness-only stage
-        lines.append(f"| {name} | {r['decode_step_ms']:.3f} | {r['tokens_per_s']:.1f} | "
-                     f"{r['weight_bytes_per_gpu'] / 1e9:.2f} | {r['copy_bandwidth_GBps']:.0f} | "
-                     f"{r['share_of_copy_bandwidth'] * 100:.1f}% |")
-    c = res.get("correctness_8b")
-    if c:
-        lines += ["", f"TP=2 vs TP=1 greedy tokens (8B shape, 4 prompts x 32 tokens): "
-                      f"{c['prompts_identical']}/{c['prompts']} identical; first differences "
-                      f"{c['first_difference']}; max |logprob diff| on equal tokens "
-                      f"{c['max_logprob_diff_on_equal_tokens']}"]
-    c = res.get("correctness_8b_fp32")
-    if c:
-        lines += [f"The same in float32 weights and activations: {c['prompts_identical']}/"
-                  f"{c['prompts']} identical; first differences {c['first_difference']}; max "
-                  f"|logprob diff| on equal tokens {c['max_logprob_diff_on_equal_tokens']}"]
-    s = res.get("speedup_8b_tp2")
-    if s:
-        lines.append(f"8B batch-1 decode, TP=2 over TP=1: {s:.2f}x (target 1.6x)")
-    s = res.get("speedup_8b_tp2_symm")
-    if s:
-        lines.append(f"8B batch-1 decode, TP=2 with the one-shot symmetric-memory all-reduce, "
-                     f"over TP=1: {s:.2f}x")
-    for size, (calls, label) in ALL_REDUCES.items():
-        r = ar.get(label) if "error" not in ar else None
-        if r:
-            t = r.get("graph_us", r["eager_us"])
-            lines.append(f"{size} decode step: {calls} all-reduces of [1, hidden] bf16 x {t:.1f} us "
-                         f"= {calls * t / 1e3:.3f} ms per step "
-                         f"({'CUDA graph' if 'graph_us' in r else 'eager'} timing above)")
-    return "\n".join(lines) + "\n"
 
 
 def main() -> None:
@@ -312,8 +245,12 @@ def main() -> None:
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     ap.add_argument("--smoke", action="store_true", help="CPU, gloo, a tiny model")
     ap.add_argument("--stage", choices=STAGES + ("8b-tp2-eager",), help=argparse.SUPPRESS)
-    ap.add_argument("--stages", default=",".join(STAGES), help="comma-separated subset to run")
+    ap.add_argument("--stages", default=",".join(STAGES[:9]),
+                    help="comma-separated subset to run (the -prof stages only when named)")
+    ap.add_argument("--budget-s", type=float, default=TOTAL_LIMIT_S,
+                    help="seconds the whole run may take; later stages are skipped past it")
     args = ap.parse_args()
+    _STAGES.total = args.budget_s
     if args.stage:
         fn = stage_allreduce if args.stage == "allreduce" else \
             (lambda smoke: stage_engine(args.stage, smoke))
@@ -322,6 +259,7 @@ def main() -> None:
     res = {"smoke": args.smoke, "stages": {}}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    os.environ["TP_BENCH_OUT"] = str(out.resolve())   # where the -prof stages' ranks write
     for stage in args.stages.split(","):
         print(f"running {stage} ...", file=sys.stderr, flush=True)
         res["stages"][stage] = _STAGES.run(stage, args.smoke)
@@ -334,17 +272,29 @@ def main() -> None:
         (out / "results.json").write_text(json.dumps(res, indent=2) + "\n")
     a, b = res["stages"].get("8b-tp1", {}), res["stages"].get("8b-tp2", {})
     if a and b and "error" not in a and "error" not in b:
-        res["correctness_8b"] = _compare(a, b)
+        res["correctness_8b"] = compare(a, b)
         res["speedup_8b_tp2"] = a["decode_step_ms"] / b["decode_step_ms"]
     f1, f2 = res["stages"].get("8b-tp1-fp32", {}), res["stages"].get("8b-tp2-fp32", {})
     if f1 and f2 and "error" not in f1 and "error" not in f2:
-        res["correctness_8b_fp32"] = _compare(f1, f2)
+        res["correctness_8b_fp32"] = compare(f1, f2)
+    for name in ("8b-tp2-fused", "8b-tp2-fused-flags"):
+        c = res["stages"].get(name, {})
+        if b and "error" not in b and c and "error" not in c:
+            # the same sums and roundings as NCCL + the norm kernel: the same tokens expected
+            res.setdefault("fused_vs_nccl", {})[name] = compare(b, c) | {
+                "speedup": b["decode_step_ms"] / c["decode_step_ms"],
+                "over_tp1": a["decode_step_ms"] / c["decode_step_ms"]
+                if a and "error" not in a else None}
+    a70, c70 = res["stages"].get("70b-tp2", {}), res["stages"].get("70b-tp2-fused", {})
+    if a70 and c70 and "error" not in a70 and "error" not in c70:
+        res["fused_speedup_70b_tp2"] = a70["decode_step_ms"] / c70["decode_step_ms"]
     c = res["stages"].get("8b-tp2-symm", {})
     if a and "error" not in a and c and "error" not in c:
         res["speedup_8b_tp2_symm"] = a["decode_step_ms"] / c["decode_step_ms"]
     (out / "results.json").write_text(json.dumps(res, indent=2) + "\n")
-    (out / "results.md").write_text(_markdown(res))
-    print(_markdown(res))
+    (out / "results.md").write_text(markdown(res, STAGES))
+    pack_profiles(out)
+    print(markdown(res, STAGES))
 
 
 if __name__ == "__main__":

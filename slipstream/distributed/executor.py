@@ -24,6 +24,7 @@ import torch.multiprocessing as mp
 from slipstream.distributed import comm
 from slipstream.distributed.parallel import (COLLECTIVE_TIMEOUT_S, destroy_tp_group, host_store,
                                              init_tp_group, rank_device, torchrun_rank)
+from slipstream.distributed.rank_profile import ProfileCommand, RankProfiler
 from slipstream.distributed.worker import cpu_threads_per_rank, run_worker, spawned_worker
 from slipstream.errors import SlipstreamError
 from slipstream.runner.model_runner import ModelRunner, StepHandle
@@ -48,6 +49,7 @@ class TPExecutor:
         self._threads = torch.get_num_threads()
         self._procs: list = []
         self._failed: str | None = None
+        self._profiler: RankProfiler | None = None
         env = torchrun_rank()
         if env is not None:
             rank, world, local_rank = env
@@ -153,9 +155,30 @@ class TPExecutor:
 
     def resolve(self, handle: StepHandle) -> StepOutput:
         try:
+            if self._profiler is not None:   # times the wait inside a profile window
+                return self._profiler.resolve(self.runner, handle)
             return self.runner.resolve(handle)
         except RuntimeError as e:
             self._fail(e)
+
+    def profile(self, cmd: ProfileCommand) -> dict | None:
+        """Open (op "start") or close ("stop") a profile window on every rank; on
+        stop each rank writes its files under cmd.out_dir; returns rank 0's summary."""
+        self._check_workers()
+        try:
+            comm.broadcast_object(cmd, self.tp.cpu_group)
+        except RuntimeError as e:
+            self._fail(e)
+        if self._profiler is None:
+            self._profiler = RankProfiler(0, self.config.device)
+        if cmd.op == "start":
+            return self._profiler.start(cmd)
+        summary = self._profiler.stop(cmd)
+        try:
+            torch.distributed.barrier(group=self.tp.cpu_group)   # every rank wrote its files
+        except RuntimeError as e:
+            self._fail(e)
+        return summary
 
     def shutdown(self) -> None:
         """Tell the workers to stop, wait for them (briefly), release the process group."""

@@ -40,20 +40,24 @@ class SymmAllReduce:
         os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
         import torch.distributed._symmetric_memory as symm_mem
         self.group_name = group.group_name
-        self.dtype = dtype
+        # The model's dtype, and float32: decode steps sum fp32 partials
+        # (layers/linear.py), which a buffer of the model dtype alone never took.
+        self.dtypes = (dtype, torch.float32)
+        self.max_bytes = max_bytes
         self.max_numel = max_bytes // torch.tensor([], dtype=dtype).element_size()
-        self.buffer = symm_mem.empty(self.max_numel, dtype=dtype, device=device)
+        self.buffer = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
         symm_mem.rendezvous(self.buffer, self.group_name)
 
     def fits(self, x: torch.Tensor) -> bool:
         # The kernel reads in 16-byte vectors (a 2-byte tensor fails: "input size must be
         # at least 4-byte aligned").
-        return (x.is_cuda and x.dtype == self.dtype and x.numel() <= self.max_numel
-                and x.is_contiguous() and x.numel() * x.element_size() % 16 == 0)
+        nbytes = x.numel() * x.element_size()
+        return (x.is_cuda and x.dtype in self.dtypes and nbytes <= self.max_bytes
+                and x.is_contiguous() and nbytes % 16 == 0)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """Sum `x` over the ranks, in place; returns `x`."""
-        staged = self.buffer[: x.numel()]
+        staged = self.buffer[: x.numel() * x.element_size()].view(x.dtype)
         staged.copy_(x.view(-1))
         torch.ops.symm_mem.one_shot_all_reduce_out(staged, "sum", self.group_name, out=x.view(-1))
         return x
@@ -68,8 +72,9 @@ def build(group, device: torch.device, dtype: torch.dtype) -> SymmAllReduce | No
     try:
         ar = SymmAllReduce(group, device, dtype)
         g = torch.Generator(device=device).manual_seed(1234 + dist.get_rank(group))
-        for numel in (8, 4096, ar.max_numel // 3 // 8 * 8):
-            x = torch.randn(numel, generator=g, device=device).to(dtype)
+        for numel, dt in ((8, dtype), (4096, dtype), (ar.max_numel // 3 // 8 * 8, dtype),
+                          (4096, torch.float32)):
+            x = torch.randn(numel, generator=g, device=device).to(dt)
             want = x.clone()
             dist.all_reduce(want, group=group)
             got = ar(x.clone())

@@ -4,7 +4,8 @@ A worker holds no scheduler and no request objects. Each step it receives rank
 0's `SchedulerOutput` (pickled, over the gloo cpu_group), runs the same
 `execute` and `resolve` as rank 0, and so keeps the same per-request state;
 the model's collectives meet rank 0's inside the forward, and rank 0's sampled
-tokens arrive by broadcast. `None` in place of a step means shut down.
+tokens arrive by broadcast. `None` in place of a step means shut down; a
+`ProfileCommand` opens or closes a profile window (rank_profile.py).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import torch
 from slipstream.distributed import comm
 from slipstream.distributed.parallel import (destroy_tp_group, init_tp_group, join_store,
                                              rank_device)
+from slipstream.distributed.rank_profile import ProfileCommand, RankProfiler
 
 log = logging.getLogger("slipstream")
 
@@ -58,14 +60,24 @@ def run_worker(rank: int, size: int, store_port: int | None, args, local_rank: i
         # received and launched before step N's result is waited for, so this
         # rank's host work hides behind its GPU work (else every step costs host +
         # GPU time here, and rank 0 waits for it in the next collective).
-        pending = None
+        pending, profiler = None, RankProfiler(rank, device)
         while True:
             sched = comm.broadcast_object(None, tp.cpu_group)
             if sched is None:
                 break
+            if isinstance(sched, ProfileCommand):   # rank 0 opens or closes a window
+                if pending is not None:
+                    profiler.resolve(runner, pending)
+                    pending = None
+                if sched.op == "start":
+                    profiler.start(sched)
+                else:
+                    profiler.stop(sched)
+                    torch.distributed.barrier(group=tp.cpu_group)   # files written
+                continue
             handle = runner.execute(sched)
             if pending is not None:
-                runner.resolve(pending)
+                profiler.resolve(runner, pending)
             pending = handle
         if pending is not None:
             runner.resolve(pending)

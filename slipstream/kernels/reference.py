@@ -281,3 +281,14 @@ def silu_and_mul_quant(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.
     """Twin of `kernels.silu_mul.silu_and_mul_quant`: silu(gate) * up (in the model dtype)
     quantized per token -> (codes [num_tokens, d], scale [num_tokens, 1])."""
     return quantize_rows(silu_and_mul(x), kind)
+
+
+def all_reduce_rms_norm(partials: list[torch.Tensor], residual: torch.Tensor, weight: torch.Tensor,
+                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Twin of `kernels.all_reduce_norm`: the ranks' partial rows summed in fp32 and
+    rounded to the residual's dtype (as an all-reduce then `.to(dtype)`), then
+    `rms_norm` with the residual. Returns (normed, sum + residual)."""
+    s = partials[0].float()
+    for p in partials[1:]:
+        s = s + p.float()
+    return rms_norm(s.to(residual.dtype), weight, eps, residual)

@@ -24,6 +24,7 @@ Parameter attributes the loaders read:
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -187,33 +188,49 @@ class ColumnParallelLinear(LinearBase):
         super().__init__(input_size, [output_size], bias, quant_method, tp)
 
 
+@dataclass(frozen=True)
+class PartialSum:
+    """A row-parallel output before the sum over ranks: this rank's [num_tokens,
+    output_size] (fp32 or the model dtype), for an RMSNorm with `reduce` set."""
+    partial: torch.Tensor
+
+
 class RowParallelLinear(LinearBase):
     """Input features split across ranks; the partial outputs are summed by one all-reduce."""
     split = "input"
+    # A fused all-reduce + RMSNorm (distributed/all_reduce_norm.py) that the norm
+    # after this layer applies: steps of rows it `fits_rows` leave unreduced.
+    defer_to = None
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False,
                  quant_method: QuantMethod | None = None, tp=None):
         super().__init__(input_size, [output_size], bias, quant_method, tp)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor | PartialSum:
         # x: [num_tokens, input_size / tp] -> [num_tokens, output_size], summed over ranks
-        if self.tp_size > 1 and _fp32_partials(self, x):
-            # Partial sums leave the GEMM in fp32 and are rounded once after the sum, as
-            # one GPU rounds its fp32 accumulator once: TP=2 then differs from TP=1 only
-            # by the order of fp32 additions, not by an extra bf16 rounding per layer.
+        if self.tp_size == 1:
+            return self.quant_method.apply(self, x)
+        fp32 = _fp32_partials(self, x)
+        y = self._partial(x, fp32)
+        if self.defer_to is not None and self.defer_to.fits_rows(y.shape[0]):
+            return PartialSum(y)
+        comm.all_reduce(y, self.tp.device_group)
+        return y.to(x.dtype) if fp32 else y
+
+    def _partial(self, x: torch.Tensor, fp32: bool) -> torch.Tensor:
+        """This rank's share (bias on rank 0 only). fp32: partials leave the GEMM in
+        fp32, rounded once after the sum as one GPU rounds its accumulator: TP=2
+        then differs from TP=1 only in the order of fp32 additions."""
+        if fp32:
             try:
                 y = torch.mm(x, self.weight.t(), out_dtype=torch.float32)
             except (RuntimeError, TypeError):   # a torch without fp32-output mm
                 _FP32_PARTIALS[0] = False
-                return self.forward(x)
+                return self._partial(x, False)
             if self.bias is not None:
                 y += self.bias
-            comm.all_reduce(y, self.tp.device_group)
-            return y.to(x.dtype)
-        y = self.quant_method.apply(self, x)
-        if self.tp_size > 1:
-            comm.all_reduce(y, self.tp.device_group)
-        return y
+            return y
+        return self.quant_method.apply(self, x)
 
 
 # Up to this many tokens a step, row-parallel layers sum fp32 partials: twice the

@@ -19,6 +19,9 @@ class RMSNorm(nn.Module):
     # one path (tests run the kernel on the CPU under TRITON_INTERPRET=1).
     use_kernel: bool | None = None
     quant: str | None = None
+    # Under tensor parallelism: the fused all-reduce + residual add + norm
+    # (distributed/all_reduce_norm.py) for a PartialSum input (the residual given).
+    reduce = None
 
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
@@ -37,6 +40,9 @@ class RMSNorm(nn.Module):
         With `residual` [num_tokens, hidden]: first x = x + residual (in the model
         dtype, as HF adds the residual), then returns (norm(x), x), the new residual.
         """
+        if self.reduce is not None and not isinstance(x, torch.Tensor):
+            # x: a row-parallel layer's PartialSum; the all-reduce is fused in here
+            return self.reduce(x.partial, residual, self.weight, self.eps)
         if x.is_cuda if self.use_kernel is None else self.use_kernel:
             from slipstream.kernels.rms_norm import rms_norm
             out = rms_norm(x, self.weight, self.eps, residual, self.quant)

@@ -218,6 +218,21 @@ class LlamaForCausalLM(nn.Module):
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]
 
+    def fuse_all_reduce_norm(self, op) -> int:
+        """Let each row-parallel layer's sum happen in the RMSNorm after it (op: a
+        fused all-reduce + residual add + norm, distributed/all_reduce_norm.py; None
+        undoes it). Norms that quantize their output keep the plain all-reduce.
+        Returns how many sums are fused."""
+        layers, fused = self.model.layers, 0
+        for i, layer in enumerate(layers):
+            after_mlp = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
+            for linear, norm in ((layer.self_attn.o_proj, layer.post_attention_layernorm),
+                                 (layer.mlp.down_proj, after_mlp)):
+                use = op if norm.quant is None else None
+                linear.defer_to, norm.reduce = use, use
+                fused += use is not None
+        return fused
+
     def _checkpoint_targets(self) -> dict[str, tuple[nn.Parameter, object]]:
         """Checkpoint tensor name -> (parameter, shard id) for every tensor we need."""
         targets: dict[str, tuple[nn.Parameter, object]] = {}

@@ -62,6 +62,11 @@ class ModelRunner:
             from slipstream.distributed import symm_all_reduce
             comm.use_small_all_reduce(tp.device_group,
                                       symm_all_reduce.build(tp.device_group, self.device, self.dtype))
+        if tp is not None:   # collective too; None unless asked for (SLIPSTREAM_FUSED_...)
+            from slipstream.distributed import all_reduce_norm
+            fused = all_reduce_norm.build(tp.device_group, self.device, mc.hidden_size, self.dtype)
+            if fused is not None and hasattr(self.model, "fuse_all_reduce_norm"):
+                self.model.fuse_all_reduce_norm(fused)
         self.vocab_size = mc.vocab_size
         self.sampler = Sampler()
         rank_config = config
@@ -188,8 +193,9 @@ class ModelRunner:
         sb = self.sampling.build(plan.sample_rows)
         result = self.sampler(logits, sb)
         sampled = result.sampled_token_ids                                # [S] int64
-        if self.tp is not None:
-            # Rank 0's draw is the step's: every rank records the same tokens.
+        if self.tp is not None and not sb.all_greedy:
+            # Rank 0's draw is the step's: every rank records the same tokens. (Greedy
+            # rows need no broadcast: every rank holds the same all-gathered logits.)
             comm.broadcast(sampled, self.tp.device_group)
         self.input_batch.last_sampled.index_copy_(0, sb.rows, sampled)
         self.sampling.record_sampled(sb, plan.sample_rows, sampled)
