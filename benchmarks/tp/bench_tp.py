@@ -77,8 +77,6 @@ def _tiny_model() -> str:
     return str(folder)
 
 
-# ---- engine -----------------------------------------------------------------
-
 def _progress(msg: str) -> None:
     """A stage's milestones on stderr: a stage cut off at its limit shows how far it got."""
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)

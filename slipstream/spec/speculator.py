@@ -56,8 +56,7 @@ class Speculator:
         self.hidden: dict[str, list[torch.Tensor]] = {}
         self._step_trees: dict[str, DraftTree] = {}
         self._layout = TreeStepLayout()
-        # Drafts made on the device in `verify` (proposers with `draft_after_verify`),
-        # request id -> tree; `propose` hands them out instead of drafting again.
+        # Drafts made in `verify` (`draft_after_verify`): `propose` hands them out.
         self._early: dict[str, DraftTree] = {}
         self._planned: int | None = None       # draft budget the engine planned for this step
         self.last_proposed = False             # the last propose call made drafts
