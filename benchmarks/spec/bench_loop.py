@@ -19,6 +19,7 @@ import json
 import sys
 import time
 import traceback
+from contextlib import contextmanager
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -156,29 +157,38 @@ def main(argv=None) -> int:
     return 0
 
 
-def _time_rounds(loop, prompt: list[int], n: int) -> float:
-    """Seconds per round of n rounds run back to back after `prompt`
-    (GPU: replays, timed from the host after a synchronize)."""
+@contextmanager
+def _prefilled(loop, prompt: list[int]):
+    """The loop with its KV blocks taken and `prompt` prefilled (inference mode);
+    the blocks go back on exit."""
     import torch
-    if len(prompt) + n * (loop.depth + 1) > loop.max_len:
-        raise ValueError("eagle loop: prompt + n rounds must fit in max_len")
     blocks = loop.block_pool.allocate(loop.nblocks)
     try:
         with torch.inference_mode():
             loop._use_blocks(torch.tensor([b.block_id for b in blocks], dtype=torch.int32))
             loop._prefill(prompt)
             loop.rix.zero_()
-            loop._step()
-            sync = torch.cuda.synchronize if loop.dev.type == "cuda" else (lambda: None)
-            sync()
-            t0 = time.perf_counter()
-            loop.rix.zero_()
-            for _ in range(n):
-                loop._step()
-            sync()
-            return (time.perf_counter() - t0) / n
+            yield
     finally:
         loop.block_pool.free(blocks[::-1])
+
+
+def _time_rounds(loop, prompt: list[int], n: int) -> float:
+    """Seconds per round of n rounds run back to back after `prompt`
+    (GPU: replays, timed from the host after a synchronize)."""
+    import torch
+    if len(prompt) + n * (loop.depth + 1) > loop.max_len:
+        raise ValueError("eagle loop: prompt + n rounds must fit in max_len")
+    with _prefilled(loop, prompt):
+        loop._step()
+        sync = torch.cuda.synchronize if loop.dev.type == "cuda" else (lambda: None)
+        sync()
+        t0 = time.perf_counter()
+        loop.rix.zero_()
+        for _ in range(n):
+            loop._step()
+        sync()
+        return (time.perf_counter() - t0) / n
 
 
 def _parts(loop, prompt, n: int = 32) -> dict:
@@ -187,37 +197,30 @@ def _parts(loop, prompt, n: int = 32) -> dict:
     tree expansion of the head."""
     import torch
     out = {}
-    blocks = loop.block_pool.allocate(loop.nblocks)
-    try:
-        with torch.inference_mode():
-            loop._use_blocks(torch.tensor([b.block_id for b in blocks], dtype=torch.int32))
-            loop._prefill(prompt)
-            loop.rix.zero_()
-            loop._step()
+    with _prefilled(loop, prompt):
+        loop._step()
 
-            def target():
-                loop.backend.prepare(loop.batch)
-                return loop.model.compute_logits(loop.model(loop.batch)).argmax(-1)
+        def target():
+            loop.backend.prepare(loop.batch)
+            return loop.model.compute_logits(loop.model(loop.batch)).argmax(-1)
 
-            def draft():
-                return loop._levels(loop.feat, loop.hk, loop.hv, loop.hvalid, loop.n_ctx)
-            for name, fn in (("target", target), ("expansion", draft)):
-                try:
+        def draft():
+            return loop._levels(loop.feat, loop.hk, loop.hv, loop.hvalid, loop.n_ctx)
+        for name, fn in (("target", target), ("expansion", draft)):
+            try:
+                fn()
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
                     fn()
-                    g = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(g):
-                        fn()
+                g.replay()
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(n):
                     g.replay()
-                    torch.cuda.synchronize()
-                    t0 = time.perf_counter()
-                    for _ in range(n):
-                        g.replay()
-                    torch.cuda.synchronize()
-                    out[name] = round((time.perf_counter() - t0) / n * 1e3, 3)
-                except Exception as e:   # noqa: BLE001 - a part that does not capture
-                    out[name] = f"{type(e).__name__}: {e}"[:120]
-    finally:
-        loop.block_pool.free(blocks[::-1])
+                torch.cuda.synchronize()
+                out[name] = round((time.perf_counter() - t0) / n * 1e3, 3)
+            except Exception as e:   # noqa: BLE001 - a part that does not capture
+                out[name] = f"{type(e).__name__}: {e}"[:120]
     return out
 
 
@@ -226,20 +229,13 @@ def _kernels(loop, prompt, path: Path, shape: str) -> None:
     the kernel count of a round."""
     import torch
     from torch.profiler import ProfilerActivity, profile
-    blocks = loop.block_pool.allocate(loop.nblocks)
-    try:
-        with torch.inference_mode():
-            loop._use_blocks(torch.tensor([b.block_id for b in blocks], dtype=torch.int32))
-            loop._prefill(prompt)
-            loop.rix.zero_()
-            loop.round()
+    with _prefilled(loop, prompt):
+        loop.round()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(4):
+                loop.round()
             torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                for _ in range(4):
-                    loop.round()
-                torch.cuda.synchronize()
-    finally:
-        loop.block_pool.free(blocks[::-1])
     kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40)
     path.parent.mkdir(parents=True, exist_ok=True)
