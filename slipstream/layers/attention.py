@@ -36,6 +36,9 @@ class Attention(nn.Module):
         # (k_cache / v_cache then hold int8 or fp8 codes); None for a 16-bit cache.
         self.k_scale: torch.Tensor | None = None
         self.v_scale: torch.Tensor | None = None
+        # Set while a step runs in pieces (runner/piecewise.py): called instead of
+        # the backend, it ends one captured piece and starts the next.
+        self.intercept = None
 
     def fuses_rotary(self, rope) -> bool:
         """Whether the backend applies `rope` (a StepRotary on its kernel path) itself,
@@ -48,6 +51,8 @@ class Attention(nn.Module):
         (strided views are allowed; the last dim is contiguous); rope: the step's
         rotary when q and k are unrotated (only if `fuses_rotary(rope)`: q and k
         are rotated in place) -> [num_tokens, num_heads, head_dim]"""
+        if self.intercept is not None:
+            return self.intercept(self, q, k, v, rope)
         if rope is not None:
             return self.backend.forward(q, k, v, self, batch, rope=rope)
         return self.backend.forward(q, k, v, self, batch)

@@ -80,14 +80,17 @@ class KVPlan:
                 f"({'measured' if self.measured else 'estimated'})")
 
 
-def plan_kv_cache(model, config) -> KVPlan:
-    """Size the KV pool for `model` (weights loaded) under `config`."""
+def plan_kv_cache(model, config, graph_pool: bool = False) -> KVPlan:
+    """Size the KV pool for `model` (weights loaded) under `config`. graph_pool: CUDA
+    graphs of whole prompt steps will hold a step's working memory of their own."""
     mc, sc, cc = config.model_config, config.scheduler, config.cache
     dtype, device = config.dtype, config.device
     reserve = activation_reserve_bytes(mc, sc, dtype)
     measured = device.type == "cuda"
     if measured:   # also compiles and tunes the prefill kernels, whatever sizes the pool
         reserve = profile_step_memory(model, config)
+        if graph_pool:
+            reserve *= 2
     n = num_kv_blocks(cc, mc, sc, dtype, device, reserve)
     plan = KVPlan(n, cc.block_size, kv_bytes_per_token(mc, dtype, cc.kv_cache_dtype), reserve,
                   sc.max_model_len, measured, kv_format(cc.kv_cache_dtype).name)

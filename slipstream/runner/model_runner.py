@@ -26,6 +26,7 @@ from slipstream.models.registry import model_class
 from slipstream.runner import memory
 from slipstream.runner.cuda_graph import DecodeGraphs
 from slipstream.runner.input_batch import InputBatch, StepPlan
+from slipstream.runner.piecewise import PiecewiseGraphs
 from slipstream.runner.sampling_state import SamplingState
 from slipstream.step_data import SchedulerOutput, StepOutput, TokenLogprobs
 
@@ -72,7 +73,10 @@ class ModelRunner:
         rank_config = config
         if tp is not None:
             rank_config = replace(config, model_config=rank_shape(mc, tp.size))
-        self.plan = memory.plan_kv_cache(self.model, rank_config)
+        pieces = _piecewise_mode(config, tp)
+        # Captured pieces keep a full step's working memory in their graph pool, beside
+        # what eager steps use: the KV pool leaves room for both.
+        self.plan = memory.plan_kv_cache(self.model, rank_config, graph_pool=pieces == "graphs")
         if tp is not None:   # rank 0's scheduler hands out block ids valid on every rank
             self.plan.num_blocks = comm.all_reduce_min(self.plan.num_blocks, tp.cpu_group)
         self.num_blocks = self.plan.num_blocks
@@ -93,6 +97,11 @@ class ModelRunner:
                 and self.backend.name == "triton"):
             self.graphs = DecodeGraphs(self.model, self.backend, rank_config.model_config,
                                        sc.max_num_seqs, sc.max_model_len)
+        self.piecewise = None
+        if pieces == "eager" or (pieces == "graphs" and self.graphs is not None):
+            self.piecewise = PiecewiseGraphs(
+                self.model, sc.max_num_batched_tokens, self.device, mode=pieces,
+                pool=self.graphs.pool if pieces == "graphs" else None)
         self.speculator = None
         if config.speculative.enabled:
             if tp is not None:
@@ -163,7 +172,12 @@ class ModelRunner:
             hidden = self.graphs.run_tree(batch)                         # None: graphs off
         if hidden is None:
             self.backend.prepare(batch)
-            hidden = self.model(batch)                                   # [num_tokens, hidden]
+            pw = self.piecewise
+            if (pw is not None and pw.enabled and not batch.is_decode_only
+                    and batch.tree_mask is None and pw.bucket_for(batch.num_tokens) is not None):
+                hidden = pw.run(batch)                                   # graphs around attention
+            else:
+                hidden = self.model(batch)                               # [num_tokens, hidden]
         handle = StepHandle(plan.sample_req_ids, plan.sample_rows, None, None, {}, {}, None)
         logits_indices = batch.logits_indices
         if spec is not None:
@@ -248,6 +262,22 @@ class ModelRunner:
             ids, vals, ranks = ids.tolist(), vals.tolist(), ranks.tolist()
             out.prompt_logprobs[rid] = (start, [_record(a, b, c, k) for a, b, c in zip(ids, vals, ranks)])
         return out
+
+
+def _piecewise_mode(config: EngineConfig, tp) -> str | None:
+    """How steps with prompt tokens run (runner/piecewise.py): "graphs" (captured
+    pieces around attention; with the decode graphs on one GPU), "eager" (the same
+    pieces without graphs, any device: SLIPSTREAM_PIECEWISE_GRAPHS=eager) or None
+    (the plain forward; SLIPSTREAM_PIECEWISE_GRAPHS=0)."""
+    import os
+    mode = os.environ.get("SLIPSTREAM_PIECEWISE_GRAPHS", "1")
+    if mode == "0" or tp is not None or config.speculative.enabled:
+        return None
+    if mode == "eager":
+        return "eager"
+    if config.device.type != "cuda" or config.enforce_eager:
+        return None
+    return "graphs"
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:

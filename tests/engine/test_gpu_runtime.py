@@ -73,3 +73,38 @@ def test_graphs_and_overlap_change_no_output(tiny_folder, kw):
     assert [t for t, _ in other] == [t for t, _ in base]
     for (_, a), (_, b) in zip(base, other):
         assert a == pytest.approx(b, abs=1e-4)
+
+
+def test_piecewise_graphs_change_no_output_and_replay_without_a_sync(tiny_folder, monkeypatch):
+    folder, _ = tiny_folder("llama")
+    prompts = random_prompts(10, 265, 20, 90, seed=6)   # chunks of 64 tokens beside decodes
+    params = [SamplingParams(max_tokens=16, temperature=0, logprobs=1, ignore_eos=True)] * 5 + \
+             [SamplingParams(max_tokens=16, temperature=0.8, seed=i, ignore_eos=True) for i in range(5)]
+    monkeypatch.setenv("SLIPSTREAM_PIECEWISE_GRAPHS", "0")
+    base = _outputs(_llm(folder, max_num_batched_tokens=64), prompts, params)
+    monkeypatch.setenv("SLIPSTREAM_PIECEWISE_GRAPHS", "1")
+    llm = _llm(folder, max_num_batched_tokens=64)
+    other = _outputs(llm, prompts, params)
+    pw = llm.engine.runner.piecewise
+    assert pw.enabled and len(pw.pieces) >= 2
+    assert [t for t, _ in other] == [t for t, _ in base]
+    for (_, a), (_, b) in zip(base, other):
+        assert a == pytest.approx(b, abs=1e-4)
+    # A step of a captured bucket launches without a sync.
+    engine, runner = llm.engine, llm.engine.runner
+    one = SamplingParams(max_tokens=1, temperature=0.7, seed=5)
+    for seed in (11, 12):
+        engine.add_request(random_prompts(1, 265, 40, 40, seed=seed)[0], one, request_id=str(seed))
+        sched = engine.scheduler.schedule()
+        assert pw.bucket_for(sum(sched.num_scheduled_tokens.values())) in pw.pieces or seed == 11
+        if seed == 12:
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            handle = runner.execute(sched)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        engine._inflight, previous = handle, engine._inflight
+        if previous is not None:
+            engine._collect(previous)
+        while engine.has_unfinished_requests():
+            engine.step()
