@@ -7,6 +7,8 @@ the time go? One run answers both (H200, about 3-4 minutes):
 2. end to end, each variant in a fresh process:
        LLM("llama-3-8b", load_format="dummy", quantization=SCHEME, dtype="bfloat16",
            enforce_eager=True, max_num_seqs=1, enable_prefix_caching=False)
+   (--graphs: enforce_eager=False, so the prompt step runs as captured pieces around
+   attention, runner/piecewise.py)
    one 2048-token prompt of fresh random ids to its first token, median of --iters; then
    one more prefill under torch.profiler: GPU kernel time by kernel, summed, against the
    wall time (the gap is host time the GPU waits for).
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -100,7 +103,8 @@ def one_variant(name: str, smoke: bool, iters: int, model: str) -> dict:
     t0 = time.perf_counter()
     llm = LLM(model, load_format="dummy", quantization=scheme, device=device,
               dtype="float32" if smoke else "bfloat16", max_num_seqs=1, max_model_len=n + 64,
-              max_num_batched_tokens=n, enable_prefix_caching=False, enforce_eager=True,
+              max_num_batched_tokens=n, enable_prefix_caching=False,
+              enforce_eager=os.environ.get("BENCH_GRAPHS") != "1",
               gpu_memory_utilization=0.85)
     engine = llm.engine
     startup = time.perf_counter() - t0
@@ -111,6 +115,7 @@ def one_variant(name: str, smoke: bool, iters: int, model: str) -> dict:
     _run(engine, rand(), first)                                     # warm-up
     times = [_run(engine, rand(), first) for _ in range(iters)]
     res = {"variant": name, "scheme": scheme or "bf16", "startup_s": startup,
+           "graphs": os.environ.get("BENCH_GRAPHS") == "1",
            "prefill_tokens": n, "prefill_ms": statistics.median(times) * 1e3,
            "prefill_ms_all": [t * 1e3 for t in times]}
     res["prefill_tokens_per_s"] = n / (res["prefill_ms"] / 1e3)
@@ -157,10 +162,14 @@ def main(argv=None) -> int:
     ap.add_argument("--parts", default="kernels,e2e")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--iters", type=int, default=4)
+    ap.add_argument("--graphs", action="store_true",
+                    help="CUDA graphs on (prompt steps in pieces around attention); default eager")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--json", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--model", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.graphs:   # read by the child processes
+        os.environ["BENCH_GRAPHS"] = "1"
     if args.one:
         res = kernels(args.smoke) if args.one == "kernels" else \
             one_variant(args.one, args.smoke, args.iters, args.model)

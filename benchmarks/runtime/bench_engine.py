@@ -40,6 +40,8 @@ def _llm(**kw):
     from slipstream import LLM
     opts = dict(load_format="dummy", dtype="bfloat16", max_num_seqs=256,
                 enforce_eager=os.environ.get("BENCH_EAGER") == "1")
+    if os.environ.get("BENCH_TOKEN_BUDGET"):   # max_num_batched_tokens (default: the engine's)
+        opts["max_num_batched_tokens"] = int(os.environ["BENCH_TOKEN_BUDGET"])
     opts.update(kw)
     return LLM(MODEL, **opts)
 
@@ -124,7 +126,11 @@ def stage_throughput(out: Path) -> dict:
     res = throughput.run(llm, args, hw)
     print(throughput.report(res), flush=True)
     res["cold_pass"] = cold
+    # The same kind of pass again, warm, each step timed: where the time goes.
+    res["warm_pass"] = _timed_steps(llm, _requests(seed=2))
+    print("warm", res["warm_pass"], flush=True)
     res["graphs_captured"] = len(llm.engine.runner.graphs.graphs)
+    res["max_num_batched_tokens"] = llm.engine.config.scheduler.max_num_batched_tokens
     (out / "requests.json").write_text(json.dumps([[r.prompt_token_ids, r.output_len] for r in reqs]))
     return res
 
