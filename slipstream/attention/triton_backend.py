@@ -101,9 +101,12 @@ class TritonAttentionBackend:
         return buf
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                layer: AttentionLayerInfo, batch: ForwardBatch, rope=None) -> torch.Tensor:
+                layer: AttentionLayerInfo, batch: ForwardBatch, rope=None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
         # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim];
-        # rope: the step's StepRotary (layers/rotary.py) when q and k are still unrotated.
+        # rope: the step's StepRotary (layers/rotary.py) when q and k are still unrotated;
+        # out: where to write the result (contiguous, q's shape; the Gluon path may
+        # return a new tensor instead).
         if rope is not None:  # q and k rotated in place, K/V stored: one kernel
             rotary_store_kv(q, k, v, rope.positions, rope.cos_table, rope.sin_table,
                             layer.k_cache, layer.v_cache, batch.slot_mapping, layer.k_scale,
@@ -126,11 +129,11 @@ class TritonAttentionBackend:
             return prefill_attention(
                 q, k, v, layer.k_cache, layer.v_cache, batch.query_start_loc, batch.context_lens,
                 batch.block_tables, batch.max_query_len, layer.scale,
-                causal=True, sliding_window=layer.sliding_window,
+                causal=True, sliding_window=layer.sliding_window, out=out,
                 k_cache_scale=layer.k_scale, v_cache_scale=layer.v_scale)
         if self._mode == "mixed":
             d = batch.num_decode_seqs
-            out = torch.empty_like(q)
+            out = torch.empty_like(q) if out is None else out
             self._decode(q[:d], layer, batch.query_start_loc[:d + 1], batch.seq_lens[:d],
                          batch.block_tables[:d], d, self._decode_max_len, 1, None, out[:d])
             prefill_attention(
@@ -141,7 +144,7 @@ class TritonAttentionBackend:
             return out
         return self._decode(q, layer, batch.query_start_loc, batch.seq_lens, batch.block_tables,
                             batch.num_seqs, batch.max_seq_len, batch.max_query_len,
-                            batch.decode_splits, None)
+                            batch.decode_splits, out)
 
     def _decode(self, q, layer, query_start_loc, seq_lens, block_tables, num_seqs, max_seq_len,
                 max_query_len, fixed_splits, out):

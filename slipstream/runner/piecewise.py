@@ -127,14 +127,18 @@ class PiecewiseGraphs:
 
     def _static_inputs(self, q, k, v, tb: int):
         """q, k, v copied into static buffers, so that no layer's QKV output stays
-        pinned in the graph pool: one copy when they are views of one tensor (the
-        fused QKV projection), else three."""
-        base = q._base
-        if (base is not None and k._base is base and v._base is base and base.is_contiguous()
-                and base.shape[0] == tb):
-            buf = self._buffer("qkv", base, tb)
-            buf.copy_(base)
-            shift = buf.storage_offset() - base.storage_offset()
+        pinned in the graph pool: one contiguous copy when they share their rows (head
+        slices of the fused QKV projection's output, whatever tensor that is a view
+        of), else three."""
+        row = q.stride(0)
+        lo = min(x.storage_offset() for x in (q, k, v))
+        ptr = q.untyped_storage().data_ptr()
+        if all(x.untyped_storage().data_ptr() == ptr and x.stride(0) == row and x.shape[0] == tb
+               and x.storage_offset() - lo + _row_extent(x) <= row for x in (q, k, v)):
+            rows = q.as_strided((tb, row), (row, 1), lo)       # the [tb, row] span they share
+            buf = self._buffer("qkv", rows, tb)
+            buf.copy_(rows)
+            shift = buf.storage_offset() - lo
             return tuple(buf.as_strided(x.shape, x.stride(), x.storage_offset() + shift)
                          for x in (q, k, v))
         out = []
@@ -146,15 +150,15 @@ class PiecewiseGraphs:
 
     @staticmethod
     def _attend(call: _Call, batch: ForwardBatch, t: int) -> None:
-        layer, rope = call.layer, call.rope
+        layer, rope, out = call.layer, call.rope, call.out[:t]
         q, k, v = call.q[:t], call.k[:t], call.v[:t]
-        if rope is None:
-            o = layer.backend.forward(q, k, v, layer, batch)
-        else:
+        kw = {"out": out} if getattr(layer.backend, "name", None) == "triton" else {}
+        if rope is not None:
             gathered = None if rope.gathered is None else tuple(x[:t] for x in rope.gathered)
-            step_rope = StepRotary(rope.positions[:t], rope.cos_table, rope.sin_table, gathered)
-            o = layer.backend.forward(q, k, v, layer, batch, rope=step_rope)
-        call.out[:t].copy_(o)
+            kw["rope"] = StepRotary(rope.positions[:t], rope.cos_table, rope.sin_table, gathered)
+        o = layer.backend.forward(q, k, v, layer, batch, **kw)
+        if o.data_ptr() != out.data_ptr():   # a backend that returns a new tensor
+            out.copy_(o)
 
     @contextlib.contextmanager
     def _intercepted(self, hook):
@@ -211,3 +215,7 @@ class PiecewiseGraphs:
         self._graph = None
         return _Pieces(graphs, calls, static_hidden)
 
+
+def _row_extent(x: torch.Tensor) -> int:
+    """Elements one row of x spans in its storage (from its first to its last)."""
+    return 1 + sum((n - 1) * st for n, st in zip(x.shape[1:], x.stride()[1:]))

@@ -31,15 +31,25 @@ def _run(folder, monkeypatch, mode, arch_kw):
              [SamplingParams(max_tokens=12, temperature=0.9, seed=i, ignore_eos=True,
                              prompt_logprobs=1 if i == 2 else None) for i in range(6)]
     outs = llm.generate(prompts, params, use_tqdm=False)
-    return outs, used
+    return outs, used, pw
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_pieces_match_the_plain_forward(tiny_folder, monkeypatch, arch):
+@pytest.mark.parametrize("arch,backend", [("llama", "torch"), ("qwen2", "torch"),
+                                          ("llama", "triton")])
+def test_pieces_match_the_plain_forward(tiny_folder, monkeypatch, arch, backend):
+    """triton: the GPU's path in Triton's interpreter, rotary fused into the KV store
+    (q / k / v handed over as head slices of one output, written into `out`)."""
     folder, _ = tiny_folder(arch)
-    base, none = _run(folder, monkeypatch, "0", {})
-    outs, used = _run(folder, monkeypatch, "eager", {})
+    kw = {}
+    if backend == "triton":
+        from slipstream.layers.rotary import RotaryEmbedding
+        monkeypatch.setattr(RotaryEmbedding, "use_kernel", True)
+        kw = dict(attention_backend="triton")
+    base, none, _ = _run(folder, monkeypatch, "0", kw)
+    outs, used, pw = _run(folder, monkeypatch, "eager", kw)
     assert not none
+    # One copy of the QKV output a layer where q / k / v are slices of it.
+    assert ({key[0] for key in pw._bufs} >= {"qkv", "out"}) == (backend == "triton")
     # Chunked prompts beside running decodes, and prompt-only steps, went through the pieces.
     assert any(d and n > d for n, d in used) and any(d == 0 for _, d in used)
     for a, b in zip(base, outs):
@@ -51,3 +61,25 @@ def test_pieces_match_the_plain_forward(tiny_folder, monkeypatch, arch):
             if x is not None:
                 assert {k: v.logprob for k, v in x.items()} == pytest.approx(
                     {k: v.logprob for k, v in y.items()}, abs=1e-5)
+
+
+def test_head_slices_of_one_output_are_copied_in_one_piece():
+    import torch
+    from slipstream.runner.piecewise import PiecewiseGraphs
+
+    class _Model(torch.nn.Module):
+        def attention_layers(self):
+            return []
+    pw = PiecewiseGraphs(_Model(), 64, torch.device("cpu"), mode="eager")
+    # The projection's output is itself a view (a kernel that pads its rows).
+    padded = torch.randn(40, 8 * 4 + 2 * 2 * 4)
+    qkv = padded[:32].view(32, 12, 4)
+    q, k, v = qkv[:, :8], qkv[:, 8:10], qkv[:, 10:]
+    sq, sk, sv = pw._static_inputs(q, k, v, 32)
+    assert [key[0] for key in pw._bufs] == ["qkv"]
+    assert torch.equal(sq, q) and torch.equal(sk, k) and torch.equal(sv, v)
+    assert sq.data_ptr() != q.data_ptr() and sq.stride() == q.stride()
+    # Separate tensors: three copies.
+    sq, sk, sv = pw._static_inputs(q.clone(), k.clone(), v.clone(), 32)
+    assert sorted(key[0] for key in pw._bufs) == ["k", "q", "qkv", "v"]
+    assert torch.equal(sq, q) and torch.equal(sv, v)
