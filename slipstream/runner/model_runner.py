@@ -26,7 +26,7 @@ from slipstream.models.registry import model_class
 from slipstream.runner import memory
 from slipstream.runner.cuda_graph import DecodeGraphs
 from slipstream.runner.input_batch import InputBatch, StepPlan
-from slipstream.runner.piecewise import PiecewiseGraphs
+from slipstream.runner.piecewise import PiecewiseGraphs, piecewise_mode
 from slipstream.runner.sampling_state import SamplingState
 from slipstream.step_data import SchedulerOutput, StepOutput, TokenLogprobs
 
@@ -73,7 +73,7 @@ class ModelRunner:
         rank_config = config
         if tp is not None:
             rank_config = replace(config, model_config=rank_shape(mc, tp.size))
-        pieces = _piecewise_mode(config, tp)
+        pieces = piecewise_mode(config, tp)
         # Captured pieces keep a full step's working memory in their graph pool, beside
         # what eager steps use: the KV pool leaves room for both.
         self.plan = memory.plan_kv_cache(self.model, rank_config, graph_pool=pieces == "graphs")
@@ -262,22 +262,6 @@ class ModelRunner:
             ids, vals, ranks = ids.tolist(), vals.tolist(), ranks.tolist()
             out.prompt_logprobs[rid] = (start, [_record(a, b, c, k) for a, b, c in zip(ids, vals, ranks)])
         return out
-
-
-def _piecewise_mode(config: EngineConfig, tp) -> str | None:
-    """How steps with prompt tokens run (runner/piecewise.py): "graphs" (captured
-    pieces around attention; with the decode graphs on one GPU), "eager" (the same
-    pieces without graphs, any device: SLIPSTREAM_PIECEWISE_GRAPHS=eager) or None
-    (the plain forward; SLIPSTREAM_PIECEWISE_GRAPHS=0)."""
-    import os
-    mode = os.environ.get("SLIPSTREAM_PIECEWISE_GRAPHS", "1")
-    if mode == "0" or tp is not None or config.speculative.enabled:
-        return None
-    if mode == "eager":
-        return "eager"
-    if config.device.type != "cuda" or config.enforce_eager:
-        return None
-    return "graphs"
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:

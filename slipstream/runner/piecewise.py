@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import warnings
 from dataclasses import dataclass
 
@@ -60,6 +61,21 @@ class _Pieces:
     graphs: list            # L + 1 CUDA graphs
     calls: list[_Call]      # L attention calls, one after each graph but the last
     hidden: torch.Tensor    # [bucket, hidden] final hidden states (static)
+
+
+def piecewise_mode(config, tp) -> str | None:
+    """How steps with prompt tokens run: "graphs" (captured
+    pieces around attention; with the decode graphs on one GPU), "eager" (the same
+    pieces without graphs, any device: SLIPSTREAM_PIECEWISE_GRAPHS=eager) or None
+    (the plain forward; SLIPSTREAM_PIECEWISE_GRAPHS=0)."""
+    mode = os.environ.get("SLIPSTREAM_PIECEWISE_GRAPHS", "1")
+    if mode == "0" or tp is not None or config.speculative.enabled:
+        return None
+    if mode == "eager":
+        return "eager"
+    if config.device.type != "cuda" or config.enforce_eager:
+        return None
+    return "graphs"
 
 
 class PiecewiseGraphs:
@@ -188,12 +204,14 @@ class PiecewiseGraphs:
 
         def hook(layer, q, k, v, rope):
             q, k, v = self._static_inputs(q, k, v, tb)
-            self._graph.capture_end()
-            graphs.append(self._graph)
+            graph, self._graph = self._graph, None
+            graph.capture_end()
+            graphs.append(graph)
             out = self._buffer("out", q, tb)
             calls.append(_Call(layer, q, k, v, rope, out))
-            self._graph = torch.cuda.CUDAGraph()
-            self._graph.capture_begin(pool=self.pool)
+            graph = torch.cuda.CUDAGraph()
+            graph.capture_begin(pool=self.pool)
+            self._graph = graph   # capturing
             return out
 
         # The static buffers exist already (the eager run of this bucket made them):
@@ -208,11 +226,12 @@ class PiecewiseGraphs:
                 hidden = self.model(self._static(batch, tb))
                 static_hidden = self._buffer("hidden", hidden, tb)
                 static_hidden.copy_(hidden)
-            finally:
-                self._graph.capture_end()
-            graphs.append(self._graph)
+            finally:   # end whichever capture is open, also on an error
+                graph, self._graph = self._graph, None
+                if graph is not None:
+                    graph.capture_end()
+            graphs.append(graph)
         torch.cuda.current_stream().wait_stream(stream)
-        self._graph = None
         return _Pieces(graphs, calls, static_hidden)
 
 
