@@ -126,7 +126,7 @@ class EngineArgs:
             if self.speculative_model or self.num_speculative_tokens:
                 raise ValueError("speculative_model / num_speculative_tokens need speculative_method")
             return SpecConfig()
-        methods = ("draft", "ngram", "medusa", "eagle")
+        methods = ("draft", "ngram", "medusa", "eagle", "peagle")
         if method not in methods:
             raise ValueError(f"speculative_method: unknown {method!r}; choose from "
                              f"{', '.join(methods)}")

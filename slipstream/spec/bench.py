@@ -33,6 +33,8 @@ METHODS = {
     # Tree: the best of the H200 loop runs (depth 3, top-10, beam 10, 40 nodes).
     "eagle-loop": dict(speculative_method="eagle", num_speculative_tokens=3,
                        speculative_tree="10,10,40", speculative_device_loop=True),
+    # Parallel drafting: a chain of 4 from one head pass (spec/peagle.py).
+    "peagle": dict(speculative_method="peagle", num_speculative_tokens=4),
     # The widest tree one verification graph takes (64 rows), 7 levels deep.
     "eagle-wide": dict(speculative_method="eagle", num_speculative_tokens=7,
                        speculative_tree="10,10,63"),
@@ -71,7 +73,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
     p.add_argument("--speculative-method", "--methods", dest="methods",
-                   default="ngram,draft,medusa,eagle", help="comma-separated methods")
+                   default="ngram,draft,medusa,eagle,peagle", help="comma-separated methods")
     p.add_argument("--prompts", default=None, help="one prompt per line "
                    "(default: benchmarks/spec/prompts.txt, or the training prompts)")
     p.add_argument("--num-prompts", type=int, default=None)
@@ -82,11 +84,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="directory for results_<device>.{json,md}")
     p.add_argument("--medusa-head", default=None, help="Medusa head file (default: shipped)")
     p.add_argument("--eagle-head", default=None, help="EAGLE head file (default: shipped)")
+    p.add_argument("--peagle-head", default=None,
+                   help="parallel-drafting EAGLE head file (default: shipped)")
     p.add_argument("--eagle-tree", default=None,
                    help="EAGLE tree 'topk,beam,nodes' (default 4,4,16)")
     p.add_argument("--eagle-depth", type=int, default=None, help="EAGLE tree depth (default 5)")
     p.add_argument("--medusa-tree", default=None, help="Medusa top-k per head (default 3,2,1)")
     p.add_argument("--ngram-tokens", type=int, default=None, help="n-gram chain length (default 4)")
+    p.add_argument("--peagle-tokens", type=int, default=None,
+                   help="parallel-drafting chain length (default 4)")
     p.add_argument("--profile", action="store_true",
                    help="after each timed run, one more run of up to 4 prompts under cProfile: "
                         "profiles_<device>.txt (top 40, ms per round by part) in --out")
@@ -99,7 +105,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args, model=None, heads: dict | None = None, stem: str | None = None) -> int:
     """`model`/`heads` override --model and the shipped heads (the smoke test)."""
     heads = dict(heads or {})
-    for name in ("medusa", "eagle"):
+    for name in ("medusa", "eagle", "peagle"):
         if getattr(args, f"{name}_head", None):
             heads[name] = getattr(args, f"{name}_head")
     model = model if model is not None else args.model
@@ -165,8 +171,8 @@ def run(args, model=None, heads: dict | None = None, stem: str | None = None) ->
             opts["num_speculative_tokens"] = args.eagle_depth
         if name == "medusa" and getattr(args, "medusa_tree", None):
             opts["speculative_tree"] = args.medusa_tree
-        if name == "ngram" and getattr(args, "ngram_tokens", None):
-            opts["num_speculative_tokens"] = args.ngram_tokens
+        if name in ("ngram", "peagle") and getattr(args, f"{name}_tokens", None):
+            opts["num_speculative_tokens"] = getattr(args, f"{name}_tokens")
         kind = opts["speculative_method"]
         if kind == "eagle" and getattr(args, "eagle_graphs", False):
             opts["speculative_draft_graphs"] = True

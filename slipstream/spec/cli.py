@@ -8,7 +8,15 @@ def add_parser(sub) -> None:
     p = sub.add_parser("train-draft", help="train Medusa or EAGLE draft heads on the "
                        "target's own answers (GPU if there is one, else CPU)")
     p.add_argument("--method", nargs="+", default=["medusa", "eagle"],
-                   choices=["medusa", "eagle"], help="which heads to train")
+                   choices=["medusa", "eagle", "peagle"],
+                   help="which heads to train (peagle: an EAGLE head with placeholders for "
+                        "parallel drafting)")
+    p.add_argument("--init-head", default=None,
+                   help="start the EAGLE / peagle head from this head file (same shape; its "
+                        "draft vocabulary is kept)")
+    p.add_argument("--init-lr-scale", type=float, default=0.0,
+                   help="peagle from --init-head: the layer's learning rate as a fraction of "
+                        "--lr (0: only the placeholders train)")
     p.add_argument("--model", default=None, help="target model (default: SmolLM2-135M-Instruct)")
     p.add_argument("--prompts", default=None,
                    help="prompt file, one per line (default: the shipped training prompts)")
@@ -45,18 +53,22 @@ def run(args: argparse.Namespace) -> int:
                 args.seed, data_cache=args.data_cache, device=args.device,
                 num_prompts=args.num_prompts, medusa_epochs=args.medusa_epochs,
                 ttt_steps=args.ttt_steps, batch_tokens=args.batch_tokens, lr=args.lr,
-                max_num_seqs=args.max_num_seqs, draft_vocab=args.draft_vocab)
+                max_num_seqs=args.max_num_seqs, draft_vocab=args.draft_vocab,
+                init_head=args.init_head, init_lr_scale=args.init_lr_scale)
     return 0
 
 
 def add_spec_options(p: argparse.ArgumentParser) -> None:
     """The speculative-decoding engine options, for generate / chat / serve / bench."""
     g = p.add_argument_group("speculative decoding")
-    g.add_argument("--speculative-method", default=None, choices=["draft", "ngram", "medusa", "eagle"],
-                   help="draft tokens with a draft model, prompt lookup, Medusa heads or an EAGLE head")
+    g.add_argument("--speculative-method", default=None,
+                   choices=["draft", "ngram", "medusa", "eagle", "peagle"],
+                   help="draft tokens with a draft model, prompt lookup, Medusa heads, an EAGLE "
+                        "head (a dynamic tree) or an EAGLE head drafting all tokens in one pass "
+                        "(peagle)")
     g.add_argument("--speculative-model", default=None,
-                   help="the draft model (draft) or head file (medusa, eagle; default: the heads "
-                        "shipped for the default model)")
+                   help="the draft model (draft) or head file (medusa, eagle, peagle; default: "
+                        "the heads shipped for the default model)")
     g.add_argument("--num-speculative-tokens", type=int, default=None,
                    help="draft length (EAGLE: tree depth); default 4")
     g.add_argument("--speculative-draft-layers", type=int, default=None,

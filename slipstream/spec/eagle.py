@@ -184,15 +184,21 @@ def _append_mask(valid: torch.Tensor, t: int) -> torch.Tensor:
     return torch.cat([valid.expand(t, -1), causal], 1)
 
 
-@register_proposer("eagle")
-def _make(spec, device, dtype, target=None, **_):
+def load_head(spec, device, dtype, target, kind: str):
+    """The named (or shipped) head file of `kind` -> (EagleHead, the LM head it drafts with)."""
     from slipstream.spec.heads import DraftLMHead, read_draft_vocab, resolve_head
-    path = resolve_head(spec.model, "eagle")
+    path = resolve_head(spec.model, kind)
     head = EagleHead.load(path, device, dtype)
     lm_head = DraftLMHead(target, read_draft_vocab(path), dtype, device)
     from slipstream.spec import cpu_draft
     if cpu_draft.usable(head, device):      # drafting on a CPU: products on GGUF blocks
         lm_head = cpu_draft.quantize_head(head, lm_head)
+    return head, lm_head
+
+
+@register_proposer("eagle")
+def _make(spec, device, dtype, target=None, **_):
+    head, lm_head = load_head(spec, device, dtype, target, "eagle")
     return EagleProposer(head, target.model.embed_tokens, lm_head,
                          spec.num_speculative_tokens, spec.eagle_topk, spec.eagle_beam,
                          spec.eagle_max_nodes)

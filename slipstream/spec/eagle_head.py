@@ -2,6 +2,8 @@
 next token's embedding (fc([embed(t) ; f]) -> attention over its own K/V ->
 MLP -> norm), whose output guesses the target's next feature; saved and loaded
 as safetensors with its shape in the metadata. spec/eagle.py drafts with it.
+A head trained for parallel drafting (`parallel`, spec/peagle.py) also holds a
+placeholder token embedding and feature for the positions it drafts blind.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ class EagleShape:
     rope_theta: float = 10000.0
     max_position: int = 8192
     eps: float = 1e-5
+    parallel: int = 0    # 1: placeholder inputs for parallel drafting (spec/peagle.py)
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -49,6 +52,9 @@ class EagleHead(nn.Module):
         self.mlp_norm = nn.Parameter(torch.ones(h))
         self.out_norm = nn.Parameter(torch.ones(h))
         self.rotary = RotaryEmbedding(d, s.max_position, s.rope_theta)
+        if s.parallel:   # P-EAGLE: the token and feature of a position still unknown
+            self.mask_emb = nn.Parameter(torch.randn(h) * 0.02)
+            self.mask_feat = nn.Parameter(torch.randn(h) * 0.02)
         self.qkv_weight: torch.Tensor | None = None   # [q; k; v] rows, set for drafting by load
 
     def forward(self, emb: torch.Tensor, feat: torch.Tensor, positions: torch.Tensor,

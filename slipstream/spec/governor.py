@@ -68,7 +68,7 @@ class SpecGovernor:
         self.spec = spec
         self.k = spec.num_speculative_tokens
         self.auto_off = spec.auto_off
-        self.chain = spec.method in ("draft", "ngram")
+        self.chain = spec.method in ("draft", "ngram", "peagle")
         self.critical_batch = specdec.critical_batch_for(model_config, hardware_for(device))
         self.cpu = device.type == "cpu"
         self.probe_every, self.plain_every = probe_every, plain_every

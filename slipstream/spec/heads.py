@@ -19,7 +19,8 @@ import torch
 
 SHIPPED_DIR = Path(__file__).parent / "weights"
 SHIPPED = {"medusa": "smollm2-135m-instruct.medusa.safetensors",
-           "eagle": "smollm2-135m-instruct.eagle.safetensors"}
+           "eagle": "smollm2-135m-instruct.eagle.safetensors",
+           "peagle": "smollm2-135m-instruct.peagle.safetensors"}
 
 
 def resolve_head(path: str | None, kind: str) -> Path:

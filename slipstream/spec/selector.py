@@ -8,7 +8,8 @@ import importlib
 from slipstream.spec.base import _PROPOSERS, Proposer, proposer_names
 
 _BUILTIN = {"draft": "slipstream.spec.draft_model", "ngram": "slipstream.spec.ngram",
-            "medusa": "slipstream.spec.medusa", "eagle": "slipstream.spec.eagle"}
+            "medusa": "slipstream.spec.medusa", "eagle": "slipstream.spec.eagle",
+            "peagle": "slipstream.spec.peagle"}
 
 
 def create_proposer(name: str, **kwargs) -> Proposer:

@@ -14,7 +14,9 @@ the labels are the answer tokens, i.e. the target's own argmax.
     pass s - 1 (row j - 1), and row j attends to the real pairs <= j - s plus
     its own draft ancestors (pass i row j - s + i), exactly the context the
     head sees when it drafts. Loss per pass: cross-entropy plus a small
-    smooth-L1 on the feature.
+    smooth-L1 on the feature. A head for parallel drafting (P-EAGLE,
+    spec/peagle.py) trains the same passes with its placeholders as the input
+    of every pass from the third on.
 
 Both train in large batches on the training device (bf16 autocast on CUDA,
 fp32 master weights), AdamW with a one-cycle schedule, a held-out slice of
@@ -24,6 +26,7 @@ safetensors checkpoint after every epoch.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 
 import torch
@@ -31,7 +34,8 @@ import torch.nn.functional as F
 
 from slipstream.spec.eagle import EagleHead, EagleShape
 from slipstream.spec.medusa import MedusaHeads
-from slipstream.spec.train_data import Samples
+from slipstream.spec.train_data import Samples, eagle_batches  # noqa: F401 (re-exported)
+from slipstream.spec.train_data import pad_batch as _pad
 
 
 def autocast(device: torch.device):
@@ -144,37 +148,6 @@ def eagle_shape_for(model_config, intermediate_size: int | None = None) -> Eagle
                       c.max_position_embeddings, c.rms_norm_eps)
 
 
-def eagle_batches(s: Samples, seqs: list[int], batch_tokens: int, shuffle: bool):
-    """Groups of sequences of similar length, about batch_tokens padded tokens each."""
-    order = sorted(seqs, key=lambda q: int(s.lengths[q]))
-    groups, cur, longest = [], [], 0
-    for q in order:
-        ln = int(s.lengths[q])
-        if cur and max(longest, ln) * (len(cur) + 1) > batch_tokens:
-            groups.append(cur)
-            cur, longest = [], 0
-        cur.append(q)
-        longest = max(longest, ln)
-    if cur:
-        groups.append(cur)
-    if shuffle:
-        groups = [groups[i] for i in torch.randperm(len(groups)).tolist()]
-    return groups
-
-
-def _pad(s: Samples, group: list[int], dev) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """-> tokens [B, T] (-100 past the end), features [B, T, h], answer starts [B]."""
-    t = max(int(s.lengths[q]) for q in group)
-    tok = torch.full((len(group), t), -100, dtype=torch.int64)
-    idx = torch.zeros(len(group), t, dtype=torch.int64)
-    for i, q in enumerate(group):
-        off, ln = int(s.offsets[q]), int(s.lengths[q])
-        tok[i, :ln] = s.tokens[off:off + ln]
-        idx[i, :ln] = torch.arange(off, off + ln)
-        idx[i, ln:] = off + ln - 1
-    return tok.to(dev), s.features[idx.to(s.features.device)], s.answer_starts[group].to(dev)
-
-
 def ttt_mask(t: int, step: int, device) -> torch.Tensor:
     """[t, (step + 1) t] bool: row j of pass `step` sees real keys <= j - step
     and, in pass i (1 <= i <= step), key j - step + i."""
@@ -188,13 +161,18 @@ def ttt_features(head: EagleHead, e: torch.Tensor, feat: torch.Tensor, steps: in
     """e, feat: [B, n, hidden], pair j = (feat[:, j], e[:, j]) at position j.
     Returns the predicted features of each training-time-test pass [B, n, hidden]:
     pass s row j is what the head computes when it drafts at depth s + 1 after
-    the real pairs <= j - s (see the module docstring)."""
+    the real pairs <= j - s (see the module docstring). A parallel head's
+    passes from s = 2 on read its placeholders instead of a token and a
+    feature, as its rows after the first do when it drafts (spec/peagle.py)."""
     sh = head.shape
     n = e.shape[1]
     cos, sin = head.rotary.lookup(torch.arange(n, device=e.device))
     rep = sh.num_heads // sh.num_kv_heads
     keys, vals, outs = [], [], []
     for step in range(steps):
+        if step >= 2 and sh.parallel:   # P-EAGLE: drafted blind, from the placeholders
+            e = head.mask_emb.to(e.dtype).expand_as(e)
+            feat = head.mask_feat.to(feat.dtype).expand_as(feat)
         x = head.fuse(e, feat)
         q, k, v = head.qkv(x, cos, sin)
         keys.append(k.repeat_interleave(rep, dim=2))
@@ -237,22 +215,45 @@ def eagle_passes(head: EagleHead, emb_w, lm_w, tok, feats, answer_starts, ttt_st
 def train_eagle(lm_w: torch.Tensor, emb_w: torch.Tensor, s: Samples, model_config,
                 epochs: int = 6, lr: float = 1e-3, ttt_steps: int = 3, batch_tokens: int = 16384,
                 intermediate_size: int | None = None, log=print, checkpoint=None,
-                vocab: torch.Tensor | None = None) -> EagleHead:
-    """vocab: the draft vocabulary (None: all tokens)."""
+                vocab: torch.Tensor | None = None, parallel: bool = False,
+                init: EagleHead | None = None, init_lr_scale: float = 0.0) -> EagleHead:
+    """vocab: the draft vocabulary (None: all tokens); parallel: a head for
+    parallel drafting (placeholders, spec/peagle.py); init: a trained head to
+    start from (its weights; placeholders start fresh). A parallel head started
+    from one trains its placeholders at `lr` and the layer at `lr * init_lr_scale`
+    (default 0: frozen, keeping what it learned on far more data; fine-tuning it
+    at 2e-3 on a small set lost half its top-1 at depth 1)."""
     dev = s.features.device
     lm_w, remap = restrict(lm_w, vocab)
     remap = None if remap is None else remap.to(dev)
     tr, va = split(s)
-    head = EagleHead(eagle_shape_for(model_config, intermediate_size)).to(dev)
+    shape = eagle_shape_for(model_config, init.shape.intermediate_size if init is not None
+                            else intermediate_size)
+    head = EagleHead(dataclasses.replace(shape, parallel=int(parallel))).to(dev)
+    if init is not None:
+        state = {k: v for k, v in init.state_dict().items() if not k.startswith("mask_")}
+        head.load_state_dict(state, strict=False)
+    if parallel:   # placeholders start at the average feature and token embedding
+        with torch.no_grad():
+            head.mask_feat.copy_(s.features[:65536].float().mean(0).to(dev))
+            head.mask_emb.copy_(emb_w[s.tokens[:65536].to(emb_w.device)].float().mean(0).to(dev))
     # Rotary tables stay fp32 buffers; the head's weights train in fp32 under autocast.
     wdt = torch.bfloat16 if dev.type == "cuda" else torch.float32
     w, emb = lm_w.to(dev, wdt).clone(), emb_w.to(dev, wdt).clone()   # normal tensors
-    opt = torch.optim.AdamW([p for p in head.parameters()], lr=lr, weight_decay=0.0)
+    params = list(head.parameters())
+    param_groups = [dict(params=params, lr=lr)]
+    if parallel and init is not None:
+        masks = [head.mask_emb, head.mask_feat]
+        rest = [p for p in params if all(p is not m for m in masks)]
+        params = masks + (rest if init_lr_scale > 0 else [])
+        param_groups = [dict(params=masks, lr=lr)] + (
+            [dict(params=rest, lr=lr * init_lr_scale)] if init_lr_scale > 0 else [])
+    opt = torch.optim.AdamW(param_groups, lr=lr, weight_decay=0.0)
     groups = eagle_batches(s, tr, batch_tokens, shuffle=False)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, lr, total_steps=epochs * len(groups),
-                                                pct_start=0.1)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, [g["lr"] for g in param_groups],
+                                                total_steps=epochs * len(groups), pct_start=0.1)
     weights = [0.8 ** i for i in range(ttt_steps)]
-    with _bar(epochs * len(groups), "eagle") as bar:
+    with _bar(epochs * len(groups), "peagle" if parallel else "eagle") as bar:
         for epoch in range(epochs):
             for group in eagle_batches(s, tr, batch_tokens, shuffle=True):
                 tok, feats, a = _pad(s, group, dev)
@@ -261,12 +262,12 @@ def train_eagle(lm_w: torch.Tensor, emb_w: torch.Tensor, s: Samples, model_confi
                     loss = sum(wt * r[0] for wt, r in zip(weights, res)) / sum(weights)
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
-                torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+                torch.nn.utils.clip_grad_norm_(params, 1.0)
                 opt.step()
                 sched.step()
                 bar.update(1)
             acc = eagle_accuracy(head, emb, w, s, va or tr[:64], ttt_steps, batch_tokens, remap)
-            log(f"eagle epoch {epoch + 1}/{epochs}: loss {loss.item():.3f}, "
+            log(f"{'peagle' if parallel else 'eagle'} epoch {epoch + 1}/{epochs}: loss {loss.item():.3f}, "
                 f"held-out top-1 by depth {[round(x, 3) for x in acc]}")
             if checkpoint is not None:
                 checkpoint(head)

@@ -154,3 +154,34 @@ def dense_output_weights(model) -> tuple[torch.Tensor, torch.Tensor]:
     emb = torch.cat([model.model.embed_tokens(torch.arange(s, min(s + 8192, vocab), device=dev))
                      for s in range(0, vocab, 8192)]).float()
     return lm, emb
+
+
+def eagle_batches(s: Samples, seqs: list[int], batch_tokens: int, shuffle: bool):
+    """Groups of sequences of similar length, about batch_tokens padded tokens each."""
+    order = sorted(seqs, key=lambda q: int(s.lengths[q]))
+    groups, cur, longest = [], [], 0
+    for q in order:
+        ln = int(s.lengths[q])
+        if cur and max(longest, ln) * (len(cur) + 1) > batch_tokens:
+            groups.append(cur)
+            cur, longest = [], 0
+        cur.append(q)
+        longest = max(longest, ln)
+    if cur:
+        groups.append(cur)
+    if shuffle:
+        groups = [groups[i] for i in torch.randperm(len(groups)).tolist()]
+    return groups
+
+
+def pad_batch(s: Samples, group: list[int], dev) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> tokens [B, T] (-100 past the end), features [B, T, h], answer starts [B]."""
+    t = max(int(s.lengths[q]) for q in group)
+    tok = torch.full((len(group), t), -100, dtype=torch.int64)
+    idx = torch.zeros(len(group), t, dtype=torch.int64)
+    for i, q in enumerate(group):
+        off, ln = int(s.offsets[q]), int(s.lengths[q])
+        tok[i, :ln] = s.tokens[off:off + ln]
+        idx[i, :ln] = torch.arange(off, off + ln)
+        idx[i, ln:] = off + ln - 1
+    return tok.to(dev), s.features[idx.to(s.features.device)], s.answer_starts[group].to(dev)

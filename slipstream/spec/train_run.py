@@ -76,10 +76,19 @@ def train_draft(methods: list[str], model_path: str | None, out_dir: str | Path,
                 data_cache: str | None = None, device: str = "auto",
                 num_prompts: int | None = None, medusa_epochs: int | None = None,
                 ttt_steps: int = 3, batch_tokens: int = 16384, lr: float = 1e-3,
-                max_num_seqs: int = 256, draft_vocab: int = 16384) -> list[Path]:
+                max_num_seqs: int = 256, draft_vocab: int = 16384,
+                init_head: str | None = None, init_lr_scale: float = 0.0) -> list[Path]:
+    """init_head: an EAGLE head file the eagle / peagle heads start from (its draft
+    vocabulary is kept); init_lr_scale: a peagle head's layer then trains at this
+    fraction of lr (0: only the placeholders train)."""
     for method in methods:
-        if method not in ("medusa", "eagle"):
-            raise ValueError(f"method: train-draft trains 'medusa' or 'eagle', got {method!r}")
+        if method not in ("medusa", "eagle", "peagle"):
+            raise ValueError(f"method: train-draft trains 'medusa', 'eagle' or 'peagle', "
+                             f"got {method!r}")
+    if "peagle" in methods and ttt_steps < 3:
+        raise ValueError("--method peagle trains its placeholders from the third "
+                         "training-time-test pass on: --ttt-steps must be at least 3 (one "
+                         "more than the blind drafts wanted)")
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(seed)
@@ -119,8 +128,16 @@ def train_draft(methods: list[str], model_path: str | None, out_dir: str | Path,
         else:
             log(msg)
 
-    vocab = None
-    if draft_vocab:
+    vocab, init = None, None
+    if init_head:
+        from slipstream.spec.eagle_head import EagleHead
+        from slipstream.spec.heads import read_draft_vocab
+        init = EagleHead.load(init_head, device, torch.float32)
+        vocab = read_draft_vocab(init_head)
+        report["init_head"], report["init_lr_scale"] = str(init_head), init_lr_scale
+        logged(f"starting from {init_head}" + ("" if vocab is None else
+                                                f" (its draft vocabulary: {vocab.shape[0]} tokens)"))
+    elif draft_vocab:
         answers = torch.cat([samples.tokens[o + a:o + n] for o, n, a in zip(
             samples.offsets.tolist(), samples.lengths.tolist(), samples.answer_starts.tolist())])
         vocab, cover = top_tokens(answers, draft_vocab, lm_w.shape[0])
@@ -137,7 +154,8 @@ def train_draft(methods: list[str], model_path: str | None, out_dir: str | Path,
         else:
             T.train_eagle(lm_w, emb_w, samples, config, epochs=epochs, lr=lr,
                           ttt_steps=ttt_steps, batch_tokens=batch_tokens, log=logged,
-                          checkpoint=save, vocab=vocab)
+                          checkpoint=save, vocab=vocab, parallel=method == "peagle",
+                          init=init, init_lr_scale=init_lr_scale)
         report[f"{method}_seconds"] = round(time.perf_counter() - t0, 1)
         logged(f"wrote {out} ({time.perf_counter() - t0:.0f} s of training)")
         outs.append(out)

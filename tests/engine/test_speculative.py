@@ -36,13 +36,15 @@ def _heads(tmp_path, folder):
     medusa = MedusaHeads(c.hidden_size, 3)
     medusa.w2.data.normal_(0, 0.02)
     medusa.save(tmp_path / "m.safetensors")
-    EagleHead(EagleShape(c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
-                         64, c.rope_theta, c.max_position_embeddings)).save(tmp_path / "e.safetensors")
+    for name, parallel in (("e", 0), ("p", 1)):
+        EagleHead(EagleShape(c.hidden_size, c.num_attention_heads, c.num_key_value_heads,
+                             c.head_dim, 64, c.rope_theta, c.max_position_embeddings,
+                             parallel=parallel)).save(tmp_path / f"{name}.safetensors")
     return tmp_path / "m.safetensors", tmp_path / "e.safetensors"
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft", "draft-self", "medusa", "eagle",
-                                    "eagle-chunked"])
+                                    "eagle-chunked", "peagle"])
 def test_greedy_speculation_equals_plain_decoding(folder, plain, method, tmp_path):
     kw = dict(speculative_method=method.split("-")[0], num_speculative_tokens=3,
               speculative_auto_off=False)
@@ -52,6 +54,9 @@ def test_greedy_speculation_equals_plain_decoding(folder, plain, method, tmp_pat
         kw.update(speculative_model=str(folder), speculative_draft_layers=1)
     elif method == "draft-self":   # the target drafts for itself: every draft is accepted
         kw.update(speculative_model=str(folder))
+    elif method == "peagle":   # one head pass drafts the 3 tokens (a P-EAGLE head)
+        _heads(tmp_path, folder)
+        kw.update(speculative_model=str(tmp_path / "p.safetensors"))
     elif method.startswith(("medusa", "eagle")):
         m, e = _heads(tmp_path, folder)
         kw.update(speculative_model=str(m if method == "medusa" else e),

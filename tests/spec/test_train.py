@@ -131,3 +131,29 @@ def test_draft_vocabulary_round_trips_and_drafts_only_its_tokens(tiny_target, tm
     from slipstream.spec.base import ProposeRequest
     tree = p.propose([ProposeRequest("r", [1, 2, 3, 4], torch.randn(3, h.shape[1]))])[0]
     assert tree.num_nodes == 5 and set(tree.tokens.tolist()) <= {3, 10, 40, 41}
+
+
+def test_a_parallel_head_learns_its_blind_drafts_from_an_eagle_head(tiny_target, tmp_path):
+    """--method peagle --init-head: the EAGLE head's layer carried over unchanged, the
+    placeholders trained: the blind depth (the third pass) improves; the file loads
+    as a parallel head."""
+    lm, emb = dense_output_weights(tiny_target)
+    s = _samples(tiny_target)
+    eagle = train_eagle(lm, emb, s, tiny_target.config, epochs=4, lr=3e-3, ttt_steps=2,
+                        batch_tokens=64, intermediate_size=64, log=lambda m: None)
+    kw = dict(ttt_steps=3, batch_tokens=64, log=lambda m: None, parallel=True, init=eagle)
+    start = train_eagle(lm, emb, s, tiny_target.config, epochs=1, lr=0.0, **kw)
+    head = train_eagle(lm, emb, s, tiny_target.config, epochs=8, lr=3e-2, **kw)
+    assert head.shape.parallel == 1 and head.shape.intermediate_size == 64
+    before = dict(eagle.named_parameters())
+    assert all(torch.equal(a, before[n]) for n, a in head.named_parameters()
+               if not n.startswith("mask_"))
+    from slipstream.spec.train import eagle_passes
+    from slipstream.spec.train_data import pad_batch
+    tok, feats, a = pad_batch(s, list(range(len(s))), "cpu")
+    with torch.no_grad():
+        loss = [eagle_passes(h, emb, lm, tok, feats, a, 3)[2][0] for h in (start, head)]
+    assert loss[1] < 0.95 * loss[0], loss        # the blind pass learned
+    head.save(tmp_path / "p.safetensors")
+    again = EagleHead.load(tmp_path / "p.safetensors")
+    assert again.shape.parallel == 1 and torch.equal(again.mask_emb, head.mask_emb.half().float())
