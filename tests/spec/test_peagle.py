@@ -73,3 +73,15 @@ def test_the_chain_follows_the_draft_budget(tiny_target):
                            ProposeRequest("b", [1, 2, 3, 4], h, num_tokens=2)])
     assert full.parents == (-1, 0, 1, 2, 3) and cut.parents == (-1, 0)
     assert torch.equal(cut.tokens, full.tokens[:2])
+
+
+def test_every_shipped_head_loads_as_its_method_needs():
+    from slipstream.spec.heads import SHIPPED, resolve_head
+    from slipstream.spec.medusa import MedusaHeads
+    for kind in SHIPPED:
+        path = resolve_head(None, kind)
+        if kind == "medusa":
+            assert MedusaHeads.load(path) is not None
+        else:
+            head = EagleHead.load(path)
+            assert head.shape.parallel == (kind == "peagle") and head.shape.hidden_size == 576
