@@ -73,7 +73,7 @@ class ModelRunner:
         rank_config = config
         if tp is not None:
             rank_config = replace(config, model_config=rank_shape(mc, tp.size))
-        pieces = piecewise_mode(config, tp)
+        pieces = piecewise_mode(config, tp, self.backend.name)
         # Captured pieces keep a full step's working memory in their graph pool, beside
         # what eager steps use: the KV pool leaves room for both.
         self.plan = memory.plan_kv_cache(self.model, rank_config, graph_pool=pieces == "graphs")

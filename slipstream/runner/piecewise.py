@@ -63,7 +63,7 @@ class _Pieces:
     hidden: torch.Tensor    # [bucket, hidden] final hidden states (static)
 
 
-def piecewise_mode(config, tp) -> str | None:
+def piecewise_mode(config, tp, backend: str) -> str | None:
     """How steps with prompt tokens run: "graphs" (captured
     pieces around attention; with the decode graphs on one GPU), "eager" (the same
     pieces without graphs, any device: SLIPSTREAM_PIECEWISE_GRAPHS=eager) or None
@@ -73,8 +73,8 @@ def piecewise_mode(config, tp) -> str | None:
         return None
     if mode == "eager":
         return "eager"
-    if config.device.type != "cuda" or config.enforce_eager:
-        return None
+    if config.device.type != "cuda" or config.enforce_eager or backend != "triton":
+        return None   # the decode graphs' conditions: their pool holds the pieces
     return "graphs"
 
 
