@@ -66,7 +66,7 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class SpecConfig:
     """Speculative decoding (spec/). method None: off."""
-    method: str | None = None            # draft | ngram | medusa | eagle
+    method: str | None = None            # draft | ngram | medusa | eagle | peagle
     num_speculative_tokens: int = 4      # chain length; tree depth for eagle
     model: str | None = None             # draft model, or a Medusa / EAGLE head file
     draft_num_layers: int | None = None  # draft = the first N layers of `model` (early exit)

@@ -39,7 +39,7 @@ ENGINE_OPTIONS = {
     "async_scheduling": (bool, None, "overlap host work with the device (default: on for CUDA)"),
     "seed": (int, 0, "seed of unseeded sampling and of dummy weights"),
     "tensor_parallel_size": (int, 1, "processes sharing each layer (GPUs on CUDA)"),
-    "speculative_method": (str, None, "draft, ngram, medusa or eagle (speculative decoding)"),
+    "speculative_method": (str, None, "draft, ngram, medusa, eagle or peagle (speculative decoding)"),
     "speculative_model": (str, None, "draft model folder or Medusa / EAGLE head file"),
     "num_speculative_tokens": (int, None, "draft length (EAGLE: tree depth)"),
     "speculative_draft_layers": (int, None, "draft with the first N layers of the model"),

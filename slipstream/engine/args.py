@@ -30,7 +30,7 @@ class EngineArgs:
     quantization: str | None = "auto"
     enforce_eager: bool = False
     async_scheduling: bool | None = None
-    # Speculative decoding (vLLM's names): method draft | ngram | medusa | eagle.
+    # Speculative decoding (vLLM's names): method draft | ngram | medusa | eagle | peagle.
     speculative_method: str | None = None
     speculative_model: str | None = None
     num_speculative_tokens: int | None = None
