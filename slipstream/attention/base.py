@@ -42,9 +42,10 @@ class AttentionBackend(Protocol):
         """Called once per step before the first layer (per-step metadata)."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                layer: AttentionLayerInfo, batch: "ForwardBatch") -> torch.Tensor:
+                layer: AttentionLayerInfo, batch: "ForwardBatch",
+                out: torch.Tensor | None = None) -> torch.Tensor:
         """q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
-        -> [num_tokens, num_heads, head_dim]"""
+        -> [num_tokens, num_heads, head_dim], written into `out` when given."""
 
 
 _BACKENDS: dict[str, Callable[[], AttentionBackend]] = {}

@@ -42,8 +42,14 @@ class TorchAttentionBackend:
         self._cpu_kernel = None    # whether cpu_attention serves this step (asked once)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                layer: AttentionLayerInfo, batch: ForwardBatch) -> torch.Tensor:
-        # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
+                layer: AttentionLayerInfo, batch: ForwardBatch,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+        # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim];
+        # out: where the result goes (a copy here), or None
+        o = self._attend(q, k, v, layer, batch)
+        return o if out is None else out.copy_(o)
+
+    def _attend(self, q, k, v, layer: AttentionLayerInfo, batch: ForwardBatch) -> torch.Tensor:
         if layer.k_scale is not None:
             return self._quantized(q, k, v, layer, batch)
         if self._cpu_kernel is None:

@@ -105,8 +105,7 @@ class TritonAttentionBackend:
                 out: torch.Tensor | None = None) -> torch.Tensor:
         # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim];
         # rope: the step's StepRotary (layers/rotary.py) when q and k are still unrotated;
-        # out: where to write the result (contiguous, q's shape; the Gluon path may
-        # return a new tensor instead).
+        # out: where to write the result (q's shape, rows contiguous), or None.
         if rope is not None:  # q and k rotated in place, K/V stored: one kernel
             rotary_store_kv(q, k, v, rope.positions, rope.cos_table, rope.sin_table,
                             layer.k_cache, layer.v_cache, batch.slot_mapping, layer.k_scale,
@@ -119,11 +118,13 @@ class TritonAttentionBackend:
                 try:
                     if self._gluon_fp8:
                         x = quantize_fp8_inputs_fused(q, k, v, batch.query_start_loc, batch.max_query_len)
-                        return gluon_fp8_prefill(x, batch.query_start_loc, batch.max_query_len,
-                                                 layer.scale, out_dtype=q.dtype,
-                                                 lengths=batch.query_lens_cpu)
-                    return gluon_prefill(q, k, v, batch.query_start_loc, batch.max_query_len,
-                                         layer.scale, causal=True, lengths=batch.query_lens_cpu)
+                        o = gluon_fp8_prefill(x, batch.query_start_loc, batch.max_query_len,
+                                              layer.scale, out_dtype=q.dtype,
+                                              lengths=batch.query_lens_cpu)
+                    else:
+                        o = gluon_prefill(q, k, v, batch.query_start_loc, batch.max_query_len,
+                                          layer.scale, causal=True, lengths=batch.query_lens_cpu)
+                    return o if out is None else out.copy_(o)   # the Gluon kernels allocate
                 except ValueError:
                     self._gluon = False
             return prefill_attention(

@@ -13,10 +13,18 @@ kernel), all in one memory pool.
 """
 from __future__ import annotations
 
+import bisect
+
 import torch
 
 from slipstream.batch import ForwardBatch
 from slipstream.config import ModelConfig
+
+
+def smallest_bucket(buckets: list[int], n: int) -> int | None:
+    """The first of the sorted `buckets` that holds n, or None."""
+    i = bisect.bisect_left(buckets, n)
+    return buckets[i] if i < len(buckets) else None
 
 
 def graph_buckets(max_num_seqs: int) -> list[int]:
@@ -37,10 +45,7 @@ class DecodeGraphs:
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     def bucket_for(self, num_seqs: int) -> int | None:
-        for b in self.buckets:
-            if b >= num_seqs:
-                return b
-        return None
+        return smallest_bucket(self.buckets, num_seqs)
 
     def splits_for(self, bucket: int, max_seq_len: int) -> int:
         context_class = min(max(512, 1 << max(max_seq_len - 1, 1).bit_length()), self.max_model_len)

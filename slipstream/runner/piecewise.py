@@ -38,6 +38,7 @@ import torch
 
 from slipstream.batch import ForwardBatch
 from slipstream.layers.rotary import StepRotary
+from slipstream.runner.cuda_graph import smallest_bucket
 
 
 def token_buckets(max_tokens: int) -> list[int]:
@@ -95,10 +96,7 @@ class PiecewiseGraphs:
         self.enabled = True   # off after a capture failed: the runner goes eager
 
     def bucket_for(self, num_tokens: int) -> int | None:
-        for b in self.buckets:
-            if b >= num_tokens:
-                return b
-        return None
+        return smallest_bucket(self.buckets, num_tokens)
 
     def run(self, batch: ForwardBatch) -> torch.Tensor:
         """One step (the backend prepared for it) -> hidden states [num_tokens, hidden].
@@ -168,13 +166,11 @@ class PiecewiseGraphs:
     def _attend(call: _Call, batch: ForwardBatch, t: int) -> None:
         layer, rope, out = call.layer, call.rope, call.out[:t]
         q, k, v = call.q[:t], call.k[:t], call.v[:t]
-        kw = {"out": out} if getattr(layer.backend, "name", None) == "triton" else {}
+        kw = {}
         if rope is not None:
             gathered = None if rope.gathered is None else tuple(x[:t] for x in rope.gathered)
             kw["rope"] = StepRotary(rope.positions[:t], rope.cos_table, rope.sin_table, gathered)
-        o = layer.backend.forward(q, k, v, layer, batch, **kw)
-        if o.data_ptr() != out.data_ptr():   # a backend that returns a new tensor
-            out.copy_(o)
+        layer.backend.forward(q, k, v, layer, batch, out=out, **kw)
 
     @contextlib.contextmanager
     def _intercepted(self, hook):
@@ -196,7 +192,8 @@ class PiecewiseGraphs:
             return call.out
         with self._intercepted(hook):
             hidden = self.model(self._static(batch, tb))
-        self._buffer("hidden", hidden, tb)   # for the capture to copy into
+        if self.mode == "graphs":
+            self._buffer("hidden", hidden, tb)   # for the capture to copy into
         return hidden
 
     def _capture(self, batch: ForwardBatch, tb: int) -> _Pieces:
