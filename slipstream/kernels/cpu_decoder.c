@@ -32,6 +32,9 @@ typedef struct {
     const float *cos, *sin;                /* [max_position, hd]: [cos|cos], [-sin|sin] */
     const float *final_norm;               /* [hidden] */
     const ss_layer_t *layers;
+    int32_t n_taps;                        /* feature taps: after layer taps[i] (ascending), */
+    const int32_t *taps;                   /* the residual stream goes to tap_out */
+    float *tap_out;                        /* [b, n_taps * hidden], set per call */
 } ss_model_t;
 
 static int lin(const ss_linear_t *l, int64_t cols, const float *x, int64_t m, float *y) {
@@ -107,6 +110,10 @@ static int run_step(const ss_model_t *m, float *x, int64_t b, const int64_t *pos
         }
         if ((rc = lin(&L->down, I, act, b, h))) break;
         for (int64_t i = 0; i < b * H; i++) r[i] += h[i];
+        for (int t = 0; t < m->n_taps; t++)
+            if (m->taps[t] == l)
+                for (int64_t i = 0; i < b; i++)
+                    memcpy(m->tap_out + (i * m->n_taps + t) * H, r + i * H, H * sizeof(float));
     }
     if (rc == 0)
         for (int64_t i = 0; i < b; i++) rmsnorm(r + i * H, m->final_norm, H, m->eps, x + i * H);

@@ -55,7 +55,8 @@ class _Model(ctypes.Structure):
                 ("block_size", ctypes.c_int32), ("kv_bf16", ctypes.c_int32),
                 ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("window", ctypes.c_int64),
                 ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("final_norm", ctypes.c_void_p),
-                ("layers", ctypes.POINTER(_Layer))]
+                ("layers", ctypes.POINTER(_Layer)), ("n_taps", ctypes.c_int32),
+                ("taps", ctypes.c_void_p), ("tap_out", ctypes.c_void_p)]
 
 
 def _fp32(t: torch.Tensor | None) -> bool:
@@ -90,6 +91,8 @@ class CPUDecoder:
         self._caches: list = []                # the KV tensors the structures point to
         self._attns = [layer.self_attn.attn for layer in model.layers]
         self._lib = cpu_library.load()
+        self._taps_key: tuple[int, ...] = ()    # the taps the structure points to
+        self._taps = torch.zeros(0, dtype=torch.int32)
 
     @staticmethod
     def _describe(model, layers) -> _Model:
@@ -163,8 +166,22 @@ class CPUDecoder:
                 and all(s > q for s, q in zip(batch.seq_lens_cpu, batch.query_lens_cpu)))
 
     def __call__(self, x: torch.Tensor, batch) -> torch.Tensor:
-        """x: [num_seqs, hidden] fp32 embeddings -> final normed hidden states, same shape."""
+        """x: [num_tokens, hidden] fp32 embeddings -> final normed hidden states, same
+        shape, then the model's feature taps (`LlamaModel.feature_taps`) as more columns."""
         x = x.contiguous() if x.dtype == torch.float32 else x.float().contiguous()
+        taps = self.model.feature_taps
+        if taps != self._taps_key:
+            self._taps = torch.tensor(taps, dtype=torch.int32)
+            self._struct.n_taps, self._struct.taps = len(taps), self._taps.data_ptr()
+            self._taps_key = taps
+        out = None
+        if taps:
+            out = torch.empty(x.shape[0], len(taps) * x.shape[1])
+            self._struct.tap_out = out.data_ptr()
+        y = self._step(x, batch)
+        return y if out is None else torch.cat([y, out], dim=1)
+
+    def _step(self, x: torch.Tensor, batch) -> torch.Tensor:
         positions = batch.positions if batch.positions.dtype == torch.int64 else batch.positions.long()
         lens = batch.seq_lens if batch.seq_lens.dtype == torch.int32 else batch.seq_lens.int()
         tables = batch.block_tables if batch.block_tables.dtype == torch.int32 else batch.block_tables.int()

@@ -170,9 +170,13 @@ class LlamaModel(nn.Module):
         # CPU decode steps over GGUF blocks: kernels/cpu_decoder.py, built at the
         # first CPU step (False: this model does not qualify).
         self.cpu_decoder = None
+        # Layers (ascending) whose output, the residual stream after them, is appended
+        # to the final hidden states (`LlamaForCausalLM.set_feature_taps`).
+        self.feature_taps: tuple[int, ...] = ()
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        # -> final normed hidden states [num_tokens, hidden]
+        # -> final normed hidden states [num_tokens, hidden], then one [.., hidden]
+        # block per feature tap: [num_tokens, (1 + taps) * hidden]
         x = self.embed_tokens(batch.input_ids)
         if self.cpu_decoder is None and x.device.type == "cpu":
             from slipstream.kernels.cpu_decoder import CPUDecoder
@@ -180,11 +184,13 @@ class LlamaModel(nn.Module):
         if self.cpu_decoder and self.cpu_decoder.accepts(batch):
             return self.cpu_decoder(x, batch)   # the whole step in one C call (same math)
         rope = self.rotary_emb.for_step(batch.positions)  # once a step, shared by every layer
-        residual = None
-        for layer in self.layers:
+        residual, taps = None, []
+        for i, layer in enumerate(self.layers):
             x, residual = layer(x, residual, rope, batch)
+            if i in self.feature_taps:
+                taps.append(x + residual)
         x, _ = self.norm(x, residual)
-        return x
+        return torch.cat([x] + taps, dim=-1) if taps else x
 
 
 class LlamaForCausalLM(nn.Module):
@@ -212,8 +218,22 @@ class LlamaForCausalLM(nn.Module):
         return self.model(batch)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # hidden: [n, hidden_size] -> logits [n, vocab_size] float32
-        return self.lm_head(hidden)
+        # hidden: [n, hidden_size] (or the forward's wider rows: their first
+        # hidden_size columns) -> logits [n, vocab_size] float32
+        h = self.config.hidden_size
+        return self.lm_head(hidden if hidden.shape[-1] == h else hidden[..., :h])
+
+    def set_feature_taps(self, layers) -> None:
+        """Make the forward return, after the final hidden states, the output of
+        each of `layers` (ascending decoder-layer indices; the residual stream
+        after the layer): the fused low / middle / high features an EAGLE-3 draft
+        head reads. Set before the first step (CUDA graphs capture the width)."""
+        layers = tuple(int(i) for i in layers)
+        n = self.config.num_hidden_layers
+        if list(layers) != sorted(set(layers)) or any(not 0 <= i < n for i in layers):
+            raise ValueError(f"feature taps: distinct ascending layer indices in [0, {n}), "
+                             f"got {list(layers)}")
+        self.model.feature_taps = layers
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]

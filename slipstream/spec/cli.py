@@ -17,6 +17,11 @@ def add_parser(sub) -> None:
     p.add_argument("--init-lr-scale", type=float, default=0.0,
                    help="peagle from --init-head: the layer's learning rate as a fraction of "
                         "--lr (0: only the placeholders train)")
+    p.add_argument("--feature-layers", default="eagle3",
+                   help="what an EAGLE head reads of the target: eagle3 (a low, a middle and a "
+                        "high layer, fused, as EAGLE-3), final (the final hidden state, "
+                        "EAGLE-1/2) or layer indices like 2,15,27 (a head from --init-head "
+                        "keeps its own)")
     p.add_argument("--model", default=None, help="target model (default: SmolLM2-135M-Instruct)")
     p.add_argument("--prompts", default=None,
                    help="prompt file, one per line (default: the shipped training prompts)")
@@ -54,7 +59,8 @@ def run(args: argparse.Namespace) -> int:
                 num_prompts=args.num_prompts, medusa_epochs=args.medusa_epochs,
                 ttt_steps=args.ttt_steps, batch_tokens=args.batch_tokens, lr=args.lr,
                 max_num_seqs=args.max_num_seqs, draft_vocab=args.draft_vocab,
-                init_head=args.init_head, init_lr_scale=args.init_lr_scale)
+                init_head=args.init_head, init_lr_scale=args.init_lr_scale,
+                feature_layers=args.feature_layers)
     return 0
 
 

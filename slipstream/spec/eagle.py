@@ -81,7 +81,7 @@ class EagleProposer:
         pos = torch.arange(first, length - 1, device=dev)
         t = hidden.shape[0]
         mask = None if st is None else _append_mask(st.valid, t)
-        f, k, v = self.head(self.embed(toks).to(dt), hidden.to(dt), pos,
+        f, k, v = self.head(self.embed(toks).to(dt), self.head.target_feature(hidden), pos,
                             None if st is None else (st.k, st.v), mask)
         if st is None:
             st = self.kv[r.request_id] = _HeadContext(k, v, torch.ones(t, dtype=torch.bool,
@@ -117,7 +117,7 @@ class EagleProposer:
             path_rows = torch.cat([a.new_zeros(1), out.accepted_nodes[j] + 1]).clamp_min(0)
             h = hidden[base_rows[j] + path_rows]                         # [D + 1, hidden]
             toks = out.tokens[j].clamp_min(0)
-            f, k, v = self.head(self.embed(toks).to(dt), h.to(dt), s + offs, (st.k, st.v),
+            f, k, v = self.head(self.embed(toks).to(dt), self.head.target_feature(h), s + offs, (st.k, st.v),
                                 _append_mask(st.valid, d1))
             st.append(k, v, offs <= a)
             st.end, st.feat = None, f.index_select(0, a)[0]              # end: set by finish
@@ -189,6 +189,7 @@ def load_head(spec, device, dtype, target, kind: str):
     from slipstream.spec.heads import DraftLMHead, read_draft_vocab, resolve_head
     path = resolve_head(spec.model, kind)
     head = EagleHead.load(path, device, dtype)
+    target.set_feature_taps(head.shape.taps)   # EAGLE-3 heads read the target's layers
     lm_head = DraftLMHead(target, read_draft_vocab(path), dtype, device)
     from slipstream.spec import cpu_draft
     if cpu_draft.usable(head, device):      # drafting on a CPU: products on GGUF blocks

@@ -4,6 +4,14 @@ MLP -> norm), whose output guesses the target's next feature; saved and loaded
 as safetensors with its shape in the metadata. spec/eagle.py drafts with it.
 A head trained for parallel drafting (`parallel`, spec/peagle.py) also holds a
 placeholder token embedding and feature for the positions it drafts blind.
+
+The feature of a real position is the target's final hidden state (EAGLE-1/2),
+or, for a head with `feature_layers` (EAGLE-3), the outputs of a low, a middle
+and a high decoder layer, each RMS-normalised and fused by one linear layer
+(`fc_taps`, 3 hidden -> hidden). The target then returns those layers' outputs
+beside its final hidden states (`LlamaForCausalLM.set_feature_taps`), and
+`target_feature` turns such a row into the head's feature. Drafted positions
+feed the head's own output back, as before.
 """
 from __future__ import annotations
 
@@ -28,6 +36,16 @@ class EagleShape:
     max_position: int = 8192
     eps: float = 1e-5
     parallel: int = 0    # 1: placeholder inputs for parallel drafting (spec/peagle.py)
+    feature_layers: str = ""   # "2,15,27": fuse these layers' outputs (EAGLE-3); "": final
+
+    @property
+    def taps(self) -> tuple[int, ...]:
+        return tuple(int(i) for i in self.feature_layers.split(",") if i.strip())
+
+
+def eagle3_layers(num_layers: int) -> tuple[int, ...]:
+    """EAGLE-3's low, middle and high layers of a target with `num_layers` layers."""
+    return tuple(sorted({min(2, num_layers - 1), num_layers // 2, max(num_layers - 3, 0)}))
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -52,6 +70,8 @@ class EagleHead(nn.Module):
         self.mlp_norm = nn.Parameter(torch.ones(h))
         self.out_norm = nn.Parameter(torch.ones(h))
         self.rotary = RotaryEmbedding(d, s.max_position, s.rope_theta)
+        if s.taps:       # EAGLE-3: the target's low / middle / high layers, fused
+            self.fc_taps = nn.Linear(len(s.taps) * h, h, bias=False)
         if s.parallel:   # P-EAGLE: the token and feature of a position still unknown
             self.mask_emb = nn.Parameter(torch.randn(h) * 0.02)
             self.mask_feat = nn.Parameter(torch.randn(h) * 0.02)
@@ -80,6 +100,22 @@ class EagleHead(nn.Module):
             q.transpose(0, 1), kk.transpose(0, 1), vv.transpose(0, 1), attn_mask=mask,
             enable_gqa=self.shape.num_heads != self.shape.num_kv_heads).transpose(0, 1)
         return self.finish(x, o), k, v
+
+    def target_feature(self, rows: torch.Tensor) -> torch.Tensor:
+        """The target's rows [..., (1 + taps) * hidden] (its final hidden states,
+        then its feature taps: `LlamaForCausalLM.set_feature_taps`) -> the head's
+        feature of each position [..., hidden], in the head's dtype."""
+        s = self.shape
+        h, n = s.hidden_size, len(s.taps)
+        dt = self.fc.weight.dtype
+        if not n:
+            return rows[..., :h].to(dt)
+        if rows.shape[-1] != (1 + n) * h:
+            raise ValueError(f"this EAGLE-3 head reads layers {s.feature_layers} of the target: "
+                             f"rows of {(1 + n) * h} values, got {rows.shape[-1]}")
+        taps = rows[..., h:].unflatten(-1, (n, h)).to(dt)
+        taps = F.rms_norm(taps, (h,), eps=s.eps)
+        return self.fc_taps(taps.flatten(-2))
 
     # The layer in three parts (training runs them over [batch, T, ...] with its own masks).
     def fuse(self, emb: torch.Tensor, feat: torch.Tensor) -> torch.Tensor:
@@ -125,8 +161,8 @@ class EagleHead(nn.Module):
             meta = f.metadata()
             tensors = {k: f.get_tensor(k) for k in f.keys()}
         types = EagleShape.__annotations__
-        shape = EagleShape(**{k: (float if types[k] == "float" else int)(v)
-                              for k, v in meta.items() if k in types})
+        cast = {"float": float, "str": str}
+        shape = EagleShape(**{k: cast.get(types[k], int)(v) for k, v in meta.items() if k in types})
         with torch.device(device):
             head = cls(shape)
         head.load_state_dict({k: v.to(dtype) for k, v in tensors.items() if k != "draft_vocab"},

@@ -62,6 +62,7 @@ class EagleLoop(LoopPrefill, LoopParts):
         dtype = runner.dtype
         path = resolve_head(head_path, "eagle")
         self.head = EagleHead.load(path, dev, dtype)
+        self.model.set_feature_taps(self.head.shape.taps)   # EAGLE-3 heads read the target's layers
         self.lm_head = DraftLMHead(self.model, read_draft_vocab(path), dtype, dev)
         self.embed = self.model.model.embed_tokens
         self.expander = EagleTreeExpander(self.head, self.embed, self.lm_head,

@@ -55,6 +55,6 @@ class LoopParts:
         h = hidden[torch.cat([rows[:1], path + 1]).clamp_min(0)]       # [d + 1, hidden]
         causal = torch.ones(d + 1, d + 1, dtype=torch.bool, device=hidden.device).tril()
         mask = torch.cat([hvalid.expand(d + 1, -1), causal], 1)
-        f, k, v = self.head(self.embed(emitted.clamp_min(0)).to(dt), h.to(dt), n + offs,
+        f, k, v = self.head(self.embed(emitted.clamp_min(0)).to(dt), self.head.target_feature(h), n + offs,
                             (hk, hv), mask)
         return f.index_select(0, a.view(1))[0], k, v, offs <= a

@@ -81,7 +81,7 @@ class LoopPrefill:
         first = self.model.compute_logits(hidden.index_select(0, last.view(1))).argmax(-1)
         dt = self.head.fc.weight.dtype
         toks = ids.roll(-1).scatter(0, last.view(1), first)                # pair j: (f_j, t_{j+1})
-        f, k, v = self.head(self.embed(toks).to(dt), hidden.to(dt), pos, None, None)
+        f, k, v = self.head(self.embed(toks).to(dt), self.head.target_feature(hidden), pos, None, None)
         self.hk[:size].copy_(k)
         self.hv[:size].copy_(v)
         self.hvalid.copy_(buf["rows"] <= last)
@@ -108,7 +108,7 @@ class LoopPrefill:
         first = self.model.compute_logits(hidden[-1:]).argmax(-1)          # [1]
         dt = self.head.fc.weight.dtype
         toks = torch.cat([ids[1:], first])                                 # pair j: (f_j, t_{j+1})
-        f, k, v = self.head(self.embed(toks).to(dt), hidden.to(dt), pos, None, None)
+        f, k, v = self.head(self.embed(toks).to(dt), self.head.target_feature(hidden), pos, None, None)
         self.hk[:p], self.hv[:p] = k, v
         self.hvalid.zero_()
         self.hvalid[:p] = True

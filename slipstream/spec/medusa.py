@@ -29,8 +29,9 @@ class MedusaHeads(nn.Module):
         self.w2 = nn.Parameter(torch.zeros(num_heads, hidden_size, hidden_size))
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        # h: [n, hidden] -> per-head states [n, num_heads, hidden]
-        x = h.to(self.w1.dtype)
+        # h: [n, hidden] (or the target's wider rows: their final hidden states)
+        # -> per-head states [n, num_heads, hidden]
+        x = h[..., :self.hidden_size].to(self.w1.dtype)
         inner = F.silu(torch.einsum("nh,khd->nkd", x, self.w1))
         return x.unsqueeze(1) + torch.einsum("nkd,kde->nke", inner, self.w2)
 

@@ -2,7 +2,8 @@
 
 Data (spec/train_data.py): the target answers the shipped prompts greedily
 through the engine; one packed forward gives its final hidden state f_j at
-every position. Losses are taken where drafting happens (the answers), with
+every position (and, for an EAGLE-3 head, the outputs of its feature layers,
+which the head fuses into its own feature of the position). Losses are taken where drafting happens (the answers), with
 the target's frozen LM head W (dense, [V, hidden]) over the draft vocabulary
 (heads.py; all tokens without one);
 the labels are the answer tokens, i.e. the target's own argmax.
@@ -13,8 +14,9 @@ the labels are the answer tokens, i.e. the target's own argmax.
     drafting depth s + 1: pair j's feature is the head's own prediction from
     pass s - 1 (row j - 1), and row j attends to the real pairs <= j - s plus
     its own draft ancestors (pass i row j - s + i), exactly the context the
-    head sees when it drafts. Loss per pass: cross-entropy plus a small
-    smooth-L1 on the feature. A head for parallel drafting (P-EAGLE,
+    head sees when it drafts. Loss per pass: cross-entropy, plus a small
+    smooth-L1 toward f_{j+1} for a head that reads the final hidden state
+    (an EAGLE-3 head's output is free: cross-entropy only). A head for parallel drafting (P-EAGLE,
     spec/peagle.py) trains the same passes with its placeholders as the input
     of every pass from the third on.
 
@@ -141,11 +143,13 @@ def medusa_accuracy(heads, w, feats, rows, labels, chunk: int = 4096) -> list[fl
 
 # ---- EAGLE ------------------------------------------------------------------------
 
-def eagle_shape_for(model_config, intermediate_size: int | None = None) -> EagleShape:
+def eagle_shape_for(model_config, intermediate_size: int | None = None,
+                    feature_layers: tuple[int, ...] = ()) -> EagleShape:
     c = model_config
     return EagleShape(c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
                       intermediate_size or c.intermediate_size, c.rope_theta,
-                      c.max_position_embeddings, c.rms_norm_eps)
+                      c.max_position_embeddings, c.rms_norm_eps,
+                      feature_layers=",".join(str(i) for i in feature_layers))
 
 
 def ttt_mask(t: int, step: int, device) -> torch.Tensor:
@@ -190,23 +194,27 @@ def ttt_features(head: EagleHead, e: torch.Tensor, feat: torch.Tensor, steps: in
 def eagle_passes(head: EagleHead, emb_w, lm_w, tok, feats, answer_starts, ttt_steps: int,
                  remap: torch.Tensor | None = None):
     """The training-time-test passes over one padded batch (tok [B, t], -100
-    past the end; feats [B, t, h]). Returns per pass (loss, top-1 hits, rows)."""
+    past the end; feats [B, t, (1 + taps) h]). Returns per pass (loss, top-1 hits, rows)."""
     b, t = tok.shape
     n = t - 1                                             # pairs j = 0 .. t - 2
     e = F.embedding(tok[:, 1:].clamp_min(0), emb_w)       # t_{j+1}
-    target_f = feats[:, 1:].float()                       # f_{j+1}
+    h = head.shape.hidden_size
+    target_f = None if head.shape.taps else feats[:, 1:, :h].float()   # f_{j+1}
     label = torch.cat([tok[:, 2:], tok.new_full((b, 1), -100)], dim=1)   # t_{j+2}
     label = _relabel(label, remap)                        # its draft-vocabulary column
     j = torch.arange(n, device=tok.device)
     in_answer = j[None] >= (answer_starts[:, None] - 2)
     out = []
-    for step, f in enumerate(ttt_features(head, e, feats[:, :-1].float(), ttt_steps)):
+    feat_in = head.target_feature(feats[:, :-1].float())  # [B, n, h]
+    for step, f in enumerate(ttt_features(head, e, feat_in, ttt_steps)):
         valid = (label >= 0) & in_answer & (j[None] >= step)
         rows = valid.sum()                                # stays on the device: no sync
         logits = F.linear(f[valid], lm_w)
         ce = F.cross_entropy(logits, label[valid], reduction="sum") / rows.clamp_min(1)
-        reg = F.smooth_l1_loss(f[valid].float(), target_f[valid], reduction="sum") / (
-            rows.clamp_min(1) * f.shape[-1])
+        reg = 0.0
+        if not head.shape.taps:
+            reg = F.smooth_l1_loss(f[valid].float(), target_f[valid],
+                                   reduction="sum") / (rows.clamp_min(1) * f.shape[-1])
         hits = (logits.argmax(-1) == label[valid]).sum()
         out.append((ce + 0.1 * reg, hits, rows))
     return out
@@ -216,8 +224,11 @@ def train_eagle(lm_w: torch.Tensor, emb_w: torch.Tensor, s: Samples, model_confi
                 epochs: int = 6, lr: float = 1e-3, ttt_steps: int = 3, batch_tokens: int = 16384,
                 intermediate_size: int | None = None, log=print, checkpoint=None,
                 vocab: torch.Tensor | None = None, parallel: bool = False,
-                init: EagleHead | None = None, init_lr_scale: float = 0.0) -> EagleHead:
-    """vocab: the draft vocabulary (None: all tokens); parallel: a head for
+                init: EagleHead | None = None, init_lr_scale: float = 0.0,
+                feature_layers: tuple[int, ...] = ()) -> EagleHead:
+    """vocab: the draft vocabulary (None: all tokens); feature_layers: the
+    target layers an EAGLE-3 head fuses (the samples' features carry them; ():
+    the final hidden state; a head started from `init` keeps init's); parallel: a head for
     parallel drafting (placeholders, spec/peagle.py); init: a trained head to
     start from (its weights; placeholders start fresh). A parallel head started
     from one trains its placeholders at `lr` and the layer at `lr * init_lr_scale`
@@ -227,15 +238,21 @@ def train_eagle(lm_w: torch.Tensor, emb_w: torch.Tensor, s: Samples, model_confi
     lm_w, remap = restrict(lm_w, vocab)
     remap = None if remap is None else remap.to(dev)
     tr, va = split(s)
+    if init is not None:
+        feature_layers = init.shape.taps
     shape = eagle_shape_for(model_config, init.shape.intermediate_size if init is not None
-                            else intermediate_size)
+                            else intermediate_size, feature_layers)
+    width = (1 + len(shape.taps)) * shape.hidden_size
+    if s.features.shape[-1] != width:
+        raise ValueError(f"the samples' features have {s.features.shape[-1]} columns; a head "
+                         f"reading layers {shape.taps or 'final'} needs {width}")
     head = EagleHead(dataclasses.replace(shape, parallel=int(parallel))).to(dev)
     if init is not None:
         state = {k: v for k, v in init.state_dict().items() if not k.startswith("mask_")}
         head.load_state_dict(state, strict=False)
     if parallel:   # placeholders start at the average feature and token embedding
         with torch.no_grad():
-            head.mask_feat.copy_(s.features[:65536].float().mean(0).to(dev))
+            head.mask_feat.copy_(head.target_feature(s.features[:65536].float().to(dev)).mean(0))
             head.mask_emb.copy_(emb_w[s.tokens[:65536].to(emb_w.device)].float().mean(0).to(dev))
     # Rotary tables stay fp32 buffers; the head's weights train in fp32 under autocast.
     wdt = torch.bfloat16 if dev.type == "cuda" else torch.float32

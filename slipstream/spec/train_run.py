@@ -30,8 +30,10 @@ def _engine(model_path, device: str, max_len: int, max_num_seqs: int, seed: int)
 
 
 def make_samples(model_path, prompts: list[str], max_tokens: int, device: str, seed: int = 0,
-                 max_num_seqs: int = 256, log=print):
-    """-> (Samples on `device`, model config, LM head [V, h], embeddings [V, h])."""
+                 max_num_seqs: int = 256, log=print, feature_layers: str = "final", init=None):
+    """-> (Samples on `device`, model config, LM head [V, h], embeddings [V, h]);
+    the features hold the target's final hidden states, then the outputs of
+    the layers `feature_layers` names (`feature_taps`; an EAGLE-3 head's input)."""
     t0 = time.perf_counter()
     # Characters bound a prompt's tokens; 64 for the chat template around it.
     longest = 64 + max(len(p) for p in prompts) + max_tokens
@@ -41,6 +43,7 @@ def make_samples(model_path, prompts: list[str], max_tokens: int, device: str, s
     log(f"answers: {len(ids)} prompts x {max_tokens} tokens in {t1 - t0:.1f} s "
         f"(engine load included)")
     model = llm.engine.runner.model
+    model.set_feature_taps(feature_taps(feature_layers, model.config.num_hidden_layers, init))
     seqs = [torch.tensor(p + a) for p, a in zip(ids, answers)]
     try:
         feats = features_of_many(model, seqs)
@@ -77,10 +80,14 @@ def train_draft(methods: list[str], model_path: str | None, out_dir: str | Path,
                 num_prompts: int | None = None, medusa_epochs: int | None = None,
                 ttt_steps: int = 3, batch_tokens: int = 16384, lr: float = 1e-3,
                 max_num_seqs: int = 256, draft_vocab: int = 16384,
-                init_head: str | None = None, init_lr_scale: float = 0.0) -> list[Path]:
+                init_head: str | None = None, init_lr_scale: float = 0.0,
+                feature_layers: str = "eagle3") -> list[Path]:
     """init_head: an EAGLE head file the eagle / peagle heads start from (its draft
-    vocabulary is kept); init_lr_scale: a peagle head's layer then trains at this
-    fraction of lr (0: only the placeholders train)."""
+    vocabulary and feature layers are kept); init_lr_scale: a peagle head's layer
+    then trains at this fraction of lr (0: only the placeholders train);
+    feature_layers: what an EAGLE head reads of the target: "eagle3" (a low, a
+    middle and a high layer, fused), "final" (the final hidden state, EAGLE-1/2)
+    or decoder-layer indices "2,15,27"."""
     for method in methods:
         if method not in ("medusa", "eagle", "peagle"):
             raise ValueError(f"method: train-draft trains 'medusa', 'eagle' or 'peagle', "
@@ -95,7 +102,12 @@ def train_draft(methods: list[str], model_path: str | None, out_dir: str | Path,
     texts = read_prompts(prompts)
     texts = texts[:num_prompts] if num_prompts else texts
     t_start = time.perf_counter()
-    key = repr(dict(model=str(model_path), prompts=texts, max_tokens=max_tokens))
+    init = None
+    if init_head:
+        from slipstream.spec.eagle_head import EagleHead
+        init = EagleHead.load(init_head, device, torch.float32)
+    key = repr(dict(model=str(model_path), prompts=texts, max_tokens=max_tokens,
+                    features=init.shape.feature_layers if init is not None else feature_layers))
     cached = Path(data_cache) if data_cache else None
     samples = None
     if cached is not None and cached.is_file():
@@ -106,11 +118,12 @@ def train_draft(methods: list[str], model_path: str | None, out_dir: str | Path,
             log(f"samples from {cached}")
     if samples is None:
         samples, config, lm_w, emb_w = make_samples(model_path, texts, max_tokens, device, seed,
-                                                    max_num_seqs, log)
+                                                    max_num_seqs, log, feature_layers, init)
         if cached is not None:
             torch.save({"key": key, "data": (samples.to("cpu"), config, lm_w.cpu(), emb_w.cpu())},
                        cached)
     t_data = time.perf_counter() - t_start
+    taps = feature_taps(feature_layers, config.num_hidden_layers, init)
     log(f"{len(samples)} samples, {samples.num_answer_tokens} answer tokens ({t_data:.0f} s)")
     stem = Path(model_path).stem.lower() if model_path else "smollm2-135m-instruct"
     out_dir = Path(out_dir)
@@ -118,7 +131,8 @@ def train_draft(methods: list[str], model_path: str | None, out_dir: str | Path,
     report = dict(device=device, prompts=len(texts), max_tokens=max_tokens,
                   answer_tokens=samples.num_answer_tokens, data_seconds=round(t_data, 1),
                   epochs=epochs, medusa_epochs=medusa_epochs or max(1, epochs // 2),
-                  ttt_steps=ttt_steps, batch_tokens=batch_tokens, lr=lr, seed=seed, log=[])
+                  ttt_steps=ttt_steps, batch_tokens=batch_tokens, lr=lr, seed=seed,
+                  feature_layers=list(taps) or "final", log=[])
 
     def logged(msg: str) -> None:
         report["log"].append(msg)
@@ -128,11 +142,9 @@ def train_draft(methods: list[str], model_path: str | None, out_dir: str | Path,
         else:
             log(msg)
 
-    vocab, init = None, None
+    vocab = None
     if init_head:
-        from slipstream.spec.eagle_head import EagleHead
         from slipstream.spec.heads import read_draft_vocab
-        init = EagleHead.load(init_head, device, torch.float32)
         vocab = read_draft_vocab(init_head)
         report["init_head"], report["init_lr_scale"] = str(init_head), init_lr_scale
         logged(f"starting from {init_head}" + ("" if vocab is None else
@@ -155,10 +167,28 @@ def train_draft(methods: list[str], model_path: str | None, out_dir: str | Path,
             T.train_eagle(lm_w, emb_w, samples, config, epochs=epochs, lr=lr,
                           ttt_steps=ttt_steps, batch_tokens=batch_tokens, log=logged,
                           checkpoint=save, vocab=vocab, parallel=method == "peagle",
-                          init=init, init_lr_scale=init_lr_scale)
+                          init=init, init_lr_scale=init_lr_scale, feature_layers=taps)
         report[f"{method}_seconds"] = round(time.perf_counter() - t0, 1)
         logged(f"wrote {out} ({time.perf_counter() - t0:.0f} s of training)")
         outs.append(out)
     report["total_seconds"] = round(time.perf_counter() - t_start, 1)
     (out_dir / f"{stem}.train.json").write_text(json.dumps(report, indent=1))
     return outs
+
+
+def feature_taps(spec: str, num_layers: int, init=None) -> tuple[int, ...]:
+    """--feature-layers of a target with `num_layers` layers -> ascending
+    decoder-layer indices (() for "final"); a head started from `init` reads
+    what init reads."""
+    if init is not None:
+        return init.shape.taps
+    if spec == "final":
+        return ()
+    if spec == "eagle3":
+        from slipstream.spec.eagle_head import eagle3_layers
+        return eagle3_layers(num_layers)
+    try:
+        return tuple(sorted({int(i) for i in spec.split(",") if i.strip()}))
+    except ValueError:
+        raise ValueError(f"--feature-layers: 'eagle3', 'final' or layer indices like '2,15,27', "
+                         f"got {spec!r}") from None

@@ -36,15 +36,16 @@ def _heads(tmp_path, folder):
     medusa = MedusaHeads(c.hidden_size, 3)
     medusa.w2.data.normal_(0, 0.02)
     medusa.save(tmp_path / "m.safetensors")
-    for name, parallel in (("e", 0), ("p", 1)):
+    for name, parallel, layers in (("e", 0, ""), ("p", 1, ""), ("e3", 0, "0,1")):
         EagleHead(EagleShape(c.hidden_size, c.num_attention_heads, c.num_key_value_heads,
                              c.head_dim, 64, c.rope_theta, c.max_position_embeddings,
-                             parallel=parallel)).save(tmp_path / f"{name}.safetensors")
+                             parallel=parallel, feature_layers=layers)
+                  ).save(tmp_path / f"{name}.safetensors")
     return tmp_path / "m.safetensors", tmp_path / "e.safetensors"
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft", "draft-self", "medusa", "eagle",
-                                    "eagle-chunked", "peagle"])
+                                    "eagle-chunked", "peagle", "eagle-3"])
 def test_greedy_speculation_equals_plain_decoding(folder, plain, method, tmp_path):
     kw = dict(speculative_method=method.split("-")[0], num_speculative_tokens=3,
               speculative_auto_off=False)
@@ -57,6 +58,9 @@ def test_greedy_speculation_equals_plain_decoding(folder, plain, method, tmp_pat
     elif method == "peagle":   # one head pass drafts the 3 tokens (a P-EAGLE head)
         _heads(tmp_path, folder)
         kw.update(speculative_model=str(tmp_path / "p.safetensors"))
+    elif method == "eagle-3":  # the head reads the target's layers 0 and 1 (feature taps)
+        _heads(tmp_path, folder)
+        kw.update(speculative_model=str(tmp_path / "e3.safetensors"), speculative_tree="3,2,6")
     elif method.startswith(("medusa", "eagle")):
         m, e = _heads(tmp_path, folder)
         kw.update(speculative_model=str(m if method == "medusa" else e),
@@ -71,6 +75,8 @@ def test_greedy_speculation_equals_plain_decoding(folder, plain, method, tmp_pat
         assert stats.accepted == stats.drafted and per_step > 3.5
     if method == "ngram":
         assert stats.accepted > 0
+    if method == "eagle-3":
+        assert llm.engine.runner.model.model.feature_taps == (0, 1)
     assert_no_leak(llm)
 
 

@@ -116,7 +116,7 @@ def _depths(parents: list[int]) -> list[int]:
     return d
 
 
-def _verify_step(model, kv_dtype, tree: bool):
+def _verify_step(model, kv_dtype, tree: bool, hidden_too: bool = False):
     """Two sequences prefilled (torch forward), then one step verifying drafts: a
     chain of 7 (or a tree of 9 nodes) for one, a single token for the other, run
     fused and by the model's forward from the same caches -> (fused log-probs,
@@ -149,9 +149,12 @@ def _verify_step(model, kv_dtype, tree: bool):
                 model.backend.prepare(step)
                 hidden = model(step)
                 out.append((model.compute_logits(hidden).log_softmax(-1),
-                            [(l.k_cache.clone(), l.v_cache.clone()) for l in model.attention_layers()]))
+                            [(l.k_cache.clone(), l.v_cache.clone()) for l in model.attention_layers()],
+                            hidden.clone()))
             finally:
                 cpu_decoder.enabled = True
+    if hidden_too:
+        return out[0][2], out[1][2]
     return out[0][0], out[1][0], out[0][1], out[1][1]
 
 
@@ -180,6 +183,29 @@ def test_tiny_models_fused_verify_step_matches_layer_by_layer(tmp_path, tiny_mod
         assert torch.equal(written, ~kf.isnan())
         torch.testing.assert_close(kf[written].float(), kp[written].float(), atol=2e-2, rtol=2e-2)
         torch.testing.assert_close(vf[written].float(), vp[written].float(), atol=2e-2, rtol=2e-2)
+
+
+@needs_kernels
+def test_fused_step_returns_the_feature_taps(tmp_path, tiny_model, monkeypatch):
+    """With feature taps set (an EAGLE-3 head's layers) the one-call step returns
+    the final hidden states, then each tapped layer's output, as the model's
+    forward does (same bound as the log-probs: int8 activation roundings)."""
+    count = _Counting(monkeypatch)
+    path = write_gguf(tmp_path / "m.gguf", tiny_model("llama"), Q.Q4_1, arch="llama")
+    llm = LLM(model=str(path), dtype="float32", device="cpu", quantization="gguf")
+    model = llm.engine.runner.model
+    n = model.config.num_hidden_layers
+    model.set_feature_taps(range(n))
+    try:
+        fused, plain = _verify_step(model, torch.float32, True, hidden_too=True)
+    finally:
+        model.set_feature_taps(())
+    assert count.calls == 1
+    assert fused.shape == plain.shape == (fused.shape[0], (1 + n) * model.config.hidden_size)
+    torch.testing.assert_close(fused, plain, atol=3e-2, rtol=3e-2)
+    # The taps are the residual stream, not a copy of the final states.
+    h = model.config.hidden_size
+    assert (fused[:, h:2 * h] - fused[:, :h]).abs().max() > 0.1
 
 
 @needs_kernels

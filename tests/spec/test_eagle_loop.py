@@ -38,6 +38,27 @@ def test_loop_is_token_identical_to_plain_greedy(llm, shape):
     assert loop.block_pool.num_free_blocks == free  # blocks given back
 
 
+def test_loop_with_an_eagle3_head_is_token_identical(llm, tmp_path):
+    """A (random) head reading the target's layers 2, 15 and 27: the loop's
+    prefill, rounds and catch-up feed it the target's taps."""
+    from slipstream.spec.eagle_head import EagleHead
+    from slipstream.spec.train import eagle_shape_for
+    torch.manual_seed(0)
+    model = llm.engine.runner.model
+    EagleHead(eagle_shape_for(model.config, 128, (2, 15, 27))).save(tmp_path / "e3.safetensors")
+    loop = EagleLoop(llm, tmp_path / "e3.safetensors", depth=3, topk=2, beam=2, max_nodes=6,
+                     max_len=256)
+    try:
+        assert model.model.feature_taps == (2, 15, 27)
+        ids = _prompt(llm, TEXTS[0])
+        params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+        ref = list(llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
+                   .outputs[0].token_ids)
+        assert loop.generate(ids, 12) == ref
+    finally:
+        model.set_feature_taps(())
+
+
 def test_loop_checks_its_options(llm):
     with pytest.raises(ValueError, match="max_nodes"):
         EagleLoop(llm, max_nodes=64)
