@@ -41,6 +41,8 @@ class EngineArgs:
     speculative_draft_graphs: bool = False
     # EAGLE: one greedy prompt of LLM.generate, every round on the device (spec/loop_path.py)
     speculative_device_loop: bool = False
+    # EAGLE / P-EAGLE: keep training the head on the pairs it drafts from (spec/online.py)
+    speculative_online: bool = False
     seed: int = 0
     load_format: str = "auto"                # "auto": the model's weights; "dummy": random
     tensor_parallel_size: int = 1            # ranks sharing each layer (distributed/)
@@ -139,6 +141,8 @@ class EngineArgs:
             raise ValueError("speculative_draft_graphs applies to speculative_method='eagle'")
         if self.speculative_device_loop and method != "eagle":
             raise ValueError("speculative_device_loop applies to speculative_method='eagle'")
+        if self.speculative_online and method not in ("eagle", "peagle"):
+            raise ValueError("speculative_online applies to speculative_method 'eagle' or 'peagle'")
         extra = {}
         if self.speculative_tree:
             try:
@@ -160,7 +164,8 @@ class EngineArgs:
                           draft_num_layers=self.speculative_draft_layers,
                           auto_off=self.speculative_auto_off,
                           draft_graphs=self.speculative_draft_graphs,
-                          device_loop=self.speculative_device_loop, **extra)
+                          device_loop=self.speculative_device_loop,
+                          online=self.speculative_online, **extra)
 
 
 def _tree_nodes(method: str, extra: dict) -> int:

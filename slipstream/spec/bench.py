@@ -51,20 +51,33 @@ def _run(llm, prompts, params, batch: int) -> tuple[list[list[int]], float, int]
     return outs, secs, sum(len(o) for o in outs)
 
 
-def _interleaved(base, llm, prompts, params, batch: int):
+def _interleaved(base, llm, prompts, params, batch: int, repeats: int = 1):
     """Plain and speculative runs alternate batch by batch, so that load from
-    other processes on a shared machine hits both alike."""
+    other processes on a shared machine hits both alike; `repeats` times over
+    (which of the two goes first alternates). Returns the first repeat's
+    outputs, the summed seconds and the plain / speculative time ratio of
+    each repeat."""
     plain_s = spec_s = 0.0
-    ref, outs = [], []
-    for i in range(0, len(prompts), batch):
-        chunk = prompts[i:i + batch]
-        r, s, _ = _run(base, chunk, params, batch)
-        o, t, _ = _run(llm, chunk, params, batch)
-        ref += r
-        outs += o
-        plain_s += s
-        spec_s += t
-    return ref, plain_s, outs, spec_s
+    ref, outs, ratios = [], [], []
+    for rep in range(repeats):
+        ps = ts = 0.0
+        for i in range(0, len(prompts), batch):
+            chunk = prompts[i:i + batch]
+            if rep % 2:
+                o, t, _ = _run(llm, chunk, params, batch)
+                r, s, _ = _run(base, chunk, params, batch)
+            else:
+                r, s, _ = _run(base, chunk, params, batch)
+                o, t, _ = _run(llm, chunk, params, batch)
+            if not rep:
+                ref += r
+                outs += o
+            ps += s
+            ts += t
+        plain_s += ps
+        spec_s += ts
+        ratios.append(ps / ts)
+    return ref, plain_s, outs, spec_s, ratios
 
 
 
@@ -79,6 +92,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-prompts", type=int, default=None)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--batch", type=int, nargs="+", default=[1])
+    p.add_argument("--repeats", type=int, default=1,
+                   help="at batch > 1, time the plain / speculative pair this many times "
+                        "(median speedup reported; short batched runs are noisy)")
     p.add_argument("--auto-off", action="store_true",
                    help="let the roofline rule switch speculation off (always on at batch > 1)")
     p.add_argument("--out", default=None, help="directory for results_<device>.{json,md}")
@@ -220,8 +236,10 @@ def _method(LLM, model, common, spec_extra, opts, args, prompts, sets, base, par
         if batch > 1:
             _run(llm, _warm_set(args, batch), SamplingParams(temperature=0.0, max_tokens=16), batch)
         spec.stats.__init__()
-        ref, plain_s, outs, secs = _interleaved(base, llm, ps, params, batch)
+        repeats = max(1, getattr(args, "repeats", 1)) if batch > 1 else 1
+        ref, plain_s, outs, secs, ratios = _interleaved(base, llm, ps, params, batch, repeats)
         n, n_tok = sum(len(o) for o in outs), sum(len(o) for o in ref)
+        plain_s, secs = plain_s / repeats, secs / repeats
         st = spec.stats
         row = dict(batch=batch, method=name, options=opts, tokens=n, seconds=round(secs, 3),
                    tokens_per_s=round(n / secs, 2),
@@ -233,6 +251,11 @@ def _method(LLM, model, common, spec_extra, opts, args, prompts, sets, base, par
                    drafted_per_round=round(st.drafted / max(st.rounds, 1), 2),
                    acceptance_per_position=[round(a, 3) for a in st.acceptance_per_position],
                    draft_seconds=round(st.draft_time, 3))
+        if repeats > 1:
+            ratios = sorted(r * n / n_tok for r in ratios)
+            row["speedup_runs"] = [round(r, 3) for r in ratios]
+            row["speedup_median"] = round(ratios[len(ratios) // 2], 3)
+            row["speedup_range"] = [round(ratios[0], 3), round(ratios[-1], 3)]
         if getattr(args, "profile", False):
             row["profile"] = _profile(args, llm, spec, ps, params, batch, name)
         results.append(row)
@@ -279,7 +302,10 @@ def _write(args, stem: str, env: dict, results: list, quiet: bool = False) -> No
             lines.append(f"| | {r['method']} | error: {r['error']} ||||||||")
             continue
         lines.append(f"| {r['batch']} | {r['method']} | {r['tokens_per_s']} | "
-                     f"{r.get('plain_tokens_per_s', '')} | {r['speedup']} | "
+                     f"{r.get('plain_tokens_per_s', '')} | {r['speedup']}"
+                     + (f" (median of {len(r['speedup_runs'])}: {r['speedup_median']}, "
+                        f"{r['speedup_range'][0]}-{r['speedup_range'][1]})"
+                        if "speedup_median" in r else "") + " | "
                      f"{r.get('tau', '')} | {r.get('mean_accepted', '')} | "
                      f"{r.get('drafted_per_round', '')} | {r.get('acceptance_per_position', '')} | "
                      f"{r.get('identical', '')} |")

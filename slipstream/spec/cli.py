@@ -85,6 +85,9 @@ def add_spec_options(p: argparse.ArgumentParser) -> None:
                    help="speculate even where the roofline model predicts no gain")
     g.add_argument("--spec-draft-graphs", action="store_true",
                    help="EAGLE: replay the tree expansion from a CUDA graph (GPU)")
+    g.add_argument("--spec-online", action="store_true",
+                   help="EAGLE / P-EAGLE: keep training the head on the target's outputs while "
+                        "serving (online adaptation)")
     g.add_argument("--spec-device-loop", action="store_true",
                    help="EAGLE: answer single greedy prompts with every round on the device")
 
@@ -97,7 +100,8 @@ def spec_engine_args(args: argparse.Namespace) -> dict:
                 speculative_tree=args.spec_tree,
                 speculative_auto_off=not args.no_spec_auto_off,
                 speculative_draft_graphs=args.spec_draft_graphs,
-                speculative_device_loop=getattr(args, "spec_device_loop", False))
+                speculative_device_loop=getattr(args, "spec_device_loop", False),
+                speculative_online=getattr(args, "spec_online", False))
 
 
 def add_bench_parser(bench_subparsers) -> None:

@@ -40,10 +40,13 @@ class EagleProposer:
         self.token_ids = getattr(lm_head, "token_ids", lambda cols: cols)
         self.depth, self.topk, self.beam, self.max_nodes = depth, topk, beam, max_nodes
         self.kv: dict[str, tuple[torch.Tensor, torch.Tensor, int]] = {}
+        self.online = None     # spec/online.py: the head keeps training on what it sees
         self.expander = EagleTreeExpander(head, embed, lm_head, self.token_ids, depth, topk, beam)
 
     def release(self, request_id: str) -> None:
         self.kv.pop(request_id, None)
+        if self.online is not None:
+            self.online.finish(request_id)
 
     def enable_graphs(self, on: bool) -> None:
         """Replay the tree expansion from CUDA graphs (GPU only; SpecConfig.draft_graphs)."""
@@ -80,6 +83,8 @@ class EagleProposer:
         toks = to_device(np.asarray(r.token_ids[first + 1:length]), torch.int64, dev)
         pos = torch.arange(first, length - 1, device=dev)
         t = hidden.shape[0]
+        if self.online is not None:
+            self.online.record(r.request_id, first, toks, hidden)
         mask = None if st is None else _append_mask(st.valid, t)
         f, k, v = self.head(self.embed(toks).to(dt), self.head.target_feature(hidden), pos,
                             None if st is None else (st.k, st.v), mask)
@@ -120,6 +125,8 @@ class EagleProposer:
             f, k, v = self.head(self.embed(toks).to(dt), self.head.target_feature(h), s + offs, (st.k, st.v),
                                 _append_mask(st.valid, d1))
             st.append(k, v, offs <= a)
+            if self.online is not None:
+                self.online.record(rid, s, toks, h, offs <= a)
             st.end, st.feat = None, f.index_select(0, a)[0]              # end: set by finish
             st.pending = (s + 1, d1)
             table = self.expander.expand(st.feat, st.k, st.v, s + 1 + a[0], st.valid)
@@ -185,7 +192,8 @@ def _append_mask(valid: torch.Tensor, t: int) -> torch.Tensor:
 
 
 def load_head(spec, device, dtype, target, kind: str):
-    """The named (or shipped) head file of `kind` -> (EagleHead, the LM head it drafts with)."""
+    """The named (or shipped) head file of `kind` -> (EagleHead, the LM head it drafts
+    with, the file's path)."""
     from slipstream.spec.heads import DraftLMHead, read_draft_vocab, resolve_head
     path = resolve_head(spec.model, kind)
     head = EagleHead.load(path, device, dtype)
@@ -194,12 +202,22 @@ def load_head(spec, device, dtype, target, kind: str):
     from slipstream.spec import cpu_draft
     if cpu_draft.usable(head, device):      # drafting on a CPU: products on GGUF blocks
         lm_head = cpu_draft.quantize_head(head, lm_head)
-    return head, lm_head
+    return head, lm_head, path
+
+
+def adapt_online(proposer: "EagleProposer", spec, path, device) -> "EagleProposer":
+    """Attach online adaptation (spec/online.py) where the config asks for it."""
+    if spec.online:
+        from slipstream.spec.online import OnlineAdapter
+        proposer.online = OnlineAdapter(proposer.head, EagleHead.load(path, device, torch.float32),
+                                        proposer.embed, proposer.lm_head, lr=spec.online_lr,
+                                        every=spec.online_every)
+    return proposer
 
 
 @register_proposer("eagle")
 def _make(spec, device, dtype, target=None, **_):
-    head, lm_head = load_head(spec, device, dtype, target, "eagle")
-    return EagleProposer(head, target.model.embed_tokens, lm_head,
-                         spec.num_speculative_tokens, spec.eagle_topk, spec.eagle_beam,
-                         spec.eagle_max_nodes)
+    head, lm_head, path = load_head(spec, device, dtype, target, "eagle")
+    return adapt_online(EagleProposer(head, target.model.embed_tokens, lm_head,
+                                      spec.num_speculative_tokens, spec.eagle_topk,
+                                      spec.eagle_beam, spec.eagle_max_nodes), spec, path, device)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from slipstream.spec.base import ProposeRequest, register_proposer
-from slipstream.spec.eagle import EagleHead, EagleProposer, _append_mask, load_head
+from slipstream.spec.eagle import EagleHead, EagleProposer, _append_mask, adapt_online, load_head
 from slipstream.spec.tree import DraftTree
 
 
@@ -84,6 +84,6 @@ class ParallelEagleProposer(EagleProposer):
 
 @register_proposer("peagle")
 def _make(spec, device, dtype, target=None, **_):
-    head, lm_head = load_head(spec, device, dtype, target, "peagle")
-    return ParallelEagleProposer(head, target.model.embed_tokens, lm_head,
-                                 spec.num_speculative_tokens)
+    head, lm_head, path = load_head(spec, device, dtype, target, "peagle")
+    return adapt_online(ParallelEagleProposer(head, target.model.embed_tokens, lm_head,
+                                              spec.num_speculative_tokens), spec, path, device)
