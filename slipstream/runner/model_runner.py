@@ -173,10 +173,8 @@ class ModelRunner:
         if hidden is None:
             self.backend.prepare(batch)
             pw = self.piecewise
-            # Not with feature taps (EAGLE-3): the pieces would carry the taps across graphs.
             if (pw is not None and pw.enabled and not batch.is_decode_only
-                    and batch.tree_mask is None and pw.bucket_for(batch.num_tokens) is not None
-                    and not getattr(self.model.model, "feature_taps", ())):
+                    and batch.tree_mask is None and pw.bucket_for(batch.num_tokens) is not None):
                 hidden = pw.run(batch)                                   # graphs around attention
             else:
                 hidden = self.model(batch)                               # [num_tokens, hidden]

@@ -70,7 +70,7 @@ def piecewise_mode(config, tp, backend: str) -> str | None:
     pieces without graphs, any device: SLIPSTREAM_PIECEWISE_GRAPHS=eager) or None
     (the plain forward; SLIPSTREAM_PIECEWISE_GRAPHS=0)."""
     mode = os.environ.get("SLIPSTREAM_PIECEWISE_GRAPHS", "1")
-    if mode == "0" or tp is not None or config.speculative.enabled:
+    if mode == "0" or tp is not None:
         return None
     if mode == "eager":
         return "eager"

@@ -108,3 +108,34 @@ def test_piecewise_graphs_change_no_output_and_replay_without_a_sync(tiny_folder
             engine._collect(previous)
         while engine.has_unfinished_requests():
             engine.step()
+
+
+@pytest.mark.parametrize("method", ["ngram", "eagle3"])
+def test_piecewise_graphs_under_speculation(tiny_folder, monkeypatch, tmp_path, method):
+    """Speculation keeps the captured pieces for steps without draft trees (an EAGLE-3
+    head's feature taps included): greedy tokens equal the plain engine's without pieces."""
+    from slipstream.loader import open_model
+    from slipstream.spec.eagle_head import EagleHead, EagleShape
+    folder, _ = tiny_folder("llama")
+    kw = dict(speculative_method="ngram", num_speculative_tokens=3, speculative_auto_off=False)
+    if method == "eagle3":
+        c = open_model(str(folder)).config
+        torch.manual_seed(0)
+        EagleHead(EagleShape(c.hidden_size, c.num_attention_heads, c.num_key_value_heads,
+                             c.head_dim, 64, c.rope_theta, c.max_position_embeddings,
+                             feature_layers="0,1")).save(tmp_path / "e3.safetensors")
+        kw.update(speculative_method="eagle", speculative_model=str(tmp_path / "e3.safetensors"),
+                  speculative_tree="2,2,4")
+    rep = [{"prompt_token_ids": [5, 6, 7, 8, 9] * 6}, {"prompt_token_ids": [11, 12, 13] * 9}]
+    prompts = rep + random_prompts(6, 265, 20, 90, seed=8)
+    greedy = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    monkeypatch.setenv("SLIPSTREAM_PIECEWISE_GRAPHS", "0")
+    base = [o.outputs[0].token_ids for o in _llm(folder, max_num_batched_tokens=64).generate(
+        prompts, greedy, use_tqdm=False)]
+    monkeypatch.setenv("SLIPSTREAM_PIECEWISE_GRAPHS", "1")
+    llm = _llm(folder, max_num_batched_tokens=64, **kw)
+    outs = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    pw = llm.engine.runner.piecewise
+    assert pw is not None and pw.enabled and pw.pieces
+    assert llm.engine.runner.speculator.stats.rounds > 0
+    assert outs == base

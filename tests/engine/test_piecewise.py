@@ -83,3 +83,35 @@ def test_head_slices_of_one_output_are_copied_in_one_piece():
     sq, sk, sv = pw._static_inputs(q.clone(), k.clone(), v.clone(), 32)
     assert sorted(key[0] for key in pw._bufs) == ["k", "q", "qkv", "v"]
     assert torch.equal(sq, q) and torch.equal(sv, v)
+
+
+def test_pieces_under_speculation_with_feature_taps(tiny_folder, monkeypatch, tmp_path):
+    """Speculative decoding keeps the pieces for steps without draft trees, and an
+    EAGLE-3 head's feature taps (layer outputs beside the final states) pass
+    through them: greedy tokens equal plain decoding without pieces."""
+    import torch
+    from slipstream.loader import open_model
+    from slipstream.spec.eagle_head import EagleHead, EagleShape
+    folder, _ = tiny_folder("llama")
+    c = open_model(str(folder)).config
+    torch.manual_seed(0)
+    EagleHead(EagleShape(c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+                         64, c.rope_theta, c.max_position_embeddings, feature_layers="0,1")
+              ).save(tmp_path / "e3.safetensors")
+    prompts = random_prompts(6, 250, 20, 60, seed=3)
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    monkeypatch.setenv("SLIPSTREAM_PIECEWISE_GRAPHS", "0")
+    base = make_llm(folder, max_num_batched_tokens=48, max_num_seqs=4).generate(
+        prompts, greedy, use_tqdm=False)
+    monkeypatch.setenv("SLIPSTREAM_PIECEWISE_GRAPHS", "eager")
+    llm = make_llm(folder, max_num_batched_tokens=48, max_num_seqs=4, speculative_method="eagle",
+                   speculative_model=str(tmp_path / "e3.safetensors"), speculative_tree="2,2,3",
+                   num_speculative_tokens=2, speculative_auto_off=False)
+    pw = llm.engine.runner.piecewise
+    used = []
+    run = pw.run
+    pw.run = lambda batch: used.append(batch.num_tokens) or run(batch)
+    outs = llm.generate(prompts, greedy, use_tqdm=False)
+    assert used and llm.engine.runner.model.model.feature_taps == (0, 1)
+    assert llm.engine.runner.speculator.stats.rounds > 0
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in base]
