@@ -13,3 +13,15 @@ def tiny_target():
 def tiny_draft():
     # Another tiny model over the same vocabulary: a draft that is often wrong.
     return make_ours(make_hf_model("llama_gqa", seed=1))
+
+
+def repeating_samples(model, n=6, length=24):
+    """Training samples from the target's features: n sequences each repeating a
+    random 5-token pattern (learnable from the features), answers from position 4."""
+    from slipstream.spec.train_data import Samples, features_of_many
+    g = torch.Generator().manual_seed(0)
+    seqs = []
+    for _ in range(n):
+        base = torch.randint(0, 96, (5,), generator=g)
+        seqs.append(base.repeat(length // 5 + 1)[:length])
+    return Samples.pack(seqs, features_of_many(model, seqs, max_tokens_per_forward=40), [4] * n)

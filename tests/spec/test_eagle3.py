@@ -6,9 +6,10 @@ import torch
 
 from slipstream.spec.eagle_head import EagleHead, eagle3_layers
 from slipstream.spec.train import eagle_shape_for, train_eagle, ttt_features
-from slipstream.spec.train_data import Samples, dense_output_weights, features_of, features_of_many
+from slipstream.spec.train_data import dense_output_weights, features_of
 from slipstream.spec.train_run import feature_taps
 from tests.models.tiny_models import make_hf_model, make_ours
+from tests.spec.conftest import repeating_samples
 
 
 @pytest.fixture(scope="module")
@@ -70,24 +71,15 @@ def test_head_reads_its_layers_and_round_trips(hf_and_ours, tmp_path):
     torch.testing.assert_close(again.target_feature(rows), f, atol=1e-2, rtol=1e-2)
 
 
-def _samples(model, n=6, length=24) -> Samples:
-    g = torch.Generator().manual_seed(0)
-    seqs = []
-    for _ in range(n):
-        base = torch.randint(0, 96, (5,), generator=g)
-        seqs.append(base.repeat(length // 5 + 1)[:length])
-    return Samples.pack(seqs, features_of_many(model, seqs, max_tokens_per_forward=40), [4] * n)
-
-
 def test_eagle3_head_trains_on_the_taps(hf_and_ours):
     _, ours = hf_and_ours
     lm, emb = dense_output_weights(ours)
-    plain = _samples(ours)
+    plain = repeating_samples(ours)
     with pytest.raises(ValueError, match="columns"):
         train_eagle(lm, emb, plain, ours.config, epochs=1, feature_layers=(0, 1))
     ours.set_feature_taps((0, 1))
     try:
-        s = _samples(ours)
+        s = repeating_samples(ours)
     finally:
         ours.set_feature_taps(())
     logs = []

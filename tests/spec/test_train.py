@@ -8,17 +8,7 @@ from slipstream.spec.train import (eagle_shape_for, medusa_rows, train_eagle, tr
                                    ttt_features, ttt_mask)
 from slipstream.spec.train_data import (Samples, check_alignment, dense_output_weights,
                                         features_of, features_of_many)
-
-
-def _samples(model, n=6, length=24) -> Samples:
-    g = torch.Generator().manual_seed(0)
-    seqs = []
-    for _ in range(n):
-        # A repeating pattern: learnable from the features.
-        base = torch.randint(0, 96, (5,), generator=g)
-        seqs.append(base.repeat(length // 5 + 1)[:length])
-    return Samples.pack(seqs, features_of_many(model, seqs, max_tokens_per_forward=40),
-                        [4] * n)
+from tests.spec.conftest import repeating_samples
 
 
 def test_packed_features_equal_one_sequence_at_a_time(tiny_target):
@@ -84,7 +74,7 @@ def test_ttt_passes_compute_what_drafting_computes(tiny_target):
 def test_medusa_training_learns_and_round_trips(tiny_target, tmp_path):
     logs = []
     lm, _ = dense_output_weights(tiny_target)
-    heads = train_medusa(lm, _samples(tiny_target), num_heads=2, epochs=30, lr=3e-3,
+    heads = train_medusa(lm, repeating_samples(tiny_target), num_heads=2, epochs=30, lr=3e-3,
                          batch=64, log=logs.append)
     first, last = logs[0], logs[-1]
     assert float(last.split("loss ")[1].split(",")[0]) < float(first.split("loss ")[1].split(",")[0])
@@ -98,7 +88,7 @@ def test_eagle_training_learns_and_round_trips(tiny_target, tmp_path):
     logs = []
     lm, emb = dense_output_weights(tiny_target)
     saved = []
-    head = train_eagle(lm, emb, _samples(tiny_target), tiny_target.config, epochs=8, lr=3e-3,
+    head = train_eagle(lm, emb, repeating_samples(tiny_target), tiny_target.config, epochs=8, lr=3e-3,
                        ttt_steps=2, batch_tokens=64, intermediate_size=64, log=logs.append,
                        checkpoint=lambda m: saved.append(1))
     acc = [eval(line.split("depth ")[1]) for line in logs]
@@ -138,7 +128,7 @@ def test_a_parallel_head_learns_its_blind_drafts_from_an_eagle_head(tiny_target,
     placeholders trained: the blind depth (the third pass) improves; the file loads
     as a parallel head."""
     lm, emb = dense_output_weights(tiny_target)
-    s = _samples(tiny_target)
+    s = repeating_samples(tiny_target)
     eagle = train_eagle(lm, emb, s, tiny_target.config, epochs=4, lr=3e-3, ttt_steps=2,
                         batch_tokens=64, intermediate_size=64, log=lambda m: None)
     kw = dict(ttt_steps=3, batch_tokens=64, log=lambda m: None, parallel=True, init=eagle)
