@@ -22,7 +22,7 @@ class LLM:
     file; keyword arguments are the fields of `EngineArgs` (dtype, device,
     max_model_len, block_size, max_num_seqs, max_num_batched_tokens,
     enable_prefix_caching, enable_chunked_prefill, num_kv_blocks,
-    kv_cache_memory, gpu_memory_utilization, kv_cache_dtype ("auto", "int8", "fp8"),
+    kv_cache_memory, gpu_memory_utilization, kv_cache_dtype ("auto", "int8", "fp8", "kivi4", "kivi2"),
     attention_backend, seed, load_format:
     "dummy" builds the model with random weights, see loader/dummy.py).
     """

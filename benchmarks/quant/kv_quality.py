@@ -9,10 +9,17 @@ tokens, scored by the engine itself (`LLM.generate` with prompt_logprobs).
   to keys and values read back from the quantized cache: the numerics of a decode
   step at every position (the Triton prefill kernel would read a prompt's own
   keys at full precision, so this is the stricter measure).
-* kivi4 / kivi2 (KIVI, reference path: the engine does not serve this format):
-  each query attends to the cache as it stood at its own step (quant/kivi.py,
-  `kivi_causal_attention`): keys per channel over groups of 32 tokens, values per
-  token, the incomplete group and the last --kivi-residual tokens exact.
+* kivi4 / kivi2 (KIVI, reference path): each query attends to the cache as it
+  stood at its own step (quant/kivi.py, `kivi_causal_attention`): keys per
+  channel over groups of 32 tokens, values per token, the incomplete group and
+  the last --kivi-residual tokens exact.
+* engine-kivi4 / engine-kivi2: the engine's own KIVI cache (`kv_cache_dtype`
+  "kivi4" / "kivi2", cache/kivi_paged.py, torch backend), blocks of 32 tokens
+  (a key group each), the block being filled and the last complete one (32
+  tokens) exact. The windows are scored in prompt chunks of 32 tokens (chunked
+  prefill): a chunk's queries see the earlier chunks as the cache holds them and
+  their own chunk exact (as KIVI computes a prompt before quantizing its cache),
+  which is KIVI's decode-time view at the granularity of a key group.
 
     PYTHONPATH=. python benchmarks/quant/kv_quality.py [--out benchmarks/quant/results]
 """
@@ -37,6 +44,12 @@ ROWS = {
     "kv-fp8": ({"kv_cache_dtype": "fp8"}, "fp8 e4m3 KV cache, one scale per token and head"),
     "kivi4": ({"kivi": 4}, "KIVI 4-bit: keys per channel (groups of 32 tokens), values per token"),
     "kivi2": ({"kivi": 2}, "KIVI 2-bit: keys per channel (groups of 32 tokens), values per token"),
+    "engine-kivi4": ({"kv_cache_dtype": "kivi4", "block_size": 32, "max_num_batched_tokens": 32},
+                     "KIVI 4-bit through the engine (kv_cache_dtype='kivi4'), blocks of 32, "
+                     "the block being filled and the last full one exact, prompts in chunks of 32"),
+    "engine-kivi2": ({"kv_cache_dtype": "kivi2", "block_size": 32, "max_num_batched_tokens": 32},
+                     "KIVI 2-bit through the engine (kv_cache_dtype='kivi2'), blocks of 32, "
+                     "the block being filled and the last full one exact, prompts in chunks of 32"),
 }
 
 
@@ -94,7 +107,8 @@ def main(argv=None) -> int:
             desc += f", last {args.kivi_residual} tokens exact (reference path)"
         else:
             llm = LLM(model, **opts, **spec)
-        ppl, n = perplexity(llm, windows)
+        ppl, nll = perplexity(llm, windows)
+        n = len(nll)
         del llm
         rows[name] = {"method": name, "description": desc, "ppl": ppl, "tokens": n,
                       "seconds": round(time.perf_counter() - t0, 1)}

@@ -16,7 +16,9 @@ without reading them back from the cache.
 A quantized cache (int8 / fp8 codes, `layer.k_scale` set) takes the reference
 path: K/V are quantized as they are stored, and every query token, a prompt's
 included, attends to the dequantized cache, so the numerics are those of a
-cache read back at every step.
+cache read back at every step. A KIVI cache (`layer.kivi`, cache/kivi_paged.py):
+each request's cached context as the cache holds it (sealed blocks
+dequantized, its window exact), and the step's own tokens exact.
 """
 from __future__ import annotations
 
@@ -50,6 +52,8 @@ class TorchAttentionBackend:
         return o if out is None else out.copy_(o)
 
     def _attend(self, q, k, v, layer: AttentionLayerInfo, batch: ForwardBatch) -> torch.Tensor:
+        if getattr(layer, "kivi", None) is not None:
+            return self._kivi(q, k, v, layer, batch)
         if layer.k_scale is not None:
             return self._quantized(q, k, v, layer, batch)
         if self._cpu_kernel is None:
@@ -81,6 +85,30 @@ class TorchAttentionBackend:
             q, layer.k_cache, layer.v_cache, self._query_start_loc, batch.seq_lens_cpu,
             batch.block_tables, layer.scale, layer.sliding_window, batch.tree_mask,
             layer.k_scale, layer.v_scale)
+
+    def _kivi(self, q, k, v, layer, batch) -> torch.Tensor:
+        store = layer.kivi
+        store.store(k, v, batch.slot_mapping)
+        out = torch.empty_like(q)
+        loc = self._query_start_loc
+        for i, seq_len in enumerate(batch.seq_lens_cpu):
+            qs, qe = loc[i], loc[i + 1]
+            if qe == qs:
+                continue
+            # The cached context as the cache holds it, the step's own tokens exact (as
+            # KIVI computes a prompt's attention before quantizing its cache).
+            c = seq_len - (qe - qs)
+            store.seal(batch.block_tables[i], seq_len)
+            kk, vv = store.read(batch.block_tables[i], c)
+            kk, vv = torch.cat([kk, k[qs:qe].float()]), torch.cat([vv, v[qs:qe].float()])
+            mask = reference.attention_mask(qe - qs, seq_len, q.device, layer.sliding_window,
+                                            None if batch.tree_mask is None else batch.tree_mask[i])
+            o = F.scaled_dot_product_attention(
+                q[qs:qe].transpose(0, 1), kk.to(q.dtype).transpose(0, 1),
+                vv.to(q.dtype).transpose(0, 1), attn_mask=mask, scale=layer.scale,
+                enable_gqa=layer.num_heads != layer.num_kv_heads)
+            out[qs:qe] = o.transpose(0, 1)
+        return out
 
     @staticmethod
     def _fresh_prompt(q, k, v, layer) -> torch.Tensor:

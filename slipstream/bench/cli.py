@@ -32,7 +32,7 @@ ENGINE_OPTIONS = {
     "num_kv_blocks": (int, None, "fixed KV pool size"),
     "kv_cache_memory": (int, None, "bytes for the KV pool on the CPU"),
     "gpu_memory_utilization": (float, 0.90, "share of GPU memory the engine may use"),
-    "kv_cache_dtype": (str, "auto", "KV cache: auto (model dtype), int8 or fp8 (1 byte + scales)"),
+    "kv_cache_dtype": (str, "auto", "KV cache: auto (model dtype), int8 or fp8 (1 byte + scales), kivi4 or kivi2"),
     "attention_backend": (str, None, "torch or triton (default: triton on CUDA)"),
     "quantization": (str, "auto", "quantization scheme (auto: GGUF blocks on the CPU, else none)"),
     "enforce_eager": (bool, False, "run decode steps eagerly (no CUDA graphs)"),

@@ -41,14 +41,7 @@ class KIVICache:
             raise ValueError("kv_cache_dtype: KIVI groups must fill whole bytes of codes")
         self.bits, self.group, self.residual, self.channel_group = bits, group, residual, channel_group
         self.dtype, self.device = dtype, torch.device(device)
-        h, d, per = num_kv_heads, head_dim, 8 // bits
-        u8, f16 = dict(dtype=torch.uint8, device=device), dict(dtype=torch.float16, device=device)
-        self.k_codes = torch.zeros(num_pages, h, d, group // per, **u8)
-        self.k_scale = torch.zeros(num_pages, h, d, **f16)
-        self.k_zero = torch.zeros(num_pages, h, d, **f16)
-        self.v_codes = torch.zeros(num_pages, group, h, d // per, **u8)
-        self.v_scale = torch.zeros(num_pages, group, h, d // channel_group, **f16)
-        self.v_zero = torch.zeros(num_pages, group, h, d // channel_group, **f16)
+        allocate_pages(self, num_pages, num_kv_heads, head_dim, group, bits, channel_group, device)
         self.free = list(range(num_pages - 1, -1, -1))
         self.pages: dict[str, list[int]] = {}
         self.window: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -82,12 +75,7 @@ class KIVICache:
             raise RuntimeError("the KIVI cache is out of pages")
         p = self.free.pop()
         self.pages[seq_id].append(p)
-        codes, scale, zero = quantize_key_group(k, self.bits)         # [G, h, d], [1, h, d]
-        self.k_codes[p] = pack_codes(codes.permute(1, 2, 0), self.bits)
-        self.k_scale[p], self.k_zero[p] = scale[0], zero[0]
-        codes, scale, zero = quantize_values(v, self.bits, self.channel_group)
-        self.v_codes[p] = pack_codes(codes, self.bits)
-        self.v_scale[p], self.v_zero[p] = scale[..., 0], zero[..., 0]
+        write_page(self, p, k, v)
 
     def read(self, seq_id: str) -> tuple[torch.Tensor, torch.Tensor]:
         """The sequence's keys and values [tokens, kv_heads, head_dim] (fp32)."""
@@ -111,3 +99,30 @@ class KIVICache:
         wk = self.window[seq_id][0]
         window = 2 * wk.numel() * wk.element_size()
         return (len(self.pages[seq_id]) * page + window) / max(n, 1)
+
+
+def allocate_pages(owner, num_pages: int, num_kv_heads: int, head_dim: int, group: int,
+                   bits: int, channel_group: int, device) -> None:
+    """The page tensors on `owner` (zeroed): k_codes [pages, h, d, group / per byte]
+    (per channel, packed along tokens), k_scale / k_zero [pages, h, d] fp16,
+    v_codes [pages, group, h, d / per byte] (per token, packed along channels),
+    v_scale / v_zero [pages, group, h, d / channel_group] fp16."""
+    h, d, per = num_kv_heads, head_dim, 8 // bits
+    u8, f16 = dict(dtype=torch.uint8, device=device), dict(dtype=torch.float16, device=device)
+    owner.k_codes = torch.zeros(num_pages, h, d, group // per, **u8)
+    owner.k_scale = torch.zeros(num_pages, h, d, **f16)
+    owner.k_zero = torch.zeros(num_pages, h, d, **f16)
+    owner.v_codes = torch.zeros(num_pages, group, h, d // per, **u8)
+    owner.v_scale = torch.zeros(num_pages, group, h, d // channel_group, **f16)
+    owner.v_zero = torch.zeros(num_pages, group, h, d // channel_group, **f16)
+
+
+def write_page(owner, p: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Quantize one group of keys and values [group, h, d] into page p of `owner`
+    (which has `bits`, `channel_group` and the tensors of `allocate_pages`)."""
+    codes, scale, zero = quantize_key_group(k.float(), owner.bits)   # [G, h, d], [1, h, d]
+    owner.k_codes[p] = pack_codes(codes.permute(1, 2, 0), owner.bits)
+    owner.k_scale[p], owner.k_zero[p] = scale[0], zero[0]
+    codes, scale, zero = quantize_values(v.float(), owner.bits, owner.channel_group)
+    owner.v_codes[p] = pack_codes(codes, owner.bits)
+    owner.v_scale[p], owner.v_zero[p] = scale[..., 0], zero[..., 0]

@@ -60,9 +60,11 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
                    help="torch or triton (default: triton on CUDA, torch on the CPU)")
     g.add_argument("--kv-cache-memory", type=_at_least(1), default=None,
                    help="bytes for the KV cache on the CPU (default: 1 GiB, reserved lazily)")
-    g.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8", "fp8", "fp8_e4m3"),
+    g.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8", "fp8", "fp8_e4m3", "kivi4", "kivi2"),
                    help="auto (the model dtype), int8 or fp8 (e4m3): 1-byte codes with one scale "
-                        "per token and head, about twice the tokens in the same memory")
+                        "per token and head, about twice the tokens in the same memory; kivi4 / "
+                        "kivi2: KIVI 4 / 2-bit codes (keys per channel, values per token; torch "
+                        "attention backend, for memory, not speed)")
     g.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
     g.add_argument("--load-format", default="auto", choices=("auto", "dummy"),
                    help="dummy: random weights of the model's shape (--model may be a preset name)")

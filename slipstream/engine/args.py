@@ -89,6 +89,14 @@ class EngineArgs:
         if kv_fmt.quantized and self.speculative_method is not None:
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r}: speculative decoding runs "
                              "with a 16-bit KV cache only (kv_cache_dtype='auto')")
+        backend = self.attention_backend
+        if kv_fmt.kivi_bits:   # served by the torch backend only (cache/kivi_paged.py)
+            if backend not in (None, "torch"):
+                raise ValueError(f"kv_cache_dtype={kv_fmt.name!r} runs on the torch attention "
+                                 f"backend only, not {backend!r}")
+            if self.tensor_parallel_size != 1:
+                raise ValueError(f"kv_cache_dtype={kv_fmt.name!r}: not under tensor parallelism")
+            backend = "torch"
         tp = self.tensor_parallel_size
         if not isinstance(tp, int) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be an integer of at least 1, got {tp!r}")
@@ -114,7 +122,7 @@ class EngineArgs:
                                       max_model_len=max_len,
                                       enable_chunked_prefill=self.enable_chunked_prefill),
             parallel=ParallelConfig(tensor_parallel_size=tp),
-            attention_backend=self.attention_backend,
+            attention_backend=backend,
             quantization=quantization,
             enforce_eager=self.enforce_eager,
             async_scheduling=self.async_scheduling,

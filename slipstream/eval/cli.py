@@ -18,8 +18,9 @@ def add_parser(subparsers) -> None:
                    help="tokens between window starts; each window scores its last STRIDE "
                         "tokens (default context / 2)")
     q.add_argument("--quantization", default=None, help="quantize a float checkpoint at load")
-    q.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8", "fp8", "fp8_e4m3"),
-                   help="KV cache format (int8 / fp8: 1-byte codes, a scale per token and head)")
+    q.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8", "fp8", "fp8_e4m3", "kivi4", "kivi2"),
+                   help="KV cache format (int8 / fp8: 1-byte codes, a scale per token and head; "
+                        "kivi4 / kivi2: KIVI codes, torch attention backend)")
     q.add_argument("--dtype", default="auto")
     q.add_argument("--device", default="auto")
     q.add_argument("--json", action="store_true", help="print the result as JSON")

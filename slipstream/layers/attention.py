@@ -36,6 +36,8 @@ class Attention(nn.Module):
         # (k_cache / v_cache then hold int8 or fp8 codes); None for a 16-bit cache.
         self.k_scale: torch.Tensor | None = None
         self.v_scale: torch.Tensor | None = None
+        # A KIVI cache's blocks (cache/kivi_paged.py); k_cache / v_cache are then empty.
+        self.kivi = None
         # Set while a step runs in pieces (runner/piecewise.py): called instead of
         # the backend, it ends one captured piece and starts the next.
         self.intercept = None

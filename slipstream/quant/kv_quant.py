@@ -14,8 +14,10 @@ attention kernels read the codes and apply the scales in registers: K's scale
 multiplies the score column q.k_j, V's the probability p_j before the P.V product.
 
 KIVI (Liu et al., 2024), 2 or 4 bits: keys per channel, values per token, a small
-full-precision window of recent tokens: numerics in quant/kivi.py, paged layout
-in cache/kivi_cache.py (reference path only, not served by the engine).
+full-precision window of recent tokens: numerics in quant/kivi.py, a paged
+reference layout in cache/kivi_cache.py, and in the engine (`kv_cache_dtype`
+kivi4 / kivi2, a block a key group, the torch attention backend)
+cache/kivi_paged.py.
 """
 from __future__ import annotations
 
@@ -32,10 +34,16 @@ class KVFormat:
     name: str
     storage: torch.dtype | None   # the codes' dtype; None: the model dtype (no quantization)
     qmax: float = 0.0             # largest code magnitude (scale = amax / qmax)
+    kivi_bits: int = 0            # KIVI (2 or 4): codes and scales in cache/kivi_paged.py
 
     @property
     def quantized(self) -> bool:
         return self.storage is not None
+
+    @property
+    def per_token(self) -> bool:
+        """Codes and one scale a token and head in the paged pool (int8, fp8)."""
+        return self.quantized and not self.kivi_bits
 
     def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return quantize_kv(x, self)
@@ -45,9 +53,12 @@ KV_FORMATS = {
     "auto": KVFormat("auto", None),
     "int8": KVFormat("int8", torch.int8, 127.0),
     "fp8": KVFormat("fp8", torch.float8_e4m3fn, FP8_E4M3_MAX),
+    "kivi4": KVFormat("kivi4", torch.uint8, kivi_bits=4),
+    "kivi2": KVFormat("kivi2", torch.uint8, kivi_bits=2),
 }
 _ALIASES = {"fp8_e4m3": "fp8", "bf16": "auto", "bfloat16": "auto"}
-KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3")   # what --kv-cache-dtype takes
+# what --kv-cache-dtype takes
+KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3", "kivi4", "kivi2")
 KV_DTYPES = ("auto", "int8", "fp8", "kivi4", "kivi2")    # formats with a reference
 
 
@@ -64,7 +75,7 @@ def kv_format(name: str | None) -> KVFormat:
 def kv_format_of(storage: torch.dtype) -> KVFormat:
     """The quantized format whose codes are stored as `storage`."""
     for fmt in KV_FORMATS.values():
-        if fmt.storage == storage:
+        if fmt.storage == storage and fmt.per_token:
             return fmt
     raise ValueError(f"kv_cache_dtype: no quantized KV format stores {storage}")
 
@@ -117,7 +128,7 @@ def kivi_fake_quantize(k: torch.Tensor, v: torch.Tensor, bits: int, group: int =
 
 def fake_quantize_kv(x: torch.Tensor, kv_dtype: str) -> torch.Tensor:
     """Per-token formats only (int8, fp8): x [tokens, heads, dim] as a cache returns it."""
-    if kv_dtype not in KV_CACHE_DTYPES:
+    if kv_dtype not in KV_CACHE_DTYPES or kv_dtype.startswith("kivi"):
         raise ValueError(f"kv_cache_dtype: expected one of auto, int8, fp8 here, got {kv_dtype!r}")
     fmt = kv_format(kv_dtype)
     if not fmt.quantized:

@@ -30,9 +30,15 @@ DEFAULT_CPU_KV_BYTES = 1 << 30
 SCALE_BYTES = 4   # one fp32 scale per token and KV head in a quantized cache
 
 
-def kv_bytes_per_token(mc: ModelConfig, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
-    """K and V bytes of one token over all layers, scales included."""
+def kv_bytes_per_token(mc: ModelConfig, dtype: torch.dtype, kv_cache_dtype: str = "auto",
+                       block_size: int = 16) -> int:
+    """K and V bytes of one token over all layers, scales included (KIVI: sealed
+    blocks, whose key scales are shared by the block's tokens)."""
     fmt = kv_format(kv_cache_dtype)
+    if fmt.kivi_bits:
+        from slipstream.cache.kivi_paged import kivi_bytes_per_token
+        return math.ceil(mc.num_hidden_layers * kivi_bytes_per_token(
+            mc.num_key_value_heads, mc.head_dim, fmt.kivi_bits, block_size))
     elem = torch.empty((), dtype=fmt.storage or dtype).element_size()
     per_head = mc.head_dim * elem + (SCALE_BYTES if fmt.quantized else 0)
     return 2 * mc.num_hidden_layers * mc.num_key_value_heads * per_head
@@ -92,7 +98,8 @@ def plan_kv_cache(model, config, graph_pool: bool = False) -> KVPlan:
         if graph_pool:
             reserve *= 2
     n = num_kv_blocks(cc, mc, sc, dtype, device, reserve)
-    plan = KVPlan(n, cc.block_size, kv_bytes_per_token(mc, dtype, cc.kv_cache_dtype), reserve,
+    plan = KVPlan(n, cc.block_size, kv_bytes_per_token(mc, dtype, cc.kv_cache_dtype, cc.block_size),
+                  reserve,
                   sc.max_model_len, measured, kv_format(cc.kv_cache_dtype).name)
     log.info(plan.describe())
     return plan
@@ -116,7 +123,8 @@ def profile_step_memory(model, config) -> int:
     scratch = allocate_kv_cache(num_seqs * blocks_per_seq, cc, mc, config.dtype, device)
     scratch_scales = allocate_kv_scales(num_seqs * blocks_per_seq, cc, mc, device)
     layers = model.attention_layers()
-    bind_kv_cache(layers, scratch, scratch_scales)
+    bind_kv_cache(layers, scratch, scratch_scales,
+                  allocate_kivi(num_seqs * blocks_per_seq, cc, mc, config.dtype, device))
     torch.cuda.synchronize(device)
     base = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
@@ -162,7 +170,7 @@ def _dummy_batch(cls, lens: list[int], blocks_per_seq: int, bs: int, device):
 
 def num_kv_blocks(cc: CacheConfig, mc: ModelConfig, sc: SchedulerConfig,
                   dtype: torch.dtype, device: torch.device, reserve: int | None = None) -> int:
-    per_block = kv_bytes_per_token(mc, dtype, cc.kv_cache_dtype) * cc.block_size
+    per_block = kv_bytes_per_token(mc, dtype, cc.kv_cache_dtype, cc.block_size) * cc.block_size
     if cc.num_blocks is not None:
         n = cc.num_blocks
     elif device.type == "cuda":
@@ -188,8 +196,12 @@ def num_kv_blocks(cc: CacheConfig, mc: ModelConfig, sc: SchedulerConfig,
 def allocate_kv_cache(num_blocks: int, cc: CacheConfig, mc: ModelConfig,
                       dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """The pool [layers, 2, blocks, block_size, kv_heads, head_dim] in the model
-    dtype, or in the codes' dtype of a quantized `cc.kv_cache_dtype`."""
-    dtype = kv_format(cc.kv_cache_dtype).storage or dtype
+    dtype, or in the codes' dtype of a quantized `cc.kv_cache_dtype` (KIVI: an
+    empty pool; `allocate_kivi` holds its blocks)."""
+    fmt = kv_format(cc.kv_cache_dtype)
+    if fmt.kivi_bits:
+        num_blocks = 0
+    dtype = fmt.storage or dtype
     # Zeroed so that a kernel reading a padded tile never meets NaN bit patterns.
     if device.type == "cpu":
         # calloc'd by numpy: the OS hands out zero pages as they are first touched, so
@@ -206,16 +218,31 @@ def allocate_kv_scales(num_blocks: int, cc: CacheConfig, mc: ModelConfig,
                        device: torch.device) -> torch.Tensor | None:
     """The scales of a quantized cache, [layers, 2, blocks, block_size, kv_heads]
     fp32, zeroed (a padded slot dequantizes to 0); None for a 16-bit cache."""
-    if not kv_format(cc.kv_cache_dtype).quantized:
+    if not kv_format(cc.kv_cache_dtype).per_token:
         return None
     return torch.zeros(mc.num_hidden_layers, 2, num_blocks, cc.block_size,
                        mc.num_key_value_heads, dtype=torch.float32, device=device)
 
 
-def bind_kv_cache(layers, pool: torch.Tensor, scales: torch.Tensor | None) -> None:
-    """Point each attention layer at its K/V views of the pool (and scales)."""
+def allocate_kivi(num_blocks: int, cc: CacheConfig, mc: ModelConfig, dtype: torch.dtype,
+                  device: torch.device) -> list | None:
+    """A KIVI cache's blocks, one `PagedKIVI` a layer (its window in `dtype`); None
+    for the other formats."""
+    bits = kv_format(cc.kv_cache_dtype).kivi_bits
+    if not bits:
+        return None
+    from slipstream.cache.kivi_paged import PagedKIVI
+    return [PagedKIVI(num_blocks, cc.block_size, mc.num_key_value_heads, mc.head_dim, bits,
+                      dtype, device) for _ in range(mc.num_hidden_layers)]
+
+
+def bind_kv_cache(layers, pool: torch.Tensor, scales: torch.Tensor | None,
+                  kivi: list | None = None) -> None:
+    """Point each attention layer at its K/V views of the pool (and scales, or its
+    KIVI blocks)."""
     for i, layer in enumerate(layers):
         layer.k_cache, layer.v_cache = pool[i, 0], pool[i, 1]
         layer.k_scale = layer.v_scale = None
         if scales is not None:
             layer.k_scale, layer.v_scale = scales[i, 0], scales[i, 1]
+        layer.kivi = None if kivi is None else kivi[i]

@@ -85,7 +85,10 @@ class ModelRunner:
         # [layers, 2, blocks, block_size, kv_heads] fp32 beside int8 / fp8 codes, else None
         self.kv_scales = memory.allocate_kv_scales(self.num_blocks, cc, rank_config.model_config,
                                                    self.device)
-        memory.bind_kv_cache(self.model.attention_layers(), self.kv_cache, self.kv_scales)
+        self.kv_kivi = memory.allocate_kivi(self.num_blocks, cc, rank_config.model_config,
+                                            self.dtype, self.device)
+        memory.bind_kv_cache(self.model.attention_layers(), self.kv_cache, self.kv_scales,
+                             self.kv_kivi)
         self.input_batch = InputBatch(sc.max_num_seqs, sc.max_model_len, sc.max_num_batched_tokens,
                                       cc.block_size, self.device)
         self.sampling = SamplingState(sc.max_num_seqs, mc.vocab_size, self.device)
@@ -117,6 +120,11 @@ class ModelRunner:
         ib = self.input_batch
         preempted = set(sched.preempted_req_ids)
         for rid in sched.finished_req_ids:
+            if self.kv_kivi is not None and rid in ib.row_of:   # seal or drop its window blocks
+                r = ib.row_of[rid]
+                blocks = ib.block_table[r, :ib.num_blocks[r]].tolist()
+                for store in self.kv_kivi:
+                    store.finish(blocks)
             row = ib.remove(rid)
             if row is not None:
                 if rid in preempted and self.sampling.generators[row] is not None:
