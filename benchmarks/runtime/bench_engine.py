@@ -38,6 +38,9 @@ NUM_PROMPTS = 1000
 
 def _llm(**kw):
     from slipstream import LLM
+    if os.environ.get("BENCH_BLAS"):   # cublas | cublaslt: torch's preferred BLAS library
+        import torch
+        torch.backends.cuda.preferred_blas_library(os.environ["BENCH_BLAS"])
     opts = dict(load_format="dummy", dtype="bfloat16", max_num_seqs=256,
                 enforce_eager=os.environ.get("BENCH_EAGER") == "1")
     if os.environ.get("BENCH_TOKEN_BUDGET"):   # max_num_batched_tokens (default: the engine's)
@@ -59,6 +62,8 @@ def stage_latency(out: Path, eager: bool) -> dict:
     llm = _llm(enforce_eager=eager or os.environ.get("BENCH_EAGER") == "1")
     bw = measure_copy_bandwidth(torch.device("cuda"))
     batches = [1, 64] if eager else [1, 8, 16, 32, 64, 128]
+    if os.environ.get("BENCH_BATCHES"):   # e.g. "1,8,64"
+        batches = [int(b) for b in os.environ["BENCH_BATCHES"].split(",")]
     rows = []
     for b in batches:
         args = SimpleNamespace(batch_size=b, input_len=128, output_len=128, num_iters_warmup=1,
