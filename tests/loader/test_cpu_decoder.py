@@ -7,6 +7,7 @@ import torch
 
 from slipstream import LLM, SamplingParams
 from slipstream.kernels import cpu_decoder, cpu_library
+from slipstream.kernels.tree_attention import ancestor_mask
 
 from tests.loader.checkpoints import Q, write_gguf
 from tests.models.batch_builder import BlockAllocator, Sequence, allocate_kv_caches, make_batch
@@ -97,18 +98,6 @@ def test_tiny_models_fused_decode_matches_layer_by_layer(tmp_path, tiny_model, m
     assert worst < 0.03, worst
 
 
-def _tree_mask(parents: list[int]) -> torch.Tensor:
-    """[n, n] ancestor-or-self mask of a tree given each node's parent (root: -1)."""
-    n = len(parents)
-    mask = torch.zeros(n, n, dtype=torch.bool)
-    for i in range(n):
-        j = i
-        while j >= 0:
-            mask[i, j] = True
-            j = parents[j]
-    return mask
-
-
 def _depths(parents: list[int]) -> list[int]:
     d = []
     for p in parents:
@@ -136,7 +125,7 @@ def _verify_step(model, kv_dtype, tree: bool, hidden_too: bool = False):
         step.positions[:n] = torch.tensor([21 + d for d in _depths(parents)])
         if tree:
             mask = torch.ones(2, n, n, dtype=torch.bool).tril_()
-            mask[0] = _tree_mask(parents)
+            mask[0] = ancestor_mask(parents)
             step.tree_mask = mask
         caches = [(l.k_cache.clone(), l.v_cache.clone()) for l in model.attention_layers()]
         out = []
@@ -265,7 +254,7 @@ def test_tree_rows_equal_one_token_steps_along_their_paths(tmp_path, tiny_model,
         seq = prefilled()
         step = make_batch([(seq, len(parents))])
         step.positions[:] = torch.tensor([CTX + d for d in _depths(parents)])
-        step.tree_mask = _tree_mask(parents)[None]
+        step.tree_mask = ancestor_mask(parents)[None]
         assert model.model.cpu_decoder.accepts(step)
         model.backend.prepare(step)
         tree = model(step).clone()
