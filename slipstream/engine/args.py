@@ -9,6 +9,9 @@ from slipstream.config import (CacheConfig, EngineConfig, ModelConfig, ParallelC
                                SchedulerConfig, SpecConfig, resolve_device, resolve_dtype)
 
 
+# Schemes that quantize a float checkpoint at load: each rank quantizes its own shard.
+TP_QUANTIZATION = ("fp8", "int8", "rtn-int4", "rtn-int3")
+
 @dataclass
 class EngineArgs:
     model: str | None = None
@@ -103,9 +106,11 @@ class EngineArgs:
         if tp > 1:
             from slipstream.distributed.parallel import check_shardable
             check_shardable(mc, tp)
-            if quantization is not None:
-                raise ValueError(f"tensor_parallel_size={tp}: quantized layers are not sharded "
-                                 f"yet; use quantization=None or tensor_parallel_size=1")
+            if quantization is not None and quantization not in TP_QUANTIZATION:
+                raise ValueError(f"tensor_parallel_size={tp}: quantization={quantization!r} is "
+                                 f"not sharded yet; quantized layers shard when a float "
+                                 f"checkpoint is quantized at load: "
+                                 f"{', '.join(TP_QUANTIZATION)}")
         return EngineConfig(
             model=model_path,
             model_config=mc,

@@ -85,10 +85,12 @@ class LinearBase(nn.Module):
         super().__init__()
         self.tp = tp
         self.tp_rank, self.tp_size = (tp.rank, tp.size) if tp is not None else (0, 1)
-        if self.tp_size > 1 and not isinstance(quant_method, (type(None), UnquantizedLinearMethod)):
+        if (self.tp_size > 1 and not isinstance(quant_method, (type(None), UnquantizedLinearMethod))
+                and not getattr(quant_method, "shards_at_load", False)):
             raise NotImplementedError(
-                f"{type(quant_method).__name__}: quantized linear layers are not sharded for "
-                "tensor parallelism yet; use tensor_parallel_size=1 or no quantization")
+                f"{type(quant_method).__name__}: prequantized linear layers are not sharded for "
+                "tensor parallelism yet; use tensor_parallel_size=1, or a float checkpoint "
+                "quantized at load (fp8, int8, rtn-int4, rtn-int3)")
         self.input_size = input_size
         self.output_sizes = list(output_sizes)
         self.output_size = sum(output_sizes)
@@ -240,9 +242,9 @@ _FP32_PARTIALS = [True]   # False once torch.mm(..., out_dtype=float32) is found
 
 
 def _fp32_partials(layer: RowParallelLinear, x: torch.Tensor) -> bool:
-    return (_FP32_PARTIALS[0] and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
-            and x.shape[0] <= FP32_PARTIALS_MAX_TOKENS
-            and isinstance(layer.quant_method, UnquantizedLinearMethod))
+    return (isinstance(layer.quant_method, UnquantizedLinearMethod) and _FP32_PARTIALS[0]
+            and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+            and x.shape[0] <= FP32_PARTIALS_MAX_TOKENS)
 
 
 class MergedLinear(LinearBase):
@@ -298,3 +300,18 @@ class QKVLinear(MergedLinear):
         if shard_id not in self._SHARDS:
             raise ModelLoadError(f"QKVLinear has no shard {shard_id!r}; expected q, k or v")
         return self._SHARDS[shard_id]
+
+
+def whole_row_range(layer: LinearBase, w: torch.Tensor) -> torch.Tensor | None:
+    """For a row-parallel layer's local weight w [out, local_in] (tensor parallel):
+    each row's largest and smallest value over the *whole* row, [out, 2], from
+    one all-reduce; None elsewhere. A method that quantizes a whole row with one
+    scale appends these two columns before quantizing and drops their codes, so
+    every rank gets the scale (and zero) one process would compute."""
+    if layer.split != "input" or layer.tp_size == 1:
+        return None
+    import torch.distributed as dist
+    wf = w.float()
+    both = torch.stack([wf.amax(1), -wf.amin(1)], dim=1)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=layer.tp.device_group)
+    return torch.stack([both[:, 0], -both[:, 1]], dim=1).to(w.dtype)

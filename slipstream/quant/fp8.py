@@ -40,6 +40,10 @@ class Fp8Method:
 
     def __init__(self, prequantized: bool = False):
         self.prequantized = prequantized
+        # Quantized after loading: a tensor-parallel rank loads its dense shard. (Its
+        # activations are quantized per token over the rank's slice of a row-parallel
+        # layer's input: finer than one process, so not bit-identical to it.)
+        self.shards_at_load = not prequantized
 
     def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int],
                        params_dtype: torch.dtype) -> None:
@@ -49,12 +53,17 @@ class Fp8Method:
                                                                   dtype=torch.float8_e4m3fn)))
             layer.register_parameter("weight_scale", _param(torch.empty(out)))
         else:
-            layer.register_parameter("weight", _param(torch.empty(out, input_size,
-                                                                  dtype=params_dtype)))
+            w = _param(torch.empty(out, input_size, dtype=params_dtype))
+            w.input_dim = 1
+            layer.register_parameter("weight", w)
 
     def process_after_loading(self, layer: nn.Module) -> None:
         if not self.prequantized:
-            wq, ws = quantize_fp8_rows(layer.weight.data)
+            from slipstream.layers.linear import whole_row_range
+            w = layer.weight.data
+            ext = whole_row_range(layer, w)      # one scale over the whole row, as one process
+            wq, ws = quantize_fp8_rows(w if ext is None else torch.cat([w, ext], 1))
+            wq = wq[:, :w.shape[1]].contiguous()
             layer.register_parameter("weight", _param(wq))
             layer.register_parameter("weight_scale", _param(ws.flatten()))
 

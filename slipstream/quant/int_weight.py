@@ -53,14 +53,24 @@ class IntWeightMethod:
         check_bits(bits)
         self.bits, self.group_size, self.sym = bits, group_size, sym
         self.act_order, self.prequantized = act_order, prequantized
+        # Quantized after loading: a tensor-parallel rank loads its dense shard and gets
+        # the codes one process would (groups aligned with the split, whole-row scales
+        # from the row's global range).
+        self.shards_at_load = not prequantized
 
     def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int],
                        params_dtype: torch.dtype) -> None:
         out = sum(output_sizes)
         layer.group_cols = layer_group_cols(input_size, self.group_size)
         if not self.prequantized:
-            layer.register_parameter("weight", _param(torch.empty(out, input_size,
-                                                                  dtype=params_dtype)))
+            if (getattr(layer, "tp_size", 1) > 1 and getattr(layer, "split", None) == "input"
+                    and input_size % layer.group_cols):
+                raise ValueError(f"tensor_parallel_size={layer.tp_size}: quantization groups of "
+                                 f"{self.group_size} do not divide a rank's {input_size} input "
+                                 f"features of {type(layer).__name__}")
+            w = _param(torch.empty(out, input_size, dtype=params_dtype))
+            w.input_dim = 1
+            layer.register_parameter("weight", w)
             return
         self._register_quantized(layer, out, input_size)
         if self.act_order:
@@ -78,11 +88,21 @@ class IntWeightMethod:
 
     def process_after_loading(self, layer: nn.Module) -> None:
         if not self.prequantized:
+            from slipstream.layers.linear import whole_row_range
             from slipstream.quant.rtn import rtn_quantize
             w = layer.weight.data
-            qt = rtn_quantize(w.float(), self.bits, layer.group_cols, self.sym)
+            # One group spanning the whole (unsplit) row: its range over every rank's part.
+            whole_row = self.group_size is None or self.group_size >= layer.input_size
+            ext = whole_row_range(layer, w) if whole_row else None
+            if ext is None:
+                qt = rtn_quantize(w.float(), self.bits, layer.group_cols, self.sym)
+                codes = qt.codes
+            else:   # one group a row: its range over the whole row, as one process
+                qt = rtn_quantize(torch.cat([w, ext], 1).float(), self.bits, w.shape[1] + 2,
+                                  self.sym)
+                codes = qt.codes[:, :w.shape[1]].contiguous()
             del layer.weight
-            set_quantized(layer, qt.codes, qt.scale, qt.zero, self.bits, self.sym, w.device)
+            set_quantized(layer, codes, qt.scale, qt.zero, self.bits, self.sym, w.device)
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, in] -> [num_tokens, out]
