@@ -9,8 +9,10 @@ from slipstream.config import (CacheConfig, EngineConfig, ModelConfig, ParallelC
                                SchedulerConfig, SpecConfig, resolve_device, resolve_dtype)
 
 
-# Schemes that quantize a float checkpoint at load: each rank quantizes its own shard.
-TP_QUANTIZATION = ("fp8", "int8", "rtn-int4", "rtn-int3")
+# Quantization schemes that shard for tensor parallelism: a float checkpoint quantized
+# at load (each rank quantizes its own shard), or a checkpoint of `slipstream quantize`.
+TP_QUANTIZATION = ("fp8", "int8", "rtn-int4", "rtn-int3", "w8a8", "slipstream")
+
 
 @dataclass
 class EngineArgs:
@@ -108,9 +110,7 @@ class EngineArgs:
             check_shardable(mc, tp)
             if quantization is not None and quantization not in TP_QUANTIZATION:
                 raise ValueError(f"tensor_parallel_size={tp}: quantization={quantization!r} is "
-                                 f"not sharded yet; quantized layers shard when a float "
-                                 f"checkpoint is quantized at load: "
-                                 f"{', '.join(TP_QUANTIZATION)}")
+                                 f"not sharded yet; these shard: {', '.join(TP_QUANTIZATION)}")
         return EngineConfig(
             model=model_path,
             model_config=mc,

@@ -86,11 +86,12 @@ class LinearBase(nn.Module):
         self.tp = tp
         self.tp_rank, self.tp_size = (tp.rank, tp.size) if tp is not None else (0, 1)
         if (self.tp_size > 1 and not isinstance(quant_method, (type(None), UnquantizedLinearMethod))
-                and not getattr(quant_method, "shards_at_load", False)):
+                and not getattr(quant_method, "tp_shardable", False)):
             raise NotImplementedError(
-                f"{type(quant_method).__name__}: prequantized linear layers are not sharded for "
-                "tensor parallelism yet; use tensor_parallel_size=1, or a float checkpoint "
-                "quantized at load (fp8, int8, rtn-int4, rtn-int3)")
+                f"{type(quant_method).__name__}: these quantized linear layers are not sharded "
+                "for tensor parallelism yet (GPTQ / AWQ checkpoints in the Hugging Face layout, "
+                "GGUF blocks); use tensor_parallel_size=1, a checkpoint written by "
+                "`slipstream quantize`, or a float checkpoint quantized at load")
         self.input_size = input_size
         self.output_sizes = list(output_sizes)
         self.output_size = sum(output_sizes)
@@ -133,8 +134,8 @@ class LinearBase(nn.Module):
         shape = list(param.shape)
         if self.tp_size > 1 and getattr(param, "output_dim", None) is not None:
             shape[param.output_dim] = self.output_size
-        if self.tp_size > 1 and getattr(param, "input_dim", None) is not None:
-            shape[param.input_dim] = self.input_size
+        if self.tp_size > 1 and self.split == "input" and getattr(param, "input_dim", None) is not None:
+            shape[param.input_dim] *= self.tp_size     # features, packed codes, groups alike
         return tuple(shape)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -146,13 +147,19 @@ class LinearBase(nn.Module):
         out_dim = getattr(param, "output_dim", None)
         in_dim = getattr(param, "input_dim", None)
         if self.tp_size > 1 and self.split == "input":
-            if in_dim is None:   # a row-parallel bias: added once, by rank 0
-                if self.tp_rank == 0:
+            if in_dim is None:
+                if getattr(param, "tp_replicated", False):   # e.g. one scale per output row
+                    copy_checked(param.data, loaded)
+                elif self.tp_rank == 0:   # a row-parallel bias: added once, by rank 0
                     copy_checked(param.data, loaded)
                 else:
                     copy_checked(param.data, torch.zeros_like(loaded))
                 return
-            n = self.local_input_size
+            # The rank's share along the input: features, packed codes or groups alike.
+            n = param.shape[in_dim]
+            if loaded.shape[in_dim] != n * self.tp_size:
+                raise ModelLoadError(f"shape mismatch: checkpoint has {tuple(loaded.shape)}, "
+                                     f"{self.tp_size} ranks expect {n} a rank along dim {in_dim}")
             copy_checked(param.data, loaded.narrow(in_dim, self.tp_rank * n, n))
             return
         if len(self.output_sizes) == 1 and self.tp_size == 1:
@@ -315,3 +322,24 @@ def whole_row_range(layer: LinearBase, w: torch.Tensor) -> torch.Tensor | None:
     both = torch.stack([wf.amax(1), -wf.amin(1)], dim=1)
     dist.all_reduce(both, op=dist.ReduceOp.MAX, group=layer.tp.device_group)
     return torch.stack([both[:, 0], -both[:, 1]], dim=1).to(w.dtype)
+
+
+def check_group_split(layer: LinearBase, group_size: int | None) -> None:
+    """A row-parallel layer quantized in groups of `group_size` inputs splits only at
+    group boundaries (or with one group spanning the whole row)."""
+    if layer.split != "input" or layer.tp_size == 1 or group_size is None:
+        return
+    if group_size < layer.input_size and layer.local_input_size % group_size:
+        raise ValueError(f"tensor_parallel_size={layer.tp_size}: quantization groups of "
+                         f"{group_size} do not divide a rank's {layer.local_input_size} input "
+                         f"features of {type(layer).__name__}")
+
+
+def row_split_params(layer: LinearBase, per_input: list, per_row: list) -> None:
+    """Mark a quantized layer's parameters for row-parallel loading: `per_input` are
+    split along their dim 1 (codes, group scales), `per_row` (one value per output
+    row) are loaded whole on every rank."""
+    for p in per_input:
+        p.input_dim = 1
+    for p in per_row:
+        p.tp_replicated = True

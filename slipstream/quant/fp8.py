@@ -40,10 +40,11 @@ class Fp8Method:
 
     def __init__(self, prequantized: bool = False):
         self.prequantized = prequantized
-        # Quantized after loading: a tensor-parallel rank loads its dense shard. (Its
+        # Tensor parallel: a rank loads its shard (a float one quantized with the whole
+        # row's scale, or the checkpoint's codes with their per-row scales). Its
         # activations are quantized per token over the rank's slice of a row-parallel
-        # layer's input: finer than one process, so not bit-identical to it.)
-        self.shards_at_load = not prequantized
+        # layer's input: finer than one process, so not bit-identical to it.
+        self.tp_shardable = True
 
     def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int],
                        params_dtype: torch.dtype) -> None:
@@ -52,6 +53,8 @@ class Fp8Method:
             layer.register_parameter("weight", _param(torch.empty(out, input_size,
                                                                   dtype=torch.float8_e4m3fn)))
             layer.register_parameter("weight_scale", _param(torch.empty(out)))
+            layer.weight.input_dim = 1
+            layer.weight_scale.tp_replicated = True
         else:
             w = _param(torch.empty(out, input_size, dtype=params_dtype))
             w.input_dim = 1

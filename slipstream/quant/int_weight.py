@@ -53,26 +53,36 @@ class IntWeightMethod:
         check_bits(bits)
         self.bits, self.group_size, self.sym = bits, group_size, sym
         self.act_order, self.prequantized = act_order, prequantized
-        # Quantized after loading: a tensor-parallel rank loads its dense shard and gets
-        # the codes one process would (groups aligned with the split, whole-row scales
-        # from the row's global range).
-        self.shards_at_load = not prequantized
+        # Tensor parallel: a rank loads its shard (dense, then quantized with the codes one
+        # process would: groups aligned with the split, whole-row scales from the row's
+        # global range; or the checkpoint's codes and scales). Act-order layers split
+        # only along their outputs.
+        self.tp_shardable = True
 
     def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int],
                        params_dtype: torch.dtype) -> None:
         out = sum(output_sizes)
         layer.group_cols = layer_group_cols(input_size, self.group_size)
+        row_split = getattr(layer, "tp_size", 1) > 1 and getattr(layer, "split", None) == "input"
+        if row_split:
+            from slipstream.layers.linear import check_group_split
+            check_group_split(layer, self.group_size)
+            if self.act_order and self.prequantized:
+                raise ValueError(f"tensor_parallel_size={layer.tp_size}: an act-order layer "
+                                 f"({type(layer).__name__}) permutes its whole input; it does "
+                                 f"not split along it")
         if not self.prequantized:
-            if (getattr(layer, "tp_size", 1) > 1 and getattr(layer, "split", None) == "input"
-                    and input_size % layer.group_cols):
-                raise ValueError(f"tensor_parallel_size={layer.tp_size}: quantization groups of "
-                                 f"{self.group_size} do not divide a rank's {input_size} input "
-                                 f"features of {type(layer).__name__}")
             w = _param(torch.empty(out, input_size, dtype=params_dtype))
             w.input_dim = 1
             layer.register_parameter("weight", w)
             return
         self._register_quantized(layer, out, input_size)
+        if row_split:
+            from slipstream.layers.linear import row_split_params
+            grouped = [layer.scales] + ([layer.qzeros] if not self.sym else [])
+            whole_row = self.group_size is None or self.group_size >= layer.input_size
+            row_split_params(layer, [layer.qweight] + ([] if whole_row else grouped),
+                             grouped if whole_row else [])
         if self.act_order:
             perm = _param(torch.empty(input_size, dtype=torch.int32), None)
             perm.weight_loader = _same_for_every_shard

@@ -43,18 +43,27 @@ class Int8W8A8Method:
 
     def __init__(self, prequantized: bool = False):
         self.prequantized = prequantized
+        # Tensor parallel as Fp8Method: per-row weight scales of the whole row, activations
+        # per token over the rank's slice of a row-parallel input.
+        self.tp_shardable = True
 
     def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int],
                        params_dtype: torch.dtype) -> None:
         out = sum(output_sizes)
         dtype = torch.int8 if self.prequantized else params_dtype
         layer.register_parameter("weight", _param(torch.empty(out, input_size, dtype=dtype)))
+        layer.weight.input_dim = 1
         if self.prequantized:
             layer.register_parameter("weight_scale", _param(torch.empty(out)))
+            layer.weight_scale.tp_replicated = True
 
     def process_after_loading(self, layer: nn.Module) -> None:
         if not self.prequantized:
-            wq, ws = quantize_weight_int8(layer.weight.data)
+            from slipstream.layers.linear import whole_row_range
+            w = layer.weight.data
+            ext = whole_row_range(layer, w)      # one scale over the whole row, as one process
+            wq, ws = quantize_weight_int8(w if ext is None else torch.cat([w, ext], 1))
+            wq = wq[:, :w.shape[1]].contiguous()
             layer.register_parameter("weight", _param(wq))
             layer.register_parameter("weight_scale", _param(ws))
         layer.weight_t = layer.weight.data.t()   # [in, out] view for torch._int_mm
