@@ -53,25 +53,52 @@ def _param(t: torch.Tensor, output_dim: int | None) -> nn.Parameter:
     return p
 
 
+def _row_split(layer: nn.Module) -> bool:
+    return getattr(layer, "tp_size", 1) > 1 and getattr(layer, "split", None) == "input"
+
+
+def _input_share(layer: nn.Module, param: nn.Parameter, loaded: torch.Tensor) -> torch.Tensor:
+    """A row-parallel rank's share of a tensor stored along the input in dim 0 (packed
+    codes, groups or inputs alike): its param's length, at its rank's offset."""
+    if getattr(param, "tp_replicated", False):     # one group spans the whole row
+        return loaded
+    n = param.shape[0]
+    if loaded.shape[0] != n * layer.tp_size:
+        raise ModelLoadError(f"shape mismatch: checkpoint has {tuple(loaded.shape)}, "
+                             f"{layer.tp_size} ranks expect {n} rows each")
+    return loaded.narrow(0, layer.tp_rank * n, n)
+
+
 def _loader(layer: nn.Module, dim: int | None, pack: int):
     """Copies a shard of a fused layer into its slice; `pack` output features per stored
-    column (the slice offset and size shrink by it)."""
+    column (the slice offset and size shrink by it). Tensor parallel: a column-parallel
+    rank takes its share of each shard's outputs, a row-parallel one its share of the
+    inputs (dim 0 of every GPTQ / AWQ tensor)."""
     def load(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        if shard_id is None or dim is None:
+        if _row_split(layer):
+            copy_checked(param.data, _input_share(layer, param, loaded))
+            return
+        if dim is None or (shard_id is None and getattr(layer, "tp_size", 1) == 1):
             copy_checked(param.data, loaded)
             return
-        i = layer._shard_index(shard_id)
-        off, size = sum(layer.output_sizes[:i]), layer.output_sizes[i]
+        i = 0 if shard_id is None else layer._shard_index(shard_id)
+        off, size = sum(layer.local_output_sizes[:i]), layer.local_output_sizes[i]
+        start = getattr(layer, "tp_rank", 0) * size          # within the shard
         if off % pack or size % pack:
             raise ModelLoadError(f"shard {shard_id!r}: {size} outputs do not pack by {pack}")
-        copy_checked(param.data.narrow(dim, off // pack, size // pack), loaded)
+        copy_checked(param.data.narrow(dim, off // pack, size // pack),
+                     loaded.narrow(dim, start // pack, size // pack))
     return load
 
 
 def _shared_loader(layer: nn.Module):
     """g_idx is one per input, so every shard of a fused layer (q, k, v read the same
-    input, hence the same act-order) must store the same one."""
+    input, hence the same act-order) must store the same one. A row-parallel rank
+    keeps its inputs' entries, renumbered from its first group."""
     def load(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        if _row_split(layer):
+            loaded = _input_share(layer, param, loaded)
+            loaded = loaded - loaded.min()
         if getattr(layer, "_g_idx_loaded", False) and not torch.equal(
                 param.data, loaded.to(param.dtype)):
             raise ModelLoadError("g_idx differs between the shards of a fused layer")
@@ -91,6 +118,7 @@ class HFPackedIntMethod:
             raise ValueError(f"quantization_config: {fmt} with {bits} bits is not supported")
         self.fmt, self.bits, self.group_size, self.v1_zeros = fmt, bits, group_size, v1_zeros
         self.inner = IntWeightMethod(bits, group_size, sym=False, prequantized=True)
+        self.tp_shardable = True   # act-order layers refused along their input (below)
 
     def create_weights(self, layer, input_size, output_sizes, params_dtype) -> None:
         n, k = sum(output_sizes), input_size
@@ -114,6 +142,12 @@ class HFPackedIntMethod:
         sc.weight_loader = _loader(layer, 1, 1)
         for name, p in (("qweight", qw), ("qzeros", qz), ("scales", sc)):
             layer.register_parameter(name, p)
+        if _row_split(layer):
+            from slipstream.layers.linear import check_group_split
+            whole_row = self.group_size in (-1, None)
+            check_group_split(layer, None if whole_row else self.group_size)
+            if whole_row:          # one group a row: its scales and zeros on every rank
+                qz.tp_replicated = sc.tp_replicated = True
 
     def process_after_loading(self, layer) -> None:
         bits, group = self.bits, layer.hf_group
@@ -131,6 +165,10 @@ class HFPackedIntMethod:
         scales = layer.scales.data.float()                               # [G, N]
         perm = None
         if not torch.equal(g_idx, torch.arange(k, device=g_idx.device) // group):
+            if _row_split(layer):
+                raise ModelLoadError(f"tensor_parallel_size={layer.tp_size}: an act-order "
+                                     f"(desc_act) layer permutes its whole input; it does not "
+                                     f"split along it")
             perm = torch.argsort(g_idx, stable=True)
             counts = torch.bincount(g_idx, minlength=scales.shape[0])
             if (counts[:-1] != group).any():

@@ -264,3 +264,21 @@ def test_act_order_checkpoints_do_not_split_along_the_input(split_kv_folder, tmp
     from slipstream.distributed.executor import WorkerDiedError
     with pytest.raises((ValueError, WorkerDiedError), match="act-order|exited"):
         make_llm(folder, tensor_parallel_size=2)
+
+
+@pytest.mark.parametrize("fmt", ["gptq", "awq"])
+def test_gptq_and_awq_checkpoints_shard(split_kv_folder, tmp_path, fmt):
+    """GPTQ / AWQ tensors in the Hugging Face layout: a column-parallel rank takes its
+    share of each fused shard's packed outputs, a row-parallel one its share of the
+    inputs (codes, groups, g_idx renumbered): TP=1's tokens and log-probs."""
+    from tests.quant.test_hf_checkpoint import write
+    write(split_kv_folder, tmp_path / "q", fmt)
+    _tp2_matches_tp1(tmp_path / "q", split_kv_folder, False)
+
+
+def test_act_order_gptq_does_not_split_along_the_input(split_kv_folder, tmp_path):
+    from slipstream.distributed.executor import WorkerDiedError
+    from tests.quant.test_hf_checkpoint import write
+    write(split_kv_folder, tmp_path / "q", "gptq", act_order=True)
+    with pytest.raises((ValueError, WorkerDiedError)):
+        make_llm(tmp_path / "q", tensor_parallel_size=2)

@@ -45,7 +45,7 @@ def write(src, dst, fmt, group=64, act_order=False):
     g = torch.Generator().manual_seed(5)
     perms = {}
     for name, w in sd.items():
-        if not any(p in name for p in PROJ):
+        if not any(p in name for p in PROJ) or not name.endswith(".weight"):   # biases stay
             out[name] = w
             continue
         base = name[:-len(".weight")]
