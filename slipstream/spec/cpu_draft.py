@@ -59,17 +59,23 @@ class QuantDraftLMHead(DraftLMHead):
         return self.rows.matmul(feats.float().contiguous())
 
 
+# The head's linear layers that draft from Q8_0 blocks on a CPU (fc_taps: EAGLE-3 heads).
+QUANTIZED = ("fc", "fc_taps", "q", "k", "v", "o", "gate_up", "down")
+
+
 def usable(head, device) -> bool:
     return (torch.device(device).type == "cpu" and cpu_library.load() is not None
-            and head.fc.weight.dtype == torch.float32)
+            and head.dtype == torch.float32)
 
 
 def quantize_head(head: nn.Module, lm_head: DraftLMHead) -> DraftLMHead:
     """Swap the head's linear layers for Q8_0 ones (in place) and return the LM
     head to draft with (the target's own blocks where it holds a single-format
     quantized table and a draft vocabulary; else `lm_head` unchanged)."""
-    for name in ("q", "k", "v", "o", "gate_up", "down"):   # fc stays: its weight gives the head's dtype
-        lin = getattr(head, name)
+    for name in QUANTIZED:
+        lin = getattr(head, name, None)
+        if lin is None:
+            continue
         if lin.out_features % 16 == 0 and lin.in_features % 32 == 0:
             setattr(head, name, QuantLinear(lin))
     head.qkv_weight = None      # the fused fp32 q/k/v product would bypass the Q8_0 layers

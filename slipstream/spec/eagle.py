@@ -69,7 +69,7 @@ class EagleProposer:
         fewer states than the whole history (prefix-cache hits, speculation
         paused): a gap restarts the head's context at the first pair it is
         given, which only costs acceptance; states it has seen are skipped."""
-        dt = self.head.fc.weight.dtype
+        dt = self.head.dtype
         hidden, length = r.hidden, len(r.token_ids)
         first = length - 1 - hidden.shape[0]       # pairs j in [first, L - 1)
         st = self.kv.get(r.request_id)
@@ -110,7 +110,7 @@ class EagleProposer:
         `propose` (ok False)."""
         d1 = out.tokens.shape[1]
         rows, ok = [], []
-        dt, dev = self.head.fc.weight.dtype, hidden.device
+        dt, dev = self.head.dtype, hidden.device
         offs = torch.arange(d1, device=dev)
         for j, (rid, s) in enumerate(zip(rids, starts)):
             st = self.kv.get(rid)

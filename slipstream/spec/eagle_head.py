@@ -101,13 +101,22 @@ class EagleHead(nn.Module):
             enable_gqa=self.shape.num_heads != self.shape.num_kv_heads).transpose(0, 1)
         return self.finish(x, o), k, v
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The head's activation dtype (its linear layers may hold quantized blocks)."""
+        return self.attn_norm.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.attn_norm.device
+
     def target_feature(self, rows: torch.Tensor) -> torch.Tensor:
         """The target's rows [..., (1 + taps) * hidden] (its final hidden states,
         then its feature taps: `LlamaForCausalLM.set_feature_taps`) -> the head's
         feature of each position [..., hidden], in the head's dtype."""
         s = self.shape
         h, n = s.hidden_size, len(s.taps)
-        dt = self.fc.weight.dtype
+        dt = self.dtype
         if not n:
             return rows[..., :h].to(dt)
         if rows.shape[-1] != (1 + n) * h:

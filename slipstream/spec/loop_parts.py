@@ -51,7 +51,7 @@ class LoopParts:
         their K, V and validity (past the accepted count: masked)."""
         d, rows = self.depth, self.rows
         offs = rows[:d + 1]
-        dt = self.head.fc.weight.dtype
+        dt = self.head.dtype
         h = hidden[torch.cat([rows[:1], path + 1]).clamp_min(0)]       # [d + 1, hidden]
         causal = torch.ones(d + 1, d + 1, dtype=torch.bool, device=hidden.device).tril()
         mask = torch.cat([hvalid.expand(d + 1, -1), causal], 1)

@@ -79,7 +79,7 @@ class LoopPrefill:
         self.backend.prepare(batch)
         hidden = self.model(batch)                                         # [size, hidden]
         first = self.model.compute_logits(hidden.index_select(0, last.view(1))).argmax(-1)
-        dt = self.head.fc.weight.dtype
+        dt = self.head.dtype
         toks = ids.roll(-1).scatter(0, last.view(1), first)                # pair j: (f_j, t_{j+1})
         f, k, v = self.head(self.embed(toks).to(dt), self.head.target_feature(hidden), pos, None, None)
         self.hk[:size].copy_(k)
@@ -106,7 +106,7 @@ class LoopPrefill:
         self.backend.prepare(batch)
         hidden = self.model(batch)                                         # [P, hidden]
         first = self.model.compute_logits(hidden[-1:]).argmax(-1)          # [1]
-        dt = self.head.fc.weight.dtype
+        dt = self.head.dtype
         toks = torch.cat([ids[1:], first])                                 # pair j: (f_j, t_{j+1})
         f, k, v = self.head(self.embed(toks).to(dt), self.head.target_feature(hidden), pos, None, None)
         self.hk[:p], self.hv[:p] = k, v

@@ -36,7 +36,7 @@ class OnlineAdapter:
         the DraftLMHead the head drafts with."""
         self.head, self.embed, self.lm_head = head, embed, lm_head
         self.every, self.steps, self.ttt_steps = every, steps, ttt_steps
-        dev = head.fc.weight.device
+        dev = head.device
         with torch.inference_mode(False):
             self.master = copy.deepcopy(master).float().requires_grad_(True).train()
             self.master.qkv_weight = None        # training reads q, k, v themselves
@@ -106,7 +106,7 @@ class OnlineAdapter:
             target = lm.target
             if w is None:   # no draft vocabulary: the target's whole head, read back once
                 h = target.config.hidden_size
-                eye = torch.eye(h, device=self.device, dtype=self.head.fc.weight.dtype)
+                eye = torch.eye(h, device=self.device, dtype=self.head.dtype)
                 with torch.inference_mode():
                     w = target.compute_logits(eye).T
             remap = None
@@ -130,7 +130,7 @@ class OnlineAdapter:
     def _publish(self) -> None:
         """The master's weights into the drafting head, in place (Q8_0 layers of a
         CPU drafting head are quantized again)."""
-        from slipstream.spec.cpu_draft import QuantLinear
+        from slipstream.spec.cpu_draft import QUANTIZED, QuantLinear
         head = self.head
         with torch.no_grad():
             src = dict(self.master.named_parameters())
@@ -138,8 +138,8 @@ class OnlineAdapter:
                 p.copy_(src[name].to(p.dtype))
             if head.qkv_weight is not None:
                 head.qkv_weight.copy_(torch.cat([head.q.weight, head.k.weight, head.v.weight]))
-            for name in ("q", "k", "v", "o", "gate_up", "down"):
-                if isinstance(getattr(head, name), QuantLinear):
+            for name in QUANTIZED:
+                if isinstance(getattr(head, name, None), QuantLinear):
                     setattr(head, name, QuantLinear(getattr(self.master, name)))
 
 
