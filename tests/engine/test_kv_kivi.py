@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from slipstream import SamplingParams
-from tests.engine.conftest import make_llm, random_prompts
+from tests.engine.conftest import assert_no_leak, make_llm, random_prompts
 
 
 @pytest.fixture(scope="module")
@@ -64,3 +64,28 @@ def test_longer_prompts_stay_close_and_fit_more_tokens(folder):
 def test_kivi_needs_the_torch_backend(folder):
     with pytest.raises(ValueError, match="torch attention backend"):
         make_llm(folder, kv_cache_dtype="kivi4", attention_backend="triton")
+
+
+def test_preemption_and_prefix_hits_with_kivi(folder):
+    """Requests preempted (recomputed) and prompts sharing a prefix (hits on sealed
+    blocks) all finish, no block leaks, and the full-precision windows stay bounded:
+    a finished request's window blocks are sealed or dropped."""
+    tight = make_llm(folder, kv_cache_dtype="kivi4", block_size=16, num_kv_blocks=14,
+                     max_model_len=128, max_num_seqs=8)
+    shared = random_prompts(1, 100, 48, 48, seed=7)[0]["prompt_token_ids"]
+    prompts = [{"prompt_token_ids": shared + p["prompt_token_ids"]}
+               for p in random_prompts(6, 100, 4, 12, seed=8)]
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    first = tight.generate(prompts[:1], params, use_tqdm=False)
+    outs = tight.generate(prompts, params, use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 30 for o in first + outs)
+    assert sum(o.metrics.num_preemptions for o in outs) > 0
+    assert sum(o.num_cached_tokens for o in outs) >= 32
+    assert_no_leak(tight)
+    # Finished requests release their windows at the next step (the runner hears of
+    # them then): what is left is at most the last requests' windows.
+    for layer in tight.engine.runner.model.attention_layers():
+        assert len(layer.kivi.window) <= 6 * (layer.kivi.residual + 1)
+    tight.generate(prompts[:1], SamplingParams(max_tokens=1), use_tqdm=False)
+    for layer in tight.engine.runner.model.attention_layers():
+        assert len(layer.kivi.window) <= layer.kivi.residual + 1
