@@ -16,7 +16,9 @@ Drafts stay drafts: verification keeps the output exactly the target's
 whatever the head does, so adaptation can only move acceptance. The update
 runs on the engine's thread between steps (a few milliseconds on a GPU for
 the default model; longer on a CPU), and `stats` reports updates, pairs
-and the last loss.
+and the last loss. The EAGLE device loop (`speculative_device_loop`, one
+greedy prompt with every round in a CUDA graph) reads the head as it stands
+and records nothing: adaptation happens on the engine's own path.
 """
 from __future__ import annotations
 
