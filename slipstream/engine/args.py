@@ -11,7 +11,8 @@ from slipstream.config import (CacheConfig, EngineConfig, ModelConfig, ParallelC
 
 # Quantization schemes that shard for tensor parallelism: a float checkpoint quantized
 # at load (each rank quantizes its own shard), or a checkpoint of `slipstream quantize`.
-TP_QUANTIZATION = ("fp8", "int8", "rtn-int4", "rtn-int3", "w8a8", "slipstream")
+TP_QUANTIZATION = ("fp8", "int8", "rtn-int4", "rtn-int3", "w8a8", "slipstream", "gptq", "awq",
+                   "gguf")
 
 
 @dataclass
@@ -64,8 +65,8 @@ class EngineArgs:
         quantization = self.quantization
         if quantization == "auto":   # GGUF blocks at run time on a CPU (quant/gguf.py), else dense
             from slipstream.quant.gguf import runs_quantized
-            # Dummy weights are dense; so are tensor-parallel shards (not quantized yet).
-            real = self.load_format == "auto" and self.tensor_parallel_size == 1
+            # Dummy weights are dense.
+            real = self.load_format == "auto"
             quantization = "gguf" if real and runs_quantized(self.model, device) else None
             if quantization and self.dtype in (None, "auto"):
                 dtype = torch.float32   # the kernels take fp32 activations; weights stay in blocks

@@ -110,6 +110,8 @@ class CPUDecoder:
     def build(cls, model) -> "CPUDecoder | None":
         if cpu_library.load() is None:
             return None
+        if getattr(model.layers[0].self_attn.o_proj, "tp_size", 1) > 1:
+            return None    # a rank's step sums partial products across ranks: the layer path
         rope = model.rotary_emb
         tensors = [rope.cos, rope.sin, model.norm.weight]
         layers = []

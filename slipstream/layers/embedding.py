@@ -23,6 +23,9 @@ from slipstream.layers.weight_loader import copy_checked
 
 
 def _table_quant(quant_method, tp_size: int):
+    if quant_method is not None and tp_size > 1 and getattr(quant_method, "dense_tables_under_tp",
+                                                            False):
+        return None   # the scheme hands this table over dense (GGUF: dequantized at load)
     if quant_method is not None and tp_size > 1:
         raise ValueError("a quantized embedding table is not sharded across tensor-parallel "
                          "ranks yet; use quantization=None with tensor_parallel_size > 1")

@@ -89,9 +89,7 @@ class LinearBase(nn.Module):
                 and not getattr(quant_method, "tp_shardable", False)):
             raise NotImplementedError(
                 f"{type(quant_method).__name__}: these quantized linear layers are not sharded "
-                "for tensor parallelism yet (GGUF blocks); use tensor_parallel_size=1, a "
-                "quantized checkpoint (slipstream, GPTQ, AWQ) or a float checkpoint quantized "
-                "at load")
+                "for tensor parallelism yet; use tensor_parallel_size=1")
         self.input_size = input_size
         self.output_sizes = list(output_sizes)
         self.output_size = sum(output_sizes)

@@ -15,6 +15,11 @@ that the dtype still governs, and the kernels take fp32.
 A fused layer's shards (q/k/v, gate/up) may come in different formats (a
 Q4_K_M file stores some attn_v as Q6_K): each stays a segment of its own, one
 kernel call covers them all.
+
+Tensor parallel: a column-parallel rank keeps its rows of each shard's blocks,
+a row-parallel one its columns where they start and end on block boundaries
+(else that layer is dequantized on the rank); the embedding and LM head, which
+split over the vocabulary, are dense.
 """
 from __future__ import annotations
 
@@ -47,6 +52,8 @@ def runs_quantized(model, device: torch.device) -> bool:
 class GGUFLinearMethod:
     """QuantMethod over GGUF blocks; also serves embeddings (`embedding`)."""
     supports_embedding = True
+    tp_shardable = True     # blocks sliced per rank (see the module docstring)
+    dense_tables_under_tp = True
 
     def __init__(self, quantized: bool, dtype: torch.dtype):
         self.quantized = quantized     # kernels on the CPU (else dense at load)
@@ -65,6 +72,8 @@ class GGUFLinearMethod:
 
     def _load(self, layer: nn.Module, param: nn.Parameter, loaded, shard_id: object = None) -> None:
         cols, sizes = layer.gguf_sizes
+        if getattr(layer, "tp_size", 1) > 1:   # the whole tensor arrives; the rank keeps its share
+            cols, sizes = layer.input_size, layer.output_sizes
         if shard_id is None:
             index, rows = 0, sum(sizes)
             layer.gguf_shards = [None]
@@ -74,6 +83,8 @@ class GGUFLinearMethod:
         shape = tuple(loaded.shape)
         if shape != (rows, cols):
             raise ModelLoadError(f"shape mismatch: checkpoint has {shape}, model expects {(rows, cols)}")
+        if getattr(layer, "tp_size", 1) > 1:
+            loaded = _rank_share(layer, loaded, index)
         layer.gguf_shards[index] = loaded
         layer.gguf_weight = None
         if all(s is not None for s in layer.gguf_shards):
@@ -118,6 +129,29 @@ class GGUFLinearMethod:
         return w.get_rows(ids).to(self.dtype)
 
 
+def _rank_share(layer: nn.Module, w, index: int):
+    """A tensor-parallel rank's part of fused shard `index` (GGUFWeight blocks or a
+    dense tensor, whole): its rows of a column-parallel layer, its columns of a
+    row-parallel one (blocks when the columns start and end on block boundaries,
+    else dequantized)."""
+    from slipstream.loader.gguf import GGUFWeight
+    from slipstream.kernels.cpu_quant import BLOCKS
+    rank, tp = layer.tp_rank, layer.tp_size
+    if layer.split == "output":
+        n = layer.local_output_sizes[index]
+        if isinstance(w, torch.Tensor):
+            return w[rank * n:(rank + 1) * n]
+        return GGUFWeight(w.qtype, w.data[rank * n:(rank + 1) * n], (n, w.shape[1]))
+    n = layer.local_input_size
+    if not isinstance(w, torch.Tensor):
+        per_block, block_bytes = BLOCKS[w.qtype]
+        if n % per_block == 0:
+            b = n // per_block * block_bytes
+            return GGUFWeight(w.qtype, w.data[:, rank * b:(rank + 1) * b], (w.shape[0], n))
+        w = cpu_reference.dequantize(w.qtype, w.data, w.shape[1])
+    return w[:, rank * n:(rank + 1) * n]
+
+
 def _keep(hf_name: str, qtype: int) -> bool:
     return qtype in QUANTIZED
 
@@ -129,7 +163,10 @@ def gguf_scheme(config, files):
         raise ValueError("quantization: 'gguf' runs GGUF files; the model is not one")
     quantized = config.device.type == "cpu" and cpu_library.load() is not None
     if quantized:
-        files.keep_quantized(_keep)
+        # Under tensor parallelism the tables split over the vocabulary, densely.
+        tables = ("model.embed_tokens.", "lm_head.")
+        tp = config.parallel.tensor_parallel_size > 1
+        files.keep_quantized(lambda name, q: _keep(name, q) and not (tp and name.startswith(tables)))
         cpu_library.take_threads()
     method = GGUFLinearMethod(quantized, config.dtype)
     return lambda prefix: method
