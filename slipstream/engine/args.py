@@ -92,9 +92,10 @@ class EngineArgs:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         from slipstream.quant.kv_quant import kv_format
         kv_fmt = kv_format(self.kv_cache_dtype)
-        if kv_fmt.quantized and self.speculative_method is not None:
+        if kv_fmt.kivi_bits and self.speculative_method is not None:
+            # Rejected drafts would be sealed into a block's codes before they are rewritten.
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r}: speculative decoding runs "
-                             "with a 16-bit KV cache only (kv_cache_dtype='auto')")
+                             "with a 16-bit, int8 or fp8 KV cache (not KIVI)")
         backend = self.attention_backend
         if kv_fmt.kivi_bits:   # served by the torch backend only (cache/kivi_paged.py)
             if backend not in (None, "torch"):

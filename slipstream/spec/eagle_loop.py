@@ -39,6 +39,7 @@ from slipstream.spec.eagle_tree import EagleTreeExpander
 from slipstream.spec.heads import DraftLMHead, read_draft_vocab, resolve_head
 from slipstream.spec.loop_parts import LoopParts
 from slipstream.spec.loop_prefill import LoopPrefill
+from slipstream.spec.tree_step import movable
 
 
 class EagleLoop(LoopPrefill, LoopParts):
@@ -266,7 +267,7 @@ class EagleLoop(LoopPrefill, LoopParts):
         src = torch.where(rows[:d] < a, n + 1 + path, dst)
         for pool in self.pools:
             if pool is not None:
-                flat = pool.flatten(2, 3)
+                flat = movable(pool.flatten(2, 3))
                 flat.index_copy_(2, self._slots(dst), flat.index_select(2, self._slots(src)))
         # 4. The head over the new pairs, then the next tree.
         feat, k, v, valid = self._pairs_fn(hidden, path, emitted, a, n, self.hk, self.hv,

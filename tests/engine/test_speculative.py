@@ -292,3 +292,28 @@ def test_draft_graphs_are_an_eagle_option(folder, tmp_path):
     assert not EngineArgs(speculative_method="eagle").spec_config().draft_graphs
     with pytest.raises(ValueError, match="speculative_draft_graphs"):
         EngineArgs(speculative_method="ngram", speculative_draft_graphs=True).spec_config()
+
+
+@pytest.mark.parametrize("kv", ["int8", "fp8"])
+def test_speculation_over_a_quantized_kv_cache(folder, kv, tmp_path):
+    """Draft tokens are stored as codes with their scales like any other; accepted
+    ones move with their scales: greedy outputs equal plain decoding over the same
+    quantized cache (each token's codes do not depend on what shares its step)."""
+    base = make_llm(folder, kv_cache_dtype=kv)
+    plain_kv = [o.outputs[0].token_ids for o in base.generate(_prompts(), GREEDY, use_tqdm=False)]
+    for method in ("ngram", "eagle"):
+        kw = dict(speculative_method=method, num_speculative_tokens=3, speculative_auto_off=False,
+                  kv_cache_dtype=kv)
+        if method == "eagle":
+            _, e = _heads(tmp_path, folder)
+            kw.update(speculative_model=str(e), speculative_tree="3,2,6")
+        llm = make_llm(folder, **kw)
+        outs = llm.generate(_prompts(), GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == plain_kv
+        assert llm.engine.runner.speculator.stats.rounds > 0
+        assert_no_leak(llm)
+
+
+def test_kivi_refuses_speculation(folder):
+    with pytest.raises(ValueError, match="not KIVI"):
+        make_llm(folder, kv_cache_dtype="kivi4", speculative_method="ngram")
