@@ -101,8 +101,6 @@ class EngineArgs:
             if backend not in (None, "torch"):
                 raise ValueError(f"kv_cache_dtype={kv_fmt.name!r} runs on the torch attention "
                                  f"backend only, not {backend!r}")
-            if self.tensor_parallel_size != 1:
-                raise ValueError(f"kv_cache_dtype={kv_fmt.name!r}: not under tensor parallelism")
             backend = "torch"
         tp = self.tensor_parallel_size
         if not isinstance(tp, int) or tp < 1:

@@ -301,3 +301,19 @@ def test_gguf_blocks_shard(split_kv_folder, tmp_path, qtype):
     llm.engine.shutdown()
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
     _tp2_matches_tp1(path, split_kv_folder, True)
+
+
+def test_kivi_cache_shards_with_the_heads(split_kv_folder):
+    """A KIVI cache under tensor parallelism: each rank quantizes its own KV heads
+    (keys per channel, values per token, both within a head): TP=1's tokens and
+    log-probs, over prompts long enough for sealed (quantized) blocks."""
+    prompts = random_prompts(3, 265, 70, 100, seed=5)
+    params = SamplingParams(max_tokens=8, temperature=0, logprobs=2, prompt_logprobs=1)
+    kw = dict(kv_cache_dtype="kivi4", block_size=16, max_num_batched_tokens=32)
+    ref = make_llm(split_kv_folder, **kw).generate(prompts, params, use_tqdm=False)
+    llm = make_llm(split_kv_folder, tensor_parallel_size=2, **kw)
+    try:
+        assert llm.engine.runner.model.model.layers[0].self_attn.num_kv_heads == 1
+        _assert_same(ref, llm.generate(prompts, params, use_tqdm=False))
+    finally:
+        llm.engine.shutdown()
