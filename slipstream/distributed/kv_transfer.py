@@ -121,9 +121,15 @@ def prompt_block_hashes(prompt_ids: list[int], block_size: int) -> list[bytes]:
 
 
 def kv_layout(engine) -> tuple[tuple[int, ...], torch.dtype]:
-    """(shape of one block's K/V: [layers, 2, block_size, kv_heads, head_dim], dtype)."""
-    kv = engine.runner.kv_cache
-    return (kv.shape[0], kv.shape[1], *kv.shape[3:]), kv.dtype
+    """(shape of one block's K/V: [layers, 2, block_size, kv_heads, head_dim], dtype).
+    A quantized cache (int8 / fp8 codes with a scale per token and head) moves as
+    bytes, each (token, head) row its codes then its fp32 scale: [..., head_dim *
+    code bytes + 4] uint8."""
+    kv, scales = engine.runner.kv_cache, engine.runner.kv_scales
+    if scales is None:
+        return (kv.shape[0], kv.shape[1], *kv.shape[3:]), kv.dtype
+    return (kv.shape[0], kv.shape[1], *kv.shape[3:-1], kv.shape[-1] * kv.element_size() + 4), \
+        torch.uint8
 
 
 def export_blocks(engine, prompt_ids: list[int]) -> torch.Tensor:
@@ -139,9 +145,13 @@ def export_blocks(engine, prompt_ids: list[int]) -> torch.Tensor:
         if block is None:
             break
         ids.append(block.block_id)
-    kv = engine.runner.kv_cache
+    kv, scales = engine.runner.kv_cache, engine.runner.kv_scales
     index = torch.tensor(ids, dtype=torch.int64, device=kv.device)
-    return kv.index_select(2, index)
+    if scales is None:
+        return kv.index_select(2, index)
+    codes = kv.view(torch.uint8).index_select(2, index)              # [..., d * code bytes]
+    s = scales.index_select(2, index).unsqueeze(-1).view(torch.uint8)  # [..., 4]
+    return torch.cat([codes, s], dim=-1)
 
 
 def import_blocks(engine, prompt_ids: list[int], blocks: torch.Tensor) -> int:
@@ -167,12 +177,19 @@ def import_blocks(engine, prompt_ids: list[int], blocks: torch.Tensor) -> int:
     missing = missing[:take]
     new = pool.allocate(take)
     if new:
-        kv = engine.runner.kv_cache
+        kv, scales = engine.runner.kv_cache, engine.runner.kv_scales
         dst = torch.tensor([b.block_id for b in new], dtype=torch.int64, device=kv.device)
         if missing != list(range(blocks.shape[2])):   # some were cached already: skip those
             src = torch.tensor(missing, dtype=torch.int64, device=blocks.device)
             blocks = blocks.index_select(2, src)
-        kv.index_copy_(2, dst, blocks.to(kv.device))
+        blocks = blocks.to(kv.device)
+        if scales is None:
+            kv.index_copy_(2, dst, blocks)
+        else:   # codes then each row's fp32 scale, as bytes (kv_layout)
+            cb = kv.shape[-1] * kv.element_size()
+            kv.view(torch.uint8).index_copy_(2, dst, blocks[..., :cb].contiguous())
+            s = blocks[..., cb:].contiguous().view(torch.float32).squeeze(-1)
+            scales.index_copy_(2, dst, s)
         for i, b in zip(missing, new):
             pool.cache_block(b, hashes[i])
     # Free in reverse prompt order: the prompt's head is the last to be evicted.

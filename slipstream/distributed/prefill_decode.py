@@ -67,9 +67,9 @@ class PDEngine:
         if not args.enable_prefix_caching:
             raise ValueError("enable_prefix_caching: prefill/decode disaggregation hands the "
                              "prompt's K/V over as prefix-cache blocks; turn it on")
-        if getattr(args, "kv_cache_dtype", None) not in (None, "auto"):
-            raise ValueError("kv_cache_dtype: a quantized KV cache does not move between "
-                             "prefill and decode instances yet")
+        if str(getattr(args, "kv_cache_dtype", None)).startswith("kivi"):
+            raise ValueError("kv_cache_dtype: a KIVI cache does not move between prefill and "
+                             "decode instances (int8 / fp8 ones do)")
         if args.speculative_method is not None:
             raise ValueError("speculative_method: not supported with prefill/decode disaggregation")
         from slipstream.config import resolve_device

@@ -153,3 +153,31 @@ def test_serve_with_a_prefill_device_answers_like_one_instance(folder, tmp_path)
         assert out["choices"][0]["text"] == plain.text, server.log()
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("kv", ["int8", "fp8"])
+def test_a_quantized_kv_cache_moves(folder, kv):
+    """int8 / fp8 codes move with their per-token scales (as bytes): the decode
+    instance gives one instance's tokens over the same quantized cache, having
+    used the moved blocks. Log-probs within 1e-3: the tail a decode instance
+    computes runs in smaller products than one instance's whole prompt, and a
+    last-bit difference can move a K/V code by one step (measured: 1.2e-4)."""
+    prompts = random_prompts(4, 265, 10, 40, seed=2)
+    greedy = SamplingParams(max_tokens=8, temperature=0, logprobs=1)
+    ref = make_llm(folder, kv_cache_dtype=kv).generate(prompts, greedy, use_tqdm=False)
+    pd = _pd(folder, kv_cache_dtype=kv)
+    try:
+        got = pd.generate(prompts, greedy, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
+        for a, b in zip(ref, got):
+            for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+                t = next(iter(la))
+                assert abs(la[t].logprob - lb[t].logprob) < 1e-3
+        moved = {t.request_id: t for t in pd.transfers}
+        for out in got:
+            t = moved[out.request_id]
+            assert t.tokens > 0 and out.num_cached_tokens == t.tokens == t.imported_tokens
+            # per token: 2 layers x K,V x 2 KV heads x (64 one-byte codes + a 4-byte scale)
+            assert t.bytes == t.tokens * 2 * 2 * 2 * (64 + 4)
+    finally:
+        pd.shutdown()
