@@ -70,8 +70,6 @@ class PDEngine:
         if str(getattr(args, "kv_cache_dtype", None)).startswith("kivi"):
             raise ValueError("kv_cache_dtype: a KIVI cache does not move between prefill and "
                              "decode instances (int8 / fp8 ones do)")
-        if args.speculative_method is not None:
-            raise ValueError("speculative_method: not supported with prefill/decode disaggregation")
         from slipstream.config import resolve_device
         device = resolve_device(args.device)
         if prefill_device is None:

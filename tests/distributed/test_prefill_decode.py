@@ -181,3 +181,32 @@ def test_a_quantized_kv_cache_moves(folder, kv):
             assert t.bytes == t.tokens * 2 * 2 * 2 * (64 + 4)
     finally:
         pd.shutdown()
+
+
+@pytest.mark.parametrize("method", ["ngram", "eagle"])
+def test_speculation_on_the_decode_instance(folder, tmp_path, method):
+    """The decode instance speculates over the moved prompt blocks (an EAGLE head
+    starts its context where the states it is given begin): greedy tokens equal
+    one plain instance's."""
+    import torch
+    from slipstream.loader import open_model
+    from slipstream.spec.eagle_head import EagleHead, EagleShape
+    kw = dict(speculative_method=method, num_speculative_tokens=3, speculative_auto_off=False)
+    if method == "eagle":
+        c = open_model(str(folder)).config
+        torch.manual_seed(0)
+        EagleHead(EagleShape(c.hidden_size, c.num_attention_heads, c.num_key_value_heads,
+                             c.head_dim, 64, c.rope_theta, c.max_position_embeddings)
+                  ).save(tmp_path / "e.safetensors")
+        kw.update(speculative_model=str(tmp_path / "e.safetensors"), speculative_tree="3,2,6")
+    prompts = [{"prompt_token_ids": [5, 6, 7, 8, 9] * 6}] + random_prompts(3, 265, 10, 40, seed=3)
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    ref = make_llm(folder).generate(prompts, greedy, use_tqdm=False)
+    pd = _pd(folder, **kw)
+    try:
+        got = pd.generate(prompts, greedy, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
+        assert pd.engine.runner.speculator.stats.rounds > 0
+        assert all(o.num_cached_tokens > 0 for o in got)
+    finally:
+        pd.shutdown()
