@@ -13,7 +13,7 @@ residual=residual * block_size)` quantizes (a test checks it). A finished
 request's full window blocks are sealed too (they may serve prefix-cache hits,
 which share full blocks only), its partial one dropped. Tokens are stored in
 order (the engine writes a request's slots in order; speculative decoding,
-whose rollback would rewrite slots, runs with a 16-bit cache only).
+whose rollback would rewrite slots, does not run over a KIVI cache).
 
 Memory: codes and scales of every block, sized by the pool planner, plus the
 windows of the running requests (at most residual + 1 blocks each). Plain
