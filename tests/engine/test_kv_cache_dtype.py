@@ -105,8 +105,9 @@ def test_bad_kv_cache_dtype_named():
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         EngineArgs(kv_cache_dtype="int4", device="cpu").create_config("x", mc)
     with pytest.raises(ValueError, match="kv_cache_dtype"):
-        EngineArgs(kv_cache_dtype="int8", device="cpu",
+        EngineArgs(kv_cache_dtype="kivi4", device="cpu",
                    speculative_method="ngram").create_config("x", mc)
+    EngineArgs(kv_cache_dtype="int8", device="cpu", speculative_method="ngram").create_config("x", mc)
     cfg = EngineArgs(kv_cache_dtype="fp8_e4m3", device="cpu").create_config("x", mc)
     assert cfg.cache.kv_cache_dtype == "fp8"
 
