@@ -75,6 +75,11 @@ def run_worker(rank: int, size: int, store_port: int | None, args, local_rank: i
                     profiler.stop(sched)
                     torch.distributed.barrier(group=tp.cpu_group)   # files written
                 continue
+            if getattr(sched, "spec_drafts", None) and pending is not None:
+                # Drafts follow their root token, which the step before sampled: that
+                # step's result first (rank 0 collected it before drafting, too).
+                profiler.resolve(runner, pending)
+                pending = None
             handle = runner.execute(sched)
             if pending is not None:
                 profiler.resolve(runner, pending)

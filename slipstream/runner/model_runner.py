@@ -107,12 +107,9 @@ class ModelRunner:
                 pool=self.graphs.pool if pieces == "graphs" else None)
         self.speculator = None
         if config.speculative.enabled:
-            if tp is not None:
-                raise ValueError("speculative_method: speculative decoding does not run under "
-                                 "tensor parallelism yet")
             from slipstream.spec.speculator import Speculator
             self.speculator = Speculator(config, self.model, self.kv_cache, self.input_batch,
-                                         self.sampling, self.kv_scales)
+                                         self.sampling, self.kv_scales, tp)
 
     # ---- state ------------------------------------------------------------
 

@@ -37,16 +37,26 @@ from slipstream.spec.verify import verify
 
 class Speculator:
     def __init__(self, config, model, kv_cache: torch.Tensor, input_batch, sampling,
-                 kv_scales: torch.Tensor | None = None):
+                 kv_scales: torch.Tensor | None = None, tp=None):
+        """tp: this rank's TPGroup under tensor parallelism. Rank 0 drafts; every rank
+        verifies the staged drafts (from the step data) and moves its own K/V by rank
+        0's verdict, which it broadcasts (sampled verification draws on rank 0)."""
         spec = config.speculative
         self.config = spec
+        self.tp = tp
+        self.follower = tp is not None and tp.rank != 0
         self.model, self.kv_cache, self.kv_scales = model, kv_cache, kv_scales
         self.ib, self.sampling = input_batch, sampling
         self.device = config.device
         self.block_size = config.cache.block_size
+        # Built on every rank: a proposer's set-up may run the target's collectives
+        # (reading its LM head back); only rank 0 drafts with it.
         self.proposer = create_proposer(spec.method, spec=spec, device=config.device,
                                         dtype=config.dtype, target=model,
                                         block_size=config.cache.block_size)
+        if tp is not None:
+            check_tp_proposer(self.proposer, spec.method)
+            local_embedding(self.proposer, model)
         enable_graphs = getattr(self.proposer, "enable_graphs", None)
         if enable_graphs is not None:
             enable_graphs(spec.draft_graphs)
@@ -129,11 +139,15 @@ class Speculator:
         logits = self.model.compute_logits(hidden[rows_dev]).view(b, width, -1)
         sb = self.sampling.build(spec_rows)
         out = verify(logits, TreeBatch.stack(tlist, dev), sb)
+        if self.tp is not None:   # one verdict: rank 0's (its draws decide sampled rows)
+            from slipstream.distributed import comm
+            for t in (out.tokens, out.num_accepted, out.accepted_nodes):
+                comm.broadcast(t, self.tp.device_group)
         d = out.accepted_nodes.shape[1]
         parts = [out.tokens, out.num_accepted[:, None], out.accepted_nodes]
         # Proposers that can draft from the device-side result (Medusa, EAGLE) do
         # it now: their next drafts travel in the same copy.
-        early_fn = getattr(self.proposer, "draft_after_verify", None)
+        early_fn = None if self.follower else getattr(self.proposer, "draft_after_verify", None)
         early = None
         if early_fn is not None:
             early = early_fn(rids, [int(plan.starts[i]) for i in order], hidden, base_dev, out)
@@ -145,7 +159,8 @@ class Speculator:
         last = out.tokens.gather(1, out.num_accepted[:, None]).squeeze(1)
         ib.last_sampled.index_copy_(0, spec_rows_dev, last)
         kept = None
-        if self.proposer.needs_hidden and (early is None or not all(early[1])):
+        if (self.proposer.needs_hidden and not self.follower
+                and (early is None or not all(early[1]))):
             path_rows = torch.cat([out.accepted_nodes.new_zeros(b, 1), out.accepted_nodes + 1], 1)
             kept = hidden[base_dev[:, None] + path_rows.clamp_min(0)]  # [B, D + 1, hidden]
         host = result.wait()
@@ -191,7 +206,8 @@ class Speculator:
         off) only the last row of as many requests as a probe drafts for is
         kept: EAGLE restarts its context after a gap, Medusa reads the last
         state, and the others draft again one step after speculation resumes."""
-        if not self.proposer.needs_hidden or (self.overlapping and self.governor.quiet):
+        if (not self.proposer.needs_hidden or self.follower
+                or (self.overlapping and self.governor.quiet)):
             return       # quiet: no probe will draft at this batch size
         rids, idx, counts = [], [], []
         loc = 0
@@ -247,6 +263,8 @@ class Speculator:
 
     def propose(self, req_ids: list[str], num_running: int) -> dict:
         """Drafts for the next step of requests that just got tokens."""
+        if self.follower:       # rank 0's drafts arrive with the step data
+            return {}
         ib = self.ib
         if self._planned is not None:       # the engine asked the governor this step
             k, self._planned = self._planned, None
@@ -298,3 +316,42 @@ class Speculator:
             self.governor.observe_draft(seconds, len(reqs))
         self.last_proposed = bool(drafts)
         return drafts
+
+
+def check_tp_proposer(proposer, method: str) -> None:
+    """Under tensor parallelism rank 0 drafts alone, so drafting must not run the
+    target's collectives: n-gram, a separate draft model, or an EAGLE / P-EAGLE head
+    with a draft vocabulary (its LM head rows read back once, on every rank)."""
+    lm_head = getattr(proposer, "lm_head", None)
+    if method in ("medusa",) or (lm_head is not None and getattr(lm_head, "weight", None) is None):
+        raise ValueError(f"speculative_method={method!r} under tensor parallelism: drafting "
+                         f"would run the target's sharded LM head on rank 0 alone; use ngram, "
+                         f"draft, or an EAGLE head with a draft vocabulary")
+
+
+class _Table:
+    """A token embedding lookup in a whole table held by this rank."""
+
+    def __init__(self, table: torch.Tensor):
+        self.table = table
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.embedding(ids, self.table)
+
+
+@torch.inference_mode()
+def local_embedding(proposer, model) -> None:
+    """Give an EAGLE-style proposer the whole token embedding table: the target's is
+    split over the vocabulary, and its lookup is a collective that rank 0, drafting
+    alone, cannot run. Read once, on every rank (the collective), 8k rows at a time."""
+    emb = getattr(proposer, "embed", None)
+    if emb is None or getattr(emb, "tp_size", 1) == 1:
+        return
+    vocab = model.config.vocab_size
+    dev = next(model.parameters()).device
+    table = torch.cat([emb(torch.arange(s, min(s + 8192, vocab), device=dev))
+                       for s in range(0, vocab, 8192)])
+    proposer.embed = _Table(table)
+    for part in (getattr(proposer, "expander", None), getattr(proposer, "online", None)):
+        if part is not None:
+            part.embed = proposer.embed

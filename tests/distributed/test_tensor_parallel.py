@@ -317,3 +317,45 @@ def test_kivi_cache_shards_with_the_heads(split_kv_folder):
         _assert_same(ref, llm.generate(prompts, params, use_tqdm=False))
     finally:
         llm.engine.shutdown()
+
+
+@pytest.mark.parametrize("method", ["ngram", "eagle"])
+def test_speculation_under_tensor_parallelism(split_kv_folder, tmp_path, method):
+    """Rank 0 drafts; every rank verifies the step's drafts and moves its own K/V by
+    rank 0's broadcast verdict: greedy tokens equal TP=1's plain decoding, and sampled
+    requests run through (their draws are rank 0's)."""
+    from slipstream.loader import open_model
+    from slipstream.spec.eagle_head import EagleHead, EagleShape
+    kw = dict(speculative_method=method, num_speculative_tokens=3, speculative_auto_off=False)
+    if method == "eagle":   # a draft vocabulary: drafting reads its own copy of the LM rows
+        c = open_model(str(split_kv_folder)).config
+        torch.manual_seed(0)
+        EagleHead(EagleShape(c.hidden_size, c.num_attention_heads, c.num_key_value_heads,
+                             c.head_dim, 64, c.rope_theta, c.max_position_embeddings)
+                  ).save(tmp_path / "e.safetensors", torch.arange(0, 265, 2))
+        kw.update(speculative_model=str(tmp_path / "e.safetensors"), speculative_tree="3,2,6")
+    prompts = [{"prompt_token_ids": [5, 6, 7, 8, 9] * 6}] + random_prompts(3, 265, 10, 30, seed=4)
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    ref = make_llm(split_kv_folder).generate(prompts, greedy, use_tqdm=False)
+    llm = make_llm(split_kv_folder, tensor_parallel_size=2, **kw)
+    try:
+        got = llm.generate(prompts, greedy, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
+        assert llm.engine.runner.speculator.stats.rounds > 0
+        sampled = SamplingParams(max_tokens=12, temperature=0.8, seed=3, ignore_eos=True)
+        outs = llm.generate(prompts, sampled, use_tqdm=False)
+        assert all(len(o.outputs[0].token_ids) == 12 for o in outs)
+        assert not llm.engine.has_unfinished_requests()
+    finally:
+        llm.engine.shutdown()
+
+
+def test_medusa_is_refused_under_tensor_parallelism(split_kv_folder, tmp_path):
+    from slipstream.distributed.executor import WorkerDiedError
+    from slipstream.spec.medusa import MedusaHeads
+    from slipstream.loader import open_model
+    c = open_model(str(split_kv_folder)).config
+    MedusaHeads(c.hidden_size, 2).save(tmp_path / "m.safetensors")
+    with pytest.raises((ValueError, WorkerDiedError)):
+        make_llm(split_kv_folder, tensor_parallel_size=2, speculative_method="medusa",
+                 speculative_model=str(tmp_path / "m.safetensors"))
