@@ -63,3 +63,24 @@ def assert_no_leak(llm) -> None:
     assert not engine.has_unfinished_requests()
     assert pool.num_free_blocks == pool.num_blocks
     assert all(b.ref_cnt == 0 for b in pool.blocks)
+
+
+def cuda_llm(folder, **kw):
+    """An engine on the GPU for the tiny models (fp32 unless asked, small pool)."""
+    from slipstream import LLM
+    opts = dict(dtype="float32", device="cuda", max_model_len=256, block_size=16, num_kv_blocks=64)
+    opts.update(kw)
+    return LLM(str(folder), **opts)
+
+
+def random_eagle_head(folder, path, feature_layers: str = "", vocab=None):
+    """A random EAGLE head file (intermediate size 64) for the model in `folder`;
+    feature_layers "0,1": an EAGLE-3 head reading those layers. Returns `path`."""
+    from slipstream.loader import open_model
+    from slipstream.spec.eagle_head import EagleHead, EagleShape
+    c = open_model(str(folder)).config
+    torch.manual_seed(0)
+    EagleHead(EagleShape(c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+                         64, c.rope_theta, c.max_position_embeddings,
+                         feature_layers=feature_layers)).save(path, vocab)
+    return path

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from slipstream import SamplingParams
-from tests.engine.conftest import random_prompts
+from tests.engine.conftest import cuda_llm as _llm
+from tests.engine.conftest import random_eagle_head, random_prompts
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -19,13 +20,6 @@ EVERYTHING = [
     SamplingParams(max_tokens=24, temperature=0.9, min_tokens=20, stop_token_ids=[5, 6]),
     SamplingParams(max_tokens=24, temperature=0.6),
 ]
-
-
-def _llm(folder, **kw):
-    from slipstream import LLM
-    opts = dict(dtype="float32", device="cuda", max_model_len=256, block_size=16, num_kv_blocks=64)
-    opts.update(kw)
-    return LLM(str(folder), **opts)
 
 
 def test_a_step_with_every_sampling_parameter_launches_without_a_sync(tiny_folder):
@@ -114,16 +108,10 @@ def test_piecewise_graphs_change_no_output_and_replay_without_a_sync(tiny_folder
 def test_piecewise_graphs_under_speculation(tiny_folder, monkeypatch, tmp_path, method):
     """Speculation keeps the captured pieces for steps without draft trees (an EAGLE-3
     head's feature taps included): greedy tokens equal the plain engine's without pieces."""
-    from slipstream.loader import open_model
-    from slipstream.spec.eagle_head import EagleHead, EagleShape
     folder, _ = tiny_folder("llama")
     kw = dict(speculative_method="ngram", num_speculative_tokens=3, speculative_auto_off=False)
     if method == "eagle3":
-        c = open_model(str(folder)).config
-        torch.manual_seed(0)
-        EagleHead(EagleShape(c.hidden_size, c.num_attention_heads, c.num_key_value_heads,
-                             c.head_dim, 64, c.rope_theta, c.max_position_embeddings,
-                             feature_layers="0,1")).save(tmp_path / "e3.safetensors")
+        random_eagle_head(folder, tmp_path / "e3.safetensors", "0,1")
         kw.update(speculative_method="eagle", speculative_model=str(tmp_path / "e3.safetensors"),
                   speculative_tree="2,2,4")
     rep = [{"prompt_token_ids": [5, 6, 7, 8, 9] * 6}, {"prompt_token_ids": [11, 12, 13] * 9}]

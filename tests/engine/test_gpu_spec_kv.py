@@ -5,16 +5,10 @@ import pytest
 import torch
 
 from slipstream import SamplingParams
-from tests.engine.conftest import random_prompts
+from tests.engine.conftest import cuda_llm as _llm
+from tests.engine.conftest import random_eagle_head, random_prompts
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
-
-def _llm(folder, **kw):
-    from slipstream import LLM
-    opts = dict(dtype="float32", device="cuda", max_model_len=256, block_size=16, num_kv_blocks=64)
-    opts.update(kw)
-    return LLM(str(folder), **opts)
 
 
 def test_kivi_on_cuda_inside_one_block_equals_a_16_bit_cache(tiny_folder):
@@ -33,14 +27,8 @@ def test_kivi_on_cuda_inside_one_block_equals_a_16_bit_cache(tiny_folder):
 
 
 def test_online_adaptation_on_cuda(tiny_folder, tmp_path):
-    from slipstream.loader import open_model
-    from slipstream.spec.eagle_head import EagleHead, EagleShape
     folder, _ = tiny_folder("llama")
-    c = open_model(str(folder)).config
-    torch.manual_seed(0)
-    EagleHead(EagleShape(c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
-                         64, c.rope_theta, c.max_position_embeddings, feature_layers="0,1")
-              ).save(tmp_path / "e3.safetensors")
+    random_eagle_head(folder, tmp_path / "e3.safetensors", "0,1")
     prompts = [{"prompt_token_ids": [5 + i, 9, 14 + i, 3, 7] * 2} for i in range(4)]
     greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     plain = [o.outputs[0].token_ids for o in _llm(folder, dtype="bfloat16").generate(

@@ -89,15 +89,9 @@ def test_pieces_under_speculation_with_feature_taps(tiny_folder, monkeypatch, tm
     """Speculative decoding keeps the pieces for steps without draft trees, and an
     EAGLE-3 head's feature taps (layer outputs beside the final states) pass
     through them: greedy tokens equal plain decoding without pieces."""
-    import torch
-    from slipstream.loader import open_model
-    from slipstream.spec.eagle_head import EagleHead, EagleShape
+    from tests.engine.conftest import random_eagle_head
     folder, _ = tiny_folder("llama")
-    c = open_model(str(folder)).config
-    torch.manual_seed(0)
-    EagleHead(EagleShape(c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
-                         64, c.rope_theta, c.max_position_embeddings, feature_layers="0,1")
-              ).save(tmp_path / "e3.safetensors")
+    random_eagle_head(folder, tmp_path / "e3.safetensors", "0,1")
     prompts = random_prompts(6, 250, 20, 60, seed=3)
     greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     monkeypatch.setenv("SLIPSTREAM_PIECEWISE_GRAPHS", "0")
