@@ -341,3 +341,12 @@ def row_split_params(layer: LinearBase, per_input: list, per_row: list) -> None:
         p.input_dim = 1
     for p in per_row:
         p.tp_replicated = True
+
+
+def quantize_whole_rows(layer: LinearBase, w: torch.Tensor, quantize_rows):
+    """quantize_rows(w) -> (codes [out, in], per-row scales) on a layer's local weight,
+    with each row's scale from the whole row's range under tensor parallelism
+    (`whole_row_range` appended, its codes dropped): every rank gets one process's."""
+    ext = whole_row_range(layer, w)
+    codes, scales = quantize_rows(w if ext is None else torch.cat([w, ext], 1))
+    return codes[:, :w.shape[1]].contiguous(), scales

@@ -62,11 +62,8 @@ class Fp8Method:
 
     def process_after_loading(self, layer: nn.Module) -> None:
         if not self.prequantized:
-            from slipstream.layers.linear import whole_row_range
-            w = layer.weight.data
-            ext = whole_row_range(layer, w)      # one scale over the whole row, as one process
-            wq, ws = quantize_fp8_rows(w if ext is None else torch.cat([w, ext], 1))
-            wq = wq[:, :w.shape[1]].contiguous()
+            from slipstream.layers.linear import quantize_whole_rows
+            wq, ws = quantize_whole_rows(layer, layer.weight.data, quantize_fp8_rows)
             layer.register_parameter("weight", _param(wq))
             layer.register_parameter("weight_scale", _param(ws.flatten()))
 
