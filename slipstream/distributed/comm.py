@@ -3,8 +3,9 @@
 Thin wrappers that name what the model needs: the all-reduce after a
 row-parallel layer, the all-gather of vocabulary-parallel logits, and the
 broadcast of rank 0's step data (pickled objects) and sampled token ids. Each
-takes the process group explicitly. The tensor-parallel group is the whole
-world, so a rank in the group is also its global rank (`src`).
+takes the process group explicitly, and a source rank is a rank in that group
+(the group is the whole world only for an instance on its own; in a
+prefill/decode pair the decode instance's rank 0 is not global rank 0).
 """
 from __future__ import annotations
 
@@ -49,12 +50,12 @@ def all_gather(x: torch.Tensor, group, world_size: int) -> torch.Tensor:
 
 def broadcast(x: torch.Tensor, group, src: int = 0) -> torch.Tensor:
     """Overwrite `x` on every rank with rank `src`'s (in place); returns `x`."""
-    dist.broadcast(x, src=src, group=group)
+    dist.broadcast(x, group=group, group_src=src)
     return x
 
 
 def broadcast_object(obj: object, group, src: int = 0) -> object:
     """Rank `src`'s picklable `obj` on every rank (other ranks pass anything)."""
     box = [obj]
-    dist.broadcast_object_list(box, src=src, group=group)
+    dist.broadcast_object_list(box, group=group, group_src=src)
     return box[0]

@@ -22,8 +22,9 @@ import torch
 import torch.multiprocessing as mp
 
 from slipstream.distributed import comm
-from slipstream.distributed.parallel import (COLLECTIVE_TIMEOUT_S, destroy_tp_group, host_store,
-                                             init_tp_group, rank_device, torchrun_rank)
+from slipstream.distributed.parallel import (COLLECTIVE_TIMEOUT_S, World, destroy_tp_group,
+                                             host_store, init_tp_group, init_world, join_store,
+                                             rank_device, torchrun_rank)
 from slipstream.distributed.rank_profile import ProfileCommand, RankProfiler
 from slipstream.distributed.worker import cpu_threads_per_rank, run_worker, spawned_worker
 from slipstream.errors import SlipstreamError
@@ -38,7 +39,9 @@ class WorkerDiedError(SlipstreamError, RuntimeError):
 
 
 class TPExecutor:
-    def __init__(self, args, config, files, quant_method_for):
+    def __init__(self, args, config, files, quant_method_for, world: World | None = None):
+        """world: the larger world this instance is one of (a prefill/decode pair);
+        None: its own."""
         size = config.parallel.tensor_parallel_size
         if torch.distributed.is_initialized():
             raise RuntimeError("torch.distributed is already initialised in this process (another "
@@ -50,8 +53,17 @@ class TPExecutor:
         self._procs: list = []
         self._failed: str | None = None
         self._profiler: RankProfiler | None = None
-        env = torchrun_rank()
-        if env is not None:
+        env = torchrun_rank() if world is None else None
+        if world is not None:
+            if world.tp != size:
+                raise ValueError(f"tensor_parallel_size={size} but the world's instances have "
+                                 f"{world.tp} ranks")
+            if config.device.type == "cuda" and torch.cuda.device_count() < world.first_gpu + size:
+                raise ValueError(f"tensor_parallel_size={size} from GPU {world.first_gpu} needs "
+                                 f"{world.first_gpu + size} GPUs; {torch.cuda.device_count()} visible")
+            config = replace(config, device=rank_device(config.device, 0, world.first_gpu))
+            self._spawn(args, join_store(world.port, world.size), world)
+        elif env is not None:
             rank, world, local_rank = env
             if world != size:
                 raise ValueError(f"tensor_parallel_size={size} but torchrun started {world} processes")
@@ -66,20 +78,16 @@ class TPExecutor:
                                  f"{torch.cuda.device_count()} visible")
             config = replace(config, device=rank_device(config.device, 0))
             store = host_store(size)
-            ctx = mp.get_context("spawn")
-            for r in range(1, size):
-                p = ctx.Process(target=spawned_worker, args=(r, size, store.port, args),
-                                name=f"slipstream-tp-rank{r}", daemon=True)
-                p.start()
-                self._procs.append(p)
-            # Kill leftover workers if the engine is dropped without shutdown().
-            self._finalizer = weakref.finalize(self, _kill, list(self._procs))
-            self._wait_joined(store)
+            self._spawn(args, store, None)
         if config.device.type == "cpu":
-            torch.set_num_threads(cpu_threads_per_rank(size))
+            torch.set_num_threads(cpu_threads_per_rank(size if world is None else world.size))
         self.config = config
         try:
-            self.tp = init_tp_group(0, size, config.device, store)
+            if world is None:
+                self.tp = init_tp_group(0, size, config.device, store)
+            else:
+                from slipstream.distributed.kv_transfer import LINK_TIMEOUT
+                self.tp = init_world(world, 0, config.device, LINK_TIMEOUT)[0]
             self.runner = ModelRunner(config, files.weights(), quant_method_for, self.tp)
         except Exception as e:
             time.sleep(0.2)   # a worker that failed first has its exit code by now
@@ -89,8 +97,20 @@ class TPExecutor:
             raise
         self.num_blocks = self.runner.num_blocks
 
-    def _wait_joined(self, store) -> None:
-        keys = [f"joined/{r}" for r in range(1, self.size)]
+    def _spawn(self, args, store, world: World | None) -> None:
+        """Start ranks 1..N-1 and wait until each joined `store`."""
+        ctx = mp.get_context("spawn")
+        for r in range(1, self.size):
+            p = ctx.Process(target=spawned_worker, args=(r, self.size, store.port, args, world),
+                            name=f"slipstream-tp-rank{r}", daemon=True)
+            p.start()
+            self._procs.append(p)
+        # Kill leftover workers if the engine is dropped without shutdown().
+        self._finalizer = weakref.finalize(self, _kill, list(self._procs))
+        self._wait_joined(store, "" if world is None else f"{world.index}/")
+
+    def _wait_joined(self, store, prefix: str) -> None:
+        keys = [f"joined/{prefix}{r}" for r in range(1, self.size)]
         deadline = time.monotonic() + COLLECTIVE_TIMEOUT_S
         while not store.check(keys):
             dead = self._dead_worker()
@@ -179,6 +199,15 @@ class TPExecutor:
         except RuntimeError as e:
             self._fail(e)
         return summary
+
+    def kv_command(self, cmd) -> None:
+        """Hand a prefill/decode K/V move (`kv_transfer.SendBlocks` / `ReceiveBlocks`)
+        to the other ranks, in order with the steps."""
+        self._check_workers()
+        try:
+            comm.broadcast_object(cmd, self.tp.cpu_group)
+        except RuntimeError as e:
+            self._fail(e)
 
     def shutdown(self) -> None:
         """Tell the workers to stop, wait for them (briefly), release the process group."""

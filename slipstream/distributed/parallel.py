@@ -15,6 +15,12 @@ process groups over the same ranks:
 
 A peer that dies closes its sockets, so the survivors' next collective fails
 at once; rank 0 also checks its workers' processes before each step.
+
+An instance may also be one of two in a larger world (`World`: a prefill/decode
+pair, each instance tensor-parallel over the same number of ranks). Then every
+process of both instances joins one torch.distributed world, and `init_world`
+makes the groups of both instances and the links between them, in the same
+order on every rank (torch.distributed requires that).
 """
 from __future__ import annotations
 
@@ -92,9 +98,9 @@ def torchrun_rank() -> tuple[int, int, int] | None:
     return int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", env["RANK"]))
 
 
-def rank_device(device: torch.device, local_rank: int) -> torch.device:
-    """Rank r drives GPU r of its host; CPU ranks share the CPU."""
-    return torch.device("cuda", local_rank) if device.type == "cuda" else device
+def rank_device(device: torch.device, local_rank: int, first_gpu: int = 0) -> torch.device:
+    """Rank r drives GPU first_gpu + r of its host; CPU ranks share the CPU."""
+    return torch.device("cuda", first_gpu + local_rank) if device.type == "cuda" else device
 
 
 def host_store(size: int) -> dist.TCPStore:
@@ -126,10 +132,90 @@ def init_tp_group(rank: int, size: int, device: torch.device,
     return TPGroup(rank, size, dist.group.WORLD, cpu_group)
 
 
+@dataclass(frozen=True)
+class World:
+    """Two instances in one torch.distributed world: instance i holds the global
+    ranks [i * tp, (i + 1) * tp), and rank r of one is linked to rank r of the
+    other (`PairLink`). `port`: the rendezvous store; `first_gpu`: the GPU of
+    this instance's rank 0 (its ranks take the GPUs after it)."""
+    port: int
+    tp: int
+    index: int
+    first_gpu: int = 0
+    instances: int = 2
+
+    @property
+    def size(self) -> int:
+        return self.instances * self.tp
+
+    def global_rank(self, local_rank: int) -> int:
+        return self.index * self.tp + local_rank
+
+
+@dataclass(frozen=True)
+class PairLink:
+    """Rank r of one instance and rank r of the other: `data` carries tensors
+    (NCCL between GPUs, gloo on the CPU); on the instances' ranks 0 two gloo
+    groups carry small messages, one a direction (`to` [i]: towards instance i),
+    so each side can receive on a thread while it sends on another."""
+    index: int                 # this end's instance
+    local_rank: int
+    peer: int                  # the other end's global rank
+    data: object
+    to: tuple = ()             # ranks 0 only: (towards instance 0, towards instance 1)
+
+
+_LINK: PairLink | None = None   # this process's end, once init_world made it
+
+
+def init_world(world: World, local_rank: int, device: torch.device,
+               link_timeout: timedelta) -> tuple[TPGroup | None, PairLink]:
+    """Join `world` (blocks until every rank of both instances joined) and make,
+    in one order on every rank: each instance's device and cpu groups (when it
+    has more than one rank), then the tensor link of each rank pair, then the
+    two message groups of the ranks 0. Returns this rank's TPGroup (None for a
+    one-rank instance) and its end of the link (also kept for `world_link`)."""
+    global _LINK
+    if dist.is_initialized():
+        raise RuntimeError("torch.distributed is already initialised in this process; shut "
+                           "the other engine down first (Engine.shutdown())")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    me = world.global_rank(local_rank)
+    dist.init_process_group(backend, store=join_store(world.port, world.size), rank=me,
+                            world_size=world.size, timeout=link_timeout)
+    tp = None
+    for i in range(world.instances):
+        if world.tp == 1:
+            break
+        ranks = list(range(i * world.tp, (i + 1) * world.tp))
+        device_group = dist.new_group(ranks, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+        cpu_group = dist.new_group(ranks, backend="gloo", timeout=IDLE_TIMEOUT)
+        if i == world.index:
+            tp = TPGroup(local_rank, world.tp, device_group, cpu_group)
+    data = [dist.new_group([r, world.tp + r]) for r in range(world.tp)]
+    to = tuple(dist.new_group([0, world.tp], backend="gloo", timeout=IDLE_TIMEOUT)
+               for _ in range(world.instances))
+    peer = (1 - world.index) * world.tp + local_rank
+    _LINK = PairLink(world.index, local_rank, peer, data[local_rank],
+                     to if local_rank == 0 else ())
+    return tp, _LINK
+
+
+def world_link() -> PairLink:
+    """This process's end of the link that init_world made."""
+    if _LINK is None or not dist.is_initialized():
+        raise RuntimeError("no prefill/decode link in this process")
+    return _LINK
+
+
 def destroy_tp_group(timeout_s: float = 10.0) -> None:
     """Release the process group, waiting at most `timeout_s`: NCCL's teardown can
     block for good once a peer is gone (seen on 2x H200 after CUDA graphs had
     captured its all-reduces), and shutting down must never hang."""
+    global _LINK
+    _LINK = None
     if not dist.is_initialized():
         return
     done = threading.Event()

@@ -4,7 +4,13 @@
 interface (`add_request`, `step`, `abort_request`, `has_unfinished_requests`),
 so `DisaggregatedLLM` (and anything built on an engine) drives it as usual. It
 starts the prefill instance in a second process (torch.multiprocessing spawn);
-the two join a 2-rank link (`kv_transfer.py`: NCCL between GPUs, gloo on the CPU).
+the two join one link (`kv_transfer.py`: NCCL between GPUs, gloo on the CPU).
+
+Either instance may be tensor-parallel (`tensor_parallel_size`, the same for
+both): each then starts its other ranks, all 2 x N processes join one world
+(`parallel.World`), and each rank pair moves its own shard of the K/V. On GPUs
+the decode instance takes N GPUs from its device on and the prefill instance N
+from `prefill_device` on (default: the N after the decode instance's).
 
 A request's life:
   1. decode side: tokenized, sent to the prefill instance (a message);
@@ -36,9 +42,10 @@ from dataclasses import replace
 import torch
 import torch.multiprocessing as mp
 
-from slipstream.distributed.kv_transfer import (DECODE_RANK, LINK_TIMEOUT, Transfer, close_link,
-                                                import_blocks, kv_layout, open_link)
-from slipstream.distributed.parallel import host_store
+from slipstream.distributed.kv_transfer import (DECODE_RANK, LINK_TIMEOUT, PREFILL_RANK,
+                                                ReceiveBlocks, Transfer, close_link, import_blocks,
+                                                kv_layout, link_of, open_link, placed)
+from slipstream.distributed.parallel import World, host_store
 from slipstream.distributed.prefill_instance import prefill_main
 from slipstream.distributed.worker import cpu_threads_per_rank
 from slipstream.engine.args import EngineArgs
@@ -61,9 +68,6 @@ class PeerDiedError(SlipstreamError, RuntimeError):
 
 class PDEngine:
     def __init__(self, args: EngineArgs, prefill_device: str | None = None):
-        if args.tensor_parallel_size != 1:
-            raise ValueError("tensor_parallel_size: a prefill/decode instance runs on one device "
-                             "(tensor parallelism inside an instance is not supported yet)")
         if not args.enable_prefix_caching:
             raise ValueError("enable_prefix_caching: prefill/decode disaggregation hands the "
                              "prompt's K/V over as prefix-cache blocks; turn it on")
@@ -71,9 +75,10 @@ class PDEngine:
             raise ValueError("kv_cache_dtype: a KIVI cache does not move between prefill and "
                              "decode instances (int8 / fp8 ones do)")
         from slipstream.config import resolve_device
+        tp = args.tensor_parallel_size
         device = resolve_device(args.device)
         if prefill_device is None:
-            prefill_device = "cuda:1" if device.type == "cuda" else str(device)
+            prefill_device = f"cuda:{tp}" if device.type == "cuda" else str(device)
         if device.type == "cpu" and torch.device(prefill_device).type != "cpu":
             raise ValueError(f"prefill_device: a CPU decode instance pairs with a CPU prefill "
                              f"instance, got {prefill_device!r}")
@@ -81,31 +86,43 @@ class PDEngine:
         if device.type == "cuda":
             if device.index is None:
                 device = torch.device("cuda", 0)
-            if p_device.type != "cuda" or p_device.index in (None, device.index):
-                raise ValueError(f"prefill_device: the prefill instance needs a GPU of its own "
-                                 f"(the decode instance runs on {device}), got {prefill_device!r}")
+            mine = range(device.index, device.index + tp)
+            if p_device.type != "cuda" or p_device.index is None or \
+                    set(mine) & set(range(p_device.index, p_device.index + tp)):
+                raise ValueError(f"prefill_device: the prefill instance needs GPUs of its own "
+                                 f"(the decode instance runs on {_gpus(device, tp)}), got "
+                                 f"{prefill_device!r}" + (f" (it would take {_gpus(p_device, tp)})"
+                                                          if p_device.index is not None else ""))
         self._threads = torch.get_num_threads()
         if device.type == "cpu":
-            torch.set_num_threads(cpu_threads_per_rank(2))
-        store = host_store(2)
+            torch.set_num_threads(cpu_threads_per_rank(2 * tp))
+        store = host_store(2 * tp)
+        gpu = (lambda d: d.index) if device.type == "cuda" else (lambda d: 0)
+        world = World(store.port, tp, DECODE_RANK, gpu(device))
+        p_world = replace(world, index=PREFILL_RANK, first_gpu=gpu(p_device))
         p_args = replace(args, device=str(p_device))
         self._proc = mp.get_context("spawn").Process(
-            target=prefill_main, args=(store.port, p_args), name="slipstream-prefill", daemon=True)
+            target=prefill_main, args=(p_world, p_args), name="slipstream-prefill",
+            daemon=tp == 1)   # a daemon cannot start its own ranks; the finalizer kills it
         self._proc.start()
         self._finalizer = weakref.finalize(self, _kill, self._proc)
         self._failed: str | None = None
         self.link = None
         try:
             self._wait_joined(store)
-            self.link = open_link(DECODE_RANK, device, store)
-            self.engine = Engine(replace(args, device=str(device)))
+            if tp == 1:
+                self.link = open_link(world, device)
+                self.engine = Engine(replace(args, device=str(device)))
+            else:   # its executor starts the other ranks and joins the world
+                self.engine = Engine(replace(args, device=str(device)), world)
+                self.link = link_of(device)
             self._rx: queue.Queue = queue.Queue()
             threading.Thread(target=self._receive, name="slipstream-kv-recv", daemon=True).start()
             ready = self._wait_message(LINK_TIMEOUT.total_seconds() * 5, "start")
         except Exception:
             self.shutdown()
             raise
-        mine = kv_layout(self.engine)
+        mine = kv_layout(self.engine.runner)
         if ready[0] != "ready" or tuple(ready[1]) != tuple(mine[0]) or ready[2] != str(mine[1]):
             self.shutdown()
             raise ValueError(f"the prefill instance's KV layout {ready[1:]} differs from the "
@@ -177,6 +194,8 @@ class PDEngine:
             del pending
         self._failed = self._failed or "the engine was shut down"
         _kill(self._proc)
+        if getattr(self, "engine", None) is not None:
+            self.engine.shutdown()   # its other ranks, under tensor parallelism
         close_link()
         self.link = None
         torch.set_num_threads(self._threads)
@@ -234,15 +253,21 @@ class PDEngine:
             if isinstance(item, BaseException):
                 self._fail(item)
             _, rid, kv, recv_s = item
+            tp = self.engine.config.parallel.tensor_parallel_size
             if rid in self._aborted:
                 self._aborted.discard(rid)
+                if tp > 1 and kv.shape[2]:   # the other ranks' shards: received, dropped
+                    self.engine.runner.kv_command(ReceiveBlocks(kv.shape[2], [], []))
                 continue
             ids, params, text = self._pending.pop(rid)
             t0 = time.perf_counter()
-            n = import_blocks(self.engine, ids, kv)
+            where = import_blocks(self.engine, ids, kv)
+            if tp > 1 and kv.shape[2]:   # the other ranks write their shards the same way
+                self.engine.runner.kv_command(where)
+            n = placed(self.engine, ids, kv.shape[2])
             bs = self.engine.kv.block_size
             self.transfers.append(Transfer(rid, len(ids), kv.shape[2] * bs,
-                                           kv.numel() * kv.element_size(), recv_s,
+                                           kv.numel() * kv.element_size() * tp, recv_s,
                                            time.perf_counter() - t0, n * bs))
             prompt = {"prompt_token_ids": ids} if text is None else {"prompt": text,
                                                                      "prompt_token_ids": ids}
@@ -284,6 +309,10 @@ class PDEngine:
                         "decoding go on, new ones are refused")
         _kill(self._proc)
         raise PeerDiedError(self._failed, lost) from error
+
+
+def _gpus(device: torch.device, n: int) -> str:
+    return str(device) if n == 1 else f"cuda:{device.index}..cuda:{device.index + n - 1}"
 
 
 def _kill(proc) -> None:

@@ -1,10 +1,13 @@
 """The prefill instance of a prefill/decode pair: its process's whole life.
 
-It holds an ordinary `Engine`. A receiving thread takes the decode side's
+It holds an ordinary `Engine` (tensor-parallel when the pair's instances are:
+this process is then the prefill instance's rank 0, and its executor starts the
+other ranks). A receiving thread takes the decode side's
 messages (("prefill", request id, prompt ids), or None to stop) into a queue;
 the main loop adds each prompt as a 1-token greedy request, steps the engine,
-and as each finishes sends its full blocks' K/V (`kv_transfer.export_blocks`)
-to the decode side: a header message, then the tensor. Its sampled token is
+and as each finishes sends its full blocks' K/V (`kv_transfer.gather_blocks`)
+to the decode side: a header message, then the tensor (each other rank sends
+its shard to its decode peer when told to, `SendBlocks`). Its sampled token is
 not used: the decode side computes the prompt's last token and samples itself.
 
 The prompt's blocks are cached (prefix caching is on) and free once the
@@ -22,24 +25,27 @@ from dataclasses import replace
 
 import torch
 
-from slipstream.distributed.kv_transfer import PREFILL_RANK, close_link, export_blocks, kv_layout, open_link
-from slipstream.distributed.parallel import join_store
+from slipstream.distributed.kv_transfer import (SendBlocks, cached_block_ids, close_link,
+                                                gather_blocks, kv_layout, link_of, open_link)
+from slipstream.distributed.parallel import World, join_store
 from slipstream.distributed.worker import cpu_threads_per_rank
 
 
-def prefill_main(store_port: int, args) -> None:
-    """Entry point of the prefill process (torch.multiprocessing spawn). `args`: EngineArgs."""
+def prefill_main(world: World, args) -> None:
+    """Entry point of the prefill process (torch.multiprocessing spawn): rank 0 of
+    the prefill instance of `world`. `args`: EngineArgs."""
     from slipstream.config import resolve_device
     from slipstream.engine.engine import Engine
     from slipstream.sampling_params import SamplingParams
 
     device = resolve_device(args.device)
     if device.type == "cpu":
-        torch.set_num_threads(cpu_threads_per_rank(2))
-    store = join_store(store_port, 2)
+        torch.set_num_threads(cpu_threads_per_rank(world.size))
+    store = join_store(world.port, world.size)
     store.set("pd/joined", "1")
-    # Join first: if loading fails, this end's sockets close and the decode side fails at once.
-    link = open_link(PREFILL_RANK, device, store)
+    # Join first: if loading fails, this end's sockets close and the decode side fails at
+    # once. A tensor-parallel instance joins in its executor, before loading too.
+    link = open_link(world, device) if world.tp == 1 else None
     inbox: queue.Queue = queue.Queue()
 
     def receive():
@@ -52,9 +58,11 @@ def prefill_main(store_port: int, args) -> None:
         except RuntimeError as e:   # the decode side went away
             inbox.put(e)
 
+    engine = None
     try:
-        engine = Engine(replace(args, device=str(device)))
-        shape, dtype = kv_layout(engine)
+        engine = Engine(replace(args, device=str(device)), world if world.tp > 1 else None)
+        link = link or link_of(device)
+        shape, dtype = kv_layout(engine.runner)
         link.send_message(("ready", shape, str(dtype)))
         threading.Thread(target=receive, name="slipstream-prefill-recv", daemon=True).start()
         params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
@@ -78,15 +86,19 @@ def prefill_main(store_port: int, args) -> None:
                 continue
             for out in engine.step():
                 if out.finished:
-                    ids = prompts.pop(out.request_id)
-                    kv = export_blocks(engine, ids)   # [layers, 2, n, block_size, kv_heads, head_dim]
+                    block_ids = cached_block_ids(engine, prompts.pop(out.request_id))
+                    kv = gather_blocks(engine.runner, block_ids)   # [layers, 2, n, block_size, kv_heads, head_dim]
                     if kv.is_cuda:   # gathered before the header goes: the decode side's
                         torch.cuda.current_stream(kv.device).synchronize()   # timing is the wire's
                     link.send_message(("kv", out.request_id, tuple(kv.shape), str(kv.dtype)))
                     if kv.shape[2]:   # a prompt shorter than a block and a token moves nothing
                         link.send_tensor(kv)
+                        if world.tp > 1:   # the other ranks send their shards to their peers
+                            engine.runner.kv_command(SendBlocks(block_ids))
     except RuntimeError as e:
         print(f"slipstream prefill instance: stopping: {e}", file=sys.stderr)
         sys.exit(1)
     finally:
+        if engine is not None and world.tp > 1:
+            engine.shutdown()
         close_link()

@@ -5,7 +5,9 @@ A worker holds no scheduler and no request objects. Each step it receives rank
 `execute` and `resolve` as rank 0, and so keeps the same per-request state;
 the model's collectives meet rank 0's inside the forward, and rank 0's sampled
 tokens arrive by broadcast. `None` in place of a step means shut down; a
-`ProfileCommand` opens or closes a profile window (rank_profile.py).
+`ProfileCommand` opens or closes a profile window (rank_profile.py); in a
+prefill/decode pair (`parallel.World`), `SendBlocks` / `ReceiveBlocks` move this
+rank's shard of a prompt's K/V to or from its peer rank (kv_transfer.py).
 """
 from __future__ import annotations
 
@@ -17,8 +19,9 @@ from dataclasses import replace
 import torch
 
 from slipstream.distributed import comm
-from slipstream.distributed.parallel import (destroy_tp_group, init_tp_group, join_store,
-                                             rank_device)
+from slipstream.distributed.kv_transfer import ReceiveBlocks, SendBlocks
+from slipstream.distributed.parallel import (World, destroy_tp_group, init_tp_group, init_world,
+                                             join_store, rank_device)
 from slipstream.distributed.rank_profile import ProfileCommand, RankProfiler
 
 log = logging.getLogger("slipstream")
@@ -29,9 +32,11 @@ def cpu_threads_per_rank(size: int) -> int:
     return max(1, (os.cpu_count() or 1) // size)
 
 
-def run_worker(rank: int, size: int, store_port: int | None, args, local_rank: int) -> None:
+def run_worker(rank: int, size: int, store_port: int | None, args, local_rank: int,
+               world: World | None = None) -> None:
     """The worker's whole life. `args`: rank 0's EngineArgs; `store_port`: rank 0's
-    rendezvous (None under torchrun)."""
+    rendezvous (None under torchrun); `world`: the prefill/decode pair this rank's
+    instance is one of (None: its own)."""
     from slipstream.config import resolve_device
     from slipstream.loader import open_model
     from slipstream.quant.selector import quant_method_for
@@ -41,16 +46,22 @@ def run_worker(rank: int, size: int, store_port: int | None, args, local_rank: i
     if hang_dump_s:   # a stuck run shows where every rank waits (faulthandler, on stderr)
         import faulthandler
         faulthandler.dump_traceback_later(float(hang_dump_s), exit=False)
-    device = rank_device(resolve_device(args.device), local_rank)
+    first_gpu = 0 if world is None else world.first_gpu
+    device = rank_device(resolve_device(args.device), local_rank, first_gpu)
     if device.type == "cpu":
-        torch.set_num_threads(cpu_threads_per_rank(size))
-    store = None
+        torch.set_num_threads(cpu_threads_per_rank(size if world is None else world.size))
+    store, link = None, None
     if store_port is not None:
-        store = join_store(store_port, size)
-        store.set(f"joined/{rank}", "1")
+        store = join_store(store_port, size if world is None else world.size)
+        store.set(f"joined/{'' if world is None else f'{world.index}/'}{rank}", "1")
     # Join first: a failure while loading then closes this rank's sockets, and rank 0's
     # next collective fails at once instead of waiting for a rank that never comes.
-    tp = init_tp_group(rank, size, device, store)
+    if world is None:
+        tp = init_tp_group(rank, size, device, store)
+    else:
+        from slipstream.distributed.kv_transfer import LINK_TIMEOUT, link_of
+        tp = init_world(world, rank, device, LINK_TIMEOUT)[0]
+        link = link_of(device)
     try:
         files = open_model(args.model, args.load_format, args.seed)
         config = replace(args.create_config(str(files.path), files.config), device=device)
@@ -61,10 +72,18 @@ def run_worker(rank: int, size: int, store_port: int | None, args, local_rank: i
         # rank's host work hides behind its GPU work (else every step costs host +
         # GPU time here, and rank 0 waits for it in the next collective).
         pending, profiler = None, RankProfiler(rank, device)
+        sends: list = []   # K/V shards on their way to the decode peer
         while True:
             sched = comm.broadcast_object(None, tp.cpu_group)
             if sched is None:
                 break
+            if isinstance(sched, (SendBlocks, ReceiveBlocks)):   # a prompt's K/V moves
+                if pending is not None:   # after the steps before it
+                    profiler.resolve(runner, pending)
+                    pending = None
+                sends = [s for s in sends if not s[0].is_completed()]
+                sends += move_shard(runner, link, sched)
+                continue
             if isinstance(sched, ProfileCommand):   # rank 0 opens or closes a window
                 if pending is not None:
                     profiler.resolve(runner, pending)
@@ -94,6 +113,22 @@ def run_worker(rank: int, size: int, store_port: int | None, args, local_rank: i
         destroy_tp_group()
 
 
-def spawned_worker(rank: int, size: int, store_port: int, args) -> None:
+def move_shard(runner, link, cmd) -> list:
+    """Carry out a SendBlocks (returns the pending send) or a ReceiveBlocks on this rank."""
+    from slipstream.distributed.kv_transfer import SendBlocks, gather_blocks, kv_layout, write_blocks
+    if isinstance(cmd, SendBlocks):
+        if not cmd.block_ids:
+            return []
+        kv = gather_blocks(runner, cmd.block_ids)
+        if kv.is_cuda:   # gathered before NCCL reads it on its own stream
+            torch.cuda.current_stream(kv.device).synchronize()
+        return [link.send_tensor(kv, wait=False)]
+    shape, dtype = kv_layout(runner)
+    blocks = link.recv_tensor((*shape[:2], cmd.n, *shape[2:]), dtype)
+    write_blocks(runner, blocks, cmd.src, cmd.dst)
+    return []
+
+
+def spawned_worker(rank: int, size: int, store_port: int, args, world: World | None = None) -> None:
     """Entry point of a worker that rank 0 started (torch.multiprocessing spawn)."""
-    run_worker(rank, size, store_port, args, local_rank=rank)
+    run_worker(rank, size, store_port, args, local_rank=rank, world=world)

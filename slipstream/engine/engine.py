@@ -50,14 +50,17 @@ class _Parent:
 
 
 class Engine:
-    def __init__(self, args: EngineArgs):
+    def __init__(self, args: EngineArgs, world=None):
+        """world: under tensor parallelism, the prefill/decode pair
+        (`distributed.parallel.World`) this instance is one of; None: its own."""
         files = open_model(args.model, args.load_format, args.seed)
         self.config = args.create_config(str(files.path), files.config)
         self.tokenizer = files.tokenizer()
         torch.manual_seed(self.config.seed)
         if self.config.parallel.tensor_parallel_size > 1:
             from slipstream.distributed.executor import TPExecutor
-            self.runner = TPExecutor(args, self.config, files, quant_method_for(self.config, files))
+            self.runner = TPExecutor(args, self.config, files, quant_method_for(self.config, files),
+                                     world)
         else:
             self.runner = ModelRunner(self.config, files.weights(),
                                       quant_method_for(self.config, files))

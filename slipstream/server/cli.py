@@ -41,7 +41,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     d = p.add_argument_group("prefill/decode disaggregation")
     d.add_argument("--prefill-device", default=None,
                    help="compute prompts in a second process on this device (e.g. cuda:1; "
-                        "cpu with a CPU engine) and hand their K/V to this one, which decodes")
+                        "cpu with a CPU engine) and hand their K/V to this one, which decodes; "
+                        "with --tensor-parallel-size N each instance takes N GPUs from its "
+                        "device on")
     add_engine_options(p)
     p.set_defaults(func=run)
     return p

@@ -34,6 +34,15 @@ def _pd(folder, **kw):
     return DisaggregatedLLM(str(folder), **{**OPTS, **kw})
 
 
+def _assert_same(ref, got, tol: float) -> None:
+    """Token for token equal, and each chosen token's log-prob within `tol`."""
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
+    for a, b in zip(ref, got):
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            t = next(iter(la))
+            assert abs(la[t].logprob - lb[t].logprob) < tol
+
+
 def test_disaggregated_tokens_equal_one_instance(folder):
     prompts = random_prompts(5, 265, 3, 40, seed=1)
     prompts.append({"prompt_token_ids": prompts[0]["prompt_token_ids"] + [5, 6, 7, 8, 9]})
@@ -45,12 +54,8 @@ def test_disaggregated_tokens_equal_one_instance(folder):
     pd = _pd(folder)
     try:
         got = pd.generate(prompts, greedy, use_tqdm=False)
-        for a, b in zip(ref, got):
-            assert b.outputs[0].token_ids == a.outputs[0].token_ids
-            assert b.outputs[0].text == a.outputs[0].text
-            for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
-                t = next(iter(la))
-                assert abs(la[t].logprob - lb[t].logprob) < 1e-4
+        _assert_same(ref, got, 1e-4)
+        assert [o.outputs[0].text for o in got] == [o.outputs[0].text for o in ref]
         # Every prompt's full blocks but the last token's moved and were used.
         moved = {t.request_id: t for t in pd.transfers}
         # The analysis layer's bytes per token: 2 layers x K,V x 2 KV heads x 64 x fp32.
@@ -123,8 +128,8 @@ def test_options_are_checked(folder):
         _pd(folder, enable_prefix_caching=False)
     with pytest.raises(ValueError, match="prefill_device"):
         _pd(folder, prefill_device="cuda:1")
-    with pytest.raises(ValueError, match="tensor_parallel_size"):
-        _pd(folder, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="tensor_parallel_size=3 does not divide"):
+        _pd(folder, tensor_parallel_size=3)
 
 
 def test_serve_with_a_prefill_device_answers_like_one_instance(folder, tmp_path):
@@ -168,11 +173,7 @@ def test_a_quantized_kv_cache_moves(folder, kv):
     pd = _pd(folder, kv_cache_dtype=kv)
     try:
         got = pd.generate(prompts, greedy, use_tqdm=False)
-        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
-        for a, b in zip(ref, got):
-            for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
-                t = next(iter(la))
-                assert abs(la[t].logprob - lb[t].logprob) < 1e-3
+        _assert_same(ref, got, 1e-3)
         moved = {t.request_id: t for t in pd.transfers}
         for out in got:
             t = moved[out.request_id]
@@ -208,5 +209,75 @@ def test_speculation_on_the_decode_instance(folder, tmp_path, method):
         assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
         assert pd.engine.runner.speculator.stats.rounds > 0
         assert all(o.num_cached_tokens > 0 for o in got)
+    finally:
+        pd.shutdown()
+
+
+def _spawned_children(pid: int) -> list[int]:
+    """The live processes `pid` started with multiprocessing's spawn (Linux /proc)."""
+    kids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = open(f"/proc/{entry}/stat").read()
+                cmd = open(f"/proc/{entry}/cmdline").read()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid and "spawn_main" in cmd:
+                kids.append(int(entry))
+    return kids
+
+
+def test_tensor_parallel_instances(folder):
+    """Both instances over two ranks each (4 processes): every rank pair moves its
+    shard of the K/V (2 KV heads: one a rank), and the pair gives one plain
+    instance's tokens, having used the moved blocks. A request dropped before its
+    K/V arrives has its shards received and discarded on every rank, so later
+    requests' shards still land where they belong."""
+    prompts = random_prompts(5, 265, 3, 40, seed=4)
+    greedy = SamplingParams(max_tokens=8, temperature=0, logprobs=1)
+    ref = make_llm(folder).generate(prompts, greedy, use_tqdm=False)
+    pd = _pd(folder, tensor_parallel_size=2)
+    try:
+        dropped = pd.engine.add_request({"prompt_token_ids": list(range(10, 50))},
+                                        SamplingParams(max_tokens=4))
+        pd.engine.abort_request(dropped)
+        assert dropped in pd.engine._aborted   # its K/V had not arrived: it comes, and is dropped
+        got = pd.generate(prompts, greedy, use_tqdm=False)
+        assert dropped not in pd.engine._aborted
+        _assert_same(ref, got, 1e-4)
+        moved = {t.request_id: t for t in pd.transfers}
+        for out in got:
+            t = moved[out.request_id]
+            assert out.num_cached_tokens == t.tokens == t.imported_tokens > 0
+            assert t.bytes == t.tokens * 2 * 2 * 2 * 64 * 4   # both ranks' shards
+    finally:
+        pd.shutdown()
+
+
+def test_a_killed_prefill_rank_fails_the_waiting_requests(folder):
+    """A rank of the tensor-parallel prefill instance dies: its rank 0 stops, and
+    the decode instance fails the requests waiting for their prompts within
+    seconds (no hang); requests already decoding go on."""
+    from slipstream.distributed.prefill_decode import PeerDiedError
+    pd = _pd(folder, tensor_parallel_size=2)
+    engine = pd.engine
+    try:
+        params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+        decoding = engine.add_request({"prompt_token_ids": list(range(5, 20))}, params)
+        while not engine.engine.has_unfinished_requests():
+            engine.step()
+        (rank1,) = _spawned_children(engine._proc.pid)
+        os.kill(rank1, signal.SIGKILL)
+        t0 = time.monotonic()
+        waiting = engine.add_request({"prompt_token_ids": list(range(3, 30))}, params)
+        done = []
+        with pytest.raises(PeerDiedError, match=rf"prefill instance .* \({waiting}\)"):
+            for _ in range(10_000):
+                done += [o for o in engine.step() if o.finished]
+        assert time.monotonic() - t0 < 15
+        while engine.has_unfinished_requests():
+            done += [o for o in engine.step() if o.finished]
+        assert [o.request_id for o in done] == [decoding] and len(done[0].outputs[0].token_ids) == 30
     finally:
         pd.shutdown()
