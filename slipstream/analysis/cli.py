@@ -27,7 +27,7 @@ and the theory of speculative decoding (chapter 3.3-3.4).
   analyze specdec --alpha A --gamma G --c C [--gpu H100] [--json]
   analyze measure [--device cuda] [--out profile.json]
   analyze tp MODEL [--gpu H200] [--tp 1 2 4 8] [--link L | --link-bandwidth GB/s --link-latency us]
-  analyze kv-transfer MODEL [--prompt 4096 ...] [--link L | --link-bandwidth GB/s --link-latency us]
+  analyze kv-transfer MODEL [--prompt 4096 ...] [--tp N] [--link L | --link-bandwidth GB/s --link-latency us]
   analyze gpus | analyze models
 
 Each form takes --help."""
@@ -132,6 +132,8 @@ def _kv_transfer_parser() -> argparse.ArgumentParser:
     p.add_argument("--link-bandwidth", type=float, help="custom link: GB/s")
     p.add_argument("--link-latency", type=float, help="custom link: us per transfer")
     p.add_argument("--kv-dtype", default="bf16", help="KV cache precision")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel size of both instances: each rank pair moves its shard")
     p.add_argument("--json", action="store_true")
     return p
 
@@ -146,7 +148,7 @@ def run_kv_transfer(argv: list[str]) -> int:
     link = get_p2p_link(args.link, args.link_bandwidth and args.link_bandwidth * 1e9,
                         None if args.link_latency is None else args.link_latency * 1e-6)
     prec = Precisions.parse("bf16", args.kv_dtype)
-    costs = [kv_transfer_cost(spec, hw, link, moved_tokens(n, args.block_size), prec)
+    costs = [kv_transfer_cost(spec, hw, link, moved_tokens(n, args.block_size), prec, tp=args.tp)
              for n in args.prompt]
     if args.json:
         print(json.dumps({"model": spec.name, "gpu": hw.name, "link": link.name,

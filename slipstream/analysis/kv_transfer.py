@@ -15,6 +15,12 @@ The split pays when that time is small against what the prefill itself costs
 long prompt, and the prefill instance runs compute-bound prompt batches only.
 slipstream moves the prompt's full blocks but the last token's (the decode
 side computes that one to sample), so `tokens` is what moves, not the prompt.
+
+With both instances tensor-parallel over `tp` ranks, rank r sends its own KV
+heads' shard to rank r of the other instance, the `tp` pairs at once, each over
+its own link: the time is one shard's, and the bytes are every shard's (KV
+heads replicated on several ranks move once per rank). The prefill it is set
+against is then the tensor-parallel step's compute (communication ignored).
 """
 from __future__ import annotations
 
@@ -63,9 +69,10 @@ def moved_tokens(prompt_tokens: int, block_size: int) -> int:
 class KVTransferCost:
     tokens: int
     bytes_per_token: float
-    bytes: float
-    time: float            # seconds over the link
-    prefill_time: float    # roofline time of computing the whole prompt (one device)
+    bytes: float           # every rank pair's shard
+    time: float            # seconds over the links (the pairs in parallel)
+    prefill_time: float    # roofline time of computing the whole prompt (on tp devices)
+    tp: int = 1
 
     @property
     def share_of_prefill(self) -> float:
@@ -77,21 +84,29 @@ def kv_transfer_time(nbytes: float, link: Interconnect) -> float:
 
 
 def kv_transfer_cost(spec: ModelSpec, hw: HardwareProfile, link: Interconnect, tokens: int,
-                     prec: Precisions = Precisions(), compute_dtype: str = "bf16") -> KVTransferCost:
-    """Moving `tokens` tokens' KV over `link`, against prefilling them on `hw`."""
+                     prec: Precisions = Precisions(), compute_dtype: str = "bf16",
+                     tp: int = 1) -> KVTransferCost:
+    """Moving `tokens` tokens' KV over `link` (one a rank pair under tensor
+    parallelism of size `tp`), against prefilling them on `tp` devices like `hw`."""
     if tokens < 1:
         raise ValueError(f"tokens must be at least 1, got {tokens}")
+    if tp < 1:
+        raise ValueError(f"tensor-parallel size must be at least 1, got {tp}")
     per_token = kv_bytes_per_token(spec, prec)
-    nbytes = per_token * tokens
-    prefill = step_bound(spec, hw, Workload.prefill(tokens), prec, compute_dtype).whole.time
-    return KVTransferCost(tokens, per_token, nbytes, kv_transfer_time(nbytes, link), prefill)
+    shard = per_token * max(1, spec.num_kv_heads // tp) / spec.num_kv_heads   # one rank's
+    prefill = step_bound(spec, hw.times(tp), Workload.prefill(tokens), prec,
+                         compute_dtype).whole.time
+    return KVTransferCost(tokens, per_token, shard * tokens * tp,
+                          kv_transfer_time(shard * tokens, link), prefill, tp)
 
 
 def render_kv_transfer(spec: ModelSpec, hw: HardwareProfile, link: Interconnect,
                        costs: list[KVTransferCost]) -> str:
+    tp = costs[0].tp if costs else 1
+    pairs = f"{tp} rank pairs, each " if tp > 1 else ""
     lines = [f"{spec.name}: KV cache handed from a prefill to a decode instance over "
-             f"{link.name} [{link.bus_bandwidth / 1e9:g} GB/s, {link.latency * 1e6:g} us; "
-             f"{link.source}]; prefill roofline on {hw.name}",
+             f"{pairs}{link.name} [{link.bus_bandwidth / 1e9:g} GB/s, {link.latency * 1e6:g} us; "
+             f"{link.source}]; prefill roofline on {f'{tp} x ' if tp > 1 else ''}{hw.name}",
              f"{'tokens':>7} {'KiB/token':>9} {'MiB moved':>9} {'transfer':>10} "
              f"{'prefill':>10} {'transfer/prefill':>16}"]
     for c in costs:

@@ -23,6 +23,22 @@ def test_llama3_8b_4k_prompt_by_hand():
     assert 1e-3 < c.time < 2e-3 and c.share_of_prefill < 0.05
 
 
+def test_tensor_parallel_pairs_move_their_shards_at_once():
+    """2 ranks a side: each pair moves 4 of the 8 KV heads, in parallel; 16 ranks: each
+    holds one head (replicated on two ranks), so twice the bytes move in all."""
+    spec, hw, link = resolve_model("llama-3-8b"), get_hardware("H200"), get_p2p_link()
+    one = kv_transfer_cost(spec, hw, link, 4080)
+    two = kv_transfer_cost(spec, hw, link, 4080, tp=2)
+    assert two.bytes == one.bytes and two.tp == 2
+    assert two.time == pytest.approx(27.7e-6 + one.bytes / 2 / 356e9, rel=1e-12)
+    assert two.prefill_time == pytest.approx(one.prefill_time / 2, rel=1e-9)
+    sixteen = kv_transfer_cost(spec, hw, link, 4080, tp=16)
+    assert sixteen.bytes == 2 * one.bytes
+    assert sixteen.time == pytest.approx(27.7e-6 + one.bytes / 8 / 356e9, rel=1e-12)
+    with pytest.raises(ValueError, match="tensor-parallel size"):
+        kv_transfer_cost(spec, hw, link, 4080, tp=0)
+
+
 def test_moved_tokens_and_links_are_checked():
     assert moved_tokens(1, 16) == 0 and moved_tokens(17, 16) == 16 and moved_tokens(16, 16) == 0
     with pytest.raises(ValueError, match="at least 1"):

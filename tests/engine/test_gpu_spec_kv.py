@@ -49,3 +49,28 @@ def test_online_adaptation_on_cuda(tiny_folder, tmp_path):
         # bf16: a batched verification may round a near-tie differently from one-token steps
         assert sum(a == b for a, b in zip(outs, plain)) >= 2
     assert online.stats["updates"] >= 3 and rates[-1] > rates[0] + 0.2, rates
+
+
+@pytest.mark.parametrize("kv", ["int8", "fp8"])
+def test_speculation_over_a_quantized_kv_cache_on_cuda(tiny_folder, tmp_path, kv):
+    """The Triton tree-attention and decode kernels read the int8 / fp8 codes a
+    verification step stored, and accepted drafts move with their scales (float8
+    as bytes): greedy outputs equal plain decoding over the same cache. fp32: a
+    verification and one-token steps run different kernels, so allow one prompt of
+    six a near-tie flip; a wrong code path changes them all."""
+    folder, _ = tiny_folder("llama")
+    prompts = [{"prompt_token_ids": [5 + i, 9, 14 + i, 3, 7] * 3} for i in range(6)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in _llm(folder, kv_cache_dtype=kv).generate(
+        prompts, greedy, use_tqdm=False)]
+    random_eagle_head(folder, tmp_path / "e.safetensors")
+    for method in ("ngram", "eagle"):
+        kw = dict(speculative_method=method, num_speculative_tokens=3,
+                  speculative_auto_off=False, kv_cache_dtype=kv)
+        if method == "eagle":
+            kw.update(speculative_model=str(tmp_path / "e.safetensors"), speculative_tree="3,2,6")
+        llm = _llm(folder, **kw)
+        assert llm.engine.runner.backend.name == "triton"
+        outs = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+        assert sum(a == b for a, b in zip(outs, plain)) >= 5, (method, outs, plain)
+        assert llm.engine.runner.speculator.stats.rounds > 0
