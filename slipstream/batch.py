@@ -42,6 +42,10 @@ class ForwardBatch:
     # Fixed split-KV count for decode steps (a captured CUDA graph); None: the
     # backend chooses from max_seq_len.
     decode_splits: int | None = None
+    # False: no one reads this step's feature taps (`LlamaModel.feature_taps`; an EAGLE-3
+    # head's input), so the forward returns the final states alone. Set only for steps
+    # that run eagerly: a captured graph keeps the taps its capture had.
+    features: bool = True
 
     @property
     def num_seqs(self) -> int:

@@ -171,7 +171,7 @@ class CPUDecoder:
         """x: [num_tokens, hidden] fp32 embeddings -> final normed hidden states, same
         shape, then the model's feature taps (`LlamaModel.feature_taps`) as more columns."""
         x = x.contiguous() if x.dtype == torch.float32 else x.float().contiguous()
-        taps = self.model.feature_taps
+        taps = self.model.feature_taps if batch.features else ()
         if taps != self._taps_key:
             self._taps = torch.tensor(taps, dtype=torch.int32)
             self._struct.n_taps, self._struct.taps = len(taps), self._taps.data_ptr()

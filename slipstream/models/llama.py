@@ -185,9 +185,10 @@ class LlamaModel(nn.Module):
             return self.cpu_decoder(x, batch)   # the whole step in one C call (same math)
         rope = self.rotary_emb.for_step(batch.positions)  # once a step, shared by every layer
         residual, taps = None, []
+        tap_at = self.feature_taps if batch.features else ()
         for i, layer in enumerate(self.layers):
             x, residual = layer(x, residual, rope, batch)
-            if i in self.feature_taps:
+            if i in tap_at:
                 taps.append(x + residual)
         x, _ = self.norm(x, residual)
         return torch.cat([x] + taps, dim=-1) if taps else x

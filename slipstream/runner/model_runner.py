@@ -182,6 +182,8 @@ class ModelRunner:
                     and batch.tree_mask is None and pw.bucket_for(batch.num_tokens) is not None):
                 hidden = pw.run(batch)                                   # graphs around attention
             else:
+                # Feature taps only where drafting reads this step's states.
+                batch.features = spec is None or spec.needs_features()
                 hidden = self.model(batch)                               # [num_tokens, hidden]
         handle = StepHandle(plan.sample_req_ids, plan.sample_rows, None, None, {}, {}, None)
         logits_indices = batch.logits_indices

@@ -84,6 +84,10 @@ class SpecGovernor:
         self.last_k = self.k
         self.request_limit: int | None = None    # requests to draft for this step (probes)
         self.quiet = False                       # off with no probes at the last batch asked
+        # The rule's inputs when it last said quiet: until a measurement or the batch
+        # changes, the answer stands (asked every step; nothing else runs then).
+        self._stamp = 0                          # counts measurements
+        self._quiet_key: tuple | None = None
 
     def _ema(self, old: float | None, new: float) -> float:
         return new if old is None else self.decay * old + (1 - self.decay) * new
@@ -91,10 +95,12 @@ class SpecGovernor:
     # ---- measurements --------------------------------------------------------
 
     def observe_round(self, emitted: int, requests: int, drafted: int) -> None:
+        self._stamp += 1
         self.tau = self._ema(self.tau, emitted / requests)
         self.verify_tokens = self._ema(self.verify_tokens, 1 + drafted / requests)
 
     def observe_draft(self, seconds: float, requests: int = 1) -> None:
+        self._stamp += 1
         self.draft_per_request = self._ema(self.draft_per_request, seconds / max(requests, 1))
 
     def observe_step(self, seconds: float, batch: int, kind: str | None) -> None:
@@ -104,6 +110,7 @@ class SpecGovernor:
         table = {"plain": self.plain_time, "spec": self.spec_time,
                  "probe": self.probe_time}.get(kind)
         if table is not None:
+            self._stamp += 1
             b = bucket(batch)
             table[b] = self._ema(table.get(b), seconds)
 
@@ -171,6 +178,11 @@ class SpecGovernor:
         budget = 50 if batch <= 1 else 200
         return max(self.probe_every, int(budget * extra / plain) + 1)
 
+    def _key(self, batch: int) -> tuple:
+        """What a quiet answer at `batch` was computed from."""
+        return (batch, self._stamp, self.tau, self.verify_tokens, self.draft_per_request,
+                self.critical_batch, self.k)
+
     def num_tokens(self, batch: int) -> int:
         """Draft budget per request for the next step (0: do not speculate);
         sets `request_limit` for probe rounds. Call once per step."""
@@ -178,6 +190,10 @@ class SpecGovernor:
         self.quiet = False
         if not self.auto_off:
             return self.k
+        if self._quiet_key is not None and self._quiet_key == self._key(batch):
+            self._off_steps += 1
+            self.last_k, self.quiet = 0, True
+            return 0
         s = self.predicted_speedup(batch)
         if s is None:            # nothing measured yet: try
             return self.k
@@ -188,6 +204,7 @@ class SpecGovernor:
             # the verification step, whose first timing may include a graph capture).
             if batch > 1 and s * (self.k + 1) / max(self.tau, 1.0) <= 1.0:
                 self.last_k, self.quiet = 0, True
+                self._quiet_key = self._key(batch)
                 return 0
             if self._off_steps % self._probe_interval(batch):
                 self.last_k = 0

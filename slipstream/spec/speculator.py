@@ -88,6 +88,10 @@ class Speculator:
 
     def stage(self, drafts: dict, starts: dict[str, int]) -> None:
         """Write the granted drafts into the input batch (host)."""
+        if not drafts:
+            if self._step_trees:
+                self._step_trees = {}
+            return
         self._step_trees = {}
         ib = self.ib
         for rid, (tokens, parents) in drafts.items():
@@ -111,7 +115,8 @@ class Speculator:
     def patch(self, plan, static: bool = False) -> None:
         """Depth positions and the tree mask for steps that verify trees
         (spec/tree_step.py). static: a CUDA-graph step."""
-        self._layout.patch(plan, self._step_trees, static)
+        if self._step_trees:
+            self._layout.patch(plan, self._step_trees, static)
 
     # ---- after the forward ------------------------------------------------------
 
@@ -120,9 +125,11 @@ class Speculator:
         Everything the host does not need to see is queued on the device
         before the round's one wait (the packed result)."""
         trees = self._step_trees
-        self._early = {}
         if not trees:
+            if self._early:
+                self._early = {}
             return {}
+        self._early = {}
         ib, dev = self.ib, hidden.device
         loc = np.concatenate([[0], np.cumsum(plan.query_lens)])
         order = [i for i, rid in enumerate(plan.req_ids) if rid in trees]
@@ -199,16 +206,35 @@ class Speculator:
         bs = self.block_size
         return int(self.ib.block_table[row, pos // bs]) * bs + pos % bs
 
+    def _states_unread(self) -> bool:
+        """No drafting will read this step's target states: the proposer reads
+        none, this rank does not draft, or the governor is quiet (off at this
+        batch size with no probes: its last decision, made for the drafts after
+        this step (overlapping) or for this step (not); either way a request
+        that drafts again first gets states from a later step, and the proposer
+        restarts its context after the gap, which only costs acceptance)."""
+        return not self.proposer.needs_hidden or self.follower or self.governor.quiet
+
+    def needs_features(self) -> bool:
+        """Whether this step's forward must return the feature taps beside the
+        final states (`ForwardBatch.features`): only when it verifies drafts
+        or its states are kept."""
+        return bool(self._step_trees) or not self._states_unread()
+
     def keep_hidden(self, plan, hidden: torch.Tensor) -> None:
         """Record the target states of the step's ordinary (non-draft) rows:
         one gather for the whole step (a copy: a replayed CUDA graph rewrites
         its output buffer), split per request. While steps overlap (speculation
         off) only the last row of as many requests as a probe drafts for is
         kept: EAGLE restarts its context after a gap, Medusa reads the last
-        state, and the others draft again one step after speculation resumes."""
-        if (not self.proposer.needs_hidden or self.follower
-                or (self.overlapping and self.governor.quiet)):
-            return       # quiet: no probe will draft at this batch size
+        state, and the others draft again one step after speculation resumes.
+        Quiet (no round, no probe at this batch size): nothing is kept, and
+        states kept before are dropped (after the gap they would no longer
+        end at the request's root; `ProposeRequest.hidden` must)."""
+        if self._states_unread():
+            if self.hidden:
+                self.hidden.clear()
+            return
         rids, idx, counts = [], [], []
         loc = 0
         # While overlapping only the requests a probe round would draft for.
@@ -232,6 +258,10 @@ class Speculator:
         a step where every request verified drafts, or neither."""
         n = len(plan.req_ids)
         if not n:
+            return
+        if not self._step_trees:     # no request verified: a plain decode step or a prefill
+            self.governor.observe_step(seconds, n, "plain" if plan.batch.max_query_len == 1
+                                       else None)
             return
         spec_rows = sum(rid in self._step_trees for rid in plan.req_ids)
         decode = all(int(q) == 1 or plan.req_ids[i] in self._step_trees

@@ -105,7 +105,7 @@ def _depths(parents: list[int]) -> list[int]:
     return d
 
 
-def _verify_step(model, kv_dtype, tree: bool, hidden_too: bool = False):
+def _verify_step(model, kv_dtype, tree: bool, hidden_too: bool = False, features: bool = True):
     """Two sequences prefilled (torch forward), then one step verifying drafts: a
     chain of 7 (or a tree of 9 nodes) for one, a single token for the other, run
     fused and by the model's forward from the same caches -> (fused log-probs,
@@ -122,6 +122,7 @@ def _verify_step(model, kv_dtype, tree: bool, hidden_too: bool = False):
         model.backend.prepare(pre)
         model(pre)
         step = make_batch([(a, n), (b, 1)])
+        step.features = features
         step.positions[:n] = torch.tensor([21 + d for d in _depths(parents)])
         if tree:
             mask = torch.ones(2, n, n, dtype=torch.bool).tril_()
@@ -195,6 +196,17 @@ def test_fused_step_returns_the_feature_taps(tmp_path, tiny_model, monkeypatch):
     # The taps are the residual stream, not a copy of the final states.
     h = model.config.hidden_size
     assert (fused[:, h:2 * h] - fused[:, :h]).abs().max() > 0.1
+    # A step whose taps no one reads (ForwardBatch.features False): the final states alone.
+    model.set_feature_taps(range(n))
+    try:
+        fused_off, plain_off = _verify_step(model, torch.float32, True, hidden_too=True,
+                                            features=False)
+    finally:
+        model.set_feature_taps(())
+    assert count.calls == 2
+    assert fused_off.shape == plain_off.shape == (fused.shape[0], h)
+    torch.testing.assert_close(fused_off, fused[:, :h], atol=0, rtol=0)
+    torch.testing.assert_close(plain_off, plain[:, :h], atol=0, rtol=0)
 
 
 @needs_kernels

@@ -142,13 +142,41 @@ def test_cpu_costs_verified_tokens_by_measurement():
     assert g.num_tokens(1) <= k
 
 
-def test_quiet_where_no_round_could_pay():
+def _quiet_at_64():
+    """A governor whose measurements make batch 64 quiet (64 x 1 ms of drafting)."""
     g = _gov("eagle")
     g.observe_round(emitted=3, requests=1, drafted=16)
     g.observe_draft(0.001)
     g.observe_step(0.006, 1, "spec")
     g.observe_step(0.002, 1, "plain")
     g.observe_step(0.004, 64, "plain")
+    return g
+
+
+def test_quiet_where_no_round_could_pay():
+    g = _quiet_at_64()
     assert g.num_tokens(64) == 0 and g.quiet          # 64 x 1 ms of drafting: never pays
     g.num_tokens(1)
     assert not g.quiet                                # batch 1 keeps its probes
+
+
+def test_quiet_answer_stands_until_a_measurement_or_the_batch_changes():
+    """Asked every step while quiet, the rule is not re-evaluated until something
+    it reads changes: a measurement, the batch size, or a value set directly."""
+    g = _quiet_at_64()
+    calls = []
+    real = g.predicted_speedup
+    g.predicted_speedup = lambda b: calls.append(b) or real(b)
+    assert g.num_tokens(64) == 0 and g.quiet and len(calls) == 1
+    for _ in range(5):
+        assert g.num_tokens(64) == 0 and g.quiet and g.request_limit is None
+    assert len(calls) == 1
+    g.observe_step(0.004, 64, "plain")            # a new measurement: evaluated again
+    assert g.num_tokens(64) == 0 and len(calls) == 2
+    assert g.num_tokens(48) == 0 and len(calls) == 3   # another batch size
+    g.num_tokens(1)
+    assert not g.quiet                            # batch 1 keeps its probes
+    assert g.num_tokens(64) == 0 and g.quiet and len(calls) == 5
+    g.draft_per_request = 0.0                     # set directly: evaluated again
+    g.num_tokens(64)
+    assert len(calls) == 6
