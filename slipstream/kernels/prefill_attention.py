@@ -33,6 +33,8 @@ precision, as they would before being stored.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -42,7 +44,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from slipstream.kernels.attention_tile import (
     attend_paged_range, check_kv_scales, exact_dot, next_pow2, softmax_tile_update)
 from slipstream.kernels.prefill_configs import (
-    INTERPRET_CONFIG, PREFILL_CONFIGS, paged_load_args, prune_configs, set_block_shapes)
+    INTERPRET_CONFIG, UNTUNED_CONFIG, PREFILL_CONFIGS, paged_load_args, prune_configs, set_block_shapes)
 from slipstream.kernels.prefill_paged import attend_cached, tile_pages
 from slipstream.kernels.runtime import capability, interpreting
 
@@ -349,6 +351,8 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor |
 
     if config is None and interpreting():
         config = INTERPRET_CONFIG
+    elif config is None and os.environ.get("SLIPSTREAM_ATTENTION_TUNE", "1") in ("", "0"):
+        config = UNTUNED_CONFIG   # no start-up tuning (quick starts: tests, small models)
     if config is None:
         _prefill_tuned[grid](*args, max_query_len, *strides, scale * LOG2E, window, tune_key, **consts)
     else:

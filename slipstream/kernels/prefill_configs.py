@@ -49,6 +49,9 @@ PREFILL_CONFIGS = [
     _config(64, 64, 4, 3),
 ]
 SMEM_BYTES = 227 * 1024  # per block on Hopper
+# SLIPSTREAM_ATTENTION_TUNE=0: this one config, no tuning at start-up (it fits every
+# head size and shared-memory budget the tuned set serves).
+UNTUNED_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
 INTERPRET_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 16, "WARP_SPECIALIZE": False, "TMA_STORE": False,
                     "PAIRED": False}
 
