@@ -8,7 +8,7 @@ then one profiled run each (cProfile of the host, torch.profiler kernel counts
 and kernel time against wall time). Speculating engines first run one prompt
 at batch 1 with the rule off (as `bench spec` warms up), then with it on.
 
-    python benchmarks/spec/batch64_overhead.py OUT_DIR      # CUDA, ~1 minute
+    python benchmarks/spec/batch64_overhead.py OUT_DIR      # CUDA, ~1 minute (B64_REPEATS=5)
 
 Writes OUT_DIR/b64.json, cprofile_<engine>.txt, kernels_<engine>.txt."""
 import cProfile, io, json, os, pstats, sys, time
@@ -36,7 +36,7 @@ for llm in engines.values():
     llm.generate(prompts, W, use_tqdm=False)
 res = {k: [] for k in engines}
 order = list(engines)
-for r in range(5):
+for r in range(int(os.environ.get("B64_REPEATS", 5))):
     for name in (order if r % 2 == 0 else order[::-1]):
         torch.cuda.synchronize(); t0 = time.perf_counter()
         o = engines[name].generate(prompts, P, use_tqdm=False)
