@@ -8,7 +8,7 @@ then one profiled run each (cProfile of the host, torch.profiler kernel counts
 and kernel time against wall time). Speculating engines first run one prompt
 at batch 1 with the rule off (as `bench spec` warms up), then with it on.
 
-    python benchmarks/spec/batch64_overhead.py OUT_DIR      # CUDA, ~1 minute (B64_REPEATS=5)
+    python benchmarks/spec/batch64_overhead.py OUT_DIR      # CUDA, ~1 minute (B64_REPEATS=5, B64_TOKENS=128: outputs a request)
 
 Writes OUT_DIR/b64.json, cprofile_<engine>.txt, kernels_<engine>.txt."""
 import cProfile, io, json, os, pstats, sys, time
@@ -24,7 +24,7 @@ json.dump(dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_siz
 g = torch.Generator().manual_seed(0)
 prompts = [{"prompt_token_ids": torch.randint(100, 40000, (int(n),), generator=g).tolist()}
            for n in torch.randint(20, 60, (64,), generator=g)]
-P = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
+P = SamplingParams(temperature=0.0, max_tokens=int(os.environ.get("B64_TOKENS", 128)), ignore_eos=True)
 W = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 common = dict(load_format="dummy", device="cuda", seed=0, num_kv_blocks=4096, max_model_len=2048)
 engines = {"plain": LLM(folder, **common)}
