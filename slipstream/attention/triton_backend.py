@@ -6,9 +6,11 @@ Per step (`prepare`) it picks one path from host-side metadata only:
     with the split count chosen from the batch size and longest context (or
     fixed by `batch.decode_splits`, as a captured CUDA graph needs);
   * prompts and prompt chunks: the FlashAttention-2 prefill kernel (opt-in,
-    SLIPSTREAM_GLUON_PREFILL=1: whole prompts on sm_90 go to the Gluon
-    FlashAttention-3-style kernel, kernels/gluon_prefill.py; =fp8: to its FP8
-    version, q / k / v quantised by kernels/fp8_quantize.py first);
+    SLIPSTREAM_GLUON_PREFILL=1: prompt tokens on sm_90 go to the Gluon
+    FlashAttention-3-style kernel, kernels/gluon_prefill.py, whole prompts from
+    the step's K/V and prompts after cached context from the paged cache; =fp8:
+    whole prompts to its FP8 version, q / k / v quantised by
+    kernels/fp8_quantize.py first);
   * mixed steps: the decode rows (first in the step) go to the split-KV kernel
     and the rest to the prefill kernel, each writing its part of the output.
 Each layer first writes its new K/V into the paged cache (KV store kernel),
@@ -28,7 +30,7 @@ from slipstream.kernels.decode_attention import (
 from slipstream.kernels.fp8_quantize import quantize_fp8_inputs_fused
 from slipstream.kernels.gluon_fp8_prefill import gluon_fp8_prefill, gluon_fp8_prefill_wanted
 from slipstream.kernels.tree_attention import pack_tree_mask
-from slipstream.kernels.gluon_prefill import gluon_prefill, gluon_prefill_wanted
+from slipstream.kernels.gluon_prefill import gluon_prefill, gluon_prefill_paged, gluon_prefill_wanted
 from slipstream.kernels.kv_store import store_kv
 from slipstream.kernels.rotary_kv_store import rotary_store_kv
 from slipstream.kernels.prefill_attention import prefill_attention
@@ -69,10 +71,14 @@ class TritonAttentionBackend:
         else:
             self._mode = "prefill"
             self._tree_bits = None
-        # Whole prompts (no cached context) may take the Gluon kernel; a layer it
-        # does not serve (ValueError) falls back to the portable kernel.
-        self._gluon = (self._mode == "prefill" and batch.seq_lens_cpu == batch.query_lens_cpu
-                       and gluon_prefill_wanted(batch.query_start_loc.device))
+        # Prompt tokens may take the Gluon kernels: whole prompts (no cached context)
+        # with the step's own K/V, and prompts after cached context (prefix hits,
+        # chunks) from the paged cache; a layer they do not serve (ValueError) falls
+        # back to the portable kernel.
+        wanted = self._mode != "decode" and gluon_prefill_wanted(batch.query_start_loc.device)
+        whole = self._mode == "prefill" and batch.seq_lens_cpu == batch.query_lens_cpu
+        self._gluon = wanted and whole
+        self._gluon_paged = wanted and not whole
         self._gluon_fp8 = self._gluon and gluon_fp8_prefill_wanted()
         self._splits: dict[tuple[int, int], int] = {}  # per head shape, set by the first layer
 
@@ -127,6 +133,11 @@ class TritonAttentionBackend:
                     return o if out is None else out.copy_(o)   # the Gluon kernels allocate
                 except ValueError:
                     self._gluon = False
+            if self._gluon_paged:
+                o = self._paged_gluon(q, layer, batch.query_start_loc, batch.seq_lens,
+                                      batch.block_tables, batch.max_query_len, out)
+                if o is not None:
+                    return o
             return prefill_attention(
                 q, k, v, layer.k_cache, layer.v_cache, batch.query_start_loc, batch.context_lens,
                 batch.block_tables, batch.max_query_len, layer.scale,
@@ -137,6 +148,10 @@ class TritonAttentionBackend:
             out = torch.empty_like(q) if out is None else out
             self._decode(q[:d], layer, batch.query_start_loc[:d + 1], batch.seq_lens[:d],
                          batch.block_tables[:d], d, self._decode_max_len, 1, None, out[:d])
+            if self._gluon_paged and self._paged_gluon(
+                    q[d:], layer, self._prefill_loc, batch.seq_lens[d:], batch.block_tables[d:],
+                    self._prefill_max_q, out[d:]) is not None:
+                return out
             prefill_attention(
                 q[d:], k[d:], v[d:], layer.k_cache, layer.v_cache, self._prefill_loc,
                 self._prefill_ctx, batch.block_tables[d:], self._prefill_max_q, layer.scale,
@@ -146,6 +161,21 @@ class TritonAttentionBackend:
         return self._decode(q, layer, batch.query_start_loc, batch.seq_lens, batch.block_tables,
                             batch.num_seqs, batch.max_seq_len, batch.max_query_len,
                             batch.decode_splits, out)
+
+    def _paged_gluon(self, q, layer, query_start_loc, seq_lens, block_tables, max_query_len,
+                     out):
+        """The prompt rows through the Gluon kernel over the paged cache (16-bit caches,
+        no sliding window), into `out` (None: a new tensor); None where it does not
+        serve them (the portable kernel does)."""
+        if layer.sliding_window is not None or layer.k_scale is not None:
+            return None
+        try:
+            return gluon_prefill_paged(q, layer.k_cache, layer.v_cache, query_start_loc, seq_lens,
+                                       block_tables, max_query_len, layer.scale, causal=True,
+                                       out=out)
+        except ValueError:
+            self._gluon_paged = False
+            return None
 
     def _decode(self, q, layer, query_start_loc, seq_lens, block_tables, num_seqs, max_seq_len,
                 max_query_len, fixed_splits, out):

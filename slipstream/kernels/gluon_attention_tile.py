@@ -19,19 +19,53 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 
 @gluon.jit
-def load_kv(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, it, row, kv_col, pred,
-            STAGES: gl.constexpr):
-    """Start the TMA copies of K/V tile `it` (rows row.., columns of one KV head)."""
+def copy_tile(desc, buf, bar, row, kv_col, table, tile, n_pages, pred, PAGED: gl.constexpr,
+              PAGE: gl.constexpr, BLOCK_N: gl.constexpr):
+    """TMA copies of key tile `tile` (BLOCK_N keys of one KV head) into `buf`: rows
+    row.. of a packed K or V, or with PAGED one copy a PAGE-token page (one copy of
+    a page's part when pages are at least a tile), its block read from the
+    request's block-table row `table` (pages past the request's n_pages read
+    block 0; their keys are masked)."""
+    if PAGED and PAGE >= BLOCK_N:   # the tile inside one page
+        page = tile * BLOCK_N // PAGE
+        block = gl.load(table + page, mask=page < n_pages, other=0)
+        tma.async_copy_global_to_shared(desc, [block * PAGE + tile * BLOCK_N % PAGE, kv_col], bar,
+                                        buf, pred)
+    elif PAGED:
+        for i in gl.static_range(BLOCK_N // PAGE):
+            page = tile * (BLOCK_N // PAGE) + i
+            block = gl.load(table + page, mask=page < n_pages, other=0)
+            tma.async_copy_global_to_shared(desc, [block * PAGE, kv_col], bar,
+                                            buf.slice(i * PAGE, PAGE), pred)
+    else:
+        tma.async_copy_global_to_shared(desc, [row, kv_col], bar, buf, pred)
+
+
+@gluon.constexpr_function
+def tile_bytes(copy_bytes, PAGED, PAGE, BLOCK_N):
+    """Bytes one key tile's copies land (what its ready barrier expects)."""
+    return copy_bytes * (BLOCK_N // PAGE if PAGED and PAGE < BLOCK_N else 1)
+
+
+@gluon.jit
+def load_kv(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, it, row, kv_col, pred, table, tile,
+            n_pages, STAGES: gl.constexpr, PAGED: gl.constexpr, PAGE: gl.constexpr,
+            BLOCK_N: gl.constexpr):
+    """Start the TMA copies of K/V tile `it` (key tile `tile` of the request: rows
+    row.. of packed K/V, or pages of the cache, columns of one KV head)."""
     slot = it % STAGES
-    mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes, pred)
-    tma.async_copy_global_to_shared(k_desc, [row, kv_col], k_ready.index(slot), k_bufs.index(slot), pred)
-    mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes, pred)
-    tma.async_copy_global_to_shared(v_desc, [row, kv_col], v_ready.index(slot), v_bufs.index(slot), pred)
+    mbarrier.expect(k_ready.index(slot), tile_bytes(k_desc.block_type.nbytes, PAGED, PAGE, BLOCK_N), pred)
+    copy_tile(k_desc, k_bufs.index(slot), k_ready.index(slot), row, kv_col, table, tile, n_pages,
+              pred, PAGED, PAGE, BLOCK_N)
+    mbarrier.expect(v_ready.index(slot), tile_bytes(v_desc.block_type.nbytes, PAGED, PAGE, BLOCK_N), pred)
+    copy_tile(v_desc, v_bufs.index(slot), v_ready.index(slot), row, kv_col, table, tile, n_pages,
+              pred, PAGED, PAGE, BLOCK_N)
 
 
 @gluon.jit
 def produce_block(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, kv_empty, q_start, kv_col,
-                  j0, j1, it0, STAGES: gl.constexpr, BLOCK_N: gl.constexpr):
+                  j0, j1, it0, table, n_pages, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
+                  PAGED: gl.constexpr, PAGE: gl.constexpr):
     """The producer warp's part of one block, tiles j0..j1-1: each K, then V, tile
     as soon as its slot is free."""
     for j in range(j0, j1):
@@ -41,23 +75,26 @@ def produce_block(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, kv_empty, q_
         phase = ((it - STAGES) // STAGES) & 1
         if it >= STAGES:
             mbarrier.wait(kv_empty.index(slot), phase)
-        mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [row, kv_col], k_ready.index(slot), k_bufs.index(slot))
+        mbarrier.expect(k_ready.index(slot), tile_bytes(k_desc.block_type.nbytes, PAGED, PAGE, BLOCK_N))
+        copy_tile(k_desc, k_bufs.index(slot), k_ready.index(slot), row, kv_col, table, j, n_pages,
+                  True, PAGED, PAGE, BLOCK_N)
         if it >= STAGES:
             mbarrier.wait(kv_empty.index(STAGES + slot), phase)
-        mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [row, kv_col], v_ready.index(slot), v_bufs.index(slot))
+        mbarrier.expect(v_ready.index(slot), tile_bytes(v_desc.block_type.nbytes, PAGED, PAGE, BLOCK_N))
+        copy_tile(v_desc, v_bufs.index(slot), v_ready.index(slot), row, kv_col, table, j, n_pages,
+                  True, PAGED, PAGE, BLOCK_N)
 
 
 @gluon.jit
-def softmax_tile(s, m_i, l_i, start, offs_m, q_len, mask_from, qk_scale,
+def softmax_tile(s, m_i, l_i, start, offs_m, kv_len, mask_from, qk_scale,
                  CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
-    """Online softmax of one score tile (keys start..start+BLOCK_N). m_i is kept
-    in log2 units (scaled), so p = exp2(s * scale - m) is one FMA and one MUFU op.
-    Only tiles at or past mask_from (causal diagonal, request end) are masked."""
+    """Online softmax of one score tile (keys start..start+BLOCK_N; rows at positions
+    offs_m). m_i is kept in log2 units (scaled), so p = exp2(s * scale - m) is one
+    FMA and one MUFU op. Only tiles at or past mask_from (causal diagonal, the
+    request's last keys) are masked."""
     if start >= mask_from:
         offs_n = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        keep = offs_n[None, :] < q_len
+        keep = offs_n[None, :] < kv_len
         if CAUSAL:
             keep = keep & (offs_n[None, :] <= offs_m[:, None])
         s = gl.where(keep, s, float("-inf"))
@@ -88,12 +125,15 @@ def retire_pv(acc_tok, p_op, always):
 @gluon.jit
 def attend_block(q_smem, q_ready, q_phase, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn_bars,
                  k_desc, v_desc, o_desc, Out, q_start, q_len, m_row0, head, kv_col, n_tiles, it0,
-                 mask_from, stride_ot, qk_scale, ME: gl.constexpr, CAUSAL: gl.constexpr,
-                 ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                 STAGES: gl.constexpr, WARPS: gl.constexpr, SELF_LOAD: gl.constexpr,
-                 TURNS: gl.constexpr, PIN: gl.constexpr):
+                 mask_from, stride_ot, qk_scale, ctx, table, n_pages, ME: gl.constexpr,
+                 CAUSAL: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+                 HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr,
+                 SELF_LOAD: gl.constexpr, TURNS: gl.constexpr, PIN: gl.constexpr,
+                 PAGED: gl.constexpr, PAGE: gl.constexpr):
     """ROWS query rows (m_row0.. of the request) against its key tiles it0.. (n_tiles),
-    then the output stored. SELF_LOAD: these warps also issue the copies (it0 = 0).
+    then the output stored. The request's keys are its ctx cached ones, then its
+    q_len own (ctx 0 without paging); query row r sits at position ctx + r.
+    SELF_LOAD: these warps also issue the copies (it0 = 0).
     TURNS (ping-pong): warpgroup ME takes turns (turn_bars) with its partner to issue its
     GEMMs; both take one turn a tile, so turn k is tile it0 + j. PIN: keep the P.V
     wait below the softmax (retire_pv); off only to measure it."""
@@ -103,7 +143,8 @@ def attend_block(q_smem, q_ready, q_phase, k_bufs, v_bufs, k_ready, v_ready, kv_
     p_layout: gl.constexpr = gl.DotOperandLayout(0, o_layout, 2)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     o_row: gl.constexpr = gl.SliceLayout(1, o_layout)
-    offs_m = m_row0 + gl.arange(0, ROWS, layout=row_layout)
+    offs_m = ctx + m_row0 + gl.arange(0, ROWS, layout=row_layout)   # the rows' positions
+    kv_len = ctx + q_len
     zero_s = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
 
     # Tile 0: its scores alone, so the loop below always has a P to multiply.
@@ -120,7 +161,7 @@ def attend_block(q_smem, q_ready, q_phase, k_bufs, v_bufs, k_ready, v_ready, kv_
         mbarrier.arrive(kv_empty.index(it0 % STAGES))  # K_0 is consumed
     m_i = gl.full([ROWS], float("-inf"), gl.float32, row_layout)
     l_i = gl.zeros([ROWS], gl.float32, row_layout)
-    p, m_i, l_i, alpha = softmax_tile(s, m_i, l_i, 0, offs_m, q_len, mask_from, qk_scale,
+    p, m_i, l_i, alpha = softmax_tile(s, m_i, l_i, 0, offs_m, kv_len, mask_from, qk_scale,
                                       CAUSAL, BLOCK_N, s_layout)
     acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
 
@@ -144,7 +185,7 @@ def attend_block(q_smem, q_ready, q_phase, k_bufs, v_bufs, k_ready, v_ready, kv_
         s = warpgroup_mma_wait(1, deps=(s_tok,))  # wgmma groups retire in order: S_j done
         if not SELF_LOAD:
             mbarrier.arrive(kv_empty.index(slot))  # K_j is consumed
-        p, m_i, l_i, alpha = softmax_tile(s, m_i, l_i, j * BLOCK_N, offs_m, q_len, mask_from,
+        p, m_i, l_i, alpha = softmax_tile(s, m_i, l_i, j * BLOCK_N, offs_m, kv_len, mask_from,
                                           qk_scale, CAUSAL, BLOCK_N, s_layout)
         if PIN:
             acc = retire_pv(acc_tok, p_op, q_start >= 0)
@@ -154,7 +195,8 @@ def attend_block(q_smem, q_ready, q_phase, k_bufs, v_bufs, k_ready, v_ready, kv_
         if SELF_LOAD:
             gl.thread_barrier()  # both warpgroups are past it before it is overwritten
             load_kv(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, j - 1 + STAGES,
-                    q_start + (j - 1 + STAGES) * BLOCK_N, kv_col, j - 1 + STAGES < n_tiles, STAGES)
+                    q_start + (j - 1 + STAGES) * BLOCK_N, kv_col, j - 1 + STAGES < n_tiles, table,
+                    j - 1 + STAGES, n_pages, STAGES, PAGED, PAGE, BLOCK_N)
         else:
             mbarrier.arrive(kv_empty.index(STAGES + prev))
 

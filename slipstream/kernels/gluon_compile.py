@@ -41,6 +41,25 @@ def compile_prefill(config: dict | None = None, *, causal: bool = True,
     return _compile(gluon_prefill._prefill_kernel, args, consts)
 
 
+def compile_paged_prefill(config: dict | None = None, *, causal: bool = True,
+                          dtype: torch.dtype = torch.bfloat16, heads: int = 16, kv_heads: int = 16,
+                          tokens: int = 1024, context: int = 3072, page: int = 16,
+                          head_dim: int = 128):
+    """compile_prefill for paged K/V (gluon_prefill_paged): one request of `tokens`
+    queries after `context` cached keys, in pages of `page` tokens."""
+    q = torch.empty(tokens, heads, head_dim, dtype=dtype)
+    blocks = -(-(context + tokens) // page)
+    cache = torch.empty(blocks, page, kv_heads, head_dim, dtype=dtype)
+    out = torch.empty_like(q)
+    cu = torch.tensor([0, tokens], dtype=torch.int32)
+    kv_lens = torch.tensor([context + tokens], dtype=torch.int32)
+    tables = torch.arange(blocks, dtype=torch.int32)[None]
+    cfg = config if config is not None else {**gluon_prefill.CHOSEN["config"], "PERSISTENT": False}
+    args, consts, _ = gluon_prefill.kernel_args(q, cache, cache, out, cu, tokens, head_dim ** -0.5,
+                                                causal, cfg, paged=(kv_lens, tables))
+    return _compile(gluon_prefill._prefill_kernel, args, consts)
+
+
 def compile_fp8_prefill(config: dict | None = None, *, causal: bool = True,
                         out_dtype: torch.dtype = torch.bfloat16, heads: int = 16, kv_heads: int = 16,
                         tokens: int = 4096, head_dim: int = 128, fp8_v: bool = True):

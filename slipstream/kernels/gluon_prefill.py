@@ -31,7 +31,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from slipstream.kernels.gluon_attention_tile import attend_block, load_kv, produce_block
-from slipstream.kernels.gluon_schedule import plan, work_item, work_range
+from slipstream.kernels.gluon_schedule import plan, work_item_kv, work_range
 from slipstream.kernels.runtime import num_sms
 
 LOG2E = 1.4426950408889634
@@ -43,27 +43,28 @@ DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 def _consume(t0, t_end, t_step, total, CuSeqlens, Items, n_mblocks, heads, num_seqs, group, q_smem,
              q_ready, q_empty, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn_bars, k_desc, v_desc,
              o_desc, Out,
-             stride_ot, qk_scale, ME: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+             stride_ot, qk_scale, KvLens, ME: gl.constexpr, CAUSAL: gl.constexpr,
+             BLOCK_M: gl.constexpr,
              ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
              STAGES: gl.constexpr, Q_SLOTS: gl.constexpr, WARPS: gl.constexpr,
              PINGPONG: gl.constexpr, TURNS: gl.constexpr, PIN: gl.constexpr,
              PERSISTENT: gl.constexpr, SNAKE: gl.constexpr, HEAD_GROUP: gl.constexpr,
-             TABLE: gl.constexpr):
+             TABLE: gl.constexpr, PAGED: gl.constexpr):
     """A consumer warpgroup (set) over item slots t0, t0 + t_step, .. < t_end (gluon_schedule)."""
     CONSUMERS: gl.constexpr = 2 if PINGPONG else 1
     it0 = 0  # K/V tiles done so far (the ring position)
     k = 0    # blocks done so far (the Q slot)
     for t in range(t0, t_end, t_step):
-        q_start, q_len, m_row0, head, kv_col, n_tiles, mask_from, seq = work_item(
-            t, total, CuSeqlens, Items, n_mblocks, heads, num_seqs, group, BLOCK_M, BLOCK_N, HEAD_DIM,
-            CAUSAL, PERSISTENT, SNAKE, HEAD_GROUP, TABLE)
+        q_start, q_len, m_row0, head, kv_col, n_tiles, mask_from, seq, ctx = work_item_kv(
+            t, total, CuSeqlens, KvLens, Items, n_mblocks, heads, num_seqs, group, BLOCK_M,
+            BLOCK_N, HEAD_DIM, CAUSAL, PERSISTENT, SNAKE, HEAD_GROUP, TABLE, PAGED)
         if n_tiles > 0:
             qs = k % Q_SLOTS
             attend_block(q_smem.index(qs * CONSUMERS + ME), q_ready.index(qs), (k // Q_SLOTS) & 1,
                          k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn_bars, k_desc, v_desc,
                          o_desc, Out, q_start, q_len, m_row0 + ME * ROWS, head, kv_col, n_tiles,
-                         it0, mask_from, stride_ot, qk_scale, ME, CAUSAL, ROWS, BLOCK_N, HEAD_DIM,
-                         STAGES, WARPS, False, TURNS, PIN)
+                         it0, mask_from, stride_ot, qk_scale, ctx, 0, 0, ME, CAUSAL, ROWS,
+                         BLOCK_N, HEAD_DIM, STAGES, WARPS, False, TURNS, PIN, PAGED, BLOCK_N)
             mbarrier.arrive(q_empty.index(qs))  # Q's slot (and the output staged in it) is free
             it0 += n_tiles
             k += 1
@@ -72,26 +73,30 @@ def _consume(t0, t_end, t_step, total, CuSeqlens, Items, n_mblocks, heads, num_s
 @gluon.jit
 def _produce(t0, t_end, t_step, total, CuSeqlens, Items, n_mblocks, heads, num_seqs, group, q_desc,
              q_smem, q_ready, q_empty, k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, kv_empty,
+             KvLens, BlockTables, stride_bt,
              CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, ROWS: gl.constexpr,
              BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
              Q_SLOTS: gl.constexpr, CONSUMERS: gl.constexpr, PERSISTENT: gl.constexpr,
-             SNAKE: gl.constexpr, HEAD_GROUP: gl.constexpr, TABLE: gl.constexpr):
+             SNAKE: gl.constexpr, HEAD_GROUP: gl.constexpr, TABLE: gl.constexpr,
+             PAGED: gl.constexpr, PAGE: gl.constexpr):
     """The producer warp over the same work items: each block's Q, then its K/V.
     With one Q buffer (persistent), a later block's first STAGES tiles go first:
     its Q must wait for the previous block's end, its K/V only for ring slots."""
     it0 = 0
     k = 0
     for t in range(t0, t_end, t_step):
-        q_start, q_len, m_row0, head, kv_col, n_tiles, mask_from, seq = work_item(
-            t, total, CuSeqlens, Items, n_mblocks, heads, num_seqs, group, BLOCK_M, BLOCK_N, HEAD_DIM,
-            CAUSAL, PERSISTENT, SNAKE, HEAD_GROUP, TABLE)
+        q_start, q_len, m_row0, head, kv_col, n_tiles, mask_from, seq, ctx = work_item_kv(
+            t, total, CuSeqlens, KvLens, Items, n_mblocks, heads, num_seqs, group, BLOCK_M,
+            BLOCK_N, HEAD_DIM, CAUSAL, PERSISTENT, SNAKE, HEAD_GROUP, TABLE, PAGED)
+        table = BlockTables + seq.to(gl.int64) * stride_bt
+        n_pages = gl.cdiv(ctx + q_len, PAGE)
         if n_tiles > 0:
             qs = k % Q_SLOTS
             early = 0
             if Q_SLOTS == 1:
                 early = gl.minimum(n_tiles, STAGES) * (k > 0).to(gl.int32)
                 produce_block(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, kv_empty, q_start,
-                              kv_col, 0, early, it0, STAGES, BLOCK_N)
+                              kv_col, 0, early, it0, table, n_pages, STAGES, BLOCK_N, PAGED, PAGE)
             if k >= Q_SLOTS:
                 mbarrier.wait(q_empty.index(qs), ((k - Q_SLOTS) // Q_SLOTS) & 1)
             mbarrier.expect(q_ready.index(qs), CONSUMERS * q_desc.block_type.nbytes)
@@ -99,19 +104,20 @@ def _produce(t0, t_end, t_step, total, CuSeqlens, Items, n_mblocks, heads, num_s
                 tma.async_copy_global_to_shared(q_desc, [q_start + m_row0 + c * ROWS, head * HEAD_DIM],
                                                 q_ready.index(qs), q_smem.index(qs * CONSUMERS + c))
             produce_block(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, kv_empty, q_start,
-                          kv_col, early, n_tiles, it0, STAGES, BLOCK_N)
+                          kv_col, early, n_tiles, it0, table, n_pages, STAGES, BLOCK_N, PAGED, PAGE)
             it0 += n_tiles
             k += 1
 
 
-@gluon.jit(do_not_specialize=["max_len", "qk_scale", "group", "heads", "num_seqs"])
+@gluon.jit(do_not_specialize=["max_len", "qk_scale", "group", "heads", "num_seqs", "stride_bt"])
 def _prefill_kernel(q_desc, k_desc, v_desc, o_desc, Out, CuSeqlens, Items, max_len, stride_ot,
-                    qk_scale, group, heads, num_seqs, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                    qk_scale, group, heads, num_seqs, KvLens, BlockTables, stride_bt,
+                    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                     WS: gl.constexpr, PINGPONG: gl.constexpr, TURNS: gl.constexpr,
                     PERSISTENT: gl.constexpr, Q_BUFS: gl.constexpr, PIN: gl.constexpr,
                     SNAKE: gl.constexpr, HEAD_GROUP: gl.constexpr, TABLE: gl.constexpr,
-                    num_warps: gl.constexpr):
+                    PAGED: gl.constexpr, PAGE: gl.constexpr, num_warps: gl.constexpr):
     n_mblocks = gl.cdiv(max_len, BLOCK_M)
     # persistent: one program per SM over every block; else grid (query block, head, request)
     t0, t_end, t_step, total = work_range(n_mblocks, heads, num_seqs, Items, PERSISTENT, SNAKE, TABLE)
@@ -120,8 +126,8 @@ def _prefill_kernel(q_desc, k_desc, v_desc, o_desc, Out, CuSeqlens, Items, max_l
     Q_SLOTS: gl.constexpr = Q_BUFS if PERSISTENT else 1
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [Q_SLOTS * CONSUMERS, ROWS, HEAD_DIM], q_desc.layout)
-    k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
-    v_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)   # paged:
+    v_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)   # a tile's pages
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [2 * STAGES, 1], mbarrier.MBarrierLayout())
@@ -140,50 +146,56 @@ def _prefill_kernel(q_desc, k_desc, v_desc, o_desc, Out, CuSeqlens, Items, max_l
         mbarrier.init(turn_bars.index(i), count=1)
 
     if not WS:  # these warps copy too: Q and the first STAGES tiles, then the loop
-        q_start, q_len, m_row0, head, kv_col, n_tiles, mask_from, seq = work_item(
-            t0, total, CuSeqlens, Items, n_mblocks, heads, num_seqs, group, BLOCK_M, BLOCK_N, HEAD_DIM,
-            CAUSAL, False, False, HEAD_GROUP, TABLE)
+        q_start, q_len, m_row0, head, kv_col, n_tiles, mask_from, seq, ctx = work_item_kv(
+            t0, total, CuSeqlens, KvLens, Items, n_mblocks, heads, num_seqs, group, BLOCK_M,
+            BLOCK_N, HEAD_DIM, CAUSAL, False, False, HEAD_GROUP, TABLE, PAGED)
+        table = BlockTables + seq.to(gl.int64) * stride_bt
+        n_pages = gl.cdiv(ctx + q_len, PAGE)
         if n_tiles > 0:
             mbarrier.expect(q_ready.index(0), q_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(q_desc, [q_start + m_row0, head * HEAD_DIM],
                                             q_ready.index(0), q_smem.index(0))
             for i in gl.static_range(STAGES):
                 load_kv(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, i,
-                        q_start + i * BLOCK_N, kv_col, i < n_tiles, STAGES)
+                        q_start + i * BLOCK_N, kv_col, i < n_tiles, table, i, n_pages, STAGES,
+                        PAGED, PAGE, BLOCK_N)
             attend_block(q_smem.index(0), q_ready.index(0), 0, k_bufs, v_bufs, k_ready, v_ready,
                          kv_empty, turn_bars, k_desc, v_desc, o_desc, Out, q_start, q_len, m_row0,
-                         head, kv_col, n_tiles, 0, mask_from, stride_ot, qk_scale, 0, CAUSAL, ROWS,
-                         BLOCK_N, HEAD_DIM, STAGES, num_warps, True, False, PIN)
+                         head, kv_col, n_tiles, 0, mask_from, stride_ot, qk_scale, ctx, table,
+                         n_pages, 0, CAUSAL, ROWS, BLOCK_N, HEAD_DIM, STAGES, num_warps, True,
+                         False, PIN, PAGED, PAGE)
     else:
         if PINGPONG:
             mbarrier.arrive(turn_bars.index(0))  # the upper rows' warpgroup goes first
             gl.warp_specialize([
                 (_consume, (t0, t_end, t_step, total, CuSeqlens, Items, n_mblocks, heads, num_seqs, group,
                             q_smem, q_ready, q_empty, k_bufs, v_bufs, k_ready, v_ready, kv_empty,
-                            turn_bars, k_desc, v_desc, o_desc, Out, stride_ot, qk_scale, 0, CAUSAL,
-                            BLOCK_M, ROWS, BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS, num_warps, True,
-                            TURNS, PIN, PERSISTENT, SNAKE, HEAD_GROUP, TABLE)),
+                            turn_bars, k_desc, v_desc, o_desc, Out, stride_ot, qk_scale, KvLens, 0,
+                            CAUSAL, BLOCK_M, ROWS, BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS, num_warps,
+                            True, TURNS, PIN, PERSISTENT, SNAKE, HEAD_GROUP, TABLE, PAGED)),
                 (_consume, (t0, t_end, t_step, total, CuSeqlens, Items, n_mblocks, heads, num_seqs, group,
                             q_smem, q_ready, q_empty, k_bufs, v_bufs, k_ready, v_ready, kv_empty,
-                            turn_bars, k_desc, v_desc, o_desc, Out, stride_ot, qk_scale, 1, CAUSAL,
-                            BLOCK_M, ROWS, BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS, 4, True, TURNS, PIN,
-                            PERSISTENT, SNAKE, HEAD_GROUP, TABLE)),
+                            turn_bars, k_desc, v_desc, o_desc, Out, stride_ot, qk_scale, KvLens, 1,
+                            CAUSAL, BLOCK_M, ROWS, BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS, 4, True,
+                            TURNS, PIN, PERSISTENT, SNAKE, HEAD_GROUP, TABLE, PAGED)),
                 (_produce, (t0, t_end, t_step, total, CuSeqlens, Items, n_mblocks, heads, num_seqs, group,
                             q_desc, q_smem, q_ready, q_empty, k_desc, v_desc, k_bufs, v_bufs,
-                            k_ready, v_ready, kv_empty, CAUSAL, BLOCK_M, ROWS, BLOCK_N, HEAD_DIM,
-                            STAGES, Q_SLOTS, CONSUMERS, PERSISTENT, SNAKE, HEAD_GROUP, TABLE))],
+                            k_ready, v_ready, kv_empty, KvLens, BlockTables, stride_bt, CAUSAL,
+                            BLOCK_M, ROWS, BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS, CONSUMERS,
+                            PERSISTENT, SNAKE, HEAD_GROUP, TABLE, PAGED, PAGE))],
                 [4, 1], [240, 24])
         else:
             gl.warp_specialize([
                 (_consume, (t0, t_end, t_step, total, CuSeqlens, Items, n_mblocks, heads, num_seqs, group,
                             q_smem, q_ready, q_empty, k_bufs, v_bufs, k_ready, v_ready, kv_empty,
-                            turn_bars, k_desc, v_desc, o_desc, Out, stride_ot, qk_scale, 0, CAUSAL,
-                            BLOCK_M, ROWS, BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS, num_warps, False,
-                            False, PIN, PERSISTENT, SNAKE, HEAD_GROUP, TABLE)),
+                            turn_bars, k_desc, v_desc, o_desc, Out, stride_ot, qk_scale, KvLens, 0,
+                            CAUSAL, BLOCK_M, ROWS, BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS, num_warps,
+                            False, False, PIN, PERSISTENT, SNAKE, HEAD_GROUP, TABLE, PAGED)),
                 (_produce, (t0, t_end, t_step, total, CuSeqlens, Items, n_mblocks, heads, num_seqs, group,
                             q_desc, q_smem, q_ready, q_empty, k_desc, v_desc, k_bufs, v_bufs,
-                            k_ready, v_ready, kv_empty, CAUSAL, BLOCK_M, ROWS, BLOCK_N, HEAD_DIM,
-                            STAGES, Q_SLOTS, CONSUMERS, PERSISTENT, SNAKE, HEAD_GROUP, TABLE))],
+                            k_ready, v_ready, kv_empty, KvLens, BlockTables, stride_bt, CAUSAL,
+                            BLOCK_M, ROWS, BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS, CONSUMERS,
+                            PERSISTENT, SNAKE, HEAD_GROUP, TABLE, PAGED, PAGE))],
                 [1], [24])
 
 
@@ -225,11 +237,21 @@ def _descriptor(x: torch.Tensor, rows: int, head_dim: int) -> TensorDescriptor:
                             [rows, head_dim], layout)
 
 
+def _cache_descriptor(cache: torch.Tensor, page_rows: int, block_n: int, head_dim: int) -> TensorDescriptor:
+    """A paged cache [blocks, page, kv_heads, D] as 2-D [blocks * page, kv_heads * D] in
+    copies of [page_rows, D], laid out in shared memory as a whole [block_n, D] tile."""
+    layout = gl.NVMMASharedLayout.get_default_for([block_n, head_dim], DTYPES[cache.dtype])
+    blocks, page, kv_heads, _ = cache.shape
+    return TensorDescriptor(cache, [blocks * page, kv_heads * head_dim], [kv_heads * head_dim, 1],
+                            [page_rows, head_dim], layout)
+
+
 def kernel_args(q, k, v, out, cu_seqlens, max_seqlen: int, scale: float, causal: bool, config: dict,
-                lengths=None):
+                lengths=None, paged=None):
     """(positional args, constexpr kwargs, grid) of one launch; shared with the
     sm_90 compile check, which builds the same arguments on the CPU. lengths: the
-    requests' lengths as host ints (config TABLE: gluon_schedule.plan)."""
+    requests' lengths as host ints (config TABLE: gluon_schedule.plan). paged:
+    (kv_lens, block_tables) when k / v are paged caches [blocks, page, kv_heads, D]."""
     unknown = set(config) - set(DEFAULT_CONFIG)
     if unknown:
         raise ValueError(f"unknown config keys {sorted(unknown)}; known: {sorted(DEFAULT_CONFIG)}")
@@ -244,13 +266,25 @@ def kernel_args(q, k, v, out, cu_seqlens, max_seqlen: int, scale: float, causal:
         raise ValueError("SNAKE needs PERSISTENT, HEAD_GROUP >= 0 (gluon_schedule.py)")
     if rows != 16 * cfg["num_warps"]:
         raise ValueError(f"{rows} rows a consumer need num_warps {rows // 16}")
+    if paged is not None and cfg["TABLE"]:
+        raise ValueError("TABLE orders whole prompts; paged K/V runs without it")
     items, grid = plan(cfg, lengths, max_seqlen, q.shape[1], cu_seqlens, causal,
                        num_sms(q.device.index or 0) if q.is_cuda else 132)
-    args = (_descriptor(q, rows, head_dim), _descriptor(k, cfg["BLOCK_N"], head_dim),
-            _descriptor(v, cfg["BLOCK_N"], head_dim), _descriptor(out, rows, head_dim), out,
-            cu_seqlens, items, max_seqlen, out.stride(0), scale * LOG2E, q.shape[1] // k.shape[1],
-            q.shape[1], cu_seqlens.numel() - 1)
-    return args, dict(HEAD_DIM=head_dim, CAUSAL=causal, **cfg), grid
+    block_n = cfg["BLOCK_N"]
+    if paged is None:
+        kv_heads, page = k.shape[1], block_n
+        kv_descs = (_descriptor(k, block_n, head_dim), _descriptor(v, block_n, head_dim))
+        extra = (cu_seqlens, cu_seqlens, 0)
+    else:
+        kv_lens, tables = paged
+        kv_heads, page = k.shape[2], k.shape[1]
+        kv_descs = tuple(_cache_descriptor(c, min(page, block_n), block_n, head_dim) for c in (k, v))
+        extra = (kv_lens, tables, tables.stride(0))
+    args = (_descriptor(q, rows, head_dim), *kv_descs, _descriptor(out, rows, head_dim), out,
+            cu_seqlens, items, max_seqlen, out.stride(0), scale * LOG2E, q.shape[1] // kv_heads,
+            q.shape[1], cu_seqlens.numel() - 1, *extra)
+    return args, dict(HEAD_DIM=head_dim, CAUSAL=causal, PAGED=paged is not None, PAGE=page,
+                      **cfg), grid
 
 
 def gluon_prefill_wanted(device: torch.device) -> bool:
@@ -263,6 +297,16 @@ def gluon_prefill_wanted(device: torch.device) -> bool:
 @functools.cache
 def _is_sm90(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] == 9
+
+
+def _output_for(q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """`out` checked (a new tensor when None): shaped and typed like q, rows 16-byte aligned."""
+    if out is None:
+        return torch.empty_like(q)
+    if out.shape != q.shape or out.dtype != q.dtype or out.stride(2) != 1 \
+            or out.stride(1) != q.shape[2] or (out.stride(0) * out.element_size()) % 16 or out.data_ptr() % 16:
+        raise ValueError("out must be shaped and typed like q, heads contiguous, rows 16-byte aligned")
+    return out
 
 
 def gluon_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
@@ -278,17 +322,71 @@ def gluon_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens:
     check_inputs(q, k, v, cu_seqlens)
     if not q.is_cuda or not _is_sm90(q.device.index or 0):
         raise ValueError("the Gluon prefill kernel needs an sm_90 (Hopper) GPU")
-    if out is None:
-        out = torch.empty_like(q)
-    elif out.shape != q.shape or out.dtype != q.dtype or out.stride(2) != 1 \
-            or out.stride(1) != q.shape[2] or (out.stride(0) * out.element_size()) % 16 or out.data_ptr() % 16:
-        raise ValueError("out must be shaped and typed like q, heads contiguous, rows 16-byte aligned")
+    out = _output_for(q, out)
     if max_seqlen <= 0 or q.shape[0] == 0:
         return out
     if config is None:
         persistent = max_seqlen <= CHOSEN["PERSISTENT_UP_TO"]
         config = {**CHOSEN["config"], "PERSISTENT": persistent, "SNAKE": persistent}
     args, consts, grid = kernel_args(q, k, v, out, cu_seqlens, max_seqlen, scale, causal, config, lengths)
+    if grid[0]:
+        _prefill_kernel[grid](*args, **consts)
+    return out
+
+
+def check_paged_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       cu_seqlens: torch.Tensor, kv_lens: torch.Tensor,
+                       block_tables: torch.Tensor, block_n: int) -> None:
+    """ValueError for what the paged kernel does not serve (the caller falls back)."""
+    shapes = f"q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}"
+    if q.dim() != 3 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(f"q must be [tokens, heads, D], the caches [blocks, page, kv_heads, D]: {shapes}")
+    heads, head_dim = q.shape[1], q.shape[2]
+    page, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    if head_dim not in HEAD_DIMS or k_cache.shape[3] != head_dim or heads % kv_heads:
+        raise ValueError(f"head_dim one of {HEAD_DIMS} for q and the caches, KV heads dividing "
+                         f"the heads: {shapes}")
+    if q.dtype not in DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError(f"dtype must be one of {list(DTYPES)}, alike: {q.dtype}, {k_cache.dtype}")
+    if page % 8 or (page % block_n and block_n % page):
+        raise ValueError(f"a page of {page} tokens: a multiple of 8 that divides, or is divided "
+                         f"by, the key tile ({block_n})")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or k_cache.data_ptr() % 16 \
+            or v_cache.data_ptr() % 16:
+        raise ValueError("the caches must be contiguous and 16-byte aligned")
+    if q.stride(2) != 1 or q.stride(1) != head_dim or (q.stride(0) * q.element_size()) % 16:
+        raise ValueError(f"q needs strides [*, {head_dim}, 1], 16-byte aligned rows: {q.stride()}")
+    n = cu_seqlens.numel() - 1
+    if cu_seqlens.dtype != torch.int32 or kv_lens.dtype != torch.int32 or kv_lens.shape != (n,) \
+            or block_tables.dtype != torch.int32 or block_tables.dim() != 2 \
+            or block_tables.shape[0] != n or block_tables.stride(1) != 1:
+        raise ValueError("cu_seqlens [n + 1], kv_lens [n] and block_tables [n, pages] must be int32 "
+                         "(block_tables rows contiguous)")
+
+
+def gluon_prefill_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        cu_seqlens: torch.Tensor, kv_lens: torch.Tensor,
+                        block_tables: torch.Tensor, max_seqlen: int, scale: float, *,
+                        causal: bool = True, out: torch.Tensor | None = None,
+                        config: dict | None = None) -> torch.Tensor:
+    """The queries of packed requests against their keys in a paged cache (the
+    engine's layout: [blocks, page, kv_heads, D], the step's own K/V already
+    stored), on sm_90. Request i has kv_lens[i] keys, its cached context first,
+    and its queries (cu_seqlens) are the last of them; block_tables[i] lists its
+    pages. max_seqlen: the longest query (host int). Slots past a request's keys
+    in its last page are read and masked: they must hold finite values (the
+    engine's pool does: zeros, or K/V it wrote), as 0 x NaN is NaN in P.V.
+    Otherwise as gluon_prefill (config default: CHOSEN's, not persistent)."""
+    cfg = {**CHOSEN["config"], "PERSISTENT": False} if config is None else config
+    check_paged_inputs(q, k_cache, v_cache, cu_seqlens, kv_lens, block_tables,
+                       {**DEFAULT_CONFIG, **cfg}["BLOCK_N"])
+    if not q.is_cuda or not _is_sm90(q.device.index or 0):
+        raise ValueError("the Gluon prefill kernel needs an sm_90 (Hopper) GPU")
+    out = _output_for(q, out)
+    if max_seqlen <= 0 or q.shape[0] == 0:
+        return out
+    args, consts, grid = kernel_args(q, k_cache, v_cache, out, cu_seqlens, max_seqlen, scale,
+                                     causal, cfg, paged=(kv_lens, block_tables))
     if grid[0]:
         _prefill_kernel[grid](*args, **consts)
     return out

@@ -50,6 +50,20 @@ def work_item(i, total, CuSeqlens, Items, n_mblocks, heads, num_seqs, group, BLO
               TABLE: gl.constexpr):
     """Item slot i -> (q_start, q_len, m_row0, head, kv_col, n_tiles, mask_from, request);
     n_tiles is 0 for an empty slot or a block past its request's end."""
+    q_start, q_len, m_row0, head, kv_col, n_tiles, mask_from, seq, ctx = work_item_kv(
+        i, total, CuSeqlens, CuSeqlens, Items, n_mblocks, heads, num_seqs, group, BLOCK_M,
+        BLOCK_N, HEAD_DIM, CAUSAL, PERSISTENT, SNAKE, HEAD_GROUP, TABLE, False)
+    return q_start, q_len, m_row0, head, kv_col, n_tiles, mask_from, seq
+
+
+@gluon.jit
+def work_item_kv(i, total, CuSeqlens, KvLens, Items, n_mblocks, heads, num_seqs, group,
+                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                 CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr, SNAKE: gl.constexpr,
+                 HEAD_GROUP: gl.constexpr, TABLE: gl.constexpr, PAGED: gl.constexpr):
+    """work_item, plus the request's cached context `ctx`: with PAGED its keys are
+    KvLens[request] (context then the query's own), the query rows the last q_len
+    positions; n_tiles and mask_from count key tiles of those keys."""
     t = i
     if PERSISTENT and SNAKE:
         P = gl.num_programs(0)
@@ -78,13 +92,17 @@ def work_item(i, total, CuSeqlens, Items, n_mblocks, heads, num_seqs, group, BLO
     m_row0 = (n_mblocks - 1 - mb) * BLOCK_M
     q_start = gl.load(CuSeqlens + seq)
     q_len = gl.load(CuSeqlens + seq + 1) - q_start
-    hi = q_len
-    mask_from = q_len // BLOCK_N * BLOCK_N
+    ctx = 0
+    if PAGED:
+        ctx = gl.load(KvLens + seq) - q_len
+    kv_len = ctx + q_len
+    hi = kv_len
+    mask_from = kv_len // BLOCK_N * BLOCK_N
     if CAUSAL:
-        hi = gl.minimum(q_len, m_row0 + BLOCK_M)
-        mask_from = gl.minimum(m_row0 // BLOCK_N * BLOCK_N, mask_from)
+        hi = gl.minimum(kv_len, ctx + m_row0 + BLOCK_M)
+        mask_from = gl.minimum((ctx + m_row0) // BLOCK_N * BLOCK_N, mask_from)
     n_tiles = gl.cdiv(hi, BLOCK_N) * (m_row0 < q_len).to(gl.int32) * valid
-    return q_start, q_len, m_row0, head, (head // group) * HEAD_DIM, n_tiles, mask_from, seq
+    return q_start, q_len, m_row0, head, (head // group) * HEAD_DIM, n_tiles, mask_from, seq, ctx
 
 
 def plan(cfg: dict, lengths, max_seqlen: int, heads: int, cu_seqlens: torch.Tensor, causal: bool,

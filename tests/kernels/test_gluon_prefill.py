@@ -19,7 +19,8 @@ import torch
 
 from slipstream.kernels import reference
 from slipstream.kernels.gluon_compile import overlap_report
-from slipstream.kernels.gluon_prefill import check_inputs, gluon_prefill, kernel_args
+from slipstream.kernels.gluon_prefill import (check_inputs, check_paged_inputs, gluon_prefill,
+                                              gluon_prefill_paged, kernel_args)
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = {"BLOCK_M": 128, "BLOCK_N": 128, "STAGES": 2, "WS": False, "PINGPONG": False, "num_warps": 8}
@@ -30,16 +31,22 @@ CONFIGS = {  # four compiles (a few seconds each): every mode's code compiles so
                                    "causal": False}),
     "pingpong_persistent": ({"WS": True, "PINGPONG": True, "num_warps": 4, "PERSISTENT": True}, {}),
     "unpinned": ({"PIN": False}, {}),  # the control: ptxas's own placement of the P.V wait
+    # Paged K/V (the engine's cache): 16-token pages, a TMA copy a page, in the
+    # producer warp of the ping-pong kernel; 128-token pages copied by the consumers.
+    "paged_pingpong_page16": ({"WS": True, "PINGPONG": True, "num_warps": 4}, {"paged": True}),
+    "paged_page128": ({}, {"paged": True, "page": 128}),
 }
 _CHILD = """
 import json, sys, torch
-from slipstream.kernels.gluon_compile import compile_prefill, overlap_report, sass_overlap
+from slipstream.kernels.gluon_compile import (compile_paged_prefill, compile_prefill, overlap_report,
+                                              sass_overlap)
 out = {}
 for name, (cfg, kw) in json.loads(sys.argv[1]).items():
     if "dtype" in kw:
         kw["dtype"] = getattr(torch, kw["dtype"])
     try:
-        k = compile_prefill(cfg, **kw)
+        compile = compile_paged_prefill if kw.pop("paged", False) else compile_prefill
+        k = compile(cfg, **kw)
         out[name] = {"shared": k.metadata.shared, "block_n": cfg.get("BLOCK_N", 128),
                      "pinned": cfg.get("PIN", True),
                      **overlap_report(k.asm["ptx"]), "sass_exp2": sass_overlap(k.asm["cubin"])}
@@ -155,6 +162,46 @@ def test_matches_reference_on_gpu(dtype, causal, head_dim, config):
     torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
 
 
+@hopper
+@pytest.mark.parametrize("dtype, head_dim, page, config", [
+    (torch.bfloat16, 128, 16, None),                 # the backend's: ping-pong, a copy a page
+    (torch.float16, 64, 16, BASE),                   # no producer warp: the consumers copy
+    (torch.bfloat16, 128, 128, {**BASE, "WS": True, "PINGPONG": True, "num_warps": 4,
+                                "PERSISTENT": True, "SNAKE": True}),   # a tile inside a page
+    (torch.bfloat16, 64, 256, None)])               # two tiles a page
+def test_paged_matches_reference_on_gpu(paged_batch, dtype, head_dim, page, config):
+    """Queries after cached context, every key read from the paged cache (permuted
+    pages, the step's own K/V stored): against the plain-PyTorch paged attention."""
+    contexts, lens = [0, 5, 130, 300, 0], [1, 100, 129, 257, 64]
+    b = paged_batch(contexts, lens, 8, 2, head_dim, page, dtype=dtype, device="cuda")
+    k_cache, v_cache = b.k_cache.nan_to_num(0.0), b.v_cache.nan_to_num(0.0)   # the pool's zeros
+    out = torch.full_like(b.q, float("nan"))
+    gluon_prefill_paged(b.q, k_cache, v_cache, b.cu_seqlens_q, b.seq_lens, b.block_tables,
+                        max(lens), head_dim ** -0.5, out=out, config=config)
+    ref = reference.paged_attention(b.q.float(), k_cache.float(), v_cache.float(),
+                                    b.cu_seqlens_q.tolist(), b.seq_lens.tolist(), b.block_tables,
+                                    head_dim ** -0.5, None)
+    tol = 2e-2 if dtype == torch.bfloat16 else 6e-3
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+
+
+def test_paged_inputs_are_checked(paged_batch):
+    b = paged_batch([4, 0], [5, 3], 4, 2, 64, 16, dtype=torch.bfloat16)
+    args = (b.q, b.k_cache, b.v_cache, b.cu_seqlens_q, b.seq_lens, b.block_tables)
+    check_paged_inputs(*args, 128)
+    for bad, match in ((lambda a: (a[0].float(), *a[1:]), "dtype"),
+                       (lambda a: (a[0], a[1][:, :12], a[2][:, :12], *a[3:]), "page"),
+                       (lambda a: (*a[:4], a[4].long(), a[5]), "int32"),
+                       (lambda a: (*a[:5], a[5].t()), "int32")):
+        with pytest.raises(ValueError, match=match):
+            check_paged_inputs(*bad(args), 128)
+    with pytest.raises(ValueError, match="sm_90"):
+        gluon_prefill_paged(*args, 5, 0.1)
+    with pytest.raises(ValueError, match="TABLE"):
+        kernel_args(b.q, b.k_cache, b.v_cache, b.q, b.cu_seqlens_q, 5, 0.1, True,
+                    {"WS": True, "TABLE": True}, [5, 3], paged=(b.seq_lens, b.block_tables))
+
+
 def _prefill_step(b):
     from slipstream.batch import ForwardBatch
     q_lens = (b.cu_seqlens_q[1:] - b.cu_seqlens_q[:-1]).tolist()
@@ -168,14 +215,15 @@ def _prefill_step(b):
 
 
 @pytest.mark.parametrize("context, window, takes_gluon", [
-    ([0, 0], None, True),      # whole prompts
-    ([0, 24], None, False),    # a prompt chunk after cached context
-    ([0, 0], 5, False),        # sliding window
+    ([0, 0], None, "whole"),   # whole prompts
+    ([0, 24], None, "paged"),  # a prompt chunk after cached context
+    ([0, 0], 5, None),         # sliding window
 ])
-def test_backend_routes_whole_prompts_to_gluon(paged_batch, monkeypatch, context, window, takes_gluon):
+def test_backend_routes_prompts_to_gluon(paged_batch, monkeypatch, context, window, takes_gluon):
     """Opted in on sm_90 (both faked here), whole-prompt steps go to the Gluon
-    kernel with the step's own K/V; the rest, and a layer the kernel refuses
-    (ValueError), to the portable kernel, whose output stays correct."""
+    kernel with the step's own K/V, steps after cached context to its paged form
+    over the cache (the step's K/V stored first); sliding windows, and a layer the
+    kernel refuses (ValueError), to the portable kernel, whose output stays correct."""
     from types import SimpleNamespace
     from slipstream.attention import triton_backend as tb
     b = paged_batch(context, [19, 9], 4, 2, 64, 16, store_new=False)
@@ -189,18 +237,29 @@ def test_backend_routes_whole_prompts_to_gluon(paged_batch, monkeypatch, context
         calls.append((q.shape, k.shape, max_len, scale, causal))
         return torch.full_like(q, 7.0)
 
+    def fake_paged(q, k_cache, v_cache, cu, kv_lens, tables, max_len, scale, causal, out):
+        assert k_cache is layer.k_cache and kv_lens is batch.seq_lens
+        # The step's own K/V are in the cache before the kernel reads it.
+        slots = b.slot_mapping
+        assert torch.equal(k_cache.flatten(0, 1)[slots], b.k)
+        calls.append(("paged", max_len, scale, causal))
+        return (torch.empty_like(q) if out is None else out).fill_(7.0)
+
     monkeypatch.setattr(tb, "gluon_prefill_wanted", lambda device: True)
     monkeypatch.setattr(tb, "gluon_prefill", fake)
+    monkeypatch.setattr(tb, "gluon_prefill_paged", fake_paged)
     batch = _prefill_step(b)
     backend = tb.TritonAttentionBackend()
     backend.prepare(batch)
     out = backend.forward(b.q, b.k, b.v, layer, batch)
-    assert bool((out == 7.0).all()) == takes_gluon
-    assert calls == ([(b.q.shape, b.k.shape, 19, 0.125, True)] if takes_gluon else [])
+    assert bool((out == 7.0).all()) == (takes_gluon is not None)
+    assert calls == {"whole": [(b.q.shape, b.k.shape, 19, 0.125, True)],
+                     "paged": [("paged", 19, 0.125, True)], None: []}[takes_gluon]
 
     def refuse(*args, **kwargs):
         raise ValueError("head_dim")
     monkeypatch.setattr(tb, "gluon_prefill", refuse)
+    monkeypatch.setattr(tb, "gluon_prefill_paged", refuse)
     backend.prepare(batch)
     layer.k_cache, layer.v_cache = b.k_cache.clone(), b.v_cache.clone()
     out = backend.forward(b.q, b.k, b.v, layer, batch)
