@@ -3,6 +3,7 @@
 
     python benchmarks/attention/engine_gluon_check.py --out DIR [--model llama-3-8b]
     python benchmarks/attention/engine_gluon_check.py --out /tmp/x --smoke   # CPU: path only
+    ... --budget 2048: prompts in chunks of 2,048 tokens (the later chunks: the paged kernel)
 
 Checks the first sampled token and its logprob (right after the prefill) and
 the greedy continuation of each prompt, then times whole-prompt prefill
@@ -25,13 +26,14 @@ ROOT = Path(__file__).resolve().parents[2]
 SHAPES = {"4x4k": (4, 4096), "2x8k": (2, 8000)}   # the 8B preset holds 8,192 positions
 
 
-def worker(model: str, smoke: bool) -> dict:
+def worker(model: str, smoke: bool, budget: int | None = None) -> dict:
     import torch
     from slipstream import LLM, SamplingParams
     shapes = {"4x64": (4, 64)} if smoke else SHAPES
     longest = max(n for _, n in shapes.values())
     llm = LLM(None if smoke else model, load_format="auto" if smoke else "dummy", dtype="bfloat16" if not smoke else "float32",
-              max_model_len=longest + 64 if smoke else 8192, max_num_batched_tokens=max(longest, 16384),
+              max_model_len=longest + 64 if smoke else 8192,
+              max_num_batched_tokens=budget or max(longest, 16384),
               max_num_seqs=8, seed=0, enable_prefix_caching=False, device="cuda" if torch.cuda.is_available() else "cpu")
     vocab = llm.engine.config.model_config.vocab_size
     g = torch.Generator().manual_seed(1)
@@ -70,17 +72,21 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=Path("benchmarks/attention/results"))
     ap.add_argument("--model", default="llama-3-8b")
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--budget", type=int, default=None,
+                    help="max_num_batched_tokens: below the prompt length, prompts run in chunks, "
+                         "each after the cached context of the ones before (the paged kernel)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
-        print("RESULT " + json.dumps(worker(a.model, a.smoke)), flush=True)
+        print("RESULT " + json.dumps(worker(a.model, a.smoke, a.budget)), flush=True)
         return 0
     a.out.mkdir(parents=True, exist_ok=True)
     runs = {}
     for flag in ("0", "1"):
         env = dict(os.environ, SLIPSTREAM_GLUON_PREFILL=flag,
                    PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-        cmd = [sys.executable, __file__, "--worker", "--model", a.model] + (["--smoke"] if a.smoke else [])
+        cmd = [sys.executable, __file__, "--worker", "--model", a.model] + (["--smoke"] if a.smoke else []) \
+            + (["--budget", str(a.budget)] if a.budget else [])
         p = subprocess.run(cmd, env=env, capture_output=True, text=True)
         line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
         if p.returncode or not line:
@@ -100,7 +106,9 @@ def main() -> int:
             rows.append(f"| {name} | {t['prompt_tok_s']:,.0f} | {g['prompt_tok_s']:,.0f} | "
                         f"{g['prompt_tok_s'] / t['prompt_tok_s']:.3f} | {eq}/{len(t['first'])} | "
                         f"{max(diffs) if diffs else float('nan'):.2e} | {same}/{len(t['first'])} |")
-    md = "\n".join(["# Gluon prefill through the engine", "", f"model {a.model}, random weights", ""] + rows)
+    budget = f", chunks of {a.budget} tokens" if a.budget else ""
+    md = "\n".join(["# Gluon prefill through the engine", "", f"model {a.model}, random weights{budget}", ""]
+                   + rows)
     (a.out / "engine_gluon.json").write_text(json.dumps(runs, indent=1))
     (a.out / "engine_gluon.md").write_text(md + "\n")
     print(md)
