@@ -5,12 +5,12 @@ Per step (`prepare`) it picks one path from host-side metadata only:
   * decode only (every request brings one token): FlashDecoding split-KV kernel,
     with the split count chosen from the batch size and longest context (or
     fixed by `batch.decode_splits`, as a captured CUDA graph needs);
-  * prompts and prompt chunks: the FlashAttention-2 prefill kernel (opt-in,
-    SLIPSTREAM_GLUON_PREFILL=1: prompt tokens on sm_90 go to the Gluon
-    FlashAttention-3-style kernel, kernels/gluon_prefill.py, whole prompts from
-    the step's K/V and prompts after cached context from the paged cache; =fp8:
-    whole prompts to its FP8 version, q / k / v quantised by
-    kernels/fp8_quantize.py first);
+  * prompts and prompt chunks: on sm_90 the Gluon FlashAttention-3-style
+    kernel (kernels/gluon_prefill.py), whole prompts from the step's K/V and
+    prompts after cached context from the paged cache (SLIPSTREAM_GLUON_PREFILL=0
+    turns it off; =fp8 sends whole prompts to its FP8 version, q / k / v
+    quantised by kernels/fp8_quantize.py first); elsewhere, and where the Gluon
+    kernel does not serve a layer, the FlashAttention-2 Triton prefill kernel;
   * mixed steps: the decode rows (first in the step) go to the split-KV kernel
     and the rest to the prefill kernel, each writing its part of the output.
 Each layer first writes its new K/V into the paged cache (KV store kernel),
@@ -71,10 +71,10 @@ class TritonAttentionBackend:
         else:
             self._mode = "prefill"
             self._tree_bits = None
-        # Prompt tokens may take the Gluon kernels: whole prompts (no cached context)
-        # with the step's own K/V, and prompts after cached context (prefix hits,
-        # chunks) from the paged cache; a layer they do not serve (ValueError) falls
-        # back to the portable kernel.
+        # Prompt tokens take the Gluon kernels on sm_90: whole prompts (no cached
+        # context) with the step's own K/V, and prompts after cached context (prefix
+        # hits, chunks) from the paged cache; a layer they do not serve (ValueError)
+        # falls back to the portable kernel.
         wanted = self._mode != "decode" and gluon_prefill_wanted(batch.query_start_loc.device)
         whole = self._mode == "prefill" and batch.seq_lens_cpu == batch.query_lens_cpu
         self._gluon = wanted and whole

@@ -288,9 +288,9 @@ def kernel_args(q, k, v, out, cu_seqlens, max_seqlen: int, scale: float, causal:
 
 
 def gluon_prefill_wanted(device: torch.device) -> bool:
-    """Whether the backend should try this kernel: opted in with
-    SLIPSTREAM_GLUON_PREFILL=1 (or =fp8, its FP8 version), on an sm_90 GPU."""
-    return (os.environ.get("SLIPSTREAM_GLUON_PREFILL", "0") in ("1", "fp8") and device.type == "cuda"
+    """Whether the backend should try this kernel: on an sm_90 GPU, unless
+    SLIPSTREAM_GLUON_PREFILL=0 (=fp8: its FP8 version for whole prompts)."""
+    return (os.environ.get("SLIPSTREAM_GLUON_PREFILL", "1") in ("1", "fp8") and device.type == "cuda"
             and _is_sm90(device.index or 0))
 
 

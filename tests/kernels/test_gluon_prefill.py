@@ -272,7 +272,7 @@ def test_backend_routes_prompts_to_gluon(paged_batch, monkeypatch, context, wind
     torch.testing.assert_close(out.float(), ref.float(), atol=4e-3, rtol=4e-3)
 
 
-def test_gluon_not_wanted_without_opt_in_or_gpu(monkeypatch):
+def test_gluon_not_wanted_without_a_gpu(monkeypatch):
     from slipstream.kernels.gluon_prefill import gluon_prefill_wanted
     monkeypatch.setenv("SLIPSTREAM_GLUON_PREFILL", "1")
     assert not gluon_prefill_wanted(torch.device("cpu"))
