@@ -255,6 +255,28 @@ def test_tensor_parallel_instances(folder):
         pd.shutdown()
 
 
+def test_tensor_parallel_instances_with_an_int8_cache_and_speculation(folder):
+    """Each rank's shard of int8 codes moves with its scales (as bytes), and the
+    tensor-parallel decode instance speculates (n-gram) over the moved blocks:
+    greedy tokens equal one plain instance's over the same cache."""
+    prompts = [{"prompt_token_ids": [5, 6, 7, 8, 9] * 6}] + random_prompts(3, 265, 10, 40, seed=5)
+    greedy = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    ref = make_llm(folder, kv_cache_dtype="int8").generate(prompts, greedy, use_tqdm=False)
+    pd = _pd(folder, tensor_parallel_size=2, kv_cache_dtype="int8", speculative_method="ngram",
+             num_speculative_tokens=3, speculative_auto_off=False)
+    try:
+        got = pd.generate(prompts, greedy, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
+        assert pd.engine.runner.speculator.stats.rounds > 0
+        moved = {t.request_id: t for t in pd.transfers}
+        for out in got:
+            t = moved[out.request_id]
+            assert out.num_cached_tokens == t.tokens == t.imported_tokens > 0
+            assert t.bytes == t.tokens * 2 * 2 * 2 * (64 + 4)   # both ranks' codes and scales
+    finally:
+        pd.shutdown()
+
+
 def test_a_killed_prefill_rank_fails_the_waiting_requests(folder):
     """A rank of the tensor-parallel prefill instance dies: its rank 0 stops, and
     the decode instance fails the requests waiting for their prompts within
