@@ -68,9 +68,12 @@ def piecewise_mode(config, tp, backend: str) -> str | None:
     """How steps with prompt tokens run: "graphs" (captured
     pieces around attention; with the decode graphs on one GPU), "eager" (the same
     pieces without graphs, any device: SLIPSTREAM_PIECEWISE_GRAPHS=eager) or None
-    (the plain forward; SLIPSTREAM_PIECEWISE_GRAPHS=0)."""
+    (the plain forward; SLIPSTREAM_PIECEWISE_GRAPHS=0). Under tensor parallelism
+    the pieces hold the layers' all-reduces; captured there only when asked
+    (SLIPSTREAM_PIECEWISE_GRAPHS=tp: every rank captures the same buckets in the
+    same steps, as with the decode graphs; not yet run on two GPUs)."""
     mode = os.environ.get("SLIPSTREAM_PIECEWISE_GRAPHS", "1")
-    if mode == "0" or tp is not None:
+    if mode == "0" or (tp is not None and mode not in ("eager", "tp")):
         return None
     if mode == "eager":
         return "eager"

@@ -359,3 +359,22 @@ def test_medusa_is_refused_under_tensor_parallelism(split_kv_folder, tmp_path):
     with pytest.raises((ValueError, WorkerDiedError)):
         make_llm(split_kv_folder, tensor_parallel_size=2, speculative_method="medusa",
                  speculative_model=str(tmp_path / "m.safetensors"))
+
+
+def test_pieces_under_tensor_parallelism(split_kv_folder, monkeypatch):
+    """The pieces around attention (runner/piecewise.py, here without graphs) hold
+    the row-parallel layers' all-reduces and the vocabulary-parallel embedding:
+    TP=2 through them gives TP=1's tokens (chunked prompts beside decodes)."""
+    from slipstream.runner import piecewise
+    _, ref = _generate(split_kv_folder, 1)
+    monkeypatch.setenv("SLIPSTREAM_PIECEWISE_GRAPHS", "eager")   # the workers inherit it
+    used = []
+    run = piecewise.PiecewiseGraphs.run
+    monkeypatch.setattr(piecewise.PiecewiseGraphs, "run",
+                        lambda self, batch: used.append(batch.num_tokens) or run(self, batch))
+    llm, got = _generate(split_kv_folder, 2)
+    try:
+        assert used   # rank 0's prompt steps went through the pieces
+        _assert_same(ref, got)
+    finally:
+        llm.engine.shutdown()
