@@ -9,6 +9,9 @@ prefill/decode pair the decode instance's rank 0 is not global rank 0).
 """
 from __future__ import annotations
 
+import pickle
+from datetime import timedelta
+
 import torch
 import torch.distributed as dist
 
@@ -54,8 +57,30 @@ def broadcast(x: torch.Tensor, group, src: int = 0) -> torch.Tensor:
     return x
 
 
-def broadcast_object(obj: object, group, src: int = 0) -> object:
-    """Rank `src`'s picklable `obj` on every rank (other ranks pass anything)."""
-    box = [obj]
-    dist.broadcast_object_list(box, group=group, group_src=src)
-    return box[0]
+# The source of a broadcast_object waits this long for a payload that fits the
+# sockets' buffers (it needs no reader to land), then fails: a peer that died can
+# leave gloo's send waiting for good (seen once in CI while a killed worker's
+# sockets closed). Larger payloads wait for a busy reader up to LARGE_SEND_S.
+SMALL_SEND_S = 5.0
+SMALL_SEND_BYTES = 1 << 20
+LARGE_SEND_S = 120.0
+
+
+def broadcast_object(obj: object, group, src: int = 0, bounded: bool = False) -> object:
+    """Rank `src`'s picklable `obj` on every rank (other ranks pass anything): its
+    pickled size, then its bytes. bounded: the source fails (RuntimeError) instead of
+    waiting past SMALL_SEND_S / LARGE_SEND_S; receivers wait as long as the group's
+    timeout allows (an idle worker waits for the next step)."""
+    if dist.get_rank(group) == src:
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        size = torch.tensor([data.numel()], dtype=torch.int64)
+        limit = SMALL_SEND_S if data.numel() <= SMALL_SEND_BYTES else LARGE_SEND_S
+        for t in (size, data):
+            work = dist.broadcast(t, group=group, group_src=src, async_op=True)
+            work.wait(timedelta(seconds=limit)) if bounded else work.wait()
+        return obj
+    size = torch.zeros(1, dtype=torch.int64)
+    dist.broadcast(size, group=group, group_src=src)
+    data = torch.empty(int(size.item()), dtype=torch.uint8)
+    dist.broadcast(data, group=group, group_src=src)
+    return pickle.loads(data.numpy().tobytes())

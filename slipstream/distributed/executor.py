@@ -166,7 +166,7 @@ class TPExecutor:
     def execute(self, sched: SchedulerOutput) -> StepHandle:
         self._check_workers()
         try:
-            comm.broadcast_object(sched, self.tp.cpu_group)
+            comm.broadcast_object(sched, self.tp.cpu_group, bounded=True)
             return self.runner.execute(sched)
         # torch.distributed's errors: gloo's "Connection closed by peer" is a plain
         # RuntimeError, NCCL's and timeouts are DistError (a RuntimeError).
@@ -186,7 +186,7 @@ class TPExecutor:
         stop each rank writes its files under cmd.out_dir; returns rank 0's summary."""
         self._check_workers()
         try:
-            comm.broadcast_object(cmd, self.tp.cpu_group)
+            comm.broadcast_object(cmd, self.tp.cpu_group, bounded=True)
         except RuntimeError as e:
             self._fail(e)
         if self._profiler is None:
@@ -205,7 +205,7 @@ class TPExecutor:
         to the other ranks, in order with the steps."""
         self._check_workers()
         try:
-            comm.broadcast_object(cmd, self.tp.cpu_group)
+            comm.broadcast_object(cmd, self.tp.cpu_group, bounded=True)
         except RuntimeError as e:
             self._fail(e)
 
@@ -214,7 +214,7 @@ class TPExecutor:
         if self._failed is None and self.tp is not None:
             self._failed = "the engine was shut down"
             try:
-                comm.broadcast_object(None, self.tp.cpu_group)
+                comm.broadcast_object(None, self.tp.cpu_group, bounded=True)
             except RuntimeError:
                 pass
             for p in self._procs:

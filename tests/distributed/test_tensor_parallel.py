@@ -16,6 +16,7 @@ from tests.engine.conftest import make_llm, random_prompts
 from tests.loader.checkpoints import hf_config, write_hf_tokenizer
 
 LOGPROB_TOL = 1e-4
+HANG_LIMIT_S = 180     # tests/conftest.py: a hang ends the run with a traceback
 
 
 def _save(folder, config, seed=0):
