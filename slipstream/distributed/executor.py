@@ -22,6 +22,7 @@ import torch
 import torch.multiprocessing as mp
 
 from slipstream.distributed import comm
+from slipstream.distributed.kv_transfer import LINK_TIMEOUT
 from slipstream.distributed.parallel import (COLLECTIVE_TIMEOUT_S, World, destroy_tp_group,
                                              host_store, init_tp_group, init_world, join_store,
                                              rank_device, torchrun_rank)
@@ -86,7 +87,6 @@ class TPExecutor:
             if world is None:
                 self.tp = init_tp_group(0, size, config.device, store)
             else:
-                from slipstream.distributed.kv_transfer import LINK_TIMEOUT
                 self.tp = init_world(world, 0, config.device, LINK_TIMEOUT)[0]
             self.runner = ModelRunner(config, files.weights(), quant_method_for, self.tp)
         except Exception as e:
@@ -184,11 +184,7 @@ class TPExecutor:
     def profile(self, cmd: ProfileCommand) -> dict | None:
         """Open (op "start") or close ("stop") a profile window on every rank; on
         stop each rank writes its files under cmd.out_dir; returns rank 0's summary."""
-        self._check_workers()
-        try:
-            comm.broadcast_object(cmd, self.tp.cpu_group, bounded=True)
-        except RuntimeError as e:
-            self._fail(e)
+        self.command(cmd)
         if self._profiler is None:
             self._profiler = RankProfiler(0, self.config.device)
         if cmd.op == "start":
@@ -200,9 +196,10 @@ class TPExecutor:
             self._fail(e)
         return summary
 
-    def kv_command(self, cmd) -> None:
-        """Hand a prefill/decode K/V move (`kv_transfer.SendBlocks` / `ReceiveBlocks`)
-        to the other ranks, in order with the steps."""
+    def command(self, cmd) -> None:
+        """Hand the other ranks a command in place of a step, in order with the steps:
+        a ProfileCommand, or a prefill/decode K/V move (`kv_transfer.SendBlocks` /
+        `ReceiveBlocks`)."""
         self._check_workers()
         try:
             comm.broadcast_object(cmd, self.tp.cpu_group, bounded=True)

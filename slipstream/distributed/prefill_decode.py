@@ -44,12 +44,11 @@ import torch.multiprocessing as mp
 
 from slipstream.distributed.kv_transfer import (DECODE_RANK, LINK_TIMEOUT, PREFILL_RANK,
                                                 ReceiveBlocks, Transfer, close_link, import_blocks,
-                                                kv_layout, link_of, open_link, placed)
+                                                kv_layout, placed)
 from slipstream.distributed.parallel import World, host_store
-from slipstream.distributed.prefill_instance import prefill_main
+from slipstream.distributed.prefill_instance import prefill_main, start_instance
 from slipstream.distributed.worker import cpu_threads_per_rank
 from slipstream.engine.args import EngineArgs
-from slipstream.engine.engine import Engine
 from slipstream.errors import SlipstreamError
 from slipstream.llm import LLM
 
@@ -110,12 +109,7 @@ class PDEngine:
         self.link = None
         try:
             self._wait_joined(store)
-            if tp == 1:
-                self.link = open_link(world, device)
-                self.engine = Engine(replace(args, device=str(device)))
-            else:   # its executor starts the other ranks and joins the world
-                self.engine = Engine(replace(args, device=str(device)), world)
-                self.link = link_of(device)
+            self.engine, self.link = start_instance(world, args, device)
             self._rx: queue.Queue = queue.Queue()
             threading.Thread(target=self._receive, name="slipstream-kv-recv", daemon=True).start()
             ready = self._wait_message(LINK_TIMEOUT.total_seconds() * 5, "start")
@@ -257,13 +251,13 @@ class PDEngine:
             if rid in self._aborted:
                 self._aborted.discard(rid)
                 if tp > 1 and kv.shape[2]:   # the other ranks' shards: received, dropped
-                    self.engine.runner.kv_command(ReceiveBlocks(kv.shape[2], [], []))
+                    self.engine.runner.command(ReceiveBlocks(kv.shape[2], [], []))
                 continue
             ids, params, text = self._pending.pop(rid)
             t0 = time.perf_counter()
             where = import_blocks(self.engine, ids, kv)
             if tp > 1 and kv.shape[2]:   # the other ranks write their shards the same way
-                self.engine.runner.kv_command(where)
+                self.engine.runner.command(where)
             n = placed(self.engine, ids, kv.shape[2])
             bs = self.engine.kv.block_size
             self.transfers.append(Transfer(rid, len(ids), kv.shape[2] * bs,

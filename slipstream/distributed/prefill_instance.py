@@ -31,11 +31,23 @@ from slipstream.distributed.parallel import World, join_store
 from slipstream.distributed.worker import cpu_threads_per_rank
 
 
+def start_instance(world: World, args, device: torch.device):
+    """(this instance's Engine, its end of the link) in `world`. The link is joined
+    before the model loads (a tensor-parallel instance joins in its executor, before
+    loading too), so a failure while loading closes this end's sockets and the other
+    instance fails at once; on failure the caller closes the link."""
+    from slipstream.engine.engine import Engine
+    args = replace(args, device=str(device))
+    if world.tp == 1:
+        link = open_link(world, device)
+        return Engine(args), link
+    return Engine(args, world), link_of(device)
+
+
 def prefill_main(world: World, args) -> None:
     """Entry point of the prefill process (torch.multiprocessing spawn): rank 0 of
     the prefill instance of `world`. `args`: EngineArgs."""
     from slipstream.config import resolve_device
-    from slipstream.engine.engine import Engine
     from slipstream.sampling_params import SamplingParams
 
     device = resolve_device(args.device)
@@ -43,10 +55,8 @@ def prefill_main(world: World, args) -> None:
         torch.set_num_threads(cpu_threads_per_rank(world.size))
     store = join_store(world.port, world.size)
     store.set("pd/joined", "1")
-    # Join first: if loading fails, this end's sockets close and the decode side fails at
-    # once. A tensor-parallel instance joins in its executor, before loading too.
-    link = open_link(world, device) if world.tp == 1 else None
     inbox: queue.Queue = queue.Queue()
+    link = None
 
     def receive():
         try:
@@ -60,8 +70,7 @@ def prefill_main(world: World, args) -> None:
 
     engine = None
     try:
-        engine = Engine(replace(args, device=str(device)), world if world.tp > 1 else None)
-        link = link or link_of(device)
+        engine, link = start_instance(world, args, device)
         shape, dtype = kv_layout(engine.runner)
         link.send_message(("ready", shape, str(dtype)))
         threading.Thread(target=receive, name="slipstream-prefill-recv", daemon=True).start()
@@ -94,7 +103,7 @@ def prefill_main(world: World, args) -> None:
                     if kv.shape[2]:   # a prompt shorter than a block and a token moves nothing
                         link.send_tensor(kv)
                         if world.tp > 1:   # the other ranks send their shards to their peers
-                            engine.runner.kv_command(SendBlocks(block_ids))
+                            engine.runner.command(SendBlocks(block_ids))
     except RuntimeError as e:
         print(f"slipstream prefill instance: stopping: {e}", file=sys.stderr)
         sys.exit(1)

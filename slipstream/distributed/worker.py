@@ -19,7 +19,8 @@ from dataclasses import replace
 import torch
 
 from slipstream.distributed import comm
-from slipstream.distributed.kv_transfer import ReceiveBlocks, SendBlocks
+from slipstream.distributed.kv_transfer import (LINK_TIMEOUT, ReceiveBlocks, SendBlocks,
+                                                gather_blocks, kv_layout, link_of, write_blocks)
 from slipstream.distributed.parallel import (World, destroy_tp_group, init_tp_group, init_world,
                                              join_store, rank_device)
 from slipstream.distributed.rank_profile import ProfileCommand, RankProfiler
@@ -59,7 +60,6 @@ def run_worker(rank: int, size: int, store_port: int | None, args, local_rank: i
     if world is None:
         tp = init_tp_group(rank, size, device, store)
     else:
-        from slipstream.distributed.kv_transfer import LINK_TIMEOUT, link_of
         tp = init_world(world, rank, device, LINK_TIMEOUT)[0]
         link = link_of(device)
     try:
@@ -115,7 +115,6 @@ def run_worker(rank: int, size: int, store_port: int | None, args, local_rank: i
 
 def move_shard(runner, link, cmd) -> list:
     """Carry out a SendBlocks (returns the pending send) or a ReceiveBlocks on this rank."""
-    from slipstream.distributed.kv_transfer import SendBlocks, gather_blocks, kv_layout, write_blocks
     if isinstance(cmd, SendBlocks):
         if not cmd.block_ids:
             return []
