@@ -126,8 +126,9 @@ def _prefill_kernel(q_desc, k_desc, v_desc, o_desc, Out, CuSeqlens, Items, max_l
     Q_SLOTS: gl.constexpr = Q_BUFS if PERSISTENT else 1
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [Q_SLOTS * CONSUMERS, ROWS, HEAD_DIM], q_desc.layout)
-    k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)   # paged:
-    v_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)   # a tile's pages
+    # Paged, a tile's slot takes its pages' copies (k_desc's layout is the whole tile's).
+    k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [2 * STAGES, 1], mbarrier.MBarrierLayout())
@@ -209,6 +210,13 @@ DEFAULT_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 128, "STAGES": 2, "WS": False, "PIN
 CHOSEN = {"PERSISTENT_UP_TO": 4096, "config": {"WS": True, "PINGPONG": True, "num_warps": 4}}
 
 
+def _check_rows(name: str, x: torch.Tensor, head_dim: int) -> None:
+    """x [tokens, heads, D]: heads contiguous, rows 16-byte aligned (TMA's 2-D view)."""
+    if x.stride(2) != 1 or x.stride(1) != head_dim or (x.stride(0) * x.element_size()) % 16 \
+            or x.data_ptr() % 16:
+        raise ValueError(f"{name} needs strides [*, {head_dim}, 1], 16-byte aligned rows: {x.stride()}")
+
+
 def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor) -> None:
     """ValueError for what this kernel does not serve (the caller falls back)."""
     shapes = f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
@@ -222,9 +230,7 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: 
     if k.shape[0] != tokens or heads % k.shape[1]:
         raise ValueError(f"k needs q's tokens and a divisor of its heads: {shapes}")
     for name, x in (("q", q), ("k", k), ("v", v)):
-        if x.stride(2) != 1 or x.stride(1) != head_dim or (x.stride(0) * x.element_size()) % 16 \
-                or x.data_ptr() % 16:
-            raise ValueError(f"{name} needs strides [*, {head_dim}, 1], 16-byte aligned rows: {x.stride()}")
+        _check_rows(name, x, head_dim)
     if cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 \
             or cu_seqlens.device != q.device:
         raise ValueError("cu_seqlens must be a 1-D int32 tensor [num_seqs + 1] on q's device")
@@ -354,8 +360,7 @@ def check_paged_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or k_cache.data_ptr() % 16 \
             or v_cache.data_ptr() % 16:
         raise ValueError("the caches must be contiguous and 16-byte aligned")
-    if q.stride(2) != 1 or q.stride(1) != head_dim or (q.stride(0) * q.element_size()) % 16:
-        raise ValueError(f"q needs strides [*, {head_dim}, 1], 16-byte aligned rows: {q.stride()}")
+    _check_rows("q", q, head_dim)
     n = cu_seqlens.numel() - 1
     if cu_seqlens.dtype != torch.int32 or kv_lens.dtype != torch.int32 or kv_lens.shape != (n,) \
             or block_tables.dtype != torch.int32 or block_tables.dim() != 2 \
