@@ -11,8 +11,7 @@ of its weight in L2 (50 MB on an H100/H200; o_proj of Llama-3-8B is 32 MiB).
 
 `prefetch_l2(t, nbytes, every)` asks for the lines of the first `nbytes` of a
 contiguous tensor (`every` = k: one line in k, spreading a partial prefetch over
-the whole tensor). Lines are requested with `prefetch.global.L2::evict_last`:
-nothing returns to registers, so the kernel is a stream of requests and ends
+the whole tensor). Lines are requested with `prefetch.global.L2`: nothing returns to registers, so the kernel is a stream of requests and ends
 as soon as they are issued. `SidePrefetch` forks the side stream off the
 current one (the fork point orders the prefetch after the kernels already
 queued) and joins it back once, at the end of the forward, so the prefetch
@@ -37,17 +36,23 @@ LINES_PER_PROGRAM = 1024
 
 
 @triton.jit
-def _prefetch_kernel(P, n_lines, step_bytes, LINES: tl.constexpr):
+def _prefetch_kernel(P, n_lines, step_bytes, LINES: tl.constexpr, EVICT_LAST: tl.constexpr):
     i = tl.program_id(0) * LINES + tl.arange(0, LINES)
     i = tl.minimum(i, n_lines - 1)                    # the tail repeats the last line
     ptrs = P + i.to(tl.int64) * step_bytes
-    tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;",
-                              "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1)
+    if EVICT_LAST:
+        tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;",
+                                  "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;",
+                                  "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1)
 
 
-def prefetch_l2(t: torch.Tensor, nbytes: int | None = None, every: int = 1) -> int:
+def prefetch_l2(t: torch.Tensor, nbytes: int | None = None, every: int = 1,
+                evict_last: bool = False) -> int:
     """Ask L2 for the first `nbytes` of `t` (all of it: None), one 128-byte line
-    in `every`. Returns the bytes requested (0 where nothing was launched)."""
+    in `every` (`evict_last`: lines kept before others). Returns the bytes
+    requested (0 where nothing was launched)."""
     if not t.is_cuda or interpreting() or not t.is_contiguous() or t.numel() == 0:
         return 0
     size = t.numel() * t.element_size()
@@ -58,7 +63,7 @@ def prefetch_l2(t: torch.Tensor, nbytes: int | None = None, every: int = 1) -> i
         return 0
     grid = (triton.cdiv(n_lines, LINES_PER_PROGRAM),)
     _prefetch_kernel[grid](t.view(-1).view(torch.uint8), n_lines, step,
-                           LINES=LINES_PER_PROGRAM, num_warps=4)
+                           LINES=LINES_PER_PROGRAM, EVICT_LAST=evict_last, num_warps=4)
     return n_lines * LINE
 
 

@@ -134,10 +134,11 @@ def decode_step(kind):
                          num_warps=4, num_stages=4)
         assert "prefetch.global.L2" in k.asm["ptx"] and "griddepcontrol.wait" in k.asm["ptx"]
         # The side stream's weight prefetch (kernels/l2_prefetch.py): ptxas takes its asm.
-        k = compile_sm90(_l2_prefetch_kernel, dict(P=torch.empty(8, dtype=torch.uint8),
-                                                   n_lines=4096, step_bytes=128),
-                         dict(LINES=1024), num_warps=4)
-        assert "prefetch.global.L2::evict_last" in k.asm["ptx"]
+        for last in (False, True):
+            k = compile_sm90(_l2_prefetch_kernel, dict(P=torch.empty(8, dtype=torch.uint8),
+                                                       n_lines=4096, step_bytes=128),
+                             dict(LINES=1024, EVICT_LAST=last), num_warps=4)
+            assert ("prefetch.global.L2::evict_last" in k.asm["ptx"]) == last
 
 
 CHECKS = {f"{fn.__name__}-{kind}": (fn, kind) for fn in (gemm, tma_gemm, producers)
