@@ -1,0 +1,97 @@
+"""SASS of the batch-1 weight-streaming GEMV's loop (kernels/int_weight_gemv.py) for sm_90,
+compiled on any machine by Triton's bundled ptxas and nvdisasm: instructions a 4-bit code in
+the fp32 loop (_gemv_kernel) and on the tensor cores (_gemv_mma_kernel).
+
+    python benchmarks/quant/gemv_sass.py [--json OUT]
+
+The loop is the largest backward branch's body; a warp's instructions over the codes its
+tile holds (BLOCK_N x TILE codes a program, over num_warps warps)."""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.jit import mangle_type
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+from slipstream.kernels.int_weight_gemv import _gemv_kernel, _gemv_mma_kernel  # noqa: E402
+
+NVDISASM = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+BF16, F32 = torch.empty(8, dtype=torch.bfloat16), torch.empty(8)
+
+
+def sass(mma: bool, block_n: int, warps: int, prefetch: bool) -> str:
+    words, u8, i32 = (torch.empty(8, dtype=torch.int32), torch.empty(8, dtype=torch.uint8),
+                      torch.empty(8, dtype=torch.int32))
+    args = dict(X=BF16, W=words, Scales=F32, Zeros=u8, Y=BF16, Part=F32, Count=i32, M=1,
+                N=28672, K=4096, num_groups=32, stride_w=512, stride_xm=4096, stride_ym=28672,
+                tiles_per_split=16, reg0=0)
+    if mma:
+        fn, consts = _gemv_mma_kernel, dict(HAS_ZEROS=True, TILE=128, GROUP_TILES=1,
+                                            BLOCK_N=block_n, SPLIT_K=2, FP16=False)
+    else:
+        fn, consts = _gemv_kernel, dict(BITS=4, HAS_ZEROS=True, TILE=128, GROUP_TILES=1,
+                                        BLOCK_M=1, BLOCK_N=block_n, SPLIT_K=2,
+                                        PREFETCH=prefetch, STAGES=1)
+    sig = {n: "constexpr" if n in consts else mangle_type(args[n]) for n in fn.arg_names}
+    k = triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=warps, num_stages=1))
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.cubin")
+        Path(path).write_bytes(k.asm["cubin"])
+        return subprocess.run([str(NVDISASM), "-c", path], capture_output=True, text=True,
+                              check=True).stdout
+
+
+def loop_ops(text: str) -> collections.Counter:
+    lines = text.splitlines()
+    labels = {m.group(1): i for i, l in enumerate(lines) if (m := re.match(r"^(\.L_x_\d+):", l))}
+    best = collections.Counter()
+    for i, line in enumerate(lines):
+        m = re.search(r"BRA `\((\.L_x_\d+)\)", line)
+        if m and labels.get(m.group(1), i) < i:
+            ops = collections.Counter()
+            for body in lines[labels[m.group(1)]:i + 1]:
+                op = re.match(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)", body)
+                if op:
+                    ops[op.group(1)] += 1
+            if sum(ops.values()) > sum(best.values()):
+                best = ops
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json", type=Path)
+    a = ap.parse_args()
+    rows = []
+    for mma, block_n, warps, prefetch in ((False, 64, 4, False), (False, 64, 4, True),
+                                          (True, 64, 4, False), (True, 128, 4, False),
+                                          (True, 128, 8, False), (True, 256, 8, False)):
+            ops = loop_ops(sass(mma, block_n, warps, prefetch))
+            total = sum(ops.values())
+            codes_per_warp = block_n * 128 / warps
+            row = {"mma": mma, "block_n": block_n, "warps": warps, "prefetch": prefetch,
+                   "loop_instructions": total,
+                   "instructions_a_code": round(total * 32 / codes_per_warp, 3),
+                   "top": ops.most_common(10)}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    if a.json:
+        a.json.write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
