@@ -1,6 +1,6 @@
 """SASS of the batch-1 weight-streaming GEMV's loop (kernels/int_weight_gemv.py) for sm_90,
-compiled on any machine by Triton's bundled ptxas and nvdisasm: instructions a 4-bit code in
-the fp32 loop (_gemv_kernel) and on the tensor cores (_gemv_mma_kernel).
+compiled on any machine by Triton's bundled ptxas and nvdisasm: instructions a 4-bit code,
+with and without the manual prefetch of the next tile, at 64 and 128 rows a program.
 
     python benchmarks/quant/gemv_sass.py [--json OUT]
 
@@ -26,28 +26,28 @@ from triton.runtime.jit import mangle_type
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-from slipstream.kernels.int_weight_gemv import _gemv_kernel, _gemv_mma_kernel  # noqa: E402
+from slipstream.kernels.int_weight_gemv import _gemv_kernel  # noqa: E402
 
 NVDISASM = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
 BF16, F32 = torch.empty(8, dtype=torch.bfloat16), torch.empty(8)
 
 
-def sass(mma: bool, block_n: int, warps: int, prefetch: bool) -> str:
+def sass(block_n: int, warps: int, prefetch: bool, stages: int = 1) -> str:
     words, u8, i32 = (torch.empty(8, dtype=torch.int32), torch.empty(8, dtype=torch.uint8),
                       torch.empty(8, dtype=torch.int32))
     args = dict(X=BF16, W=words, Scales=F32, Zeros=u8, Y=BF16, Part=F32, Count=i32, M=1,
                 N=28672, K=4096, num_groups=32, stride_w=512, stride_xm=4096, stride_ym=28672,
                 tiles_per_split=16, reg0=0)
-    if mma:
-        fn, consts = _gemv_mma_kernel, dict(HAS_ZEROS=True, TILE=128, GROUP_TILES=1,
-                                            BLOCK_N=block_n, SPLIT_K=2, FP16=False)
-    else:
-        fn, consts = _gemv_kernel, dict(BITS=4, HAS_ZEROS=True, TILE=128, GROUP_TILES=1,
-                                        BLOCK_M=1, BLOCK_N=block_n, SPLIT_K=2,
-                                        PREFETCH=prefetch, STAGES=1)
+    fn, consts = _gemv_kernel, dict(BITS=4, HAS_ZEROS=True, TILE=128, GROUP_TILES=1, BLOCK_M=1,
+                                    BLOCK_N=block_n, SPLIT_K=2, PREFETCH=prefetch,
+                                    STAGES=stages)
     sig = {n: "constexpr" if n in consts else mangle_type(args[n]) for n in fn.arg_names}
-    k = triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32),
-                       options=dict(num_warps=warps, num_stages=1))
+    # What a launch specializes on: 16-byte aligned pointers, integers divisible by 16.
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+             if n not in consts and (isinstance(args[n], torch.Tensor)
+                                     or (args[n] and args[n] % 16 == 0))}
+    k = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=warps, num_stages=stages))
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "k.cubin")
         Path(path).write_bytes(k.asm["cubin"])
@@ -77,13 +77,12 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     rows = []
-    for mma, block_n, warps, prefetch in ((False, 64, 4, False), (False, 64, 4, True),
-                                          (True, 64, 4, False), (True, 128, 4, False),
-                                          (True, 128, 8, False), (True, 256, 8, False)):
-            ops = loop_ops(sass(mma, block_n, warps, prefetch))
+    for block_n, warps, prefetch, stages in ((64, 4, False, 1), (64, 4, True, 1),
+                                             (128, 4, False, 3), (64, 2, False, 1)):
+            ops = loop_ops(sass(block_n, warps, prefetch, stages))
             total = sum(ops.values())
             codes_per_warp = block_n * 128 / warps
-            row = {"mma": mma, "block_n": block_n, "warps": warps, "prefetch": prefetch,
+            row = {"stages": stages, "block_n": block_n, "warps": warps, "prefetch": prefetch,
                    "loop_instructions": total,
                    "instructions_a_code": round(total * 32 / codes_per_warp, 3),
                    "top": ops.most_common(10)}

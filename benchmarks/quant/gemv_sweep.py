@@ -24,30 +24,21 @@ from benchmarks.quant.bench_quant_gemm import make_weights  # noqa: E402
 from slipstream.kernels import reference  # noqa: E402
 from slipstream.kernels.int_weight_gemv import default_gemv_config, int_weight_gemv, pick_tile  # noqa: E402
 from slipstream.kernels.quant_gemm import _launch_int_weight  # noqa: E402
-from slipstream.kernels.quant_tuning import default_config, mma_gemv_candidates  # noqa: E402
+from slipstream.kernels.quant_tuning import default_config  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096),
           "down": (4096, 14336)}
 
 
-def configs(n, k, tile, device, mma_only=False):
-    """The fp32 loop's launches (unless mma_only), then the tensor-core loop's (MMA) at
-    128 / 256 rows a program over a range of K splits."""
+def configs(n, k, tile, device):
     base = default_gemv_config(1, n, k, tile, device)
     out = []
-    for block_n, warps in (() if mma_only else ((64, 4), (128, 4), (64, 2))):
+    for block_n, warps in ((64, 4), (128, 4), (64, 2)):
         split = max(1, base["SPLIT_K"] * 64 // block_n)
-        for stages, prefetch in ((1, False), (1, True), (3, False)):
+        for stages, prefetch in ((1, False), (1, True), (3, False), (4, False), (6, False)):
             if split <= k // tile and (stages, prefetch, block_n, warps) != (1, False, 64, 2):
                 out.append(dict(BLOCK_N=block_n, SPLIT_K=split, num_warps=warps,
                                 num_stages=stages, PREFETCH=prefetch))
-    for cfg in mma_gemv_candidates(n, k, tile, device):
-        for f in (1, 2):
-            c = dict(cfg, SPLIT_K=cfg["SPLIT_K"] * f)
-            if c["SPLIT_K"] <= k // tile and c not in out:
-                out.append(c)
-    out.append(dict(BLOCK_N=128, SPLIT_K=mma_gemv_candidates(n, k, tile, device)[0]["SPLIT_K"],
-                    num_warps=8, num_stages=1, MMA=True))
     return out
 
 
@@ -92,8 +83,7 @@ def main():
             bf16_4 = None if args.smoke else do_bench(lambda: F.linear(x4, W["bf16"]), rep=50) * 1e3
             tc = dict(default_config(16, tile), BLOCK_K=tile)
             calls = {"tensor-core " + str(tc): lambda: _launch_int_weight(x4, w4t, s4t, z4t, 4, 128, tc, tile)}
-            for cfg in (configs(n, k, tile, torch.device(dev))[:3]
-                        + configs(n, k, tile, torch.device(dev), mma_only=True)[:3]):
+            for cfg in configs(n, k, tile, torch.device(dev))[:5]:
                 calls["gemv " + str(cfg)] = (lambda c=cfg: int_weight_gemv(x4, w4t, s4t, z4t, 4, 128,
                                                                            tile, config=c))
             for label, call in calls.items():
@@ -116,7 +106,7 @@ def main():
         if ok:
             b = min(ok, key=lambda r: r["us"])
             print(f"best {name}: {b['us']:.1f} us, {b['speedup']:.2f}x bf16 ({b['bf16_us']:.1f} us): "
-                  f"{ {k_: b.get(k_) for k_ in ('BLOCK_N', 'SPLIT_K', 'num_warps', 'num_stages', 'PREFETCH', 'MMA')} }")
+                  f"{ {k_: b[k_] for k_ in ('BLOCK_N', 'SPLIT_K', 'num_warps', 'num_stages', 'PREFETCH')} }")
 
 
 if __name__ == "__main__":

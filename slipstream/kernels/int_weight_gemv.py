@@ -168,15 +168,6 @@ def _gemv_kernel(X, W, Scales, Zeros, Y, Part, Count, M, N, K, num_groups, strid
     if BLOCK_M > 2:
         y = tl.where(rm[:, None] == 2, tl.sum(acc2, axis=1)[None, :], y)
         y = tl.where(rm[:, None] == 3, tl.sum(acc3, axis=1)[None, :], y)
-    _store_or_reduce(y, Y, Part, Count, rm, rn, m_ok, n_ok, N, stride_ym, pid_n, split,
-                     BLOCK_M, BLOCK_N, SPLIT_K)
-
-
-@triton.jit
-def _store_or_reduce(y, Y, Part, Count, rm, rn, m_ok, n_ok, N, stride_ym, pid_n, split,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr):
-    """y [BLOCK_M, BLOCK_N] fp32, this program's share of the output block: stored, or
-    (split K) added to the other splits' by the last program of the column block."""
     out = rm[:, None].to(tl.int64) * stride_ym + rn[None, :]
     ok = m_ok[:, None] & n_ok[None, :]
     if SPLIT_K == 1:
@@ -195,66 +186,6 @@ def _store_or_reduce(y, Y, Part, Count, rm, rn, m_ok, n_ok, N, stride_ym, pid_n,
                                  cache_modifier=".cg")
             tl.store(Y + out, total.to(Y.dtype.element_ty), mask=ok)
             tl.atomic_xchg(Count + pid_n, 0, sem="relaxed", scope="gpu")
-
-
-@triton.jit
-def _gemv_mma_kernel(X, W, Scales, Zeros, Y, Part, Count, M, N, K, num_groups, stride_w,
-                     stride_xm, stride_ym, tiles_per_split, reg0,
-                     HAS_ZEROS: tl.constexpr, TILE: tl.constexpr, GROUP_TILES: tl.constexpr,
-                     BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, FP16: tl.constexpr):
-    """4-bit codes on the tensor cores at decode batch sizes (M <= 16 rows of x, padded
-    to 16). Per word and code position j < 4, one mask-and-OR (a LOP3: the exponent
-    comes from a register, `reg0`) turns codes j and j + 4, in bits 4j and 16 + 4j, into
-    a pair of 16-bit floats 2^E + code (bf16 128 + c, fp16 1024 + c: exact). The pairs
-    are the B operand of one dot a position j over 2 * KP inputs, taken in the order
-    (word i, code j), (word i, code j + 4), ...; x is gathered in the same order. The
-    2^E and the zero come off once a tile and row: sum_k x_k (2^E + c_k) minus
-    (2^E + zero) sum_k x_k. The fp32 products of the tensor cores keep the
-    difference exact to ~20 bits. About three instructions a code on sm_90 (the fp32
-    loop of _gemv_kernel: six, benchmarks/quant/gemv_sass.py)."""
-    KP: tl.constexpr = TILE // 8
-    BIAS: tl.constexpr = 1024.0 if FP16 else 128.0
-    MAGIC: tl.constexpr = 0x64006400 if FP16 else 0x43004300
-    DT: tl.constexpr = tl.float16 if FP16 else tl.bfloat16
-    pid_n = tl.program_id(0)
-    split = tl.program_id(1)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = rn < N
-    rn64 = tl.where(n_ok, rn, N - 1).to(tl.int64)
-    ri = tl.arange(0, KP)
-    rm = tl.arange(0, 16)
-    m_ok = rm < M
-    w_rows = W + rn64[:, None] * stride_w + ri[None, :]
-    x_rows = X + rm[:, None].to(tl.int64) * stride_xm + ri[None, :]
-    magic = reg0.to(tl.uint32) + MAGIC         # in a register: mask and OR are one LOP3
-    t_begin = split * tiles_per_split
-    t_end = tl.minimum(K // TILE, t_begin + tiles_per_split)
-    acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
-    for t in range(t_begin, t_end):
-        words = tl.load(w_rows + t * KP, eviction_policy="evict_first").to(tl.uint32,
-                                                                          bitcast=True)
-        g = t // GROUP_TILES if GROUP_TILES > 0 else 0
-        s = tl.load(Scales + rn64 * num_groups + g)                               # [BN]
-        if HAS_ZEROS:
-            z = tl.load(Zeros + rn64 * num_groups + g).to(tl.float32)
-        else:
-            z = tl.full((BLOCK_N,), 8.0, tl.float32)
-        part = tl.zeros((16, BLOCK_N), dtype=tl.float32)
-        xsum = tl.zeros((16, KP), dtype=tl.float32)
-        for j in tl.static_range(4):
-            pair = ((words >> (4 * j)) & 0x000F000F) | magic
-            lo = pair.to(tl.uint16).to(DT, bitcast=True)
-            hi = (pair >> 16).to(tl.uint16).to(DT, bitcast=True)
-            w = tl.reshape(tl.join(lo, hi), (BLOCK_N, 2 * KP))
-            xa = tl.load(x_rows + t * TILE + j * KP, mask=m_ok[:, None], other=0.0)
-            xb = tl.load(x_rows + t * TILE + (j + 4) * KP, mask=m_ok[:, None], other=0.0)
-            xsum += xa.to(tl.float32) + xb.to(tl.float32)
-            xj = tl.reshape(tl.join(xa.to(DT), xb.to(DT)), (16, 2 * KP))
-            part = tl.dot(xj, tl.trans(w), part)
-        xs = tl.sum(xsum, axis=1)                                                  # [16]
-        acc += (part - xs[:, None] * (z + BIAS)[None, :]) * s[None, :]
-    _store_or_reduce(acc, Y, Part, Count, rm, rn, m_ok, n_ok, N, stride_ym, pid_n, split,
-                     16, BLOCK_N, SPLIT_K)
 
 
 @triton.jit
@@ -333,9 +264,7 @@ def int_weight_gemv(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor,
         return y
     cfg = dict(config) if config is not None else default_gemv_config(m, n, k, tile, x.device)
     block_n, split = cfg.pop("BLOCK_N"), cfg.pop("SPLIT_K")
-    # MMA: the tensor-core loop (_gemv_mma_kernel), for 4-bit codes and 16-bit x.
-    mma = bool(cfg.pop("MMA", False)) and bits == 4 and x.dtype in (torch.float16, torch.bfloat16)
-    block_m = 16 if mma else triton.next_power_of_2(m)
+    block_m = triton.next_power_of_2(m)
     blocks = triton.cdiv(n, block_n)
     tiles = k // tile
     per_split = triton.cdiv(tiles, split)
@@ -343,15 +272,6 @@ def int_weight_gemv(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor,
     part = y if split == 1 else torch.empty(split, block_m, n, dtype=torch.float32,
                                             device=x.device)
     count = _counters(x.device, blocks) if split > 1 else scales
-    if mma:
-        cfg.pop("PREFETCH", None)
-        _gemv_mma_kernel[(blocks, split)](
-            x, words, scales, qzeros if qzeros is not None else scales, y, part, count,
-            m, n, k, scales.shape[1], words.stride(0), x.stride(0), y.stride(0), per_split, 0,
-            HAS_ZEROS=qzeros is not None, TILE=tile,
-            GROUP_TILES=_group_tiles(k, group_cols, tile), BLOCK_N=block_n, SPLIT_K=split,
-            FP16=x.dtype == torch.float16, **cfg)
-        return y
     _gemv_kernel[(blocks, split)](
         x, words, scales, qzeros if qzeros is not None else scales, y, part, count,
         m, n, k, scales.shape[1], words.stride(0), x.stride(0), y.stride(0), per_split, 0,

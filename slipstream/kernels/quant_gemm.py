@@ -202,7 +202,7 @@ def tiled_int_weight_gemm(x: torch.Tensor, words: torch.Tensor, scales: torch.Te
         cfg = quant_tuning.choose(
             ("int_gemv", n, k, bits, group_cols, qzeros is not None, x.dtype), m, x.device,
             default_gemv_config(m, n, k, tile, x.device),
-            lambda: quant_tuning.gemv_candidates(n, k, tile, x.device, bits),
+            lambda: quant_tuning.gemv_candidates(n, k, tile, x.device),
             (words, scales, qzeros), gemv_calls)
         return int_weight_gemv(x, words, scales, qzeros, bits, group_cols, tile, cfg)
     if m >= DEQUANT_ROWS:

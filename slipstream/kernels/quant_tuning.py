@@ -159,11 +159,10 @@ def int_weight_candidates(m: int, n: int, k: int, k_block_limit: int, device) ->
     return out
 
 
-def gemv_candidates(n: int, k: int, tile: int, device, bits: int | None = None) -> list[dict]:
+def gemv_candidates(n: int, k: int, tile: int, device) -> list[dict]:
     """The weight-streaming GEMV's launches (kernels/int_weight_gemv.py): rows per program
     and warps, a K split around the one that gives about four programs an SM, the next
-    tile's words loaded ahead by hand or the loop pipelined (num_stages); for 4-bit codes
-    also the tensor-core loop (MMA) at 128 and 256 rows a program. Few: each is a
+    tile's words loaded ahead by hand or the loop pipelined (num_stages). Few: each is a
     compile."""
     from slipstream.kernels.int_weight_gemv import default_gemv_config
     forced = os.environ.get("SLIPSTREAM_GEMV_CONFIG")   # one launch, for measurements
@@ -172,7 +171,7 @@ def gemv_candidates(n: int, k: int, tile: int, device, bits: int | None = None) 
         cfg = json.loads(forced)
         if not isinstance(cfg, dict) or not {"BLOCK_N", "num_warps"} <= cfg.keys():
             raise ValueError("SLIPSTREAM_GEMV_CONFIG: a JSON object with BLOCK_N, num_warps "
-                             f"(SPLIT_K, num_stages, PREFETCH, MMA optional), got {forced!r}")
+                             f"(SPLIT_K, num_stages, PREFETCH optional), got {forced!r}")
         base = default_gemv_config(1, n, k, tile, device)["SPLIT_K"] * 64 // cfg["BLOCK_N"]
         split = cfg.get("SPLIT_K", max(1, base))   # by default the shape's own split
         return [{"num_stages": 1, "PREFETCH": False, **cfg,
@@ -192,27 +191,6 @@ def gemv_candidates(n: int, k: int, tile: int, device, bits: int | None = None) 
             if split <= k // tile:
                 out.append(dict(BLOCK_N=block_n, SPLIT_K=split, num_warps=warps,
                                 num_stages=stages, PREFETCH=prefetch))
-    if bits == 4:
-        out += mma_gemv_candidates(n, k, tile, device)
-    return out
-
-
-def mma_gemv_candidates(n: int, k: int, tile: int, device) -> list[dict]:
-    """The tensor-core GEMV (4-bit codes): 128 rows on 4 warps, 256 on 8; the K split that
-    gives at least two programs an SM (two tiles a split at least), and half of it."""
-    sms = 132
-    if device.type == "cuda":
-        from slipstream.kernels.runtime import num_sms
-        sms = num_sms(device.index or 0)
-    out = []
-    for block_n, warps in ((128, 4), (256, 8)):
-        blocks = -(-n // block_n)
-        split = 1
-        while blocks * split < 2 * sms and (k // tile) // (split * 2) >= 2:
-            split *= 2
-        for f in sorted({split, max(1, split // 2)}):
-            out.append(dict(BLOCK_N=block_n, SPLIT_K=f, num_warps=warps, num_stages=1,
-                            MMA=True))
     return out
 
 

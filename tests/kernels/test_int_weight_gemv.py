@@ -67,24 +67,6 @@ def test_gemv_matches_reference(m, n, k, bits, group, sym, split, dtype):
         torch.testing.assert_close(y.float().cpu(), ref, atol=TOL[dtype], rtol=TOL[dtype])
 
 
-@pytest.mark.parametrize("m,split,sym", [(1, 1, False), (1, 2, True), (3, 4, False)])
-@pytest.mark.parametrize("dtype", [torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else []))
-def test_tensor_core_gemv_matches_reference(m, split, sym, dtype):
-    """4-bit codes on the tensor cores (MMA): codes as 2^E + code in 16-bit pairs, the
-    zero and 2^E taken off per tile and row through the sum of x."""
-    n, k, group = 72, 512, 128
-    codes, packed, s, z = _quantized(n, k, 4, group, sym, seed=3)
-    tile = pick_tile(k, group, 4)
-    words = tile_codes(codes, 4, tile)
-    x = (torch.randn(m, k) * 4).to(dtype)
-    dev = lambda t: None if t is None else t.to(DEVICE)     # noqa: E731
-    cfg = dict(BLOCK_N=32, SPLIT_K=split, num_warps=4, MMA=True)
-    for _ in range(2):
-        y = int_weight_gemv(dev(x), dev(words), dev(s), dev(z), 4, group, tile, cfg)
-        ref = reference.int_weight_linear(x.float(), packed, s, z, 4, group)
-        torch.testing.assert_close(y.float().cpu(), ref, atol=TOL[dtype], rtol=TOL[dtype])
-
-
 def test_gemv_default_config_and_bad_rows():
     codes, packed, s, z = _quantized(64, 256, 4, 128, False)
     words = tile_codes(codes, 4, 128)

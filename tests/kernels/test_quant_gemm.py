@@ -116,5 +116,8 @@ def test_quantize_rows_int8_bit_identical(dtype):
 def test_quantize_rows_fp8_bit_identical():
     x = torch.randn(6, 300, device=DEVICE, dtype=torch.bfloat16) * 3
     q, s = quantize_rows(x, "fp8")
-    qr, sr = quantize_fp8_rows(x)
-    assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8)) and torch.equal(s, sr)
+    # The twin on the CPU: on CUDA, PyTorch divides by a Python number as a product with
+    # its reciprocal, which can miss the correctly rounded scale by an ulp.
+    qr, sr = quantize_fp8_rows(x.cpu())
+    assert torch.equal(q.view(torch.uint8).cpu(), qr.view(torch.uint8))
+    assert torch.equal(s.cpu(), sr)
