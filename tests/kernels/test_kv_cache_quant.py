@@ -32,13 +32,12 @@ def test_store_quantizes_like_the_reference(fmt, dtype):
     slots = torch.tensor([3, 17, -1, 0, 8, 30, 31, 12, 5])
     caches = []
     for store in (store_kv, reference.store_kv):
-        kc = torch.zeros(5, page, h, d, dtype=KV_FORMATS[fmt].storage)
+        kc = torch.zeros(5, page, h, d, dtype=KV_FORMATS[fmt].storage, device=DEVICE)
         vc = torch.zeros_like(kc)
-        ks = torch.full((5, page, h), -1.0)
+        ks = torch.full((5, page, h), -1.0, device=DEVICE)
         vs = torch.full_like(ks, -1.0)
-        store(k.to(DEVICE), v.to(DEVICE), *(x.to(DEVICE) for x in (kc, vc)), slots.to(DEVICE),
-              ks.to(DEVICE), vs.to(DEVICE)) if DEVICE != "cpu" else store(k, v, kc, vc, slots, ks, vs)
-        caches.append((kc, vc, ks, vs))
+        store(k.to(DEVICE), v.to(DEVICE), kc, vc, slots.to(DEVICE), ks, vs)
+        caches.append(tuple(x.cpu() for x in (kc, vc, ks, vs)))
     (kc, vc, ks, vs), (rkc, rvc, rks, rvs) = caches
     torch.testing.assert_close(ks, rks, rtol=1e-6, atol=0)
     torch.testing.assert_close(vs, rvs, rtol=1e-6, atol=0)
