@@ -39,7 +39,8 @@ def _attention(q, k, v, cu, scale, causal=True):
     for a, e in zip(cu[:-1].tolist(), cu[1:].tolist()):
         s = q[a:e].transpose(0, 1) @ k[a:e].transpose(0, 1).repeat_interleave(group, 0).transpose(1, 2)
         if causal:
-            s = s.masked_fill(torch.ones(e - a, e - a, dtype=torch.bool).triu(1), float("-inf"))
+            s = s.masked_fill(torch.ones(e - a, e - a, dtype=torch.bool, device=s.device).triu(1),
+                              float("-inf"))
         p = (s * scale).softmax(-1)
         out[a:e] = (p @ v[a:e].transpose(0, 1).repeat_interleave(group, 0)).transpose(0, 1)
     return out

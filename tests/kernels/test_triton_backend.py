@@ -59,9 +59,24 @@ def _compare(b, close, window=None, tree_mask=None, kv=None):
 
 
 @pytest.mark.parametrize("window", [None, 11])
-def test_mixed_prefill_and_decode_step(paged_batch, close, window):
+def test_mixed_prefill_and_decode_step(paged_batch, close, window, monkeypatch):
+    """The Triton kernels: NaN in every unwritten slot must never reach the output."""
+    from slipstream.attention import triton_backend as tb
+    monkeypatch.setattr(tb, "gluon_prefill_wanted", lambda device: False)
     b = paged_batch([0, 24, 50, 7], [19, 9, 1, 1], 8, 2, 64, 16, device=DEVICE, store_new=False)
     _compare(b, close, window)
+
+
+@pytest.mark.skipif(DEVICE != "cuda" or torch.cuda.get_device_capability() != (9, 0),
+                    reason="the Gluon prefill kernels: sm_90")
+def test_mixed_step_with_gluon_prefill(paged_batch, close):
+    """The Gluon kernels (the sm_90 default for prompt rows) copy whole pages, so the
+    slots past a request's keys in its last page are read and masked: they must be
+    finite, as the engine's zeroed pool keeps them (kernels/gluon_prefill.py)."""
+    b = paged_batch([0, 24, 50, 7], [19, 9, 1, 1], 8, 2, 64, 16, device=DEVICE, store_new=False)
+    b.k_cache.nan_to_num_(0.0)
+    b.v_cache.nan_to_num_(0.0)
+    _compare(b, close)
 
 
 @pytest.mark.parametrize("kv", [None, "int8", "fp8"])

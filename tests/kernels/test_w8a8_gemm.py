@@ -99,7 +99,14 @@ def test_fp8_gemm_modes(monkeypatch, mode):
     wq, ws = quantize_fp8_rows(torch.randn(256, 512, device=DEVICE))
     y = w8a8_gemm(xq, xs, wq, ws.flatten(), torch.bfloat16)
     ref = reference.w8a8_linear(xq, xs, wq, ws.flatten(), torch.float32)
-    torch.testing.assert_close(y.float(), ref, atol=2e-2, rtol=1e-2)
+    _fp8_product_close(y, ref)
+
+
+def _fp8_product_close(y, ref):
+    """float8 tensor cores (sm_89/sm_90) add their products with fewer bits than fp32:
+    an element may be off by ~1e-3 of the output's scale (measured on an H200: 0.03 at
+    outputs of scale 30), beyond bf16 rounding."""
+    torch.testing.assert_close(y.float(), ref, atol=2e-3 * ref.abs().max().item(), rtol=1e-2)
 
 
 def test_w8a8_gemm_rejects_mixed_operands():
@@ -117,7 +124,7 @@ def test_w8a8_gemm_fp8_matches_reference():
     wq, ws = quantize_fp8_rows(torch.randn(200, 512, device=DEVICE))
     y = w8a8_gemm(xq, xs, wq, ws.flatten(), torch.bfloat16)
     ref = reference.w8a8_linear(xq, xs, wq, ws.flatten(), torch.float32)
-    torch.testing.assert_close(y.float(), ref, atol=2e-2, rtol=1e-2)
+    _fp8_product_close(y, ref)
 
 
 def _codes_agree(q, qr, share=0.002):
@@ -166,8 +173,9 @@ def test_fused_producers_fp8_codes():
     q, s = rms_norm(x, w, 1e-5, quant="fp8")
     qr, sr = reference.rms_norm_quant(x, w, 1e-5, None, "fp8")
     torch.testing.assert_close(s, sr, atol=0, rtol=2e-3)
-    torch.testing.assert_close(q.float(), qr.float(), atol=0, rtol=0.07)   # one e4m3 step
+    # One e4m3 step at most (2^-3 of the smaller code), where the scales' last bits differ.
+    torch.testing.assert_close(q.float(), qr.float(), atol=0, rtol=0.125)
     q, s = silu_and_mul_quant(x, "fp8")
     qr, sr = reference.silu_and_mul_quant(x, "fp8")
     torch.testing.assert_close(s, sr, atol=0, rtol=2e-3)
-    torch.testing.assert_close(q.float(), qr.float(), atol=0, rtol=0.07)
+    torch.testing.assert_close(q.float(), qr.float(), atol=0, rtol=0.125)
