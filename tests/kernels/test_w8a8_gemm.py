@@ -173,9 +173,18 @@ def test_fused_producers_fp8_codes():
     q, s = rms_norm(x, w, 1e-5, quant="fp8")
     qr, sr = reference.rms_norm_quant(x, w, 1e-5, None, "fp8")
     torch.testing.assert_close(s, sr, atol=0, rtol=2e-3)
-    # One e4m3 step at most (2^-3 of the smaller code), where the scales' last bits differ.
-    torch.testing.assert_close(q.float(), qr.float(), atol=0, rtol=0.125)
+    _within_one_e4m3_step(q, qr)
     q, s = silu_and_mul_quant(x, "fp8")
     qr, sr = reference.silu_and_mul_quant(x, "fp8")
     torch.testing.assert_close(s, sr, atol=0, rtol=2e-3)
-    torch.testing.assert_close(q.float(), qr.float(), atol=0, rtol=0.125)
+    _within_one_e4m3_step(q, qr)
+
+
+def _within_one_e4m3_step(q, qr, share=0.002):
+    """Codes one e4m3 step apart at most (where the scales' last bits differ, values on a
+    rounding boundary go either way): 2^-3 of the binade, 2^-9 among subnormals."""
+    a, b = q.float(), qr.float()
+    big = torch.maximum(a.abs(), b.abs()).clamp_min(2.0 ** -6)
+    step = torch.exp2(torch.floor(torch.log2(big)) - 3)
+    d = (a - b).abs()
+    assert (d <= step).all() and (d > 0).float().mean() <= share
