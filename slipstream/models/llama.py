@@ -32,8 +32,6 @@ from slipstream.attention.base import AttentionBackend
 from slipstream.config import ModelConfig
 from slipstream.distributed.parallel import check_shardable, kv_heads_of_rank
 from slipstream.errors import ModelLoadError
-from slipstream.kernels import l2_prefetch
-from slipstream.kernels.l2_prefetch import SidePrefetch
 from slipstream.layers.activation import SiluAndMul
 from slipstream.layers.attention import Attention
 from slipstream.layers.embedding import LMHead, VocabEmbedding
@@ -94,13 +92,10 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(layer_idx, self.num_heads, self.num_kv_heads, self.head_dim,
                               backend, sliding_window=config.sliding_window)
 
-    def forward(self, x: torch.Tensor, rope: StepRotary, batch: ForwardBatch,
-                prefetch: SidePrefetch | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: StepRotary, batch: ForwardBatch) -> torch.Tensor:
         # x: [num_tokens, hidden] -> [num_tokens, hidden]
         h, hk = self.num_heads, self.num_heads + self.num_kv_heads
         qkv = self.qkv_proj(x).view(x.shape[0], hk + self.num_kv_heads, self.head_dim)
-        if prefetch is not None:   # o_proj's weight into L2 while attention runs
-            prefetch.ahead("o_proj", self.o_proj)
         if self.attn.fuses_rotary(rope):  # rotated in place by the backend's KV-store kernel
             o = self.attn(qkv[:, :h], qkv[:, h:hk], qkv[:, hk:], batch, rope=rope)
             return self.o_proj(o.flatten(1))
@@ -127,12 +122,9 @@ class LlamaMLP(nn.Module):
         self.act = SiluAndMul()
         self.act.quant = input_quant(self.down_proj)   # W8A8: SiLU * up writes codes
 
-    def forward(self, x: torch.Tensor, prefetch: SidePrefetch | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, hidden] -> [num_tokens, hidden]
-        y = self.gate_up_proj(x)
-        if prefetch is not None:
-            prefetch.ahead("down", self.down_proj)
-        return self.down_proj(self.act(y))
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -149,22 +141,18 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm.quant = input_quant(self.mlp.gate_up_proj)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: StepRotary,
-                batch: ForwardBatch, prefetch: SidePrefetch | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+                batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [num_tokens, hidden], the previous sublayer's output; residual: the
         stream before it (None at layer 0, where x is the embedding).
-        Returns (mlp output, residual stream before it); their sum is the layer's output.
-        prefetch: weights into L2 ahead of their matmuls (kernels/l2_prefetch.py)."""
+        Returns (mlp output, residual stream before it); their sum is the layer's output."""
         if residual is None:
             residual = x
             x = self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, rope, batch, prefetch)
-        if prefetch is not None:
-            prefetch.ahead("gate_up", self.mlp.gate_up_proj)
+        x = self.self_attn(x, rope, batch)
         x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x, prefetch), residual
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
@@ -185,18 +173,6 @@ class LlamaModel(nn.Module):
         # Layers (ascending) whose output, the residual stream after them, is appended
         # to the final hidden states (`LlamaForCausalLM.set_feature_taps`).
         self.feature_taps: tuple[int, ...] = ()
-        self._side_prefetch: SidePrefetch | None = None
-
-    def _prefetch_for(self, batch: ForwardBatch, x: torch.Tensor) -> SidePrefetch | None:
-        """The side stream that asks L2 for weights ahead of their matmuls, in decode
-        steps of CUDA graphs (`batch.decode_splits` set) when `l2_prefetch.PLAN` is on."""
-        plan = l2_prefetch.PLAN
-        if plan is None or not x.is_cuda or batch.decode_splits is None:
-            return None
-        if self._side_prefetch is None:
-            self._side_prefetch = SidePrefetch(x.device)
-        self._side_prefetch.plan = plan
-        return self._side_prefetch
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         # -> final normed hidden states [num_tokens, hidden], then one [.., hidden]
@@ -210,15 +186,10 @@ class LlamaModel(nn.Module):
         rope = self.rotary_emb.for_step(batch.positions)  # once a step, shared by every layer
         residual, taps = None, []
         tap_at = self.feature_taps if batch.features else ()
-        prefetch = self._prefetch_for(batch, x)
         for i, layer in enumerate(self.layers):
-            x, residual = layer(x, residual, rope, batch, prefetch)
-            if prefetch is not None and i + 1 < len(self.layers):
-                prefetch.ahead("qkv", self.layers[i + 1].self_attn.qkv_proj)
+            x, residual = layer(x, residual, rope, batch)
             if i in tap_at:
                 taps.append(x + residual)
-        if prefetch is not None:
-            prefetch.join()
         x, _ = self.norm(x, residual)
         return torch.cat([x] + taps, dim=-1) if taps else x
 

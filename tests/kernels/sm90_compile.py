@@ -14,7 +14,6 @@ from triton.runtime.jit import mangle_type
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from slipstream.kernels.dense_gemv import _gemv_kernel as _dense_gemv_kernel
-from slipstream.kernels.l2_prefetch import _prefetch_kernel as _l2_prefetch_kernel
 from slipstream.kernels.int_weight_gemv import _dequantize_kernel, _gemv_kernel
 from slipstream.kernels.quant_act import _quantize_rows_kernel, quant_params
 from slipstream.kernels.quant_gemm import _int_weight_gemm_kernel
@@ -104,7 +103,7 @@ def weight_only(kind):
 def decode_step(kind):
     """The decode step's fused kernels over a bf16 / int8 / fp8 cache: short-context
     decode attention (both launch configs; Llama-3-8B heads) and rotary + KV store;
-    with bf16, the decode GEMV with its L2 prefetch and the side stream's weight prefetch."""
+    with bf16, the decode GEMV with its L2 prefetch."""
     cache = BF16 if kind == "bf16" else torch.empty(8, dtype=CODES[kind])
     scales = (BF16, BF16) if kind == "bf16" else (F32, F32)
     i32, i64 = torch.empty(8, dtype=torch.int32), torch.empty(8, dtype=torch.int64)
@@ -133,12 +132,6 @@ def decode_step(kind):
                          dict(BLOCK_M=1, BLOCK_N=32, BLOCK_K=256, PREFETCH_K=1024, CHAIN=True),
                          num_warps=4, num_stages=4)
         assert "prefetch.global.L2" in k.asm["ptx"] and "griddepcontrol.wait" in k.asm["ptx"]
-        # The side stream's weight prefetch (kernels/l2_prefetch.py): ptxas takes its asm.
-        for last in (False, True):
-            k = compile_sm90(_l2_prefetch_kernel, dict(P=torch.empty(8, dtype=torch.uint8),
-                                                       n_lines=4096, step_bytes=128),
-                             dict(LINES=1024, EVICT_LAST=last), num_warps=4)
-            assert ("prefetch.global.L2::evict_last" in k.asm["ptx"]) == last
 
 
 CHECKS = {f"{fn.__name__}-{kind}": (fn, kind) for fn in (gemm, tma_gemm, producers)
