@@ -90,8 +90,9 @@ class Server:
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name not in (self.model_name, self.engine.config.model):
+            # 404 model_not_found, as the OpenAI API (and vLLM) answer a model they lack.
             raise RequestError(f"model: '{name}' is not served here; this server serves "
-                               f"'{self.model_name}'", "model", code="model_not_found")
+                               f"'{self.model_name}'", "model", 404, code="model_not_found")
 
     def tokenize(self, prompt, param: str) -> tuple[str | None, list[int]]:
         """Runs in a worker thread (the tokenizer is thread-safe; the engine is not used)."""

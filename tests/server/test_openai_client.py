@@ -139,9 +139,9 @@ def test_openai_error_objects(client, model):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=model, prompt="x", max_tokens=-1)
     assert e.value.body["param"] == "max_tokens"
-    with pytest.raises(openai.BadRequestError) as e:
+    with pytest.raises(openai.NotFoundError) as e:   # 404, as the OpenAI API answers
         client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "x"}])
-    assert e.value.body["param"] == "model"
+    assert e.value.body["param"] == "model" and e.value.body["code"] == "model_not_found"
 
 
 def test_metrics(default_server, client, model):
