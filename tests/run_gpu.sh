@@ -1,0 +1,31 @@
+#!/bin/bash
+# Every test that needs a CUDA device, in four pytest processes at once (kernel
+# compiles are CPU-bound, so groups overlap well): a log per group under OUT_DIR,
+# then each group's summary and failures. Run from the repository root on a GPU
+# machine:   bash tests/run_gpu.sh OUT_DIR [LIMIT_S]
+set -u
+OUT=${1:?usage: bash tests/run_gpu.sh OUT_DIR [LIMIT_S]}
+LIMIT=${2:-900}
+mkdir -p "$OUT"
+export SLIPSTREAM_ATTENTION_TUNE=${SLIPSTREAM_ATTENTION_TUNE:-0}   # fixed tiles: quick compiles
+GROUPS_=(
+  "tests/kernels/test_prefill_attention.py tests/kernels/test_tree_attention.py tests/kernels/test_gluon_prefill.py"
+  "tests/kernels/test_decode_attention.py tests/kernels/test_short_decode_attention.py tests/kernels/test_kv_store.py tests/kernels/test_rotary_kv_store.py tests/kernels/test_fused_ops.py tests/kernels/test_triton_backend.py"
+  "tests/kernels/test_kv_cache_quant.py tests/kernels/test_kv_code_paths.py tests/kernels/test_fp8_attention.py tests/kernels/test_gluon_fp8.py tests/kernels/test_quant_gemm.py tests/kernels/test_w8a8_gemm.py tests/kernels/test_int_weight_gemv.py tests/kernels/test_quant_tuning.py tests/kernels/test_dense_gemv.py"
+  "tests/engine/test_gpu_runtime.py tests/engine/test_gpu_spec_kv.py tests/sampling/test_sampler_cuda.py"
+)
+i=0
+for g in "${GROUPS_[@]}"; do
+  i=$((i + 1))
+  # shellcheck disable=SC2086
+  timeout "$LIMIT" python3 -m pytest -q -rf $g -p no:cacheprovider > "$OUT/gpu_tests_$i.log" 2>&1 &
+done
+wait
+rc=0
+for j in $(seq 1 $i); do
+  echo "== group $j: ${GROUPS_[$((j - 1))]}"
+  grep -E "^FAILED|^ERROR|passed|failed" "$OUT/gpu_tests_$j.log" | tail -15
+  grep -qE " passed| failed" "$OUT/gpu_tests_$j.log" || { echo "(no summary: over ${LIMIT}s or crashed)"; rc=1; }
+  grep -qE "^FAILED|^ERROR| failed" "$OUT/gpu_tests_$j.log" && rc=1
+done
+exit $rc
