@@ -25,8 +25,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from slipstream.server.async_engine import AsyncEngine, Overloaded, StepError
 from slipstream.server.metrics import ServerMetrics
 from slipstream.server.openai_format import SSE_DONE, Formatter, sse
-from slipstream.server.protocol import (ChatCompletionRequest, CompletionRequest, RequestError,
-                                        error_body)
+from slipstream.server.protocol import (ChatCompletionRequest, CompletionRequest,
+                                        DetokenizeRequest, RequestError, TokenizeRequest,
+                                        error_body, template_messages)
 
 log = logging.getLogger("slipstream.server")
 OPEN_PATHS = {"/health", "/", "/favicon.ico"}  # the chat page holds no data; its calls carry the key
@@ -112,16 +113,53 @@ class Server:
                                "leave room to generate)", param)
         return text, ids
 
-    def chat_prompt(self, req: ChatCompletionRequest) -> tuple[str, list[int]]:
-        tok = self.engine.tokenizer
+    def chat_text(self, messages: list[dict], add_generation_prompt: bool) -> str:
         try:
-            text = tok.apply_chat_template(req.chat_messages(),
-                                           add_generation_prompt=req.add_generation_prompt)
+            return self.engine.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt)
         except Exception as e:  # noqa: BLE001 - a template that refuses the messages
             raise RequestError(f"messages: the chat template refused them: {e}", "messages") from None
-        ids = tok.encode(text, add_special_tokens=False)
+
+    def chat_prompt(self, req: ChatCompletionRequest) -> tuple[str, list[int]]:
+        text = self.chat_text(req.chat_messages(), req.add_generation_prompt)
+        ids = self.engine.tokenizer.encode(text, add_special_tokens=False)
         _, ids = self.tokenize(ids, "messages")
         return text, ids
+
+    # ---- /tokenize, /detokenize (vLLM's) ---------------------------------------
+
+    async def _parsed(self, request: Request, schema):
+        self.check_auth(request)
+        body = await self.read_json(request)
+        try:
+            req = schema.model_validate(body)
+        except ValidationError as e:
+            raise _validation_message(e) from None
+        self.check_model(req.model)
+        return req
+
+    async def tokenize_request(self, request: Request) -> dict:
+        """The ids a completion (prompt) or chat completion (messages) would be given,
+        with the context window, so a client can check a prompt fits before sending it."""
+        req = await self._parsed(request, TokenizeRequest)
+        req.check()
+
+        def encode() -> list[int]:
+            tok = self.engine.tokenizer
+            if req.prompt is not None:
+                special = True if req.add_special_tokens is None else req.add_special_tokens
+                return tok.encode(req.prompt, add_special_tokens=special)
+            text = self.chat_text(template_messages(req.messages), req.add_generation_prompt)
+            return tok.encode(text, add_special_tokens=bool(req.add_special_tokens))
+        ids = await asyncio.to_thread(encode)
+        return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids}
+
+    async def detokenize_request(self, request: Request) -> dict:
+        req = await self._parsed(request, DetokenizeRequest)
+        req.check(self.vocab_size)
+        text = await asyncio.to_thread(self.engine.tokenizer.decode, req.tokens,
+                                       skip_special_tokens=False)
+        return {"prompt": text}
 
     # ---- generation ---------------------------------------------------------
 
@@ -286,5 +324,13 @@ def build_app(engine, model_name: str, api_key: str | None = None, max_queued: i
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         return await server.generate(request, chat=True)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        return await server.tokenize_request(request)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        return await server.detokenize_request(request)
 
     return app

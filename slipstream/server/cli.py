@@ -12,7 +12,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "serve", help="serve the OpenAI API (completions, chat, streaming) and a chat page",
         description="An OpenAI-compatible server: POST /v1/completions, POST /v1/chat/completions, "
-                    "GET /v1/models, /health, /metrics, and a chat page at /.")
+                    "GET /v1/models, /health, /metrics, POST /tokenize and /detokenize "
+                    "(vLLM's), and a chat page at /.")
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     g.add_argument("--port", type=int, default=8000)

@@ -213,5 +213,37 @@ class ChatCompletionRequest(_Sampling):
             raise RequestError("top_logprobs: requires logprobs to be true", "top_logprobs")
 
     def chat_messages(self) -> list[dict]:
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                for m in self.messages]
+        return template_messages(self.messages)
+
+
+def template_messages(messages: list[ChatMessage]) -> list[dict]:
+    """Messages as the chat template takes them ("developer" is a system message)."""
+    return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            for m in messages]
+
+
+class TokenizeRequest(BaseModel):
+    """POST /tokenize (vLLM's): a prompt, or chat messages through the chat template."""
+    model_config = ConfigDict(extra="ignore")
+    model: StrictStr | None = None
+    prompt: StrictStr | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    # Default: special tokens added to a prompt (as a completion does), none to the
+    # chat template's text (which carries its own, as a chat completion does).
+    add_special_tokens: StrictBool | None = None
+    add_generation_prompt: StrictBool = True
+
+    def check(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise RequestError("prompt: give exactly one of prompt and messages", "prompt")
+
+
+class DetokenizeRequest(BaseModel):
+    """POST /detokenize (vLLM's): token ids back to text, special tokens kept."""
+    model_config = ConfigDict(extra="ignore")
+    model: StrictStr | None = None
+    tokens: list[StrictInt]
+
+    def check(self, vocab_size: int) -> None:
+        if any(not 0 <= t < vocab_size for t in self.tokens):
+            raise RequestError(f"tokens: token ids must be in [0, {vocab_size})", "tokens")

@@ -138,3 +138,15 @@ def tiny_server(tmp_path_factory, tiny_model_dir):
                            tmp_path_factory.mktemp("logs") / "tiny.log")
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="module")
+def client(default_server):
+    """The official `openai` client on the default model's server."""
+    openai = pytest.importorskip("openai")
+    return openai.OpenAI(base_url=default_server.url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def model(client):
+    return client.models.list().data[0].id

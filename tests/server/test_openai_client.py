@@ -8,16 +8,6 @@ import pytest
 openai = pytest.importorskip("openai")
 
 
-@pytest.fixture(scope="module")
-def client(default_server):
-    return openai.OpenAI(base_url=default_server.url + "/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def model(client):
-    return client.models.list().data[0].id
-
-
 def test_models_and_health(default_server, client, model):
     assert model.startswith("SmolLM2")
     assert default_server.get("/health") == '{"status":"ok"}'
