@@ -110,9 +110,6 @@ class _Sampling(BaseModel):
                 name)
         if self.min_tokens > (max_tokens if max_tokens is not None else room):
             raise RequestError(f"min_tokens: {self.min_tokens} is more than {name}", "min_tokens")
-        if self.logit_bias:
-            if "logit_bias" not in SamplingParams.__dataclass_fields__:
-                raise RequestError("logit_bias: not supported by this engine yet", "logit_bias")
         kw = dict(
             n=self.n,
             temperature=1.0 if self.temperature is None else float(self.temperature),

@@ -125,6 +125,26 @@ def test_penalties_and_extras_accepted(client, model):
     assert r.usage.completion_tokens == 4
 
 
+def test_logit_bias_steers_the_tokens(default_server, client, model):
+    """+100 on one token makes greedy decoding pick it every step; -100 on the token
+    greedy decoding picks first makes it pick another."""
+    _, tok = default_server.post("/tokenize", {"prompt": " Paris", "add_special_tokens": False})
+    paris = tok["tokens"][0]
+    r = client.completions.create(model=model, prompt="The capital of France is", max_tokens=3,
+                                  temperature=0, logit_bias={str(paris): 100})
+    _, ids = default_server.post("/tokenize", {"prompt": r.choices[0].text,
+                                               "add_special_tokens": False})
+    assert ids["tokens"] == [paris] * 3
+    plain = client.completions.create(model=model, prompt="The capital of France is",
+                                      max_tokens=1, temperature=0, logprobs=1)
+    first = plain.choices[0].logprobs.tokens[0]
+    _, first_ids = default_server.post("/tokenize", {"prompt": first, "add_special_tokens": False})
+    banned = client.completions.create(model=model, prompt="The capital of France is", max_tokens=1,
+                                       temperature=0, logprobs=1,
+                                       logit_bias={str(first_ids["tokens"][0]): -100})
+    assert banned.choices[0].logprobs.tokens[0] != first
+
+
 def test_openai_error_objects(client, model):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=model, prompt="x", max_tokens=-1)
