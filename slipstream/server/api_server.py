@@ -296,13 +296,26 @@ def build_app(engine, model_name: str, api_key: str | None = None, max_queued: i
         return HTMLResponse(resources.files("slipstream.server").joinpath("static/chat.html")
                             .read_text(encoding="utf-8"))
 
+    def model_card() -> dict:
+        return {"id": model_name, "object": "model", "created": int(time.time()),
+                "owned_by": "slipstream", "max_model_len": server.max_model_len,
+                "vocab_size": server.vocab_size}
+
     @app.get("/v1/models")
     async def models(request: Request):
         server.check_auth(request)
-        return {"object": "list", "data": [{
-            "id": model_name, "object": "model", "created": int(time.time()),
-            "owned_by": "slipstream", "max_model_len": server.max_model_len,
-            "vocab_size": server.vocab_size}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str, request: Request):   # the client's models.retrieve
+        server.check_auth(request)
+        server.check_model(name)
+        return model_card()
+
+    @app.get("/version")
+    async def version():
+        from slipstream import __version__
+        return {"version": __version__}
 
     @app.get("/metrics")
     async def metrics(request: Request):

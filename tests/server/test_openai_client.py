@@ -1,15 +1,22 @@
 """The official `openai` client against `slipstream serve` (default model) on 127.0.0.1."""
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
+
+import slipstream
 
 openai = pytest.importorskip("openai")
 
 
 def test_models_and_health(default_server, client, model):
     assert model.startswith("SmolLM2")
+    assert client.models.retrieve(model).id == model
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")
+    assert json.loads(default_server.get("/version")) == {"version": slipstream.__version__}
     assert default_server.get("/health") == '{"status":"ok"}'
 
 
