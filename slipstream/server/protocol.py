@@ -3,8 +3,11 @@
 Types are strict (a string where a number belongs is refused, not coerced),
 ranges follow OpenAI, and every refusal names the field, so a client sees
 `{"error": {"message": ..., "param": "top_logprobs", ...}}` with status 400.
-Fields OpenAI defines but this server ignores (`user`, `suffix`, ...) are
-accepted and have no effect; unknown fields are ignored, as OpenAI does.
+Fields OpenAI defines that change nothing here (`user`) are accepted; fields
+whose meaning this server does not implement are refused with a 400 naming
+them rather than silently dropped (`best_of` above `n`, `suffix`, a
+`response_format` other than text, `tools` the model may call, `functions`);
+unknown fields are ignored, as OpenAI does.
 """
 from __future__ import annotations
 
@@ -156,6 +159,14 @@ class CompletionRequest(_Sampling):
     def _logprobs(self) -> int | None:
         return self.logprobs
 
+    def check(self, max_model_len: int, vocab_size: int) -> None:
+        super().check(max_model_len, vocab_size)
+        if self.best_of is not None and self.best_of != self.n:
+            raise RequestError("best_of: not supported (as in vLLM's V1 engine); ask for n "
+                               "samples and pick among them", "best_of")
+        if self.suffix:
+            raise RequestError("suffix: insertion after a suffix is not supported", "suffix")
+
     def prompts(self) -> list[str | list[int]]:
         """The prompt field as a list of prompts (text or token ids)."""
         p = self.prompt
@@ -193,6 +204,11 @@ class ChatCompletionRequest(_Sampling):
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     add_generation_prompt: StrictBool = True
+    # Refused unless they ask for nothing (see the module's docstring).
+    response_format: dict | None = None
+    tools: list | None = None
+    tool_choice: StrictStr | dict | None = None
+    functions: list | None = None
 
     def _max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None \
@@ -208,6 +224,14 @@ class ChatCompletionRequest(_Sampling):
         super().check(max_model_len, vocab_size)
         if self.top_logprobs is not None and not self.logprobs:
             raise RequestError("top_logprobs: requires logprobs to be true", "top_logprobs")
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            raise RequestError("response_format: only {\"type\": \"text\"} is supported (no "
+                               "JSON mode or schema-constrained decoding)", "response_format")
+        if self.tools and self.tool_choice != "none":
+            raise RequestError("tools: function calling is not supported (send tool_choice "
+                               "\"none\" to keep the tools out of the answer)", "tools")
+        if self.functions:
+            raise RequestError("functions: function calling is not supported", "functions")
 
     def chat_messages(self) -> list[dict]:
         return template_messages(self.messages)

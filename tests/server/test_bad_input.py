@@ -63,6 +63,11 @@ CASES = [
     ("repetition-penalty-zero", C, comp(repetition_penalty=0), 400, "repetition_penalty"),
     ("min-tokens-above-max", C, comp(min_tokens=10, max_tokens=2), 400, "min_tokens"),
     ("stop-token-ids-out-of-vocab", C, comp(stop_token_ids=[99999]), 400, "stop_token_ids"),
+    ("best-of-above-n", C, comp(best_of=3), 400, "best_of"),
+    ("suffix", C, comp(suffix="end"), 400, "suffix"),
+    ("json-mode", CH, chat(response_format={"type": "json_object"}), 400, "response_format"),
+    ("tools-auto", CH, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
+    ("functions", CH, chat(functions=[{"name": "f"}]), 400, "functions"),
     ("unknown-model", C, comp(model="gpt-9"), 404, "model"),
     ("chat-unknown-model", CH, chat(model="gpt-9"), 404, "model"),
     ("chat-missing-messages", CH, {"max_tokens": 2}, 400, "messages"),
@@ -151,3 +156,14 @@ def test_serves_after_bad_input(tiny_server):
     status, obj = tiny_server.post(CH, chat(max_tokens=3, ignore_eos=True))
     assert status == 200 and obj["usage"]["completion_tokens"] == 3
     assert "Traceback" not in tiny_server.log()
+
+
+def test_fields_that_ask_for_nothing_are_accepted(tiny_server):
+    """The refused fields pass where they change nothing: best_of equal to n, a text
+    response_format, tools the model may not call, an empty suffix."""
+    for path, body in ((C, comp(best_of=1, suffix="")),
+                       (CH, chat(response_format={"type": "text"})),
+                       (CH, chat(tools=[{"type": "function", "function": {"name": "f"}}],
+                                 tool_choice="none"))):
+        code, obj = tiny_server.post(path, body)
+        assert code == 200, obj
