@@ -11,11 +11,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import os
-import re
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -26,9 +22,9 @@ from triton.runtime.jit import mangle_type
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).parent))
 from slipstream.kernels.int_weight_gemv import _gemv_kernel  # noqa: E402
-
-NVDISASM = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+from kv_decode_sass import disassemble, loop_counts  # noqa: E402
 BF16, F32 = torch.empty(8, dtype=torch.bfloat16), torch.empty(8)
 
 
@@ -48,28 +44,12 @@ def sass(block_n: int, warps: int, prefetch: bool, stages: int = 1) -> str:
                                      or (args[n] and args[n] % 16 == 0))}
     k = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
                        options=dict(num_warps=warps, num_stages=stages))
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "k.cubin")
-        Path(path).write_bytes(k.asm["cubin"])
-        return subprocess.run([str(NVDISASM), "-c", path], capture_output=True, text=True,
-                              check=True).stdout
+    return disassemble(k)
 
 
 def loop_ops(text: str) -> collections.Counter:
-    lines = text.splitlines()
-    labels = {m.group(1): i for i, l in enumerate(lines) if (m := re.match(r"^(\.L_x_\d+):", l))}
-    best = collections.Counter()
-    for i, line in enumerate(lines):
-        m = re.search(r"BRA `\((\.L_x_\d+)\)", line)
-        if m and labels.get(m.group(1), i) < i:
-            ops = collections.Counter()
-            for body in lines[labels[m.group(1)]:i + 1]:
-                op = re.match(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)", body)
-                if op:
-                    ops[op.group(1)] += 1
-            if sum(ops.values()) > sum(best.values()):
-                best = ops
-    return best
+    """The largest loop's opcode counts (the GEMV's loop over K tiles)."""
+    return max(loop_counts(text), key=lambda ops: sum(ops.values()), default=collections.Counter())
 
 
 def main() -> None:

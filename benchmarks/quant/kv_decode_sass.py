@@ -54,6 +54,11 @@ def compile_sass(kv, kv_dot, asm, block_n, warps, stages) -> str:
                     attrs=attrs)
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                             options=dict(num_warps=warps, num_stages=stages))
+    return disassemble(kernel)
+
+
+def disassemble(kernel) -> str:
+    """The SASS of a kernel compiled by triton.compile (nvdisasm from Triton's wheel)."""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "k.cubin")
         Path(path).write_bytes(kernel.asm["cubin"])
@@ -61,12 +66,11 @@ def compile_sass(kv, kv_dot, asm, block_n, warps, stages) -> str:
                               check=True).stdout
 
 
-def main_loop(sass: str) -> collections.Counter:
-    """Opcode counts of the unmasked K/V loop: of the loops (a label and the
-    branch back to it) holding MMAs, the shortest (the masked one adds the masks)."""
+def loop_counts(sass: str) -> list[collections.Counter]:
+    """Opcode counts of each loop of the SASS (a label and the branch back to it)."""
     lines = sass.splitlines()
     labels = {m.group(1): i for i, l in enumerate(lines) if (m := re.match(r"^(\.L_x_\d+):", l))}
-    best = None
+    loops = []
     for i, line in enumerate(lines):
         m = re.search(r"BRA `\((\.L_x_\d+)\)", line)
         if m and labels.get(m.group(1), i) < i:
@@ -75,10 +79,15 @@ def main_loop(sass: str) -> collections.Counter:
                 op = re.match(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)", body)
                 if op:
                     ops[op.group(1)] += 1
-            mma = any(op.startswith(("HMMA", "IMMA")) for op in ops)
-            if mma and (best is None or sum(ops.values()) < sum(best.values())):
-                best = ops
-    return best or collections.Counter()
+            loops.append(ops)
+    return loops
+
+
+def main_loop(sass: str) -> collections.Counter:
+    """Opcode counts of the unmasked K/V loop: of the loops holding MMAs, the
+    shortest (the masked one adds the masks)."""
+    mma = [ops for ops in loop_counts(sass) if any(op.startswith(("HMMA", "IMMA")) for op in ops)]
+    return min(mma, key=lambda ops: sum(ops.values()), default=collections.Counter())
 
 
 def report(kv, kv_dot, asm, block_n, warps, stages) -> dict:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -80,25 +79,10 @@ def _prefetcher():
     return prefetch_l2
 
 
-def _graph_time(fn, reps: int = 20) -> float:
-    """Seconds per replay of a graph capturing fn()."""
-    import torch
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(ts)
+def _graph_us(fn) -> float:
+    """Microseconds per replay of a CUDA graph of fn() (median of 20)."""
+    from benchmarks.cuda_timing import graph_timer
+    return graph_timer([fn], min_calls=1, replays=20)() * 1e3
 
 
 def stage_micro(smoke: bool) -> dict:
@@ -136,7 +120,7 @@ def stage_micro(smoke: bool) -> dict:
                             torch.nn.functional.linear(x, w)
                         if v is not None:
                             main.wait_stream(side)
-                    res[vname + "_us"] = _graph_time(layers) / copies * 1e6
+                    res[vname + "_us"] = _graph_us(layers) / copies
                 if spin_us == 0:   # the matmul after a landed prefetch; after the same wait alone
                     def fetched():
                         for w in ws:
@@ -147,8 +131,8 @@ def stage_micro(smoke: bool) -> dict:
                         for w in ws:
                             spin[(1,)](clock, 20_000)
                             torch.nn.functional.linear(x, w)
-                    res["after_prefetch_us"] = _graph_time(fetched) / copies * 1e6 - 20
-                    res["after_spin_us"] = _graph_time(waited) / copies * 1e6 - 20
+                    res["after_prefetch_us"] = _graph_us(fetched) / copies - 20
+                    res["after_spin_us"] = _graph_us(waited) / copies - 20
                 rows.append(res)
                 print(json.dumps(res), flush=True)
         del ws

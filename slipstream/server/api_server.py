@@ -89,6 +89,17 @@ class Server:
             raise RequestError("the body must be a JSON object", None)
         return obj
 
+    async def _parsed(self, request: Request, schema):
+        """The request's body as `schema` (auth, size, JSON, fields and model checked)."""
+        self.check_auth(request)
+        body = await self.read_json(request)
+        try:
+            req = schema.model_validate(body)
+        except ValidationError as e:
+            raise _validation_message(e) from None
+        self.check_model(req.model)
+        return req
+
     def check_model(self, name: str | None) -> None:
         if name is not None and name not in (self.model_name, self.engine.config.model):
             # 404 model_not_found, as the OpenAI API (and vLLM) answer a model they lack.
@@ -128,16 +139,6 @@ class Server:
 
     # ---- /tokenize, /detokenize (vLLM's) ---------------------------------------
 
-    async def _parsed(self, request: Request, schema):
-        self.check_auth(request)
-        body = await self.read_json(request)
-        try:
-            req = schema.model_validate(body)
-        except ValidationError as e:
-            raise _validation_message(e) from None
-        self.check_model(req.model)
-        return req
-
     async def tokenize_request(self, request: Request) -> dict:
         """The ids a completion (prompt) or chat completion (messages) would be given,
         with the context window, so a client can check a prompt fits before sending it."""
@@ -165,13 +166,7 @@ class Server:
 
     async def generate(self, request: Request, chat: bool):
         arrival = time.monotonic()
-        self.check_auth(request)
-        body = await self.read_json(request)
-        try:
-            req = (ChatCompletionRequest if chat else CompletionRequest).model_validate(body)
-        except ValidationError as e:
-            raise _validation_message(e) from None
-        self.check_model(req.model)
+        req = await self._parsed(request, ChatCompletionRequest if chat else CompletionRequest)
         req.check(self.max_model_len, self.vocab_size)
         if chat:
             prompts = [await asyncio.to_thread(self.chat_prompt, req)]
