@@ -1,0 +1,412 @@
+"""4-bit weights at decode batch sizes on tensor cores (Gluon, sm_80+): y = x W^T for up to
+8 rows of x, W int4 in groups of 128 inputs with a scale and a zero each.
+
+The fp32 GEMV (int_weight_gemv.py) spends about five instructions a code; at 4 TB/s a
+4-bit weight arrives at 8e12 codes/s, more than those instructions can take. Here a code
+costs under one: the weight is the A operand of mma.m16n8k16 (16 rows x 16 inputs; the
+rows of x, padded to 8, are B), laid out in memory so that each thread's 128-bit loads
+hold exactly its A fragments, and turned into 16-bit floats in registers, never through
+shared memory:
+
+  * a 32-bit word holds one fragment, eight codes: one mask-and-OR (LOP3) of the word,
+    or of it shifted by 4, 8, 12, gives two codes as the 16-bit floats OFFSET + code
+    (bf16 0x4300 | c = 128 + c, fp16 0x6400 | c = 1024 + c), exact;
+  * the group's products then hold OFFSET + code; the group's sum of x (one more mma,
+    with A all ones, shared by the warp's row tiles) takes out OFFSET + zero per row:
+    y += scale * acc - scale * (OFFSET + zero) * sum(x), in fp32;
+  * which code sits at which nibble, and which input of x it meets, is fixed by the
+    kernel's reshapes: `pack_w4_mma` builds the words by the same bit moves, so each
+    load, unpack and reshape is a register-only move (checked when the kernel compiles:
+    the layout conversions must be trivial).
+
+Layout of one program's words for one group (128 inputs) and row tile nt of NT (64 rows,
+16 a warp): thread p = 32 w + 4 g + t (warp w, lane 4 g + t) holds eight int32 words,
+word 4 K2 + 2 K1 + K0 at nibble 4 e + 2 q + h the code of row 16 w + 8 h + g and mma
+input k = 16 K + 8 q + 2 t + e (K = 4 K2 + 2 K1 + K0, the mma's k-tile), which is x's
+column 32 t + 4 K + 2 q + e (so each thread reads x as 64 contiguous bytes).
+
+Split over K when the row tiles alone are too few programs; the last program of a row
+block to finish adds the partial sums (a counter per block, left at zero), so a call is
+one kernel, graph-capturable. Twins: `emulate_w4_mma` (the kernel's arithmetic in
+PyTorch, from the packed words) and reference.int_weight_linear (the plain product).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+GROUP = 128          # inputs a group (and a program's step over K)
+MAX_ROWS = 8         # rows of x: one mma column block
+WARPS = 4
+ROWS_A_TILE = 16 * WARPS     # rows of one row tile (nt)
+
+try:   # Gluon ships with Triton >= 3.5; CPU-only installs may lack the NVIDIA parts
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+    HAVE_GLUON = True
+except ImportError:   # pragma: no cover
+    HAVE_GLUON = False
+
+
+# ---- the bit moves shared by the packer and the kernel -------------------------------------
+# One (group, row tile) after the unpack, as the kernel's tensor [128 threads, 8, 2, 2, 2]:
+# thread bits (MSB first) w1 w0 g2 g1 g0 t1 t0; then the unpacked element's bits K2 K1 e
+# (its word pair and its half of the 32-bit register), K0 (which word of the pair),
+# h and q (which nibble pair of the word). `_unpack` and the join tree in `_a_tile` fix
+# this; `pack_w4_mma` puts the codes where it reads them.
+_W_BITS = ["w1", "w0", "g2", "g1", "g0", "t1", "t0", "K2", "K1", "e", "K0", "h", "q"]
+_A_ROWS = ["w1", "w0", "h", "g2", "g1", "g0"]             # row 16 w + 8 h + g
+_A_COLS = ["K2", "K1", "K0", "q", "t1", "t0", "e"]        # mma input 16 K + 8 q + 2 t + e
+W_PERM = tuple(_W_BITS.index(b) for b in _A_ROWS + _A_COLS)
+# x of one group as [8 rows, 128 columns]: row bits g2 g1 g0, column bits t1 t0 K2 K1 K0
+# q e (column 32 t + 4 K + 2 q + e), to B = [128 mma inputs, 8 rows].
+_X_BITS = ["g2", "g1", "g0", "t1", "t0", "K2", "K1", "K0", "q", "e"]
+X_PERM = tuple(_X_BITS.index(b) for b in _A_COLS + ["g2", "g1", "g0"])
+# (spelled out in the kernel, which takes them as literals)
+assert W_PERM == (0, 1, 11, 2, 3, 4, 7, 8, 10, 12, 5, 6, 9)
+assert X_PERM == (5, 6, 7, 8, 3, 4, 9, 0, 1, 2)
+# Memory: [block, group, nt, thread, word], the word's nibbles (MSB first) e q h.
+_CODE_DIMS = ["blk", "nt", "w1", "w0", "h", "g2", "g1", "g0", "grp",
+              "t1", "t0", "K2", "K1", "K0", "q", "e"]            # codes [rows, k] as bits
+_WORD_DIMS = ["blk", "grp", "nt", "w1", "w0", "g2", "g1", "g0", "t1", "t0",
+              "K2", "K1", "K0", "e", "q", "h"]                  # words, then nibble bits
+
+
+@dataclass
+class W4Mma:
+    """A weight packed for the kernel: words [blocks, groups, NT, 128, 8] int32, scales and
+    zeros transposed to [groups, rows] (fp32, uint8), rows padded to a multiple of
+    64 * NT with zero codes and zero scales."""
+    words: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor
+    n: int
+    k: int
+    nt: int
+
+
+def pack_w4_mma(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                nt: int = 2) -> W4Mma:
+    """codes uint8 [n, k] (< 16), scales fp32 [n, k / 128], zeros uint8 [n, k / 128] or
+    None (symmetric: 8) -> W4Mma."""
+    n, k = codes.shape
+    if k % GROUP or scales.shape != (n, k // GROUP):
+        raise ValueError(f"pack_w4_mma: k={k} must be a multiple of {GROUP} with one scale a group")
+    rows = ROWS_A_TILE * nt
+    blocks = -(-n // rows)
+    pad = blocks * rows - n
+    groups = k // GROUP
+    c = torch.nn.functional.pad(codes.to(torch.int64), (0, 0, 0, pad))
+    c = c.view(blocks, nt, *[2] * 6, groups, *[2] * 7)
+    c = c.permute(*[_CODE_DIMS.index(d) for d in _WORD_DIMS])
+    c = c.reshape(blocks, groups, nt, 128, 8, 8)                  # [.., word, nibble]
+    shift = 4 * torch.arange(8, device=c.device, dtype=torch.int64)
+    words = (c << shift).sum(-1)                                  # < 2^32
+    words = torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
+    s = torch.nn.functional.pad(scales.float(), (0, 0, 0, pad)).t().contiguous()
+    z = (torch.full_like(codes[:, :groups], 8) if zeros is None else zeros).to(torch.uint8)
+    z = torch.nn.functional.pad(z, (0, 0, 0, pad)).t().contiguous()
+    return W4Mma(words.contiguous(), s, z, n, k, nt)
+
+
+def unpack_w4_mma(p: W4Mma) -> torch.Tensor:
+    """codes uint8 [n, k] back from the packed words (the packer's inverse)."""
+    blocks, groups, nt = p.words.shape[:3]
+    shift = 4 * torch.arange(8, device=p.words.device, dtype=torch.int64)
+    c = (p.words.to(torch.int64)[..., None] >> shift) & 0xF         # [.., word, nibble]
+    c = c.view(blocks, groups, nt, *[2] * 13)
+    c = c.permute(*[_WORD_DIMS.index(d) for d in _CODE_DIMS])
+    return c.reshape(blocks * nt * 64, groups * GROUP)[:p.n].to(torch.uint8)
+
+
+def emulate_w4_mma(x: torch.Tensor, p: W4Mma, offset: float = 128.0) -> torch.Tensor:
+    """The kernel's arithmetic in PyTorch (fp32): products of OFFSET + code, less
+    (OFFSET + zero) x the group's sum of x, times the scale, summed over groups."""
+    codes = unpack_w4_mma(p).float()                            # [n, k]
+    m = x.shape[0]
+    xf = x.float()
+    groups = p.k // GROUP
+    acc = torch.einsum("mgk,ngk->mng", xf.view(m, groups, GROUP),
+                       (codes + offset).view(p.n, groups, GROUP))
+    xsum = xf.view(m, groups, GROUP).sum(-1)                    # [m, groups]
+    s = p.scales[:, :p.n].t()                                   # [n, groups]
+    z = p.zeros[:, :p.n].t().float()
+    y = (s[None] * acc - (s * (offset + z))[None] * xsum[:, None, :]).sum(-1)
+    return y.to(x.dtype)
+
+
+# ---- the kernel ----------------------------------------------------------------------------
+
+if HAVE_GLUON:
+    def _layouts(nt: int):
+        mma = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1],
+                                        instr_shape=[16, 8])
+        a = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+        b = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+        # [128 threads, 8 words]: a thread's words in registers, contiguous (2 x 128 bits)
+        wb = gl.DistributedLinearLayout(
+            reg_bases=[[0, 1], [0, 2], [0, 4]],
+            lane_bases=[[1, 0], [2, 0], [4, 0], [8, 0], [16, 0]],
+            warp_bases=[[32, 0], [64, 0]], block_bases=[], shape=[128, 8])
+        # x of a group, [8 rows, 128 columns]: 32 contiguous columns a thread
+        xl = gl.DistributedLinearLayout(
+            reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [0, 16]],
+            lane_bases=[[0, 32], [0, 64], [1, 0], [2, 0], [4, 0]],
+            warp_bases=[[0, 0], [0, 0]], block_bases=[], shape=[8, 128])
+        return mma, a, b, wb, xl
+
+    @gluon.jit
+    def _unpack(words, DT: gl.constexpr):
+        """int32 words [128, 8] -> eight DT tensors [128, 8]: output 4 c + s of the word
+        pair (2 i, 2 i + 1) is one register, nibbles s and s + 4 of word 2 i + c as
+        OFFSET + code (elements 2 i and 2 i + 1), by one mask-and-OR into the mantissas
+        of OFFSET (LOP3 0xEA: a & b | c)."""
+        if DT == gl.bfloat16:
+            out = gl.inline_asm_elementwise(
+                asm="""{
+                .reg .b32 a4, a8, a12, b4, b8, b12, m;
+                mov.b32 m, 0x43004300;
+                shr.b32 a4, $8, 4;
+                shr.b32 a8, $8, 8;
+                shr.b32 a12, $8, 12;
+                shr.b32 b4, $9, 4;
+                shr.b32 b8, $9, 8;
+                shr.b32 b12, $9, 12;
+                lop3.b32 $0, $8, 0x000F000F, m, 0xEA;
+                lop3.b32 $1, a4, 0x000F000F, m, 0xEA;
+                lop3.b32 $2, a8, 0x000F000F, m, 0xEA;
+                lop3.b32 $3, a12, 0x000F000F, m, 0xEA;
+                lop3.b32 $4, $9, 0x000F000F, m, 0xEA;
+                lop3.b32 $5, b4, 0x000F000F, m, 0xEA;
+                lop3.b32 $6, b8, 0x000F000F, m, 0xEA;
+                lop3.b32 $7, b12, 0x000F000F, m, 0xEA;
+                }""",
+                constraints="=r,=r,=r,=r,=r,=r,=r,=r,r,r", args=[words],
+                dtype=(gl.bfloat16,) * 8, is_pure=True, pack=2)
+        else:
+            out = gl.inline_asm_elementwise(
+                asm="""{
+                .reg .b32 a4, a8, a12, b4, b8, b12, m;
+                mov.b32 m, 0x64006400;
+                shr.b32 a4, $8, 4;
+                shr.b32 a8, $8, 8;
+                shr.b32 a12, $8, 12;
+                shr.b32 b4, $9, 4;
+                shr.b32 b8, $9, 8;
+                shr.b32 b12, $9, 12;
+                lop3.b32 $0, $8, 0x000F000F, m, 0xEA;
+                lop3.b32 $1, a4, 0x000F000F, m, 0xEA;
+                lop3.b32 $2, a8, 0x000F000F, m, 0xEA;
+                lop3.b32 $3, a12, 0x000F000F, m, 0xEA;
+                lop3.b32 $4, $9, 0x000F000F, m, 0xEA;
+                lop3.b32 $5, b4, 0x000F000F, m, 0xEA;
+                lop3.b32 $6, b8, 0x000F000F, m, 0xEA;
+                lop3.b32 $7, b12, 0x000F000F, m, 0xEA;
+                }""",
+                constraints="=r,=r,=r,=r,=r,=r,=r,=r,r,r", args=[words],
+                dtype=(gl.float16,) * 8, is_pure=True, pack=2)
+        return out
+
+    @gluon.jit
+    def _a_tile(words, DT: gl.constexpr, A_L: gl.constexpr):
+        """One row tile's A operand [64, 128] for one group from its words [128, 8]."""
+        o0, o1, o2, o3, o4, o5, o6, o7 = _unpack(words, DT)
+        w = gl.join(gl.join(gl.join(o0, o4), gl.join(o1, o5)),
+                    gl.join(gl.join(o2, o6), gl.join(o3, o7)))    # [128, 8, K0, h, q]
+        w = gl.reshape(w, [2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2])
+        w = gl.permute(w, (0, 1, 11, 2, 3, 4, 7, 8, 10, 12, 5, 6, 9))   # W_PERM
+        w = gl.reshape(w, [64, 128])
+        return gl.convert_layout(w, A_L, assert_trivial=True)
+
+    @gluon.jit
+    def _b_tile(xt, B_L: gl.constexpr):
+        """x of one group [8, 128] -> the B operand [128 mma inputs, 8 rows]."""
+        xt = gl.reshape(xt, [2, 2, 2, 2, 2, 2, 2, 2, 2, 2])
+        xt = gl.permute(xt, (5, 6, 7, 8, 3, 4, 9, 0, 1, 2))            # X_PERM
+        return gl.convert_layout(gl.reshape(xt, [128, 8]), B_L, assert_trivial=True)
+
+    @gluon.jit
+    def _group_sum(y, raw, s, z, bt, xsum, zero, OFFSET: gl.constexpr, DT: gl.constexpr,
+                   A_L: gl.constexpr):
+        """y + this group's products for one row tile: scale x (sum of (OFFSET + code) x)
+        less scale x (OFFSET + zero) x sum(x)."""
+        acc = mma_v2(_a_tile(raw, DT, A_L), bt, zero)
+        sz = s * (OFFSET + z.to(gl.float32))
+        return y + s[:, None] * acc - sz[:, None] * xsum
+
+    @gluon.jit
+    def _w4_mma_kernel(X, Wb, S, Z, Y, Part, Count, M, N, stride_xm, stride_s, num_groups,
+                       groups_per_split,
+                       NT: gl.constexpr, SPLIT: gl.constexpr, OFFSET: gl.constexpr,
+                       DT: gl.constexpr,
+                       MMA_L: gl.constexpr, A_L: gl.constexpr, B_L: gl.constexpr,
+                       WB_L: gl.constexpr, X_L: gl.constexpr):
+        blk = gl.program_id(0)
+        sp = gl.program_id(1)
+        g0 = sp * groups_per_split
+        g1 = gl.minimum(g0 + groups_per_split, num_groups)
+        xm = gl.arange(0, 8, layout=gl.SliceLayout(1, X_L))
+        xk = gl.arange(0, 128, layout=gl.SliceLayout(0, X_L))
+        x_ptrs = X + xm[:, None] * stride_xm + xk[None, :]
+        x_ok = (xm < M)[:, None] & (xk < 128)[None, :]
+        p = gl.arange(0, 128, layout=gl.SliceLayout(1, WB_L))
+        b = gl.arange(0, 8, layout=gl.SliceLayout(0, WB_L))
+        TILE: gl.constexpr = 128 * 8                                    # words a row tile
+        w_ptrs = Wb + blk.to(gl.int64) * num_groups * (NT * TILE) + p[:, None] * 8 + b[None, :]
+        rows = gl.arange(0, 64, layout=gl.SliceLayout(1, MMA_L))
+        row0 = blk * (64 * NT)
+        s_ptrs = S + row0 + rows
+        z_ptrs = Z + row0 + rows
+        ones = gl.full([64, 128], 1.0, DT, A_L)
+        zero = gl.zeros([64, 8], gl.float32, MMA_L)
+        y0 = gl.zeros([64, 8], gl.float32, MMA_L)
+        y1 = gl.zeros([64, 8], gl.float32, MMA_L)
+        y2 = gl.zeros([64, 8], gl.float32, MMA_L)
+        y3 = gl.zeros([64, 8], gl.float32, MMA_L)
+        # Group g's words, scales and zeros are loaded one group ahead of their use.
+        at = g0.to(gl.int64) * (NT * TILE)
+        sat = g0.to(gl.int64) * stride_s
+        r0 = gl.load(w_ptrs + at, eviction_policy="evict_first")
+        s0 = gl.load(s_ptrs + sat)
+        z0 = gl.load(z_ptrs + sat)
+        if NT > 1:
+            r1 = gl.load(w_ptrs + at + TILE, eviction_policy="evict_first")
+            s1 = gl.load(s_ptrs + sat + 64)
+            z1 = gl.load(z_ptrs + sat + 64)
+        if NT > 2:
+            r2 = gl.load(w_ptrs + at + 2 * TILE, eviction_policy="evict_first")
+            s2 = gl.load(s_ptrs + sat + 128)
+            z2 = gl.load(z_ptrs + sat + 128)
+            r3 = gl.load(w_ptrs + at + 3 * TILE, eviction_policy="evict_first")
+            s3 = gl.load(s_ptrs + sat + 192)
+            z3 = gl.load(z_ptrs + sat + 192)
+        for g in range(g0, g1):
+            more = g + 1 < g1
+            at = (g + 1).to(gl.int64) * (NT * TILE)
+            sat = (g + 1).to(gl.int64) * stride_s
+            # x is read by every program (an L2 hit): loaded in the step that uses it, as
+            # a value carried over the loop would be repacked (PRMT) for the mma
+            bt = _b_tile(gl.load(x_ptrs + g * 128, mask=x_ok, other=0.0), B_L)
+            xsum = mma_v2(ones, bt, zero)                     # the group's sum of x, every row
+            w = r0
+            r0 = gl.load(w_ptrs + at, mask=more, other=0, eviction_policy="evict_first")
+            s, z = s0, z0
+            s0 = gl.load(s_ptrs + sat, mask=more, other=0.0)
+            z0 = gl.load(z_ptrs + sat, mask=more, other=0)
+            y0 = _group_sum(y0, w, s, z, bt, xsum, zero, OFFSET, DT, A_L)
+            if NT > 1:
+                w = r1
+                r1 = gl.load(w_ptrs + at + TILE, mask=more, other=0, eviction_policy="evict_first")
+                s, z = s1, z1
+                s1 = gl.load(s_ptrs + sat + 64, mask=more, other=0.0)
+                z1 = gl.load(z_ptrs + sat + 64, mask=more, other=0)
+                y1 = _group_sum(y1, w, s, z, bt, xsum, zero, OFFSET, DT, A_L)
+            if NT > 2:
+                w = r2
+                r2 = gl.load(w_ptrs + at + 2 * TILE, mask=more, other=0,
+                             eviction_policy="evict_first")
+                s, z = s2, z2
+                s2 = gl.load(s_ptrs + sat + 128, mask=more, other=0.0)
+                z2 = gl.load(z_ptrs + sat + 128, mask=more, other=0)
+                y2 = _group_sum(y2, w, s, z, bt, xsum, zero, OFFSET, DT, A_L)
+                w = r3
+                r3 = gl.load(w_ptrs + at + 3 * TILE, mask=more, other=0,
+                             eviction_policy="evict_first")
+                s, z = s3, z3
+                s3 = gl.load(s_ptrs + sat + 192, mask=more, other=0.0)
+                z3 = gl.load(z_ptrs + sat + 192, mask=more, other=0)
+                y3 = _group_sum(y3, w, s, z, bt, xsum, zero, OFFSET, DT, A_L)
+        cols = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA_L))
+        _finish(y0, Y, Part, blk, sp, row0, rows, cols, M, N, SPLIT)
+        if NT > 1:
+            _finish(y1, Y, Part, blk, sp, row0 + 64, rows, cols, M, N, SPLIT)
+        if NT > 2:
+            _finish(y2, Y, Part, blk, sp, row0 + 128, rows, cols, M, N, SPLIT)
+            _finish(y3, Y, Part, blk, sp, row0 + 192, rows, cols, M, N, SPLIT)
+        if SPLIT > 1:
+            _reduce(Y, Part, Count, blk, row0, rows, cols, M, N, NT, SPLIT, MMA_L)
+
+    @gluon.jit
+    def _finish(y, Y, Part, blk, sp, row0, rows, cols, M, N, SPLIT: gl.constexpr):
+        """This program's sums for 64 rows: the output (no split) or its partial [M, N]."""
+        n = row0 + rows
+        ok = (n < N)[:, None] & (cols < M)[None, :]
+        at = cols[None, :] * N + n[:, None]
+        if SPLIT == 1:
+            gl.store(Y + at, y.to(Y.dtype.element_ty), mask=ok)
+        else:
+            gl.store(Part + sp.to(gl.int64) * M * N + at, y, mask=ok)
+
+    @gluon.jit
+    def _reduce(Y, Part, Count, blk, row0, rows, cols, M, N, NT: gl.constexpr,
+                SPLIT: gl.constexpr, MMA_L: gl.constexpr):
+        """The last program of a row block to finish adds the partial sums."""
+        gl.thread_barrier()
+        arrived = gl.atomic_add(Count + blk, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT - 1:
+            for t in gl.static_range(NT):
+                n = row0 + t * 64 + rows
+                ok = (n < N)[:, None] & (cols < M)[None, :]
+                at = cols[None, :] * N + n[:, None]
+                total = gl.zeros([64, 8], gl.float32, MMA_L)
+                for s_ in range(0, SPLIT):
+                    total += gl.load(Part + s_ * M * N + at, mask=ok, other=0.0,
+                                     cache_modifier=".cg")
+                gl.store(Y + at, total.to(Y.dtype.element_ty), mask=ok)
+            gl.atomic_xchg(Count + blk, 0, sem="relaxed", scope="gpu")
+
+
+_OFFSET = {torch.bfloat16: 128.0, torch.float16: 1024.0}    # the unpack's 16-bit floats
+
+
+def kernel_args(x: torch.Tensor, p: W4Mma, y: torch.Tensor, part: torch.Tensor,
+                count: torch.Tensor, split: int):
+    """Arguments and constexprs of one launch (shared by the launcher and the sm_90
+    compile check)."""
+    groups = p.k // GROUP
+    per = -(-groups // split)
+    mma, a, b, wb, xl = _layouts(p.nt)
+    offset = _OFFSET[x.dtype]
+    dt = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
+    args = dict(X=x, Wb=p.words, S=p.scales, Z=p.zeros, Y=y, Part=part, Count=count,
+                M=x.shape[0], N=p.n, stride_xm=x.stride(0), stride_s=p.scales.stride(0),
+                num_groups=groups,
+                groups_per_split=per)
+    consts = dict(NT=p.nt, SPLIT=split, OFFSET=offset, DT=dt, MMA_L=mma, A_L=a,
+                  B_L=b, WB_L=wb, X_L=xl)
+    return args, consts
+
+
+def default_split(p: W4Mma, sms: int) -> int:
+    """K splits so that row blocks x splits give about three programs an SM."""
+    blocks = p.words.shape[0]
+    groups = p.k // GROUP
+    split = 1
+    while blocks * split < 3 * sms and groups // (split * 2) >= 2:
+        split *= 2
+    return split
+
+
+def w4_mma_gemv(x: torch.Tensor, p: W4Mma, split: int | None = None) -> torch.Tensor:
+    """x [m <= 8, k] bf16/fp16 (CUDA, sm_80+) -> y [m, n] = x W^T."""
+    from slipstream.kernels.int_weight_gemv import _counters
+    from slipstream.kernels.runtime import num_sms
+    m, k = x.shape
+    if m > MAX_ROWS or k != p.k or x.dtype not in _OFFSET or x.stride(1) != 1:
+        raise ValueError(f"w4_mma_gemv: x {tuple(x.shape)} {x.dtype} against k={p.k}, "
+                         f"at most {MAX_ROWS} rows, bf16/fp16, unit column stride")
+    y = torch.empty(m, p.n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return y
+    if split is None:
+        split = default_split(p, num_sms(x.device.index or 0))
+    groups = p.k // GROUP
+    split = -(-groups // -(-groups // split))                   # no empty programs
+    blocks = p.words.shape[0]
+    part = y if split == 1 else torch.empty(split, m, p.n, dtype=torch.float32, device=x.device)
+    count = _counters(x.device, blocks) if split > 1 else p.scales
+    args, consts = kernel_args(x, p, y, part, count, split)
+    _w4_mma_kernel[(blocks, split)](*args.values(), **consts, num_warps=WARPS)
+    return y
