@@ -42,6 +42,9 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from benchmarks.quant.child_runs import bench_model, child_env, run_child  # noqa: E402
 SCHEMES = ["bf16", "rtn-int4", "rtn-int4-head8", "int8", "w8a8", "fp8"]
+# A scheme with ":loop" runs its 4-bit layers on the fp32-loop GEMV (kernels/int_weight_gemv.py)
+# instead of the tensor-core one (kernels/w4_mma_gemv.py): SLIPSTREAM_W4_MMA=0 in its process.
+VARIANT_ENV = {"loop": {"SLIPSTREAM_W4_MMA": "0"}}
 TINY_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 512,
                "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
                "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -68,6 +71,7 @@ def one_scheme(scheme: str, smoke: bool, iters: int, model: str) -> dict:
     device = "cpu" if smoke else "cuda"
     prompt_len, gen, prefill_len = (16, 12, 64) if smoke else (128, 128, 2048)
     t0 = time.perf_counter()
+    scheme = scheme.split(":")[0]
     llm = LLM(model, load_format="dummy", quantization=None if scheme == "bf16" else scheme,
               dtype="float32" if smoke else "bfloat16", device=device, max_num_seqs=1,
               max_model_len=prefill_len + 64, max_num_batched_tokens=prefill_len,
@@ -113,12 +117,14 @@ def main(argv=None) -> int:
         return 0
     tmp = Path(tempfile.mkdtemp())
     model = bench_model(tmp, args.smoke, TINY_CONFIG)
-    env = child_env()
     rows = []
     for scheme in args.schemes.split(","):
-        if scheme not in SCHEMES:
-            raise ValueError(f"--schemes: unknown {scheme!r}; choose from {SCHEMES}")
-        r = {"scheme": scheme, **run_child(__file__, scheme, model, args.iters, args.smoke, tmp, env)}
+        base_name, _, variant = scheme.partition(":")
+        if base_name not in SCHEMES or (variant and variant not in VARIANT_ENV):
+            raise ValueError(f"--schemes: unknown {scheme!r}; choose from {SCHEMES}, "
+                             f"optionally with :{' :'.join(VARIANT_ENV)}")
+        r = {**run_child(__file__, scheme, model, args.iters, args.smoke, tmp,
+                         child_env(VARIANT_ENV.get(variant))), "scheme": scheme}
         rows.append(r)
         if r.get("failed"):
             continue
@@ -160,7 +166,7 @@ def markdown(meta, rows) -> str:
         if r.get("failed"):
             lines.append(f"| {r['scheme']} | failed | | | | | |")
             continue
-        t = target.get(r["scheme"])
+        t = target.get(r["scheme"].split(":")[0])
         tgt = ""
         if t and "decode_speedup_vs_bf16" in r:
             got = r[f"{t[0]}_speedup_vs_bf16"]

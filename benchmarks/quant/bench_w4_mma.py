@@ -1,6 +1,6 @@
 """The tensor-core 4-bit GEMV (kernels/w4_mma_gemv.py) against the fp32-loop GEMV
 (kernels/int_weight_gemv.py, the engine's batch-1 path) and bf16 cuBLAS, on the
-Llama-3-8B shapes at 1, 4 and 8 rows, H200.
+Llama-3-8B shapes at 1 to 64 rows, H200.
 
 Every variant's output is checked against the fp32 product of the dequantized weight
 first. Times: CUDA graphs over enough weight copies that every call streams from HBM
@@ -37,20 +37,22 @@ SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096),
 STREAM_BYTES = 320 << 20          # copies per contender: at least this much weight a graph
 
 
-def variants(p_blocks: dict, groups: int, sms: int):
-    """(label, nt, split) to time for one shape."""
+def variants(p, m: int, sms: int):
+    """(label, config) to time for one shape: 64-row blocks a program, K splits around
+    the default."""
+    groups = p.k // 128
+    base = W4.default_config(p, m, sms)["SPLIT"]
     out = []
     for nt in (1, 2, 4):
-        base = W4.default_split(p_blocks[nt], sms)
-        for split in sorted({max(1, base // 2), base, min(groups, base * 2)}):
-            out.append((f"mma nt{nt} split{split}", nt, split))
+        for split in sorted({max(1, base // (2 * nt)), max(1, base // nt), min(groups, 2 * base // nt)}):
+            out.append((f"mma nt{nt} split{split}", dict(NT=nt, SPLIT=split)))
     return out
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
-    ap.add_argument("--rows", default="1,4,8")
+    ap.add_argument("--rows", default="1,4,8,16,64")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
@@ -59,7 +61,7 @@ def main() -> int:
     if args.smoke:       # the packing and twins on the CPU (the kernel needs a GPU)
         codes = torch.randint(0, 16, (256, 512), dtype=torch.uint8)
         s, z = torch.rand(256, 4), torch.randint(0, 16, (256, 4), dtype=torch.uint8)
-        p = W4.pack_w4_mma(codes, s, z, 2)
+        p = W4.pack_w4_mma(codes, s, z)
         assert torch.equal(W4.unpack_w4_mma(p), codes)
         print("smoke: pack round trip ok")
         return 0
@@ -82,7 +84,7 @@ def main() -> int:
         wbf = dense.to(torch.bfloat16)
         tile = pick_tile(k, 128, 4)
         tiled = (tile_codes(codes, 4, tile).contiguous(), scale, zero)
-        packed = {nt: W4.pack_w4_mma(codes, scale, zero, nt) for nt in (1, 2, 4)}
+        packed = W4.pack_w4_mma(codes, scale, zero)
         del w, q
         int4_bytes = n * k // 2 + scale.numel() * 4 + zero.numel()
         for m in rows_m:
@@ -93,8 +95,8 @@ def main() -> int:
             if m <= 4:
                 cands["fp32-loop GEMV"] = (lambda t: int_weight_gemv(x, *t, 4, 128, tile),
                                            [tiled], int4_bytes)
-            for label, nt, split in variants(packed, k // 128, sms):
-                cands[label] = ((lambda p, s=split: W4.w4_mma_gemv(x, p, s)), [packed[nt]], int4_bytes)
+            for label, cfg in variants(packed, m, sms):
+                cands[label] = ((lambda p, c=cfg: W4.w4_mma_gemv(x, p, c)), [packed], int4_bytes)
             row = dict(shape=name, n=n, k=k, m=m)
             for label, (fn, (arg,), nbytes) in cands.items():
                 try:
@@ -145,7 +147,7 @@ def _clone(a):
         return a.clone()
     if isinstance(a, tuple):
         return tuple(t.clone() for t in a)
-    return W4.W4Mma(a.words.clone(), a.scales.clone(), a.zeros.clone(), a.n, a.k, a.nt)
+    return W4.W4Mma(a.words.clone(), a.scales.clone(), a.zeros.clone(), a.n, a.k)
 
 
 if __name__ == "__main__":

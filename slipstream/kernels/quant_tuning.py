@@ -159,6 +159,19 @@ def int_weight_candidates(m: int, n: int, k: int, k_block_limit: int, device) ->
     return out
 
 
+def w4_mma_candidates(default: dict, k: int, m: int) -> list[dict]:
+    """The tensor-core 4-bit GEMV's launches (kernels/w4_mma_gemv.py): K splits around the
+    default's, with one 64-row block a program or (up to 16 rows, where registers allow)
+    two. On the H200 at batch 1 the best of these was within 5% of a wider sweep's best
+    on every Llama-3-8B shape (benchmarks/quant/bench_w4_mma.py)."""
+    groups = k // 128
+    base = default["SPLIT"]
+    out = [dict(NT=1, SPLIT=s) for s in sorted({max(1, base // 2), base, min(groups, base * 2)})]
+    if m <= 16:
+        out += [dict(NT=2, SPLIT=s) for s in sorted({max(1, base // 4), max(1, base // 2)})]
+    return out
+
+
 def gemv_candidates(n: int, k: int, tile: int, device) -> list[dict]:
     """The weight-streaming GEMV's launches (kernels/int_weight_gemv.py): rows per program
     and warps, a K split around the one that gives about four programs an SM, the next

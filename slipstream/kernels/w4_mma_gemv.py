@@ -1,10 +1,10 @@
 """4-bit weights at decode batch sizes on tensor cores (Gluon, sm_80+): y = x W^T for up to
-8 rows of x, W int4 in groups of 128 inputs with a scale and a zero each.
+64 rows of x, W int4 in groups of 128 inputs with a scale and a zero each.
 
 The fp32 GEMV (int_weight_gemv.py) spends about five instructions a code; at 4 TB/s a
 4-bit weight arrives at 8e12 codes/s, more than those instructions can take. Here a code
 costs under one: the weight is the A operand of mma.m16n8k16 (16 rows x 16 inputs; the
-rows of x, padded to 8, are B), laid out in memory so that each thread's 128-bit loads
+rows of x, padded to a power of two >= 8, are B), laid out in memory so that each thread's 128-bit loads
 hold exactly its A fragments, and turned into 16-bit floats in registers, never through
 shared memory:
 
@@ -12,21 +12,20 @@ shared memory:
     or of it shifted by 4, 8, 12, gives two codes as the 16-bit floats OFFSET + code
     (bf16 0x4300 | c = 128 + c, fp16 0x6400 | c = 1024 + c), exact;
   * the group's products then hold OFFSET + code; the group's sum of x (one more mma,
-    with A all ones, shared by the warp's row tiles) takes out OFFSET + zero per row:
+    with A all ones, shared by the program's blocks) takes out OFFSET + zero per row:
     y += scale * acc - scale * (OFFSET + zero) * sum(x), in fp32;
   * which code sits at which nibble, and which input of x it meets, is fixed by the
     kernel's reshapes: `pack_w4_mma` builds the words by the same bit moves, so each
     load, unpack and reshape is a register-only move (checked when the kernel compiles:
     the layout conversions must be trivial).
 
-Layout of one program's words for one group (128 inputs) and row tile nt of NT (64 rows,
-16 a warp): thread p = 32 w + 4 g + t (warp w, lane 4 g + t) holds eight int32 words,
+Layout of the words of one block of 64 rows (16 a warp) for one group (128 inputs): thread p = 32 w + 4 g + t (warp w, lane 4 g + t) holds eight int32 words,
 word 4 K2 + 2 K1 + K0 at nibble 4 e + 2 q + h the code of row 16 w + 8 h + g and mma
 input k = 16 K + 8 q + 2 t + e (K = 4 K2 + 2 K1 + K0, the mma's k-tile), which is x's
 column 32 t + 4 K + 2 q + e (so each thread reads x as 64 contiguous bytes).
 
-Split over K when the row tiles alone are too few programs; the last program of a row
-block to finish adds the partial sums (a counter per block, left at zero), so a call is
+A program takes NT consecutive blocks (1, 2 or 4). Split over K when the programs alone are
+too few; the last program of a row block to finish adds the partial sums (a counter per block, left at zero), so a call is
 one kernel, graph-capturable. Twins: `emulate_w4_mma` (the kernel's arithmetic in
 PyTorch, from the packed words) and reference.int_weight_linear (the plain product).
 """
@@ -35,11 +34,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import triton
+import triton.language as tl
+
+from slipstream.kernels import runtime  # noqa: F401  (interpreter fixes for CPU tests)
 
 GROUP = 128          # inputs a group (and a program's step over K)
-MAX_ROWS = 8         # rows of x: one mma column block
 WARPS = 4
-ROWS_A_TILE = 16 * WARPS     # rows of one row tile (nt)
+BLOCK_ROWS = 16 * WARPS      # rows of one block (16 a warp)
 
 try:   # Gluon ships with Triton >= 3.5; CPU-only installs may lack the NVIDIA parts
     from triton.experimental import gluon
@@ -67,58 +69,55 @@ X_PERM = tuple(_X_BITS.index(b) for b in _A_COLS + ["g2", "g1", "g0"])
 # (spelled out in the kernel, which takes them as literals)
 assert W_PERM == (0, 1, 11, 2, 3, 4, 7, 8, 10, 12, 5, 6, 9)
 assert X_PERM == (5, 6, 7, 8, 3, 4, 9, 0, 1, 2)
-# Memory: [block, group, nt, thread, word], the word's nibbles (MSB first) e q h.
-_CODE_DIMS = ["blk", "nt", "w1", "w0", "h", "g2", "g1", "g0", "grp",
+# Memory: [block, group, thread, word], the word's nibbles (MSB first) e q h.
+_CODE_DIMS = ["blk", "w1", "w0", "h", "g2", "g1", "g0", "grp",
               "t1", "t0", "K2", "K1", "K0", "q", "e"]            # codes [rows, k] as bits
-_WORD_DIMS = ["blk", "grp", "nt", "w1", "w0", "g2", "g1", "g0", "t1", "t0",
+_WORD_DIMS = ["blk", "grp", "w1", "w0", "g2", "g1", "g0", "t1", "t0",
               "K2", "K1", "K0", "e", "q", "h"]                  # words, then nibble bits
 
 
 @dataclass
 class W4Mma:
-    """A weight packed for the kernel: words [blocks, groups, NT, 128, 8] int32, scales and
-    zeros transposed to [groups, rows] (fp32, uint8), rows padded to a multiple of
-    64 * NT with zero codes and zero scales."""
+    """A weight packed for the kernel: words [blocks of 64 rows, groups, 128, 8] int32,
+    scales and zeros transposed to [groups, rows] (fp32, uint8), rows padded to a multiple
+    of 64 with zero codes and zero scales."""
     words: torch.Tensor
     scales: torch.Tensor
     zeros: torch.Tensor
     n: int
     k: int
-    nt: int
 
 
-def pack_w4_mma(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
-                nt: int = 2) -> W4Mma:
+def pack_w4_mma(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None) -> W4Mma:
     """codes uint8 [n, k] (< 16), scales fp32 [n, k / 128], zeros uint8 [n, k / 128] or
     None (symmetric: 8) -> W4Mma."""
     n, k = codes.shape
     if k % GROUP or scales.shape != (n, k // GROUP):
         raise ValueError(f"pack_w4_mma: k={k} must be a multiple of {GROUP} with one scale a group")
-    rows = ROWS_A_TILE * nt
-    blocks = -(-n // rows)
-    pad = blocks * rows - n
+    blocks = -(-n // BLOCK_ROWS)
+    pad = blocks * BLOCK_ROWS - n
     groups = k // GROUP
     c = torch.nn.functional.pad(codes.to(torch.int64), (0, 0, 0, pad))
-    c = c.view(blocks, nt, *[2] * 6, groups, *[2] * 7)
+    c = c.view(blocks, *[2] * 6, groups, *[2] * 7)
     c = c.permute(*[_CODE_DIMS.index(d) for d in _WORD_DIMS])
-    c = c.reshape(blocks, groups, nt, 128, 8, 8)                  # [.., word, nibble]
+    c = c.reshape(blocks, groups, 128, 8, 8)                      # [.., word, nibble]
     shift = 4 * torch.arange(8, device=c.device, dtype=torch.int64)
     words = (c << shift).sum(-1)                                  # < 2^32
     words = torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
     s = torch.nn.functional.pad(scales.float(), (0, 0, 0, pad)).t().contiguous()
     z = (torch.full_like(codes[:, :groups], 8) if zeros is None else zeros).to(torch.uint8)
     z = torch.nn.functional.pad(z, (0, 0, 0, pad)).t().contiguous()
-    return W4Mma(words.contiguous(), s, z, n, k, nt)
+    return W4Mma(words.contiguous(), s, z, n, k)
 
 
 def unpack_w4_mma(p: W4Mma) -> torch.Tensor:
     """codes uint8 [n, k] back from the packed words (the packer's inverse)."""
-    blocks, groups, nt = p.words.shape[:3]
+    blocks, groups = p.words.shape[:2]
     shift = 4 * torch.arange(8, device=p.words.device, dtype=torch.int64)
     c = (p.words.to(torch.int64)[..., None] >> shift) & 0xF         # [.., word, nibble]
-    c = c.view(blocks, groups, nt, *[2] * 13)
+    c = c.view(blocks, groups, *[2] * 13)
     c = c.permute(*[_WORD_DIMS.index(d) for d in _CODE_DIMS])
-    return c.reshape(blocks * nt * 64, groups * GROUP)[:p.n].to(torch.uint8)
+    return c.reshape(blocks * BLOCK_ROWS, groups * GROUP)[:p.n].to(torch.uint8)
 
 
 def emulate_w4_mma(x: torch.Tensor, p: W4Mma, offset: float = 128.0) -> torch.Tensor:
@@ -137,24 +136,53 @@ def emulate_w4_mma(x: torch.Tensor, p: W4Mma, offset: float = 128.0) -> torch.Te
     return y.to(x.dtype)
 
 
+# ---- the dequantizer (products with more rows: the weight for cuBLAS) ------------------------
+
+@triton.jit
+def _dequantize_kernel(Wb, S, Z, Out, N, K, stride_s):
+    """Program (block, group): the 64 x 128 weights of one block's group, from its words."""
+    blk = tl.program_id(0)
+    grp = tl.program_id(1)
+    p = tl.arange(0, 128)[:, None, None]                     # thread 32 w + 4 g + t
+    kw = tl.arange(0, 8)[None, :, None]                      # word K (the mma's k-tile)
+    nib = tl.arange(0, 8)[None, None, :]                     # nibble 4 e + 2 q + h
+    words = tl.load(Wb + ((blk.to(tl.int64) * (K // 128) + grp) * 128 + p) * 8 + kw)
+    codes = ((words >> (4 * nib)) & 0xF).to(tl.float32)
+    row = blk * 64 + 16 * (p >> 5) + 8 * (nib & 1) + ((p >> 2) & 7)
+    col = grp * 128 + 32 * (p & 3) + 4 * kw + 2 * ((nib >> 1) & 1) + (nib >> 2)
+    s = tl.load(S + grp * stride_s + row)
+    z = tl.load(Z + grp * stride_s + row).to(tl.float32)
+    tl.store(Out + row.to(tl.int64) * K + col, ((codes - z) * s).to(Out.dtype.element_ty),
+             mask=row < N)
+
+
+def dequantize_w4_mma(p: W4Mma, dtype: torch.dtype) -> torch.Tensor:
+    """The dense weight [n, k] in `dtype` from the packed words."""
+    out = torch.empty(p.n, p.k, dtype=dtype, device=p.words.device)
+    _dequantize_kernel[(p.words.shape[0], p.k // GROUP)](p.words, p.scales, p.zeros, out, p.n, p.k,
+                                                          p.scales.stride(0), num_warps=4)
+    return out
+
+
 # ---- the kernel ----------------------------------------------------------------------------
 
 if HAVE_GLUON:
-    def _layouts(nt: int):
+    def _layouts(mb: int):
+        """The mma layouts for [64 rows, 8 MB columns], and the load layouts of a 64-row
+        block's words [128 threads, 8] and of x [8 MB rows, 128 columns]."""
         mma = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1],
                                         instr_shape=[16, 8])
         a = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
         b = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
-        # [128 threads, 8 words]: a thread's words in registers, contiguous (2 x 128 bits)
-        wb = gl.DistributedLinearLayout(
+        wb = gl.DistributedLinearLayout(     # a thread's 8 words in registers (2 x 128 bits)
             reg_bases=[[0, 1], [0, 2], [0, 4]],
             lane_bases=[[1, 0], [2, 0], [4, 0], [8, 0], [16, 0]],
             warp_bases=[[32, 0], [64, 0]], block_bases=[], shape=[128, 8])
-        # x of a group, [8 rows, 128 columns]: 32 contiguous columns a thread
-        xl = gl.DistributedLinearLayout(
-            reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [0, 16]],
+        xl = gl.DistributedLinearLayout(     # 32 contiguous columns a thread, rows 8 apart in registers
+            reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [0, 16]]
+            + [[8 << i, 0] for i in range(mb.bit_length() - 1)],
             lane_bases=[[0, 32], [0, 64], [1, 0], [2, 0], [4, 0]],
-            warp_bases=[[0, 0], [0, 0]], block_bases=[], shape=[8, 128])
+            warp_bases=[[0, 0], [0, 0]], block_bases=[], shape=[8 * mb, 128])
         return mma, a, b, wb, xl
 
     @gluon.jit
@@ -165,53 +193,17 @@ if HAVE_GLUON:
         of OFFSET (LOP3 0xEA: a & b | c)."""
         if DT == gl.bfloat16:
             out = gl.inline_asm_elementwise(
-                asm="""{
-                .reg .b32 a4, a8, a12, b4, b8, b12, m;
-                mov.b32 m, 0x43004300;
-                shr.b32 a4, $8, 4;
-                shr.b32 a8, $8, 8;
-                shr.b32 a12, $8, 12;
-                shr.b32 b4, $9, 4;
-                shr.b32 b8, $9, 8;
-                shr.b32 b12, $9, 12;
-                lop3.b32 $0, $8, 0x000F000F, m, 0xEA;
-                lop3.b32 $1, a4, 0x000F000F, m, 0xEA;
-                lop3.b32 $2, a8, 0x000F000F, m, 0xEA;
-                lop3.b32 $3, a12, 0x000F000F, m, 0xEA;
-                lop3.b32 $4, $9, 0x000F000F, m, 0xEA;
-                lop3.b32 $5, b4, 0x000F000F, m, 0xEA;
-                lop3.b32 $6, b8, 0x000F000F, m, 0xEA;
-                lop3.b32 $7, b12, 0x000F000F, m, 0xEA;
-                }""",
-                constraints="=r,=r,=r,=r,=r,=r,=r,=r,r,r", args=[words],
+                asm=UNPACK_ASM_BF16, constraints="=r,=r,=r,=r,=r,=r,=r,=r,r,r", args=[words],
                 dtype=(gl.bfloat16,) * 8, is_pure=True, pack=2)
         else:
             out = gl.inline_asm_elementwise(
-                asm="""{
-                .reg .b32 a4, a8, a12, b4, b8, b12, m;
-                mov.b32 m, 0x64006400;
-                shr.b32 a4, $8, 4;
-                shr.b32 a8, $8, 8;
-                shr.b32 a12, $8, 12;
-                shr.b32 b4, $9, 4;
-                shr.b32 b8, $9, 8;
-                shr.b32 b12, $9, 12;
-                lop3.b32 $0, $8, 0x000F000F, m, 0xEA;
-                lop3.b32 $1, a4, 0x000F000F, m, 0xEA;
-                lop3.b32 $2, a8, 0x000F000F, m, 0xEA;
-                lop3.b32 $3, a12, 0x000F000F, m, 0xEA;
-                lop3.b32 $4, $9, 0x000F000F, m, 0xEA;
-                lop3.b32 $5, b4, 0x000F000F, m, 0xEA;
-                lop3.b32 $6, b8, 0x000F000F, m, 0xEA;
-                lop3.b32 $7, b12, 0x000F000F, m, 0xEA;
-                }""",
-                constraints="=r,=r,=r,=r,=r,=r,=r,=r,r,r", args=[words],
+                asm=UNPACK_ASM_F16, constraints="=r,=r,=r,=r,=r,=r,=r,=r,r,r", args=[words],
                 dtype=(gl.float16,) * 8, is_pure=True, pack=2)
         return out
 
     @gluon.jit
     def _a_tile(words, DT: gl.constexpr, A_L: gl.constexpr):
-        """One row tile's A operand [64, 128] for one group from its words [128, 8]."""
+        """One 64-row block's A operand [64, 128] for one group from its words [128, 8]."""
         o0, o1, o2, o3, o4, o5, o6, o7 = _unpack(words, DT)
         w = gl.join(gl.join(gl.join(o0, o4), gl.join(o1, o5)),
                     gl.join(gl.join(o2, o6), gl.join(o3, o7)))    # [128, 8, K0, h, q]
@@ -221,192 +213,239 @@ if HAVE_GLUON:
         return gl.convert_layout(w, A_L, assert_trivial=True)
 
     @gluon.jit
-    def _b_tile(xt, B_L: gl.constexpr):
-        """x of one group [8, 128] -> the B operand [128 mma inputs, 8 rows]."""
-        xt = gl.reshape(xt, [2, 2, 2, 2, 2, 2, 2, 2, 2, 2])
-        xt = gl.permute(xt, (5, 6, 7, 8, 3, 4, 9, 0, 1, 2))            # X_PERM
-        return gl.convert_layout(gl.reshape(xt, [128, 8]), B_L, assert_trivial=True)
+    def _b_tile(xt, MB: gl.constexpr, B_L: gl.constexpr):
+        """x of one group [8 MB, 128] -> the B operand [128 mma inputs, 8 MB rows of x]
+        (X_PERM, with the row bits above 8 ahead of g2 g1 g0)."""
+        if MB == 1:
+            xt = gl.permute(gl.reshape(xt, [2] * 10), (5, 6, 7, 8, 3, 4, 9, 0, 1, 2))
+        elif MB == 2:
+            xt = gl.permute(gl.reshape(xt, [2] * 11), (6, 7, 8, 9, 4, 5, 10, 0, 1, 2, 3))
+        elif MB == 4:
+            xt = gl.permute(gl.reshape(xt, [2] * 12), (7, 8, 9, 10, 5, 6, 11, 0, 1, 2, 3, 4))
+        else:
+            xt = gl.permute(gl.reshape(xt, [2] * 13), (8, 9, 10, 11, 6, 7, 12, 0, 1, 2, 3, 4, 5))
+        return gl.convert_layout(gl.reshape(xt, [128, 8 * MB]), B_L, assert_trivial=True)
 
     @gluon.jit
-    def _group_sum(y, raw, s, z, bt, xsum, zero, OFFSET: gl.constexpr, DT: gl.constexpr,
+    def _block_words(w_ptrs, blk, nblocks, num_groups, g, ok):
+        """The words of 64-row block blk (clamped to the last) for group g ([128, 8])."""
+        at = (gl.minimum(blk, nblocks - 1).to(gl.int64) * num_groups + g) * 1024
+        return gl.load(w_ptrs + at, mask=ok, other=0, eviction_policy="evict_first")
+
+    @gluon.jit
+    def _group_sum(y, words, s, z, bt, xsum, zero, OFFSET: gl.constexpr, DT: gl.constexpr,
                    A_L: gl.constexpr):
-        """y + this group's products for one row tile: scale x (sum of (OFFSET + code) x)
+        """y + one group's products for a 64-row block: scale x (sum of (OFFSET + code) x)
         less scale x (OFFSET + zero) x sum(x)."""
-        acc = mma_v2(_a_tile(raw, DT, A_L), bt, zero)
+        acc = mma_v2(_a_tile(words, DT, A_L), bt, zero)
         sz = s * (OFFSET + z.to(gl.float32))
         return y + s[:, None] * acc - sz[:, None] * xsum
 
     @gluon.jit
     def _w4_mma_kernel(X, Wb, S, Z, Y, Part, Count, M, N, stride_xm, stride_s, num_groups,
-                       groups_per_split,
-                       NT: gl.constexpr, SPLIT: gl.constexpr, OFFSET: gl.constexpr,
-                       DT: gl.constexpr,
+                       nblocks, groups_per_split, split,
+                       NT: gl.constexpr, MB: gl.constexpr, SPLIT: gl.constexpr,
+                       OFFSET: gl.constexpr, DT: gl.constexpr,
                        MMA_L: gl.constexpr, A_L: gl.constexpr, B_L: gl.constexpr,
                        WB_L: gl.constexpr, X_L: gl.constexpr):
-        blk = gl.program_id(0)
+        """Program (i, j): 64-row blocks NT i .. NT i + NT - 1, groups of split j."""
+        pid = gl.program_id(0)
         sp = gl.program_id(1)
         g0 = sp * groups_per_split
         g1 = gl.minimum(g0 + groups_per_split, num_groups)
-        xm = gl.arange(0, 8, layout=gl.SliceLayout(1, X_L))
+        xm = gl.arange(0, 8 * MB, layout=gl.SliceLayout(1, X_L))
         xk = gl.arange(0, 128, layout=gl.SliceLayout(0, X_L))
         x_ptrs = X + xm[:, None] * stride_xm + xk[None, :]
         x_ok = (xm < M)[:, None] & (xk < 128)[None, :]
         p = gl.arange(0, 128, layout=gl.SliceLayout(1, WB_L))
         b = gl.arange(0, 8, layout=gl.SliceLayout(0, WB_L))
-        TILE: gl.constexpr = 128 * 8                                    # words a row tile
-        w_ptrs = Wb + blk.to(gl.int64) * num_groups * (NT * TILE) + p[:, None] * 8 + b[None, :]
+        w_ptrs = Wb + p[:, None] * 8 + b[None, :]
         rows = gl.arange(0, 64, layout=gl.SliceLayout(1, MMA_L))
-        row0 = blk * (64 * NT)
-        s_ptrs = S + row0 + rows
-        z_ptrs = Z + row0 + rows
+        blk0 = pid * NT
+        # rows of each block (blocks past the last: the last row, read and not stored)
+        n0 = gl.minimum(blk0 * 64 + rows, stride_s - 1)
+        n1 = gl.minimum(blk0 * 64 + 64 + rows, stride_s - 1)
+        n2 = gl.minimum(blk0 * 64 + 128 + rows, stride_s - 1)
+        n3 = gl.minimum(blk0 * 64 + 192 + rows, stride_s - 1)
         ones = gl.full([64, 128], 1.0, DT, A_L)
-        zero = gl.zeros([64, 8], gl.float32, MMA_L)
-        y0 = gl.zeros([64, 8], gl.float32, MMA_L)
-        y1 = gl.zeros([64, 8], gl.float32, MMA_L)
-        y2 = gl.zeros([64, 8], gl.float32, MMA_L)
-        y3 = gl.zeros([64, 8], gl.float32, MMA_L)
-        # Group g's words, scales and zeros are loaded one group ahead of their use.
-        at = g0.to(gl.int64) * (NT * TILE)
+        zero = gl.zeros([64, 8 * MB], gl.float32, MMA_L)
+        y0 = gl.zeros([64, 8 * MB], gl.float32, MMA_L)
+        y1 = gl.zeros([64, 8 * MB], gl.float32, MMA_L)
+        y2 = gl.zeros([64, 8 * MB], gl.float32, MMA_L)
+        y3 = gl.zeros([64, 8 * MB], gl.float32, MMA_L)
+        # Group g's words, scales and zeros are loaded one group ahead of their use (blocks
+        # past the last read the last one again, and are not stored).
         sat = g0.to(gl.int64) * stride_s
-        r0 = gl.load(w_ptrs + at, eviction_policy="evict_first")
-        s0 = gl.load(s_ptrs + sat)
-        z0 = gl.load(z_ptrs + sat)
+        r0 = _block_words(w_ptrs, blk0, nblocks, num_groups, g0, True)
+        s0 = gl.load(S + sat + n0)
+        z0 = gl.load(Z + sat + n0)
         if NT > 1:
-            r1 = gl.load(w_ptrs + at + TILE, eviction_policy="evict_first")
-            s1 = gl.load(s_ptrs + sat + 64)
-            z1 = gl.load(z_ptrs + sat + 64)
+            r1 = _block_words(w_ptrs, blk0 + 1, nblocks, num_groups, g0, True)
+            s1 = gl.load(S + sat + n1)
+            z1 = gl.load(Z + sat + n1)
         if NT > 2:
-            r2 = gl.load(w_ptrs + at + 2 * TILE, eviction_policy="evict_first")
-            s2 = gl.load(s_ptrs + sat + 128)
-            z2 = gl.load(z_ptrs + sat + 128)
-            r3 = gl.load(w_ptrs + at + 3 * TILE, eviction_policy="evict_first")
-            s3 = gl.load(s_ptrs + sat + 192)
-            z3 = gl.load(z_ptrs + sat + 192)
+            r2 = _block_words(w_ptrs, blk0 + 2, nblocks, num_groups, g0, True)
+            s2 = gl.load(S + sat + n2)
+            z2 = gl.load(Z + sat + n2)
+            r3 = _block_words(w_ptrs, blk0 + 3, nblocks, num_groups, g0, True)
+            s3 = gl.load(S + sat + n3)
+            z3 = gl.load(Z + sat + n3)
         for g in range(g0, g1):
             more = g + 1 < g1
-            at = (g + 1).to(gl.int64) * (NT * TILE)
             sat = (g + 1).to(gl.int64) * stride_s
             # x is read by every program (an L2 hit): loaded in the step that uses it, as
             # a value carried over the loop would be repacked (PRMT) for the mma
-            bt = _b_tile(gl.load(x_ptrs + g * 128, mask=x_ok, other=0.0), B_L)
+            bt = _b_tile(gl.load(x_ptrs + g * 128, mask=x_ok, other=0.0), MB, B_L)
             xsum = mma_v2(ones, bt, zero)                     # the group's sum of x, every row
-            w = r0
-            r0 = gl.load(w_ptrs + at, mask=more, other=0, eviction_policy="evict_first")
-            s, z = s0, z0
-            s0 = gl.load(s_ptrs + sat, mask=more, other=0.0)
-            z0 = gl.load(z_ptrs + sat, mask=more, other=0)
+            w, s, z = r0, s0, z0
+            r0 = _block_words(w_ptrs, blk0, nblocks, num_groups, g + 1, more)
+            s0 = gl.load(S + sat + n0, mask=more, other=0.0)
+            z0 = gl.load(Z + sat + n0, mask=more, other=0)
             y0 = _group_sum(y0, w, s, z, bt, xsum, zero, OFFSET, DT, A_L)
             if NT > 1:
-                w = r1
-                r1 = gl.load(w_ptrs + at + TILE, mask=more, other=0, eviction_policy="evict_first")
-                s, z = s1, z1
-                s1 = gl.load(s_ptrs + sat + 64, mask=more, other=0.0)
-                z1 = gl.load(z_ptrs + sat + 64, mask=more, other=0)
+                w, s, z = r1, s1, z1
+                r1 = _block_words(w_ptrs, blk0 + 1, nblocks, num_groups, g + 1, more)
+                s1 = gl.load(S + sat + n1, mask=more, other=0.0)
+                z1 = gl.load(Z + sat + n1, mask=more, other=0)
                 y1 = _group_sum(y1, w, s, z, bt, xsum, zero, OFFSET, DT, A_L)
             if NT > 2:
-                w = r2
-                r2 = gl.load(w_ptrs + at + 2 * TILE, mask=more, other=0,
-                             eviction_policy="evict_first")
-                s, z = s2, z2
-                s2 = gl.load(s_ptrs + sat + 128, mask=more, other=0.0)
-                z2 = gl.load(z_ptrs + sat + 128, mask=more, other=0)
+                w, s, z = r2, s2, z2
+                r2 = _block_words(w_ptrs, blk0 + 2, nblocks, num_groups, g + 1, more)
+                s2 = gl.load(S + sat + n2, mask=more, other=0.0)
+                z2 = gl.load(Z + sat + n2, mask=more, other=0)
                 y2 = _group_sum(y2, w, s, z, bt, xsum, zero, OFFSET, DT, A_L)
-                w = r3
-                r3 = gl.load(w_ptrs + at + 3 * TILE, mask=more, other=0,
-                             eviction_policy="evict_first")
-                s, z = s3, z3
-                s3 = gl.load(s_ptrs + sat + 192, mask=more, other=0.0)
-                z3 = gl.load(z_ptrs + sat + 192, mask=more, other=0)
+                w, s, z = r3, s3, z3
+                r3 = _block_words(w_ptrs, blk0 + 3, nblocks, num_groups, g + 1, more)
+                s3 = gl.load(S + sat + n3, mask=more, other=0.0)
+                z3 = gl.load(Z + sat + n3, mask=more, other=0)
                 y3 = _group_sum(y3, w, s, z, bt, xsum, zero, OFFSET, DT, A_L)
-        cols = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA_L))
-        _finish(y0, Y, Part, blk, sp, row0, rows, cols, M, N, SPLIT)
+        cols = gl.arange(0, 8 * MB, layout=gl.SliceLayout(0, MMA_L))
+        _finish(y0, Y, Part, sp, blk0 * 64, rows, cols, M, N, SPLIT)
         if NT > 1:
-            _finish(y1, Y, Part, blk, sp, row0 + 64, rows, cols, M, N, SPLIT)
+            _finish(y1, Y, Part, sp, blk0 * 64 + 64, rows, cols, M, N, SPLIT)
         if NT > 2:
-            _finish(y2, Y, Part, blk, sp, row0 + 128, rows, cols, M, N, SPLIT)
-            _finish(y3, Y, Part, blk, sp, row0 + 192, rows, cols, M, N, SPLIT)
-        if SPLIT > 1:
-            _reduce(Y, Part, Count, blk, row0, rows, cols, M, N, NT, SPLIT, MMA_L)
+            _finish(y2, Y, Part, sp, blk0 * 64 + 128, rows, cols, M, N, SPLIT)
+            _finish(y3, Y, Part, sp, blk0 * 64 + 192, rows, cols, M, N, SPLIT)
+        if SPLIT:
+            _reduce(Y, Part, Count, pid, blk0 * 64, rows, cols, M, N, split, NT, MB, MMA_L)
 
     @gluon.jit
-    def _finish(y, Y, Part, blk, sp, row0, rows, cols, M, N, SPLIT: gl.constexpr):
+    def _finish(y, Y, Part, sp, row0, rows, cols, M, N, SPLIT: gl.constexpr):
         """This program's sums for 64 rows: the output (no split) or its partial [M, N]."""
         n = row0 + rows
         ok = (n < N)[:, None] & (cols < M)[None, :]
         at = cols[None, :] * N + n[:, None]
-        if SPLIT == 1:
-            gl.store(Y + at, y.to(Y.dtype.element_ty), mask=ok)
-        else:
+        if SPLIT:
             gl.store(Part + sp.to(gl.int64) * M * N + at, y, mask=ok)
+        else:
+            gl.store(Y + at, y.to(Y.dtype.element_ty), mask=ok)
 
     @gluon.jit
-    def _reduce(Y, Part, Count, blk, row0, rows, cols, M, N, NT: gl.constexpr,
-                SPLIT: gl.constexpr, MMA_L: gl.constexpr):
-        """The last program of a row block to finish adds the partial sums."""
+    def _reduce(Y, Part, Count, pid, row0, rows, cols, M, N, split, NT: gl.constexpr,
+                MB: gl.constexpr, MMA_L: gl.constexpr):
+        """The last program of a row block to finish adds the partial sums (four loads in
+        flight at a time), then puts the counter back to zero."""
         gl.thread_barrier()
-        arrived = gl.atomic_add(Count + blk, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT - 1:
+        arrived = gl.atomic_add(Count + pid, 1, sem="acq_rel", scope="gpu")
+        if arrived == split - 1:
             for t in gl.static_range(NT):
                 n = row0 + t * 64 + rows
                 ok = (n < N)[:, None] & (cols < M)[None, :]
-                at = cols[None, :] * N + n[:, None]
-                total = gl.zeros([64, 8], gl.float32, MMA_L)
-                for s_ in range(0, SPLIT):
-                    total += gl.load(Part + s_ * M * N + at, mask=ok, other=0.0,
-                                     cache_modifier=".cg")
-                gl.store(Y + at, total.to(Y.dtype.element_ty), mask=ok)
-            gl.atomic_xchg(Count + blk, 0, sem="relaxed", scope="gpu")
+                at = Part + cols[None, :] * N + n[:, None]
+                step = M * N
+                total = gl.zeros([64, 8 * MB], gl.float32, MMA_L)
+                for s_ in range(0, split, 4):
+                    a0 = gl.load(at + s_ * step, mask=ok, other=0.0, cache_modifier=".cg")
+                    a1 = gl.load(at + (s_ + 1) * step, mask=ok & (s_ + 1 < split), other=0.0,
+                                 cache_modifier=".cg")
+                    a2 = gl.load(at + (s_ + 2) * step, mask=ok & (s_ + 2 < split), other=0.0,
+                                 cache_modifier=".cg")
+                    a3 = gl.load(at + (s_ + 3) * step, mask=ok & (s_ + 3 < split), other=0.0,
+                                 cache_modifier=".cg")
+                    total += (a0 + a1) + (a2 + a3)
+                gl.store(Y + cols[None, :] * N + n[:, None], total.to(Y.dtype.element_ty), mask=ok)
+            gl.atomic_xchg(Count + pid, 0, sem="relaxed", scope="gpu")
 
 
+_UNPACK_ASM = """{
+    .reg .b32 a4, a8, a12, b4, b8, b12, m;
+    mov.b32 m, MAGIC;
+    shr.b32 a4, $8, 4;
+    shr.b32 a8, $8, 8;
+    shr.b32 a12, $8, 12;
+    shr.b32 b4, $9, 4;
+    shr.b32 b8, $9, 8;
+    shr.b32 b12, $9, 12;
+    lop3.b32 $0, $8, 0x000F000F, m, 0xEA;
+    lop3.b32 $1, a4, 0x000F000F, m, 0xEA;
+    lop3.b32 $2, a8, 0x000F000F, m, 0xEA;
+    lop3.b32 $3, a12, 0x000F000F, m, 0xEA;
+    lop3.b32 $4, $9, 0x000F000F, m, 0xEA;
+    lop3.b32 $5, b4, 0x000F000F, m, 0xEA;
+    lop3.b32 $6, b8, 0x000F000F, m, 0xEA;
+    lop3.b32 $7, b12, 0x000F000F, m, 0xEA;
+}"""
+UNPACK_ASM_BF16 = _UNPACK_ASM.replace("MAGIC", "0x43004300")     # 128 + code
+UNPACK_ASM_F16 = _UNPACK_ASM.replace("MAGIC", "0x64006400")      # 1024 + code
+if HAVE_GLUON:
+    UNPACK_ASM_BF16, UNPACK_ASM_F16 = gl.constexpr(UNPACK_ASM_BF16), gl.constexpr(UNPACK_ASM_F16)
 _OFFSET = {torch.bfloat16: 128.0, torch.float16: 1024.0}    # the unpack's 16-bit floats
+MAX_ROWS = 64                                               # 8 column blocks of 8
+
+
+def column_blocks(m: int) -> int:
+    """Column blocks of 8 for m rows of x: a power of two."""
+    return 1 << max(0, -(-m // 8) - 1).bit_length()
+
+
+def default_config(p: W4Mma, m: int, sms: int) -> dict:
+    """64-row blocks a program (NT) and the K split: measured on the H200 at batch 1
+    (bench_w4_mma.py), one block a program with a split giving about four programs an SM
+    is at most 5% from the best on every Llama-3-8B shape."""
+    blocks = p.words.shape[0]
+    groups = p.k // GROUP
+    split = 1
+    while blocks * split < 4 * sms and groups // (split * 2) >= 2:
+        split *= 2
+    return dict(NT=1, SPLIT=split)
 
 
 def kernel_args(x: torch.Tensor, p: W4Mma, y: torch.Tensor, part: torch.Tensor,
-                count: torch.Tensor, split: int):
+                count: torch.Tensor, nt: int, split: int):
     """Arguments and constexprs of one launch (shared by the launcher and the sm_90
     compile check)."""
     groups = p.k // GROUP
     per = -(-groups // split)
-    mma, a, b, wb, xl = _layouts(p.nt)
-    offset = _OFFSET[x.dtype]
+    mb = column_blocks(x.shape[0])
+    mma, a, b, wb, xl = _layouts(mb)
     dt = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
     args = dict(X=x, Wb=p.words, S=p.scales, Z=p.zeros, Y=y, Part=part, Count=count,
                 M=x.shape[0], N=p.n, stride_xm=x.stride(0), stride_s=p.scales.stride(0),
-                num_groups=groups,
-                groups_per_split=per)
-    consts = dict(NT=p.nt, SPLIT=split, OFFSET=offset, DT=dt, MMA_L=mma, A_L=a,
-                  B_L=b, WB_L=wb, X_L=xl)
+                num_groups=groups, nblocks=p.words.shape[0], groups_per_split=per, split=split)
+    consts = dict(NT=nt, MB=mb, SPLIT=split > 1, OFFSET=_OFFSET[x.dtype], DT=dt, MMA_L=mma,
+                  A_L=a, B_L=b, WB_L=wb, X_L=xl)
     return args, consts
 
 
-def default_split(p: W4Mma, sms: int) -> int:
-    """K splits so that row blocks x splits give about three programs an SM."""
-    blocks = p.words.shape[0]
-    groups = p.k // GROUP
-    split = 1
-    while blocks * split < 3 * sms and groups // (split * 2) >= 2:
-        split *= 2
-    return split
-
-
-def w4_mma_gemv(x: torch.Tensor, p: W4Mma, split: int | None = None) -> torch.Tensor:
-    """x [m <= 8, k] bf16/fp16 (CUDA, sm_80+) -> y [m, n] = x W^T."""
+def w4_mma_gemv(x: torch.Tensor, p: W4Mma, config: dict | None = None) -> torch.Tensor:
+    """x [m <= 64, k] bf16/fp16 (CUDA, sm_80+) -> y [m, n] = x W^T. config: NT (64-row
+    blocks a program: 1, 2 or 4) and SPLIT (K splits); default_config when None."""
     from slipstream.kernels.int_weight_gemv import _counters
     from slipstream.kernels.runtime import num_sms
     m, k = x.shape
     if m > MAX_ROWS or k != p.k or x.dtype not in _OFFSET or x.stride(1) != 1:
-        raise ValueError(f"w4_mma_gemv: x {tuple(x.shape)} {x.dtype} against k={p.k}, "
-                         f"at most {MAX_ROWS} rows, bf16/fp16, unit column stride")
+        raise ValueError(f"w4_mma_gemv: x {tuple(x.shape)} {x.dtype} against k={p.k}: at most "
+                         f"{MAX_ROWS} rows, bf16/fp16, unit column stride")
     y = torch.empty(m, p.n, dtype=x.dtype, device=x.device)
     if m == 0:
         return y
-    if split is None:
-        split = default_split(p, num_sms(x.device.index or 0))
+    cfg = config or default_config(p, m, num_sms(x.device.index or 0))
+    nt, split = cfg["NT"], cfg["SPLIT"]
     groups = p.k // GROUP
     split = -(-groups // -(-groups // split))                   # no empty programs
-    blocks = p.words.shape[0]
+    programs = -(-p.words.shape[0] // nt)
     part = y if split == 1 else torch.empty(split, m, p.n, dtype=torch.float32, device=x.device)
-    count = _counters(x.device, blocks) if split > 1 else p.scales
-    args, consts = kernel_args(x, p, y, part, count, split)
-    _w4_mma_kernel[(blocks, split)](*args.values(), **consts, num_warps=WARPS)
+    count = _counters(x.device, programs) if split > 1 else p.scales
+    args, consts = kernel_args(x, p, y, part, count, nt, split)
+    _w4_mma_kernel[(programs, split)](*args.values(), **consts, num_warps=WARPS)
     return y

@@ -14,9 +14,12 @@ their row slices):
 then quantizes it by RTN in `process_after_loading`. On CUDA 4- and 8-bit layers run
 Triton kernels (kernels/int_weight_gemv.py at decode batch sizes, kernels/quant_gemm.py
 above), reading the codes in the tiled word layout where a tile divides the row, else the
-packed codes; elsewhere, and for 2/3 bits, the plain-PyTorch twin dequantizes and multiplies.
+packed codes; 4-bit layers in groups of 128 on sm_80+ the tensor-core GEMV of
+kernels/w4_mma_gemv.py up to 64 rows, its weight dequantized for cuBLAS above; elsewhere, and for 2/3 bits, the plain-PyTorch twin dequantizes and multiplies.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 from torch import nn
@@ -119,8 +122,12 @@ class IntWeightMethod:
         if getattr(layer, "perm", None) is not None:
             x = x.index_select(1, layer.perm)        # int32 indices: no conversion kernel
         zeros = layer.qzeros if not self.sym else None
-        tile = self._gpu_tile(layer, x)
-        if tile is not None:
+        packed = self._gpu_mma(layer, x)
+        tile = None if packed is not None else self._gpu_tile(layer, x)
+        if packed is not None:
+            from slipstream.kernels.quant_gemm import w4_mma_product
+            y = w4_mma_product(x, packed)
+        elif tile is not None:
             from slipstream.kernels.quant_gemm import tiled_int_weight_gemm
             y = tiled_int_weight_gemm(x, layer.qwords, layer.scales, zeros, self.bits,
                                       layer.group_cols, tile)
@@ -132,6 +139,38 @@ class IntWeightMethod:
                                             layer.group_cols)
         return y if layer.bias is None else y + layer.bias
 
+
+    def _gpu_mma(self, layer: nn.Module, x: torch.Tensor):
+        """On a CUDA GPU with tensor cores (sm_80+), 4-bit codes in groups of 128 re-laid
+        out on the first product for the tensor-core GEMV (kernels/w4_mma_gemv.py):
+        `qweight` gives way to `qwords_mma` (a W4Mma in `layer.w4_mma`). None: another
+        path (SLIPSTREAM_W4_MMA=0 turns this one off)."""
+        packed = getattr(layer, "w4_mma", None)
+        if packed is not None or not x.is_cuda or getattr(layer, "w4_mma_checked", False):
+            return packed
+        layer.w4_mma_checked = True
+        from slipstream.kernels import w4_mma_gemv as w4
+        if (self.bits != 4 or layer.group_cols != w4.GROUP or x.shape[1] % w4.GROUP
+                or not w4.HAVE_GLUON or getattr(layer, "qweight", None) is None
+                or x.dtype not in (torch.bfloat16, torch.float16)
+                or torch.cuda.get_device_capability(x.device) < (8, 0)
+                or os.environ.get("SLIPSTREAM_W4_MMA", "1") in ("", "0")):
+            return None
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("a weight-only quantized layer must run once eagerly before a "
+                               "CUDA graph capture (its codes are re-laid out on the first product)")
+        from slipstream.quant.primitives import unpack_codes
+        q = layer.qweight.data
+        zeros = None if self.sym else layer.qzeros.data
+        parts = [w4.pack_w4_mma(unpack_codes(q[i:i + 4096], 4), layer.scales.data[i:i + 4096],
+                                None if zeros is None else zeros[i:i + 4096])
+                 for i in range(0, q.shape[0], 4096)]       # 4096: whole 64-row blocks
+        packed = w4.W4Mma(torch.cat([p.words for p in parts]), torch.cat([p.scales for p in parts], 1),
+                          torch.cat([p.zeros for p in parts], 1), q.shape[0], x.shape[1])
+        del layer.qweight, q, parts
+        layer.register_parameter("qwords_mma", _param(packed.words))
+        layer.w4_mma = packed
+        return packed
 
     def _gpu_tile(self, layer: nn.Module, x: torch.Tensor) -> int | None:
         """On CUDA, the tile of the GPU word layout (kernels/int_weight_gemv.py), the codes
@@ -182,7 +221,7 @@ class IntWeightHeadMethod(IntWeightMethod):
     CHUNK_ROWS = 8192
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        if not hasattr(layer, "qweight") and not hasattr(layer, "qwords"):
+        if not any(hasattr(layer, n) for n in ("qweight", "qwords", "qwords_mma")):
             if x.is_cuda and torch.cuda.is_current_stream_capturing():
                 raise RuntimeError("the LM head must run once eagerly before a CUDA graph "
                                    "capture (it is quantized on its first product)")

@@ -100,6 +100,30 @@ def weight_only(kind):
                  dict(BITS=bits, HAS_ZEROS=True, TILE=128, GROUP_TILES=1, BLOCK_N=32), num_warps=4)
 
 
+def w4_mma(kind):
+    """The tensor-core 4-bit GEMV (Gluon): 1, 16 and 64 rows, one or two blocks a program,
+    split or not. Its layout conversions are asserted trivial when it compiles (no data
+    between threads); the PTX must hold mma.sync and no shared-memory load in its loop."""
+    from slipstream.kernels import w4_mma_gemv as w4
+    if not w4.HAVE_GLUON:
+        raise FileNotFoundError("no Gluon in this Triton")
+    from triton.experimental.gluon._runtime import GluonASTSource
+    dt = torch.bfloat16 if kind == "bf16" else torch.float16
+    p = w4.pack_w4_mma(torch.zeros(256, 512, dtype=torch.uint8), torch.ones(256, 4), None)
+    for m, nt, split in ((1, 1, 4), (16, 2, 1), (64, 1, 2)):
+        x, y = torch.empty(m, 512, dtype=dt), torch.empty(m, 256, dtype=dt)
+        args, consts = w4.kernel_args(x, p, y, torch.empty(split, m, 256),
+                                      torch.zeros(8, dtype=torch.int32), nt, split)
+        fn = w4._w4_mma_kernel
+        sig = {n: "constexpr" if n in consts else mangle_type(args[n]) for n in fn.arg_names}
+        k = triton.compile(GluonASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32),
+                           options=dict(num_warps=w4.WARPS))
+        ptx = k.asm["ptx"]
+        assert ptx.count("mma.sync") == 8 * (nt + 1) * w4.column_blocks(m), "mma.sync count"
+        # shared memory only for the split's arrival counter (one broadcast)
+        assert ptx.count("ld.shared") == (split > 1), "operands through shared memory"
+
+
 def decode_step(kind):
     """The decode step's fused kernels over a bf16 / int8 / fp8 cache: short-context
     decode attention (both launch configs; Llama-3-8B heads) and rotary + KV store;
@@ -138,6 +162,7 @@ CHECKS = {f"{fn.__name__}-{kind}": (fn, kind) for fn in (gemm, tma_gemm, produce
           for kind in ("int8", "fp8")}
 CHECKS.update({f"weight_only-{kind}": (weight_only, kind) for kind in ("int4", "int8")})
 CHECKS.update({f"decode_step-{kind}": (decode_step, kind) for kind in ("bf16", "int8", "fp8")})
+CHECKS.update({f"w4_mma-{kind}": (w4_mma, kind) for kind in ("bf16", "fp16")})
 
 
 def main() -> int:

@@ -28,7 +28,8 @@ def results():
 @pytest.mark.parametrize("check", [f"{c}-{k}" for c in ("gemm", "tma_gemm", "producers")
                                    for k in ("int8", "fp8")]
                          + ["weight_only-int4", "weight_only-int8"]
-                         + [f"decode_step-{k}" for k in ("bf16", "int8", "fp8")])
+                         + [f"decode_step-{k}" for k in ("bf16", "int8", "fp8")]
+                         + ["w4_mma-bf16", "w4_mma-fp16"])
 def test_compiles_for_sm90(results, check):
     if results[check].startswith("skip"):
         pytest.skip(results[check])

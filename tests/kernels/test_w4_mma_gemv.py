@@ -20,11 +20,11 @@ def _reference(x, codes, scales, z):
     return x.float() @ w.t()
 
 
-@pytest.mark.parametrize("n,k,nt", [(64, 128, 1), (200, 384, 2), (300, 256, 4)])
-def test_pack_round_trip(n, k, nt):
+@pytest.mark.parametrize("n,k", [(64, 128), (200, 384), (300, 256)])
+def test_pack_round_trip(n, k):
     codes, scales, z = _weight(n, k)
-    p = W.pack_w4_mma(codes, scales, z, nt)
-    assert p.words.shape == (-(-n // (64 * nt)), k // 128, nt, 128, 8)
+    p = W.pack_w4_mma(codes, scales, z)
+    assert p.words.shape == (-(-n // 64), k // 128, 128, 8)
     assert torch.equal(W.unpack_w4_mma(p), codes)
 
 
@@ -38,7 +38,7 @@ def test_pack_rejects_bad_group():
 @pytest.mark.parametrize("offset", [128.0, 1024.0])
 def test_emulation_matches_reference(zeros, offset):
     codes, scales, z = _weight(192, 512, zeros=zeros)
-    p = W.pack_w4_mma(codes, scales, z, 2)
+    p = W.pack_w4_mma(codes, scales, z)
     x = torch.randn(5, 512)
     ref = _reference(x, codes, scales, z)
     torch.testing.assert_close(W.emulate_w4_mma(x, p, offset), ref, rtol=1e-4, atol=1e-3)
@@ -63,8 +63,8 @@ def test_kernel_data_flow_in_torch():
     """The kernel's steps on one (block, group, row tile) with torch's reshape/permute
     (the semantics of Gluon's): A from the words, B from x, one mma = the reference."""
     codes, scales, z = _weight(64, 128)
-    p = W.pack_w4_mma(codes, scales, z, 1)
-    o = _unpack_words(p.words[0, 0, 0], 0.0)
+    p = W.pack_w4_mma(codes, scales, z)
+    o = _unpack_words(p.words[0, 0], 0.0)
     j = lambda a, b: torch.stack([a, b], -1)                     # gl.join
     a = j(j(j(o[0], o[4]), j(o[1], o[5])), j(j(o[2], o[6]), j(o[3], o[7])))
     a = a.reshape([2] * 13).permute(W.W_PERM).reshape(64, 128)   # A [rows, mma inputs]
@@ -73,15 +73,59 @@ def test_kernel_data_flow_in_torch():
     torch.testing.assert_close(a @ b, (x @ codes.float().t()).t(), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_dequantize(dtype):
+    """The Triton dequantizer (the interpreter on a CPU) against the plain weight."""
+    codes, scales, z = _weight(100, 256)
+    p = W.pack_w4_mma(codes, scales, z)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    p = W.W4Mma(p.words.to(dev), p.scales.to(dev), p.zeros.to(dev), p.n, p.k)
+    w = W.dequantize_w4_mma(p, dtype)
+    want = (codes.float() - z.float().repeat_interleave(128, 1)) * scales.repeat_interleave(128, 1)
+    torch.testing.assert_close(w.float().cpu(), want, rtol=1e-3, atol=1e-4)
+
+
+def test_column_blocks():
+    assert [W.column_blocks(m) for m in (1, 8, 9, 16, 17, 33, 64)] == [1, 1, 2, 2, 4, 8, 8]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() or not W.HAVE_GLUON, reason="needs a GPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("m,n,k,nt,split", [(1, 4096, 4096, 2, None), (3, 200, 512, 1, 2),
-                                             (8, 1000, 1024, 4, 1), (5, 320, 2048, 4, 4)])
-def test_kernel_matches_reference(dtype, m, n, k, nt, split):
+@pytest.mark.parametrize("m,n,k,cfg", [(1, 4096, 4096, None), (3, 200, 512, dict(NT=1, SPLIT=2)),
+                                       (8, 1000, 1024, dict(NT=4, SPLIT=1)),
+                                       (5, 320, 2048, dict(NT=4, SPLIT=4)),
+                                       (16, 300, 1024, dict(NT=2, SPLIT=3)),
+                                       (27, 640, 1024, dict(NT=2, SPLIT=2)),
+                                       (64, 256, 512, None)])
+def test_kernel_matches_reference(dtype, m, n, k, cfg):
     codes, scales, z = _weight(n, k, seed=n + k)
-    p = W.pack_w4_mma(codes, scales, z, nt)
-    p = W.W4Mma(p.words.cuda(), p.scales.cuda(), p.zeros.cuda(), p.n, p.k, p.nt)
+    p = W.pack_w4_mma(codes.cuda(), scales.cuda(), z.cuda())
     x = torch.randn(m, k).to(dtype)
-    y = W.w4_mma_gemv(x.cuda(), p, split)
+    y = W.w4_mma_gemv(x.cuda(), p, cfg)
     ref = _reference(x.float(), codes, scales, z)
     torch.testing.assert_close(y.float().cpu(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
+    y2 = W.w4_mma_gemv(x.cuda(), p, cfg)            # the counters were left at zero
+    assert torch.equal(y, y2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not W.HAVE_GLUON, reason="needs a GPU")
+@pytest.mark.parametrize("sym", [False, True])
+def test_layer_takes_the_mma_path(sym):
+    """A 4-bit layer in groups of 128 re-lays its codes out on the first CUDA product and
+    gives the plain product at every batch size (GEMV up to 64 rows, cuBLAS above)."""
+    from torch import nn
+
+    from slipstream.kernels import reference
+    from slipstream.quant.int_weight import IntWeightMethod, set_quantized
+    codes, scales, z = _weight(320, 512, zeros=not sym)
+    layer = nn.Module()
+    layer.group_cols, layer.bias = 128, None
+    set_quantized(layer, codes, scales, z, 4, sym, "cuda")
+    want_q = (layer.qweight.clone(), layer.scales.clone(), None if sym else layer.qzeros.clone())
+    method = IntWeightMethod(4, 128, sym=sym, prequantized=True)
+    for m in (1, 9, 64, 65, 200):
+        x = torch.randn(m, 512, device="cuda").to(torch.bfloat16)
+        y = method.apply(layer, x)
+        assert getattr(layer, "w4_mma", None) is not None and not hasattr(layer, "qweight")
+        want = reference.int_weight_linear(x.float(), *want_q, 4, 128)
+        torch.testing.assert_close(y.float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
