@@ -38,21 +38,24 @@ STREAM_BYTES = 320 << 20          # copies per contender: at least this much wei
 
 
 def variants(p, m: int, sms: int):
-    """(label, config) to time for one shape: 64-row blocks a program, K splits around
-    the default."""
+    """(label, config) to time for one shape: 64-row blocks a program (NT), K splits
+    around the default, groups loaded ahead (DEPTH)."""
     groups = p.k // 128
     base = W4.default_config(p, m, sms)["SPLIT"]
     out = []
-    for nt in (1, 2, 4):
+    for nt in (1, 2, 4) if m <= 16 else (1, 2):
         for split in sorted({max(1, base // (2 * nt)), max(1, base // nt), min(groups, 2 * base // nt)}):
-            out.append((f"mma nt{nt} split{split}", dict(NT=nt, SPLIT=split)))
+            depths = (1, 2, 3) if nt == 1 else (1, 2)
+            for depth in depths:
+                out.append((f"mma nt{nt} split{split} depth{depth}",
+                            dict(NT=nt, SPLIT=split, DEPTH=depth)))
     return out
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
-    ap.add_argument("--rows", default="1,4,8,16,64")
+    ap.add_argument("--rows", default="1,4,16,32,64")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
@@ -97,6 +100,9 @@ def main() -> int:
                                            [tiled], int4_bytes)
             for label, cfg in variants(packed, m, sms):
                 cands[label] = ((lambda p, c=cfg: W4.w4_mma_gemv(x, p, c)), [packed], int4_bytes)
+            if m >= 16:    # the alternative the engine's tuner weighs from 16 rows
+                cands["dequantize + cuBLAS"] = (
+                    lambda p: F.linear(x, W4.dequantize_w4_mma(p, x.dtype)), [packed], int4_bytes)
             row = dict(shape=name, n=n, k=k, m=m)
             for label, (fn, (arg,), nbytes) in cands.items():
                 try:
@@ -116,6 +122,14 @@ def main() -> int:
                 except Exception as e:        # a variant that fails to compile or run: reported
                     row[label] = dict(error=repr(e)[:300])
                 print(name, m, label, row[label], flush=True)
+            if m == rows_m[-1]:    # the dequantizer alone: bytes read and written
+                ms = graph_timer([(lambda a=a: W4.dequantize_w4_mma(a, torch.bfloat16))
+                                  for a in [packed] + [_clone(packed) for _ in range(3)]])()
+                row["dequantize_us"] = round(ms * 1e3, 2)
+                row["dequantize_pct_copy_bw"] = round(
+                    100 * (int4_bytes + n * k * 2) / (ms * 1e-3) / copy_bw, 1)
+                print(name, "dequantize", row["dequantize_us"], "us",
+                      row["dequantize_pct_copy_bw"], "% copy bw", flush=True)
             base = row["bf16 cuBLAS"].get("us")
             loop = row.get("fp32-loop GEMV", {}).get("us")
             timed = {lb: r["us"] for lb, r in row.items() if isinstance(r, dict) and "us" in r

@@ -221,9 +221,9 @@ def tiled_int_weight_gemm(x: torch.Tensor, words: torch.Tensor, scales: torch.Te
 
 def w4_mma_product(x: torch.Tensor, p) -> torch.Tensor:
     """The product with a weight packed for the tensor-core 4-bit GEMV (a W4Mma of
-    kernels/w4_mma_gemv.py): the GEMV up to its MAX_ROWS rows, its launch (blocks a
-    program, K split) tuned per token-count bucket like the others; above, the weight
-    dequantized once for cuBLAS."""
+    kernels/w4_mma_gemv.py): up to its MAX_ROWS rows the GEMV or, where it times faster
+    (tuned per token-count bucket like the others, from 16 rows), the weight dequantized
+    for cuBLAS; above MAX_ROWS always the latter."""
     from slipstream.kernels import w4_mma_gemv as w4
     m = x.shape[0]
     if m > w4.MAX_ROWS:
@@ -231,12 +231,17 @@ def w4_mma_product(x: torch.Tensor, p) -> torch.Tensor:
     from slipstream.kernels.runtime import num_sms
     default = w4.default_config(p, m, num_sms(x.device.index or 0))
 
+    def call(cfg, q):
+        if cfg.get("DEQUANT"):
+            return torch.nn.functional.linear(x, w4.dequantize_w4_mma(q, x.dtype))
+        return w4.w4_mma_gemv(x, q, cfg)
+
     def timed_calls(cfg, copies):
-        return [lambda c=c: w4.w4_mma_gemv(x, w4.W4Mma(*c, p.n, p.k), cfg) for c in copies]
+        return [lambda c=c: call(cfg, w4.W4Mma(*c, p.n, p.k)) for c in copies]
     cfg = quant_tuning.choose(("w4_mma", p.n, p.k, x.dtype), m, x.device, default,
                               lambda: quant_tuning.w4_mma_candidates(default, p.k, m),
                               (p.words, p.scales, p.zeros), timed_calls)
-    return w4.w4_mma_gemv(x, p, cfg)
+    return call(cfg, p)
 
 
 def _launch_int_weight(x, qweight, scales, qzeros, bits, group_cols, config, tile=None):

@@ -161,14 +161,15 @@ def int_weight_candidates(m: int, n: int, k: int, k_block_limit: int, device) ->
 
 def w4_mma_candidates(default: dict, k: int, m: int) -> list[dict]:
     """The tensor-core 4-bit GEMV's launches (kernels/w4_mma_gemv.py): K splits around the
-    default's, with one 64-row block a program or (up to 16 rows, where registers allow)
-    two. On the H200 at batch 1 the best of these was within 5% of a wider sweep's best
-    on every Llama-3-8B shape (benchmarks/quant/bench_w4_mma.py)."""
+    default's, with one 64-row block a program or two; from 16 rows also the weight
+    dequantized for cuBLAS (DEQUANT), which can win where the GEMV's tensor-core work grows
+    with the rows."""
     groups = k // 128
     base = default["SPLIT"]
     out = [dict(NT=1, SPLIT=s) for s in sorted({max(1, base // 2), base, min(groups, base * 2)})]
-    if m <= 16:
-        out += [dict(NT=2, SPLIT=s) for s in sorted({max(1, base // 4), max(1, base // 2)})]
+    out += [dict(NT=2, SPLIT=s) for s in sorted({max(1, base // 4), max(1, base // 2)})]
+    if m >= 16:
+        out.append(dict(DEQUANT=True))
     return out
 
 

@@ -140,18 +140,22 @@ def emulate_w4_mma(x: torch.Tensor, p: W4Mma, offset: float = 128.0) -> torch.Te
 
 @triton.jit
 def _dequantize_kernel(Wb, S, Z, Out, N, K, stride_s):
-    """Program (block, group): the 64 x 128 weights of one block's group, from its words."""
+    """Program (block, group): the 64 x 128 weights of one block's group. Thread p of the
+    GEMV held rows 16 w + 8 h + g and, for each, the 32 contiguous columns 32 t + c
+    (c = 4 K + 2 q + e: word K, nibble 4 e + 2 q + h), so the output is written as rows
+    of 32 contiguous values."""
     blk = tl.program_id(0)
     grp = tl.program_id(1)
     p = tl.arange(0, 128)[:, None, None]                     # thread 32 w + 4 g + t
-    kw = tl.arange(0, 8)[None, :, None]                      # word K (the mma's k-tile)
-    nib = tl.arange(0, 8)[None, None, :]                     # nibble 4 e + 2 q + h
-    words = tl.load(Wb + ((blk.to(tl.int64) * (K // 128) + grp) * 128 + p) * 8 + kw)
+    h = tl.arange(0, 2)[None, :, None]
+    c = tl.arange(0, 32)[None, None, :]
+    words = tl.load(Wb + ((blk.to(tl.int64) * (K // 128) + grp) * 128 + p) * 8 + (c >> 2))
+    nib = 4 * (c & 1) + 2 * ((c >> 1) & 1) + h
     codes = ((words >> (4 * nib)) & 0xF).to(tl.float32)
-    row = blk * 64 + 16 * (p >> 5) + 8 * (nib & 1) + ((p >> 2) & 7)
-    col = grp * 128 + 32 * (p & 3) + 4 * kw + 2 * ((nib >> 1) & 1) + (nib >> 2)
+    row = blk * 64 + 16 * (p >> 5) + 8 * h + ((p >> 2) & 7)
     s = tl.load(S + grp * stride_s + row)
     z = tl.load(Z + grp * stride_s + row).to(tl.float32)
+    col = grp * 128 + 32 * (p & 3) + c
     tl.store(Out + row.to(tl.int64) * K + col, ((codes - z) * s).to(Out.dtype.element_ty),
              mask=row < N)
 
@@ -227,28 +231,64 @@ if HAVE_GLUON:
         return gl.convert_layout(gl.reshape(xt, [128, 8 * MB]), B_L, assert_trivial=True)
 
     @gluon.jit
-    def _block_words(w_ptrs, blk, nblocks, num_groups, g, ok):
-        """The words of 64-row block blk (clamped to the last) for group g ([128, 8])."""
-        at = (gl.minimum(blk, nblocks - 1).to(gl.int64) * num_groups + g) * 1024
-        return gl.load(w_ptrs + at, mask=ok, other=0, eviction_policy="evict_first")
+    def _stage(w_ptrs, S, Z, blk, rows, nblocks, num_groups, stride_s, g, ok):
+        """Block blk's words [128, 8], scales and zeros [64] for group g (a block past the
+        last reads the last one again; it is not stored)."""
+        blk = gl.minimum(blk, nblocks - 1)
+        n = blk * 64 + rows
+        at = (blk.to(gl.int64) * num_groups + g) * 1024
+        sat = g.to(gl.int64) * stride_s
+        return (gl.load(w_ptrs + at, mask=ok, other=0, eviction_policy="evict_first"),
+                gl.load(S + sat + n, mask=ok, other=0.0), gl.load(Z + sat + n, mask=ok, other=0))
 
     @gluon.jit
-    def _group_sum(y, words, s, z, bt, xsum, zero, OFFSET: gl.constexpr, DT: gl.constexpr,
+    def _stages(w_ptrs, S, Z, blk0, rows, nblocks, num_groups, stride_s, g, ok,
+                NT: gl.constexpr):
+        """_stage of each of the program's NT blocks."""
+        a = _stage(w_ptrs, S, Z, blk0, rows, nblocks, num_groups, stride_s, g, ok)
+        if NT == 1:
+            out = (a,)
+        elif NT == 2:
+            out = (a, _stage(w_ptrs, S, Z, blk0 + 1, rows, nblocks, num_groups, stride_s, g, ok))
+        else:
+            out = (a, _stage(w_ptrs, S, Z, blk0 + 1, rows, nblocks, num_groups, stride_s, g, ok),
+                   _stage(w_ptrs, S, Z, blk0 + 2, rows, nblocks, num_groups, stride_s, g, ok),
+                   _stage(w_ptrs, S, Z, blk0 + 3, rows, nblocks, num_groups, stride_s, g, ok))
+        return out
+
+    @gluon.jit
+    def _group_sum(y, st, bt, xsum, zero, OFFSET: gl.constexpr, DT: gl.constexpr,
                    A_L: gl.constexpr):
-        """y + one group's products for a 64-row block: scale x (sum of (OFFSET + code) x)
-        less scale x (OFFSET + zero) x sum(x)."""
+        """y + one group's products for a 64-row block (st: its words, scales, zeros):
+        scale x (sum of (OFFSET + code) x) less scale x (OFFSET + zero) x sum(x)."""
+        words, s, z = st
         acc = mma_v2(_a_tile(words, DT, A_L), bt, zero)
         sz = s * (OFFSET + z.to(gl.float32))
         return y + s[:, None] * acc - sz[:, None] * xsum
 
     @gluon.jit
+    def _accumulate(ys, st, bt, xsum, zero, OFFSET: gl.constexpr, DT: gl.constexpr,
+                    A_L: gl.constexpr, NT: gl.constexpr):
+        y0 = _group_sum(ys[0], st[0], bt, xsum, zero, OFFSET, DT, A_L)
+        if NT == 1:
+            out = (y0,)
+        elif NT == 2:
+            out = (y0, _group_sum(ys[1], st[1], bt, xsum, zero, OFFSET, DT, A_L))
+        else:
+            out = (y0, _group_sum(ys[1], st[1], bt, xsum, zero, OFFSET, DT, A_L),
+                   _group_sum(ys[2], st[2], bt, xsum, zero, OFFSET, DT, A_L),
+                   _group_sum(ys[3], st[3], bt, xsum, zero, OFFSET, DT, A_L))
+        return out
+
+    @gluon.jit
     def _w4_mma_kernel(X, Wb, S, Z, Y, Part, Count, M, N, stride_xm, stride_s, num_groups,
                        nblocks, groups_per_split, split,
                        NT: gl.constexpr, MB: gl.constexpr, SPLIT: gl.constexpr,
-                       OFFSET: gl.constexpr, DT: gl.constexpr,
+                       DEPTH: gl.constexpr, OFFSET: gl.constexpr, DT: gl.constexpr,
                        MMA_L: gl.constexpr, A_L: gl.constexpr, B_L: gl.constexpr,
                        WB_L: gl.constexpr, X_L: gl.constexpr):
-        """Program (i, j): 64-row blocks NT i .. NT i + NT - 1, groups of split j."""
+        """Program (i, j): 64-row blocks NT i .. NT i + NT - 1, groups of split j; each
+        group's words, scales and zeros are requested DEPTH groups ahead of their use."""
         pid = gl.program_id(0)
         sp = gl.program_id(1)
         g0 = sp * groups_per_split
@@ -262,70 +302,40 @@ if HAVE_GLUON:
         w_ptrs = Wb + p[:, None] * 8 + b[None, :]
         rows = gl.arange(0, 64, layout=gl.SliceLayout(1, MMA_L))
         blk0 = pid * NT
-        # rows of each block (blocks past the last: the last row, read and not stored)
-        n0 = gl.minimum(blk0 * 64 + rows, stride_s - 1)
-        n1 = gl.minimum(blk0 * 64 + 64 + rows, stride_s - 1)
-        n2 = gl.minimum(blk0 * 64 + 128 + rows, stride_s - 1)
-        n3 = gl.minimum(blk0 * 64 + 192 + rows, stride_s - 1)
         ones = gl.full([64, 128], 1.0, DT, A_L)
         zero = gl.zeros([64, 8 * MB], gl.float32, MMA_L)
-        y0 = gl.zeros([64, 8 * MB], gl.float32, MMA_L)
-        y1 = gl.zeros([64, 8 * MB], gl.float32, MMA_L)
-        y2 = gl.zeros([64, 8 * MB], gl.float32, MMA_L)
-        y3 = gl.zeros([64, 8 * MB], gl.float32, MMA_L)
-        # Group g's words, scales and zeros are loaded one group ahead of their use (blocks
-        # past the last read the last one again, and are not stored).
-        sat = g0.to(gl.int64) * stride_s
-        r0 = _block_words(w_ptrs, blk0, nblocks, num_groups, g0, True)
-        s0 = gl.load(S + sat + n0)
-        z0 = gl.load(Z + sat + n0)
-        if NT > 1:
-            r1 = _block_words(w_ptrs, blk0 + 1, nblocks, num_groups, g0, True)
-            s1 = gl.load(S + sat + n1)
-            z1 = gl.load(Z + sat + n1)
-        if NT > 2:
-            r2 = _block_words(w_ptrs, blk0 + 2, nblocks, num_groups, g0, True)
-            s2 = gl.load(S + sat + n2)
-            z2 = gl.load(Z + sat + n2)
-            r3 = _block_words(w_ptrs, blk0 + 3, nblocks, num_groups, g0, True)
-            s3 = gl.load(S + sat + n3)
-            z3 = gl.load(Z + sat + n3)
+        y = gl.zeros([64, 8 * MB], gl.float32, MMA_L)
+        if NT == 1:
+            ys = (y,)
+        elif NT == 2:
+            ys = (y, y)
+        else:
+            ys = (y, y, y, y)
+        pipe = (_stages(w_ptrs, S, Z, blk0, rows, nblocks, num_groups, stride_s, g0, True, NT),)
+        if DEPTH > 1:
+            pipe = pipe + (_stages(w_ptrs, S, Z, blk0, rows, nblocks, num_groups, stride_s,
+                                   g0 + 1, g0 + 1 < g1, NT),)
+        if DEPTH > 2:
+            pipe = pipe + (_stages(w_ptrs, S, Z, blk0, rows, nblocks, num_groups, stride_s,
+                                   g0 + 2, g0 + 2 < g1, NT),)
         for g in range(g0, g1):
-            more = g + 1 < g1
-            sat = (g + 1).to(gl.int64) * stride_s
+            cur = pipe[0]
+            nxt = _stages(w_ptrs, S, Z, blk0, rows, nblocks, num_groups, stride_s, g + DEPTH,
+                          g + DEPTH < g1, NT)
+            if DEPTH == 1:
+                pipe = (nxt,)
+            elif DEPTH == 2:
+                pipe = (pipe[1], nxt)
+            else:
+                pipe = (pipe[1], pipe[2], nxt)
             # x is read by every program (an L2 hit): loaded in the step that uses it, as
             # a value carried over the loop would be repacked (PRMT) for the mma
             bt = _b_tile(gl.load(x_ptrs + g * 128, mask=x_ok, other=0.0), MB, B_L)
             xsum = mma_v2(ones, bt, zero)                     # the group's sum of x, every row
-            w, s, z = r0, s0, z0
-            r0 = _block_words(w_ptrs, blk0, nblocks, num_groups, g + 1, more)
-            s0 = gl.load(S + sat + n0, mask=more, other=0.0)
-            z0 = gl.load(Z + sat + n0, mask=more, other=0)
-            y0 = _group_sum(y0, w, s, z, bt, xsum, zero, OFFSET, DT, A_L)
-            if NT > 1:
-                w, s, z = r1, s1, z1
-                r1 = _block_words(w_ptrs, blk0 + 1, nblocks, num_groups, g + 1, more)
-                s1 = gl.load(S + sat + n1, mask=more, other=0.0)
-                z1 = gl.load(Z + sat + n1, mask=more, other=0)
-                y1 = _group_sum(y1, w, s, z, bt, xsum, zero, OFFSET, DT, A_L)
-            if NT > 2:
-                w, s, z = r2, s2, z2
-                r2 = _block_words(w_ptrs, blk0 + 2, nblocks, num_groups, g + 1, more)
-                s2 = gl.load(S + sat + n2, mask=more, other=0.0)
-                z2 = gl.load(Z + sat + n2, mask=more, other=0)
-                y2 = _group_sum(y2, w, s, z, bt, xsum, zero, OFFSET, DT, A_L)
-                w, s, z = r3, s3, z3
-                r3 = _block_words(w_ptrs, blk0 + 3, nblocks, num_groups, g + 1, more)
-                s3 = gl.load(S + sat + n3, mask=more, other=0.0)
-                z3 = gl.load(Z + sat + n3, mask=more, other=0)
-                y3 = _group_sum(y3, w, s, z, bt, xsum, zero, OFFSET, DT, A_L)
+            ys = _accumulate(ys, cur, bt, xsum, zero, OFFSET, DT, A_L, NT)
         cols = gl.arange(0, 8 * MB, layout=gl.SliceLayout(0, MMA_L))
-        _finish(y0, Y, Part, sp, blk0 * 64, rows, cols, M, N, SPLIT)
-        if NT > 1:
-            _finish(y1, Y, Part, sp, blk0 * 64 + 64, rows, cols, M, N, SPLIT)
-        if NT > 2:
-            _finish(y2, Y, Part, sp, blk0 * 64 + 128, rows, cols, M, N, SPLIT)
-            _finish(y3, Y, Part, sp, blk0 * 64 + 192, rows, cols, M, N, SPLIT)
+        for t in gl.static_range(NT):
+            _finish(ys[t], Y, Part, sp, blk0 * 64 + t * 64, rows, cols, M, N, SPLIT)
         if SPLIT:
             _reduce(Y, Part, Count, pid, blk0 * 64, rows, cols, M, N, split, NT, MB, MMA_L)
 
@@ -407,11 +417,11 @@ def default_config(p: W4Mma, m: int, sms: int) -> dict:
     split = 1
     while blocks * split < 4 * sms and groups // (split * 2) >= 2:
         split *= 2
-    return dict(NT=1, SPLIT=split)
+    return dict(NT=1, SPLIT=split, DEPTH=1)
 
 
 def kernel_args(x: torch.Tensor, p: W4Mma, y: torch.Tensor, part: torch.Tensor,
-                count: torch.Tensor, nt: int, split: int):
+                count: torch.Tensor, nt: int, split: int, depth: int = 1):
     """Arguments and constexprs of one launch (shared by the launcher and the sm_90
     compile check)."""
     groups = p.k // GROUP
@@ -422,14 +432,15 @@ def kernel_args(x: torch.Tensor, p: W4Mma, y: torch.Tensor, part: torch.Tensor,
     args = dict(X=x, Wb=p.words, S=p.scales, Z=p.zeros, Y=y, Part=part, Count=count,
                 M=x.shape[0], N=p.n, stride_xm=x.stride(0), stride_s=p.scales.stride(0),
                 num_groups=groups, nblocks=p.words.shape[0], groups_per_split=per, split=split)
-    consts = dict(NT=nt, MB=mb, SPLIT=split > 1, OFFSET=_OFFSET[x.dtype], DT=dt, MMA_L=mma,
+    consts = dict(NT=nt, MB=mb, SPLIT=split > 1, DEPTH=depth, OFFSET=_OFFSET[x.dtype], DT=dt, MMA_L=mma,
                   A_L=a, B_L=b, WB_L=wb, X_L=xl)
     return args, consts
 
 
 def w4_mma_gemv(x: torch.Tensor, p: W4Mma, config: dict | None = None) -> torch.Tensor:
     """x [m <= 64, k] bf16/fp16 (CUDA, sm_80+) -> y [m, n] = x W^T. config: NT (64-row
-    blocks a program: 1, 2 or 4) and SPLIT (K splits); default_config when None."""
+    blocks a program: 1, 2 or 4), SPLIT (K splits), DEPTH (groups loaded ahead: 1-3);
+    default_config when None."""
     from slipstream.kernels.int_weight_gemv import _counters
     from slipstream.kernels.runtime import num_sms
     m, k = x.shape
@@ -440,12 +451,12 @@ def w4_mma_gemv(x: torch.Tensor, p: W4Mma, config: dict | None = None) -> torch.
     if m == 0:
         return y
     cfg = config or default_config(p, m, num_sms(x.device.index or 0))
-    nt, split = cfg["NT"], cfg["SPLIT"]
+    nt, split, depth = cfg["NT"], cfg["SPLIT"], cfg.get("DEPTH", 1)
     groups = p.k // GROUP
     split = -(-groups // -(-groups // split))                   # no empty programs
     programs = -(-p.words.shape[0] // nt)
     part = y if split == 1 else torch.empty(split, m, p.n, dtype=torch.float32, device=x.device)
     count = _counters(x.device, programs) if split > 1 else p.scales
-    args, consts = kernel_args(x, p, y, part, count, nt, split)
+    args, consts = kernel_args(x, p, y, part, count, nt, split, depth)
     _w4_mma_kernel[(programs, split)](*args.values(), **consts, num_warps=WARPS)
     return y
