@@ -48,7 +48,11 @@ def variants(p, m: int, sms: int):
             depths = (1, 2, 3) if nt == 1 else (1, 2)
             for depth in depths:
                 out.append((f"mma nt{nt} split{split} depth{depth}",
-                            dict(NT=nt, SPLIT=split, DEPTH=depth)))
+                            dict(NT=nt, SPLIT=split, DEPTH=depth, PDL=False)))
+    # launched early (PDL): back to back here, each call's first weights load while the
+    # call before ends (in the engine the kernel before is a norm or attention)
+    out.append(("mma default, PDL", dict(W4.default_config(p, m, sms), PDL=True)))
+    out.append(("mma default", dict(W4.default_config(p, m, sms), PDL=False)))
     return out
 
 
@@ -58,6 +62,7 @@ def main() -> int:
     ap.add_argument("--rows", default="1,4,16,32,64")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="the default launch only, with and without PDL")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -98,7 +103,7 @@ def main() -> int:
             if m <= 4:
                 cands["fp32-loop GEMV"] = (lambda t: int_weight_gemv(x, *t, 4, 128, tile),
                                            [tiled], int4_bytes)
-            for label, cfg in variants(packed, m, sms):
+            for label, cfg in variants(packed, m, sms)[-2:] if args.quick else variants(packed, m, sms):
                 cands[label] = ((lambda p, c=cfg: W4.w4_mma_gemv(x, p, c)), [packed], int4_bytes)
             if m >= 16:    # the alternative the engine's tuner weighs from 16 rows
                 cands["dequantize + cuBLAS"] = (

@@ -31,6 +31,7 @@ PyTorch, from the packed words) and reference.int_weight_linear (the plain produ
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -284,11 +285,15 @@ if HAVE_GLUON:
     def _w4_mma_kernel(X, Wb, S, Z, Y, Part, Count, M, N, stride_xm, stride_s, num_groups,
                        nblocks, groups_per_split, split,
                        NT: gl.constexpr, MB: gl.constexpr, SPLIT: gl.constexpr,
-                       DEPTH: gl.constexpr, OFFSET: gl.constexpr, DT: gl.constexpr,
+                       DEPTH: gl.constexpr, PDL: gl.constexpr, OFFSET: gl.constexpr,
+                       DT: gl.constexpr,
                        MMA_L: gl.constexpr, A_L: gl.constexpr, B_L: gl.constexpr,
                        WB_L: gl.constexpr, X_L: gl.constexpr):
         """Program (i, j): 64-row blocks NT i .. NT i + NT - 1, groups of split j; each
-        group's words, scales and zeros are requested DEPTH groups ahead of their use."""
+        group's words, scales and zeros are requested DEPTH groups ahead of their use.
+        PDL: launched while the kernel before still runs (programmatic dependent launch);
+        the first groups' weights, which no kernel writes, are requested before waiting
+        for it, x and every write after."""
         pid = gl.program_id(0)
         sp = gl.program_id(1)
         g0 = sp * groups_per_split
@@ -318,6 +323,9 @@ if HAVE_GLUON:
         if DEPTH > 2:
             pipe = pipe + (_stages(w_ptrs, S, Z, blk0, rows, nblocks, num_groups, stride_s,
                                    g0 + 2, g0 + 2 < g1, NT),)
+        if PDL:
+            gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32,
+                                      is_pure=False, pack=1)
         for g in range(g0, g1):
             cur = pipe[0]
             nxt = _stages(w_ptrs, S, Z, blk0, rows, nblocks, num_groups, stride_s, g + DEPTH,
@@ -401,6 +409,7 @@ if HAVE_GLUON:
     UNPACK_ASM_BF16, UNPACK_ASM_F16 = gl.constexpr(UNPACK_ASM_BF16), gl.constexpr(UNPACK_ASM_F16)
 _OFFSET = {torch.bfloat16: 128.0, torch.float16: 1024.0}    # the unpack's 16-bit floats
 MAX_ROWS = 64                                               # 8 column blocks of 8
+_PDL = os.environ.get("SLIPSTREAM_W4_MMA_PDL", "1") not in ("", "0")   # early launch (measured)
 
 
 def column_blocks(m: int) -> int:
@@ -421,7 +430,7 @@ def default_config(p: W4Mma, m: int, sms: int) -> dict:
 
 
 def kernel_args(x: torch.Tensor, p: W4Mma, y: torch.Tensor, part: torch.Tensor,
-                count: torch.Tensor, nt: int, split: int, depth: int = 1):
+                count: torch.Tensor, nt: int, split: int, depth: int = 1, pdl: bool = False):
     """Arguments and constexprs of one launch (shared by the launcher and the sm_90
     compile check)."""
     groups = p.k // GROUP
@@ -432,17 +441,17 @@ def kernel_args(x: torch.Tensor, p: W4Mma, y: torch.Tensor, part: torch.Tensor,
     args = dict(X=x, Wb=p.words, S=p.scales, Z=p.zeros, Y=y, Part=part, Count=count,
                 M=x.shape[0], N=p.n, stride_xm=x.stride(0), stride_s=p.scales.stride(0),
                 num_groups=groups, nblocks=p.words.shape[0], groups_per_split=per, split=split)
-    consts = dict(NT=nt, MB=mb, SPLIT=split > 1, DEPTH=depth, OFFSET=_OFFSET[x.dtype], DT=dt, MMA_L=mma,
+    consts = dict(NT=nt, MB=mb, SPLIT=split > 1, DEPTH=depth, PDL=pdl, OFFSET=_OFFSET[x.dtype], DT=dt, MMA_L=mma,
                   A_L=a, B_L=b, WB_L=wb, X_L=xl)
     return args, consts
 
 
 def w4_mma_gemv(x: torch.Tensor, p: W4Mma, config: dict | None = None) -> torch.Tensor:
     """x [m <= 64, k] bf16/fp16 (CUDA, sm_80+) -> y [m, n] = x W^T. config: NT (64-row
-    blocks a program: 1, 2 or 4), SPLIT (K splits), DEPTH (groups loaded ahead: 1-3);
-    default_config when None."""
+    blocks a program: 1, 2 or 4), SPLIT (K splits), DEPTH (groups loaded ahead: 1-3),
+    PDL (default True: launched early where the GPU allows); default_config when None."""
     from slipstream.kernels.int_weight_gemv import _counters
-    from slipstream.kernels.runtime import num_sms
+    from slipstream.kernels.runtime import num_sms, pdl_supported
     m, k = x.shape
     if m > MAX_ROWS or k != p.k or x.dtype not in _OFFSET or x.stride(1) != 1:
         raise ValueError(f"w4_mma_gemv: x {tuple(x.shape)} {x.dtype} against k={p.k}: at most "
@@ -457,6 +466,7 @@ def w4_mma_gemv(x: torch.Tensor, p: W4Mma, config: dict | None = None) -> torch.
     programs = -(-p.words.shape[0] // nt)
     part = y if split == 1 else torch.empty(split, m, p.n, dtype=torch.float32, device=x.device)
     count = _counters(x.device, programs) if split > 1 else p.scales
-    args, consts = kernel_args(x, p, y, part, count, nt, split, depth)
-    _w4_mma_kernel[(programs, split)](*args.values(), **consts, num_warps=WARPS)
+    pdl = pdl_supported(x) and cfg.get("PDL", _PDL)
+    args, consts = kernel_args(x, p, y, part, count, nt, split, depth, pdl)
+    _w4_mma_kernel[(programs, split)](*args.values(), **consts, num_warps=WARPS, launch_pdl=pdl)
     return y
