@@ -44,8 +44,8 @@ from benchmarks.quant.child_runs import bench_model, child_env, run_child  # noq
 SCHEMES = ["bf16", "rtn-int4", "rtn-int4-head8", "int8", "w8a8", "fp8"]
 # A scheme with ":loop" runs its 4-bit layers on the fp32-loop GEMV (kernels/int_weight_gemv.py)
 # instead of the tensor-core one (kernels/w4_mma_gemv.py): SLIPSTREAM_W4_MMA=0 in its process.
-# ":nopdl": the tensor-core GEMV launched without programmatic dependent launch.
-VARIANT_ENV = {"loop": {"SLIPSTREAM_W4_MMA": "0"}, "nopdl": {"SLIPSTREAM_W4_MMA_PDL": "0"}}
+# ":pdl": the tensor-core GEMV launched early (programmatic dependent launch; off by default).
+VARIANT_ENV = {"loop": {"SLIPSTREAM_W4_MMA": "0"}, "pdl": {"SLIPSTREAM_W4_MMA_PDL": "1"}}
 TINY_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 512,
                "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
                "num_attention_heads": 4, "num_key_value_heads": 2,

@@ -409,7 +409,9 @@ if HAVE_GLUON:
     UNPACK_ASM_BF16, UNPACK_ASM_F16 = gl.constexpr(UNPACK_ASM_BF16), gl.constexpr(UNPACK_ASM_F16)
 _OFFSET = {torch.bfloat16: 128.0, torch.float16: 1024.0}    # the unpack's 16-bit floats
 MAX_ROWS = 64                                               # 8 column blocks of 8
-_PDL = os.environ.get("SLIPSTREAM_W4_MMA_PDL", "1") not in ("", "0")   # early launch (measured)
+# Early launch (PDL) measured on the H200: no faster alone, 3% slower through the engine
+# (bench_w4_mma.py --quick, bench_decode_step.py :nopdl); off unless SLIPSTREAM_W4_MMA_PDL=1.
+_PDL = os.environ.get("SLIPSTREAM_W4_MMA_PDL", "0") not in ("", "0")
 
 
 def column_blocks(m: int) -> int:
@@ -449,7 +451,8 @@ def kernel_args(x: torch.Tensor, p: W4Mma, y: torch.Tensor, part: torch.Tensor,
 def w4_mma_gemv(x: torch.Tensor, p: W4Mma, config: dict | None = None) -> torch.Tensor:
     """x [m <= 64, k] bf16/fp16 (CUDA, sm_80+) -> y [m, n] = x W^T. config: NT (64-row
     blocks a program: 1, 2 or 4), SPLIT (K splits), DEPTH (groups loaded ahead: 1-3),
-    PDL (default True: launched early where the GPU allows); default_config when None."""
+    PDL (launched early where the GPU allows; default off, see _PDL); default_config
+    when None."""
     from slipstream.kernels.int_weight_gemv import _counters
     from slipstream.kernels.runtime import num_sms, pdl_supported
     m, k = x.shape
