@@ -3,8 +3,9 @@
 
 The fp32 GEMV (int_weight_gemv.py) spends about five instructions a code; at 4 TB/s a
 4-bit weight arrives at 8e12 codes/s, more than those instructions can take. Here a code
-costs under one: the weight is the A operand of mma.m16n8k16 (16 rows x 16 inputs; the
-rows of x, padded to a power of two >= 8, are B), laid out in memory so that each thread's 128-bit loads
+costs 2.6 (one 64-row block a program; its sm_90 SASS), most of them on the weight:
+the weight is the A operand of mma.m16n8k16 (16 rows x 16 inputs; the rows of x, padded
+to a power of two >= 8, are B), laid out in memory so that each thread's 128-bit loads
 hold exactly its A fragments, and turned into 16-bit floats in registers, never through
 shared memory:
 
@@ -19,15 +20,17 @@ shared memory:
     load, unpack and reshape is a register-only move (checked when the kernel compiles:
     the layout conversions must be trivial).
 
-Layout of the words of one block of 64 rows (16 a warp) for one group (128 inputs): thread p = 32 w + 4 g + t (warp w, lane 4 g + t) holds eight int32 words,
-word 4 K2 + 2 K1 + K0 at nibble 4 e + 2 q + h the code of row 16 w + 8 h + g and mma
-input k = 16 K + 8 q + 2 t + e (K = 4 K2 + 2 K1 + K0, the mma's k-tile), which is x's
-column 32 t + 4 K + 2 q + e (so each thread reads x as 64 contiguous bytes).
+Layout of the words of one block of 64 rows (16 a warp) for one group (128 inputs):
+thread p = 32 w + 4 g + t (warp w, lane 4 g + t) holds eight int32 words, word
+4 K2 + 2 K1 + K0 at nibble 4 e + 2 q + h the code of row 16 w + 8 h + g and mma input
+k = 16 K + 8 q + 2 t + e (K = 4 K2 + 2 K1 + K0, the mma's k-tile), which is x's column
+32 t + 4 K + 2 q + e (so each thread reads x as 64 contiguous bytes).
 
-A program takes NT consecutive blocks (1, 2 or 4). Split over K when the programs alone are
-too few; the last program of a row block to finish adds the partial sums (a counter per block, left at zero), so a call is
-one kernel, graph-capturable. Twins: `emulate_w4_mma` (the kernel's arithmetic in
-PyTorch, from the packed words) and reference.int_weight_linear (the plain product).
+A program takes NT consecutive blocks (1, 2 or 4). Split over K when the programs alone
+are too few; the last program of a row block to finish adds the partial sums (a counter
+per block, left at zero), so a call is one kernel, graph-capturable. Twins:
+`emulate_w4_mma` (the kernel's arithmetic in PyTorch, from the packed words) and
+reference.int_weight_linear (the plain product). Measured: benchmarks/quant/README.md.
 """
 from __future__ import annotations
 
@@ -183,7 +186,7 @@ if HAVE_GLUON:
             reg_bases=[[0, 1], [0, 2], [0, 4]],
             lane_bases=[[1, 0], [2, 0], [4, 0], [8, 0], [16, 0]],
             warp_bases=[[32, 0], [64, 0]], block_bases=[], shape=[128, 8])
-        xl = gl.DistributedLinearLayout(     # 32 contiguous columns a thread, rows 8 apart in registers
+        xl = gl.DistributedLinearLayout(     # 32 contiguous columns a thread, rows 8+ registers
             reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [0, 16]]
             + [[8 << i, 0] for i in range(mb.bit_length() - 1)],
             lane_bases=[[0, 32], [0, 64], [1, 0], [2, 0], [4, 0]],
@@ -421,8 +424,9 @@ def column_blocks(m: int) -> int:
 
 def default_config(p: W4Mma, m: int, sms: int) -> dict:
     """64-row blocks a program (NT) and the K split: measured on the H200 at batch 1
-    (bench_w4_mma.py), one block a program with a split giving about four programs an SM
-    is at most 5% from the best on every Llama-3-8B shape."""
+    (bench_w4_mma.py, commit fb14c1b), one block a program with a split giving about four
+    programs an SM is the sweep's best on three Llama-3-8B shapes and 6% from it on
+    o_proj (whose best, half that split, is among the tuner's candidates)."""
     blocks = p.words.shape[0]
     groups = p.k // GROUP
     split = 1
@@ -443,8 +447,8 @@ def kernel_args(x: torch.Tensor, p: W4Mma, y: torch.Tensor, part: torch.Tensor,
     args = dict(X=x, Wb=p.words, S=p.scales, Z=p.zeros, Y=y, Part=part, Count=count,
                 M=x.shape[0], N=p.n, stride_xm=x.stride(0), stride_s=p.scales.stride(0),
                 num_groups=groups, nblocks=p.words.shape[0], groups_per_split=per, split=split)
-    consts = dict(NT=nt, MB=mb, SPLIT=split > 1, DEPTH=depth, PDL=pdl, OFFSET=_OFFSET[x.dtype], DT=dt, MMA_L=mma,
-                  A_L=a, B_L=b, WB_L=wb, X_L=xl)
+    consts = dict(NT=nt, MB=mb, SPLIT=split > 1, DEPTH=depth, PDL=pdl, OFFSET=_OFFSET[x.dtype],
+                  DT=dt, MMA_L=mma, A_L=a, B_L=b, WB_L=wb, X_L=xl)
     return args, consts
 
 

@@ -14,8 +14,10 @@ their row slices):
 then quantizes it by RTN in `process_after_loading`. On CUDA 4- and 8-bit layers run
 Triton kernels (kernels/int_weight_gemv.py at decode batch sizes, kernels/quant_gemm.py
 above), reading the codes in the tiled word layout where a tile divides the row, else the
-packed codes; 4-bit layers in groups of 128 on sm_80+ the tensor-core GEMV of
-kernels/w4_mma_gemv.py up to 64 rows, its weight dequantized for cuBLAS above; elsewhere, and for 2/3 bits, the plain-PyTorch twin dequantizes and multiplies.
+packed codes; 4-bit layers in groups of 128 on sm_80+ run the tensor-core GEMV of
+kernels/w4_mma_gemv.py up to 64 rows (or its weight dequantized for cuBLAS, where the
+tuner finds that faster, and always above). Elsewhere, and for 2/3 bits, the
+plain-PyTorch twin dequantizes and multiplies.
 """
 from __future__ import annotations
 
@@ -156,16 +158,15 @@ class IntWeightMethod:
                 or torch.cuda.get_device_capability(x.device) < (8, 0)
                 or os.environ.get("SLIPSTREAM_W4_MMA", "1") in ("", "0")):
             return None
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("a weight-only quantized layer must run once eagerly before a "
-                               "CUDA graph capture (its codes are re-laid out on the first product)")
+        _check_not_capturing()
         from slipstream.quant.primitives import unpack_codes
         q = layer.qweight.data
         zeros = None if self.sym else layer.qzeros.data
         parts = [w4.pack_w4_mma(unpack_codes(q[i:i + 4096], 4), layer.scales.data[i:i + 4096],
                                 None if zeros is None else zeros[i:i + 4096])
                  for i in range(0, q.shape[0], 4096)]       # 4096: whole 64-row blocks
-        packed = w4.W4Mma(torch.cat([p.words for p in parts]), torch.cat([p.scales for p in parts], 1),
+        packed = w4.W4Mma(torch.cat([p.words for p in parts]),
+                          torch.cat([p.scales for p in parts], 1),
                           torch.cat([p.zeros for p in parts], 1), q.shape[0], x.shape[1])
         del layer.qweight, q, parts
         layer.register_parameter("qwords_mma", _param(packed.words))
@@ -186,9 +187,7 @@ class IntWeightMethod:
         if tile is None or getattr(layer, "qweight", None) is None:
             layer.gpu_tile = 0
             return None
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("a weight-only quantized layer must run once eagerly before a "
-                               "CUDA graph capture (its codes are re-laid out on the first product)")
+        _check_not_capturing()
         q = layer.qweight.data
         words = torch.cat([tile_codes(unpack_codes(q[i:i + 4096], self.bits), self.bits, tile)
                            for i in range(0, q.shape[0], 4096)])
@@ -196,6 +195,12 @@ class IntWeightMethod:
         layer.register_parameter("qwords", _param(words))
         layer.gpu_tile = tile
         return tile
+
+
+def _check_not_capturing() -> None:
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("a weight-only quantized layer must run once eagerly before a "
+                           "CUDA graph capture (its codes are re-laid out on the first product)")
 
 
 def set_quantized(layer: nn.Module, codes: torch.Tensor, scale: torch.Tensor,
