@@ -54,10 +54,12 @@ class Precisions:
     weight: Precision = BF16   # linear layers of the blocks, experts included
     kv: Precision = BF16       # KV cache
     act: Precision = BF16      # activations; embeddings, LM head, norms and routers stay here
+    head: Precision | None = None   # an untied LM head quantized on its own; None: act
 
     @classmethod
-    def parse(cls, weight="bf16", kv="bf16", act="bf16") -> "Precisions":
-        return cls(parse_precision(weight), parse_precision(kv), parse_precision(act))
+    def parse(cls, weight="bf16", kv="bf16", act="bf16", head=None) -> "Precisions":
+        return cls(parse_precision(weight), parse_precision(kv), parse_precision(act),
+                   None if head is None else parse_precision(head))
 
 
 @dataclass(frozen=True)
@@ -132,7 +134,8 @@ def head_ops(spec: ModelSpec, work: Workload, prec: Precisions) -> list[OpCost]:
     # The lookup reads one row per token; its FLOPs are nil.
     embed = OpCost("embed", weight_bytes=min(work.tokens, v) * d * a, act_bytes=work.tokens * d * a,
                    params=v * d, active_params=v * d, stored_bytes=v * d * a)
-    lm_head = matmul("lm_head", rows, d, v, a, a)
+    head_w = a if prec.head is None or spec.tie_word_embeddings else prec.head.bytes_per_element
+    lm_head = matmul("lm_head", rows, d, v, head_w, a)
     if spec.tie_word_embeddings:   # same matrix as the embedding: count its parameters once
         lm_head = replace(lm_head, params=0.0, active_params=0.0, stored_bytes=0.0)
     norm = elementwise("final_norm", rows, d, a, _NORM_FLOPS_PER_ELEMENT, weights=d,

@@ -98,10 +98,11 @@ def run(engine, args, copy_bandwidth: float | None) -> dict:
         "copy_bandwidth_GBps": copy_bandwidth / 1e9 if copy_bandwidth else None,
         "decode_step_bytes": None, "decode_pct_copy_bandwidth": None,
     }
-    if step:
-        spec = ModelSpec.from_model_config(cfg.model_config)
+    spec = ModelSpec.from_model_config(cfg.model_config)
+    prec = precisions_for(cfg.dtype, cfg.quantization, cfg.cache.kv_cache_dtype, spec.head_dim)
+    if step and prec is not None:     # None: a weight or cache format the analysis does not model
         mean_ctx = args.input_len + args.output_len // 2
-        nbytes = step_bytes(spec, StepStats(b, b, b, b * mean_ctx), precisions_for(cfg.dtype))
+        nbytes = step_bytes(spec, StepStats(b, b, b, b * mean_ctx), prec)
         res["decode_step_bytes"] = nbytes
         if copy_bandwidth:
             res["decode_pct_copy_bandwidth"] = 100 * nbytes / step / copy_bandwidth

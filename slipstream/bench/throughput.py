@@ -71,9 +71,9 @@ def run(llm, args, hardware) -> dict:
         "total_tokens_per_s": (n_in + n_out) / elapsed, "num_steps": len(steps),
         "batch_sizes": _batch_summary(steps),
     }
-    if hardware is not None and steps:
-        spec = ModelSpec.from_model_config(cfg.model_config)
-        prec = precisions_for(cfg.dtype)
+    spec = ModelSpec.from_model_config(cfg.model_config)
+    prec = precisions_for(cfg.dtype, cfg.quantization, cfg.cache.kv_cache_dtype, spec.head_dim)
+    if hardware is not None and steps and prec is not None:
         bound_s = sum(step_time_bound(spec, hardware, s, prec) for s in steps)
         res["roofline"] = {
             "hardware": hardware.name, "source": hardware.source,
