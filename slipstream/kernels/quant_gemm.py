@@ -226,15 +226,15 @@ def w4_mma_product(x: torch.Tensor, p) -> torch.Tensor:
     for cuBLAS; above MAX_ROWS always the latter."""
     from slipstream.kernels import w4_mma_gemv as w4
     m = x.shape[0]
-    if m > w4.MAX_ROWS:
-        return torch.nn.functional.linear(x, w4.dequantize_w4_mma(p, x.dtype))
-    from slipstream.kernels.runtime import num_sms
-    default = w4.default_config(p, m, num_sms(x.device.index or 0))
 
     def call(cfg, q):
         if cfg.get("DEQUANT"):
             return torch.nn.functional.linear(x, w4.dequantize_w4_mma(q, x.dtype))
         return w4.w4_mma_gemv(x, q, cfg)
+    if m > w4.MAX_ROWS:
+        return call({"DEQUANT": True}, p)
+    from slipstream.kernels.runtime import num_sms
+    default = w4.default_config(p, m, num_sms(x.device.index or 0))
 
     def timed_calls(cfg, copies):
         return [lambda c=c: call(cfg, w4.W4Mma(*c, p.n, p.k)) for c in copies]

@@ -123,13 +123,14 @@ class IntWeightMethod:
         # x: [num_tokens, in] -> [num_tokens, out]
         if getattr(layer, "perm", None) is not None:
             x = x.index_select(1, layer.perm)        # int32 indices: no conversion kernel
-        zeros = layer.qzeros if not self.sym else None
         packed = self._gpu_mma(layer, x)
-        tile = None if packed is not None else self._gpu_tile(layer, x)
         if packed is not None:
             from slipstream.kernels.quant_gemm import w4_mma_product
             y = w4_mma_product(x, packed)
-        elif tile is not None:
+            return y if layer.bias is None else y + layer.bias
+        zeros = layer.qzeros if not self.sym else None
+        tile = self._gpu_tile(layer, x)
+        if tile is not None:
             from slipstream.kernels.quant_gemm import tiled_int_weight_gemm
             y = tiled_int_weight_gemm(x, layer.qwords, layer.scales, zeros, self.bits,
                                       layer.group_cols, tile)
@@ -145,8 +146,9 @@ class IntWeightMethod:
     def _gpu_mma(self, layer: nn.Module, x: torch.Tensor):
         """On a CUDA GPU with tensor cores (sm_80+), 4-bit codes in groups of 128 re-laid
         out on the first product for the tensor-core GEMV (kernels/w4_mma_gemv.py):
-        `qweight` gives way to `qwords_mma` (a W4Mma in `layer.w4_mma`). None: another
-        path (SLIPSTREAM_W4_MMA=0 turns this one off)."""
+        `qweight`, `scales` and `qzeros` give way to `qwords_mma` and a W4Mma in
+        `layer.w4_mma` (which holds the scales and zeros transposed). None: another path
+        (SLIPSTREAM_W4_MMA=0 turns this one off)."""
         packed = getattr(layer, "w4_mma", None)
         if packed is not None or not x.is_cuda or getattr(layer, "w4_mma_checked", False):
             return packed
@@ -168,7 +170,9 @@ class IntWeightMethod:
         packed = w4.W4Mma(torch.cat([p.words for p in parts]),
                           torch.cat([p.scales for p in parts], 1),
                           torch.cat([p.zeros for p in parts], 1), q.shape[0], x.shape[1])
-        del layer.qweight, q, parts
+        del layer.qweight, layer.scales, q, parts
+        if zeros is not None:
+            del layer.qzeros, zeros
         layer.register_parameter("qwords_mma", _param(packed.words))
         layer.w4_mma = packed
         return packed
