@@ -34,7 +34,7 @@ ENGINE_OPTIONS = {
     "gpu_memory_utilization": (float, 0.90, "share of GPU memory the engine may use"),
     "kv_cache_dtype": (str, "auto", "KV cache: auto (model dtype), int8 or fp8 (1 byte + scales), kivi4 or kivi2"),
     "attention_backend": (str, None, "torch or triton (default: triton on CUDA)"),
-    "quantization": (str, "auto", "quantization scheme (auto: GGUF blocks on the CPU, else none)"),
+    "quantization": (str, "auto", "auto, none, or a scheme (auto: GGUF blocks on the CPU, else none)"),
     "enforce_eager": (bool, False, "run decode steps eagerly (no CUDA graphs)"),
     "async_scheduling": (bool, None, "overlap host work with the device (default: on for CUDA)"),
     "seed": (int, 0, "seed of unseeded sampling and of dummy weights"),

@@ -122,7 +122,7 @@ def make_engine(args):
         attention_backend=args.attention_backend, kv_cache_memory=args.kv_cache_memory,
         kv_cache_dtype=args.kv_cache_dtype,
         enable_prefix_caching=not args.no_prefix_caching, load_format=args.load_format,
-        quantization=None if args.quantization == "none" else args.quantization,
+        quantization=args.quantization,
         tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager,
         **spec_engine_args(args)))
     cfg = engine.config

@@ -32,7 +32,8 @@ class EngineArgs:
     # auto (the model dtype), int8 or fp8 (= fp8_e4m3): codes + a scale per token and head
     kv_cache_dtype: str = "auto"
     attention_backend: str | None = None
-    # a scheme of quant/; "auto": GGUF blocks kept at run time on a CPU (quant/gguf.py)
+    # a scheme of quant/; "auto": GGUF blocks kept at run time on a CPU (quant/gguf.py);
+    # "none" or None: dense weights
     quantization: str | None = "auto"
     enforce_eager: bool = False
     async_scheduling: bool | None = None
@@ -62,7 +63,7 @@ class EngineArgs:
             raise ValueError(f"load_format: expected 'auto' or 'dummy', got {self.load_format!r}")
         device = resolve_device(self.device)
         dtype = resolve_dtype(self.dtype, device)
-        quantization = self.quantization
+        quantization = None if self.quantization == "none" else self.quantization
         if quantization == "auto":   # GGUF blocks at run time on a CPU (quant/gguf.py), else dense
             from slipstream.quant.gguf import runs_quantized
             # Dummy weights are dense.

@@ -39,7 +39,7 @@ def test_latency(tiny, tmp_path, capsys):
     out = tmp_path / "lat.json"
     rc = main(["bench", "latency", "--model", str(tiny), *ENGINE, "--batch-size", "3",
                "--input-len", "20", "--output-len", "6", "--num-iters", "2",
-               "--num-iters-warmup", "1", "--output-json", str(out)])
+               "--num-iters-warmup", "1", "--quantization", "none", "--output-json", str(out)])
     assert rc == 0
     res = json.loads(out.read_text())
     assert res["batch_size"] == 3 and len(res["latency_per_iter_s"]) == 2
