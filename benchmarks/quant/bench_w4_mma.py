@@ -1,6 +1,7 @@
-"""The tensor-core 4-bit GEMV (kernels/w4_mma_gemv.py) against the fp32-loop GEMV
-(kernels/int_weight_gemv.py, the engine's batch-1 path) and bf16 cuBLAS, on the
-Llama-3-8B shapes at 1 to 64 rows, H200.
+"""The tensor-core 4-bit GEMV and its warpgroup-MMA twin for more rows
+(kernels/w4_mma_gemv.py) against the fp32-loop GEMV (kernels/int_weight_gemv.py), the
+weight dequantized for cuBLAS, and bf16 cuBLAS, on the Llama-3-8B shapes at 1 to 128
+rows, H200.
 
 Every variant's output is checked against the fp32 product of the dequantized weight
 first. Times: CUDA graphs over enough weight copies that every call streams from HBM
@@ -56,10 +57,23 @@ def variants(p, m: int, sms: int):
     return out
 
 
+def wg_variants(p, m: int, sms: int):
+    """(label, config) of the warpgroup kernel: NT tiles of WGS 64-row blocks a program,
+    K splits around the one giving as many programs as the GEMV's default."""
+    groups = p.k // 128
+    base = W4.default_config(p, m, sms)["SPLIT"]
+    out = []
+    for nt, wgs in ((1, 1), (2, 1), (1, 2), (2, 2)):
+        f = nt * wgs
+        for split in sorted({max(1, base // (2 * f)), max(1, base // f), min(groups, 2 * base // f)}):
+            out.append((f"wgmma nt{nt} wgs{wgs} split{split}", dict(NT=nt, WGS=wgs, SPLIT=split)))
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
-    ap.add_argument("--rows", default="1,4,16,32,64")
+    ap.add_argument("--rows", default="1,4,16,32,64,128")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--quick", action="store_true", help="the default launch only, with and without PDL")
@@ -103,8 +117,13 @@ def main() -> int:
             if m <= 4:
                 cands["fp32-loop GEMV"] = (lambda t: int_weight_gemv(x, *t, 4, 128, tile),
                                            [tiled], int4_bytes)
-            for label, cfg in variants(packed, m, sms)[-2:] if args.quick else variants(packed, m, sms):
+            mma = variants(packed, m, sms) if m <= W4.MAX_ROWS else []
+            for label, cfg in mma[-2:] if args.quick else mma:
                 cands[label] = ((lambda p, c=cfg: W4.w4_mma_gemv(x, p, c)), [packed], int4_bytes)
+            if m > 8 and W4.wgmma_supported(x):
+                for label, cfg in wg_variants(packed, m, sms):
+                    cands[label] = ((lambda p, c=cfg: W4.w4_wgmma_gemm(x, p, c)), [packed],
+                                    int4_bytes)
             if m >= 16:    # the alternative the engine's tuner weighs from 16 rows
                 cands["dequantize + cuBLAS"] = (
                     lambda p: F.linear(x, W4.dequantize_w4_mma(p, x.dtype)), [packed], int4_bytes)
@@ -138,7 +157,7 @@ def main() -> int:
             base = row["bf16 cuBLAS"].get("us")
             loop = row.get("fp32-loop GEMV", {}).get("us")
             timed = {lb: r["us"] for lb, r in row.items() if isinstance(r, dict) and "us" in r
-                     and lb.startswith("mma")}
+                     and lb.startswith(("mma", "wgmma"))}
             if timed:
                 best = min(timed, key=timed.get)
                 row["best_mma"] = best

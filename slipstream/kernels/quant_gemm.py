@@ -220,26 +220,32 @@ def tiled_int_weight_gemm(x: torch.Tensor, words: torch.Tensor, scales: torch.Te
 
 
 def w4_mma_product(x: torch.Tensor, p) -> torch.Tensor:
-    """The product with a weight packed for the tensor-core 4-bit GEMV (a W4Mma of
-    kernels/w4_mma_gemv.py): up to its MAX_ROWS rows the GEMV or, where it times faster
-    (tuned per token-count bucket like the others, from 16 rows), the weight dequantized
-    for cuBLAS; above MAX_ROWS always the latter."""
+    """The product with a weight packed for the tensor-core 4-bit kernels (a W4Mma of
+    kernels/w4_mma_gemv.py), tuned per token-count bucket like the others: up to its
+    MAX_ROWS rows the GEMV; from 9 rows on sm_90 also the warpgroup kernel (up to its
+    WG_MAX_ROWS), and from 16 rows the weight dequantized for cuBLAS; beyond those
+    limits always the latter."""
     from slipstream.kernels import w4_mma_gemv as w4
     m = x.shape[0]
 
     def call(cfg, q):
         if cfg.get("DEQUANT"):
             return torch.nn.functional.linear(x, w4.dequantize_w4_mma(q, x.dtype))
+        if cfg.get("WG"):
+            return w4.w4_wgmma_gemm(x, q, cfg)
         return w4.w4_mma_gemv(x, q, cfg)
-    if m > w4.MAX_ROWS:
+    wg = w4.wgmma_supported(x)
+    if m > (w4.WG_MAX_ROWS if wg else w4.MAX_ROWS):
         return call({"DEQUANT": True}, p)
     from slipstream.kernels.runtime import num_sms
     default = w4.default_config(p, m, num_sms(x.device.index or 0))
+    if m > w4.MAX_ROWS:
+        default = dict(default, WG=True)
 
     def timed_calls(cfg, copies):
         return [lambda c=c: call(cfg, w4.W4Mma(*c, p.n, p.k)) for c in copies]
     cfg = quant_tuning.choose(("w4_mma", p.n, p.k, x.dtype), m, x.device, default,
-                              lambda: quant_tuning.w4_mma_candidates(default, p.k, m),
+                              lambda: quant_tuning.w4_mma_candidates(default, p.k, m, wg),
                               (p.words, p.scales, p.zeros), timed_calls)
     return call(cfg, p)
 

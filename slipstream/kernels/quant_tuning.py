@@ -159,15 +159,26 @@ def int_weight_candidates(m: int, n: int, k: int, k_block_limit: int, device) ->
     return out
 
 
-def w4_mma_candidates(default: dict, k: int, m: int) -> list[dict]:
-    """The tensor-core 4-bit GEMV's launches (kernels/w4_mma_gemv.py): K splits around the
-    default's, with one 64-row block a program or two; from 16 rows also the weight
-    dequantized for cuBLAS (DEQUANT), which can win where the GEMV's tensor-core work grows
-    with the rows."""
+def w4_mma_candidates(default: dict, k: int, m: int, wgmma: bool = False) -> list[dict]:
+    """The tensor-core 4-bit kernels' launches (kernels/w4_mma_gemv.py): K splits around
+    the default's, with one 64-row block a program or two; for the GEMV up to its 64 rows,
+    for the warpgroup kernel (wgmma: sm_90) from 9 rows, with one or two warpgroups; from 16 rows also the weight
+    dequantized for cuBLAS (DEQUANT), which can win where the tensor-core work grows with
+    the rows."""
+    from slipstream.kernels.w4_mma_gemv import MAX_ROWS
     groups = k // 128
     base = default["SPLIT"]
-    out = [dict(NT=1, SPLIT=s) for s in sorted({max(1, base // 2), base, min(groups, base * 2)})]
-    out += [dict(NT=2, SPLIT=s) for s in sorted({max(1, base // 4), max(1, base // 2)})]
+    splits = sorted({max(1, base // 2), base, min(groups, base * 2)})
+    pair = sorted({max(1, base // 4), max(1, base // 2)})
+    out = []
+    if m <= MAX_ROWS:
+        out += [dict(NT=1, SPLIT=s) for s in splits] + [dict(NT=2, SPLIT=s) for s in pair]
+    if wgmma and m > 8:     # 64, 128 or 256 rows a program (NT tiles of WGS warpgroups)
+        out += [dict(WG=True, NT=1, WGS=1, SPLIT=s) for s in splits]
+        out += [dict(WG=True, NT=nt, WGS=wgs, SPLIT=s) for nt, wgs in ((2, 1), (1, 2))
+                for s in pair]
+        out += [dict(WG=True, NT=2, WGS=2, SPLIT=s) for s in sorted({max(1, base // 8),
+                                                                      max(1, base // 4)})]
     if m >= 16:
         out.append(dict(DEQUANT=True))
     return out

@@ -102,7 +102,7 @@ def weight_only(kind):
 
 def w4_mma(kind):
     """The tensor-core 4-bit GEMV (Gluon): 1, 16 and 64 rows, one or two blocks a program,
-    split or not. Its layout conversions are asserted trivial when it compiles (no data
+    split or not; its warpgroup twin at 16, 64 and 128 rows. Its layout conversions are asserted trivial when it compiles (no data
     between threads); the PTX must hold mma.sync and no shared-memory load in its loop."""
     from slipstream.kernels import w4_mma_gemv as w4
     if not w4.HAVE_GLUON:
@@ -122,6 +122,20 @@ def w4_mma(kind):
         assert ptx.count("mma.sync") == 8 * (nt + 1) * w4.column_blocks(m), "mma.sync count"
         # shared memory only for the split's arrival counter (one broadcast)
         assert ptx.count("ld.shared") == (split > 1), "operands through shared memory"
+    for m, nt, wgs, split in ((16, 1, 1, 1), (64, 2, 1, 4), (128, 1, 2, 2), (32, 2, 2, 1)):
+        x, y = torch.empty(m, 512, dtype=dt), torch.empty(m, 256, dtype=dt)
+        args, consts = w4.wg_kernel_args(x, p, y, torch.empty(split, m, 256),
+                                         torch.zeros(8, dtype=torch.int32), nt, wgs, split)
+        fn = w4._w4_wgmma_kernel
+        sig = {n: "constexpr" if n in consts else mangle_type(args[n]) for n in fn.arg_names}
+        k = triton.compile(GluonASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32),
+                           options=dict(num_warps=w4.WARPS * wgs))
+        ptx = k.asm["ptx"]
+        assert ptx.count("wgmma.mma_async") == 8 * nt, "wgmma count"
+        assert "wgmma.wait_group.sync.aligned 0;" in ptx, "each MMA waited on"
+        for op in ("sub", "mul"):     # zero points and scales applied in pairs
+            name = f"{op}.rn.bf16x2" if kind == "bf16" else f"{op}.rn.f16x2"
+            assert ptx.count(name) == 32 * nt, f"{name} count"
 
 
 def decode_step(kind):

@@ -73,6 +73,28 @@ def test_kernel_data_flow_in_torch():
     torch.testing.assert_close(a @ b, (x @ codes.float().t()).t(), rtol=1e-5, atol=1e-4)
 
 
+def test_scaled_unpack_in_torch():
+    """The warpgroup kernel's unpack (UNPACK_SCALED): each output register's rows are
+    16 w + g for even s, 8 below for odd s (nibble h = s & 1), so (output - OFFSET - zero)
+    x scale of those rows, then the same join tree and reshapes, gives A = (code - zero)
+    x scale with its columns in the mma's input order."""
+    codes, scales, z = _weight(64, 128)
+    p = W.pack_w4_mma(codes, scales, z)
+    o = _unpack_words(p.words[0, 0], 128.0)
+    pt = torch.arange(128)
+    lo = 16 * (pt // 32) + (pt // 4) % 8
+    zf, sf = z[:, 0].float() + 128.0, scales[:, 0].float()
+    o = [(oi - zf[lo + 8 * (i % 2)][:, None]) * sf[lo + 8 * (i % 2)][:, None]
+         for i, oi in enumerate(o)]
+    j = lambda a, b: torch.stack([a, b], -1)                     # gl.join
+    a = j(j(j(o[0], o[4]), j(o[1], o[5])), j(j(o[2], o[6]), j(o[3], o[7])))
+    a = a.reshape([2] * 13).permute(W.W_PERM).reshape(64, 128)   # [rows, mma inputs]
+    x = torch.randn(8, 128)
+    b = x.reshape([2] * 10).permute(W.X_PERM).reshape(128, 8)
+    want = x @ ((codes.float() - z.float()) * scales[:, :1].float()).t()
+    torch.testing.assert_close(a @ b, want.t(), rtol=1e-5, atol=1e-4)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_dequantize(dtype):
     """The Triton dequantizer (the interpreter on a CPU) against the plain weight."""
@@ -98,14 +120,17 @@ def test_column_blocks():
                                        (27, 640, 1024, dict(NT=2, SPLIT=2)),
                                        (64, 256, 512, None)])
 def test_kernel_matches_reference(dtype, m, n, k, cfg):
+    _check_kernel(W.w4_mma_gemv, dtype, m, n, k, cfg)
+
+
+def _check_kernel(product, dtype, m, n, k, cfg):
     codes, scales, z = _weight(n, k, seed=n + k)
     p = W.pack_w4_mma(codes.cuda(), scales.cuda(), z.cuda())
     x = torch.randn(m, k).to(dtype)
-    y = W.w4_mma_gemv(x.cuda(), p, cfg)
+    y = product(x.cuda(), p, cfg)
     ref = _reference(x.float(), codes, scales, z)
     torch.testing.assert_close(y.float().cpu(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
-    y2 = W.w4_mma_gemv(x.cuda(), p, cfg)            # the counters were left at zero
-    assert torch.equal(y, y2)
+    assert torch.equal(y, product(x.cuda(), p, cfg))   # the counters were left at zero
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not W.HAVE_GLUON, reason="needs a GPU")
@@ -129,3 +154,34 @@ def test_layer_takes_the_mma_path(sym):
         assert getattr(layer, "w4_mma", None) is not None and not hasattr(layer, "qweight")
         want = reference.int_weight_linear(x.float(), *want_q, 4, 128)
         torch.testing.assert_close(y.float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+
+
+_HOPPER = (torch.cuda.is_available() and W.HAVE_GLUON
+           and torch.cuda.get_device_capability()[0] == 9)
+
+
+@pytest.mark.skipif(not _HOPPER, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m,n,k,cfg", [(9, 4096, 4096, None),
+                                       (16, 200, 512, dict(NT=1, WGS=1, SPLIT=2)),
+                                       (33, 1000, 1024, dict(NT=2, WGS=1, SPLIT=1)),
+                                       (64, 320, 2048, dict(NT=2, WGS=2, SPLIT=4)),
+                                       (100, 640, 1024, dict(NT=1, WGS=2, SPLIT=3)),
+                                       (40, 130, 1024, dict(NT=1, WGS=2, SPLIT=1)),
+                                       (24, 512, 1024, dict(NT=2, WGS=1, SPLIT=1)),
+                                       (128, 256, 512, None)])
+def test_wgmma_kernel_matches_reference(dtype, m, n, k, cfg):
+    _check_kernel(W.w4_wgmma_gemm, dtype, m, n, k, cfg)
+
+
+@pytest.mark.skipif(not _HOPPER, reason="needs an sm_90 GPU")
+def test_product_tunes_over_every_path():
+    """w4_mma_product at 16-128 rows: whichever path the tuner keeps, the plain product."""
+    from slipstream.kernels.quant_gemm import w4_mma_product
+    codes, scales, z = _weight(1024, 1024, seed=3)
+    p = W.pack_w4_mma(codes.cuda(), scales.cuda(), z.cuda())
+    for m in (16, 64, 96, 128, 129):
+        x = torch.randn(m, 1024).to(torch.bfloat16)
+        ref = _reference(x.float(), codes, scales, z)
+        y = w4_mma_product(x.cuda(), p)
+        torch.testing.assert_close(y.float().cpu(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
