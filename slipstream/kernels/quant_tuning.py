@@ -162,7 +162,7 @@ def int_weight_candidates(m: int, n: int, k: int, k_block_limit: int, device) ->
 def w4_mma_candidates(default: dict, k: int, m: int, wgmma: bool = False) -> list[dict]:
     """The tensor-core 4-bit kernels' launches (kernels/w4_mma_gemv.py): K splits around
     the default's, with one 64-row block a program or two; for the GEMV up to its 64 rows,
-    for the warpgroup kernel (wgmma: sm_90) from 9 rows, with one or two warpgroups; from 16 rows also the weight
+    for the warpgroup kernel (wgmma: sm_90) from 9 rows; from 16 rows also the weight
     dequantized for cuBLAS (DEQUANT), which can win where the tensor-core work grows with
     the rows."""
     from slipstream.kernels.w4_mma_gemv import MAX_ROWS
@@ -173,12 +173,17 @@ def w4_mma_candidates(default: dict, k: int, m: int, wgmma: bool = False) -> lis
     out = []
     if m <= MAX_ROWS:
         out += [dict(NT=1, SPLIT=s) for s in splits] + [dict(NT=2, SPLIT=s) for s in pair]
-    if wgmma and m > 8:     # 64, 128 or 256 rows a program (NT tiles of WGS warpgroups)
-        out += [dict(WG=True, NT=1, WGS=1, SPLIT=s) for s in splits]
-        out += [dict(WG=True, NT=nt, WGS=wgs, SPLIT=s) for nt, wgs in ((2, 1), (1, 2))
-                for s in pair]
-        out += [dict(WG=True, NT=2, WGS=2, SPLIT=s) for s in sorted({max(1, base // 8),
-                                                                      max(1, base // 4)})]
+    if wgmma and m > 8:     # NT tiles of WGS 64-row warpgroups a program
+        # One warpgroup a tile up to 32 rows, two from 33: the best launch of every
+        # Llama-3-8B shape at 16-128 rows kept to that rule on the H200 (bench_w4_mma.py,
+        # results/wgmma_h200_2026-12-02), which halves the kernels compiled at start-up.
+        if m <= 32:
+            out += [dict(WG=True, NT=1, WGS=1, SPLIT=s) for s in splits]
+            out += [dict(WG=True, NT=2, WGS=1, SPLIT=s) for s in pair]
+        else:
+            out += [dict(WG=True, NT=1, WGS=2, SPLIT=s) for s in pair]
+            out += [dict(WG=True, NT=2, WGS=2, SPLIT=s) for s in sorted({max(1, base // 8),
+                                                                          max(1, base // 4)})]
     if m >= 16:
         out.append(dict(DEQUANT=True))
     return out

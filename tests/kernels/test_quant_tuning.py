@@ -102,3 +102,20 @@ def test_a_forced_gemv_config_is_the_only_candidate(monkeypatch):
     monkeypatch.setenv("SLIPSTREAM_GEMV_CONFIG", "[1]")
     with pytest.raises(ValueError, match="SLIPSTREAM_GEMV_CONFIG"):
         quant_tuning.gemv_candidates(6144, 4096, 128, cpu)
+
+
+@pytest.mark.parametrize("m", [1, 9, 16, 32, 33, 64, 128])
+def test_w4_mma_candidates_by_rows(m):
+    """The 4-bit tensor-core launches weighed at m rows (sm_90): the GEMV up to 64 rows,
+    the warpgroup kernel from 9 with one warpgroup a tile up to 32 rows and two above,
+    dequantize + cuBLAS from 16; K splits never above the groups."""
+    default = dict(NT=1, SPLIT=8, DEPTH=1)
+    cands = quant_tuning.w4_mma_candidates(default, 4096, m, wgmma=True)
+    wg = [c for c in cands if c.get("WG")]
+    gemv = [c for c in cands if not c.get("WG") and not c.get("DEQUANT")]
+    assert bool(gemv) == (m <= 64) and bool(wg) == (m > 8)
+    assert any(c.get("DEQUANT") for c in cands) == (m >= 16)
+    assert {c["WGS"] for c in wg} <= ({1} if m <= 32 else {2})
+    assert all(1 <= c["SPLIT"] <= 32 and c["NT"] in (1, 2) for c in wg + gemv)
+    assert len({tuple(sorted(c.items())) for c in cands}) == len(cands)     # no repeats
+    assert not [c for c in quant_tuning.w4_mma_candidates(default, 4096, m) if c.get("WG")]
