@@ -59,7 +59,8 @@ def variants(p, m: int, sms: int):
 
 def wg_variants(p, m: int, sms: int):
     """(label, config) of the warpgroup kernel: NT tiles of WGS 64-row blocks a program,
-    K splits around the one giving as many programs as the GEMV's default."""
+    K splits around the one giving as many programs as the GEMV's default; with one tile a
+    program also the dequantized weight through shared memory (asmem: MMAs left running)."""
     groups = p.k // 128
     base = W4.default_config(p, m, sms)["SPLIT"]
     out = []
@@ -67,6 +68,9 @@ def wg_variants(p, m: int, sms: int):
         f = nt * wgs
         for split in sorted({max(1, base // (2 * f)), max(1, base // f), min(groups, 2 * base // f)}):
             out.append((f"wgmma nt{nt} wgs{wgs} split{split}", dict(NT=nt, WGS=wgs, SPLIT=split)))
+            if nt == 1:
+                out.append((f"wgmma asmem wgs{wgs} split{split}",
+                            dict(NT=1, WGS=wgs, SPLIT=split, ASMEM=True)))
     return out
 
 

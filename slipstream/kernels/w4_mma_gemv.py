@@ -51,7 +51,8 @@ try:   # Gluon ships with Triton >= 3.5; CPU-only installs may lack the NVIDIA p
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2
-    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma,
+                                                                   warpgroup_mma_wait)
     HAVE_GLUON = True
 except ImportError:   # pragma: no cover
     HAVE_GLUON = False
@@ -469,9 +470,10 @@ if HAVE_GLUON:
     def _w4_wgmma_kernel(X, Wb, S, Z, Y, Part, Count, M, N, stride_xm, stride_s, num_groups,
                          nblocks, groups_per_split, split,
                          NT: gl.constexpr, WGS: gl.constexpr, MB: gl.constexpr,
-                         SPLIT: gl.constexpr, OFFSET: gl.constexpr,
+                         SPLIT: gl.constexpr, ASMEM: gl.constexpr, OFFSET: gl.constexpr,
                          DT: gl.constexpr, MMA_L: gl.constexpr, A_L: gl.constexpr,
-                         WB_L: gl.constexpr, X_L: gl.constexpr, XS_L: gl.constexpr):
+                         WB_L: gl.constexpr, X_L: gl.constexpr, XS_L: gl.constexpr,
+                         AS_L: gl.constexpr):
         """Program (i, j): NT tiles of WGS 64-row blocks (one a warpgroup), groups of split
         j. Each group: the weight dequantized in registers as A, x (8 MB rows, columns in
         the mma's input order) as B from shared memory, accumulated over the groups in
@@ -481,13 +483,20 @@ if HAVE_GLUON:
         Each MMA is waited on at once: its A operand lives in registers, which the next
         group's dequantization rewrites. Left running (is_async), with the A operands kept
         alive by the wait that retires them one group later (the wait's deps), 105 of 177
-        launches measured wrong on the H200 and none faster (benchmarks/quant/README.md)."""
+        launches measured wrong on the H200 and none faster (benchmarks/quant/README.md).
+        ASMEM (one tile a program) stages A in shared memory instead (two buffers, stored
+        before the group's barrier), so the MMA reads no registers and is left running:
+        the wait after each issue retires the previous group's, whose A and x buffers the
+        next group then rewrites. Compiled and checked for sm_90 (tests/kernels/
+        sm90_compile.py); not yet run on a GPU, so the engine's tuner does not weigh it."""
         pid = gl.program_id(0)
         sp = gl.program_id(1)
         g0 = sp * groups_per_split
         g1 = gl.minimum(g0 + groups_per_split, num_groups)
         x_ptrs, x_ok = _x_group(X, stride_xm, M, MB, X_L)
         xbuf = gl.allocate_shared_memory(DT, [3, 8 * MB, 128], XS_L)
+        if ASMEM:
+            abuf = gl.allocate_shared_memory(DT, [2, 64 * WGS, 128], AS_L)
         p = gl.arange(0, 128 * WGS, layout=gl.SliceLayout(1, WB_L))
         b = gl.arange(0, 8, layout=gl.SliceLayout(0, WB_L))
         wblk = p // 128
@@ -505,14 +514,23 @@ if HAVE_GLUON:
             buf = xbuf.index(g % 3)
             buf.store(_mma_inputs(xt, MB))
             xt = gl.load(x_ptrs + (g + 1) * 128, mask=x_ok & (g + 1 < g1), other=0.0)
+            if ASMEM:     # A through shared memory: the MMA runs on while the next group
+                a_s = abuf.index(g % 2)   # is dequantized; wait(1) frees the buffers of g - 1
+                a_s.store(_scaled_a_tile(cur[0], DT, A_L, WGS))
             fence_async_shared()
             gl.thread_barrier()
             xs = buf.permute((1, 0))
-            a0 = _scaled_a_tile(cur[0], DT, A_L, WGS)
-            acc0 = warpgroup_mma(a0, xs, acc0)
-            if NT == 2:
-                acc1 = warpgroup_mma(_scaled_a_tile(cur[1], DT, A_L, WGS), xs, acc1)
+            if ASMEM:
+                acc0 = warpgroup_mma(a_s, xs, acc0, is_async=True)
+                acc0 = warpgroup_mma_wait(1, deps=[acc0])
+            else:
+                a0 = _scaled_a_tile(cur[0], DT, A_L, WGS)
+                acc0 = warpgroup_mma(a0, xs, acc0)
+                if NT == 2:
+                    acc1 = warpgroup_mma(_scaled_a_tile(cur[1], DT, A_L, WGS), xs, acc1)
             cur = nxt
+        if ASMEM:
+            acc0 = warpgroup_mma_wait(0, deps=[acc0])
         rows = gl.arange(0, 64 * WGS, layout=gl.SliceLayout(1, MMA_L))
         cols = gl.arange(0, 8 * MB, layout=gl.SliceLayout(0, MMA_L))
         _finish(acc0, Y, Part, sp, blk0 * 64, rows, cols, M, N, SPLIT)
@@ -634,23 +652,24 @@ def _wg_layouts(mb: int, wgs: int, dt):
         lane_bases=[[0, 32], [0, 64]] + row_bases[:3],
         warp_bases=warps, block_bases=[], shape=[8 * mb, 128])
     xs = gl.NVMMASharedLayout.get_default_for([8 * mb, 128], dt)
-    return mma, a, wb, xl, xs
+    a_s = gl.NVMMASharedLayout.get_default_for([64 * wgs, 128], dt)
+    return mma, a, wb, xl, xs, a_s
 
 
 def wg_kernel_args(x: torch.Tensor, p: W4Mma, y: torch.Tensor, part: torch.Tensor,
-                   count: torch.Tensor, nt: int, wgs: int, split: int):
+                   count: torch.Tensor, nt: int, wgs: int, split: int, asmem: bool = False):
     """Arguments and constexprs of one launch of the warpgroup kernel."""
     groups = p.k // GROUP
     per = -(-groups // split)
     mb = max(2, column_blocks(x.shape[0]))
     dt = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
-    mma, a, wb, xl, xs = _wg_layouts(mb, wgs, dt)
+    mma, a, wb, xl, xs, a_s = _wg_layouts(mb, wgs, dt)
     args = dict(X=x, Wb=p.words, S=p.scales, Z=p.zeros, Y=y, Part=part, Count=count,
                 M=x.shape[0], N=p.n, stride_xm=x.stride(0), stride_s=p.scales.stride(0),
                 num_groups=groups, nblocks=p.words.shape[0], groups_per_split=per, split=split)
-    consts = dict(NT=nt, WGS=wgs, MB=mb, SPLIT=split > 1,
+    consts = dict(NT=nt, WGS=wgs, MB=mb, SPLIT=split > 1, ASMEM=asmem,
                   OFFSET=_OFFSET[x.dtype], DT=dt,
-                  MMA_L=mma, A_L=a, WB_L=wb, X_L=xl, XS_L=xs)
+                  MMA_L=mma, A_L=a, WB_L=wb, X_L=xl, XS_L=xs, AS_L=a_s)
     return args, consts
 
 
@@ -705,12 +724,17 @@ def w4_wgmma_gemm(x: torch.Tensor, p: W4Mma, config: dict | None = None) -> torc
     weight unpacked and dequantized in registers (scale rounded to 16 bits, then one
     rounding of (code - zero) x scale: the dequantized weight's precision), x staged in
     shared memory. config: NT (tiles a program: 1 or 2), WGS (warpgroups, 64 rows each,
-    a tile: 1 or 2), SPLIT (K splits); default_config when None."""
+    a tile: 1 or 2), SPLIT (K splits), ASMEM (NT=1 only: the dequantized weight staged in
+    shared memory, so each MMA runs while the next group is dequantized); default_config
+    when None."""
     y, cfg = _output(x, p, WG_MAX_ROWS, "w4_wgmma_gemm", config)
     if y.numel() == 0:
         return y
     nt, wgs = cfg["NT"], cfg.get("WGS", 1)
     split, programs, part, count = _grid(x, p, y, cfg["SPLIT"], nt * wgs)
-    args, consts = wg_kernel_args(x, p, y, part, count, nt, wgs, split)
+    asmem = bool(cfg.get("ASMEM"))
+    if asmem and nt != 1:
+        raise ValueError("w4_wgmma_gemm: ASMEM takes one tile a program (NT=1)")
+    args, consts = wg_kernel_args(x, p, y, part, count, nt, wgs, split, asmem)
     _w4_wgmma_kernel[(programs, split)](*args.values(), **consts, num_warps=WARPS * wgs)
     return y

@@ -122,17 +122,26 @@ def w4_mma(kind):
         assert ptx.count("mma.sync") == 8 * (nt + 1) * w4.column_blocks(m), "mma.sync count"
         # shared memory only for the split's arrival counter (one broadcast)
         assert ptx.count("ld.shared") == (split > 1), "operands through shared memory"
-    for m, nt, wgs, split in ((16, 1, 1, 1), (64, 2, 1, 4), (128, 1, 2, 2), (32, 2, 2, 1)):
+    stores = {}
+    for m, nt, wgs, split, asmem in ((16, 1, 1, 1, False), (64, 2, 1, 4, False),
+                                     (128, 1, 2, 2, False), (32, 2, 2, 1, False),
+                                     (128, 1, 2, 2, True), (16, 1, 1, 1, True)):
         x, y = torch.empty(m, 512, dtype=dt), torch.empty(m, 256, dtype=dt)
         args, consts = w4.wg_kernel_args(x, p, y, torch.empty(split, m, 256),
-                                         torch.zeros(8, dtype=torch.int32), nt, wgs, split)
+                                         torch.zeros(8, dtype=torch.int32), nt, wgs, split, asmem)
         fn = w4._w4_wgmma_kernel
         sig = {n: "constexpr" if n in consts else mangle_type(args[n]) for n in fn.arg_names}
         k = triton.compile(GluonASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32),
                            options=dict(num_warps=w4.WARPS * wgs))
         ptx = k.asm["ptx"]
         assert ptx.count("wgmma.mma_async") == 8 * nt, "wgmma count"
-        assert "wgmma.wait_group.sync.aligned 0;" in ptx, "each MMA waited on"
+        # ASMEM: one group's MMAs left in flight, the A tile (16 KB a warpgroup) stored to
+        # shared memory by 8 more stmatrix.x4 a warp than the same launch without it
+        assert ("wgmma.wait_group.sync.aligned 1;" in ptx) == asmem, "MMAs in flight"
+        stores[m, nt, wgs, split, asmem] = ptx.count("stmatrix")
+        if asmem:
+            assert stores[m, nt, wgs, split, asmem] == stores[m, nt, wgs, split, False] + 8, \
+                "A through shared memory"
         for op in ("sub", "mul"):     # zero points and scales applied in pairs
             name = f"{op}.rn.bf16x2" if kind == "bf16" else f"{op}.rn.f16x2"
             assert ptx.count(name) == 32 * nt, f"{name} count"

@@ -169,6 +169,9 @@ _HOPPER = (torch.cuda.is_available() and W.HAVE_GLUON
                                        (100, 640, 1024, dict(NT=1, WGS=2, SPLIT=3)),
                                        (40, 130, 1024, dict(NT=1, WGS=2, SPLIT=1)),
                                        (24, 512, 1024, dict(NT=2, WGS=1, SPLIT=1)),
+                                       (128, 640, 2048, dict(NT=1, WGS=2, SPLIT=2, ASMEM=True)),
+                                       (50, 1000, 1024, dict(NT=1, WGS=1, SPLIT=1, ASMEM=True)),
+                                       (16, 320, 1024, dict(NT=1, WGS=1, SPLIT=3, ASMEM=True)),
                                        (128, 256, 512, None)])
 def test_wgmma_kernel_matches_reference(dtype, m, n, k, cfg):
     _check_kernel(W.w4_wgmma_gemm, dtype, m, n, k, cfg)
