@@ -14,13 +14,18 @@ their row slices):
 then quantizes it by RTN in `process_after_loading`. On CUDA 4- and 8-bit layers run
 Triton kernels (kernels/int_weight_gemv.py at decode batch sizes, kernels/quant_gemm.py
 above), reading the codes in the tiled word layout where a tile divides the row, else the
-packed codes; 4-bit layers in groups of 128 on sm_80+ run the tensor-core GEMV of
-kernels/w4_mma_gemv.py up to 64 rows (or its weight dequantized for cuBLAS, where the
-tuner finds that faster, and always above). Elsewhere, and for 2/3 bits, the
-plain-PyTorch twin dequantizes and multiplies.
+packed codes; 4-bit layers in groups of 128 on sm_80+ run the tensor-core kernels of
+kernels/w4_mma_gemv.py (the GEMV up to 64 rows, on sm_90 the warpgroup kernel up to 128,
+or the weight dequantized for cuBLAS where the tuner finds that faster, and always
+above). On the CPU, 4-bit and symmetric 8-bit layers whose groups are whole 32-column
+blocks run the GGUF kernels on the same weights as Q4_1 / Q8_0 blocks (quant/cpu_blocks.py;
+activations rounded to int8 per block, as for GGUF files; SLIPSTREAM_CPU_BLOCKS=0 keeps
+the exact products). Elsewhere, and for 2/3 bits, the plain-PyTorch twin dequantizes and
+multiplies.
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -28,6 +33,7 @@ from torch import nn
 
 from slipstream.kernels import reference
 from slipstream.layers.weight_loader import copy_checked
+from slipstream.quant import cpu_blocks
 from slipstream.quant.primitives import check_bits, pack_codes, packed_cols
 
 
@@ -118,11 +124,16 @@ class IntWeightMethod:
                 codes = qt.codes[:, :w.shape[1]].contiguous()
             del layer.weight
             set_quantized(layer, codes, qt.scale, qt.zero, self.bits, self.sym, w.device)
+        self._cpu_blocks(layer)
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, in] -> [num_tokens, out]
         if getattr(layer, "perm", None) is not None:
             x = x.index_select(1, layer.perm)        # int32 indices: no conversion kernel
+        blocks = getattr(layer, "cpu_blocks", None)
+        if blocks is not None and not x.is_cuda:
+            y = blocks.matmul(x if x.dtype == torch.float32 else x.float()).to(x.dtype)
+            return y if layer.bias is None else y + layer.bias
         packed = self._gpu_mma(layer, x)
         if packed is not None:
             from slipstream.kernels.quant_gemm import w4_mma_product
@@ -142,6 +153,32 @@ class IntWeightMethod:
                                             layer.group_cols)
         return y if layer.bias is None else y + layer.bias
 
+
+    def _cpu_blocks(self, layer: nn.Module) -> None:
+        """On the CPU, 4-bit and symmetric 8-bit codes in groups of whole 32-column blocks
+        become GGUF blocks for the CPU kernels (quant/cpu_blocks.py: Q4_1 / Q8_0, the
+        scales rounded to fp16, activations quantized to int8 per block in the products),
+        held in `layer.cpu_blocks`; without an input permutation also as `gguf_weight`,
+        which the one-call decode step (kernels/cpu_decoder.py) reads. Elsewhere (a GPU,
+        no C compiler, SLIPSTREAM_CPU_BLOCKS=0, other formats) the layer keeps its path."""
+        q = getattr(layer, "qweight", None)
+        if (q is None or q.device.type != "cpu"
+                or os.environ.get("SLIPSTREAM_CPU_BLOCKS", "1") in ("", "0")):
+            return
+        from slipstream.kernels import cpu_library
+        from slipstream.kernels.cpu_quant import QuantMatrix
+        from slipstream.quant.primitives import unpack_codes
+        codes = unpack_codes(q.data, self.bits)
+        if (not cpu_blocks.representable(self.bits, self.sym, codes.shape[1], layer.group_cols)
+                or cpu_library.load() is None):
+            return
+        zeros = None if self.sym else layer.qzeros.data
+        data = cpu_blocks.to_gguf_blocks(codes, layer.scales.data, zeros, self.bits,
+                                         layer.group_cols)
+        layer.cpu_blocks = QuantMatrix([data], codes.shape[1])
+        if getattr(layer, "perm", None) is None:
+            layer.gguf_weight = layer.cpu_blocks
+        _take_cpu_threads()
 
     def _gpu_mma(self, layer: nn.Module, x: torch.Tensor):
         """On a CUDA GPU with tensor cores (sm_80+), 4-bit codes in groups of 128 re-laid
@@ -201,6 +238,14 @@ class IntWeightMethod:
         return tile
 
 
+@functools.cache
+def _take_cpu_threads() -> None:
+    """The CPU kernels carry the products: their pool takes the threads (as for GGUF
+    files, kernels/cpu_library.take_threads)."""
+    from slipstream.kernels import cpu_library
+    cpu_library.take_threads()
+
+
 def _check_not_capturing() -> None:
     if torch.cuda.is_current_stream_capturing():
         raise RuntimeError("a weight-only quantized layer must run once eagerly before a "
@@ -235,6 +280,7 @@ class IntWeightHeadMethod(IntWeightMethod):
                 raise RuntimeError("the LM head must run once eagerly before a CUDA graph "
                                    "capture (it is quantized on its first product)")
             self._quantize_head(layer)
+            self._cpu_blocks(layer)
         return super().apply(layer, x)
 
     def _quantize_head(self, layer: nn.Module) -> None:
