@@ -159,7 +159,12 @@ def take_threads() -> int:
     Two pools of spinning threads on the same cores slow each other down (and a
     torch OpenMP barrier waits for a descheduled thread: a shared machine
     collapses). When the kernels carry the heavy work, torch keeps one thread."""
+    global took_threads
     import torch
     n = set_threads(None)
     torch.set_num_threads(1)
+    took_threads = True
     return n
+
+
+took_threads = False     # take_threads ran: products left to torch get one thread

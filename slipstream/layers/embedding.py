@@ -119,11 +119,36 @@ class LMHead(_VocabShard):
         # hidden: [n, hidden_size] -> logits [n, vocab_size] in fp32 (matmul in the model dtype)
         if self.quant_method is not None:
             return self.quant_method.apply(self._owner[0], hidden).float()
+        table = self._cpu_table(hidden)
+        if table is not None:
+            return table.matmul(hidden.float())
         logits = F.linear(hidden, self.weight).float()           # [n, rows_per_rank]
         if self.tp_size == 1:
             return logits
         logits = comm.all_gather(logits, self.tp.device_group, self.tp_size)
         return logits[:, :self.vocab_size]                       # [n, vocab_size]
+
+    def _cpu_table(self, hidden: torch.Tensor):
+        """On the CPU where the kernels' pool holds the threads (the other products run
+        there: GGUF blocks, quant/cpu_blocks.py) and torch keeps one, the dense table as a
+        `QuantMatrix` of floats, multiplied by the pool (fp32 dot products, the table
+        read in place); None elsewhere."""
+        from slipstream.kernels import cpu_library
+        if (hidden.is_cuda or self.tp_size > 1 or not cpu_library.took_threads
+                or cpu_library.load() is None):
+            return None
+        w = self.weight
+        key = (w.data_ptr(), w.dtype, tuple(w.shape))
+        cached = getattr(self, "_cpu_table_cache", None)
+        if cached is None or cached[0] != key:
+            from slipstream.kernels.cpu_quant import QuantMatrix
+            qtype = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30}.get(w.dtype)
+            table = None
+            if qtype is not None and w.device.type == "cpu" and w.is_contiguous():
+                data = w.detach().view(torch.uint8).view(w.shape[0], -1)
+                table = QuantMatrix([(qtype, data)], w.shape[1])
+            cached = self._cpu_table_cache = (key, table)
+        return cached[1]
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, tied={self.tied}"

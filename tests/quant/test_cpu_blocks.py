@@ -67,3 +67,21 @@ def test_engine_layers_run_on_blocks(tiny_llama, scheme, monkeypatch):
     plain = [o.outputs[0].token_ids for o in make_llm(tiny_llama, quantization=scheme).generate(
         prompts, sp, use_tqdm=False)]
     assert fused == plain
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dense_lm_head_in_the_kernels_pool(monkeypatch, dtype):
+    """Where the kernels' pool holds the threads, a dense LM head multiplies there (the
+    table read in place): the logits of F.linear, up to the order of the fp32 sums."""
+    from slipstream.layers.embedding import LMHead
+    head = LMHead(300, 64).to(dtype)
+    torch.nn.init.normal_(head.weight, std=0.1)
+    h = torch.randn(5, 64).to(dtype)
+    monkeypatch.setattr(cpu_library, "took_threads", False)
+    want = head(h)
+    assert head._cpu_table(h) is None
+    monkeypatch.setattr(cpu_library, "took_threads", True)
+    got = head(h)
+    assert head._cpu_table(h) is not None and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 if dtype == torch.float32 else 2e-2)
