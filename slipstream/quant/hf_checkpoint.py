@@ -183,6 +183,7 @@ class HFPackedIntMethod:
         layer.group_cols = group
         set_quantized(layer, codes, scales.t().contiguous(), z.t().contiguous(), bits, False,
                       codes.device, perm)
+        self.inner._cpu_blocks(layer)      # on the CPU: GGUF blocks for its kernels
 
     def apply(self, layer, x):
         return self.inner.apply(layer, x)

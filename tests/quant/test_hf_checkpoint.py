@@ -88,7 +88,8 @@ def write(src, dst, fmt, group=64, act_order=False):
 
 @pytest.mark.parametrize("fmt,act_order", [("gptq", False), ("gptq", True), ("awq", False)])
 def test_hf_quantized_checkpoint_scores_like_its_dequantized_weights(tiny_llama, tmp_path,
-                                                                     fmt, act_order):
+                                                                     fmt, act_order, monkeypatch):
+    monkeypatch.setenv("SLIPSTREAM_CPU_BLOCKS", "0")    # exact products (no int8 activations)
     fake = write(tiny_llama, tmp_path / "q", fmt, act_order=act_order)
     dense_dir = tmp_path / "fake"
     shutil.copytree(tiny_llama, dense_dir)
@@ -100,3 +101,10 @@ def test_hf_quantized_checkpoint_scores_like_its_dequantized_weights(tiny_llama,
     torch.testing.assert_close(got, expect, atol=2e-4, rtol=0)
     qkv = llm.engine.runner.model.model.layers[0].self_attn.qkv_proj
     assert hasattr(qkv, "perm") == act_order
+    # With the CPU's GGUF-block products (the default): the same checkpoint runs on them,
+    # an act-order layer through its permutation, outside the one-call decode step.
+    monkeypatch.delenv("SLIPSTREAM_CPU_BLOCKS")
+    blocks = make_llm(tmp_path / "q")
+    qkv = blocks.engine.runner.model.model.layers[0].self_attn.qkv_proj
+    assert hasattr(qkv, "cpu_blocks") and hasattr(qkv, "gguf_weight") != act_order
+    assert (prompt_logprobs(blocks, random_prompts()) - got).abs().mean() < 0.05
