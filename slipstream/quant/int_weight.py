@@ -158,8 +158,9 @@ class IntWeightMethod:
         """On the CPU, 4-bit and symmetric 8-bit codes in groups of whole 32-column blocks
         become GGUF blocks for the CPU kernels (quant/cpu_blocks.py: Q4_1 / Q8_0, the
         scales rounded to fp16, activations quantized to int8 per block in the products),
-        held in `layer.cpu_blocks`; without an input permutation also as `gguf_weight`,
-        which the one-call decode step (kernels/cpu_decoder.py) reads. Elsewhere (a GPU,
+        held in `layer.cpu_blocks` in place of `qweight`, `scales` and `qzeros`; without an
+        input permutation also as `gguf_weight`, which the one-call decode step
+        (kernels/cpu_decoder.py) reads. Elsewhere (a GPU,
         no C compiler, SLIPSTREAM_CPU_BLOCKS=0, other formats) the layer keeps its path."""
         q = getattr(layer, "qweight", None)
         if (q is None or q.device.type != "cpu"
@@ -178,6 +179,9 @@ class IntWeightMethod:
         layer.cpu_blocks = QuantMatrix([data], codes.shape[1])
         if getattr(layer, "perm", None) is None:
             layer.gguf_weight = layer.cpu_blocks
+        del layer.qweight, layer.scales        # the blocks hold them (as the GPU paths do)
+        if not self.sym:
+            del layer.qzeros
         _take_cpu_threads()
 
     def _gpu_mma(self, layer: nn.Module, x: torch.Tensor):
@@ -275,7 +279,7 @@ class IntWeightHeadMethod(IntWeightMethod):
     CHUNK_ROWS = 8192
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        if not any(hasattr(layer, n) for n in ("qweight", "qwords", "qwords_mma")):
+        if not any(hasattr(layer, n) for n in ("qweight", "qwords", "qwords_mma", "cpu_blocks")):
             if x.is_cuda and torch.cuda.is_current_stream_capturing():
                 raise RuntimeError("the LM head must run once eagerly before a CUDA graph "
                                    "capture (it is quantized on its first product)")

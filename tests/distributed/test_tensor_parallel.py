@@ -272,10 +272,11 @@ def test_act_order_checkpoints_do_not_split_along_the_input(split_kv_folder, tmp
 
 
 @pytest.mark.parametrize("fmt", ["gptq", "awq"])
-def test_gptq_and_awq_checkpoints_shard(split_kv_folder, tmp_path, fmt):
+def test_gptq_and_awq_checkpoints_shard(split_kv_folder, tmp_path, fmt, monkeypatch):
     """GPTQ / AWQ tensors in the Hugging Face layout: a column-parallel rank takes its
     share of each fused shard's packed outputs, a row-parallel one its share of the
     inputs (codes, groups, g_idx renumbered): TP=1's tokens and log-probs."""
+    monkeypatch.setenv("SLIPSTREAM_CPU_BLOCKS", "0")    # as in test_quantized_at_load_layers_shard
     from tests.quant.test_hf_checkpoint import write
     write(split_kv_folder, tmp_path / "q", fmt)
     _tp2_matches_tp1(tmp_path / "q", split_kv_folder, False)
