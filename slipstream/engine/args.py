@@ -71,6 +71,10 @@ class EngineArgs:
             quantization = "gguf" if real and runs_quantized(self.model, device) else None
             if quantization and self.dtype in (None, "auto"):
                 dtype = torch.float32   # the kernels take fp32 activations; weights stay in blocks
+        if self.dtype in (None, "auto"):
+            from slipstream.quant.cpu_blocks import runs_on_blocks
+            if runs_on_blocks(model_path, quantization, device):
+                dtype = torch.float32   # weight-only codes as blocks for the same kernels
         max_len = self.max_model_len or mc.max_position_embeddings
         if max_len < 2:
             raise ValueError("max_model_len must be at least 2")

@@ -20,6 +20,29 @@ Q4_1, Q8_0 = 3, 8      # ggml type ids
 BLOCK = 32
 
 
+# Schemes whose layers are weight-only integer codes (at load, or in a checkpoint's
+# quantization_config) that may take the blocks.
+SCHEMES = ("rtn-int4", "rtn-int4-head8", "int8", "slipstream", "gptq", "awq")
+
+
+def runs_on_blocks(model_path, quantization: str | None, device) -> bool:
+    """Whether a model's weight-only layers will run on the CPU kernels' blocks, so that
+    `dtype=auto` becomes float32 (the kernels and the one-call decode step take fp32
+    activations; in bf16 every product converts, and the one-call step is off)."""
+    import json
+    import os
+    from pathlib import Path
+    from slipstream.kernels import cpu_library
+    if device.type != "cpu" or os.environ.get("SLIPSTREAM_CPU_BLOCKS", "1") in ("", "0"):
+        return False
+    scheme = quantization
+    config = Path(str(model_path)) / "config.json"
+    if scheme is None and config.is_file():
+        scheme = (json.loads(config.read_text()).get("quantization_config") or {}).get(
+            "quant_method")
+    return scheme in SCHEMES and cpu_library.load() is not None
+
+
 def representable(bits: int, sym: bool, cols: int, group_cols: int) -> bool:
     """Whether a layer's codes map onto GGUF blocks: 4 bits, or 8 bits symmetric, with
     groups (and rows) of whole 32-column blocks."""

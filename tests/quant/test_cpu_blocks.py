@@ -85,3 +85,20 @@ def test_dense_lm_head_in_the_kernels_pool(monkeypatch, dtype):
     got = head(h)
     assert head._cpu_table(h) is not None and got.dtype == torch.float32
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 if dtype == torch.float32 else 2e-2)
+
+
+@needs_kernels
+def test_auto_dtype_is_fp32_where_layers_run_on_blocks(tiny_llama, monkeypatch):
+    """dtype=auto on the CPU: float32 for weight-only schemes that take the blocks (the
+    kernels and the one-call step read fp32), the usual choice otherwise."""
+    from slipstream.config import resolve_dtype
+    from slipstream.engine.args import EngineArgs
+    from slipstream.loader import open_model
+    files = open_model(str(tiny_llama))
+    cfg = lambda **kw: EngineArgs(model=str(tiny_llama), device="cpu", **kw).create_config(  # noqa: E731
+        str(tiny_llama), files.config)
+    assert cfg(quantization="rtn-int4").dtype == torch.float32
+    assert cfg(quantization="fp8").dtype == resolve_dtype("auto", torch.device("cpu"))
+    assert cfg(quantization="rtn-int4", dtype="bfloat16").dtype == torch.bfloat16
+    monkeypatch.setenv("SLIPSTREAM_CPU_BLOCKS", "0")
+    assert cfg(quantization="rtn-int4").dtype == resolve_dtype("auto", torch.device("cpu"))
