@@ -14,6 +14,10 @@ product in PyTorch.
 """
 from __future__ import annotations
 
+import json
+import os
+from pathlib import Path
+
 import torch
 
 Q4_1, Q8_0 = 3, 8      # ggml type ids
@@ -25,15 +29,17 @@ BLOCK = 32
 SCHEMES = ("rtn-int4", "rtn-int4-head8", "int8", "slipstream", "gptq", "awq")
 
 
+def enabled() -> bool:
+    """SLIPSTREAM_CPU_BLOCKS=0 keeps the exact products in PyTorch."""
+    return os.environ.get("SLIPSTREAM_CPU_BLOCKS", "1") not in ("", "0")
+
+
 def runs_on_blocks(model_path, quantization: str | None, device) -> bool:
     """Whether a model's weight-only layers will run on the CPU kernels' blocks, so that
     `dtype=auto` becomes float32 (the kernels and the one-call decode step take fp32
     activations; in bf16 every product converts, and the one-call step is off)."""
-    import json
-    import os
-    from pathlib import Path
     from slipstream.kernels import cpu_library
-    if device.type != "cpu" or os.environ.get("SLIPSTREAM_CPU_BLOCKS", "1") in ("", "0"):
+    if device.type != "cpu" or not enabled():
         return False
     scheme = quantization
     config = Path(str(model_path)) / "config.json"

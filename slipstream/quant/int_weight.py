@@ -25,7 +25,6 @@ multiplies.
 """
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -163,8 +162,7 @@ class IntWeightMethod:
         (kernels/cpu_decoder.py) reads. Elsewhere (a GPU,
         no C compiler, SLIPSTREAM_CPU_BLOCKS=0, other formats) the layer keeps its path."""
         q = getattr(layer, "qweight", None)
-        if (q is None or q.device.type != "cpu"
-                or os.environ.get("SLIPSTREAM_CPU_BLOCKS", "1") in ("", "0")):
+        if q is None or q.device.type != "cpu" or not cpu_blocks.enabled():
             return
         from slipstream.kernels import cpu_library
         from slipstream.kernels.cpu_quant import QuantMatrix
@@ -182,7 +180,8 @@ class IntWeightMethod:
         del layer.qweight, layer.scales        # the blocks hold them (as the GPU paths do)
         if not self.sym:
             del layer.qzeros
-        _take_cpu_threads()
+        if not cpu_library.took_threads:    # the kernels carry the products (as for GGUF)
+            cpu_library.take_threads()
 
     def _gpu_mma(self, layer: nn.Module, x: torch.Tensor):
         """On a CUDA GPU with tensor cores (sm_80+), 4-bit codes in groups of 128 re-laid
@@ -240,14 +239,6 @@ class IntWeightMethod:
         layer.register_parameter("qwords", _param(words))
         layer.gpu_tile = tile
         return tile
-
-
-@functools.cache
-def _take_cpu_threads() -> None:
-    """The CPU kernels carry the products: their pool takes the threads (as for GGUF
-    files, kernels/cpu_library.take_threads)."""
-    from slipstream.kernels import cpu_library
-    cpu_library.take_threads()
 
 
 def _check_not_capturing() -> None:
