@@ -1,7 +1,7 @@
-"""The tensor-core 4-bit GEMV and its warpgroup-MMA twin for more rows
-(kernels/w4_mma_gemv.py) against the fp32-loop GEMV (kernels/int_weight_gemv.py), the
-weight dequantized for cuBLAS, and bf16 cuBLAS, on the Llama-3-8B shapes at 1 to 128
-rows, H200.
+"""The tensor-core 4-bit GEMV (kernels/w4_mma_gemv.py) and the warpgroup-MMA kernel
+for more rows (kernels/w4_wgmma_gemm.py) against the fp32-loop GEMV
+(kernels/int_weight_gemv.py), the weight dequantized for cuBLAS, and bf16 cuBLAS, on
+the Llama-3-8B shapes at 1 to 128 rows, H200.
 
 Every variant's output is checked against the fp32 product of the dequantized weight
 first. Times: CUDA graphs over enough weight copies that every call streams from HBM
@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from benchmarks.cuda_timing import graph_timer  # noqa: E402
 from slipstream.kernels import w4_mma_gemv as W4  # noqa: E402
+from slipstream.kernels import w4_wgmma_gemm as WG  # noqa: E402
 from slipstream.kernels.int_weight_gemv import int_weight_gemv, pick_tile, tile_codes  # noqa: E402
 from slipstream.quant.primitives import quantize  # noqa: E402
 
@@ -124,9 +125,9 @@ def main() -> int:
             mma = variants(packed, m, sms) if m <= W4.MAX_ROWS else []
             for label, cfg in mma[-2:] if args.quick else mma:
                 cands[label] = ((lambda p, c=cfg: W4.w4_mma_gemv(x, p, c)), [packed], int4_bytes)
-            if m > 8 and W4.wgmma_supported(x):
+            if m > 8 and WG.wgmma_supported(x):
                 for label, cfg in wg_variants(packed, m, sms):
-                    cands[label] = ((lambda p, c=cfg: W4.w4_wgmma_gemm(x, p, c)), [packed],
+                    cands[label] = ((lambda p, c=cfg: WG.w4_wgmma_gemm(x, p, c)), [packed],
                                     int4_bytes)
             if m >= 16:    # the alternative the engine's tuner weighs from 16 rows
                 cands["dequantize + cuBLAS"] = (

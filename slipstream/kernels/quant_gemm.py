@@ -222,20 +222,21 @@ def tiled_int_weight_gemm(x: torch.Tensor, words: torch.Tensor, scales: torch.Te
 def w4_mma_product(x: torch.Tensor, p) -> torch.Tensor:
     """The product with a weight packed for the tensor-core 4-bit kernels (a W4Mma of
     kernels/w4_mma_gemv.py), tuned per token-count bucket like the others: up to its
-    MAX_ROWS rows the GEMV; from 9 rows on sm_90 also the warpgroup kernel (up to its
-    WG_MAX_ROWS), and from 16 rows the weight dequantized for cuBLAS; beyond those
+    MAX_ROWS rows the GEMV; from 9 rows on sm_90 also the warpgroup kernel
+    (w4_wgmma_gemm.py, up to its WG_MAX_ROWS), and from 16 rows the weight dequantized for cuBLAS; beyond those
     limits always the latter."""
     from slipstream.kernels import w4_mma_gemv as w4
+    from slipstream.kernels import w4_wgmma_gemm as wgk
     m = x.shape[0]
 
     def call(cfg, q):
         if cfg.get("DEQUANT"):
             return torch.nn.functional.linear(x, w4.dequantize_w4_mma(q, x.dtype))
         if cfg.get("WG"):
-            return w4.w4_wgmma_gemm(x, q, cfg)
+            return wgk.w4_wgmma_gemm(x, q, cfg)
         return w4.w4_mma_gemv(x, q, cfg)
-    wg = w4.wgmma_supported(x)
-    if m > (w4.WG_MAX_ROWS if wg else w4.MAX_ROWS):
+    wg = wgk.wgmma_supported(x)
+    if m > (wgk.WG_MAX_ROWS if wg else w4.MAX_ROWS):
         return call({"DEQUANT": True}, p)
     from slipstream.kernels.runtime import num_sms
     default = w4.default_config(p, m, num_sms(x.device.index or 0))

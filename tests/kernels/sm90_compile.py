@@ -105,6 +105,7 @@ def w4_mma(kind):
     split or not; its warpgroup twin at 16, 64 and 128 rows. Its layout conversions are asserted trivial when it compiles (no data
     between threads); the PTX must hold mma.sync and no shared-memory load in its loop."""
     from slipstream.kernels import w4_mma_gemv as w4
+    from slipstream.kernels import w4_wgmma_gemm as wgk
     if not w4.HAVE_GLUON:
         raise FileNotFoundError("no Gluon in this Triton")
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -127,9 +128,9 @@ def w4_mma(kind):
                                      (128, 1, 2, 2, False), (32, 2, 2, 1, False),
                                      (128, 1, 2, 2, True), (16, 1, 1, 1, True)):
         x, y = torch.empty(m, 512, dtype=dt), torch.empty(m, 256, dtype=dt)
-        args, consts = w4.wg_kernel_args(x, p, y, torch.empty(split, m, 256),
+        args, consts = wgk.wg_kernel_args(x, p, y, torch.empty(split, m, 256),
                                          torch.zeros(8, dtype=torch.int32), nt, wgs, split, asmem)
-        fn = w4._w4_wgmma_kernel
+        fn = wgk._w4_wgmma_kernel
         sig = {n: "constexpr" if n in consts else mangle_type(args[n]) for n in fn.arg_names}
         k = triton.compile(GluonASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32),
                            options=dict(num_warps=w4.WARPS * wgs))

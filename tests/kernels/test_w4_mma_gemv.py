@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from slipstream.kernels import w4_mma_gemv as W
+from slipstream.kernels import w4_wgmma_gemm as WG
 
 
 def _weight(n, k, seed=0, zeros=True):
@@ -174,7 +175,7 @@ _HOPPER = (torch.cuda.is_available() and W.HAVE_GLUON
                                        (16, 320, 1024, dict(NT=1, WGS=1, SPLIT=3, ASMEM=True)),
                                        (128, 256, 512, None)])
 def test_wgmma_kernel_matches_reference(dtype, m, n, k, cfg):
-    _check_kernel(W.w4_wgmma_gemm, dtype, m, n, k, cfg)
+    _check_kernel(WG.w4_wgmma_gemm, dtype, m, n, k, cfg)
 
 
 @pytest.mark.skipif(not _HOPPER, reason="needs an sm_90 GPU")
