@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 
 _SOURCE = Path(__file__).with_name("cpu_quant.c")
-_INCLUDED = [Path(__file__).with_name(n) for n in ("cpu_q4x16.c", "cpu_q8x16.c", "cpu_tree_attention.c", "cpu_decoder.c")]   # #included by _SOURCE
+_INCLUDED = [Path(__file__).with_name(n) for n in ("cpu_q4x16.c", "cpu_q8x16.c", "cpu_tree_attention.c", "cpu_decoder.c", "cpu_eagle.c")]   # #included by _SOURCE
 # SLIPSTREAM_CPU_ARCH picks another target (tests build `haswell`, an AVX2-only CPU,
 # and `x86-64`, no vector extensions, to check the paths this machine would not take).
 _ARCH = os.environ.get("SLIPSTREAM_CPU_ARCH", "native")
@@ -50,6 +50,8 @@ _SIGNATURES = {
     "ss_tree_attention": ([_p, _i64, _p, _p, _i32, _p, _i64, _p, _p, _p, _i64, _i32, _i32, _i32, _i32, _i32,
                            _f32, _i64, _p, _i64, _p, _i64, _p, _p], _i32),
     "ss_tree_step": ([_p, _p, _p, _p, _i64, _p, _p, _i64, _p, _p, _i32], _i32),
+    "ss_eagle_pass": ([_p, _p, _p, _i64, _p, _p, _p, _p, _i64, _p, _p, _p], _i32),
+    "ss_eagle_chain": ([_p, _p, _p, _p, _p, _i64, _i64, _i32, _i32, _p, _p], _i32),
 }
 
 

@@ -16,6 +16,7 @@
  *   ss_tree_attention  a few tokens per sequence under a tree mask
  *                 (cpu_tree_attention.c).
  *   ss_decode_step, ss_tree_step  a whole model step (cpu_decoder.c).
+ *   ss_eagle_pass, ss_eagle_chain  EAGLE's draft head (cpu_eagle.c).
  *
  * Threads: a small pool of spinning workers. Work is split into chunks that
  * threads claim with an atomic counter; the caller takes chunks too and waits
@@ -781,3 +782,4 @@ int ss_decode_attention(const float *q, int64_t q_stride, const void *k_cache, c
 
 /* ---- a whole decode step ------------------------------------------------ */
 #include "cpu_decoder.c"
+#include "cpu_eagle.c"

@@ -19,6 +19,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from slipstream.kernels import cpu_eagle
+from slipstream.kernels.cpu_eagle import CPUEagle
 from slipstream.spec.base import ProposeRequest, register_proposer
 from slipstream.spec.eagle_head import EagleHead, EagleShape  # noqa: F401 (re-exported)
 from slipstream.spec.eagle_tree import EagleTreeExpander
@@ -42,6 +44,29 @@ class EagleProposer:
         self.kv: dict[str, tuple[torch.Tensor, torch.Tensor, int]] = {}
         self.online = None     # spec/online.py: the head keeps training on what it sees
         self.expander = EagleTreeExpander(head, embed, lm_head, self.token_ids, depth, topk, beam)
+        # On a CPU with the head on Q8_0 blocks: its rows and chains in one C call each.
+        self.cpu_head = CPUEagle.build(head, lm_head, embed) if head.device.type == "cpu" else None
+        self.expander.cpu_head = self.cpu_head
+
+    def _cpu_head(self):
+        """The one-call head, where it applies (online adaptation rewrites the head's
+        blocks, which the C structure points into: the torch path then)."""
+        if self.cpu_head is None or self.online is not None or not cpu_eagle.enabled:
+            self.expander.cpu_head = None
+            return None
+        self.expander.cpu_head = self.cpu_head
+        return self.cpu_head
+
+    def _head_rows(self, toks: torch.Tensor, feat: torch.Tensor, pos: torch.Tensor,
+                   st: "_HeadContext | None"):
+        """The head over new pairs that see the context's valid rows and, causally,
+        each other -> (features, K, V)."""
+        emb = self.embed(toks).to(self.head.dtype)
+        cpu = self._cpu_head()
+        if cpu is not None:
+            return cpu.rows(emb, feat, pos, *((None,) * 3 if st is None else (st.k, st.v, st.valid)))
+        return self.head(emb, feat, pos, None if st is None else (st.k, st.v),
+                         None if st is None else _append_mask(st.valid, toks.shape[0]))
 
     def release(self, request_id: str) -> None:
         self.kv.pop(request_id, None)
@@ -69,7 +94,6 @@ class EagleProposer:
         fewer states than the whole history (prefix-cache hits, speculation
         paused): a gap restarts the head's context at the first pair it is
         given, which only costs acceptance; states it has seen are skipped."""
-        dt = self.head.dtype
         hidden, length = r.hidden, len(r.token_ids)
         first = length - 1 - hidden.shape[0]       # pairs j in [first, L - 1)
         st = self.kv.get(r.request_id)
@@ -85,9 +109,7 @@ class EagleProposer:
         t = hidden.shape[0]
         if self.online is not None:
             self.online.record(r.request_id, first, toks, hidden)
-        mask = None if st is None else _append_mask(st.valid, t)
-        f, k, v = self.head(self.embed(toks).to(dt), self.head.target_feature(hidden), pos,
-                            None if st is None else (st.k, st.v), mask)
+        f, k, v = self._head_rows(toks, self.head.target_feature(hidden), pos, st)
         if st is None:
             st = self.kv[r.request_id] = _HeadContext(k, v, torch.ones(t, dtype=torch.bool,
                                                                        device=dev), first)
@@ -110,7 +132,7 @@ class EagleProposer:
         `propose` (ok False)."""
         d1 = out.tokens.shape[1]
         rows, ok = [], []
-        dt, dev = self.head.dtype, hidden.device
+        dev = hidden.device
         offs = torch.arange(d1, device=dev)
         for j, (rid, s) in enumerate(zip(rids, starts)):
             st = self.kv.get(rid)
@@ -122,8 +144,7 @@ class EagleProposer:
             path_rows = torch.cat([a.new_zeros(1), out.accepted_nodes[j] + 1]).clamp_min(0)
             h = hidden[base_rows[j] + path_rows]                         # [D + 1, hidden]
             toks = out.tokens[j].clamp_min(0)
-            f, k, v = self.head(self.embed(toks).to(dt), self.head.target_feature(h), s + offs, (st.k, st.v),
-                                _append_mask(st.valid, d1))
+            f, k, v = self._head_rows(toks, self.head.target_feature(h), s + offs, st)
             st.append(k, v, offs <= a)
             if self.online is not None:
                 self.online.record(rid, s, toks, h, offs <= a)

@@ -22,6 +22,8 @@ import warnings
 
 import torch
 
+from slipstream.kernels.cpu_eagle import chain_table
+
 
 class EagleTreeExpander:
     def __init__(self, head, embed, lm_head, token_ids, depth: int, topk: int, beam: int):
@@ -32,6 +34,7 @@ class EagleTreeExpander:
         self.graphs_enabled = False
         self.pool = None
         self._consts: dict[tuple, torch.Tensor] = {}
+        self.cpu_head = None     # kernels/cpu_eagle.CPUEagle: a chain (beam 1) in one C call
 
     def expand(self, root_feat: torch.Tensor, past_k: torch.Tensor, past_v: torch.Tensor,
                base: int | torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
@@ -43,6 +46,10 @@ class EagleTreeExpander:
         dev = root_feat.device
         if valid is None:
             valid = torch.ones(past_k.shape[0], dtype=torch.bool, device=dev)
+        if self.cpu_head is not None and self.beam == 1 and not root_feat.is_cuda:
+            tokens, logp = self.cpu_head.chain(root_feat, past_k, past_v, valid, int(base),
+                                               self.depth, self.topk)
+            return chain_table(tokens, logp)
         if not torch.is_tensor(base):
             base = torch.full((), base, dtype=torch.int64, device=dev)
         if root_feat.is_cuda and self.graphs_enabled:

@@ -132,7 +132,7 @@ def test_threads_give_the_same_result():
 def test_other_cpus(arch, tmp_path):
     """The kernels built for an AVX2-only CPU, for one without vector extensions and
     for AVX-512 without VNNI (paths this machine may not take) pass the same tests,
-    the one-call decoder's (one-token and verification steps) included."""
+    the one-call decoder's (one-token and verification steps) and EAGLE head's included."""
     import os
     import platform
     import subprocess
@@ -144,7 +144,7 @@ def test_other_cpus(arch, tmp_path):
     env = dict(os.environ, SLIPSTREAM_CPU_ARCH=arch, SLIPSTREAM_CACHE=str(tmp_path))
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
                         "-k", "not other_cpus and not default_model", "tests/kernels/test_cpu_attention.py",
-                        "tests/loader/test_cpu_decoder.py"],
+                        "tests/loader/test_cpu_decoder.py", "tests/spec/test_cpu_eagle.py"],
                        env=env, capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert "skipped" not in r.stdout.splitlines()[-1], r.stdout[-500:]

@@ -25,3 +25,19 @@ def repeating_samples(model, n=6, length=24):
         base = torch.randint(0, 96, (5,), generator=g)
         seqs.append(base.repeat(length // 5 + 1)[:length])
     return Samples.pack(seqs, features_of_many(model, seqs, max_tokens_per_forward=40), [4] * n)
+
+
+def draft_lm_head_over(table, vocab):
+    """A DraftLMHead over the rows `vocab` of a target whose (tied) LM head holds the
+    QuantMatrix `table`, without a model: what cpu_draft.quantize_head reads."""
+    from slipstream.spec.heads import DraftLMHead
+
+    class Owner:
+        gguf_weight = table
+
+    class Target:
+        class lm_head:
+            _owner = [Owner()]
+    base = DraftLMHead.__new__(DraftLMHead)
+    base.target, base.vocab, base.weight = Target(), vocab, None
+    return base

@@ -37,18 +37,10 @@ def test_quant_linear_tracks_the_linear():
 
 def test_draft_lm_head_reads_the_targets_rows():
     """The draft vocabulary's columns of the target's quantized head, from its own blocks."""
-    from slipstream.spec.heads import DraftLMHead
+    from tests.spec.conftest import draft_lm_head_over
     w = torch.randn(80, 64, generator=torch.Generator().manual_seed(1))
     table = QuantMatrix([(cpu_draft.Q8_0, cpu_draft.q8_0_blocks(w))], 64)
-
-    class Owner:
-        gguf_weight = table
-
-    class Target:
-        class lm_head:
-            _owner = [Owner()]
-    base = DraftLMHead.__new__(DraftLMHead)
-    base.target, base.vocab, base.weight = Target(), torch.arange(3, 80, 5)[:16], None
+    base = draft_lm_head_over(table, torch.arange(3, 80, 5)[:16])
     head = cpu_draft.QuantDraftLMHead(base, table)
     x = torch.randn(3, 64)
     torch.testing.assert_close(head(x), table.matmul(x)[:, base.vocab])
