@@ -30,6 +30,7 @@ from slipstream.spec.tree import DraftTree
 class ParallelExpander:
     """`EagleTreeExpander`'s interface: the candidate table of a chain of `depth`."""
     graphs_enabled = False   # eager only (no CUDA graphs for this pass yet)
+    cpu_head = None          # kernels/cpu_eagle.CPUEagle: the pass in one C call (CPU)
 
     def __init__(self, head: EagleHead, embed, lm_head, token_ids, depth: int):
         if not head.shape.parallel:
@@ -56,7 +57,10 @@ class ParallelExpander:
                              h.mask_emb.to(dt).expand(n - 1, -1)])
             feat = torch.cat([root_feat[None], h.mask_feat.to(dt).expand(n - 1, -1)])
             pos = base + torch.arange(n, device=dev)
-            f, _, _ = h(emb, feat, pos, (past_k, past_v), _append_mask(valid, n))
+            if self.cpu_head is not None and not root_feat.is_cuda:
+                f, _, _ = self.cpu_head.rows(emb, feat, pos, past_k, past_v, valid)
+            else:
+                f, _, _ = h(emb, feat, pos, (past_k, past_v), _append_mask(valid, n))
             lp = torch.log_softmax(self.lm_head(f), -1, dtype=torch.float32)
             s, c = lp.max(-1)                                             # [n] each
             scores, cols = torch.cat([scores, s]), torch.cat([cols, c])

@@ -28,9 +28,10 @@ class _Embedding(nn.Module):
         return self.gguf_weight.get_rows(ids)
 
 
-def _setup(seed=0, vocab_rows=40):
+def _setup(seed=0, vocab_rows=40, parallel=0):
     g = torch.Generator().manual_seed(seed)
-    shape = EagleShape(hidden_size=H, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=96)
+    shape = EagleShape(hidden_size=H, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=96,
+                       parallel=parallel)
     head = EagleHead(shape)
     with torch.no_grad():
         for name, p in head.named_parameters():
@@ -80,6 +81,20 @@ def test_chain_matches_the_expansion_with_one_beam(topk, depth):
     got = ex.expand(root, k, v, 9, valid)
     assert got.shape == want.shape == (4, depth * topk)
     assert torch.equal(got[[0, 2, 3]], want[[0, 2, 3]])       # tokens, parents, levels
+    torch.testing.assert_close(got[1], want[1], rtol=1e-4, atol=1e-4)
+
+
+def test_parallel_pass_matches_the_torch_pass():
+    """P-EAGLE's one pass over the root's and the placeholders' rows (spec/peagle.py)."""
+    from slipstream.spec.peagle import ParallelExpander
+    head, lm_head, embed, cpu, g = _setup(seed=2, parallel=1)
+    k, v, valid = _past(g, 6)
+    root = torch.randn(H, generator=g)
+    ex = ParallelExpander(head, embed, lm_head, lm_head.token_ids, 4)
+    want = ex.expand(root, k, v, 6, valid)
+    ex.cpu_head = cpu
+    got = ex.expand(root, k, v, 6, valid)
+    assert torch.equal(got[[0, 2, 3]], want[[0, 2, 3]])
     torch.testing.assert_close(got[1], want[1], rtol=1e-4, atol=1e-4)
 
 
