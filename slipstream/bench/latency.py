@@ -5,9 +5,11 @@ Each iteration runs `--batch-size` new prompts of `--input-len` random token
 ids (seeded by `--dataset-seed` and the iteration, so none hits the prefix
 cache) with `max_tokens=--output-len` and `ignore_eos` to the end, then another
 batch of fresh prompts of the same lengths to its first token only: that is
-the prefill time, and (whole - prefill) / (output_len - 1) the decode step
-time. Timing whole runs rather than single steps holds when the engine
-overlaps a step's host work with the previous step's device work. After
+the prefill time. The decode step time is the first run's time from the step
+that returned the last of its first tokens to its end, over output_len - 1 (one
+run's own clock: the difference of two runs' times can come out negative when
+one of them meets a hiccup). Timing runs rather than single steps holds when
+the engine overlaps a step's host work with the previous step's device work. After
 `--num-iters-warmup` untimed iterations, `--num-iters` timed ones give the
 medians of: latency, prefill time, decode step time and decode tokens/s
 (batch / step time). On a GPU the decode step is also set against the
@@ -37,24 +39,32 @@ def validate(args) -> None:
         raise ValueError("--num-iters-warmup must be at least 0")
 
 
-def _time_batch(engine, prompts, params) -> float:
-    for p in prompts:
-        engine.add_request({"prompt_token_ids": p}, params)
+def _time_batch(engine, prompts, params) -> tuple[float, float]:
+    """Seconds from the first step to the end of the batch, and to the step that
+    returned the last of its requests' first tokens."""
+    waiting = {engine.add_request({"prompt_token_ids": p}, params) for p in prompts}
     t0 = time.perf_counter()
+    first = None
     while engine.has_unfinished_requests():
-        engine.step()
-    return time.perf_counter() - t0
+        outputs = engine.step()
+        if waiting:
+            waiting.difference_update(o.request_id for o in outputs
+                                      if o.outputs and o.outputs[0].token_ids)
+            if not waiting:
+                first = time.perf_counter() - t0
+    total = time.perf_counter() - t0
+    return total, total if first is None else first
 
 
 def _one_iteration(engine, prompts, params, prompts_again) -> dict:
     """The batch run whole, then (fresh prompts of the same lengths, so no
     prefix-cache hit) run to its first token only: the prefill. The decode step
-    time is the difference over the remaining tokens; unlike timing single
-    steps, this holds when the engine overlaps steps."""
+    time is the whole run's time after its first tokens over the remaining
+    tokens; unlike timing single steps, this holds when the engine overlaps steps."""
     import dataclasses
-    total = _time_batch(engine, prompts, params)
-    prefill = _time_batch(engine, prompts_again, dataclasses.replace(params, max_tokens=1))
-    decode = (total - prefill) / (params.max_tokens - 1) if params.max_tokens > 1 else None
+    total, first = _time_batch(engine, prompts, params)
+    prefill, _ = _time_batch(engine, prompts_again, dataclasses.replace(params, max_tokens=1))
+    decode = (total - first) / (params.max_tokens - 1) if params.max_tokens > 1 else None
     return {"total_s": total, "prefill_s": prefill, "decode_step_s": decode}
 
 
