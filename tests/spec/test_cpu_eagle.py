@@ -124,7 +124,7 @@ def test_default_model_drafts_through_the_c_head_and_stays_exact():
     kw = dict(device="cpu", max_model_len=256, seed=0, kv_cache_memory=32 << 20)
     plain = LLM(**kw)
     spec = LLM(**kw, speculative_method="eagle", num_speculative_tokens=3,
-               speculative_tree="2,1,6")
+               speculative_tree="2,1,6", speculative_auto_off=False)   # timing-free
     proposer = spec.engine.runner.speculator.proposer
     assert proposer.cpu_head is not None and proposer.expander.cpu_head is proposer.cpu_head
     calls = []
