@@ -21,13 +21,16 @@ def _seed():
 
 
 @pytest.fixture(autouse=True)
-def _hang_guard(request):
+def _hang_guard(request, monkeypatch):
     """A test module with HANG_LIMIT_S (tests across processes, where a peer may never
-    answer) ends the run with a traceback after that many seconds instead of holding CI."""
+    answer) ends the run with a traceback after that many seconds instead of holding CI;
+    the ranks it starts print theirs a little before (SLIPSTREAM_HANG_DUMP_S,
+    distributed/worker.py), so a hang shows where every process waits."""
     limit = getattr(request.module, "HANG_LIMIT_S", None)
     if limit is None:
         yield
         return
+    monkeypatch.setenv("SLIPSTREAM_HANG_DUMP_S", str(max(1, limit - 20)))
     faulthandler.dump_traceback_later(limit, exit=True)
     yield
     faulthandler.cancel_dump_traceback_later()
