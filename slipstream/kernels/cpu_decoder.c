@@ -37,9 +37,14 @@ typedef struct {
     float *tap_out;                        /* [b, n_taps * hidden], set per call */
 } ss_model_t;
 
-static int lin(const ss_linear_t *l, int64_t cols, const float *x, int64_t m, float *y) {
+static int64_t lin_rows(const ss_linear_t *l) {
     int64_t rows = 0;
     for (int s = 0; s < l->n_seg; s++) rows += l->rows[s];
+    return rows;
+}
+
+static int lin(const ss_linear_t *l, int64_t cols, const float *x, int64_t m, float *y) {
+    int64_t rows = lin_rows(l);
     int rc = ss_matmul(l->n_seg, l->type, l->w, l->rows, cols, x, m, y, rows);
     if (rc == 0 && l->bias)
         for (int64_t i = 0; i < m; i++) for (int64_t r = 0; r < rows; r++) y[i * rows + r] += l->bias[r];
@@ -62,6 +67,26 @@ static void rotary(float *x, int heads, int hd, const float *cos, const float *s
             x[i] = a * cos[i] + b * sin[i];
             x[i + half] = b * cos[i + half] + a * sin[i + half];
         }
+}
+
+/* The layer after its attention, for b rows: r += att @ Wo^T; then
+ * r += (silu(g) * u) @ Wd^T with [g ; u] = (rmsnorm(r) * norm2) @ Wgu^T.
+ * h [b, H], gu [b, 2 I], act [b, I]: scratch. */
+static int attn_out_mlp(const ss_linear_t *o, const ss_linear_t *gate_up, const ss_linear_t *down,
+                        const float *norm2, float eps, int64_t b, int64_t H, int64_t nq, int64_t I,
+                        const float *att, float *r, float *h, float *gu, float *act) {
+    int rc;
+    if ((rc = lin(o, nq, att, b, h))) return rc;
+    for (int64_t i = 0; i < b * H; i++) r[i] += h[i];
+    for (int64_t i = 0; i < b; i++) rmsnorm(r + i * H, norm2, H, eps, h + i * H);
+    if ((rc = lin(gate_up, H, h, b, gu))) return rc;
+    for (int64_t i = 0; i < b; i++) {
+        const float *g = gu + i * 2 * I, *u = g + I;
+        for (int64_t j = 0; j < I; j++) act[i * I + j] = g[j] / (1.0f + expf(-g[j])) * u[j];
+    }
+    if ((rc = lin(down, I, act, b, h))) return rc;
+    for (int64_t i = 0; i < b * H; i++) r[i] += h[i];
+    return 0;
 }
 
 /* Where a step's tokens attend: one token per sequence (qloc NULL: the decode
@@ -100,16 +125,8 @@ static int run_step(const ss_model_t *m, float *x, int64_t b, const int64_t *pos
             rc = ss_decode_attention(qkv, wqkv, L->k_cache, L->v_cache, m->kv_bf16, at->tables, at->table_stride,
                                      at->seq_lens, b, m->nh, m->nkv, (int)hd, m->block_size, m->scale, m->window,
                                      qkv + nq, wqkv, qkv + nq + nkvd, wqkv, at->slots, att);
-        if (rc || (rc = lin(&L->o, nq, att, b, h))) break;
-        for (int64_t i = 0; i < b * H; i++) r[i] += h[i];
-        for (int64_t i = 0; i < b; i++) rmsnorm(r + i * H, L->norm2, H, m->eps, h + i * H);
-        if ((rc = lin(&L->gate_up, H, h, b, gu))) break;
-        for (int64_t i = 0; i < b; i++) {
-            const float *g = gu + i * 2 * I, *u = g + I;
-            for (int64_t j = 0; j < I; j++) act[i * I + j] = g[j] / (1.0f + expf(-g[j])) * u[j];
-        }
-        if ((rc = lin(&L->down, I, act, b, h))) break;
-        for (int64_t i = 0; i < b * H; i++) r[i] += h[i];
+        if (rc || (rc = attn_out_mlp(&L->o, &L->gate_up, &L->down, L->norm2, m->eps, b, H, nq, I,
+                                     att, r, h, gu, act))) break;
         for (int t = 0; t < m->n_taps; t++)
             if (m->taps[t] == l)
                 for (int64_t i = 0; i < b; i++)

@@ -73,7 +73,13 @@ def _linear(layer) -> _Linear | None:
     bias = getattr(layer, "bias", None)
     if not isinstance(qm, QuantMatrix) or not _fp32(bias):
         return None
-    segments = qm.kernel_segments
+    return linear_of(qm.kernel_segments, bias)
+
+
+def linear_of(segments, bias: torch.Tensor | None = None) -> _Linear | None:
+    """The C description of a product over (type, blocks) segments; None past MAX_SEG."""
+    if len(segments) > MAX_SEG:
+        return None
     lin = _Linear(n_seg=len(segments))
     for i, (qtype, data) in enumerate(segments):
         lin.type[i], lin.w[i], lin.rows[i] = qtype, data.data_ptr(), data.shape[0]

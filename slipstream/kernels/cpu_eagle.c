@@ -1,5 +1,5 @@
 /* EAGLE's draft head on the CPU in one call (included by cpu_quant.c after
- * cpu_decoder.c, whose products, norms and rotary it shares).
+ * cpu_decoder.c, whose products, norms, rotary and layer tail it shares).
  *
  * The head is one decoder layer over fc([embed(token) ; feature]):
  *   x = fc([e ; f]);  a = rmsnorm(x) * w_attn;  qkv = a @ Wqkv^T;  rotary on q, k;
@@ -25,12 +25,6 @@ typedef struct {
     const float *attn_norm, *mlp_norm, *out_norm;
     int32_t emb_type; const uint8_t *emb;      /* the target's embedding (ss_get_rows) */
 } ss_eagle_t;
-
-static int64_t lin_rows(const ss_linear_t *l) {
-    int64_t rows = 0;
-    for (int s = 0; s < l->n_seg; s++) rows += l->rows[s];
-    return rows;
-}
 
 /* Query q [hd] of KV head g against the past rows (valid) and `n_new` new rows
  * (all visible): softmax(q k^T * scale) v into out [hd]. */
@@ -99,16 +93,8 @@ static int head_rows(const ss_eagle_t *e, const float *emb, const float *feat, i
         for (int hh = 0; hh < e->nh; hh++)
             head_attend(e, qkv + i * wqkv + hh * hd, hh / group, pk, pv, valid, ctx, nk, nv,
                         first + i + 1, scores, att + i * nq + hh * hd);
-    if ((rc = lin(&e->o, nq, att, t, h))) goto done;
-    for (int64_t i = 0; i < t * H; i++) x[i] += h[i];
-    for (int64_t i = 0; i < t; i++) rmsnorm(x + i * H, e->mlp_norm, H, e->eps, h + i * H);
-    if ((rc = lin(&e->gate_up, H, h, t, gu))) goto done;
-    for (int64_t i = 0; i < t; i++) {
-        const float *g = gu + i * 2 * I, *u = g + I;
-        for (int64_t j = 0; j < I; j++) act[i * I + j] = g[j] / (1.0f + expf(-g[j])) * u[j];
-    }
-    if ((rc = lin(&e->down, I, act, t, h))) goto done;
-    for (int64_t i = 0; i < t * H; i++) x[i] += h[i];
+    if ((rc = attn_out_mlp(&e->o, &e->gate_up, &e->down, e->mlp_norm, e->eps, t, H, nq, I, att,
+                           x, h, gu, act))) goto done;
     for (int64_t i = 0; i < t; i++) rmsnorm(x + i * H, e->out_norm, H, e->eps, f_out + i * H);
 done:
     free(buf);

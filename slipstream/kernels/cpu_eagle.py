@@ -18,7 +18,7 @@ import os
 import torch
 
 from slipstream.kernels import cpu_library
-from slipstream.kernels.cpu_decoder import MAX_SEG, _Linear
+from slipstream.kernels.cpu_decoder import _Linear, linear_of
 from slipstream.kernels.cpu_quant import QuantMatrix
 
 # False (or SLIPSTREAM_CPU_EAGLE=0): the torch path (tests and benchmarks compare the two)
@@ -39,13 +39,9 @@ class _Eagle(ctypes.Structure):
 def _linear(*matrices: QuantMatrix) -> _Linear | None:
     """Rows of one or more matrices (q, k, v: one product) as the matrices' own
     products read them (QuantMatrix.matmul's segments), so a row comes out as there."""
-    segments = [s for qm in matrices for s in qm.segments]
-    if len(segments) > MAX_SEG or len({qm.cols for qm in matrices}) != 1:
+    if len({qm.cols for qm in matrices}) != 1:
         return None
-    lin = _Linear(n_seg=len(segments))
-    for i, (qtype, data) in enumerate(segments):
-        lin.type[i], lin.w[i], lin.rows[i] = qtype, data.data_ptr(), data.shape[0]
-    return lin
+    return linear_of([s for qm in matrices for s in qm.segments])
 
 
 def _matrix(module) -> QuantMatrix | None:

@@ -44,27 +44,19 @@ class EagleProposer:
         self.kv: dict[str, tuple[torch.Tensor, torch.Tensor, int]] = {}
         self.online = None     # spec/online.py: the head keeps training on what it sees
         self.expander = EagleTreeExpander(head, embed, lm_head, self.token_ids, depth, topk, beam)
-        # On a CPU with the head on Q8_0 blocks: its rows and chains in one C call each.
-        self.cpu_head = CPUEagle.build(head, lm_head, embed) if head.device.type == "cpu" else None
+        # On a CPU with the head on Q8_0 blocks: its rows and chains in one C call each
+        # (adapt_online turns it off: online training rewrites the blocks it points into).
+        self.cpu_head = (CPUEagle.build(head, lm_head, embed)
+                         if head.device.type == "cpu" and cpu_eagle.enabled else None)
         self.expander.cpu_head = self.cpu_head
-
-    def _cpu_head(self):
-        """The one-call head, where it applies (online adaptation rewrites the head's
-        blocks, which the C structure points into: the torch path then)."""
-        if self.cpu_head is None or self.online is not None or not cpu_eagle.enabled:
-            self.expander.cpu_head = None
-            return None
-        self.expander.cpu_head = self.cpu_head
-        return self.cpu_head
 
     def _head_rows(self, toks: torch.Tensor, feat: torch.Tensor, pos: torch.Tensor,
                    st: "_HeadContext | None"):
         """The head over new pairs that see the context's valid rows and, causally,
         each other -> (features, K, V)."""
         emb = self.embed(toks).to(self.head.dtype)
-        cpu = self._cpu_head()
-        if cpu is not None:
-            return cpu.rows(emb, feat, pos, *((None,) * 3 if st is None else (st.k, st.v, st.valid)))
+        if self.cpu_head is not None:
+            return self.cpu_head.rows(emb, feat, pos, *((None,) * 3 if st is None else (st.k, st.v, st.valid)))
         return self.head(emb, feat, pos, None if st is None else (st.k, st.v),
                          None if st is None else _append_mask(st.valid, toks.shape[0]))
 
@@ -233,6 +225,7 @@ def adapt_online(proposer: "EagleProposer", spec, path, device) -> "EaglePropose
         proposer.online = OnlineAdapter(proposer.head, EagleHead.load(path, device, torch.float32),
                                         proposer.embed, proposer.lm_head, lr=spec.online_lr,
                                         every=spec.online_every)
+        proposer.cpu_head = proposer.expander.cpu_head = None   # the head's blocks change
     return proposer
 
 

@@ -76,6 +76,7 @@ class ParallelEagleProposer(EagleProposer):
     def __init__(self, head: EagleHead, embed, lm_head, depth: int = 4):
         super().__init__(head, embed, lm_head, depth=depth, topk=1, beam=1, max_nodes=depth)
         self.expander = ParallelExpander(head, embed, lm_head, self.token_ids, depth)
+        self.expander.cpu_head = self.cpu_head
 
     def propose(self, requests: list[ProposeRequest]) -> list[DraftTree]:
         """The chain cut to each request's draft budget (the auto-off rule shortens
