@@ -13,8 +13,12 @@ Invariants (for request i, with q_i = query_start_loc[i+1] - query_start_loc[i])
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 @dataclass
@@ -46,6 +50,11 @@ class ForwardBatch:
     # head's input), so the forward returns the final states alone. Set only for steps
     # that run eagerly: a captured graph keeps the taps its capture had.
     features: bool = True
+    # Host copies of slot_mapping and block_tables (numpy) where the batch builder has
+    # them, for caches whose bookkeeping runs on the host (a KIVI cache's window);
+    # None: read back from the device tensors.
+    slot_mapping_host: np.ndarray | None = None
+    block_tables_host: np.ndarray | None = None
 
     @property
     def num_seqs(self) -> int:

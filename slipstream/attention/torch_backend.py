@@ -87,28 +87,7 @@ class TorchAttentionBackend:
             layer.k_scale, layer.v_scale)
 
     def _kivi(self, q, k, v, layer, batch) -> torch.Tensor:
-        store = layer.kivi
-        store.store(k, v, batch.slot_mapping)
-        out = torch.empty_like(q)
-        loc = self._query_start_loc
-        for i, seq_len in enumerate(batch.seq_lens_cpu):
-            qs, qe = loc[i], loc[i + 1]
-            if qe == qs:
-                continue
-            # The cached context as the cache holds it, the step's own tokens exact (as
-            # KIVI computes a prompt's attention before quantizing its cache).
-            c = seq_len - (qe - qs)
-            store.seal(batch.block_tables[i], seq_len)
-            kk, vv = store.read(batch.block_tables[i], c)
-            kk, vv = torch.cat([kk, k[qs:qe].float()]), torch.cat([vv, v[qs:qe].float()])
-            mask = reference.attention_mask(qe - qs, seq_len, q.device, layer.sliding_window,
-                                            None if batch.tree_mask is None else batch.tree_mask[i])
-            o = F.scaled_dot_product_attention(
-                q[qs:qe].transpose(0, 1), kk.to(q.dtype).transpose(0, 1),
-                vv.to(q.dtype).transpose(0, 1), attn_mask=mask, scale=layer.scale,
-                enable_gqa=layer.num_heads != layer.num_kv_heads)
-            out[qs:qe] = o.transpose(0, 1)
-        return out
+        return kivi_attention(q, k, v, layer, batch, self._query_start_loc)
 
     @staticmethod
     def _fresh_prompt(q, k, v, layer) -> torch.Tensor:
@@ -160,3 +139,32 @@ class TorchAttentionBackend:
             q.view(b, 1, layer.num_heads, -1).transpose(1, 2), k, v, attn_mask=mask,
             scale=layer.scale, enable_gqa=layer.num_heads != layer.num_kv_heads)
         return o.transpose(1, 2).reshape(b, layer.num_heads, -1)
+
+
+def kivi_attention(q, k, v, layer, batch: ForwardBatch, query_start_loc: list[int]) -> torch.Tensor:
+    """Any step over a KIVI cache (`layer.kivi`), plain PyTorch: the step's K/V stored,
+    each request's blocks that left its window sealed, then each request attends to
+    its cached context as the cache holds it (sealed blocks dequantized, the window
+    exact) and to the step's own tokens exact (as KIVI computes a prompt's attention
+    before quantizing its cache). query_start_loc: the step's request boundaries."""
+    store = layer.kivi
+    store.store(k, v, batch.slot_mapping, batch.slot_mapping_host)
+    tables = batch.block_tables if batch.block_tables_host is None else batch.block_tables_host
+    out = torch.empty_like(q)
+    loc = query_start_loc
+    for i, seq_len in enumerate(batch.seq_lens_cpu):
+        qs, qe = loc[i], loc[i + 1]
+        if qe == qs:
+            continue
+        c = seq_len - (qe - qs)
+        store.seal(tables[i], seq_len)
+        kk, vv = store.read(tables[i], c)
+        kk, vv = torch.cat([kk, k[qs:qe].float()]), torch.cat([vv, v[qs:qe].float()])
+        mask = reference.attention_mask(qe - qs, seq_len, q.device, layer.sliding_window,
+                                        None if batch.tree_mask is None else batch.tree_mask[i])
+        o = F.scaled_dot_product_attention(
+            q[qs:qe].transpose(0, 1), kk.to(q.dtype).transpose(0, 1),
+            vv.to(q.dtype).transpose(0, 1), attn_mask=mask, scale=layer.scale,
+            enable_gqa=layer.num_heads != layer.num_kv_heads)
+        out[qs:qe] = o.transpose(0, 1)
+    return out

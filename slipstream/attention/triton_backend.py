@@ -15,7 +15,10 @@ Per step (`prepare`) it picks one path from host-side metadata only:
     and the rest to the prefill kernel, each writing its part of the output.
 Each layer first writes its new K/V into the paged cache (KV store kernel),
 quantizing them when the cache holds int8 / fp8 codes (`layer.k_scale` set);
-every kernel then reads the codes and scales directly. Given the step's rotary
+every kernel then reads the codes and scales directly. A KIVI cache
+(`layer.kivi`): decode steps through kernels/kivi_decode.py, the others through
+the torch backend's KIVI path (its window bookkeeping runs on the host, so such
+steps read the step's slots from host copies and run without CUDA graphs). Given the step's rotary
 (`rope`: the model leaves q and k unrotated when `fuses_rotary`), one kernel
 rotates q and k in place and stores K/V (kernels/rotary_kv_store.py).
 `forward` never reads device memory back, so it adds no host-device sync.
@@ -25,12 +28,14 @@ from __future__ import annotations
 import torch
 
 from slipstream.attention.base import AttentionLayerInfo, register_backend
+from slipstream.attention.torch_backend import kivi_attention
 from slipstream.kernels.decode_attention import (
     MAX_TREE_NODES, choose_num_splits, split_kv_attention, split_kv_scratch)
 from slipstream.kernels.fp8_quantize import quantize_fp8_inputs_fused
 from slipstream.kernels.gluon_fp8_prefill import gluon_fp8_prefill, gluon_fp8_prefill_wanted
 from slipstream.kernels.tree_attention import pack_tree_mask
 from slipstream.kernels.gluon_prefill import gluon_prefill, gluon_prefill_paged, gluon_prefill_wanted
+from slipstream.kernels.kivi_decode import kivi_decode_attention, supported as kivi_supported
 from slipstream.kernels.kv_store import store_kv
 from slipstream.kernels.rotary_kv_store import rotary_store_kv
 from slipstream.kernels.prefill_attention import prefill_attention
@@ -81,6 +86,7 @@ class TritonAttentionBackend:
         self._gluon_paged = wanted and not whole
         self._gluon_fp8 = self._gluon and gluon_fp8_prefill_wanted()
         self._splits: dict[tuple[int, int], int] = {}  # per head shape, set by the first layer
+        self._loc = None   # host request boundaries, for a KIVI cache's torch path
 
     def _num_splits(self, layer: AttentionLayerInfo, num_seqs: int, max_seq_len: int,
                     max_query_len: int, fixed: int | None) -> int:
@@ -112,6 +118,8 @@ class TritonAttentionBackend:
         # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim];
         # rope: the step's StepRotary (layers/rotary.py) when q and k are still unrotated;
         # out: where to write the result (q's shape, rows contiguous), or None.
+        if getattr(layer, "kivi", None) is not None:
+            return self._kivi(q, k, v, layer, batch, out)
         if rope is not None:  # q and k rotated in place, K/V stored: one kernel
             rotary_store_kv(q, k, v, rope.positions, rope.cos_table, rope.sin_table,
                             layer.k_cache, layer.v_cache, batch.slot_mapping, layer.k_scale,
@@ -161,6 +169,24 @@ class TritonAttentionBackend:
         return self._decode(q, layer, batch.query_start_loc, batch.seq_lens, batch.block_tables,
                             batch.num_seqs, batch.max_seq_len, batch.max_query_len,
                             batch.decode_splits, out)
+
+    def _kivi(self, q, k, v, layer, batch, out):
+        """A KIVI cache (q and k arrive rotated): decode steps through the KIVI decode
+        kernel, other steps through the torch backend's KIVI path."""
+        store = layer.kivi
+        if (self._mode != "split_kv" or self._tree_bits is not None
+                or layer.sliding_window is not None or not kivi_supported(store, q)):
+            if self._loc is None:
+                self._loc = [0]
+                for n in batch.query_lens_cpu:
+                    self._loc.append(self._loc[-1] + n)
+            o = kivi_attention(q, k, v, layer, batch, self._loc)
+            return o if out is None else out.copy_(o)
+        store.store(k, v, batch.slot_mapping, batch.slot_mapping_host)
+        tables = batch.block_tables if batch.block_tables_host is None else batch.block_tables_host
+        store.seal_many(tables, batch.seq_lens_cpu)
+        return kivi_decode_attention(q, store, batch.seq_lens, batch.block_tables, layer.scale,
+                                     max_seq_len=batch.max_seq_len, out=out)
 
     def _paged_gluon(self, q, layer, query_start_loc, seq_lens, block_tables, max_query_len,
                      out):

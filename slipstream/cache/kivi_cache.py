@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from slipstream.quant.kivi import (
-    asym_dequantize, check_bits, dequantize_values, quantize_key_group, quantize_values)
+    asym_dequantize, asym_quantize, check_bits, dequantize_values, quantize_values)
 from slipstream.quant.primitives import pack_codes, unpack_codes
 
 
@@ -120,9 +120,17 @@ def allocate_pages(owner, num_pages: int, num_kv_heads: int, head_dim: int, grou
 def write_page(owner, p: int, k: torch.Tensor, v: torch.Tensor) -> None:
     """Quantize one group of keys and values [group, h, d] into page p of `owner`
     (which has `bits`, `channel_group` and the tensors of `allocate_pages`)."""
-    codes, scale, zero = quantize_key_group(k.float(), owner.bits)   # [G, h, d], [1, h, d]
-    owner.k_codes[p] = pack_codes(codes.permute(1, 2, 0), owner.bits)
-    owner.k_scale[p], owner.k_zero[p] = scale[0], zero[0]
-    codes, scale, zero = quantize_values(v.float(), owner.bits, owner.channel_group)
-    owner.v_codes[p] = pack_codes(codes, owner.bits)
-    owner.v_scale[p], owner.v_zero[p] = scale[..., 0], zero[..., 0]
+    write_pages(owner, torch.tensor([p], device=owner.k_codes.device), k[None], v[None])
+
+
+def write_pages(owner, pages: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """`write_page` for n pages at once: k, v [n, group, h, d] into `pages` [n]."""
+    n, g, h, d = k.shape
+    codes, scale, zero = asym_quantize(k.float(), owner.bits, dim=1)        # per channel
+    owner.k_codes[pages] = pack_codes(codes.permute(0, 2, 3, 1), owner.bits)  # [n, h, d, G/per]
+    owner.k_scale[pages], owner.k_zero[pages] = scale[:, 0], zero[:, 0]
+    codes, scale, zero = quantize_values(v.float().reshape(n * g, h, d), owner.bits,
+                                         owner.channel_group)
+    owner.v_codes[pages] = pack_codes(codes, owner.bits).view(n, g, h, -1)
+    owner.v_scale[pages] = scale[..., 0].view(n, g, h, -1)
+    owner.v_zero[pages] = zero[..., 0].view(n, g, h, -1)

@@ -11,20 +11,29 @@ engine's block ids. So a request of L tokens holds (L // block_size - residual)
 sealed blocks, which is what `kivi_fake_quantize(..., group=block_size,
 residual=residual * block_size)` quantizes (a test checks it). A finished
 request's full window blocks are sealed too (they may serve prefix-cache hits,
-which share full blocks only), its partial one dropped. Tokens are stored in
-order (the engine writes a request's slots in order; speculative decoding,
-whose rollback would rewrite slots, does not run over a KIVI cache).
+which share full blocks only), its partial one dropped. Speculative decoding,
+whose rollback would rewrite slots of a sealed block, does not run over a KIVI
+cache.
+
+Window blocks live in a pool of full-precision slots, `win_k` / `win_v`
+[slots, block_size, kv_heads, head_dim], and `win_of[block]` (int32, on the
+device) is the block's slot or -1 when the block is sealed (its codes hold it).
+So a kernel reads any block of a request from its block id alone:
+kernels/kivi_decode.py does, for decode steps on the Triton backend; the torch
+backend reads through `read`. The slots are handed out and taken back on the
+host (the `window` dict: block -> [slot, tokens filled]); the pool grows when a
+step needs more slots than it has (a long prompt chunk fills many blocks before
+they are sealed).
 
 Memory: codes and scales of every block, sized by the pool planner, plus the
-windows of the running requests (at most residual + 1 blocks each). Plain
-PyTorch, served by the torch attention backend: for memory and quality, not
-speed.
+window pool (about residual + 2 blocks a running request).
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from slipstream.cache.kivi_cache import allocate_pages, write_page
+from slipstream.cache.kivi_cache import allocate_pages, write_pages
 from slipstream.quant.kivi import asym_dequantize, check_bits, dequantize_values
 from slipstream.quant.primitives import unpack_codes
 
@@ -41,10 +50,14 @@ def kivi_bytes_per_token(num_kv_heads: int, head_dim: int, bits: int, block_size
     return num_kv_heads * (k + v)
 
 
+def _host(x) -> np.ndarray:
+    return x if isinstance(x, np.ndarray) else np.asarray(x.tolist() if torch.is_tensor(x) else x)
+
+
 class PagedKIVI:
     def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  bits: int, dtype: torch.dtype, device: torch.device | str,
-                 residual_tokens: int = RESIDUAL_TOKENS):
+                 residual_tokens: int = RESIDUAL_TOKENS, window_slots: int = 16):
         check_bits(bits)
         cg = min(CHANNEL_GROUP, head_dim)
         if block_size * bits % 8 or head_dim % cg or cg * bits % 8:
@@ -54,50 +67,112 @@ class PagedKIVI:
         self.residual = -(-residual_tokens // block_size)     # complete blocks kept exact
         self.dtype, self.device = dtype, torch.device(device)
         allocate_pages(self, num_blocks, num_kv_heads, head_dim, block_size, bits, cg, device)
-        # block id -> [K, V [block_size, h, d] in the model dtype, slots filled], unsealed
-        self.window: dict[int, list] = {}
+        shape = (max(1, window_slots), block_size, num_kv_heads, head_dim)
+        self.win_k = torch.zeros(shape, dtype=dtype, device=device)
+        self.win_v = torch.zeros(shape, dtype=dtype, device=device)
+        self.win_of = torch.full((num_blocks,), -1, dtype=torch.int32, device=device)
+        self._free = list(range(shape[0] - 1, -1, -1))
+        # block id -> [slot, tokens filled], the unsealed blocks
+        self.window: dict[int, list[int]] = {}
 
     def sealed_blocks(self, length: int) -> int:
         """Blocks of a request of `length` tokens that hold codes."""
         return max(0, length // self.block_size - self.residual)
 
-    def store(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-        """k, v: [n, kv_heads, head_dim] of this step's tokens, written to `slots`
-        (block id * block_size + offset), a request's in order."""
-        bs = self.block_size
-        slots = slots.tolist()
-        i = 0
-        while i < len(slots):
-            block, off = divmod(slots[i], bs)
-            j = i
-            while j + 1 < len(slots) and slots[j + 1] == slots[j] + 1 and (slots[j + 1] % bs):
-                j += 1                               # a run of consecutive slots in one block
-            entry = self.window.get(block)
-            if off == 0 or entry is None:            # a block handed out (again)
-                h, d = k.shape[1:]
-                entry = self.window[block] = [
-                    torch.zeros(bs, h, d, dtype=self.dtype, device=self.device),
-                    torch.zeros(bs, h, d, dtype=self.dtype, device=self.device), 0]
-            n = j - i + 1
-            entry[0][off:off + n] = k[i:j + 1]
-            entry[1][off:off + n] = v[i:j + 1]
-            entry[2] = off + n
-            i = j + 1
+    # ---- window slots -------------------------------------------------------
 
-    def seal(self, block_table: torch.Tensor, length: int) -> None:
-        """Quantize the request's blocks that left its window."""
-        for b in block_table[:self.sealed_blocks(length)].tolist():
+    def _take_slot(self) -> int:
+        if not self._free:   # grow the pool (the kernels take its address at each call)
+            n = self.win_k.shape[0]
+            self.win_k = torch.cat([self.win_k, torch.zeros_like(self.win_k)])
+            self.win_v = torch.cat([self.win_v, torch.zeros_like(self.win_v)])
+            self._free = list(range(2 * n - 1, n - 1, -1))
+        return self._free.pop()
+
+    def _release(self, blocks: list[int]) -> None:
+        for b in blocks:
+            self._free.append(self.window.pop(b)[0])
+        if blocks:
+            self.win_of[torch.tensor(blocks, device=self.device)] = -1
+
+    def _seal(self, blocks: list[int]) -> None:
+        """Quantize these full window blocks into their pages and free their slots."""
+        if not blocks:
+            return
+        slots = torch.tensor([self.window[b][0] for b in blocks], device=self.device)
+        write_pages(self, torch.tensor(blocks, device=self.device), self.win_k[slots],
+                    self.win_v[slots])
+        self._release(blocks)
+
+    # ---- the engine's calls -------------------------------------------------
+
+    def store(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+              slots_host: np.ndarray | None = None) -> None:
+        """k, v: [n, kv_heads, head_dim] of this step's tokens, written to `slots`
+        (block id * block_size + offset; -1: padding, not written). `slots_host`:
+        the same on the host, if the caller has it (else read back from `slots`)."""
+        s = _host(slots if slots_host is None else slots_host).astype(np.int64)
+        keep = s >= 0
+        if not keep.all():
+            k, v, s = k[torch.from_numpy(keep).to(k.device)], v[torch.from_numpy(keep).to(v.device)], s[keep]
+        if not len(s):
+            return
+        bs = self.block_size
+        blocks, offs = s // bs, s % bs
+        # a run of a block's slots starting at offset 0: the block was handed out (again)
+        fresh = offs == 0
+        new = []
+        for b, f in zip(blocks[fresh].tolist(), offs[fresh].tolist()):
             entry = self.window.get(b)
-            if entry is not None and entry[2] == self.block_size:
-                write_page(self, b, entry[0], entry[1])
-                del self.window[b]
+            if entry is None:
+                self.window[b] = [self._take_slot(), 0]
+                new.append(b)
+            else:
+                entry[1] = 0
+        for b in np.unique(blocks).tolist():
+            if b not in self.window:        # continues a block this cache never saw start
+                self.window[b] = [self._take_slot(), 0]
+                new.append(b)
+        last = {}
+        for b, o in zip(blocks.tolist(), offs.tolist()):
+            last[b] = max(last.get(b, 0), o + 1)
+        for b, n in last.items():
+            self.window[b][1] = max(self.window[b][1], n)
+        if new:
+            self.win_of[torch.tensor(new, device=self.device)] = torch.tensor(
+                [self.window[b][0] for b in new], dtype=torch.int32).to(self.device)
+        slot_of = np.array([self.window[b][0] for b in blocks.tolist()], dtype=np.int64)
+        idx = torch.from_numpy(slot_of * bs + offs).to(self.device)
+        h, d = self.win_k.shape[2:]
+        self.win_k.view(-1, h, d).index_copy_(0, idx, k.to(self.dtype))
+        self.win_v.view(-1, h, d).index_copy_(0, idx, v.to(self.dtype))
+
+    def seal(self, block_table, length: int) -> None:
+        """Quantize the request's blocks that left its window."""
+        self.seal_many([block_table], [length])
+
+    def seal_many(self, block_tables, lengths) -> None:
+        """`seal` for several requests at once (one quantization for all their blocks).
+        block_tables: rows of block ids (tensors, arrays or lists); lengths: ints."""
+        todo = []
+        for table, length in zip(block_tables, lengths):
+            n = self.sealed_blocks(int(length))
+            if n:
+                for b in _host(table[:n]).tolist():
+                    entry = self.window.get(b)
+                    if entry is not None and entry[1] == self.block_size:
+                        todo.append(b)
+        self._seal(list(dict.fromkeys(todo)))
 
     def finish(self, block_ids) -> None:
         """A request ended: its full window blocks are sealed, a partial one dropped."""
+        full, partial = [], []
         for b in block_ids:
-            entry = self.window.pop(int(b), None)
-            if entry is not None and entry[2] == self.block_size:
-                write_page(self, int(b), entry[0], entry[1])
+            entry = self.window.get(int(b))
+            if entry is not None:
+                (full if entry[1] == self.block_size else partial).append(int(b))
+        self._seal(full)
+        self._release(partial)
 
     def read(self, block_table: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One request's first `length` keys and values [length, kv_heads, head_dim]
@@ -107,7 +182,7 @@ class PagedKIVI:
             h, d = self.k_scale.shape[1:]
             empty = torch.zeros(0, h, d, device=self.k_scale.device)
             return empty, empty.clone()
-        ids = block_table[:-(-length // bs)].tolist()
+        ids = _host(block_table[:-(-length // bs)]).tolist()
         coded = [b not in self.window for b in ids]
         ks = vs = None
         if any(coded):
@@ -126,11 +201,12 @@ class PagedKIVI:
                 out_v.append(vs[c])
                 c += 1
             else:
-                out_k.append(self.window[b][0].float())
-                out_v.append(self.window[b][1].float())
+                slot = self.window[b][0]
+                out_k.append(self.win_k[slot].float())
+                out_v.append(self.win_v[slot].float())
         return torch.cat(out_k)[:length], torch.cat(out_v)[:length]
 
     @property
     def window_bytes(self) -> int:
-        """Memory of the unsealed blocks (full precision)."""
-        return sum(2 * e[0].numel() * e[0].element_size() for e in self.window.values())
+        """Memory of the window pool (full precision)."""
+        return 2 * self.win_k.numel() * self.win_k.element_size()

@@ -102,11 +102,9 @@ class EngineArgs:
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r}: speculative decoding runs "
                              "with a 16-bit, int8 or fp8 KV cache (not KIVI)")
         backend = self.attention_backend
-        if kv_fmt.kivi_bits:   # served by the torch backend only (cache/kivi_paged.py)
-            if backend not in (None, "torch"):
-                raise ValueError(f"kv_cache_dtype={kv_fmt.name!r} runs on the torch attention "
-                                 f"backend only, not {backend!r}")
-            backend = "torch"
+        if kv_fmt.kivi_bits and backend not in (None, "torch", "triton"):
+            raise ValueError(f"kv_cache_dtype={kv_fmt.name!r} runs on the torch or triton "
+                             f"attention backend, not {backend!r}")
         tp = self.tensor_parallel_size
         if not isinstance(tp, int) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be an integer of at least 1, got {tp!r}")

@@ -20,7 +20,7 @@ def add_parser(subparsers) -> None:
     q.add_argument("--quantization", default=None, help="quantize a float checkpoint at load")
     q.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8", "fp8", "fp8_e4m3", "kivi4", "kivi2"),
                    help="KV cache format (int8 / fp8: 1-byte codes, a scale per token and head; "
-                        "kivi4 / kivi2: KIVI codes, torch attention backend)")
+                        "kivi4 / kivi2: KIVI codes)")
     q.add_argument("--dtype", default="auto")
     q.add_argument("--device", default="auto")
     q.add_argument("--json", action="store_true", help="print the result as JSON")

@@ -45,7 +45,8 @@ class Attention(nn.Module):
     def fuses_rotary(self, rope) -> bool:
         """Whether the backend applies `rope` (a StepRotary on its kernel path) itself,
         in the kernel that stores K/V: q and k are then passed unrotated."""
-        return rope.gathered is None and getattr(self.backend, "fuses_rotary", False)
+        return (rope.gathered is None and self.kivi is None
+                and getattr(self.backend, "fuses_rotary", False))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 batch: ForwardBatch, rope=None) -> torch.Tensor:

@@ -12,8 +12,9 @@ This is the reference of the format: `kivi_fake_quantize` gives what a KIVI
 cache hands back for one sequence, `kivi_causal_attention` what each query of a
 prompt sees when it attends to the cache as it stood at its own step (the
 decode-time numerics, computed for a whole prompt at once). The paged layout
-with packed codes is cache/kivi_cache.py. There is no fused kernel: this path
-is for quality measurements and tests, not speed.
+with packed codes is cache/kivi_cache.py (the engine's, cache/kivi_paged.py, is read
+by kernels/kivi_decode.py in decode steps). This path is for quality measurements
+and tests, not speed.
 """
 from __future__ import annotations
 

@@ -16,8 +16,8 @@ multiplies the score column q.k_j, V's the probability p_j before the P.V produc
 KIVI (Liu et al., 2024), 2 or 4 bits: keys per channel, values per token, a small
 full-precision window of recent tokens: numerics in quant/kivi.py, a paged
 reference layout in cache/kivi_cache.py, and in the engine (`kv_cache_dtype`
-kivi4 / kivi2, a block a key group, the torch attention backend)
-cache/kivi_paged.py.
+kivi4 / kivi2, a block a key group) cache/kivi_paged.py, read by the torch
+backend and, for decode steps on the triton backend, by kernels/kivi_decode.py.
 """
 from __future__ import annotations
 

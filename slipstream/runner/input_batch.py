@@ -231,6 +231,7 @@ class InputBatch:
             query_lens_cpu=q.tolist() + [1] * (B_pad - B),
             seq_lens_cpu=seq_lens.tolist() + [1] * (B_pad - B),
             num_decode_seqs=num_decode + (B_pad - B) if num_decode == B else num_decode,
+            slot_mapping_host=slot64[:T_pad], block_tables_host=tables[:B_pad, :width],
         )
         sample_rows = rows[sample_seq]
         # The sampled tokens are on their way: later steps read them from last_sampled.

@@ -96,8 +96,9 @@ class ModelRunner:
         # Seeded streams of preempted requests, until they come back.
         self._parked: dict[str, torch.Generator] = {}
         self.graphs = None
+        # (not over a KIVI cache: its window slots are handed out on the host each step)
         if (self.device.type == "cuda" and not config.enforce_eager
-                and self.backend.name == "triton"):
+                and self.backend.name == "triton" and self.kv_kivi is None):
             self.graphs = DecodeGraphs(self.model, self.backend, rank_config.model_config,
                                        sc.max_num_seqs, sc.max_model_len)
         self.piecewise = None

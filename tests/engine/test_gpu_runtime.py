@@ -127,3 +127,21 @@ def test_piecewise_graphs_under_speculation(tiny_folder, monkeypatch, tmp_path, 
     assert pw is not None and pw.enabled and pw.pieces
     assert llm.engine.runner.speculator.stats.rounds > 0
     assert outs == base
+
+
+def test_kivi_decodes_on_the_triton_backend_as_on_the_torch_backend(tiny_folder):
+    """A KIVI cache on the GPU: the Triton backend's decode kernel against the torch
+    backend's path, fp32 (full-precision dots), blocks sealed while decoding; no graphs."""
+    folder, _ = tiny_folder("llama")
+    prompts = random_prompts(3, 265, 20, 40, seed=5)
+    p = SamplingParams(max_tokens=48, temperature=0, logprobs=1, ignore_eos=True)
+    got = {}
+    for backend in ("torch", "triton"):
+        llm = _llm(folder, dtype="float32", kv_cache_dtype="kivi4", block_size=16,
+                   attention_backend=backend)
+        assert llm.engine.runner.graphs is None
+        got[backend] = _outputs(llm, prompts, p)
+        del llm
+    for (ta, la), (tb, lb) in zip(got["torch"], got["triton"]):
+        assert ta == tb
+        assert la == pytest.approx(lb, abs=1e-4)

@@ -61,9 +61,39 @@ def test_longer_prompts_stay_close_and_fit_more_tokens(folder):
     assert 0 < drift["kivi4"] < 0.2 and drift["kivi4"] < drift["kivi2"] < 1.0, drift
 
 
-def test_kivi_needs_the_torch_backend(folder):
-    with pytest.raises(ValueError, match="torch attention backend"):
-        make_llm(folder, kv_cache_dtype="kivi4", attention_backend="triton")
+def test_triton_backend_decodes_kivi_like_the_torch_backend(folder, monkeypatch):
+    """The Triton backend's decode steps go through the KIVI decode kernel (here
+    under the interpreter); prompts through the torch path. Long enough that blocks
+    are sealed while decoding (block 16, window 2 blocks + the partial one), so the
+    kernel reads codes and window pages in the same request."""
+    from slipstream.attention import triton_backend
+    from slipstream.kernels.kivi_decode import kivi_decode_attention
+    calls = []
+
+    def counted(q, store, *a, **kw):
+        calls.append(store.sealed_blocks(kw["max_seq_len"]) > 0)
+        return kivi_decode_attention(q, store, *a, **kw)
+    monkeypatch.setattr(triton_backend, "kivi_decode_attention", counted)
+    prompts = random_prompts(2, 100, 20, 30, seed=4)
+    p = SamplingParams(temperature=0.0, max_tokens=40, logprobs=1, ignore_eos=True)
+    outs = {}
+    for backend in ("torch", "triton"):
+        llm = make_llm(folder, kv_cache_dtype="kivi4", block_size=16, num_kv_blocks=None,
+                       kv_cache_memory=4 << 20, attention_backend=backend)
+        outs[backend] = llm.generate(prompts, p, use_tqdm=False)
+        layer = llm.engine.runner.model.attention_layers()[0]
+        assert layer.kivi.window                       # windows of the finished requests
+    assert len(calls) >= 39 and any(calls)             # decode steps, some over sealed blocks
+    for a, b in zip(outs["torch"], outs["triton"]):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert {k: v.logprob for k, v in x.items()} == pytest.approx(
+                {k: v.logprob for k, v in y.items()}, abs=1e-4)
+
+
+def test_kivi_rejects_other_backends(folder):
+    with pytest.raises(ValueError, match="torch or triton"):
+        make_llm(folder, kv_cache_dtype="kivi4", attention_backend="flash")
 
 
 def test_preemption_and_prefix_hits_with_kivi(folder):
