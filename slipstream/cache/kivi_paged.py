@@ -54,6 +54,16 @@ def _host(x) -> np.ndarray:
     return x if isinstance(x, np.ndarray) else np.asarray(x.tolist() if torch.is_tensor(x) else x)
 
 
+def _to(device: torch.device, values, dtype=torch.int64) -> torch.Tensor:
+    """Host ints -> a device tensor without a host-device sync: on a GPU through pinned
+    memory and an asynchronous copy (a plain copy from pageable memory waits for the
+    GPU to drain its queue, once per layer and step)."""
+    t = torch.as_tensor(np.asarray(values), dtype=dtype)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 class PagedKIVI:
     def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  bits: int, dtype: torch.dtype, device: torch.device | str,
@@ -93,14 +103,16 @@ class PagedKIVI:
         for b in blocks:
             self._free.append(self.window.pop(b)[0])
         if blocks:
-            self.win_of[torch.tensor(blocks, device=self.device)] = -1
+            # (index_fill_: an assignment of a Python scalar copies it to the device
+            # synchronously)
+            self.win_of.index_fill_(0, _to(self.device, blocks), -1)
 
     def _seal(self, blocks: list[int]) -> None:
         """Quantize these full window blocks into their pages and free their slots."""
         if not blocks:
             return
-        slots = torch.tensor([self.window[b][0] for b in blocks], device=self.device)
-        write_pages(self, torch.tensor(blocks, device=self.device), self.win_k[slots],
+        slots = _to(self.device, [self.window[b][0] for b in blocks])
+        write_pages(self, _to(self.device, blocks), self.win_k[slots],
                     self.win_v[slots])
         self._release(blocks)
 
@@ -114,35 +126,31 @@ class PagedKIVI:
         s = _host(slots if slots_host is None else slots_host).astype(np.int64)
         keep = s >= 0
         if not keep.all():
-            k, v, s = k[torch.from_numpy(keep).to(k.device)], v[torch.from_numpy(keep).to(v.device)], s[keep]
+            rows = _to(self.device, np.flatnonzero(keep))
+            k, v, s = k[rows], v[rows], s[keep]
         if not len(s):
             return
         bs = self.block_size
         blocks, offs = s // bs, s % bs
-        # a run of a block's slots starting at offset 0: the block was handed out (again)
-        fresh = offs == 0
-        new = []
-        for b, f in zip(blocks[fresh].tolist(), offs[fresh].tolist()):
+        ub, inv = np.unique(blocks, return_inverse=True)
+        filled = np.zeros(len(ub), dtype=np.int64)
+        np.maximum.at(filled, inv, offs + 1)
+        restart = np.zeros(len(ub), dtype=bool)   # written from offset 0: handed out (again)
+        restart[inv[offs == 0]] = True
+        new, slot_of = [], np.empty(len(ub), dtype=np.int64)
+        for i, (b, n, r) in enumerate(zip(ub.tolist(), filled.tolist(), restart.tolist())):
             entry = self.window.get(b)
             if entry is None:
-                self.window[b] = [self._take_slot(), 0]
+                entry = self.window[b] = [self._take_slot(), 0]
                 new.append(b)
-            else:
+            elif r:
                 entry[1] = 0
-        for b in np.unique(blocks).tolist():
-            if b not in self.window:        # continues a block this cache never saw start
-                self.window[b] = [self._take_slot(), 0]
-                new.append(b)
-        last = {}
-        for b, o in zip(blocks.tolist(), offs.tolist()):
-            last[b] = max(last.get(b, 0), o + 1)
-        for b, n in last.items():
-            self.window[b][1] = max(self.window[b][1], n)
+            entry[1] = max(entry[1], n)
+            slot_of[i] = entry[0]
         if new:
-            self.win_of[torch.tensor(new, device=self.device)] = torch.tensor(
-                [self.window[b][0] for b in new], dtype=torch.int32).to(self.device)
-        slot_of = np.array([self.window[b][0] for b in blocks.tolist()], dtype=np.int64)
-        idx = torch.from_numpy(slot_of * bs + offs).to(self.device)
+            self.win_of[_to(self.device, new)] = _to(
+                self.device, [self.window[b][0] for b in new], torch.int32)
+        idx = _to(self.device, slot_of[inv] * bs + offs)
         h, d = self.win_k.shape[2:]
         self.win_k.view(-1, h, d).index_copy_(0, idx, k.to(self.dtype))
         self.win_v.view(-1, h, d).index_copy_(0, idx, v.to(self.dtype))
@@ -186,8 +194,7 @@ class PagedKIVI:
         coded = [b not in self.window for b in ids]
         ks = vs = None
         if any(coded):
-            sel = torch.tensor([b for b, c in zip(ids, coded) if c], dtype=torch.long,
-                               device=self.k_codes.device)
+            sel = _to(self.device, [b for b, c in zip(ids, coded) if c])
             codes = unpack_codes(self.k_codes[sel], self.bits)              # [b, h, d, G]
             ks = asym_dequantize(codes.permute(0, 3, 1, 2), self.k_scale[sel][:, None],
                                  self.k_zero[sel][:, None])                 # [b, G, h, d]

@@ -145,3 +145,31 @@ def test_kivi_decodes_on_the_triton_backend_as_on_the_torch_backend(tiny_folder)
     for (ta, la), (tb, lb) in zip(got["torch"], got["triton"]):
         assert ta == tb
         assert la == pytest.approx(lb, abs=1e-4)
+
+
+def test_a_kivi_decode_step_launches_without_a_sync(tiny_folder):
+    """Over a KIVI cache (eager steps) the window bookkeeping runs on the host from the
+    step's host copies, and its index tensors go to the device through pinned memory:
+    a decode step queues its work without waiting for the GPU."""
+    folder, _ = tiny_folder("llama")
+    llm = _llm(folder, dtype="bfloat16", kv_cache_dtype="kivi4", block_size=16,
+               attention_backend="triton")
+    engine = llm.engine
+    for i, p in enumerate(random_prompts(2, 265, 40, 60, seed=6)):
+        engine.add_request(p, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True),
+                           request_id=str(i))
+    runner = engine.runner
+    for _ in range(3):      # prompts and first decodes: kernels compile
+        engine.step()
+    for _ in range(20):     # crosses block ends: new window slots and seals
+        sched = engine.scheduler.schedule()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            handle = runner.execute(sched)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        engine._inflight, previous = handle, engine._inflight
+        if previous is not None:
+            engine._collect(previous)
+    for rid in list(engine.scheduler.requests):
+        engine.abort_request(rid)
