@@ -21,12 +21,13 @@ device) is the block's slot or -1 when the block is sealed (its codes hold it).
 So a kernel reads any block of a request from its block id alone:
 kernels/kivi_decode.py does, for decode steps on the Triton backend; the torch
 backend reads through `read`. The slots are handed out and taken back on the
-host (the `window` dict: block -> [slot, tokens filled]); the pool grows when a
-step needs more slots than it has (a long prompt chunk fills many blocks before
-they are sealed).
+host (the `window` dict: block -> [slot, tokens filled]).
 
 Memory: codes and scales of every block, sized by the pool planner, plus the
-window pool (about residual + 2 blocks a running request).
+window pool: on a GPU allocated at its most up front and set aside by the
+planner (runner/memory.py `kivi_window_bytes`: residual + 2 blocks a running
+request, plus the blocks one step's tokens may open); elsewhere it starts small
+and doubles when a step needs more slots than it has.
 """
 from __future__ import annotations
 

@@ -182,6 +182,8 @@ def num_kv_blocks(cc: CacheConfig, mc: ModelConfig, sc: SchedulerConfig,
         budget = int(total * cc.gpu_memory_utilization) - others - torch.cuda.memory_allocated(device)
         if reserve is None:
             reserve = activation_reserve_bytes(mc, sc, dtype)
+        if kv_format(cc.kv_cache_dtype).kivi_bits:   # the window pool, allocated up front
+            reserve += kivi_window_bytes(cc, mc, sc, dtype)[1]
         n = (budget - reserve) // per_block
     else:
         n = (cc.cpu_kv_cache_bytes or DEFAULT_CPU_KV_BYTES) // per_block
@@ -224,16 +226,31 @@ def allocate_kv_scales(num_blocks: int, cc: CacheConfig, mc: ModelConfig,
                        mc.num_key_value_heads, dtype=torch.float32, device=device)
 
 
+def kivi_window_bytes(cc: CacheConfig, mc: ModelConfig, sc: SchedulerConfig,
+                      dtype: torch.dtype) -> tuple[int, int]:
+    """(slots, bytes over all layers) of a KIVI cache's full-precision window pool at its
+    most: every running request's window (its residual blocks, the block it fills and
+    one it may just have finished) plus the blocks one step's tokens may open."""
+    from slipstream.cache.kivi_paged import RESIDUAL_TOKENS
+    bs = cc.block_size
+    slots = sc.max_num_seqs * (-(-RESIDUAL_TOKENS // bs) + 2) + -(-sc.max_num_batched_tokens // bs)
+    per_slot = 2 * bs * mc.num_key_value_heads * mc.head_dim * torch.tensor([], dtype=dtype).element_size()
+    return slots, slots * per_slot * mc.num_hidden_layers
+
+
 def allocate_kivi(num_blocks: int, cc: CacheConfig, mc: ModelConfig, dtype: torch.dtype,
-                  device: torch.device) -> list | None:
+                  device: torch.device, sc: SchedulerConfig | None = None) -> list | None:
     """A KIVI cache's blocks, one `PagedKIVI` a layer (its window in `dtype`); None
-    for the other formats."""
+    for the other formats. On a GPU with `sc` the window pool is allocated at its most
+    (`kivi_window_bytes`, which the pool planner set aside), so it never grows while
+    serving; elsewhere it starts small and grows as needed."""
     bits = kv_format(cc.kv_cache_dtype).kivi_bits
     if not bits:
         return None
     from slipstream.cache.kivi_paged import PagedKIVI
+    slots = kivi_window_bytes(cc, mc, sc, dtype)[0] if sc is not None and device.type == "cuda" else 16
     return [PagedKIVI(num_blocks, cc.block_size, mc.num_key_value_heads, mc.head_dim, bits,
-                      dtype, device) for _ in range(mc.num_hidden_layers)]
+                      dtype, device, window_slots=slots) for _ in range(mc.num_hidden_layers)]
 
 
 def bind_kv_cache(layers, pool: torch.Tensor, scales: torch.Tensor | None,

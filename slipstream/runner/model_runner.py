@@ -86,7 +86,7 @@ class ModelRunner:
         self.kv_scales = memory.allocate_kv_scales(self.num_blocks, cc, rank_config.model_config,
                                                    self.device)
         self.kv_kivi = memory.allocate_kivi(self.num_blocks, cc, rank_config.model_config,
-                                            self.dtype, self.device)
+                                            self.dtype, self.device, sc)
         memory.bind_kv_cache(self.model.attention_layers(), self.kv_cache, self.kv_scales,
                              self.kv_kivi)
         self.input_batch = InputBatch(sc.max_num_seqs, sc.max_model_len, sc.max_num_batched_tokens,

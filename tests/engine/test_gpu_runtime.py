@@ -141,6 +141,11 @@ def test_kivi_decodes_on_the_triton_backend_as_on_the_torch_backend(tiny_folder)
                    attention_backend=backend)
         assert llm.engine.runner.graphs is None
         got[backend] = _outputs(llm, prompts, p)
+        # the window pool was allocated at its most (and set aside by the planner): no growth
+        from slipstream.runner.memory import kivi_window_bytes
+        cfg = llm.engine.config
+        slots = kivi_window_bytes(cfg.cache, cfg.model_config, cfg.scheduler, torch.float32)[0]
+        assert {layer.kivi.win_k.shape[0] for layer in llm.engine.runner.model.attention_layers()} == {slots}
         del llm
     for (ta, la), (tb, lb) in zip(got["torch"], got["triton"]):
         assert ta == tb
