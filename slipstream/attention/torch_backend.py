@@ -18,7 +18,8 @@ path: K/V are quantized as they are stored, and every query token, a prompt's
 included, attends to the dequantized cache, so the numerics are those of a
 cache read back at every step. A KIVI cache (`layer.kivi`, cache/kivi_paged.py):
 each request's cached context as the cache holds it (sealed blocks
-dequantized, its window exact), and the step's own tokens exact.
+dequantized, its window exact), and the step's own tokens exact; CPU decode
+steps through the C decode attention, which reads the codes in place.
 """
 from __future__ import annotations
 
@@ -148,8 +149,17 @@ def kivi_attention(q, k, v, layer, batch: ForwardBatch, query_start_loc: list[in
     exact) and to the step's own tokens exact (as KIVI computes a prompt's attention
     before quantizing its cache). query_start_loc: the step's request boundaries."""
     store = layer.kivi
-    store.store(k, v, batch.slot_mapping, batch.slot_mapping_host)
     tables = batch.block_tables if batch.block_tables_host is None else batch.block_tables_host
+    if (batch.is_decode_only and batch.tree_mask is None and q.device.type == "cpu"
+            and cpu_attention.supported(store.win_k, q.shape[-1])):
+        # the C decode attention: stores the step's rows in the window pool and reads
+        # sealed blocks from their codes (after the blocks leaving the window are sealed)
+        pool = torch.from_numpy(store.reserve(batch.slot_mapping, batch.slot_mapping_host))
+        store.seal_many(tables, batch.seq_lens_cpu)
+        return cpu_attention.decode_attention(
+            q, store.win_k, store.win_v, batch.seq_lens, batch.block_tables, layer.scale,
+            layer.sliding_window, k, v, pool, kivi=cpu_attention.kivi_struct(store))
+    store.store(k, v, batch.slot_mapping, batch.slot_mapping_host)
     out = torch.empty_like(q)
     loc = query_start_loc
     for i, seq_len in enumerate(batch.seq_lens_cpu):

@@ -19,8 +19,9 @@ Window blocks live in a pool of full-precision slots, `win_k` / `win_v`
 [slots, block_size, kv_heads, head_dim], and `win_of[block]` (int32, on the
 device) is the block's slot or -1 when the block is sealed (its codes hold it).
 So a kernel reads any block of a request from its block id alone:
-kernels/kivi_decode.py does, for decode steps on the Triton backend; the torch
-backend reads through `read`. The slots are handed out and taken back on the
+kernels/kivi_decode.py does for decode steps on the Triton backend, and the C
+decode attention of kernels/cpu_attention.py on the CPU (also inside the one-call
+decode step, kernels/cpu_decoder.py); other steps read through `read`. The slots are handed out and taken back on the
 host (the `window` dict: block -> [slot, tokens filled]).
 
 Memory: codes and scales of every block, sized by the pool planner, plus the
@@ -124,13 +125,29 @@ class PagedKIVI:
         """k, v: [n, kv_heads, head_dim] of this step's tokens, written to `slots`
         (block id * block_size + offset; -1: padding, not written). `slots_host`:
         the same on the host, if the caller has it (else read back from `slots`)."""
-        s = _host(slots if slots_host is None else slots_host).astype(np.int64)
-        keep = s >= 0
+        pool = self.reserve(slots, slots_host)
+        keep = pool >= 0
+        if not keep.any():
+            return
         if not keep.all():
             rows = _to(self.device, np.flatnonzero(keep))
-            k, v, s = k[rows], v[rows], s[keep]
+            k, v, pool = k[rows], v[rows], pool[keep]
+        idx = _to(self.device, pool)
+        h, d = self.win_k.shape[2:]
+        self.win_k.view(-1, h, d).index_copy_(0, idx, k.to(self.dtype))
+        self.win_v.view(-1, h, d).index_copy_(0, idx, v.to(self.dtype))
+
+    def reserve(self, slots: torch.Tensor, slots_host: np.ndarray | None = None) -> np.ndarray:
+        """The bookkeeping of `store` without the writes: window slots for the blocks
+        these tokens open; returns each token's row in the window pool viewed as
+        [slots * block_size, kv_heads, head_dim] (-1 for padding), for a kernel that
+        writes the rows itself (kernels/cpu_attention.py)."""
+        s = _host(slots if slots_host is None else slots_host).astype(np.int64)
+        out = np.full(len(s), -1, dtype=np.int64)
+        keep = s >= 0
+        s = s[keep]
         if not len(s):
-            return
+            return out
         bs = self.block_size
         blocks, offs = s // bs, s % bs
         ub, inv = np.unique(blocks, return_inverse=True)
@@ -151,10 +168,8 @@ class PagedKIVI:
         if new:
             self.win_of[_to(self.device, new)] = _to(
                 self.device, [self.window[b][0] for b in new], torch.int32)
-        idx = _to(self.device, slot_of[inv] * bs + offs)
-        h, d = self.win_k.shape[2:]
-        self.win_k.view(-1, h, d).index_copy_(0, idx, k.to(self.dtype))
-        self.win_v.view(-1, h, d).index_copy_(0, idx, v.to(self.dtype))
+        out[keep] = slot_of[inv] * bs + offs
+        return out
 
     def seal(self, block_table, length: int) -> None:
         """Quantize the request's blocks that left its window."""

@@ -64,7 +64,7 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
                    help="auto (the model dtype), int8 or fp8 (e4m3): 1-byte codes with one scale "
                         "per token and head, about twice the tokens in the same memory; kivi4 / "
                         "kivi2: KIVI 4 / 2-bit codes (keys per channel, values per token; torch "
-                        "or triton attention backend, for memory, not speed)")
+                        "or triton attention backend; on a GPU for memory, not speed)")
     g.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
     g.add_argument("--load-format", default="auto", choices=("auto", "dummy"),
                    help="dummy: random weights of the model's shape (--model may be a preset name)")

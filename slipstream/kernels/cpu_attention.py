@@ -5,8 +5,14 @@ reads K/V rows in place with an online softmax, so no step gathers the whole
 context into a new tensor. The step's new K/V can be written to the cache in
 the same call (`k`, `v`, `slot_mapping`), which saves the half-dozen indexing
 ops of a torch store per layer. Twin: `cpu_reference.decode_attention`.
+
+Over a KIVI cache (`kivi`: a `PagedKIVI`, cache/kivi_paged.py) the caches are its
+window pool and the slots window-pool slots; a sealed block's rows are
+dequantized from its codes as they are read (twin: the torch backend's KIVI path).
 """
 from __future__ import annotations
+
+import ctypes
 
 import torch
 
@@ -18,6 +24,21 @@ KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 def supported(k_cache: torch.Tensor, head_dim: int) -> bool:
     return (cpu_library.load() is not None and k_cache.device.type == "cpu"
             and k_cache.dtype in KV_DTYPES and head_dim <= 512)
+
+
+class KIVIStruct(ctypes.Structure):
+    """A KIVI cache as the C code reads it (ss_kivi_t in cpu_quant.c)."""
+    _fields_ = [("k_codes", ctypes.c_void_p), ("k_scale", ctypes.c_void_p), ("k_zero", ctypes.c_void_p),
+                ("v_codes", ctypes.c_void_p), ("v_scale", ctypes.c_void_p), ("v_zero", ctypes.c_void_p),
+                ("win_of", ctypes.c_void_p), ("bits", ctypes.c_int32), ("cg", ctypes.c_int32)]
+
+
+def kivi_struct(store) -> KIVIStruct:
+    """The C description of a PagedKIVI's codes (its tensors must outlive the calls)."""
+    ts = (store.k_codes, store.k_scale, store.k_zero, store.v_codes, store.v_scale, store.v_zero,
+          store.win_of)
+    assert all(t.device.type == "cpu" and t.is_contiguous() for t in ts)
+    return KIVIStruct(*(t.data_ptr() for t in ts), store.bits, store.channel_group)
 
 
 def _rows(t: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -48,7 +69,8 @@ class _NewKV:
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
                      sliding_window: int | None = None, k: torch.Tensor | None = None,
-                     v: torch.Tensor | None = None, slot_mapping: torch.Tensor | None = None) -> torch.Tensor:
+                     v: torch.Tensor | None = None, slot_mapping: torch.Tensor | None = None,
+                     kivi: KIVIStruct | None = None) -> torch.Tensor:
     """q: [num_seqs, num_heads, head_dim]; caches: [num_blocks, block_size, kv_heads, head_dim]
     (fp32 or bf16, contiguous); seq_lens: [num_seqs] int32, counting the new token;
     block_tables: [num_seqs, max_blocks] int32; k, v: [num_seqs, kv_heads, head_dim] and
@@ -67,7 +89,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     rc = lib.ss_decode_attention(qf.data_ptr(), q_stride, k_cache.data_ptr(), v_cache.data_ptr(),
                                  KV_DTYPES[k_cache.dtype], tables.data_ptr(), tables.shape[1],
                                  lens.data_ptr(), b, nh, nkv, hd, bs, scale, sliding_window or 0,
-                                 *new_kv.args(), out.data_ptr())
+                                 *new_kv.args(), out.data_ptr(),
+                                 None if kivi is None else ctypes.byref(kivi))
     assert rc == 0, "ss_decode_attention rejected its arguments"
     return out if q.dtype == torch.float32 else out.to(q.dtype)
 

@@ -24,6 +24,7 @@ typedef struct {
     ss_linear_t qkv, o, gate_up, down;
     const float *norm1, *norm2;  /* [hidden] */
     void *k_cache, *v_cache;     /* [num_blocks, block_size, nkv, hd], fp32 or bf16 */
+    const ss_kivi_t *kivi;       /* NULL, or a KIVI cache (k/v_cache its window pool) */
 } ss_layer_t;
 
 typedef struct {
@@ -116,7 +117,8 @@ static int run_step(const ss_model_t *m, float *x, int64_t b, const int64_t *pos
             const float *c = m->cos + positions[i] * hd, *s = m->sin + positions[i] * hd;
             rotary(qkv + i * wqkv, m->nh + m->nkv, (int)hd, c, s);
         }
-        if (at->qloc)
+        if (at->qloc && L->kivi) rc = -1;   /* KIVI: decode steps only */
+        else if (at->qloc)
             rc = ss_tree_attention(qkv, wqkv, L->k_cache, L->v_cache, m->kv_bf16, at->tables, at->table_stride,
                                    at->seq_lens, at->qloc, at->masks, at->n_seqs, at->max_q, m->nh, m->nkv,
                                    (int)hd, m->block_size, m->scale, m->window,
@@ -124,7 +126,7 @@ static int run_step(const ss_model_t *m, float *x, int64_t b, const int64_t *pos
         else
             rc = ss_decode_attention(qkv, wqkv, L->k_cache, L->v_cache, m->kv_bf16, at->tables, at->table_stride,
                                      at->seq_lens, b, m->nh, m->nkv, (int)hd, m->block_size, m->scale, m->window,
-                                     qkv + nq, wqkv, qkv + nq + nkvd, wqkv, at->slots, att);
+                                     qkv + nq, wqkv, qkv + nq + nkvd, wqkv, at->slots, att, L->kivi);
         if (rc || (rc = attn_out_mlp(&L->o, &L->gate_up, &L->down, L->norm2, m->eps, b, H, nq, I,
                                      att, r, h, gu, act))) break;
         for (int t = 0; t < m->n_taps; t++)

@@ -19,7 +19,11 @@ verifying k drafts costs little more than a plain step.
 It serves a model whose every linear layer holds a `QuantMatrix` (the GGUF
 scheme on a CPU with the kernels built), fp32 activations and an fp32 or bf16
 KV cache, batches where each sequence brings one token, or up to MAX_QUERY
-tokens after a cached context (prompts take the model's forward).
+tokens after a cached context (prompts take the model's forward). Over a KIVI
+cache (cache/kivi_paged.py) it serves decode steps: the window bookkeeping and
+the sealing of blocks leaving the window run first (every layer, on the host),
+then the C step stores the new rows in the window pools and its attention reads
+sealed blocks from their codes (kernels/cpu_attention.py).
 Everything else takes the model's own forward, which is also its twin
 (`tests/loader/test_cpu_decoder.py` compares the two).
 """
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import ctypes
 
+import numpy as np
 import torch
 
 from slipstream.kernels import cpu_attention, cpu_library
@@ -46,7 +51,8 @@ class _Linear(ctypes.Structure):
 class _Layer(ctypes.Structure):
     _fields_ = [("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear),
                 ("norm1", ctypes.c_void_p), ("norm2", ctypes.c_void_p),
-                ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p)]
+                ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p),
+                ("kivi", ctypes.c_void_p)]
 
 
 class _Model(ctypes.Structure):
@@ -99,6 +105,7 @@ class CPUDecoder:
         self._lib = cpu_library.load()
         self._taps_key: tuple[int, ...] = ()    # the taps the structure points to
         self._taps = torch.zeros(0, dtype=torch.int32)
+        self._kivi_structs: list = []            # a KIVI cache's descriptions, one a layer
 
     @staticmethod
     def _describe(model, layers) -> _Model:
@@ -143,10 +150,18 @@ class CPUDecoder:
         return cls(model, layers)
 
     def _bind_caches(self) -> bool:
-        """Point the structures at the layers' current KV caches; False if unsupported."""
-        if self._caches and all(a.k_cache is k and a.v_cache is v for a, (k, v) in zip(self._attns, self._caches)):
+        """Point the structures at the layers' current KV caches; False if unsupported.
+        Over a KIVI cache the caches are its window pools (cpu_attention.py reads the
+        sealed blocks' codes through each layer's `kivi` description)."""
+        kivi = self._attns[0].kivi is not None
+        if kivi and not self._kivi_structs:
+            self._kivi_structs = [cpu_attention.kivi_struct(a.kivi) for a in self._attns]
+            for st, ks in zip(self._layers, self._kivi_structs):
+                st.kivi = ctypes.addressof(ks)
+        pairs = [(a.kivi.win_k, a.kivi.win_v) if kivi else (a.k_cache, a.v_cache) for a in self._attns]
+        if self._caches and all(k is k2 and v is v2 for (k, v), (k2, v2) in zip(pairs, self._caches)):
             return True
-        caches = [(a.k_cache, a.v_cache) for a in self._attns]
+        caches = pairs
         k0 = caches[0][0]
         if k0 is None or k0.device.type != "cpu" or k0.dtype not in (torch.float32, torch.bfloat16):
             return False
@@ -164,8 +179,9 @@ class CPUDecoder:
         if not (enabled and batch.input_ids.device.type == "cpu"
                 and batch.max_seq_len <= self.model.rotary_emb.max_position):
             return False
-        if not (batch.is_decode_only and batch.tree_mask is None) and not self._verifies(batch):
-            return False
+        decode = batch.is_decode_only and batch.tree_mask is None
+        if not decode and (self._attns[0].kivi is not None or not self._verifies(batch)):
+            return False      # (over a KIVI cache: decode steps only)
         return self._bind_caches()
 
     def _verifies(self, batch) -> bool:
@@ -197,12 +213,30 @@ class CPUDecoder:
         positions, lens, tables, slots = (t.contiguous() for t in (positions, lens, tables, slots))
         if not (batch.is_decode_only and batch.tree_mask is None):
             return self._tree_step(x, batch, positions, lens, tables, slots)
+        if self._attns[0].kivi is not None:
+            slots = self._kivi_slots(batch)
         rc = self._lib.ss_decode_step(ctypes.byref(self._struct), x.data_ptr(), x.shape[0],
                                       positions.data_ptr(), tables.data_ptr(), tables.shape[1],
                                       lens.data_ptr(), slots.data_ptr())
         if rc != 0:
             raise RuntimeError("ss_decode_step rejected its arguments")
         return x
+
+    def _kivi_slots(self, batch) -> torch.Tensor:
+        """A KIVI cache: every layer's window bookkeeping for the step's tokens and the
+        blocks leaving the windows sealed; -> the tokens' rows in the window pools
+        (the same in every layer: their bookkeeping runs the same calls)."""
+        host = batch.block_tables if batch.block_tables_host is None else batch.block_tables_host
+        rows = None
+        for a in self._attns:
+            r = a.kivi.reserve(batch.slot_mapping, batch.slot_mapping_host)
+            if rows is None:
+                rows = r
+            elif not np.array_equal(r, rows):
+                raise RuntimeError("KIVI window slots differ between layers")
+            a.kivi.seal_many(host, batch.seq_lens_cpu)
+        self._bind_caches()      # (a pool may have grown)
+        return torch.from_numpy(rows)
 
     def _tree_step(self, x, batch, positions, lens, tables, slots) -> torch.Tensor:
         qlens = batch.query_lens_cpu

@@ -669,15 +669,74 @@ int ss_get_rows(int type, const uint8_t *w, int64_t cols, const int64_t *ids, in
  * num_kv_heads, head_dim] fp32 (kv_bf16 = 0) or bf16 (1); block_tables
  * [num_seqs, table_stride] int32; out like q. The query of sequence s sits at
  * position seq_lens[s] - 1 and sees keys max(0, seq_len - window) .. seq_len - 1. */
+/* A KIVI cache (slipstream/cache/kivi_paged.py): the caches above are then its
+ * window pool [slots, block_size, nkv, hd], and block b's rows are in slot
+ * win_of[b] when that is >= 0, else sealed as codes: keys per channel,
+ * k_codes [blocks, nkv, hd, bs / per] (token t of a channel at byte t / per, bits
+ * (t % per) * bits), k_scale / k_zero [blocks, nkv, hd] fp16; values per token,
+ * v_codes [blocks, bs, nkv, hd / per], v_scale / v_zero [blocks, bs, nkv, hd / cg]
+ * fp16; x = code * scale + zero. */
+typedef struct {
+    const uint8_t *k_codes, *k_scale, *k_zero, *v_codes, *v_scale, *v_zero;
+    const int32_t *win_of;
+    int32_t bits, cg;
+} ss_kivi_t;
+
 typedef struct {
     const float *q; int64_t q_stride; const void *kc, *vc; int kv_bf16;
     const int32_t *tables; int64_t table_stride; const int32_t *seq_lens;
     int nh, nkv, hd, bs; float scale; int64_t window; float *out; int gsz;
+    const ss_kivi_t *kivi;   /* NULL: a plain paged cache */
 } attn_args;
 
 static inline void load_row(const void *base, int bf16, int64_t off, int hd, float *dst) {
     if (bf16) { const uint16_t *p = (const uint16_t *)base + off; for (int i = 0; i < hd; i++) dst[i] = bf2f(p[i]); }
     else memcpy(dst, (const float *)base + off, hd * sizeof(float));
+}
+
+/* A sealed block's key scales and zeros as floats (the block last converted). */
+typedef struct { int64_t blk; float s[512], z[512]; } kivi_scales_t;
+
+/* Key (v = 0) or value (v = 1) row of token t of a sequence (block table `table`)
+ * for KV head kvh: a pointer into the cache, or the row dequantized into buf
+ * (ks: the key scales of the block last read, kept between calls). */
+static const float *kv_row(const attn_args *a, int v, const int32_t *table, int64_t t, int kvh, float *buf,
+                           kivi_scales_t *ks) {
+    int64_t blk = table[t / a->bs], tt = t % a->bs, hd = a->hd;
+    const ss_kivi_t *kv = a->kivi;
+    if (kv && kv->win_of[blk] < 0) {
+        int bits = kv->bits, per = 8 / bits, mask = (1 << bits) - 1;
+        if (!v) {
+            int64_t stride = a->bs / per;
+            if (ks->blk != blk) {
+                const uint8_t *s = kv->k_scale + 2 * (blk * a->nkv + kvh) * hd;
+                const uint8_t *z = kv->k_zero + 2 * (blk * a->nkv + kvh) * hd;
+                for (int64_t i = 0; i < hd; i++) { ks->s[i] = h2f(s + 2 * i); ks->z[i] = h2f(z + 2 * i); }
+                ks->blk = blk;
+            }
+            const uint8_t *c = kv->k_codes + ((blk * a->nkv + kvh) * hd) * stride + tt / per;
+            int sh = (int)(tt % per) * bits;
+            for (int64_t i = 0; i < hd; i++)
+                buf[i] = (float)((c[i * stride] >> sh) & mask) * ks->s[i] + ks->z[i];
+        } else {
+            int64_t row = (blk * a->bs + tt) * a->nkv + kvh, cg = kv->cg;
+            const uint8_t *c = kv->v_codes + row * (hd / per);
+            const uint8_t *s = kv->v_scale + 2 * row * (hd / cg), *z = kv->v_zero + 2 * row * (hd / cg);
+            for (int64_t g = 0; g < hd / cg; g++) {
+                float sg = h2f(s + 2 * g), zg = h2f(z + 2 * g);
+                for (int64_t i = g * cg; i < (g + 1) * cg; i += per) {
+                    unsigned byte = c[i / per];
+                    for (int j = 0; j < per; j++) buf[i + j] = (float)((byte >> (j * bits)) & mask) * sg + zg;
+                }
+            }
+        }
+        return buf;
+    }
+    if (kv) blk = kv->win_of[blk];
+    int64_t off = ((blk * a->bs + tt) * a->nkv + kvh) * hd;
+    const void *base = v ? a->vc : a->kc;
+    if (a->kv_bf16) { load_row(base, 1, off, (int)hd, buf); return buf; }
+    return (const float *)base + off;   /* fp32 rows: in place */
 }
 
 /* Chunk c: sequence s, KV head kvh, and a group of gsz of the query heads that
@@ -697,6 +756,8 @@ static void attn_chunk(void *a_, int64_t c) {
     const float *q[ATT_GROUP];
     float acc[ATT_GROUP][512], sc[ATT_GROUP][ATT_TILE], mx[ATT_GROUP], den[ATT_GROUP];
     float kr[512], vr[512];
+    kivi_scales_t kscales;
+    kscales.blk = -1;
     for (int g = 0; g < ng; g++) {
         q[g] = a->q + s * a->q_stride + (int64_t)(h0 + g) * hd;
         mx[g] = -INFINITY; den[g] = 0;
@@ -705,9 +766,7 @@ static void attn_chunk(void *a_, int64_t c) {
     for (int64_t t0 = lo; t0 < n; t0 += ATT_TILE) {
         int nt = n - t0 < ATT_TILE ? (int)(n - t0) : ATT_TILE;
         for (int j = 0; j < nt; j++) {
-            int64_t t = t0 + j, off = (((int64_t)table[t / a->bs] * a->bs + t % a->bs) * a->nkv + kvh) * hd;
-            const float *kp = (const float *)a->kc + off;
-            if (a->kv_bf16) { load_row(a->kc, 1, off, hd, kr); kp = kr; }   /* fp32 rows: in place */
+            const float *kp = kv_row(a, 0, table, t0 + j, kvh, kr, &kscales);
             float d[ATT_GROUP];
             dots_f(kp, q, ng, hd, a->scale, d);
             for (int g = 0; g < ng; g++) sc[g][j] = d[g];
@@ -726,9 +785,7 @@ static void attn_chunk(void *a_, int64_t c) {
             for (int j = 0; j < nt; j++) den[g] += sc[g][j];
         }
         for (int j = 0; j < nt; j++) {
-            int64_t t = t0 + j, off = (((int64_t)table[t / a->bs] * a->bs + t % a->bs) * a->nkv + kvh) * hd;
-            const float *vp = (const float *)a->vc + off;
-            if (a->kv_bf16) { load_row(a->vc, 1, off, hd, vr); vp = vr; }
+            const float *vp = kv_row(a, 1, table, t0 + j, kvh, vr, &kscales);
             for (int g = 0; g < ng; g++) {
                 float p = sc[g][j], *ac = acc[g];
                 for (int i = 0; i < hd; i++) ac[i] += p * vp[i];
@@ -754,12 +811,14 @@ static void store_row(void *cache, int bf16, int64_t off, const float *src, int6
 
 /* q: token s's heads start at q + s * q_stride (heads contiguous). When k_new is
  * given, each sequence's new K/V (rows k_new + s * k_stride, v_new + s * v_stride,
- * kv heads contiguous) are first written to cache slot slots[s] (-1: skipped). */
+ * kv heads contiguous) are first written to cache slot slots[s] (-1: skipped).
+ * kivi: NULL, or the KIVI cache the caches are the window pool of (slots are then
+ * window-pool slots). */
 int ss_decode_attention(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                         int kv_bf16, const int32_t *tables, int64_t table_stride, const int32_t *seq_lens,
                         int64_t num_seqs, int nh, int nkv, int hd, int bs, float scale, int64_t window,
                         const float *k_new, int64_t k_stride, const float *v_new, int64_t v_stride,
-                        const int64_t *slots, float *out) {
+                        const int64_t *slots, float *out, const ss_kivi_t *kivi) {
     if (hd > 512 || nkv < 1 || nh % nkv) return -1;
     if (k_new)
         for (int64_t s = 0; s < num_seqs; s++) {
@@ -767,11 +826,13 @@ int ss_decode_attention(const float *q, int64_t q_stride, const void *k_cache, c
             store_row((void *)k_cache, kv_bf16, slots[s] * nkv * hd, k_new + s * k_stride, (int64_t)nkv * hd);
             store_row((void *)v_cache, kv_bf16, slots[s] * nkv * hd, v_new + s * v_stride, (int64_t)nkv * hd);
         }
-    attn_args a = { q, q_stride, k_cache, v_cache, kv_bf16, tables, table_stride, seq_lens, nh, nkv, hd, bs, scale, window, out, 0 };
+    if (kivi && (kivi->bits != 2 && kivi->bits != 4)) return -1;
+    attn_args a = { q, q_stride, k_cache, v_cache, kv_bf16, tables, table_stride, seq_lens, nh, nkv, hd, bs, scale, window, out, 0, kivi };
     /* query heads per chunk: a whole GQA group (at most ATT_GROUP), halved while
      * that leaves fewer than 4 chunks a thread */
     int G = nh / nkv, gsz = G < ATT_GROUP ? G : ATT_GROUP;
-    while (gsz > 1 && num_seqs * nkv * ((G + gsz - 1) / gsz) < 4 * (P.n_workers + 1)) gsz = (gsz + 1) / 2;
+    /* (not over KIVI codes: each chunk dequantizes its rows, so whole groups) */
+    while (!kivi && gsz > 1 && num_seqs * nkv * ((G + gsz - 1) / gsz) < 4 * (P.n_workers + 1)) gsz = (gsz + 1) / 2;
     a.gsz = gsz;
     parallel_for(attn_chunk, &a, num_seqs * nkv * ((G + gsz - 1) / gsz));
     return 0;

@@ -14,14 +14,14 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 
 
-def _cache(bits, lengths, kv_heads, d, page, dtype, seed=0):
+def _cache(bits, lengths, kv_heads, d, page, dtype, seed=0, device=DEVICE):
     """A PagedKIVI holding requests of `lengths` tokens (written in a prompt chunk
     and then token by token, sealed as the engine seals), the block tables, and a
     freed-and-reused block: request 0's pages are sealed, then given back and one of
     them handed to the last request, whose window now covers stale codes."""
     g = torch.Generator().manual_seed(seed)
     need = [-(-n // page) for n in lengths]
-    store = PagedKIVI(sum(need) + 4, page, kv_heads, d, bits, dtype, DEVICE, window_slots=2)
+    store = PagedKIVI(sum(need) + 4, page, kv_heads, d, bits, dtype, device, window_slots=2)
     perm = torch.randperm(sum(need) + 4, generator=g).tolist()
     tables, at = [], 0
     for n in need:
@@ -31,12 +31,12 @@ def _cache(bits, lengths, kv_heads, d, page, dtype, seed=0):
         k = (torch.randn(n, kv_heads, d, generator=g) * 2).to(dtype)
         v = torch.randn(n, kv_heads, d, generator=g).to(dtype)
         pos = torch.arange(n)
-        slots = (table.long()[pos // page] * page + pos % page).to(DEVICE)
+        slots = (table.long()[pos // page] * page + pos % page).to(device)
         first = max(1, n - 5)
-        store.store(k[:first].to(DEVICE), v[:first].to(DEVICE), slots[:first])
+        store.store(k[:first].to(device), v[:first].to(device), slots[:first])
         store.seal(table, first)
         for t in range(first, n):
-            store.store(k[t:t + 1].to(DEVICE), v[t:t + 1].to(DEVICE), slots[t:t + 1])
+            store.store(k[t:t + 1].to(device), v[t:t + 1].to(device), slots[t:t + 1])
             store.seal(table, t + 1)
     return store, tables
 
@@ -103,3 +103,40 @@ def test_kivi_decode_half_precision(dtype):
     lengths = [50, 129]
     store, tables = _cache(4, lengths, 2, 64, 16, dtype, seed=2)
     _run(store, tables, lengths, 8, dtype, 2)
+
+
+@pytest.mark.parametrize("bits,group,page", [(4, 4, 16), (2, 1, 32)])
+def test_cpu_decode_attention_over_kivi(bits, group, page):
+    """The C decode attention (kernels/cpu_attention.py) over a KIVI cache: sealed
+    blocks dequantized as read, window blocks in place, the step's new rows stored
+    into the window pool in the same call; against the twin over `PagedKIVI.read`."""
+    from slipstream.kernels import cpu_attention
+    if not cpu_attention.supported(torch.zeros(1), 32):
+        pytest.skip("the CPU kernels are not built here")
+    lengths = [40, 97, 131]
+    store, tables = _cache(bits, lengths, 2, 32, page, torch.float32, device="cpu")
+    g = torch.Generator().manual_seed(7)
+    width = max(len(t) for t in tables)
+    bt = torch.zeros(len(tables), width, dtype=torch.int32)
+    for i, t in enumerate(tables):
+        bt[i, :len(t)] = t
+    # one more token a request: the new rows go to the window pool in the call
+    new_lens = [n + 1 for n in lengths]
+    for i, n in enumerate(lengths):
+        if -(-new_lens[i] // page) > len(tables[i]):
+            pytest.skip("no room for the new token in the table")
+    slots = torch.tensor([int(bt[i, n // page]) * page + n % page for i, n in enumerate(lengths)])
+    k = torch.randn(3, 2, 32, generator=g)
+    v = torch.randn(3, 2, 32, generator=g)
+    pool = torch.from_numpy(store.reserve(slots))
+    q = torch.randn(3, 2 * group, 32, generator=g)
+    seq_lens = torch.tensor(new_lens, dtype=torch.int32)
+    out = cpu_attention.decode_attention(q, store.win_k, store.win_v, seq_lens, bt, 32 ** -0.5,
+                                         None, k, v, pool, kivi=cpu_attention.kivi_struct(store))
+    sealed = sum(store.sealed_blocks(n) for n in new_lens)
+    assert sealed >= 4
+    ref = kivi_decode_reference(q, store, seq_lens, bt, 32 ** -0.5)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+    kk, vv = store.read(bt[2], new_lens[2])
+    torch.testing.assert_close(kk[-1], k[2])
+    torch.testing.assert_close(vv[-1], v[2])
