@@ -149,6 +149,8 @@ class PagedKIVI:
         if not len(s):
             return out
         bs = self.block_size
+        if len(s) <= 16:   # decode steps: a token or a few, plain Python is quicker
+            return self._reserve_few(s, keep, out)
         blocks, offs = s // bs, s % bs
         ub, inv = np.unique(blocks, return_inverse=True)
         filled = np.zeros(len(ub), dtype=np.int64)
@@ -171,18 +173,40 @@ class PagedKIVI:
         out[keep] = slot_of[inv] * bs + offs
         return out
 
+    def _reserve_few(self, s: np.ndarray, keep: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """`reserve` token by token (the same result)."""
+        bs, seen, new, rows = self.block_size, set(), [], []
+        for x in s.tolist():
+            b, o = divmod(x, bs)
+            entry = self.window.get(b)
+            if entry is None:
+                entry = self.window[b] = [self._take_slot(), 0]
+                new.append(b)
+            elif o == 0 and b not in seen:
+                entry[1] = 0          # handed out again: written from offset 0
+            seen.add(b)
+            entry[1] = max(entry[1], o + 1)
+            rows.append(entry[0] * bs + o)
+        if new:
+            self.win_of[_to(self.device, new)] = _to(
+                self.device, [self.window[b][0] for b in new], torch.int32)
+        out[keep] = rows
+        return out
+
     def seal(self, block_table, length: int) -> None:
         """Quantize the request's blocks that left its window."""
         self.seal_many([block_table], [length])
 
-    def seal_many(self, block_tables, lengths) -> None:
+    def seal_many(self, block_tables, lengths, newest_only: bool = False) -> None:
         """`seal` for several requests at once (one quantization for all their blocks).
-        block_tables: rows of block ids (tensors, arrays or lists); lengths: ints."""
+        block_tables: rows of block ids (tensors, arrays or lists); lengths: ints.
+        newest_only: look at each request's newest block to seal only (decode steps:
+        the blocks before it were sealed at the steps before)."""
         todo = []
         for table, length in zip(block_tables, lengths):
             n = self.sealed_blocks(int(length))
             if n:
-                for b in _host(table[:n]).tolist():
+                for b in _host(table[n - 1:n] if newest_only else table[:n]).tolist():
                     entry = self.window.get(b)
                     if entry is not None and entry[1] == self.block_size:
                         todo.append(b)

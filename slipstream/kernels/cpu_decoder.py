@@ -234,7 +234,7 @@ class CPUDecoder:
                 rows = r
             elif not np.array_equal(r, rows):
                 raise RuntimeError("KIVI window slots differ between layers")
-            a.kivi.seal_many(host, batch.seq_lens_cpu)
+            a.kivi.seal_many(host, batch.seq_lens_cpu, newest_only=True)
         self._bind_caches()      # (a pool may have grown)
         return torch.from_numpy(rows)
 
