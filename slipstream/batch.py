@@ -56,6 +56,11 @@ class ForwardBatch:
     slot_mapping_host: np.ndarray | None = None
     block_tables_host: np.ndarray | None = None
 
+    def host_block_tables(self):
+        """The block tables on the host where the batch builder kept them, else the
+        device tensor (rows are then read back)."""
+        return self.block_tables if self.block_tables_host is None else self.block_tables_host
+
     @property
     def num_seqs(self) -> int:
         return len(self.query_lens_cpu)

@@ -38,6 +38,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kv_cache_checks import (  # noqa: E402
     HEAD_DIM, HEADS, KV_HEADS, PAGE, SCALE, make_timer, paged, quantize_cache, rel_err)
+from slipstream.analysis.hardware import measure_copy_bandwidth  # noqa: E402
 from slipstream.cache.kivi_paged import PagedKIVI  # noqa: E402
 from slipstream.kernels.decode_attention import (  # noqa: E402
     choose_num_splits, decode_attention, split_kv_scratch)
@@ -45,15 +46,6 @@ from slipstream.kernels.kivi_decode import (  # noqa: E402
     kivi_decode_attention, kivi_decode_reference)
 
 STREAM_BYTES = 160 << 20     # data copies per contender: at least this much a graph
-
-
-def copy_bandwidth(device) -> float:
-    from benchmarks.cuda_timing import graph_timer
-    n = 1 << 28
-    a = torch.empty(n, dtype=torch.uint8, device=device)
-    b = torch.empty_like(a)
-    ms = graph_timer([lambda: b.copy_(a)], min_calls=8)()
-    return 2 * n / (ms * 1e-3)
 
 
 def kivi_store(k, v, tables, bits, device, page=PAGE):
@@ -202,7 +194,7 @@ def main(argv=None) -> int:
     def log(s):
         print(s, flush=True)
         lines.append(s)
-    copy_bw = 1.0 if args.smoke else copy_bandwidth(device)
+    copy_bw = 1.0 if args.smoke else measure_copy_bandwidth(device)
     cases = ([(1, 256, 16), (2, 128, 32)] if args.smoke else
              [(1, 4096, 16), (1, 32768, 16), (1, 131072, 16), (32, 4096, 16), (1, 32768, 32),
               (1, 32768, 64)])

@@ -149,7 +149,7 @@ def kivi_attention(q, k, v, layer, batch: ForwardBatch, query_start_loc: list[in
     exact) and to the step's own tokens exact (as KIVI computes a prompt's attention
     before quantizing its cache). query_start_loc: the step's request boundaries."""
     store = layer.kivi
-    tables = batch.block_tables if batch.block_tables_host is None else batch.block_tables_host
+    tables = batch.host_block_tables()
     if (batch.is_decode_only and batch.tree_mask is None and q.device.type == "cpu"
             and cpu_attention.supported(store.win_k, q.shape[-1])):
         # the C decode attention: stores the step's rows in the window pool and reads

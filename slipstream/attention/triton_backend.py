@@ -183,8 +183,7 @@ class TritonAttentionBackend:
             o = kivi_attention(q, k, v, layer, batch, self._loc)
             return o if out is None else out.copy_(o)
         store.store(k, v, batch.slot_mapping, batch.slot_mapping_host)
-        tables = batch.block_tables if batch.block_tables_host is None else batch.block_tables_host
-        store.seal_many(tables, batch.seq_lens_cpu)
+        store.seal_many(batch.host_block_tables(), batch.seq_lens_cpu)
         return kivi_decode_attention(q, store, batch.seq_lens, batch.block_tables, layer.scale,
                                      max_seq_len=batch.max_seq_len, out=out)
 

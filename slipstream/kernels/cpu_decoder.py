@@ -226,7 +226,7 @@ class CPUDecoder:
         """A KIVI cache: every layer's window bookkeeping for the step's tokens and the
         blocks leaving the windows sealed; -> the tokens' rows in the window pools
         (the same in every layer: their bookkeeping runs the same calls)."""
-        host = batch.block_tables if batch.block_tables_host is None else batch.block_tables_host
+        host = batch.host_block_tables()
         rows = None
         for a in self._attns:
             r = a.kivi.reserve(batch.slot_mapping, batch.slot_mapping_host)

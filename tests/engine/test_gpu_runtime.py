@@ -22,6 +22,22 @@ EVERYTHING = [
 ]
 
 
+def _launch_step(engine, sched=None, check_syncs: bool = True) -> None:
+    """Launch one step (`sched`, or the scheduler's next; everything the step does
+    before its one wait) under `torch.cuda.set_sync_debug_mode("error")` when
+    check_syncs; then collect the step before it, as the engine's overlapped loop does."""
+    sched = engine.scheduler.schedule() if sched is None else sched
+    if check_syncs:
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        handle = engine.runner.execute(sched)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    engine._inflight, previous = handle, engine._inflight
+    if previous is not None:
+        engine._collect(previous)
+
+
 def test_a_step_with_every_sampling_parameter_launches_without_a_sync(tiny_folder):
     folder, _ = tiny_folder("llama")
     llm = _llm(folder, dtype="bfloat16")
@@ -34,16 +50,8 @@ def test_a_step_with_every_sampling_parameter_launches_without_a_sync(tiny_folde
         engine.step()
     launched = 0
     for _ in range(6):
-        sched = engine.scheduler.schedule()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            handle = runner.execute(sched)     # everything the step does before its one wait
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+        _launch_step(engine)
         launched += 1
-        engine._inflight, previous = handle, engine._inflight
-        if previous is not None:
-            engine._collect(previous)
     assert launched == 6 and runner.graphs is not None and runner.graphs.graphs
     for rid in list(engine.scheduler.requests):
         engine.abort_request(rid)
@@ -85,21 +93,13 @@ def test_piecewise_graphs_change_no_output_and_replay_without_a_sync(tiny_folder
     for (_, a), (_, b) in zip(base, other):
         assert a == pytest.approx(b, abs=1e-4)
     # A step of a captured bucket launches without a sync.
-    engine, runner = llm.engine, llm.engine.runner
+    engine = llm.engine
     one = SamplingParams(max_tokens=1, temperature=0.7, seed=5)
     for seed in (11, 12):
         engine.add_request(random_prompts(1, 265, 40, 40, seed=seed)[0], one, request_id=str(seed))
         sched = engine.scheduler.schedule()
         assert pw.bucket_for(sum(sched.num_scheduled_tokens.values())) in pw.pieces or seed == 11
-        if seed == 12:
-            torch.cuda.set_sync_debug_mode("error")
-        try:
-            handle = runner.execute(sched)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        engine._inflight, previous = handle, engine._inflight
-        if previous is not None:
-            engine._collect(previous)
+        _launch_step(engine, sched, check_syncs=seed == 12)
         while engine.has_unfinished_requests():
             engine.step()
 
@@ -163,18 +163,9 @@ def test_a_kivi_decode_step_launches_without_a_sync(tiny_folder):
     for i, p in enumerate(random_prompts(2, 265, 40, 60, seed=6)):
         engine.add_request(p, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True),
                            request_id=str(i))
-    runner = engine.runner
     for _ in range(3):      # prompts and first decodes: kernels compile
         engine.step()
     for _ in range(20):     # crosses block ends: new window slots and seals
-        sched = engine.scheduler.schedule()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            handle = runner.execute(sched)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        engine._inflight, previous = handle, engine._inflight
-        if previous is not None:
-            engine._collect(previous)
+        _launch_step(engine)
     for rid in list(engine.scheduler.requests):
         engine.abort_request(rid)
