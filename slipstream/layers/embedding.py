@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from slipstream.distributed import comm
+from slipstream.layers import decode_gemv
 from slipstream.layers.weight_loader import copy_checked
 
 
@@ -96,6 +97,7 @@ class VocabEmbedding(_VocabShard):
 class LMHead(_VocabShard):
     """hidden -> logits. With `tied_to`, the weight *is* the embedding's parameter
     (one tensor, kept shared by `.to()`), so there is nothing to load for it."""
+    gemv_role = "lm_head"   # one row on Hopper: layers/decode_gemv.py
 
     def __init__(self, vocab_size: int, hidden_size: int, tied_to: VocabEmbedding | None = None,
                  tp=None, quant_method=None):
@@ -122,7 +124,8 @@ class LMHead(_VocabShard):
         table = self._cpu_table(hidden)
         if table is not None:
             return table.matmul(hidden.float())
-        logits = F.linear(hidden, self.weight).float()           # [n, rows_per_rank]
+        y = decode_gemv.linear(self, hidden) if hidden.shape[0] == 1 else None  # Hopper, 1 row
+        logits = (y if y is not None else F.linear(hidden, self.weight)).float()  # [n, rows_per_rank]
         if self.tp_size == 1:
             return logits
         logits = comm.all_gather(logits, self.tp.device_group, self.tp_size)

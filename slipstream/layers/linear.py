@@ -34,6 +34,7 @@ from torch import nn
 from slipstream.distributed import comm
 from slipstream.distributed.parallel import kv_heads_of_rank
 from slipstream.errors import ModelLoadError
+from slipstream.layers import decode_gemv
 from slipstream.layers.weight_loader import copy_checked
 
 
@@ -69,6 +70,13 @@ class UnquantizedLinearMethod:
         pass
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        # one row (a batch-1 decode step), or a norm / SiLU left to this product:
+        # the TMA GEMV on Hopper where it applies (layers/decode_gemv.py)
+        if x.shape[0] == 1:
+            y = decode_gemv.linear(layer, x)
+            if y is not None:
+                return y
+            x = decode_gemv.unfold(x)
         return F.linear(x, layer.weight, layer.bias)
 
 
@@ -79,6 +87,9 @@ class LinearBase(nn.Module):
     rank holds `local_input_size` x `local_output_sizes`."""
     # "output": column-parallel, "input": row-parallel (set by the subclasses).
     split: str = "output"
+    # Which product of a layer this is (qkv, o, gate_up, down; set by the model), for
+    # choosing which take the batch-1 TMA GEMV (layers/decode_gemv.py).
+    gemv_role: str | None = None
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False,
                  quant_method: QuantMethod | None = None, tp=None):
@@ -138,6 +149,8 @@ class LinearBase(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, local_input_size] -> [num_tokens, sum(local_output_sizes)]
+        if not isinstance(self.quant_method, UnquantizedLinearMethod):
+            x = decode_gemv.unfold(x)   # only the plain product folds a norm / SiLU in
         return self.quant_method.apply(self, x)
 
     def _load_shard(self, param: nn.Parameter, loaded: torch.Tensor, i: int) -> None:
@@ -216,7 +229,8 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor | PartialSum:
         # x: [num_tokens, input_size / tp] -> [num_tokens, output_size], summed over ranks
         if self.tp_size == 1:
-            return self.quant_method.apply(self, x)
+            return LinearBase.forward(self, x)
+        x = decode_gemv.unfold(x)
         fp32 = _fp32_partials(self, x)
         y = self._partial(x, fp32)
         if self.defer_to is not None and self.defer_to.fits_rows(y.shape[0]):

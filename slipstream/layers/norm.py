@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from slipstream.layers import decode_gemv
+
 
 class RMSNorm(nn.Module):
     # None: the fused kernel on CUDA tensors, torch ops elsewhere; True/False forces
@@ -22,6 +24,10 @@ class RMSNorm(nn.Module):
     # Under tensor parallelism: the fused all-reduce + residual add + norm
     # (distributed/all_reduce_norm.py) for a PartialSum input (the residual given).
     reduce = None
+    # Set by the model where only a plain linear layer reads the output (its
+    # `gemv_role`): at one row on Hopper the norm is left to that layer's GEMV
+    # (layers/decode_gemv.py).
+    fold: str | None = None
 
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
@@ -40,6 +46,12 @@ class RMSNorm(nn.Module):
         With `residual` [num_tokens, hidden]: first x = x + residual (in the model
         dtype, as HF adds the residual), then returns (norm(x), x), the new residual.
         """
+        if self.fold and x.shape[0] == 1 and decode_gemv.row_fits(x, self.fold) \
+                and x.dtype == self.weight.dtype:
+            if residual is None:
+                return decode_gemv.FoldedNorm(x, None, self.weight, self.eps, None)
+            out = torch.empty_like(x)   # the new residual stream, written by the GEMV
+            return decode_gemv.FoldedNorm(x, residual, self.weight, self.eps, out), out
         if self.reduce is not None and not isinstance(x, torch.Tensor):
             # x: a row-parallel layer's PartialSum; the all-reduce is fused in here
             return self.reduce(x.partial, residual, self.weight, self.eps)

@@ -11,6 +11,10 @@ On CUDA the elementwise work of a layer runs as fused Triton kernels (add +
 RMSNorm, rotary in place on the qkv output, SiLU * up), so a decode step
 launches about ten kernels per layer: norm, qkv GEMM, rotary, KV store,
 attention (1-2), o_proj GEMM, add + norm, gate_up GEMM, silu * up, down GEMM.
+At batch 1 on Hopper o_proj and the LM head run a TMA GEMV of our own; with
+SLIPSTREAM_TMA_GEMV=1 every product does, the norms and SiLU inside the GEMVs after
+them (layers/decode_gemv.py: qkv, rotary + KV store, attention, o_proj, gate_up,
+down; measured slower through the engine than cuBLAS and the separate kernels).
 With the triton attention backend the rotary is done in its KV-store kernel
 (`Attention.fuses_rotary`), and short decode contexts take one attention kernel.
 The CPU runs the same layers' plain torch ops.
@@ -36,7 +40,7 @@ from slipstream.layers.activation import SiluAndMul
 from slipstream.layers.attention import Attention
 from slipstream.layers.embedding import LMHead, VocabEmbedding
 from slipstream.layers.linear import (LinearBase, MergedLinear, QKVLinear,
-                                      RowParallelLinear)
+                                      RowParallelLinear, UnquantizedLinearMethod)
 from slipstream.layers.norm import RMSNorm
 from slipstream.layers.rotary import RotaryEmbedding, StepRotary
 from slipstream.layers.weight_loader import default_weight_loader
@@ -64,6 +68,12 @@ def _no_quant(prefix: str) -> None:
 
 def _tp_size(tp) -> int:
     return 1 if tp is None else tp.size
+
+
+def _plain(layer: LinearBase) -> bool:
+    """An unquantized product without bias on one rank: its GEMV can fold in the op before it."""
+    return (isinstance(layer.quant_method, UnquantizedLinearMethod) and layer.bias is None
+            and layer.tp_size == 1)
 
 
 def _table_method(quant_method_for: QuantMethodFor, prefix: str):
@@ -139,6 +149,15 @@ class LlamaDecoderLayer(nn.Module):
         # W8A8 qkv / gate_up: the norms before them write per-token codes directly.
         self.input_layernorm.quant = input_quant(self.self_attn.qkv_proj)
         self.post_attention_layernorm.quant = input_quant(self.mlp.gate_up_proj)
+        # Plain products: at one row on Hopper the norms and SiLU before them run inside
+        # their GEMVs (layers/decode_gemv.py).
+        attn, mlp = self.self_attn, self.mlp
+        for linear, role in ((attn.qkv_proj, "qkv"), (attn.o_proj, "o"),
+                             (mlp.gate_up_proj, "gate_up"), (mlp.down_proj, "down")):
+            linear.gemv_role = role
+        for op, linear in ((self.input_layernorm, attn.qkv_proj),
+                           (self.post_attention_layernorm, mlp.gate_up_proj), (mlp.act, mlp.down_proj)):
+            op.fold = linear.gemv_role if _plain(linear) else None
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: StepRotary,
                 batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:

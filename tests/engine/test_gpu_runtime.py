@@ -169,3 +169,38 @@ def test_a_kivi_decode_step_launches_without_a_sync(tiny_folder):
         _launch_step(engine)
     for rid in list(engine.scheduler.requests):
         engine.abort_request(rid)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                    reason="the TMA GEMV needs an sm_90 GPU")
+def test_batch_one_decode_through_the_tma_gemv(tiny_folder, monkeypatch):
+    """bf16, one request, SLIPSTREAM_TMA_GEMV=1: decode steps take the TMA GEMVs with the
+    norms and SiLU folded in (layers/decode_gemv.py), inside the captured graph and
+    without a host sync; the tokens equal the cuBLAS path's (SLIPSTREAM_TMA_GEMV=0),
+    log-probs within bf16 noise."""
+    from slipstream.layers import decode_gemv
+    monkeypatch.setenv("SLIPSTREAM_TMA_GEMV", "1")
+    folder, _ = tiny_folder("llama")
+    prompts = random_prompts(2, 265, 20, 40, seed=7)
+    params = SamplingParams(max_tokens=16, temperature=0, logprobs=1, ignore_eos=True)
+    calls = []
+    gemv = decode_gemv.gemv
+    monkeypatch.setattr(decode_gemv, "gemv", lambda *a, **kw: calls.append(kw) or gemv(*a, **kw))
+    on = [_outputs(_llm(folder, dtype="bfloat16"), [p], params)[0] for p in prompts]
+    kinds = {tuple(sorted(kw)) for kw in calls}
+    assert ("silu_mul",) in kinds and ("eps", "norm_weight", "residual", "residual_out") in kinds
+    llm = _llm(folder, dtype="bfloat16")
+    llm.engine.add_request(prompts[0], params, request_id="a")
+    for _ in range(3):
+        llm.engine.step()
+    for _ in range(3):
+        _launch_step(llm.engine)       # graph replays of batch-1 decode steps, no sync
+    assert llm.engine.runner.graphs is not None and llm.engine.runner.graphs.graphs
+    llm.engine.abort_request("a")
+    monkeypatch.setenv("SLIPSTREAM_TMA_GEMV", "0")
+    n = len(calls)
+    off = [_outputs(_llm(folder, dtype="bfloat16"), [p], params)[0] for p in prompts]
+    assert len(calls) == n
+    for (t_on, lp_on), (t_off, lp_off) in zip(on, off):
+        assert t_on == t_off
+        assert lp_on == pytest.approx(lp_off, abs=5e-2)

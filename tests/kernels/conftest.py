@@ -129,3 +129,20 @@ def close():
 @pytest.fixture
 def nan_like():
     return poisoned
+
+
+def compile_in_child(code: str, *args: str) -> dict:
+    """Run `code` (which prints one JSON object last) in a child Python without the
+    interpreter: sm_90 compiles need the real compiler, which TRITON_INTERPRET replaces."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=os.pathsep.join(
+        [str(root)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    run = subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])

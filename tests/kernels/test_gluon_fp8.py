@@ -6,11 +6,6 @@ process without the interpreter) with both GEMMs on the FP8 tensor cores and the
 softmax under P.V in the SASS. On an H100/H200: the kernel against its twin and
 against fp32 attention.
 """
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,8 +15,8 @@ from slipstream.kernels.runtime import interpreting
 from slipstream.kernels.gluon_fp8_inputs import (
     Fp8Inputs, dequantize_fp8_inputs, emulate_fp8_prefill, quantize_fp8_inputs)
 from slipstream.kernels.gluon_fp8_prefill import fp8_kernel_args, gluon_fp8_prefill
+from tests.kernels.conftest import compile_in_child
 
-ROOT = Path(__file__).resolve().parents[2]
 LENGTHS = [1, 130, 300]
 ERROR_BOUND = 6e-2  # relative (Frobenius) error against fp32 attention, random data
 TWIN_BOUND = 1e-2   # against the twin: the output's bf16 rounding (1.6e-3) and rare e4m3 rounding flips
@@ -156,12 +151,7 @@ print(json.dumps(out))
 
 @pytest.fixture(scope="module")
 def compiled():
-    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=os.pathsep.join(
-        [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
-    run = subprocess.run([sys.executable, "-c", _CHILD], env=env, capture_output=True, text=True,
-                         timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    return json.loads(run.stdout.strip().splitlines()[-1])
+    return compile_in_child(_CHILD)
 
 
 @pytest.mark.parametrize("name", ["default", "persistent_n64_gqa_hdim64_fp16", "qk8_persistent"])

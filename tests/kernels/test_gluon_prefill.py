@@ -10,9 +10,6 @@ ValueError. On an H100/H200: outputs against the plain-PyTorch twin
 """
 import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,8 +18,8 @@ from slipstream.kernels import reference
 from slipstream.kernels.gluon_compile import overlap_report
 from slipstream.kernels.gluon_prefill import (check_inputs, check_paged_inputs, gluon_prefill,
                                               gluon_prefill_paged, kernel_args)
+from tests.kernels.conftest import compile_in_child
 
-ROOT = Path(__file__).resolve().parents[2]
 BASE = {"BLOCK_M": 128, "BLOCK_N": 128, "STAGES": 2, "WS": False, "PINGPONG": False, "num_warps": 8}
 CONFIGS = {  # four compiles (a few seconds each): every mode's code compiles somewhere
     "default": ({}, {}),
@@ -58,12 +55,7 @@ print(json.dumps(out))
 
 @pytest.fixture(scope="module")
 def compiled():
-    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=os.pathsep.join(
-        [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
-    run = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(CONFIGS)], env=env,
-                         capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    return json.loads(run.stdout.strip().splitlines()[-1])
+    return compile_in_child(_CHILD, json.dumps(CONFIGS))
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
