@@ -2,12 +2,12 @@
 Medusa / EAGLE heads are trained on (the target answers them itself).
 
 The prompts are built from templates and topic lists written for this file
-(no outside text): explanations, how-to questions, lists of tips, comparisons,
-creative writing, short code tasks, arithmetic word problems, messages and
-summaries. Deterministic (seeded); none equals a line of
+(no outside text): explanations, why-questions, how-to questions, lists of tips,
+comparisons, poems and stories, retellings of folk tales and classics, history,
+short code tasks, arithmetic word problems, messages and summaries. Deterministic (seeded); none equals a line of
 benchmarks/spec/prompts.txt, the benchmark prompts.
 
-    python benchmarks/spec/make_train_prompts.py [--count 4000]
+    python benchmarks/spec/make_train_prompts.py [--count 8000]
 """
 from __future__ import annotations
 
@@ -121,7 +121,13 @@ climate models|AC and DC electricity|a comet and an asteroid|baking soda and bak
 a credit card and a debit card|renting and buying a home|a moth and a butterfly|
 a hurricane and a tornado|fruits and vegetables|a city and a town|tea and coffee|
 an emulator and a simulator|a compiler and an interpreter|a mountain and a hill|
-a poem and a song""".replace("\n", " ")
+a poem and a song|a democracy and a monarchy|a comet and an asteroid|a frog and a toad|
+an alligator and a crocodile|baking soda and baking powder|a meteor and a meteorite|
+an ocean and a sea|a town and a city|a simile and a metaphor|mass and weight|
+a hurricane and a tornado|an element and a compound|a fruit and a vegetable|
+a butterfly and a moth|DNA and RNA|a CPU and a GPU|a novel and a short story|
+empathy and sympathy|saving and investing|a plant cell and an animal cell|
+mitosis and meiosis|AC and DC current|a stock and a bond|a dialect and a language""".replace("\n", "")
 
 PEOPLE = """a friend|a coworker|my landlord|a teacher|my neighbour|a customer|my manager|
 a new colleague|my grandmother|a team member|a club member|my cousin""".replace("\n", "")
@@ -140,6 +146,68 @@ a musician with no instrument|a snail who wants to race""".replace("\n", "")
 STORY_EVENTS = """finds a secret door|learns to fly|makes an unexpected friend|
 loses something important|wins a contest|gets lost in a big city|solves a mystery|
 has to cross a river|discovers a hidden garden|meets a stranger on a train""".replace("\n", " ")
+
+TALES = """Little Red Riding Hood|Hansel and Gretel|Snow White|Jack and the Beanstalk|
+the Tortoise and the Hare|Goldilocks and the Three Bears|Rapunzel|the Ugly Duckling|
+the Little Mermaid|Pinocchio|Robin Hood|King Arthur and the sword in the stone|Aladdin|
+Sleeping Beauty|the Three Little Pigs|Rumpelstiltskin|the Boy Who Cried Wolf|Romeo and Juliet|
+Hamlet|the Odyssey|Beauty and the Beast|Peter Pan|Alice in Wonderland|Treasure Island|
+Frankenstein|Moby-Dick|Don Quixote|the Emperor's New Clothes|the Frog Prince|Puss in Boots|
+the Pied Piper of Hamelin|the Gingerbread Man|the Snow Queen|the Princess and the Pea|
+Rip Van Winkle|the Legend of Sleepy Hollow|Gulliver's Travels|Robinson Crusoe|
+the Wizard of Oz|the Jungle Book|Sherlock Holmes and the Hound of the Baskervilles|
+a Christmas Carol|the Lion and the Mouse|the Fox and the Grapes|King Midas and the golden touch|
+Icarus|Pandora's box|Theseus and the Minotaur|the Trojan Horse""".replace("\n", "")
+
+WHY = """Why is the sky blue?|Why do cats purr?|Why does ice float on water?|Why do we yawn?|
+Why do stars twinkle?|Why is the ocean salty?|Why do birds sing in the morning?|
+Why do onions make us cry?|Why do we have fingerprints?|Why does bread go stale?|
+Why do zebras have stripes?|Why does the moon change shape?|Why do we get goosebumps?|
+Why do dogs wag their tails?|Why do we need sleep?|Why do some animals hibernate?|
+Why does metal feel colder than wood?|Why do apples turn brown after cutting?|
+Why is the grass green?|Why do we sneeze?|Why do bees make honey?|Why do volcanoes erupt?|
+Why does a compass point north?|Why do our ears pop on a plane?|Why is snow white?|
+Why do some people need glasses?|Why do we have seasons?|Why do fish swim in schools?|
+Why does the sun set in the west?|Why do bubbles pop?|Why do rivers bend?|
+Why do flowers smell nice?|Why does thunder follow lightning?|Why do we hiccup?|
+Why does popcorn pop?|Why is exercise good for the heart?|Why do birds fly south?|
+Why does milk go sour?|Why do our fingers wrinkle in water?|Why do camels have humps?|
+Why does a boat float?|Why do we dream?|Why do mosquitoes bite?|Why do spiders spin webs?|
+Why do cacti have spines?|Why does the wind blow?|Why is the desert cold at night?""".replace("\n", "")
+
+CONCEPTS = """democracy|inflation|supply and demand|interest rates|taxes|a constitution|
+the stock market|a mortgage|insurance|globalization|recycling|climate change|biodiversity|
+the scientific method|probability|fractions|percentages|the Pythagorean theorem|prime numbers|
+algebra|statistics|logic|ethics|empathy|leadership|teamwork|procrastination|motivation|stress|
+nutrition|a balanced diet|vitamins|the water cycle|gross domestic product|a market economy|
+compound interest|a credit score|the law of gravity|an ecosystem|a habitat|a molecule|
+an electric circuit|a chemical bond|kinetic energy|a fraction of a number|an average|
+a hypothesis|critical thinking|free speech|a budget deficit|urban planning|renewable resources""".replace("\n", "")
+
+EMPIRES = """ancient China|the Ottoman Empire|the Byzantine Empire|the Aztec Empire|feudal Japan|
+the Persian Empire|ancient India|the Mongol Empire|the Greek city-states|medieval Europe|
+the Ming dynasty|the Han dynasty|the Egyptian New Kingdom|the Mali Empire|the Carolingian Empire|
+the Hanseatic League|the Khmer Empire|the Viking Age|the Spanish Empire|Ancient Carthage|
+the Qing dynasty|the Mughal Empire|the Incan Empire|the Babylonian Empire""".replace("\n", "")
+
+MACHINES = """a refrigerator|a car engine|a windmill|a water wheel|a sewing machine|a telescope|
+a microscope|a piano|a radio|a toaster|an air conditioner|a parachute|a sailboat|
+a hot air balloon|a pendulum clock|a nuclear power plant|a hydroelectric dam|a heat pump|
+an electric motor|a generator|a camera|a loudspeaker|a microphone|a battery charger|
+a traffic light|a vending machine|a smoke detector|a thermometer|a barometer|a canal lock""".replace("\n", "")
+
+HABITS = """stay motivated|sleep better|make new friends|manage my time|be more productive|
+reduce stress|improve my memory|speak more confidently|learn a new language faster|
+eat healthier|save for a holiday|stop procrastinating|become a better listener|
+keep my room tidy|prepare for an exam|handle criticism|wake up earlier|
+spend less time on my phone|build a new habit|write better emails|stay calm in traffic|
+keep a journal|read faster|get along with my roommate|feel less lonely|be more creative|
+remember people's names|keep my plants healthy|cook more at home|exercise without a gym""".replace("\n", "")
+
+THEMES = """the first snow|a summer evening|the sea at dawn|a rainy afternoon|an old oak tree|
+city lights at night|a mountain lake|friendship|hope|time passing|the stars|a garden in spring|
+a lonely lighthouse|autumn wind|a cup of tea|a sleeping cat|the last day of school|
+a long road trip|the full moon|a thunderstorm|home|an empty beach|a morning walk|courage""".replace("\n", "")
 
 MOODS = ["hopeful", "funny", "calm", "mysterious", "sad", "cheerful", "nostalgic"]
 
@@ -172,6 +240,17 @@ TEMPLATES = [
             "What skills does {x} need?", "How does someone become {x}?"]),
     (PAIRS, ["What is the difference between {x}?", "Compare {x}.",
              "Explain the difference between {x} with an example."]),
+    (TALES, ["Summarize the story of {x}.", "Tell me the story of {x} in a few sentences.",
+             "What is the moral of {x}?", "Who are the main characters in {x}?"]),
+    (CONCEPTS, ["Explain what {x} is.", "Explain {x} in simple terms.", "Why does {x} matter?",
+                "Give an example of {x}.", "What are the pros and cons of {x}?"]),
+    (EMPIRES, ["Describe the main features of {x}.", "What was daily life like in {x}?",
+               "Why did {x} decline?", "What are three interesting facts about {x}?"]),
+    (MACHINES, ["Explain how {x} works.", "How does {x} work?", "What are the main parts of {x}?",
+                "Who invented {x}, and why?"]),
+    (HABITS, ["How can I {x}?", "Give me five tips to {x}.", "What stops people from trying to {x}?"]),
+    (THEMES, ["Write a short poem about {x}.", "Write a haiku about {x}.",
+              "Write a four-line rhyme about {x}.", "Write a {mood} poem about {x}."]),
 ]
 
 
@@ -193,6 +272,7 @@ def generate(count: int, seed: int = 0) -> list[str]:
     for who in _split(PEOPLE):
         for why in _split(REASONS):
             pool.append(f"Write a short message to {who} {why}.")
+    pool.extend(_split(WHY))
     for hero in _split(STORY_HEROES):
         for ev in _split(STORY_EVENTS):
             pool.append(f"Write a short story about {hero} who {ev}.")
@@ -216,7 +296,7 @@ def generate(count: int, seed: int = 0) -> list[str]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--count", type=int, default=4000)
+    ap.add_argument("--count", type=int, default=8000)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(OUT))
     args = ap.parse_args(argv)

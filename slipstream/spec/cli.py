@@ -27,6 +27,12 @@ def add_parser(sub) -> None:
                    help="prompt file, one per line (default: the shipped training prompts)")
     p.add_argument("--num-prompts", type=int, default=None, help="use only the first N prompts")
     p.add_argument("--max-tokens", type=int, default=160, help="answer length per prompt")
+    p.add_argument("--branches", type=int, default=0,
+                   help="per answer, this many more sequences: at a random point of the "
+                        "answer's first half the target's second choice replaces its first "
+                        "and the target answers on greedily (more varied contexts)")
+    p.add_argument("--branch-tokens", type=int, default=None,
+                   help="answer length of a branch (default: half of --max-tokens)")
     p.add_argument("--epochs", type=int, default=6, help="EAGLE epochs")
     p.add_argument("--medusa-epochs", type=int, default=None, help="default: half of --epochs")
     p.add_argument("--ttt-steps", type=int, default=3,
@@ -52,6 +58,11 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--max-tokens must be >= 2, --epochs and --ttt-steps >= 1")
     if args.draft_vocab < 0:
         raise ValueError("--draft-vocab must be >= 0")
+    if args.branches < 0:
+        raise ValueError("--branches must be >= 0")
+    branch_tokens = args.branch_tokens if args.branch_tokens is not None else args.max_tokens // 2
+    if args.branches and branch_tokens < 2:
+        raise ValueError("--branch-tokens must be >= 2")
     if args.num_prompts is not None and args.num_prompts < 1:
         raise ValueError("--num-prompts must be >= 1")
     train_draft(args.method, args.model, args.out, args.prompts, args.max_tokens, args.epochs,
@@ -60,7 +71,8 @@ def run(args: argparse.Namespace) -> int:
                 ttt_steps=args.ttt_steps, batch_tokens=args.batch_tokens, lr=args.lr,
                 max_num_seqs=args.max_num_seqs, draft_vocab=args.draft_vocab,
                 init_head=args.init_head, init_lr_scale=args.init_lr_scale,
-                feature_layers=args.feature_layers)
+                feature_layers=args.feature_layers, branches=args.branches,
+                branch_tokens=branch_tokens if args.branches else 0)
     return 0
 
 

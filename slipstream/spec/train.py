@@ -47,10 +47,15 @@ def autocast(device: torch.device):
 
 
 def split(s: Samples, val_fraction: float = 0.03, max_val: int = 128) -> tuple[list[int], list[int]]:
-    """Sequence indices (train, held out); the last few sequences are held out."""
-    n = len(s)
+    """Sequence indices (train, held out); the last few answers are held out,
+    and the branches of a held-out answer are left out of both."""
+    n = len(s) if s.parents is None else int((s.parents == torch.arange(len(s))).sum())
     v = min(max_val, int(n * val_fraction)) if n >= 8 else 0
-    return list(range(n - v)), list(range(n - v, n))
+    if s.parents is None:
+        return list(range(n - v)), list(range(n - v, n))
+    held = s.parents >= n - v          # answers come first, their branches after them
+    roots = s.parents == torch.arange(len(s))
+    return (~held).nonzero()[:, 0].tolist(), (held & roots).nonzero()[:, 0].tolist()
 
 
 def restrict(lm_w: torch.Tensor, vocab: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:

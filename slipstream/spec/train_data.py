@@ -9,6 +9,11 @@
    the heads will read at run time), over a KV pool of the trainer's own.
    A check follows: at answer positions the target's argmax must be the next
    answer token (it produced them greedily), else the features are misaligned.
+3. Branches (optional): at random points of an answer the target's second
+   choice replaces its first, and the target answers greedily on from there
+   (`branch_prefixes`, `answer_branches`); each branch is one more sequence
+   whose answer starts after the swapped token, so every trained position
+   still follows the target's greedy choice.
 
 `Samples` holds everything packed: tokens [N], features [N, hidden] on the
 training device, and per sequence its offset, length and answer start.
@@ -32,6 +37,7 @@ class Samples:
     offsets: torch.Tensor    # [S] int64, first row of each sequence
     lengths: torch.Tensor    # [S] int64
     answer_starts: torch.Tensor  # [S] int64, first answer position within its sequence
+    parents: torch.Tensor | None = None   # [S] int64, the answer a branch came from (None: itself)
 
     def __len__(self) -> int:
         return self.offsets.shape[0]
@@ -41,16 +47,16 @@ class Samples:
         return int((self.lengths - self.answer_starts).sum())
 
     def to(self, device) -> "Samples":
-        return Samples(*(getattr(self, k).to(device) for k in
-                         ("tokens", "features", "offsets", "lengths", "answer_starts")))
+        return Samples(*(None if getattr(self, k) is None else getattr(self, k).to(device) for k in
+                         ("tokens", "features", "offsets", "lengths", "answer_starts", "parents")))
 
     @classmethod
     def pack(cls, seqs: list[torch.Tensor], features: list[torch.Tensor],
-             answer_starts: list[int]) -> "Samples":
+             answer_starts: list[int], parents: list[int] | None = None) -> "Samples":
         lengths = torch.tensor([s.shape[0] for s in seqs])
         offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)[:-1]])
         return cls(torch.cat(seqs).cpu(), torch.cat(features), offsets, lengths,
-                   torch.tensor(answer_starts))
+                   torch.tensor(answer_starts), None if parents is None else torch.tensor(parents))
 
 
 def read_prompts(path: str | Path | None = None) -> list[str]:
@@ -67,6 +73,47 @@ def answer_prompts(llm, prompts: list[str], max_tokens: int) -> tuple[list[list[
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": i} for i in ids], params, use_tqdm=True)
     return ids, [list(o.outputs[0].token_ids) for o in outs]
+
+
+@torch.inference_mode()
+def branch_prefixes(model, seqs: list[torch.Tensor], feats: list[torch.Tensor],
+                    answer_starts: list[int], branches: int, within: int,
+                    generator: torch.Generator) -> tuple[list[list[int]], list[int]]:
+    """Where the target's greedy answers could have gone: for each sequence,
+    `branches` random answer positions p among its first `within` answer
+    tokens, and at each the target's second choice b there (the top-2 of its
+    logits at p - 1 other than the token it chose). Returns the prefixes
+    tokens[:p] + [b] and the sequence each came from; answered greedily from there, they give new contexts
+    that a greedy answer reaches only through a near-tie, so a head trained
+    on them sees more of what the target writes (more topics and phrasings
+    than the prompts alone hold)."""
+    picks = []                                            # (sequence, position)
+    for q, (s, a) in enumerate(zip(seqs, answer_starts)):
+        span = min(within, s.shape[0] - 1 - a)
+        if span < 1:
+            continue
+        at = torch.randperm(span, generator=generator)[:branches] + a
+        picks.extend((q, int(p)) for p in at)
+    if not picks:
+        return [], []
+    dev = next(model.parameters()).device
+    out = []
+    for start in range(0, len(picks), 4096):
+        chunk = picks[start:start + 4096]
+        rows = torch.stack([feats[q][p - 1] for q, p in chunk]).to(dev, _act_dtype(model))
+        top2 = model.compute_logits(rows).topk(2, dim=-1).indices.cpu()
+        for (q, p), (first, second) in zip(chunk, top2.tolist()):
+            chosen = int(seqs[q][p])
+            out.append(seqs[q][:p].tolist() + [second if first == chosen else first])
+    return out, [q for q, _ in picks]
+
+
+def answer_branches(llm, prefixes: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Greedy answers (`max_tokens` each, `ignore_eos`) that continue the prefixes."""
+    from slipstream.sampling_params import SamplingParams
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prefixes], params, use_tqdm=True)
+    return [list(o.outputs[0].token_ids) for o in outs]
 
 
 @torch.inference_mode()

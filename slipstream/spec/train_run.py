@@ -15,7 +15,8 @@ import torch
 
 from slipstream.spec import train as T
 from slipstream.spec.heads import top_tokens
-from slipstream.spec.train_data import (Samples, answer_prompts, check_alignment,
+from slipstream.spec.train_data import (Samples, answer_branches, answer_prompts,
+                                        branch_prefixes, check_alignment,
                                         dense_output_weights, features_of_many, read_prompts)
 
 
@@ -30,13 +31,17 @@ def _engine(model_path, device: str, max_len: int, max_num_seqs: int, seed: int)
 
 
 def make_samples(model_path, prompts: list[str], max_tokens: int, device: str, seed: int = 0,
-                 max_num_seqs: int = 256, log=print, feature_layers: str = "final", init=None):
+                 max_num_seqs: int = 256, log=print, feature_layers: str = "final", init=None,
+                 branches: int = 0, branch_tokens: int = 0):
     """-> (Samples on `device`, model config, LM head [V, h], embeddings [V, h]);
     the features hold the target's final hidden states, then the outputs of
-    the layers `feature_layers` names (`feature_taps`; an EAGLE-3 head's input)."""
+    the layers `feature_layers` names (`feature_taps`; an EAGLE-3 head's input).
+    branches: per answer, this many more sequences that take the target's
+    second choice at a random point of the answer's first half and go on
+    greedily for `branch_tokens` tokens (train_data.branch_prefixes)."""
     t0 = time.perf_counter()
     # Characters bound a prompt's tokens; 64 for the chat template around it.
-    longest = 64 + max(len(p) for p in prompts) + max_tokens
+    longest = 64 + max(len(p) for p in prompts) + max_tokens + (branch_tokens if branches else 0)
     llm = _engine(model_path, device, max(1024, longest), max_num_seqs, seed)
     ids, answers = answer_prompts(llm, prompts, max_tokens)
     t1 = time.perf_counter()
@@ -45,13 +50,13 @@ def make_samples(model_path, prompts: list[str], max_tokens: int, device: str, s
     model = llm.engine.runner.model
     model.set_feature_taps(feature_taps(feature_layers, model.config.num_hidden_layers, init))
     seqs = [torch.tensor(p + a) for p, a in zip(ids, answers)]
+    starts = [len(p) for p in ids]
     try:
         feats = features_of_many(model, seqs)
-        samples = Samples.pack(seqs, feats, [len(p) for p in ids])
-        agree = check_alignment(model, samples)
+        agree = check_alignment(model, Samples.pack(seqs, feats, starts))
     except Exception as e:     # noqa: BLE001 - retried once below
         log(f"features with the {model.backend.name} attention backend failed: {e!r}")
-        agree, samples = 0.0, None
+        agree, feats = 0.0, None
     if agree < 0.5 and model.backend.name != "torch":
         # One retry on the plain PyTorch attention backend.
         from slipstream.attention.selector import create_backend
@@ -60,13 +65,27 @@ def make_samples(model_path, prompts: list[str], max_tokens: int, device: str, s
         for layer in model.attention_layers():
             layer.backend = model.backend
         feats = features_of_many(model, seqs)
-        samples = Samples.pack(seqs, feats, [len(p) for p in ids])
-        agree = check_alignment(model, samples)
-    lm_w, emb_w = dense_output_weights(model)
-    log(f"features: {samples.tokens.shape[0]} positions in {time.perf_counter() - t1:.1f} s; "
-        f"target argmax = next answer token at {agree:.3f} of answer positions")
+        agree = check_alignment(model, Samples.pack(seqs, feats, starts))
     if agree < 0.5:
         raise RuntimeError(f"features do not line up with the answers ({agree:.3f} agreement)")
+    log(f"features: {sum(s.shape[0] for s in seqs)} positions in {time.perf_counter() - t1:.1f} s; "
+        f"target argmax = next answer token at {agree:.3f} of answer positions")
+    if branches > 0 and branch_tokens >= 2:
+        t2 = time.perf_counter()
+        gen = torch.Generator().manual_seed(seed)
+        prefixes, parents = branch_prefixes(model, seqs, feats, starts, branches,
+                                            max(1, max_tokens // 2), gen)
+        more = answer_branches(llm, prefixes, branch_tokens)
+        extra = [torch.tensor(p + a) for p, a in zip(prefixes, more)]
+        parents = list(range(len(seqs))) + parents
+        seqs, starts = seqs + extra, starts + [len(p) + 1 for p in prefixes]
+        feats = feats + features_of_many(model, extra)
+        log(f"branches: {len(extra)} x {branch_tokens} tokens in {time.perf_counter() - t2:.1f} s")
+    else:
+        parents = None
+    samples = Samples.pack(seqs, feats, starts, parents)
+    del feats
+    lm_w, emb_w = dense_output_weights(model)
     config = model.config
     del llm, model
     if device != "cpu":
@@ -81,13 +100,15 @@ def train_draft(methods: list[str], model_path: str | None, out_dir: str | Path,
                 ttt_steps: int = 3, batch_tokens: int = 16384, lr: float = 1e-3,
                 max_num_seqs: int = 256, draft_vocab: int = 16384,
                 init_head: str | None = None, init_lr_scale: float = 0.0,
-                feature_layers: str = "eagle3") -> list[Path]:
+                feature_layers: str = "eagle3", branches: int = 0,
+                branch_tokens: int = 0) -> list[Path]:
     """init_head: an EAGLE head file the eagle / peagle heads start from (its draft
     vocabulary and feature layers are kept); init_lr_scale: a peagle head's layer
     then trains at this fraction of lr (0: only the placeholders train);
     feature_layers: what an EAGLE head reads of the target: "eagle3" (a low, a
     middle and a high layer, fused), "final" (the final hidden state, EAGLE-1/2)
-    or decoder-layer indices "2,15,27"."""
+    or decoder-layer indices "2,15,27"; branches, branch_tokens: more sequences
+    that branch off each answer at the target's second choice (make_samples)."""
     for method in methods:
         if method not in ("medusa", "eagle", "peagle"):
             raise ValueError(f"method: train-draft trains 'medusa', 'eagle' or 'peagle', "
@@ -107,7 +128,8 @@ def train_draft(methods: list[str], model_path: str | None, out_dir: str | Path,
         from slipstream.spec.eagle_head import EagleHead
         init = EagleHead.load(init_head, device, torch.float32)
     key = repr(dict(model=str(model_path), prompts=texts, max_tokens=max_tokens,
-                    features=init.shape.feature_layers if init is not None else feature_layers))
+                    features=init.shape.feature_layers if init is not None else feature_layers,
+                    branches=branches, branch_tokens=branch_tokens, seed=seed))
     cached = Path(data_cache) if data_cache else None
     samples = None
     if cached is not None and cached.is_file():
@@ -118,7 +140,8 @@ def train_draft(methods: list[str], model_path: str | None, out_dir: str | Path,
             log(f"samples from {cached}")
     if samples is None:
         samples, config, lm_w, emb_w = make_samples(model_path, texts, max_tokens, device, seed,
-                                                    max_num_seqs, log, feature_layers, init)
+                                                    max_num_seqs, log, feature_layers, init,
+                                                    branches, branch_tokens)
         if cached is not None:
             torch.save({"key": key, "data": (samples.to("cpu"), config, lm_w.cpu(), emb_w.cpu())},
                        cached)
@@ -129,6 +152,7 @@ def train_draft(methods: list[str], model_path: str | None, out_dir: str | Path,
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     report = dict(device=device, prompts=len(texts), max_tokens=max_tokens,
+                  branches=branches, branch_tokens=branch_tokens, sequences=len(samples),
                   answer_tokens=samples.num_answer_tokens, data_seconds=round(t_data, 1),
                   epochs=epochs, medusa_epochs=medusa_epochs or max(1, epochs // 2),
                   ttt_steps=ttt_steps, batch_tokens=batch_tokens, lr=lr, seed=seed,

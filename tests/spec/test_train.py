@@ -4,10 +4,10 @@ import torch
 
 from slipstream.spec.eagle import EagleHead, EagleProposer
 from slipstream.spec.medusa import MedusaHeads
-from slipstream.spec.train import (eagle_shape_for, medusa_rows, train_eagle, train_medusa,
-                                   ttt_features, ttt_mask)
-from slipstream.spec.train_data import (Samples, check_alignment, dense_output_weights,
-                                        features_of, features_of_many)
+from slipstream.spec.train import (eagle_shape_for, medusa_rows, split, train_eagle,
+                                   train_medusa, ttt_features, ttt_mask)
+from slipstream.spec.train_data import (Samples, branch_prefixes, check_alignment,
+                                        dense_output_weights, features_of, features_of_many)
 from tests.spec.conftest import repeating_samples
 
 
@@ -32,6 +32,42 @@ def test_dense_weights_and_alignment_check(tiny_target):
     assert check_alignment(tiny_target, good) == 1.0
     bad = Samples.pack([torch.tensor(seq)], [features_of(tiny_target, torch.tensor(seq)).roll(1, 0)], [3])
     assert check_alignment(tiny_target, bad) < 1.0
+
+
+def test_branches_take_the_second_choice_inside_the_answer(tiny_target):
+    # A greedy answer of 16 tokens after a 3-token prompt.
+    seq = [7, 8, 9]
+    for _ in range(16):
+        f = features_of(tiny_target, torch.tensor(seq))
+        seq.append(int(tiny_target.compute_logits(f[-1:]).argmax()))
+    seqs = [torch.tensor(seq)]
+    feats = features_of_many(tiny_target, seqs)
+    gen = torch.Generator().manual_seed(0)
+    out, parents = branch_prefixes(tiny_target, seqs, feats, [3], branches=3, within=8,
+                                   generator=gen)
+    assert parents == [0, 0, 0]
+    assert len(out) == 3 and len({len(p) for p in out}) == 3      # three distinct points
+    for prefix in out:
+        p = len(prefix) - 1                                       # the swapped position
+        assert 3 <= p < 3 + 8 and prefix[:p] == seq[:p]
+        logits = tiny_target.compute_logits(feats[0][p - 1:p].float())[0]
+        assert prefix[p] == int(logits.topk(2).indices[1]) != seq[p]
+    # Fewer answer tokens than branches asked: one branch a position; none without an answer.
+    assert len(branch_prefixes(tiny_target, seqs, feats, [17], 3, 8, gen)[0]) == 1
+    assert branch_prefixes(tiny_target, seqs, feats, [18], 3, 8, gen) == ([], [])
+
+
+def test_held_out_answers_keep_their_branches_out_of_training():
+    # 40 answers, then two branches of each: the last answer is held out, its branches unused.
+    n = 40
+    parents = list(range(n)) + [q for q in range(n) for _ in range(2)]
+    seqs = [torch.arange(5)] * len(parents)
+    s = Samples.pack(seqs, [torch.zeros(5, 2)] * len(parents), [2] * len(parents), parents)
+    train, held = split(s)
+    assert held == [n - 1]
+    assert n - 1 not in train and len(train) == len(parents) - 3
+    assert split(Samples.pack(seqs[:n], [torch.zeros(5, 2)] * n, [2] * n)) == (
+        list(range(n - 1)), [n - 1])
 
 
 def test_medusa_rows_label_the_tokens_after_the_root():
