@@ -129,18 +129,35 @@ def _gemv_kernel(w_desc, X, Res, NormW, ResOut, Y, N, K, eps,
         mbarrier.invalidate(ready.index(j))
 
 
-_DESCRIPTORS: dict = {}
-
-
-def weight_descriptor(w: torch.Tensor, block_n: int, block_k: int) -> TensorDescriptor:
-    """The TMA descriptor of a weight, made once per (weight, tile): weights do not move."""
-    key = (w.data_ptr(), tuple(w.shape), w.dtype, block_n, block_k)
-    desc = _DESCRIPTORS.get(key)
-    if desc is None:
-        layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
-        desc = TensorDescriptor(w, list(w.shape), [w.stride(0), 1], [block_n, block_k], layout)
-        _DESCRIPTORS[key] = desc
+def descriptor(t: torch.Tensor, block: list[int], cache: dict | None = None) -> TensorDescriptor:
+    """The TMA descriptor of a 2-D tensor no kernel moves (a weight), unswizzled boxes of
+    `block`. cache: a dict its owner keeps for that one tensor (the layer's,
+    `descriptors_of`), so a descriptor is made once and lives no longer than the owner;
+    when the owner's tensor is replaced, the old one's descriptors go. None: made anew."""
+    key = (tuple(block), t.dtype)
+    desc = None if cache is None else cache.get(key)
+    if desc is None or desc.base is not t:
+        layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=t.element_size() * 8,
+                                      rank=2)
+        desc = TensorDescriptor(t, list(t.shape), [t.stride(0), 1], list(block), layout)
+        if cache is not None:
+            for stale in [k for k, d in cache.items() if d.base is not t]:
+                del cache[stale]
+            cache[key] = desc
     return desc
+
+
+def descriptors_of(owner) -> dict:
+    """The descriptor cache an object (a layer) keeps for the tensors it owns."""
+    cache = owner.__dict__.get("_tma_descriptors")
+    if cache is None:
+        cache = owner.__dict__["_tma_descriptors"] = {}
+    return cache
+
+
+def weight_descriptor(w: torch.Tensor, block_n: int, block_k: int,
+                      cache: dict | None = None) -> TensorDescriptor:
+    return descriptor(w, [block_n, block_k], cache)
 
 
 # x is held whole in each program's registers (then shared memory) while it is staged
@@ -169,10 +186,11 @@ def tma_gemv(x: torch.Tensor, w: torch.Tensor, *, norm_weight: torch.Tensor | No
              eps: float = 1e-6, residual: torch.Tensor | None = None,
              residual_out: torch.Tensor | None = None, silu_mul: bool = False,
              out: torch.Tensor | None = None, chain: bool = False,
-             config: dict | None = None) -> torch.Tensor:
+             config: dict | None = None, descriptors: dict | None = None) -> torch.Tensor:
     """x [1, K] @ w[N, K]^T -> [1, N]. With norm_weight: x is the residual stream and the
     product is taken with rms_norm(x (+ residual)) (residual_out receives x + residual).
-    silu_mul: x is [1, 2K] = [gate | up] and the product is taken with silu(gate) * up."""
+    silu_mul: x is [1, 2K] = [gate | up] and the product is taken with silu(gate) * up.
+    descriptors: where w's TMA descriptor is kept between calls (`descriptors_of`)."""
     cfg = {**DEFAULT_CONFIG, **(config or {})}
     check_inputs(x, w, silu_mul)
     n, k = w.shape
@@ -188,7 +206,7 @@ def tma_gemv(x: torch.Tensor, w: torch.Tensor, *, norm_weight: torch.Tensor | No
         raise ValueError("tma_gemv: silu_mul and a norm do not combine")
     tiles = -(-k // cfg["BLOCK_K"])
     k_tiles = 1 << max(0, (tiles - 1).bit_length())
-    desc = weight_descriptor(w, cfg["BLOCK_N"], cfg["BLOCK_K"])
+    desc = weight_descriptor(w, cfg["BLOCK_N"], cfg["BLOCK_K"], descriptors)
     blocks = triton_cdiv(n, cfg["BLOCK_N"])
     # PROGRAMS a SM (0: one program a row block); a program walks blocks pid, pid + G, ..
     per_sm = cfg.get("PROGRAMS", 0)

@@ -21,10 +21,9 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from slipstream.kernels.runtime import capability, num_sms
-from slipstream.kernels.tma_gemv import DTYPES, _gdc_launch_dependents, _gdc_wait, _issue
+from slipstream.kernels.tma_gemv import DTYPES, _gdc_launch_dependents, _gdc_wait, _issue, descriptor
 
 TILE = 128            # inputs a tile of the word layout (tile_codes)
 BOX_WORDS = 64        # words a TMA box row: two tiles
@@ -93,20 +92,6 @@ def _int8_gemv_kernel(w_desc, X, Scales, Zeros, Y, N, K,
         mbarrier.invalidate(ready.index(j))
 
 
-_DESCRIPTORS: dict = {}
-
-
-def words_descriptor(words: torch.Tensor, block_n: int) -> TensorDescriptor:
-    key = (words.data_ptr(), tuple(words.shape), block_n)
-    desc = _DESCRIPTORS.get(key)
-    if desc is None:
-        layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
-        desc = TensorDescriptor(words, list(words.shape), [words.stride(0), 1], [block_n, BOX_WORDS],
-                                layout)
-        _DESCRIPTORS[key] = desc
-    return desc
-
-
 def check_inputs(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor,
                  zeros: torch.Tensor | None) -> None:
     """ValueError unless x is one 16-bit row on an sm_90 GPU and words / scales / zeros an
@@ -128,9 +113,11 @@ def check_inputs(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor,
 
 def tma_int8_gemv(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor,
                   zeros: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
-                  chain: bool = False, config: dict | None = None) -> torch.Tensor:
+                  chain: bool = False, config: dict | None = None,
+                  descriptors: dict | None = None) -> torch.Tensor:
     """x [1, K] times the 8-bit layer (words [N, K / 4] from tile_codes(codes, 8, 128),
-    scales [N] or [N, 1] fp32, zeros [N] uint8 or None for symmetric codes) -> [1, N]."""
+    scales [N] or [N, 1] fp32, zeros [N] uint8 or None for symmetric codes) -> [1, N].
+    descriptors: where the words' TMA descriptor is kept (tma_gemv.descriptors_of)."""
     cfg = {**DEFAULT_CONFIG, **(config or {})}
     check_inputs(x, words, scales, zeros)
     n, k = words.shape[0], x.shape[1]
@@ -140,7 +127,8 @@ def tma_int8_gemv(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor,
     per_sm = cfg["PROGRAMS"]
     grid = (blocks if not per_sm else min(blocks, per_sm * num_sms(x.device.index or 0)),)
     scales = scales.reshape(-1)
-    _int8_gemv_kernel[grid](words_descriptor(words, cfg["BLOCK_N"]), x.contiguous(), scales,
+    desc = descriptor(words, [cfg["BLOCK_N"], BOX_WORDS], descriptors)
+    _int8_gemv_kernel[grid](desc, x.contiguous(), scales,
                             zeros.reshape(-1) if zeros is not None else scales, y, n, k,
                             BLOCK_N=cfg["BLOCK_N"], STAGES=cfg["STAGES"], SYM=zeros is None,
                             X_ROWS=4 * (1 << (boxes - 1).bit_length()), CHAIN=chain,

@@ -69,8 +69,9 @@ def weight_fits(layer: nn.Module, x_dtype: torch.dtype) -> bool:
 def gemv(layer: nn.Module, x: torch.Tensor, **fold) -> torch.Tensor:
     """x [1, K] (or the folded op's input) times layer.weight^T through the TMA GEMV."""
     from slipstream.kernels.runtime import pdl_supported
-    from slipstream.kernels.tma_gemv import tma_gemv
-    return tma_gemv(x, layer.weight, chain=pdl_supported(x), **fold)
+    from slipstream.kernels.tma_gemv import descriptors_of, tma_gemv
+    return tma_gemv(x, layer.weight, chain=pdl_supported(x), descriptors=descriptors_of(layer),
+                    **fold)
 
 
 @dataclass

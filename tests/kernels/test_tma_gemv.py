@@ -8,14 +8,17 @@ input raises ValueError. On an H100/H200: outputs against the twin, odd shapes
 included, the residual stream bit-equal, and a CUDA-graph replay of chained
 launches equal to the eager run.
 """
+import gc
 import json
+import weakref
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from slipstream.kernels import reference as kref
-from slipstream.kernels.tma_gemv import check_inputs, reference, tma_gemv
+from slipstream.kernels.tma_gemv import (check_inputs, descriptors_of, reference, tma_gemv,
+                                         weight_descriptor)
 from tests.kernels.conftest import compile_in_child
 
 # name -> (N, K, NORM, ADD, ACT, config)
@@ -79,6 +82,26 @@ def test_twin_rounds_as_the_norm_and_silu_kernels_twins():
     gu = torch.randn(1, 128, generator=gen).bfloat16()
     y, _ = reference(gu, w, silu_mul=True)
     assert torch.equal(y, F.linear(kref.silu_and_mul(gu), w))
+
+
+def test_descriptors_live_with_the_layer_that_owns_the_weight():
+    layer = torch.nn.Linear(64, 32, bias=False, dtype=torch.bfloat16)
+    cache = descriptors_of(layer)
+    assert descriptors_of(layer) is cache
+    d = weight_descriptor(layer.weight, 16, 64, cache)
+    assert weight_descriptor(layer.weight, 16, 64, cache) is d          # made once
+    assert weight_descriptor(layer.weight, 32, 64, cache) is not d      # another box
+    old = weakref.ref(layer.weight)
+    del d
+    layer.weight = torch.nn.Parameter(torch.zeros(32, 64, dtype=torch.bfloat16))
+    assert weight_descriptor(layer.weight, 16, 64, cache).base is layer.weight   # a new weight
+    gc.collect()
+    assert old() is None            # the cache does not keep the replaced weight alive
+    now = weakref.ref(layer.weight)
+    del layer, cache
+    gc.collect()
+    assert now() is None            # nor the weight of a layer that is gone
+    assert weight_descriptor(torch.zeros(16, 64, dtype=torch.bfloat16), 16, 64).base.shape == (16, 64)
 
 
 def test_rejects_bad_input():
