@@ -65,6 +65,24 @@ def _issue(w_desc, bufs, ready, t, total, pid, G, n_k, BLOCK_N: gl.constexpr, BL
                                     bufs.index(s), pred=t < total)
 
 
+@gluon.jit
+def _ring(w_desc, total, pid, G, n_k, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+          STAGES: gl.constexpr, CHAIN: gl.constexpr):
+    """The ring of STAGES [BLOCK_N, BLOCK_K] slots and their barriers, its first copies
+    issued, then (CHAIN) the wait on the kernel ahead and the early launch of the next."""
+    bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for j in gl.static_range(STAGES):
+        mbarrier.init(ready.index(j), count=1)
+    fence_async_shared()
+    for j in gl.static_range(STAGES):  # the weight: before the wait on the kernel ahead
+        _issue(w_desc, bufs, ready, j, total, pid, G, n_k, BLOCK_N, BLOCK_K, STAGES)
+    if CHAIN:
+        _gdc_wait()
+        _gdc_launch_dependents()
+    return bufs, ready
+
+
 @gluon.jit(do_not_specialize=["N", "K", "eps"])
 def _gemv_kernel(w_desc, X, Res, NormW, ResOut, Y, N, K, eps,
                  BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
@@ -77,16 +95,7 @@ def _gemv_kernel(w_desc, X, Res, NormW, ResOut, Y, N, K, eps,
     G = gl.num_programs(0)
     n_k = gl.cdiv(K, BLOCK_K)
     total = gl.cdiv(gl.cdiv(N, BLOCK_N) - pid, G) * n_k  # this program's tiles
-    bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for j in gl.static_range(STAGES):
-        mbarrier.init(ready.index(j), count=1)
-    fence_async_shared()
-    for j in gl.static_range(STAGES):  # the weight: before the wait on the kernel ahead
-        _issue(w_desc, bufs, ready, j, total, pid, G, n_k, BLOCK_N, BLOCK_K, STAGES)
-    if CHAIN:
-        _gdc_wait()
-        _gdc_launch_dependents()
+    bufs, ready = _ring(w_desc, total, pid, G, n_k, BLOCK_N, BLOCK_K, STAGES, CHAIN)
     # x (after the residual add, normalised), read at once, into shared memory
     rows = gl.arange(0, K_TILES, layout=gl.SliceLayout(1, tile))
     k2 = rows[:, None] * BLOCK_K + gl.arange(0, BLOCK_K, layout=vec)[None, :]

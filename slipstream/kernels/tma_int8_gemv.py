@@ -20,10 +20,10 @@ from __future__ import annotations
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 from slipstream.kernels.runtime import capability, num_sms
-from slipstream.kernels.tma_gemv import DTYPES, _gdc_launch_dependents, _gdc_wait, _issue, descriptor
+from slipstream.kernels.tma_gemv import DTYPES, _issue, _ring, descriptor
 
 TILE = 128            # inputs a tile of the word layout (tile_codes)
 BOX_WORDS = 64        # words a TMA box row: two tiles
@@ -42,16 +42,7 @@ def _int8_gemv_kernel(w_desc, X, Scales, Zeros, Y, N, K,
     G = gl.num_programs(0)
     n_k = gl.cdiv(K, 4 * BW)
     total = gl.cdiv(gl.cdiv(N, BLOCK_N) - pid, G) * n_k
-    bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, BW], w_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for j in gl.static_range(STAGES):
-        mbarrier.init(ready.index(j), count=1)
-    fence_async_shared()
-    for j in gl.static_range(STAGES):  # the codes: before the wait on the kernel ahead
-        _issue(w_desc, bufs, ready, j, total, pid, G, n_k, BLOCK_N, BW, STAGES)
-    if CHAIN:
-        _gdc_wait()
-        _gdc_launch_dependents()
+    bufs, ready = _ring(w_desc, total, pid, G, n_k, BLOCK_N, BW, STAGES, CHAIN)  # codes ahead of the wait
     # x in the words' order: row 4 t + j, column i <- x[256 t + 128 (i // 32) + 32 j + i % 32]
     r = gl.arange(0, X_ROWS, layout=gl.SliceLayout(1, tile))
     i = gl.arange(0, BW, layout=vec)
