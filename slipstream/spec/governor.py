@@ -146,7 +146,7 @@ class SpecGovernor:
     def predicted_speedup(self, batch: int) -> float | None:
         if None in (self.tau, self.verify_tokens, self.draft_per_request):
             return None
-        vt, bc = self.verify_tokens, self.critical_batch
+        vt = self.verify_tokens
         plain = self._scaled(self.plain_time, batch, 1.0)
         spec = self._scaled(self.spec_time, batch, vt)
         if plain is None and spec is None:

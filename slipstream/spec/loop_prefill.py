@@ -26,7 +26,7 @@ class LoopPrefill:
         ids = torch.tensor(prompt + [0] * (size - p), dtype=torch.int64)
         entry = self.prefill_graphs.get(size)
         if entry is None:
-            first = self._prefill_eager(prompt)          # compiles; the reference
+            self._prefill_eager(prompt)                  # compiles; the reference
             want = self.root.clone()
             try:
                 entry = self._capture_prefill(size)

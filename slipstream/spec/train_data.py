@@ -127,9 +127,21 @@ def features_of_many(model, seqs: list[torch.Tensor], max_tokens_per_forward: in
     bs, max_seqs = 16, 1024
     longest = max(s.shape[0] for s in seqs)
     budget = max(max_tokens_per_forward, longest)
-    # Each sequence wastes at most one partial block.
-    cache = DraftKVCache(model, budget // bs + min(max_seqs, len(seqs)) + 1, bs,
-                         _cache_dtype(model, dtype), device)
+    # Each sequence wastes at most one partial block. The cache binds the model's
+    # attention layers to its own pool: the engine's caches are put back at the end, so
+    # the engine that owns the model can go on generating.
+    engine_caches = [(layer.k_cache, layer.v_cache) for layer in model.attention_layers()]
+    try:
+        cache = DraftKVCache(model, budget // bs + min(max_seqs, len(seqs)) + 1, bs,
+                             _cache_dtype(model, dtype), device)
+        return _forward_packed(model, cache, seqs, budget, max_seqs, progress)
+    finally:
+        for layer, (k, v) in zip(model.attention_layers(), engine_caches):
+            layer.k_cache, layer.v_cache = k, v
+
+
+def _forward_packed(model, cache, seqs, budget, max_seqs, progress) -> list[torch.Tensor]:
+    device = cache.device
     out: list[torch.Tensor | None] = [None] * len(seqs)
     order = sorted(range(len(seqs)), key=lambda i: -seqs[i].shape[0])
     i = 0

@@ -42,13 +42,14 @@ def make_samples(model_path, prompts: list[str], max_tokens: int, device: str, s
     t0 = time.perf_counter()
     # Characters bound a prompt's tokens; 64 for the chat template around it.
     longest = 64 + max(len(p) for p in prompts) + max_tokens + (branch_tokens if branches else 0)
-    llm = _engine(model_path, device, max(1024, longest), max_num_seqs, seed)
+    llm = _engine(model_path, device, longest, max_num_seqs, seed)
     ids, answers = answer_prompts(llm, prompts, max_tokens)
     t1 = time.perf_counter()
     log(f"answers: {len(ids)} prompts x {max_tokens} tokens in {t1 - t0:.1f} s "
         f"(engine load included)")
     model = llm.engine.runner.model
-    model.set_feature_taps(feature_taps(feature_layers, model.config.num_hidden_layers, init))
+    taps = feature_taps(feature_layers, model.config.num_hidden_layers, init)
+    model.set_feature_taps(taps)
     seqs = [torch.tensor(p + a) for p, a in zip(ids, answers)]
     starts = [len(p) for p in ids]
     try:
@@ -75,7 +76,9 @@ def make_samples(model_path, prompts: list[str], max_tokens: int, device: str, s
         gen = torch.Generator().manual_seed(seed)
         prefixes, parents = branch_prefixes(model, seqs, feats, starts, branches,
                                             max(1, max_tokens // 2), gen)
+        model.set_feature_taps(())      # the engine's steps (and CUDA graphs) as captured
         more = answer_branches(llm, prefixes, branch_tokens)
+        model.set_feature_taps(taps)
         extra = [torch.tensor(p + a) for p, a in zip(prefixes, more)]
         parents = list(range(len(seqs))) + parents
         seqs, starts = seqs + extra, starts + [len(p) + 1 for p in prefixes]

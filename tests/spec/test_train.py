@@ -8,6 +8,7 @@ from slipstream.spec.train import (eagle_shape_for, medusa_rows, split, train_ea
                                    train_medusa, ttt_features, ttt_mask)
 from slipstream.spec.train_data import (Samples, branch_prefixes, check_alignment,
                                         dense_output_weights, features_of, features_of_many)
+from tests.engine.conftest import tiny_folder  # noqa: F401 - fixture
 from tests.spec.conftest import repeating_samples
 
 
@@ -183,3 +184,29 @@ def test_a_parallel_head_learns_its_blind_drafts_from_an_eagle_head(tiny_target,
     head.save(tmp_path / "p.safetensors")
     again = EagleHead.load(tmp_path / "p.safetensors")
     assert again.shape.parallel == 1 and torch.equal(again.mask_emb, head.mask_emb.half().float())
+
+
+def test_samples_with_branches_follow_the_targets_greedy_choices(tiny_folder):
+    # The whole data path on a tiny checkpoint: answers, then two branches an answer,
+    # each starting after the swapped token; every trained position is a greedy choice.
+    from slipstream.spec.train_run import make_samples
+    folder, _ = tiny_folder("llama")
+    s, _, lm_w, _ = make_samples(folder, ["hello there", "tell me a story"], 12, "cpu",
+                                 feature_layers="final", branches=2, branch_tokens=6,
+                                 max_num_seqs=8, log=lambda *a: None)
+    assert len(s) == 6 and s.parents.tolist()[:2] == [0, 1] and sorted(s.parents.tolist()[2:]) == [0, 0, 1, 1]
+    answers = s.lengths - s.answer_starts
+    assert answers.tolist()[:2] == [12, 12] and (answers[2:] == 5).all()   # 6 tokens, the first untrained
+    for q in range(len(s)):
+        off, n, a = int(s.offsets[q]), int(s.lengths[q]), int(s.answer_starts[q])
+        rows = torch.arange(off + a - 1, off + n - 1)     # the features of the labels trained
+        logits = s.features[rows].float() @ lm_w.T
+        # the engine's greedy token (the packed forward and its decode steps round
+        # differently in the engine's dtype: near-ties may flip)
+        chosen = logits.gather(1, s.tokens[rows + 1][:, None])[:, 0]
+        assert (chosen >= logits.max(-1).values - 0.05).all(), q
+        if q >= 2:   # a branch shares its answer's prefix up to the swapped token
+            p, root = a - 2, int(s.parents[q])
+            r_off = int(s.offsets[root])
+            assert torch.equal(s.tokens[off:off + p], s.tokens[r_off:r_off + p])
+            assert s.tokens[off + p] != s.tokens[r_off + p]
