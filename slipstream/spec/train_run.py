@@ -40,8 +40,9 @@ def make_samples(model_path, prompts: list[str], max_tokens: int, device: str, s
     second choice at a random point of the answer's first half and go on
     greedily for `branch_tokens` tokens (train_data.branch_prefixes)."""
     t0 = time.perf_counter()
-    # Characters bound a prompt's tokens; 64 for the chat template around it.
-    longest = 64 + max(len(p) for p in prompts) + max_tokens + (branch_tokens if branches else 0)
+    # Characters bound a prompt's tokens; 128 for the chat template around it (a system
+    # prompt included).
+    longest = 128 + max(len(p) for p in prompts) + max_tokens + (branch_tokens if branches else 0)
     llm = _engine(model_path, device, longest, max_num_seqs, seed)
     ids, answers = answer_prompts(llm, prompts, max_tokens)
     t1 = time.perf_counter()
