@@ -128,6 +128,17 @@ def overlap_report(ptx: str) -> dict:
             "softmax_under_two_groups": overlapped, "tma_copies": events.count("tma")}
 
 
+def ring_report(kernel) -> dict:
+    """What a compiled TMA-ring GEMV (tma_gemv.py, tma_int8_gemv.py) should show: shared
+    memory, TMA copies in the PTX (the ring's first fill and refills), the PDL wait and
+    trigger, and register spills (STL) in the SASS."""
+    ptx = kernel.asm["ptx"]
+    return {"shared": kernel.metadata.shared, "tma": ptx.count("cp.async.bulk.tensor"),
+            "wait": "griddepcontrol.wait" in ptx,
+            "trigger": "griddepcontrol.launch_dependents" in ptx,
+            "spills": sass(kernel.asm["cubin"]).count("STL")}
+
+
 def _cuobjdump() -> Path:
     import triton.backends.nvidia as nv
     return Path(nv.__file__).parent / "bin" / "cuobjdump"

@@ -157,16 +157,11 @@ def descriptor(t: torch.Tensor, block: list[int], cache: dict | None = None) -> 
 
 
 def descriptors_of(owner) -> dict:
-    """The descriptor cache an object (a layer) keeps for the tensors it owns."""
+    """The descriptor cache an object (a layer) keeps for the one tensor it streams."""
     cache = owner.__dict__.get("_tma_descriptors")
     if cache is None:
         cache = owner.__dict__["_tma_descriptors"] = {}
     return cache
-
-
-def weight_descriptor(w: torch.Tensor, block_n: int, block_k: int,
-                      cache: dict | None = None) -> TensorDescriptor:
-    return descriptor(w, [block_n, block_k], cache)
 
 
 # x is held whole in each program's registers (then shared memory) while it is staged
@@ -215,7 +210,7 @@ def tma_gemv(x: torch.Tensor, w: torch.Tensor, *, norm_weight: torch.Tensor | No
         raise ValueError("tma_gemv: silu_mul and a norm do not combine")
     tiles = -(-k // cfg["BLOCK_K"])
     k_tiles = 1 << max(0, (tiles - 1).bit_length())
-    desc = weight_descriptor(w, cfg["BLOCK_N"], cfg["BLOCK_K"], descriptors)
+    desc = descriptor(w, [cfg["BLOCK_N"], cfg["BLOCK_K"]], descriptors)
     blocks = triton_cdiv(n, cfg["BLOCK_N"])
     # PROGRAMS a SM (0: one program a row block); a program walks blocks pid, pid + G, ..
     per_sm = cfg.get("PROGRAMS", 0)

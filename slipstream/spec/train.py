@@ -49,12 +49,11 @@ def autocast(device: torch.device):
 def split(s: Samples, val_fraction: float = 0.03, max_val: int = 128) -> tuple[list[int], list[int]]:
     """Sequence indices (train, held out); the last few answers are held out,
     and the branches of a held-out answer are left out of both."""
-    n = len(s) if s.parents is None else int((s.parents == torch.arange(len(s))).sum())
+    parents = s.parents if s.parents is not None else torch.arange(len(s))
+    roots = parents == torch.arange(len(s))
+    n = int(roots.sum())               # answers come first, their branches after them
     v = min(max_val, int(n * val_fraction)) if n >= 8 else 0
-    if s.parents is None:
-        return list(range(n - v)), list(range(n - v, n))
-    held = s.parents >= n - v          # answers come first, their branches after them
-    roots = s.parents == torch.arange(len(s))
+    held = parents >= n - v
     return (~held).nonzero()[:, 0].tolist(), (held & roots).nonzero()[:, 0].tolist()
 
 

@@ -83,10 +83,9 @@ def branch_prefixes(model, seqs: list[torch.Tensor], feats: list[torch.Tensor],
     `branches` random answer positions p among its first `within` answer
     tokens, and at each the target's second choice b there (the top-2 of its
     logits at p - 1 other than the token it chose). Returns the prefixes
-    tokens[:p] + [b] and the sequence each came from; answered greedily from there, they give new contexts
-    that a greedy answer reaches only through a near-tie, so a head trained
-    on them sees more of what the target writes (more topics and phrasings
-    than the prompts alone hold)."""
+    tokens[:p] + [b] and the sequence each came from. Answered greedily from
+    there, they give contexts a greedy answer reaches only through a near-tie,
+    so a head trained on them sees more of what the target writes."""
     picks = []                                            # (sequence, position)
     for q, (s, a) in enumerate(zip(seqs, answer_starts)):
         span = min(within, s.shape[0] - 1 - a)

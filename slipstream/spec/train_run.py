@@ -55,7 +55,7 @@ def make_samples(model_path, prompts: list[str], max_tokens: int, device: str, s
     starts = [len(p) for p in ids]
     try:
         feats = features_of_many(model, seqs)
-        agree = check_alignment(model, Samples.pack(seqs, feats, starts))
+        agree = _alignment(model, seqs, feats, starts)
     except Exception as e:     # noqa: BLE001 - retried once below
         log(f"features with the {model.backend.name} attention backend failed: {e!r}")
         agree, feats = 0.0, None
@@ -67,7 +67,7 @@ def make_samples(model_path, prompts: list[str], max_tokens: int, device: str, s
         for layer in model.attention_layers():
             layer.backend = model.backend
         feats = features_of_many(model, seqs)
-        agree = check_alignment(model, Samples.pack(seqs, feats, starts))
+        agree = _alignment(model, seqs, feats, starts)
     if agree < 0.5:
         raise RuntimeError(f"features do not line up with the answers ({agree:.3f} agreement)")
     log(f"features: {sum(s.shape[0] for s in seqs)} positions in {time.perf_counter() - t1:.1f} s; "
@@ -95,6 +95,16 @@ def make_samples(model_path, prompts: list[str], max_tokens: int, device: str, s
     if device != "cpu":
         torch.cuda.empty_cache()
     return samples, config, lm_w, emb_w
+
+
+def _alignment(model, seqs, feats, starts, max_rows: int = 4096) -> float:
+    """check_alignment over the first sequences that hold max_rows answer positions
+    (packing them all would copy every feature once more)."""
+    k, rows = 0, 0
+    while k < len(seqs) and rows < max_rows:
+        rows += seqs[k].shape[0] - 1 - starts[k]
+        k += 1
+    return check_alignment(model, Samples.pack(seqs[:k], feats[:k], starts[:k]), max_rows)
 
 
 def train_draft(methods: list[str], model_path: str | None, out_dir: str | Path,

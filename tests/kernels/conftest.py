@@ -146,3 +146,13 @@ def compile_in_child(code: str, *args: str) -> dict:
                          text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def assert_ring_compiled(report: dict) -> None:
+    """A TMA-ring GEMV compiled for sm_90 (gluon_compile.ring_report): the ring's copies,
+    the PDL wait and trigger, no spills, shared memory within the SM's."""
+    import pytest
+    if "skip" in report:
+        pytest.skip(report["skip"])
+    assert report["tma"] >= 2 and report["wait"] and report["trigger"], report
+    assert report["spills"] == 0 and report["shared"] <= 227 * 1024, report

@@ -17,9 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from slipstream.kernels import reference as kref
-from slipstream.kernels.tma_gemv import (check_inputs, descriptors_of, reference, tma_gemv,
-                                         weight_descriptor)
-from tests.kernels.conftest import compile_in_child
+from slipstream.kernels.tma_gemv import check_inputs, descriptor, descriptors_of, reference, tma_gemv
+from tests.kernels.conftest import assert_ring_compiled, compile_in_child
 
 # name -> (N, K, NORM, ADD, ACT, config)
 VARIANTS = {
@@ -40,16 +39,12 @@ for name, (n, k, norm, add, act, cfg) in json.loads(sys.argv[1]).items():
     tiles = -(-k // cfg["BLOCK_K"])
     try:
         kern = gc._compile(T._gemv_kernel,
-                           [T.weight_descriptor(w, cfg["BLOCK_N"], cfg["BLOCK_K"]), x, x, x[0], x, x,
+                           [T.descriptor(w, [cfg["BLOCK_N"], cfg["BLOCK_K"]]), x, x, x[0], x, x,
                             n, k, 1e-5],
                            dict(BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], STAGES=cfg["STAGES"],
                                 NORM=norm, ADD=add, ACT=act, K_TILES=1 << (tiles - 1).bit_length(),
                                 CHAIN=True, num_warps=cfg["num_warps"]))
-        ptx, sass = kern.asm["ptx"], gc.sass(kern.asm["cubin"])
-        out[name] = {"shared": kern.metadata.shared, "tma": ptx.count("cp.async.bulk.tensor"),
-                     "wait": "griddepcontrol.wait" in ptx,
-                     "trigger": "griddepcontrol.launch_dependents" in ptx,
-                     "spills": sass.count("STL")}
+        out[name] = gc.ring_report(kern)
     except FileNotFoundError as e:  # a Triton build without its ptxas / cuobjdump
         out[name] = {"skip": str(e)}
 print(json.dumps(out))
@@ -63,11 +58,7 @@ def compiled():
 
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_compiles_for_sm90(compiled, name):
-    r = compiled[name]
-    if "skip" in r:
-        pytest.skip(r["skip"])
-    assert r["tma"] >= 2 and r["wait"] and r["trigger"], r   # the ring's first fill and refills
-    assert r["spills"] == 0 and r["shared"] <= 227 * 1024, r
+    assert_ring_compiled(compiled[name])
 
 
 def test_twin_rounds_as_the_norm_and_silu_kernels_twins():
@@ -88,20 +79,20 @@ def test_descriptors_live_with_the_layer_that_owns_the_weight():
     layer = torch.nn.Linear(64, 32, bias=False, dtype=torch.bfloat16)
     cache = descriptors_of(layer)
     assert descriptors_of(layer) is cache
-    d = weight_descriptor(layer.weight, 16, 64, cache)
-    assert weight_descriptor(layer.weight, 16, 64, cache) is d          # made once
-    assert weight_descriptor(layer.weight, 32, 64, cache) is not d      # another box
+    d = descriptor(layer.weight, [16, 64], cache)
+    assert descriptor(layer.weight, [16, 64], cache) is d          # made once
+    assert descriptor(layer.weight, [32, 64], cache) is not d      # another box
     old = weakref.ref(layer.weight)
     del d
     layer.weight = torch.nn.Parameter(torch.zeros(32, 64, dtype=torch.bfloat16))
-    assert weight_descriptor(layer.weight, 16, 64, cache).base is layer.weight   # a new weight
+    assert descriptor(layer.weight, [16, 64], cache).base is layer.weight   # a new weight
     gc.collect()
     assert old() is None            # the cache does not keep the replaced weight alive
     now = weakref.ref(layer.weight)
     del layer, cache
     gc.collect()
     assert now() is None            # nor the weight of a layer that is gone
-    assert weight_descriptor(torch.zeros(16, 64, dtype=torch.bfloat16), 16, 64).base.shape == (16, 64)
+    assert descriptor(torch.zeros(16, 64, dtype=torch.bfloat16), [16, 64]).base.shape == (16, 64)
 
 
 def test_rejects_bad_input():

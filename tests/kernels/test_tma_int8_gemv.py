@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from slipstream.kernels.tma_int8_gemv import check_inputs, tma_int8_gemv
-from tests.kernels.conftest import compile_in_child
+from tests.kernels.conftest import assert_ring_compiled, compile_in_child
 
 # name -> (N, K, SYM, config)
 VARIANTS = {
@@ -38,11 +38,7 @@ for name, (n, k, sym, cfg) in json.loads(sys.argv[1]).items():
                            dict(BLOCK_N=cfg["BLOCK_N"], STAGES=cfg["STAGES"], SYM=sym,
                                 X_ROWS=4 * (1 << (boxes - 1).bit_length()), CHAIN=True,
                                 num_warps=cfg["num_warps"]))
-        ptx, sass = kern.asm["ptx"], gc.sass(kern.asm["cubin"])
-        out[name] = {"shared": kern.metadata.shared, "tma": ptx.count("cp.async.bulk.tensor"),
-                     "wait": "griddepcontrol.wait" in ptx,
-                     "trigger": "griddepcontrol.launch_dependents" in ptx,
-                     "spills": sass.count("STL")}
+        out[name] = gc.ring_report(kern)
     except FileNotFoundError as e:  # a Triton build without its ptxas / cuobjdump
         out[name] = {"skip": str(e)}
 print(json.dumps(out))
@@ -56,11 +52,7 @@ def compiled():
 
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_compiles_for_sm90(compiled, name):
-    r = compiled[name]
-    if "skip" in r:
-        pytest.skip(r["skip"])
-    assert r["tma"] >= 2 and r["wait"] and r["trigger"], r
-    assert r["spills"] == 0 and r["shared"] <= 227 * 1024, r
+    assert_ring_compiled(compiled[name])
 
 
 def test_rejects_bad_input():
