@@ -8,7 +8,8 @@ Each scheme runs in a fresh process (so one model's memory never meets the next)
 
 bf16 (dense), rtn-int4 (w4a16: int4 group 128 asymmetric; the LM head stays bf16, as GPTQ
 and AWQ checkpoints keep it), rtn-int4-head8 (the same with the LM head in int8 per output
-channel), int8 (w8a16: int8 per output channel), w8a8 (W8A8 int8, per-token dynamic
+channel), int8 (w8a16: int8 per output channel), int8-head8 (the same with the LM head in
+int8), w8a8 (W8A8 int8, per-token dynamic
 activations), fp8 (W8A8 float8 e4m3). The
 engine quantizes the random bf16 weights at load by the scheme's own path, warms up (memory
 profiling, which also tunes the quantized GEMMs' launch configurations), captures its decode
@@ -41,11 +42,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from benchmarks.quant.child_runs import bench_model, child_env, run_child  # noqa: E402
-SCHEMES = ["bf16", "rtn-int4", "rtn-int4-head8", "int8", "w8a8", "fp8"]
+SCHEMES = ["bf16", "rtn-int4", "rtn-int4-head8", "int8", "int8-head8", "w8a8", "fp8"]
 # A scheme with ":loop" runs its 4-bit layers on the fp32-loop GEMV (kernels/int_weight_gemv.py)
 # instead of the tensor-core one (kernels/w4_mma_gemv.py): SLIPSTREAM_W4_MMA=0 in its process.
 # ":pdl": the tensor-core GEMV launched early (programmatic dependent launch; off by default).
-VARIANT_ENV = {"loop": {"SLIPSTREAM_W4_MMA": "0"}, "pdl": {"SLIPSTREAM_W4_MMA_PDL": "1"}}
+# ":notma": the 8-bit layers' one-row products without the TMA GEMV among the tuner's
+# launches (kernels/tma_int8_gemv.py; SLIPSTREAM_TMA_INT8_GEMV=0).
+VARIANT_ENV = {"loop": {"SLIPSTREAM_W4_MMA": "0"}, "pdl": {"SLIPSTREAM_W4_MMA_PDL": "1"},
+               "notma": {"SLIPSTREAM_TMA_INT8_GEMV": "0"}}
 TINY_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 512,
                "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
                "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -154,7 +158,7 @@ def main(argv=None) -> int:
 
 def markdown(meta, rows) -> str:
     target = {"rtn-int4": ("decode", 3.0), "rtn-int4-head8": ("decode", 3.0),
-              "int8": ("decode", 1.7), "w8a8": ("prefill", 1.5),
+              "int8": ("decode", 1.7), "int8-head8": ("decode", 1.7), "w8a8": ("prefill", 1.5),
               "fp8": ("prefill", 1.5)}
     lines = [f"# Engine decode (batch 1) and prefill by weight format ({meta['device']}, "
              f"{meta['model']})", "",

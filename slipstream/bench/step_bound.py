@@ -22,7 +22,8 @@ from slipstream.engine.stats import StepStats
 # negligible): weight precision, LM head precision (None: the model dtype).
 _SCHEMES = {"rtn-int4": (Precision("int4", 4, 128, scale_bits=40), None),
             "rtn-int4-head8": (Precision("int4", 4, 128, scale_bits=40), Precision("int8", 8)),
-            "int8": (Precision("int8", 8), None), "w8a8": (Precision("int8", 8), None),
+            "int8": (Precision("int8", 8), None),
+            "int8-head8": (Precision("int8", 8), Precision("int8", 8)), "w8a8": (Precision("int8", 8), None),
             "fp8": (Precision("fp8", 8), None)}
 
 

@@ -13,6 +13,8 @@ Plain-PyTorch twin: reference.int_weight_linear.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -188,23 +190,35 @@ def int_weight_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
 
 def tiled_int_weight_gemm(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor,
                           qzeros: torch.Tensor | None, bits: int, group_cols: int,
-                          tile: int) -> torch.Tensor:
+                          tile: int, descriptors: dict | None = None) -> torch.Tensor:
     """The product with weights in the tiled word layout of kernels/int_weight_gemv.py
     (int32 [n, k * bits // 32]), by batch size: up to MAX_ROWS rows the weight-streaming
-    GEMV; from DEQUANT_ROWS rows the weight dequantized once and multiplied by cuBLAS
-    (compute-bound: the dequantization is a few percent of the product); between, the
-    tensor-core kernel above unpacking the tiled words. Launches tuned like the others."""
+    GEMV (at one row of an 8-bit per-channel layer on sm_90 also the TMA GEMV of
+    kernels/tma_int8_gemv.py, whose TMA descriptor is kept in `descriptors`:
+    tma_gemv.descriptors_of the layer); from DEQUANT_ROWS rows the weight dequantized once
+    and multiplied by cuBLAS (compute-bound: the dequantization is a few percent of the
+    product); between, the tensor-core kernel above unpacking the tiled words. Launches
+    tuned like the others."""
     m, k = x.shape
     n = words.shape[0]
     if m <= MAX_ROWS:
+        tma = m == 1 and tma_int8_fits(x, words, bits, group_cols, tile)
+
+        def gemv(cfg, w, desc):
+            if cfg.get("TMA"):
+                return _tma_int8(x, w, cfg, desc)
+            return int_weight_gemv(x, *w, bits, group_cols, tile, cfg)
+
         def gemv_calls(cfg, copies):
-            return [lambda w=w: int_weight_gemv(x, *w, bits, group_cols, tile, cfg) for w in copies]
+            return [lambda w=w: gemv(cfg, w, descriptors if w[0] is words else None)
+                    for w in copies]
         cfg = quant_tuning.choose(
-            ("int_gemv", n, k, bits, group_cols, qzeros is not None, x.dtype), m, x.device,
+            ("int_gemv", n, k, bits, group_cols, qzeros is not None, x.dtype, tma), m, x.device,
             default_gemv_config(m, n, k, tile, x.device),
-            lambda: quant_tuning.gemv_candidates(n, k, tile, x.device),
+            lambda: quant_tuning.gemv_candidates(n, k, tile, x.device)
+            + (quant_tuning.tma_int8_candidates() if tma else []),
             (words, scales, qzeros), gemv_calls)
-        return int_weight_gemv(x, words, scales, qzeros, bits, group_cols, tile, cfg)
+        return gemv(cfg, (words, scales, qzeros), descriptors)
     if m >= DEQUANT_ROWS:
         w = dequantize_tiled(words, scales, qzeros, bits, group_cols, tile, x.dtype)
         return torch.nn.functional.linear(x, w)
@@ -217,6 +231,30 @@ def tiled_int_weight_gemm(x: torch.Tensor, words: torch.Tensor, scales: torch.Te
         lambda: [dict(c, BLOCK_K=tile) for c in int_weight_candidates(m, n, k, tile, x.device)],
         (words, scales, qzeros), timed_calls)
     return _launch_int_weight(x, words, scales, qzeros, bits, group_cols, config, tile)
+
+
+def tma_int8_fits(x: torch.Tensor, words: torch.Tensor, bits: int, group_cols: int,
+                  tile: int) -> bool:
+    """Whether the TMA GEMV (kernels/tma_int8_gemv.py) is weighed for this product: one
+    16-bit row on an sm_90 GPU (compiled kernels), 8-bit codes in 128-input tiles, one
+    group a row; SLIPSTREAM_TMA_INT8_GEMV=0 leaves it out."""
+    if os.environ.get("SLIPSTREAM_TMA_INT8_GEMV", "1") in ("", "0"):
+        return False
+    if not (x.is_cuda and x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float16)
+            and bits == 8 and tile == 128 and group_cols >= x.shape[1]):
+        return False
+    from slipstream.kernels.runtime import capability, interpreting
+    from slipstream.kernels.tma_int8_gemv import K_MAX
+    return (not interpreting() and capability(x.device.index or 0)[0] == 9
+            and x.shape[1] <= K_MAX and words.is_contiguous() and words.data_ptr() % 16 == 0)
+
+
+def _tma_int8(x, weights, cfg, descriptors):
+    from slipstream.kernels.runtime import pdl_supported
+    from slipstream.kernels.tma_int8_gemv import tma_int8_gemv
+    words, scales, zeros = weights
+    return tma_int8_gemv(x, words, scales, zeros, chain=pdl_supported(x), config=cfg,
+                         descriptors=descriptors)
 
 
 def w4_mma_product(x: torch.Tensor, p) -> torch.Tensor:

@@ -224,6 +224,15 @@ def gemv_candidates(n: int, k: int, tile: int, device) -> list[dict]:
     return out
 
 
+def tma_int8_candidates() -> list[dict]:
+    """The 8-bit TMA GEMV's launches (kernels/tma_int8_gemv.py) beside the GEMV's, at one
+    row: rows a program and ring slots. Measured alone on the H200 (Llama-3-8B shapes,
+    benchmarks/quant/bench_tma_int8_gemv.py), 32 rows and 6 slots led on qkv, gate_up
+    and down, 16 rows and 8 slots on o_proj; only gate_up beat the GEMV there."""
+    return [dict(TMA=True, BLOCK_N=bn, STAGES=st, num_warps=4, PROGRAMS=0)
+            for bn, st in ((32, 6), (16, 8), (32, 8))]
+
+
 def split_k_for(tiles: int, k_tiles: int, device: torch.device) -> int:
     """Split K when the output tiles alone cannot fill the GPU: aim at two programs per SM,
     keeping at least 4 K tiles per program. Always 1 off CUDA."""

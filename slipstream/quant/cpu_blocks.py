@@ -26,7 +26,7 @@ BLOCK = 32
 
 # Schemes whose layers are weight-only integer codes (at load, or in a checkpoint's
 # quantization_config) that may take the blocks.
-SCHEMES = ("rtn-int4", "rtn-int4-head8", "int8", "slipstream", "gptq", "awq")
+SCHEMES = ("rtn-int4", "rtn-int4-head8", "int8", "int8-head8", "slipstream", "gptq", "awq")
 
 
 def enabled() -> bool:

@@ -142,8 +142,9 @@ class IntWeightMethod:
         tile = self._gpu_tile(layer, x)
         if tile is not None:
             from slipstream.kernels.quant_gemm import tiled_int_weight_gemm
+            from slipstream.kernels.tma_gemv import descriptors_of
             y = tiled_int_weight_gemm(x, layer.qwords, layer.scales, zeros, self.bits,
-                                      layer.group_cols, tile)
+                                      layer.group_cols, tile, descriptors_of(layer))
         elif x.is_cuda and self.bits in (4, 8):
             from slipstream.kernels.quant_gemm import int_weight_gemm
             y = int_weight_gemm(x, layer.qweight, layer.scales, zeros, self.bits, layer.group_cols)

@@ -9,6 +9,9 @@ Schemes that quantize a float checkpoint as it loads:
     "rtn-int4-head8"  rtn-int4, and an untied LM head in int8 per output channel (w8a16): the
                       head is 1/15 of Llama-3-8B's bytes in bf16, a fifth of them once the
                       decoder is int4 (llama.cpp's Q4_K_M keeps it at 6 bits likewise)
+    "int8-head8"      int8, and an untied LM head in int8 per output channel too (an eighth of
+                      an int8 Llama-3-8B's bytes stay in a bf16 head otherwise; llama.cpp's
+                      Q8_0 files quantize the head the same way)
 """
 from __future__ import annotations
 
@@ -57,13 +60,27 @@ def _int8(config, files):
     return _dense_layers(config, files, lambda: IntWeightMethod(bits=8, group_size=None, sym=True))
 
 
-@register_scheme("rtn-int4-head8")
-def _rtn_int4_head8(config, files):
-    from slipstream.quant.int_weight import IntWeightHeadMethod, IntWeightMethod
-    body = _dense_layers(config, files, lambda: IntWeightMethod(bits=4, group_size=128, sym=False))
+def _with_int8_head(config, files, body_method):
+    """body_method for the decoder's linear layers, an int8 per-channel untied LM head."""
+    from slipstream.quant.int_weight import IntWeightHeadMethod
+    body = _dense_layers(config, files, body_method)
 
     def pick(prefix: str):
         if prefix == "lm_head":
             return IntWeightHeadMethod(bits=8, group_size=None, sym=True)
         return None if prefix == "model.embed_tokens" else body(prefix)
     return pick
+
+
+@register_scheme("rtn-int4-head8")
+def _rtn_int4_head8(config, files):
+    from slipstream.quant.int_weight import IntWeightMethod
+    return _with_int8_head(config, files,
+                           lambda: IntWeightMethod(bits=4, group_size=128, sym=False))
+
+
+@register_scheme("int8-head8")
+def _int8_head8(config, files):
+    from slipstream.quant.int_weight import IntWeightMethod
+    return _with_int8_head(config, files,
+                           lambda: IntWeightMethod(bits=8, group_size=None, sym=True))

@@ -12,6 +12,7 @@ _BUILTIN: dict[str, str] = {
     "rtn-int4-head8": "slipstream.quant.rtn",
     "rtn-int3": "slipstream.quant.rtn",
     "int8": "slipstream.quant.rtn",
+    "int8-head8": "slipstream.quant.rtn",
     "fp8": "slipstream.quant.fp8",
     "w8a8": "slipstream.quant.w8a8",
     "slipstream": "slipstream.quant.checkpoint",

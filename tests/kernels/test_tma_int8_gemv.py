@@ -1,10 +1,11 @@
-"""The batch-1 8-bit TMA GEMV (kernels/tma_int8_gemv.py, Gluon, sm_90 only; not on the
-engine's path: benchmarks/quant/README.md).
+"""The batch-1 8-bit TMA GEMV (kernels/tma_int8_gemv.py, Gluon, sm_90 only): one of the
+launches the tuner of a w8a16 layer's one-row product weighs (quant_gemm.tiled_int_weight_gemm).
 
 On the CPU: symmetric and asymmetric codes compile for sm_90 in a child process without
 the interpreter, with the words copied by TMA, the programmatic-dependent-launch wait and
 trigger, and no register spills; bad input raises ValueError. On an H100/H200: outputs
-against the product of the dequantized weight, several launches and odd row counts.
+against the product of the dequantized weight, several launches and odd row counts; the
+tuned product of an int8 layer with the TMA launch forced, against the GEMV's.
 """
 import json
 
@@ -71,6 +72,20 @@ def test_rejects_bad_input():
             check_inputs(*bad)
 
 
+def test_takes_only_one_row_of_an_8bit_per_channel_layer_on_sm90():
+    from slipstream.kernels.quant_gemm import tma_int8_fits
+    words = torch.zeros(8, 64, dtype=torch.int32)
+    x = torch.zeros(1, 256, dtype=torch.bfloat16)
+    assert not tma_int8_fits(x, words, 8, 256, 128)          # not on a GPU
+    if not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9):
+        return
+    x, words = x.cuda(), words.cuda()
+    assert tma_int8_fits(x, words, 8, 256, 128)
+    for args in ((x.repeat(2, 1), words, 8, 256, 128), (x.float(), words, 8, 256, 128),
+                 (x, words, 4, 256, 128), (x, words, 8, 128, 128), (x, words, 8, 256, 64)):
+        assert not tma_int8_fits(*args)
+
+
 hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
                             reason="the TMA GEMV needs an sm_90 GPU")
 
@@ -94,3 +109,31 @@ def test_matches_the_dequantized_product_on_gpu(sym, n, k, config):
         err = (got.float() - want).abs().max() / want.abs().max()
         assert err < 1e-2, float(err)
     assert len(cache) == 1
+
+
+@hopper
+@pytest.mark.parametrize("sym", [True, False])
+def test_tuned_product_through_the_tma_launch_on_gpu(sym, monkeypatch):
+    """tiled_int_weight_gemm at one row with only the TMA launches to choose from gives the
+    GEMV's result, keeps the descriptor with the layer's cache, and is what the tuner
+    recorded for the bucket."""
+    from slipstream.kernels import quant_gemm, quant_tuning
+    from slipstream.kernels.int_weight_gemv import default_gemv_config, int_weight_gemv, tile_codes
+    n, k = 1000, 4096
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    codes = torch.randint(0, 256, (n, k), device="cuda", generator=gen, dtype=torch.int32).to(torch.uint8)
+    scales = torch.rand(n, 1, device="cuda", generator=gen) * 1e-3 + 1e-4
+    zeros = None if sym else torch.randint(100, 156, (n, 1), device="cuda", generator=gen,
+                                           dtype=torch.int32).to(torch.uint8)
+    words = tile_codes(codes, 8, 128)
+    x = torch.randn(1, k, device="cuda", generator=gen).bfloat16()
+    monkeypatch.setattr(quant_tuning, "gemv_candidates", lambda *a: [])
+    monkeypatch.setattr(quant_tuning, "_BEST", {})
+    cache = {}
+    got = quant_gemm.tiled_int_weight_gemm(x, words, scales, zeros, 8, k, 128, cache)
+    want = int_weight_gemv(x, words, scales, zeros, 8, k, 128,
+                           default_gemv_config(1, n, k, 128, x.device))
+    assert (got.float() - want.float()).abs().max() / want.float().abs().max() < 1e-2
+    assert len(cache) == 1
+    chosen = [c for key, c in quant_tuning.tuned_configs().items() if key[0] == "int_gemv"]
+    assert chosen and all(c.get("TMA") for c in chosen)

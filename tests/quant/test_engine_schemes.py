@@ -63,11 +63,12 @@ def test_unknown_scheme_names_the_option(tiny_llama):
         make_llm(tiny_llama, quantization="int5")
 
 
-def test_rtn_int4_head8_quantizes_the_untied_lm_head(tiny_llama, dense):
-    """rtn-int4 plus an int8 LM head: the head is quantized on its first product (the
-    model's own loaders post-process only linear layers), per output channel; the scores
-    stay as close to dense as rtn-int4's, and the embedding stays dense."""
-    llm = make_llm(tiny_llama, quantization="rtn-int4-head8")
+@pytest.mark.parametrize("scheme,body", [("rtn-int4-head8", "rtn-int4"), ("int8-head8", "int8")])
+def test_head8_schemes_quantize_the_untied_lm_head(tiny_llama, dense, scheme, body):
+    """rtn-int4 / int8 plus an int8 LM head: the head is quantized on its first product
+    (the model's own loaders post-process only linear layers), per output channel; the
+    scores stay as close to dense as the body scheme's, and the embedding stays dense."""
+    llm = make_llm(tiny_llama, quantization=scheme)
     model = llm.engine.runner.model
     lp = prompt_logprobs(llm, random_prompts())
     head = model.lm_head
@@ -80,7 +81,7 @@ def test_rtn_int4_head8_quantizes_the_untied_lm_head(tiny_llama, dense):
         assert head.qweight.dtype == torch.uint8
         assert head.qweight.shape == (head.vocab_size, head.hidden_size)  # 8 bits: one per byte
     assert model.model.embed_tokens.quant_method is None
-    base = prompt_logprobs(make_llm(tiny_llama, quantization="rtn-int4"), random_prompts())
-    assert (lp - base).abs().mean() < 0.1 and (lp - dense).abs().mean() < TOL["rtn-int4"]
+    base = prompt_logprobs(make_llm(tiny_llama, quantization=body), random_prompts())
+    assert (lp - base).abs().mean() < 0.1 and (lp - dense).abs().mean() < TOL[body]
     with pytest.raises(ValueError, match="embedding"):
         head.quant_method.embedding(head, torch.zeros(1, dtype=torch.long))
