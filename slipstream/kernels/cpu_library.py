@@ -10,7 +10,8 @@ pure-torch path.
 
 Cache: `$SLIPSTREAM_CACHE` or `$XDG_CACHE_HOME/slipstream` or
 `~/.cache/slipstream`; the library's name hashes the source, the compiler
-and the CPU's flags, so a changed machine or source rebuilds.
+and the CPU's flags, so a changed machine or source rebuilds. On a CPU with
+AMX-INT8 the build includes the tile kernels of `cpu_amx.c` (`set_amx`).
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ import tempfile
 from pathlib import Path
 
 _SOURCE = Path(__file__).with_name("cpu_quant.c")
-_INCLUDED = [Path(__file__).with_name(n) for n in ("cpu_q4x16.c", "cpu_q8x16.c", "cpu_tree_attention.c", "cpu_decoder.c", "cpu_eagle.c")]   # #included by _SOURCE
+_INCLUDED = [Path(__file__).with_name(n) for n in ("cpu_q4x16.c", "cpu_q8x16.c", "cpu_amx.c", "cpu_tree_attention.c", "cpu_decoder.c", "cpu_eagle.c")]   # #included by _SOURCE
 # SLIPSTREAM_CPU_ARCH picks another target (tests build `haswell`, an AVX2-only CPU,
 # and `x86-64`, no vector extensions, to check the paths this machine would not take).
 _ARCH = os.environ.get("SLIPSTREAM_CPU_ARCH", "native")
@@ -38,6 +39,7 @@ _i64, _i32, _f32, _p = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_vo
 _SIGNATURES = {
     "ss_supported": ([_i32], _i32),
     "ss_set_threads": ([_i32], _i32),
+    "ss_set_amx": ([_i32], _i32),
     "ss_get_threads": ([], _i32),
     "ss_matmul": ([_i32, _p, _p, _p, _i64, _p, _i64, _p, _i64], _i32),
     "ss_dequant": ([_i32, _p, _i64, _i64, _p], _i32),
@@ -130,6 +132,7 @@ def load():
         fn.argtypes, fn.restype = args, res
     _lib = lib
     set_threads(None)
+    set_amx(os.environ.get("SLIPSTREAM_CPU_AMX", "1") not in ("", "0"))
     return _lib
 
 
@@ -148,6 +151,15 @@ def set_threads(n: int | None) -> int:
         n = _threads or torch.get_num_threads()
     _threads = _lib.ss_set_threads(int(n))
     return _threads
+
+
+def set_amx(enable: bool | None = None) -> bool:
+    """Whether products of several rows of x (verification steps, prompts) run on AMX
+    tiles (cpu_amx.c): True only where the build targets AMX-INT8 and the OS grants the
+    tile state. enable: switch them on / off (SLIPSTREAM_CPU_AMX=0 starts off); None asks."""
+    if _lib is None:
+        return False
+    return bool(_lib.ss_set_amx(-1 if enable is None else int(enable)))
 
 
 def threads() -> int:

@@ -35,11 +35,12 @@ def _tol(qtype: int) -> float:
 
 
 @pytest.mark.parametrize("qtype", sorted(QUANTIZED), ids=lambda q: QUANTIZED[q])
-@pytest.mark.parametrize("m", [1, 3, 9])
+@pytest.mark.parametrize("m", [1, 3, 9, 17])
 @pytest.mark.parametrize("rows", [40, 48])
 def test_matmul_matches_dequantize_then_matmul(qtype, m, rows):
     """48 rows: Q4_0 / Q4_1 / Q8_0 run repacked for 16 rows at a time (cpu_q4x16.c,
-    cpu_q8x16.c); 40 rows: as stored."""
+    cpu_q8x16.c; on a CPU with AMX, 9 and 17 rows of x partly on tiles, cpu_amx.c);
+    40 rows: as stored."""
     gen = torch.Generator().manual_seed(qtype * 10 + m + rows)
     cols = 512
     data = random_blocks(qtype, rows, cols, gen)
@@ -112,6 +113,30 @@ def test_rejects_a_wrong_layout():
         QuantMatrix([(12, torch.zeros(4, 144, dtype=torch.uint8))], 100)
 
 
+@pytest.mark.parametrize("qtype", [2, 3, 8], ids=lambda q: QUANTIZED[q])
+@pytest.mark.parametrize("cols", [512, 544])
+def test_amx_tiles_give_the_avx512_result(qtype, cols):
+    """Where the build and the OS give AMX tiles: products of 8-40 rows of x on them
+    (full tiles of 16, a tail of fewer rows, an even and an odd block count) equal the
+    AVX-512 kernels' up to the order of fp32 sums (the int32 block sums are exact)."""
+    before = cpu_library.set_amx()
+    if not before:
+        pytest.skip("no AMX tiles here (build target or OS)")
+    gen = torch.Generator().manual_seed(qtype + cols)
+    data = random_blocks(qtype, 48, cols, gen)
+    qm = QuantMatrix([(qtype, data)], cols)
+    try:
+        for m in (8, 12, 16, 21, 40):
+            x = torch.randn(m, cols, generator=gen)
+            assert cpu_library.set_amx(True)
+            tiles = qm.matmul(x)
+            assert not cpu_library.set_amx(False)
+            vec = qm.matmul(x)
+            assert (tiles - vec).abs().max() <= 1e-5 * vec.abs().max(), m
+    finally:
+        cpu_library.set_amx(before)
+
+
 def test_threads_give_the_same_result():
     gen = torch.Generator().manual_seed(7)
     data = random_blocks(3, 300, 256, gen)
@@ -143,7 +168,7 @@ def test_other_cpus(arch, tmp_path):
         pytest.skip("this CPU runs no AVX-512")
     env = dict(os.environ, SLIPSTREAM_CPU_ARCH=arch, SLIPSTREAM_CACHE=str(tmp_path))
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
-                        "-k", "not other_cpus and not default_model", "tests/kernels/test_cpu_attention.py",
+                        "-k", "not other_cpus and not default_model and not amx", "tests/kernels/test_cpu_attention.py",
                         "tests/loader/test_cpu_decoder.py", "tests/spec/test_cpu_eagle.py"],
                        env=env, capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
