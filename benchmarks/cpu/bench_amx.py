@@ -4,7 +4,8 @@
    blocks, repacked as the engine runs them) and the LM head (Q8_0), for m rows of x,
    tiles on and off alternating rep by rep; medians.
 2. Prefill through `LLM.generate` (one request, max_tokens=1, prompts of random ids),
-   tiles on and off alternating; medians -> prompt tokens/s.
+   tiles on and off alternating, after prompts that touch the KV pool's pages; medians
+   -> prompt tokens/s.
 
     python benchmarks/cpu/bench_amx.py --out benchmarks/cpu/results
 
@@ -75,6 +76,13 @@ def prefill(llm, lengths: list[int], reps: int) -> list[dict]:
     from slipstream.kernels import cpu_library
     params = SamplingParams(max_tokens=1, temperature=0)
     rng = random.Random(0)
+    # Warm-up: a prompt's KV blocks are fresh memory until the pool has cycled through
+    # them once, and a first write to a page faults (several ms a prompt); fill the
+    # pool's pages first so that neither setting pays for them.
+    blocks = llm.engine.runner.num_blocks * llm.engine.config.cache.block_size
+    for _ in range(min(64, blocks // max(lengths) + 2)):
+        llm.generate([{"prompt_token_ids": [rng.randrange(100, 40000) for _ in range(max(lengths))]}],
+                     params, use_tqdm=False)
     times = {(n, amx): [] for n in lengths for amx in (False, True)}
     for _ in range(reps):
         for amx in (False, True):

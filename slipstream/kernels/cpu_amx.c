@@ -150,11 +150,11 @@ static void amx_group(int q8, const uint8_t *w, int64_t nb, const int8_t *xq, in
 /* Whether the tile path takes products of m rows of x: from AMX_MIN_M rows. Each
  * tile product carries a fixed cost of about 60 cycles (loads, product, store of
  * small tiles), as much as the AVX-512 kernels spend on 7-8 rows of x, so below
- * that they stay (measured on a 2-core Xeon with AMX, the default model's shapes,
- * against them: Q4x16 about even at 8 rows, 1.2-1.3x from 16; Q8x16 1.5x at 8,
- * 1.9x at 16). */
+ * that they stay. Measured on a 2-core Xeon with AMX against them, the default
+ * model's products (benchmarks/cpu/bench_amx.py): Q4_1 even at 12 rows, 1.05-1.15x
+ * from 16; the Q8_0 LM head 1.16x at 8 rows, 1.37x at 12, 1.6x at 16-32. */
 #define AMX_MIN_M 8
-#define AMX_MIN_M_Q4 12
+#define AMX_MIN_M_Q4 16
 static int amx_on = 1;     /* ss_set_amx */
 static int amx_takes(int64_t m, int q8) {
 #if defined(SS_AMX)
