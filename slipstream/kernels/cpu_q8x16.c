@@ -54,7 +54,9 @@ static void x16_q8_group(const uint8_t *w, int64_t nb, const qx_t *x, int nx, fl
             memcpy(xv, x[i].q + 32 * b, 32);
             __m512i s = _mm512_setzero_si512();
 #if defined(__AVX512VNNI__)
-            for (int j = 0; j < 8; j++) s = _mm512_dpbusd_epi32(s, v[j], _mm512_set1_epi32(xv[j]));
+            const ss_i32u *qv = (const ss_i32u *)(x[i].q + 32 * b);   /* see x16_group */
+            for (int j = 0; j < 8; j++) s = _mm512_dpbusd_epi32(s, v[j], _mm512_set1_epi32(qv[j]));
+            (void)xv;
             acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, _mm512_set1_ps(x[i].d[b])), acc[i]);
             acc[i] = _mm512_fmadd_ps(d, _mm512_set1_ps(-128 * x[i].s[b]), acc[i]);
 #else
