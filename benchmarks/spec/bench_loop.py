@@ -47,6 +47,9 @@ def main(argv=None) -> int:
     ap.add_argument("--kernel-profile", action="store_true",
                     help="CUDA: kernels of one eager round of the first tree (torch.profiler) "
                          "to kernels_cuda.txt in --out")
+    ap.add_argument("--one-stage-topk-too", action="store_true",
+                    help="each tree also with the draft vocabulary's top-k in one torch.topk "
+                         "(eagle_tree.row_topk's two GPU stages off), for comparison")
     ap.add_argument("--out", default=str(HERE / "results"))
     args = ap.parse_args(argv)
     import torch
@@ -95,13 +98,18 @@ def main(argv=None) -> int:
                prompts=len(prompts), max_tokens=args.max_tokens,
                graphs=args.device == "cuda" and not args.no_graphs)
     results = []
-    runs = [(h, t, False) for h in heads for t in args.trees.split(";")]
-    runs += [(heads[0], t, True) for t in args.compile_trees.split(";") if t]
-    for head, spec, comp in runs:
+    stages = (2, 1) if args.one_stage_topk_too else (2,)
+    runs = [(h, t, False, st) for h in heads for t in args.trees.split(";") for st in stages]
+    runs += [(heads[0], t, True, 2) for t in args.compile_trees.split(";") if t]
+    from slipstream.spec import eagle_tree
+    for head, spec, comp, st in runs:
         d, k, b, n = (int(x) for x in spec.split(","))
         row = dict(head=head or "shipped", tree=dict(depth=d, topk=k, beam=b, nodes=n))
         if comp:
             row["compiled"] = True
+        if args.one_stage_topk_too:
+            row["topk_stages"] = st
+        eagle_tree.two_stage = st == 2      # read when the round's graph is captured
         try:
             t0 = time.perf_counter()
             loop = EagleLoop(llm, head, depth=d, topk=k, beam=b, max_nodes=n,
@@ -259,7 +267,9 @@ def _write(args, env, results) -> None:
     for r in results:
         t = r["tree"]
         shape = f"{t['depth']},{t['topk']},{t['beam']},{t['nodes']}" + (
-            " compiled" if r.get("compiled") else "")
+            " compiled" if r.get("compiled") else "") + (
+            f" (top-k in {r['topk_stages']} stage{'s' if r['topk_stages'] > 1 else ''})"
+            if "topk_stages" in r else "")
         if "error" in r:
             lines.append(f"| {Path(r['head']).name} | {shape} | error: {r['error']} ||||||||")
             continue

@@ -25,6 +25,35 @@ import torch
 from slipstream.kernels.cpu_eagle import chain_table
 
 
+# Rows at least this long take `row_topk`'s two stages on a GPU.
+TWO_STAGE_MIN = 4096
+two_stage = True      # benchmarks switch it off to compare
+
+
+def row_topk(x: torch.Tensor, k: int, stages: int | None = None):
+    """torch.topk(x, k) over the last dim (values, indices; values descending). On a GPU a
+    long row goes in two stages: the top k of each of ~sqrt(n) pieces, then the top k of
+    those. torch.topk gives a row one thread block, so a row of the draft vocabulary
+    (16,384 log-probabilities) took ~85 us on the H200 (a round's kernel profile,
+    benchmarks/spec/README.md) where its pieces fill the GPU. Which of equal values is
+    kept may differ from torch.topk's choice (neither is specified). stages: 1 or 2 to
+    force either way (None: two for such rows on a GPU, unless `two_stage` is off)."""
+    n = x.shape[-1]
+    if stages is None:
+        stages = 2 if two_stage and x.is_cuda and n >= TWO_STAGE_MIN and k <= 64 else 1
+    if stages == 1:
+        return x.topk(k)
+    piece = 1 << ((n.bit_length() + 1) // 2)            # ~sqrt(n), a power of two
+    pad = -n % piece
+    if pad:
+        x = torch.nn.functional.pad(x, (0, pad), value=float("-inf"))
+    first = x.unflatten(-1, (-1, piece)).topk(min(k, piece))          # [..., pieces, k']
+    base = torch.arange(0, x.shape[-1], piece, device=x.device)[:, None]
+    cand = (first.indices + base).flatten(-2)
+    second = first.values.flatten(-2).topk(k)
+    return torch.return_types.topk((second.values, cand.gather(-1, second.indices)))
+
+
 class EagleTreeExpander:
     def __init__(self, head, embed, lm_head, token_ids, depth: int, topk: int, beam: int):
         self.head, self.embed, self.lm_head, self.token_ids = head, embed, lm_head, token_ids
@@ -66,7 +95,7 @@ class EagleTreeExpander:
         ctx = past_k.shape[0]
         k = self.topk
         logp = torch.log_softmax(self.lm_head(root_feat[None]), -1, dtype=torch.float32)[0]
-        top = logp.topk(min(k, logp.shape[-1]))
+        top = row_topk(logp, min(k, logp.shape[-1]))
         # Candidates level by level: draft-vocabulary column, cumulative
         # log-probability, parent (global candidate index, -1: the root).
         const = self._const
@@ -104,7 +133,7 @@ class EagleTreeExpander:
                                   (ks, vs), mask)
             ks.append(kn), vs.append(vn)
             logp = torch.log_softmax(self.lm_head(f), -1, dtype=torch.float32)
-            top = logp.topk(min(k, logp.shape[-1]))              # [b, k]
+            top = row_topk(logp, min(k, logp.shape[-1]))         # [b, k]
             kk = top.indices.shape[1]
             cols.append(top.indices.flatten())
             scores.append((sc[fr][:, None] + top.values).flatten())

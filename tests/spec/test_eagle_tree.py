@@ -1,5 +1,6 @@
 """EAGLE's tree expansion over a padded past (what a CUDA graph replays)
 equals the expansion over the real pairs alone."""
+import pytest
 import torch
 
 from slipstream.spec.eagle import EagleHead, EagleShape
@@ -29,3 +30,17 @@ def test_padded_past_expands_the_same_tree(tiny_target):
     assert torch.equal(plain[[0, 2, 3]], padded[[0, 2, 3]])
     assert torch.allclose(plain[1], padded[1], atol=1e-5)
     assert not torch.allclose(plain[1], shifted[1])     # positions reach the head
+
+
+@pytest.mark.parametrize("n", [16384, 10000, 4097, 300])
+@pytest.mark.parametrize("k", [1, 8, 10, 64])
+def test_two_stage_row_topk_equals_topk(n, k):
+    """The GPU's two-stage top-k (pieces of ~sqrt(n), padded) gives torch.topk's values in
+    order and indices that point at them, for one row and for several."""
+    from slipstream.spec.eagle_tree import row_topk
+    gen = torch.Generator().manual_seed(n + k)
+    for x in (torch.randn(n, generator=gen), torch.randn(3, n, generator=gen)):
+        got, want = row_topk(x, k, stages=2), x.topk(k)
+        assert torch.equal(got.values, want.values)
+        assert torch.equal(x.gather(-1, got.indices), got.values)
+        assert torch.equal(row_topk(x, k).indices, want.indices)     # on the CPU: torch.topk
