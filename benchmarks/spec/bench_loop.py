@@ -47,6 +47,10 @@ def main(argv=None) -> int:
     ap.add_argument("--kernel-profile", action="store_true",
                     help="CUDA: kernels of one eager round of the first tree (torch.profiler) "
                          "to kernels_cuda.txt in --out")
+    ap.add_argument("--load-format", default=None,
+                    help="dummy: random weights of --model's shape (benchmarks/runtime/"
+                         "smollm2_shape.py writes the default model's): round times without "
+                         "the model file (tau then means nothing)")
     ap.add_argument("--one-stage-topk-too", action="store_true",
                     help="each tree also with the draft vocabulary's top-k in one torch.topk "
                          "(eagle_tree.row_topk's two GPU stages off), for comparison")
@@ -66,6 +70,8 @@ def main(argv=None) -> int:
         args.device = opts["device"] = "cpu"
         args.max_tokens, args.num_prompts = min(args.max_tokens, 16), args.num_prompts or 2
         opts["max_model_len"], opts["dtype"] = 256, "float32"   # fp32: exact identity
+    if args.load_format:
+        opts["load_format"] = args.load_format
     if args.device == "cpu":
         opts["kv_cache_memory"] = 256 << 20
     else:
