@@ -46,10 +46,10 @@ SCHEMES = ["bf16", "rtn-int4", "rtn-int4-head8", "int8", "int8-head8", "w8a8", "
 # A scheme with ":loop" runs its 4-bit layers on the fp32-loop GEMV (kernels/int_weight_gemv.py)
 # instead of the tensor-core one (kernels/w4_mma_gemv.py): SLIPSTREAM_W4_MMA=0 in its process.
 # ":pdl": the tensor-core GEMV launched early (programmatic dependent launch; off by default).
-# ":notma": the 8-bit layers' one-row products without the TMA GEMV among the tuner's
-# launches (kernels/tma_int8_gemv.py; SLIPSTREAM_TMA_INT8_GEMV=0).
+# ":tma": the 8-bit layers' one-row products with the TMA GEMV among the tuner's launches
+# (kernels/tma_int8_gemv.py; SLIPSTREAM_TMA_INT8_GEMV=1, off by default).
 VARIANT_ENV = {"loop": {"SLIPSTREAM_W4_MMA": "0"}, "pdl": {"SLIPSTREAM_W4_MMA_PDL": "1"},
-               "notma": {"SLIPSTREAM_TMA_INT8_GEMV": "0"}}
+               "tma": {"SLIPSTREAM_TMA_INT8_GEMV": "1"}}
 TINY_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 512,
                "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
                "num_attention_heads": 4, "num_key_value_heads": 2,

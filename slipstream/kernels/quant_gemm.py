@@ -193,9 +193,9 @@ def tiled_int_weight_gemm(x: torch.Tensor, words: torch.Tensor, scales: torch.Te
                           tile: int, descriptors: dict | None = None) -> torch.Tensor:
     """The product with weights in the tiled word layout of kernels/int_weight_gemv.py
     (int32 [n, k * bits // 32]), by batch size: up to MAX_ROWS rows the weight-streaming
-    GEMV (at one row of an 8-bit per-channel layer on sm_90 also the TMA GEMV of
-    kernels/tma_int8_gemv.py, whose TMA descriptor is kept in `descriptors`:
-    tma_gemv.descriptors_of the layer); from DEQUANT_ROWS rows the weight dequantized once
+    GEMV (at one row of an 8-bit per-channel layer on sm_90, opt-in, also the TMA GEMV
+    of kernels/tma_int8_gemv.py: `tma_int8_fits`; its TMA descriptors are kept in
+    `descriptors`, tma_gemv.descriptors_of the layer); from DEQUANT_ROWS rows the weight dequantized once
     and multiplied by cuBLAS (compute-bound: the dequantization is a few percent of the
     product); between, the tensor-core kernel above unpacking the tiled words. Launches
     tuned like the others."""
@@ -237,8 +237,10 @@ def tma_int8_fits(x: torch.Tensor, words: torch.Tensor, bits: int, group_cols: i
                   tile: int) -> bool:
     """Whether the TMA GEMV (kernels/tma_int8_gemv.py) is weighed for this product: one
     16-bit row on an sm_90 GPU (compiled kernels), 8-bit codes in 128-input tiles, one
-    group a row; SLIPSTREAM_TMA_INT8_GEMV=0 leaves it out."""
-    if os.environ.get("SLIPSTREAM_TMA_INT8_GEMV", "1") in ("", "0"):
+    group a row, and SLIPSTREAM_TMA_INT8_GEMV=1. Off by default: the tuner, timing each
+    launch alone, picked it for some of Llama-3-8B's products, and int8 decode through
+    the engine went from 1.40x to 1.33x bf16 (H200, benchmarks/quant/README.md)."""
+    if os.environ.get("SLIPSTREAM_TMA_INT8_GEMV", "0") in ("", "0"):
         return False
     if not (x.is_cuda and x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float16)
             and bits == 8 and tile == 128 and group_cols >= x.shape[1]):

@@ -1,5 +1,6 @@
-"""The batch-1 8-bit TMA GEMV (kernels/tma_int8_gemv.py, Gluon, sm_90 only): one of the
-launches the tuner of a w8a16 layer's one-row product weighs (quant_gemm.tiled_int_weight_gemm).
+"""The batch-1 8-bit TMA GEMV (kernels/tma_int8_gemv.py, Gluon, sm_90 only): opt-in, one of
+the launches the tuner of a w8a16 layer's one-row product weighs
+(quant_gemm.tiled_int_weight_gemm, SLIPSTREAM_TMA_INT8_GEMV=1).
 
 On the CPU: symmetric and asymmetric codes compile for sm_90 in a child process without
 the interpreter, with the words copied by TMA, the programmatic-dependent-launch wait and
@@ -72,8 +73,9 @@ def test_rejects_bad_input():
             check_inputs(*bad)
 
 
-def test_takes_only_one_row_of_an_8bit_per_channel_layer_on_sm90():
+def test_takes_only_one_row_of_an_8bit_per_channel_layer_on_sm90(monkeypatch):
     from slipstream.kernels.quant_gemm import tma_int8_fits
+    monkeypatch.setenv("SLIPSTREAM_TMA_INT8_GEMV", "1")
     words = torch.zeros(8, 64, dtype=torch.int32)
     x = torch.zeros(1, 256, dtype=torch.bfloat16)
     assert not tma_int8_fits(x, words, 8, 256, 128)          # not on a GPU
@@ -81,6 +83,9 @@ def test_takes_only_one_row_of_an_8bit_per_channel_layer_on_sm90():
         return
     x, words = x.cuda(), words.cuda()
     assert tma_int8_fits(x, words, 8, 256, 128)
+    monkeypatch.setenv("SLIPSTREAM_TMA_INT8_GEMV", "0")          # the default: off
+    assert not tma_int8_fits(x, words, 8, 256, 128)
+    monkeypatch.setenv("SLIPSTREAM_TMA_INT8_GEMV", "1")
     for args in ((x.repeat(2, 1), words, 8, 256, 128), (x.float(), words, 8, 256, 128),
                  (x, words, 4, 256, 128), (x, words, 8, 128, 128), (x, words, 8, 256, 64)):
         assert not tma_int8_fits(*args)
@@ -115,8 +120,8 @@ def test_matches_the_dequantized_product_on_gpu(sym, n, k, config):
 @pytest.mark.parametrize("sym", [True, False])
 def test_tuned_product_through_the_tma_launch_on_gpu(sym, monkeypatch):
     """tiled_int_weight_gemm at one row with only the TMA launches to choose from gives the
-    GEMV's result, keeps the descriptor with the layer's cache, and is what the tuner
-    recorded for the bucket."""
+    GEMV's result, keeps its descriptors (one a box shape the tuner tried) in the layer's
+    cache, and is what the tuner recorded for the bucket."""
     from slipstream.kernels import quant_gemm, quant_tuning
     from slipstream.kernels.int_weight_gemv import default_gemv_config, int_weight_gemv, tile_codes
     n, k = 1000, 4096
@@ -127,6 +132,7 @@ def test_tuned_product_through_the_tma_launch_on_gpu(sym, monkeypatch):
                                            dtype=torch.int32).to(torch.uint8)
     words = tile_codes(codes, 8, 128)
     x = torch.randn(1, k, device="cuda", generator=gen).bfloat16()
+    monkeypatch.setenv("SLIPSTREAM_TMA_INT8_GEMV", "1")
     monkeypatch.setattr(quant_tuning, "gemv_candidates", lambda *a: [])
     monkeypatch.setattr(quant_tuning, "_BEST", {})
     cache = {}
@@ -134,6 +140,7 @@ def test_tuned_product_through_the_tma_launch_on_gpu(sym, monkeypatch):
     want = int_weight_gemv(x, words, scales, zeros, 8, k, 128,
                            default_gemv_config(1, n, k, 128, x.device))
     assert (got.float() - want.float()).abs().max() / want.float().abs().max() < 1e-2
-    assert len(cache) == 1
+    n_shapes = len({c["BLOCK_N"] for c in quant_tuning.tma_int8_candidates()})
+    assert 1 <= len(cache) <= n_shapes and all(d.base is words for d in cache.values())
     chosen = [c for key, c in quant_tuning.tuned_configs().items() if key[0] == "int_gemv"]
     assert chosen and all(c.get("TMA") for c in chosen)
