@@ -63,9 +63,12 @@ class QuantDraftLMHead(DraftLMHead):
 QUANTIZED = ("fc", "fc_taps", "q", "k", "v", "o", "gate_up", "down")
 
 
-def usable(head, device) -> bool:
+def usable(head: nn.Module, device) -> bool:
+    """Drafting on a CPU with the kernels built, the head in fp32 (its parameters'
+    dtype)."""
+    dtype = next(head.parameters()).dtype
     return (torch.device(device).type == "cpu" and cpu_library.load() is not None
-            and head.dtype == torch.float32)
+            and dtype == torch.float32)
 
 
 def quantize_head(head: nn.Module, lm_head: DraftLMHead) -> DraftLMHead:
@@ -79,6 +82,14 @@ def quantize_head(head: nn.Module, lm_head: DraftLMHead) -> DraftLMHead:
         if lin.out_features % 16 == 0 and lin.in_features % 32 == 0:
             setattr(head, name, QuantLinear(lin))
     head.qkv_weight = None      # the fused fp32 q/k/v product would bypass the Q8_0 layers
+    return quantize_lm_head(lm_head)
+
+
+def quantize_lm_head(lm_head: DraftLMHead) -> DraftLMHead:
+    """The LM head to draft with on a CPU: with a draft vocabulary, its rows in the
+    target's own blocks where the target holds its LM head as a single-format quantized
+    table (a dense fp32 copy of 16k rows streams 38 MB a call, single-threaded); else
+    `lm_head` unchanged."""
     owner = getattr(lm_head.target.lm_head, "_owner", [None])[0]
     qm = getattr(owner, "gguf_weight", None)
     if lm_head.vocab is not None and isinstance(qm, QuantMatrix) and len(qm.segments) == 1:

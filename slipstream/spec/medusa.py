@@ -118,4 +118,7 @@ def _make(spec, device, dtype, target=None, **_):
     path = resolve_head(spec.model, "medusa")
     heads = MedusaHeads.load(path, device, dtype)
     lm_head = DraftLMHead(target, read_draft_vocab(path), dtype, device)
+    from slipstream.spec import cpu_draft
+    if cpu_draft.usable(heads, device):        # a draft vocabulary's rows in the target's blocks
+        lm_head = cpu_draft.quantize_lm_head(lm_head)
     return MedusaProposer(heads, lm_head, spec.medusa_topk)
