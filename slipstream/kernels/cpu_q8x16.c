@@ -50,19 +50,16 @@ static void x16_q8_group(const uint8_t *w, int64_t nb, const qx_t *x, int nx, fl
         __m512i v[8];
         for (int j = 0; j < 8; j++) v[j] = _mm512_loadu_si512(w + 32 + 64 * j);
         for (int i = 0; i < nx; i++) {
-            int32_t xv[8];
-            memcpy(xv, x[i].q + 32 * b, 32);
+            const ss_i32u *qv = (const ss_i32u *)(x[i].q + 32 * b);   /* see x16_group */
             __m512i s = _mm512_setzero_si512();
 #if defined(__AVX512VNNI__)
-            const ss_i32u *qv = (const ss_i32u *)(x[i].q + 32 * b);   /* see x16_group */
             for (int j = 0; j < 8; j++) s = _mm512_dpbusd_epi32(s, v[j], _mm512_set1_epi32(qv[j]));
-            (void)xv;
             acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, _mm512_set1_ps(x[i].d[b])), acc[i]);
             acc[i] = _mm512_fmadd_ps(d, _mm512_set1_ps(-128 * x[i].s[b]), acc[i]);
 #else
             const __m512i one = _mm512_set1_epi16(1), bias = _mm512_set1_epi8((char)0x80);
             for (int j = 0; j < 8; j++) {
-                __m512i ws = _mm512_xor_si512(v[j], bias), xb = _mm512_set1_epi32(xv[j]);
+                __m512i ws = _mm512_xor_si512(v[j], bias), xb = _mm512_set1_epi32(qv[j]);
                 __mmask64 neg = _mm512_movepi8_mask(ws);
                 __m512i xsg = _mm512_mask_sub_epi8(xb, neg, _mm512_setzero_si512(), xb);
                 s = _mm512_add_epi32(s, _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_abs_epi8(ws), xsg), one));
