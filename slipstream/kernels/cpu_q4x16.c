@@ -128,8 +128,7 @@ static void x16_group(const uint8_t *w, int64_t nb, const qx_t *x, int nx, float
                 hi[j] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
             }
             for (int i = 0; i < nx; i++) {
-                int32_t xv[8];
-                memcpy(xv, x[i].q + 32 * b, 32);
+                const ss_i32u *xv = (const ss_i32u *)(x[i].q + 32 * b);   /* see above */
                 __m256i s = _mm256_setzero_si256();
 #if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
                 for (int j = 0; j < 4; j++) {

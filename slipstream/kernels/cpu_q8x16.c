@@ -81,8 +81,7 @@ static void x16_q8_group(const uint8_t *w, int64_t nb, const qx_t *x, int nx, fl
             __m256i v[8];
             for (int j = 0; j < 8; j++) v[j] = _mm256_loadu_si256((const __m256i *)(p + 32 + 64 * j + 32 * half));
             for (int i = 0; i < nx; i++) {
-                int32_t xv[8];
-                memcpy(xv, x[i].q + 32 * b, 32);
+                const ss_i32u *xv = (const ss_i32u *)(x[i].q + 32 * b);   /* see above */
                 __m256i s = _mm256_setzero_si256();
 #if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
                 for (int j = 0; j < 8; j++) s = _mm256_dpbusd_avx_epi32(s, v[j], _mm256_set1_epi32(xv[j]));
