@@ -1,16 +1,16 @@
 """AMX tiles (kernels/cpu_amx.c) against the AVX-512 kernel on this CPU, default model.
 
-The tiles take Q8_0 products of 8+ rows of x; the default model's decoder layers are
-Q4_1 (AVX-512 either way, measured as a control), its LM head Q8_0.
+The tiles take Q8_0 products of 8+ rows of x and Q4_0 / Q4_1 ones of 16+; the
+default model's decoder layers are Q4_1, its LM head Q8_0.
 1. Products: the 30 decoder layers' products and the LM head, for m rows of x, tiles
    on and off alternating rep by rep; medians.
-2. Decode of 16 requests at once through `LLM.generate` (the LM head at 16 rows a
+2. Prefill of one prompt through `LLM.generate` (max_tokens=1), after prompts that
+   touch the KV pool's pages, tiles on and off alternating; medians -> prompt tokens/s.
+3. Decode of 16 requests at once through `LLM.generate` (the LM head at 16 rows a
    step), 64 greedy tokens each, tiles on and off alternating; medians -> tokens/s.
-3. The same model with its Q4_1 tensors requantized to Q8_0 (a GGUF file written to a
+4. The same model with its Q4_1 tensors requantized to Q8_0 (a GGUF file written to a
    temporary folder: the format llama.cpp users run 8-bit models in; weights differ
-   from the Q4_1 file's by Q8_0's rounding): prefill of one prompt through
-   `LLM.generate` (max_tokens=1) after prompts that touch the KV pool's pages, and
-   the batch decode of 2.
+   from the Q4_1 file's by Q8_0's rounding): 2 and 3 again.
 
     python benchmarks/cpu/bench_amx.py --out benchmarks/cpu/results
 
@@ -156,16 +156,21 @@ def prefill(llm, lengths: list[int], reps: int) -> list[dict]:
     return rows
 
 
-def markdown(meta: dict, prod: list[dict], dec: dict, q8_prefill: list[dict], q8_dec: dict) -> str:
+def markdown(meta: dict, prod: list[dict], pre: list[dict], dec: dict, q8_prefill: list[dict],
+             q8_dec: dict) -> str:
     lines = [f"# AMX tiles against AVX-512 ({meta['cpu']})", "",
              f"{meta['date']}, {meta['threads']} threads, torch {meta['torch']}, commit "
              f"{meta['commit']}; load average {meta['load_before']} -> {meta['load_after']}. "
              "Tiles on and off alternating rep by rep; medians.", "",
-             "## Default model: products (the 30 decoder layers' Q4_1 products, a control: "
-             "AVX-512 either way; the Q8_0 LM head)", "",
+             "## Default model: products (the 30 decoder layers' Q4_1 products; the Q8_0 "
+             "LM head)", "",
              "| part | rows of x | AVX-512 ms | AMX ms | speedup |", "| --- | ---: | ---: | ---: | ---: |"]
     lines += [f"| {r['part']} | {r['m']} | {r['avx512_ms']} | {r['amx_ms']} | {r['speedup']} |"
               for r in prod]
+    lines += ["", "## Default model: prefill of one prompt (max_tokens=1)", "",
+              "| prompt tokens | AVX-512 tok/s | AMX tok/s | speedup |", "| ---: | ---: | ---: | ---: |"]
+    lines += [f"| {r['prompt_tokens']} | {r['avx512_tok_s']} | {r['amx_tok_s']} | {r['speedup']} |"
+              for r in pre]
     for title, d in ((f"Default model: decode, {dec['batch']} requests at once", dec),
                      (f"The model requantized to Q8_0: decode, {q8_dec['batch']} requests at once",
                       q8_dec)):
@@ -200,6 +205,7 @@ def main() -> int:
         return 0
     load_before = os.getloadavg()[0]
     prod = products(llm, [int(m) for m in args.ms.split(",")], args.reps)
+    pre = prefill(llm, [int(n) for n in args.prompts.split(",")], args.reps)
     dec = batch_decode(llm, args.batch, args.tokens, args.reps)
     del llm
     import tempfile
@@ -214,13 +220,13 @@ def main() -> int:
             "cpu": platform.processor() or platform.machine(), "threads": cpu_library.threads(),
             "torch": torch.__version__, "commit": commit, "load_before": round(load_before, 2),
             "load_after": round(os.getloadavg()[0], 2)}
-    md = markdown(meta, prod, dec, q8_prefill, q8_dec)
+    md = markdown(meta, prod, pre, dec, q8_prefill, q8_dec)
     print(md)
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         stem = f"amx_{meta['date'][:10]}_{commit}"
-        (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "products": prod, "decode": dec,
+        (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "products": prod, "prefill": pre, "decode": dec,
                                                        "q8_0_prefill": q8_prefill, "q8_0_decode": q8_dec},
                                                       indent=1))
         (out / f"{stem}.md").write_text(md)

@@ -17,8 +17,8 @@
  *                 (cpu_tree_attention.c).
  *   ss_decode_step, ss_tree_step  a whole model step (cpu_decoder.c).
  *   ss_eagle_pass, ss_eagle_chain  EAGLE's draft head (cpu_eagle.c).
- *   ss_set_amx    Q8_0 products of several rows of x on AMX tiles, where there
- *                 are some (cpu_amx.c).
+ *   ss_set_amx    products of several rows of x on AMX tiles, where there are
+ *                 some (cpu_amx.c).
  *
  * Threads: a small pool of spinning workers. Work is split into chunks that
  * threads claim with an atomic counter; the caller takes chunks too and waits
@@ -532,7 +532,7 @@ static void mm_rows(mm_args *a, int s, int64_t base, int64_t lo, int64_t hi, flo
     int64_t nb = a->cols / qk, row_bytes = nb * bb, nbx = a->cols / 32;
     if (t == T_Q4X16 || t == T_Q8X16) {   /* lo - base and hi - base are multiples of 16 */
 #if defined(SS_AMX)
-        if (t == T_Q8X16 && amx_takes(a->m)) {   /* up to 16 rows of x a tile product (cpu_amx.c) */
+        if (amx_takes(a->m, t == T_Q8X16)) {   /* up to 16 rows of x a tile product (cpu_amx.c) */
             for (int64_t i0 = 0; i0 < a->m; i0 += M_BLOCK) {
                 int64_t i1 = i0 + M_BLOCK < a->m ? i0 + M_BLOCK : a->m;
                 for (int64_t r = lo; r < hi; r += 16)
@@ -541,9 +541,9 @@ static void mm_rows(mm_args *a, int s, int64_t base, int64_t lo, int64_t hi, flo
                         const uint8_t *w = a->w[s] + (r - base) * row_bytes;
                         const uint8_t *pf = i == i0 ? w + PF_AHEAD : w + 16 * row_bytes;
                         float *y = a->y + i * a->ldy + r;
-                        if (amx_takes(nx)) {
-                            amx_group(w, nb, a->xq + i * a->cols, a->cols, a->xd + i * nbx, a->xs + i * nbx,
-                                      nx, y, a->ldy, pf);
+                        if (amx_takes(nx, t == T_Q8X16)) {
+                            amx_group(t == T_Q8X16, w, nb, a->xq + i * a->cols, a->cols, a->xd + i * nbx,
+                                      a->xs + i * nbx, nx, y, a->ldy, pf);
                         } else {                 /* a tail of fewer rows */
                             for (int k0 = 0; k0 < nx; k0 += 4) {
                                 qx_t xq[4]; int n4 = nx - k0 < 4 ? nx - k0 : 4;
@@ -551,7 +551,8 @@ static void mm_rows(mm_args *a, int s, int64_t base, int64_t lo, int64_t hi, flo
                                     int64_t row = i + k0 + k;
                                     xq[k].q = a->xq + row * a->cols; xq[k].d = a->xd + row * nbx; xq[k].s = a->xs + row * nbx;
                                 }
-                                x16_q8_group(w, nb, xq, n4, y + k0 * a->ldy, a->ldy, pf);
+                                if (t == T_Q4X16) x16_group(w, nb, xq, n4, y + k0 * a->ldy, a->ldy, pf);
+                                else x16_q8_group(w, nb, xq, n4, y + k0 * a->ldy, a->ldy, pf);
                             }
                         }
                     }

@@ -39,8 +39,8 @@ def _tol(qtype: int) -> float:
 @pytest.mark.parametrize("rows", [40, 48])
 def test_matmul_matches_dequantize_then_matmul(qtype, m, rows):
     """48 rows: Q4_0 / Q4_1 / Q8_0 run repacked for 16 rows at a time (cpu_q4x16.c,
-    cpu_q8x16.c; on a CPU with AMX, Q8_0's 9 and 17 rows of x partly on tiles,
-    cpu_amx.c);
+    cpu_q8x16.c; on a CPU with AMX, Q8_0's 9 and 17 rows of x and Q4's 17 partly on
+    tiles, cpu_amx.c);
     40 rows: as stored."""
     gen = torch.Generator().manual_seed(qtype * 10 + m + rows)
     cols = 512
@@ -114,16 +114,16 @@ def test_rejects_a_wrong_layout():
         QuantMatrix([(12, torch.zeros(4, 144, dtype=torch.uint8))], 100)
 
 
+@pytest.mark.parametrize("qtype", [2, 3, 8], ids=lambda q: QUANTIZED[q])
 @pytest.mark.parametrize("cols", [512, 544])
-def test_amx_tiles_give_the_avx512_result(cols):
-    """Where the build and the OS give AMX tiles: Q8_0 products of 8-40 rows of x on
-    them (full tiles of 16, a tail of fewer rows, an even and an odd block count)
-    equal the AVX-512 kernel's up to the order of fp32 sums (the int32 block sums are
-    exact)."""
+def test_amx_tiles_give_the_avx512_result(qtype, cols):
+    """Where the build and the OS give AMX tiles: products of 8-40 rows of x on them
+    (Q8_0 from 8 rows, Q4_0 / Q4_1 from 16; full tiles of 16, a tail of fewer rows, an
+    even and an odd block count) equal the AVX-512 kernels' up to the order of fp32
+    sums (the int32 block sums are exact)."""
     before = cpu_library.set_amx()
     if not before:
         pytest.skip("no AMX tiles here (build target or OS)")
-    qtype = 8
     gen = torch.Generator().manual_seed(qtype + cols)
     data = random_blocks(qtype, 48, cols, gen)
     qm = QuantMatrix([(qtype, data)], cols)
