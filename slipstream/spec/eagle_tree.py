@@ -19,6 +19,7 @@ warning and the eager path runs.
 from __future__ import annotations
 
 import warnings
+from typing import NamedTuple
 
 import torch
 
@@ -30,7 +31,12 @@ TWO_STAGE_MIN = 4096
 two_stage = True      # benchmarks switch it off to compare
 
 
-def row_topk(x: torch.Tensor, k: int, stages: int | None = None):
+class TopK(NamedTuple):
+    values: torch.Tensor
+    indices: torch.Tensor
+
+
+def row_topk(x: torch.Tensor, k: int, stages: int | None = None) -> TopK:
     """torch.topk(x, k) over the last dim (values, indices; values descending). On a GPU a
     long row goes in two stages: the top k of each of ~sqrt(n) pieces, then the top k of
     those. torch.topk gives a row one thread block, so a row of the draft vocabulary
@@ -42,7 +48,7 @@ def row_topk(x: torch.Tensor, k: int, stages: int | None = None):
     if stages is None:
         stages = 2 if two_stage and x.is_cuda and n >= TWO_STAGE_MIN and k <= 64 else 1
     if stages == 1:
-        return x.topk(k)
+        return TopK(*x.topk(k))
     piece = 1 << ((n.bit_length() + 1) // 2)            # ~sqrt(n), a power of two
     pad = -n % piece
     if pad:
@@ -51,7 +57,7 @@ def row_topk(x: torch.Tensor, k: int, stages: int | None = None):
     base = torch.arange(0, x.shape[-1], piece, device=x.device)[:, None]
     cand = (first.indices + base).flatten(-2)
     second = first.values.flatten(-2).topk(k)
-    return torch.return_types.topk((second.values, cand.gather(-1, second.indices)))
+    return TopK(second.values, cand.gather(-1, second.indices))
 
 
 class EagleTreeExpander:
