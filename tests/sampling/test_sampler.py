@@ -219,6 +219,9 @@ def test_min_tokens_masks_stop_tokens_and_eos_until_reached():
 
 
 def test_forward_never_syncs_with_the_host(monkeypatch):
+    """The path a GPU takes (on a CPU, top-p reads values on the host: no device there)."""
+    from slipstream.layers import sampler as sampler_module
+    monkeypatch.setattr(sampler_module, "CPU_NUCLEUS", False)
     params = [SamplingParams(temperature=0.0, logprobs=2),
               SamplingParams(top_k=5, top_p=0.9, min_p=0.05, seed=3, logprobs=4),
               SamplingParams(repetition_penalty=1.3, frequency_penalty=0.4, min_tokens=3,
@@ -260,3 +263,35 @@ def test_row_argmax_two_pass_equals_argmax_with_ties():
         assert torch.equal(row_argmax(x, chunks), x.argmax(dim=-1)), chunks
     assert _argmax_chunks(128256) == 256 and 128256 % 256 == 0
     assert _argmax_chunks(49152) > 1 and _argmax_chunks(1000) == 1
+
+
+@pytest.mark.parametrize("kw", [dict(top_p=0.9), dict(top_p=0.5, top_k=40),
+                                dict(top_p=0.99, top_k=5000), dict(top_p=0.9, top_k=300)])
+def test_cpu_nucleus_candidates_keep_what_the_full_sort_keeps(kw):
+    """On a CPU, top-p over the likeliest NUCLEUS_CANDIDATES (256) tokens of a wide
+    vocabulary keeps the tokens the full sort keeps, with the probabilities of the full
+    sort's renormalised distribution; where a row's kept set may reach past them (a
+    flat row, top_k above 256) it hands over to the full sort (None)."""
+    from slipstream.layers.sampler import apply_top_k_top_p, nucleus_candidates
+    vocab = 4096
+    gen = torch.Generator().manual_seed(5)
+    fast = 0
+    for scale in (6.0, 4.0, 3.0, 2.0, 0.3):
+        logits = torch.randn(1, vocab, generator=gen) * scale
+        top_p = torch.full((1,), kw["top_p"])
+        k = min(kw.get("top_k", 0), vocab)        # SamplingBatch keeps top_k in [1, vocab]
+        top_k = torch.full((1,), k, dtype=torch.int64) if k else None
+        full = apply_top_k_top_p(logits, top_k, k, top_p).softmax(-1)
+        cand = nucleus_candidates(logits, top_k, k, top_p)
+        kept = int((full > 0).sum())
+        if cand is None:
+            assert kept > 200 or 256 < k < vocab, (scale, kept)
+            continue
+        assert not 256 < k < vocab
+        fast += 1
+        weights, ids = cand
+        got = torch.zeros_like(full).scatter(1, ids, weights)
+        got = got / got.sum(-1, keepdim=True)
+        assert torch.equal(got > 0, full > 0), (scale, kept)
+        torch.testing.assert_close(got, full, atol=1e-6, rtol=1e-4)
+    assert fast > 0 or 256 < kw.get("top_k", 0) < vocab
