@@ -235,33 +235,37 @@ def nucleus_candidates(logits: torch.Tensor, top_k: torch.Tensor | None, max_top
                        top_p: torch.Tensor, width: int = NUCLEUS_CANDIDATES):
     """top-k / top-p of `apply_top_k_top_p` over each row's `width` likeliest tokens
     instead of a sort of the whole vocabulary: (weights [rows, width], the kept tokens'
-    probabilities and 0 elsewhere, and their token ids [rows, width]), or None when some
-    row's kept set may reach past them (its top_k is wider, ties at the k-th value run
-    past them, or they hold less than top_p of the probability): then the full sort
-    decides. Reads values on the host, so for CPU tensors only (a full sort of a 49k
-    vocabulary took ~3 ms a step there, as long as the model's step)."""
+    probabilities and 0 elsewhere; their token ids [rows, width]; ok [rows] bool). A row
+    is not ok where it has no top-p (top_p 1) or its kept set may reach past the
+    candidates (its top_k is wider, ties at the k-th value run past them, or they hold
+    less than top_p of its probability): the full sort decides those rows. Whether a row is ok depends on that row alone, so
+    a seeded row draws the same way whatever shares its batch. For CPU tensors (a full
+    sort of a 49k vocabulary took ~3 ms a step there, as long as the model's step)."""
     vocab = logits.shape[1]
     width = min(width, vocab)
     vals, ids = logits.topk(width, dim=-1)                          # descending
+    ok = top_p < 1.0      # rows without top-p draw over the whole vocabulary, as alone
+    lse = logits.logsumexp(-1, keepdim=True)
     if top_k is not None:
         on = top_k < vocab
-        if bool((on & (top_k > width)).any()):
-            return None
         kth = vals.gather(1, (top_k.clamp(max=width) - 1).unsqueeze(1))
-        if width < vocab and bool((on.unsqueeze(1) & (vals[:, -1:] == kth)).any()):
-            return None                                              # ties may run past
+        ok &= ~(on & (top_k > width))
+        if width < vocab:
+            ok &= ~(on & (vals[:, -1] == kth[:, 0]))                # ties may run past
         vals = vals.masked_fill(on.unsqueeze(1) & (vals < kth), _NEG_INF)
         # top-k rows renormalise over their k tokens, the others over the whole row
-        lse = torch.where(on.unsqueeze(1), vals.logsumexp(-1, keepdim=True),
-                          logits.logsumexp(-1, keepdim=True))
-    else:
-        lse = logits.logsumexp(-1, keepdim=True)
+        lse = torch.where(on.unsqueeze(1), vals.logsumexp(-1, keepdim=True), lse)
     probs = (vals - lse).exp()
-    if width < vocab and not bool((probs.sum(-1) >= top_p).all()):
-        return None
+    if width < vocab:
+        ok &= probs.sum(-1) >= top_p
     # A token stays while the more likely ones hold less than top_p (the likeliest always).
     before = probs.cumsum(-1) - probs
-    return probs.masked_fill(before >= top_p.unsqueeze(1), 0.0), ids
+    return probs.masked_fill(before >= top_p.unsqueeze(1), 0.0), ids, ok
+
+
+def _rows(generators: dict[int, torch.Generator], rows: list[int]) -> dict[int, torch.Generator]:
+    """The generators of `rows`, keyed by position among them."""
+    return {j: generators[r] for j, r in enumerate(rows) if r in generators}
 
 
 def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
@@ -320,15 +324,27 @@ class Sampler(nn.Module):
         logits = logits / temperature.unsqueeze(1)
         if batch.min_p is not None:
             logits = apply_min_p(logits, batch.min_p)
-        cand = None
         if batch.top_p is not None and logits.device.type == "cpu" and CPU_NUCLEUS:
-            cand = nucleus_candidates(logits, batch.top_k, batch.max_top_k, batch.top_p)
-        if cand is not None:   # the draw among the candidates (the others weigh 0)
-            weights, ids = cand
-            sampled = ids.gather(1, random_sample(weights, batch.generators).unsqueeze(1))[:, 0]
+            sampled = _sample_cpu_nucleus(logits, batch)
         else:
             logits = apply_top_k_top_p(logits, batch.top_k, batch.max_top_k, batch.top_p)
             sampled = random_sample(logits.softmax(dim=-1), batch.generators)
         if greedy is None:
             return sampled
         return torch.where(batch.temperature < SAMPLING_EPS, greedy, sampled)
+
+
+def _sample_cpu_nucleus(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Top-k / top-p and the draw on a CPU: rows whose kept set lies among their
+    likeliest tokens draw among those (the others weigh 0), the rest after the full sort."""
+    weights, ids, ok = nucleus_candidates(logits, batch.top_k, batch.max_top_k, batch.top_p)
+    fast, slow = ok.nonzero()[:, 0].tolist(), (~ok).nonzero()[:, 0].tolist()
+    sampled = torch.empty(logits.shape[0], dtype=torch.int64)
+    if fast:
+        pick = random_sample(weights[fast], _rows(batch.generators, fast))
+        sampled[fast] = ids[fast].gather(1, pick.unsqueeze(1))[:, 0]
+    if slow:
+        top_k = None if batch.top_k is None else batch.top_k[slow]
+        kept = apply_top_k_top_p(logits[slow], top_k, batch.max_top_k, batch.top_p[slow])
+        sampled[slow] = random_sample(kept.softmax(dim=-1), _rows(batch.generators, slow))
+    return sampled

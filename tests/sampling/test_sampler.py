@@ -271,7 +271,7 @@ def test_cpu_nucleus_candidates_keep_what_the_full_sort_keeps(kw):
     """On a CPU, top-p over the likeliest NUCLEUS_CANDIDATES (256) tokens of a wide
     vocabulary keeps the tokens the full sort keeps, with the probabilities of the full
     sort's renormalised distribution; where a row's kept set may reach past them (a
-    flat row, top_k above 256) it hands over to the full sort (None)."""
+    flat row, top_k above 256) it leaves the row to the full sort (ok False)."""
     from slipstream.layers.sampler import apply_top_k_top_p, nucleus_candidates
     vocab = 4096
     gen = torch.Generator().manual_seed(5)
@@ -282,16 +282,31 @@ def test_cpu_nucleus_candidates_keep_what_the_full_sort_keeps(kw):
         k = min(kw.get("top_k", 0), vocab)        # SamplingBatch keeps top_k in [1, vocab]
         top_k = torch.full((1,), k, dtype=torch.int64) if k else None
         full = apply_top_k_top_p(logits, top_k, k, top_p).softmax(-1)
-        cand = nucleus_candidates(logits, top_k, k, top_p)
+        weights, ids, ok = nucleus_candidates(logits, top_k, k, top_p)
         kept = int((full > 0).sum())
-        if cand is None:
+        if not ok[0]:
             assert kept > 200 or 256 < k < vocab, (scale, kept)
             continue
         assert not 256 < k < vocab
         fast += 1
-        weights, ids = cand
         got = torch.zeros_like(full).scatter(1, ids, weights)
         got = got / got.sum(-1, keepdim=True)
         assert torch.equal(got > 0, full > 0), (scale, kept)
         torch.testing.assert_close(got, full, atol=1e-6, rtol=1e-4)
     assert fast > 0 or 256 < kw.get("top_k", 0) < vocab
+
+
+def test_cpu_nucleus_seeded_row_draws_alike_whatever_shares_the_batch():
+    """A seeded row takes the candidates' path or the full sort by its own logits only,
+    so it draws the same token alone and beside a row left to the full sort."""
+    vocab = 4096
+    gen = torch.Generator().manual_seed(9)
+    peaked = torch.randn(1, vocab, generator=gen) * 5
+    flat = torch.randn(1, vocab, generator=gen) * 0.1
+    seeded = SamplingParams(temperature=0.7, top_p=0.9, seed=11)
+    other = SamplingParams(temperature=0.7, top_p=0.9)
+    alone = [sample([seeded], peaked, generators=[make_generator(seeded, "cpu")])
+             .sampled_token_ids[0] for _ in range(2)]
+    mixed = sample([seeded, other], torch.cat([peaked, flat]),
+                   generators=[make_generator(seeded, "cpu"), None]).sampled_token_ids[0]
+    assert alone[0] == alone[1] == mixed
