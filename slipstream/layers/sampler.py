@@ -231,16 +231,17 @@ NUCLEUS_CANDIDATES = 256
 CPU_NUCLEUS = True
 
 
-def nucleus_candidates(logits: torch.Tensor, top_k: torch.Tensor | None, max_top_k: int,
-                       top_p: torch.Tensor, width: int = NUCLEUS_CANDIDATES):
+def nucleus_candidates(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor,
+                       width: int = NUCLEUS_CANDIDATES):
     """top-k / top-p of `apply_top_k_top_p` over each row's `width` likeliest tokens
     instead of a sort of the whole vocabulary: (weights [rows, width], the kept tokens'
     probabilities and 0 elsewhere; their token ids [rows, width]; ok [rows] bool). A row
     is not ok where it has no top-p (top_p 1) or its kept set may reach past the
     candidates (its top_k is wider, ties at the k-th value run past them, or they hold
-    less than top_p of its probability): the full sort decides those rows. Whether a row is ok depends on that row alone, so
-    a seeded row draws the same way whatever shares its batch. For CPU tensors (a full
-    sort of a 49k vocabulary took ~3 ms a step there, as long as the model's step)."""
+    less than top_p of its probability): the full sort decides those rows. Whether a row
+    is ok depends on that row alone, so a seeded row draws the same way whatever shares
+    its batch. For CPU tensors (a full sort of a 49k vocabulary took ~3 ms a step there,
+    as long as the model's step)."""
     vocab = logits.shape[1]
     width = min(width, vocab)
     vals, ids = logits.topk(width, dim=-1)                          # descending
@@ -337,7 +338,7 @@ class Sampler(nn.Module):
 def _sample_cpu_nucleus(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Top-k / top-p and the draw on a CPU: rows whose kept set lies among their
     likeliest tokens draw among those (the others weigh 0), the rest after the full sort."""
-    weights, ids, ok = nucleus_candidates(logits, batch.top_k, batch.max_top_k, batch.top_p)
+    weights, ids, ok = nucleus_candidates(logits, batch.top_k, batch.top_p)
     fast, slow = ok.nonzero()[:, 0].tolist(), (~ok).nonzero()[:, 0].tolist()
     sampled = torch.empty(logits.shape[0], dtype=torch.int64)
     if fast:

@@ -282,7 +282,7 @@ def test_cpu_nucleus_candidates_keep_what_the_full_sort_keeps(kw):
         k = min(kw.get("top_k", 0), vocab)        # SamplingBatch keeps top_k in [1, vocab]
         top_k = torch.full((1,), k, dtype=torch.int64) if k else None
         full = apply_top_k_top_p(logits, top_k, k, top_p).softmax(-1)
-        weights, ids, ok = nucleus_candidates(logits, top_k, k, top_p)
+        weights, ids, ok = nucleus_candidates(logits, top_k, top_p)
         kept = int((full > 0).sum())
         if not ok[0]:
             assert kept > 200 or 256 < k < vocab, (scale, kept)
