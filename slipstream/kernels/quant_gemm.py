@@ -195,10 +195,10 @@ def tiled_int_weight_gemm(x: torch.Tensor, words: torch.Tensor, scales: torch.Te
     (int32 [n, k * bits // 32]), by batch size: up to MAX_ROWS rows the weight-streaming
     GEMV (at one row of an 8-bit per-channel layer on sm_90, opt-in, also the TMA GEMV
     of kernels/tma_int8_gemv.py: `tma_int8_fits`; its TMA descriptors are kept in
-    `descriptors`, tma_gemv.descriptors_of the layer); from DEQUANT_ROWS rows the weight dequantized once
-    and multiplied by cuBLAS (compute-bound: the dequantization is a few percent of the
-    product); between, the tensor-core kernel above unpacking the tiled words. Launches
-    tuned like the others."""
+    `descriptors`, tma_gemv.descriptors_of the layer); from DEQUANT_ROWS rows the
+    weight dequantized once and multiplied by cuBLAS (compute-bound: the dequantization
+    is a few percent of the product); between, the tensor-core kernel above unpacking
+    the tiled words. Launches tuned like the others."""
     m, k = x.shape
     n = words.shape[0]
     if m <= MAX_ROWS:
