@@ -80,6 +80,7 @@ class SpecConfig:
     auto_off: bool = True                # skip drafting when the roofline predicts no gain
     draft_graphs: bool = False           # EAGLE: tree expansion from a CUDA graph (GPU)
     device_loop: bool = False            # EAGLE: spec/loop_path.py for single greedy prompts
+    loop_compile: bool = False           # the loop's expansion and round parts compiled
     online: bool = False                 # EAGLE / P-EAGLE: keep training the head (spec/online.py)
     online_lr: float = 1e-4
     online_every: int = 2048             # recorded pairs between updates

@@ -46,7 +46,8 @@ def main(argv=None) -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny random model on the CPU")
     ap.add_argument("--kernel-profile", action="store_true",
                     help="CUDA: kernels of one eager round of the first tree (torch.profiler) "
-                         "to kernels_cuda.txt in --out")
+                         "to kernels_cuda.txt in --out, and of the first compiled tree to "
+                         "kernels_cuda_compiled.txt")
     ap.add_argument("--load-format", default=None,
                     help="dummy: random weights of --model's shape (benchmarks/runtime/"
                          "smollm2_shape.py writes the default model's): round times without "
@@ -157,9 +158,11 @@ def main(argv=None) -> int:
                     row["parts_ms"] = _parts(loop, prompts[0])
                 except Exception as e:   # noqa: BLE001 - the row stands without it
                     row["parts_ms"] = f"{type(e).__name__}: {e}"[:200]
-                if args.kernel_profile and not results:
+                first_compiled = comp and not any(r.get("compiled") for r in results)
+                if args.kernel_profile and (not results or first_compiled):
+                    name = "kernels_cuda_compiled.txt" if comp else "kernels_cuda.txt"
                     try:
-                        _kernels(loop, prompts[0], Path(args.out) / "kernels_cuda.txt", spec)
+                        _kernels(loop, prompts[0], Path(args.out) / name, spec)
                     except Exception as e:   # noqa: BLE001
                         print(f"kernel profile failed: {e!r}", flush=True)
         except Exception as e:   # noqa: BLE001 - one shape failing must not lose the others

@@ -47,6 +47,7 @@ ENGINE_OPTIONS = {
     "speculative_auto_off": (bool, True, "stop drafting where the roofline predicts no gain"),
     "speculative_draft_graphs": (bool, False, "EAGLE: tree expansion from a CUDA graph (GPU)"),
     "speculative_device_loop": (bool, False, "EAGLE: one greedy prompt with every round on the device"),
+    "speculative_compile": (bool, False, "EAGLE device loop: compile the expansion (torch.compile)"),
     "speculative_online": (bool, False, "EAGLE / P-EAGLE: keep training the head while serving"),
 }
 

@@ -48,6 +48,9 @@ class EngineArgs:
     speculative_draft_graphs: bool = False
     # EAGLE: one greedy prompt of LLM.generate, every round on the device (spec/loop_path.py)
     speculative_device_loop: bool = False
+    # The device loop's tree expansion and round parts through torch.compile (fuses their
+    # small ops; a compile of ~20-60 s when the first loop is built)
+    speculative_compile: bool = False
     # EAGLE / P-EAGLE: keep training the head on the pairs it drafts from (spec/online.py)
     speculative_online: bool = False
     seed: int = 0
@@ -157,6 +160,9 @@ class EngineArgs:
             raise ValueError("speculative_draft_graphs applies to speculative_method='eagle'")
         if self.speculative_device_loop and method != "eagle":
             raise ValueError("speculative_device_loop applies to speculative_method='eagle'")
+        if self.speculative_compile and not self.speculative_device_loop:
+            raise ValueError("speculative_compile applies to the EAGLE device loop "
+                             "(speculative_device_loop=True)")
         if self.speculative_online and method not in ("eagle", "peagle"):
             raise ValueError("speculative_online applies to speculative_method 'eagle' or 'peagle'")
         extra = {}
@@ -181,6 +187,7 @@ class EngineArgs:
                           auto_off=self.speculative_auto_off,
                           draft_graphs=self.speculative_draft_graphs,
                           device_loop=self.speculative_device_loop,
+                          loop_compile=self.speculative_compile,
                           online=self.speculative_online, **extra)
 
 

@@ -113,6 +113,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "profiles_<device>.txt (top 40, ms per round by part) in --out")
     p.add_argument("--eagle-graphs", action="store_true",
                    help="EAGLE's tree expansion from a CUDA graph (speculative_draft_graphs)")
+    p.add_argument("--loop-compile", action="store_true",
+                   help="eagle-loop: the expansion and round parts through torch.compile "
+                        "(speculative_compile)")
     p.add_argument("--no-sync-check", dest="sync_check", action="store_false",
                    help="CUDA: skip counting the synchronizing calls of a speculation round")
 
@@ -191,6 +194,8 @@ def run(args, model=None, heads: dict | None = None, stem: str | None = None) ->
         kind = opts["speculative_method"]
         if kind == "eagle" and getattr(args, "eagle_graphs", False):
             opts["speculative_draft_graphs"] = True
+        if name == "eagle-loop" and getattr(args, "loop_compile", False):
+            opts["speculative_compile"] = True
         if kind in heads:
             opts["speculative_model"] = heads[kind]
         if name == "draft" and smoke:

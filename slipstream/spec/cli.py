@@ -102,6 +102,9 @@ def add_spec_options(p: argparse.ArgumentParser) -> None:
                         "serving (online adaptation)")
     g.add_argument("--spec-device-loop", action="store_true",
                    help="EAGLE: answer single greedy prompts with every round on the device")
+    g.add_argument("--spec-compile", action="store_true",
+                   help="with --spec-device-loop: compile the tree expansion and the round's "
+                        "small ops (torch.compile; adds a compile of ~20-60 s at the first prompt)")
 
 
 def spec_engine_args(args: argparse.Namespace) -> dict:
@@ -113,6 +116,7 @@ def spec_engine_args(args: argparse.Namespace) -> dict:
                 speculative_auto_off=not args.no_spec_auto_off,
                 speculative_draft_graphs=args.spec_draft_graphs,
                 speculative_device_loop=getattr(args, "spec_device_loop", False),
+                speculative_compile=getattr(args, "spec_compile", False),
                 speculative_online=getattr(args, "spec_online", False))
 
 

@@ -36,7 +36,7 @@ class LoopPath:
             spec = self.engine.config.speculative
             self.loops[size] = EagleLoop(self.engine, spec.model, spec.num_speculative_tokens,
                                          spec.eagle_topk, spec.eagle_beam, spec.eagle_max_nodes,
-                                         max_len=size)
+                                         max_len=size, compile_expansion=spec.loop_compile)
         self.loop = self.loops[size]
         return self.loop
 

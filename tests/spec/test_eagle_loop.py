@@ -93,6 +93,26 @@ def test_llm_generate_takes_the_loop_for_one_greedy_prompt(llm):
     assert sum(lp.rounds for lp in spec._loop.loops.values()) == rounds
 
 
+def test_compiled_loop_through_llm_generate_is_token_identical(llm):
+    """speculative_compile: the loop's expansion and round parts through
+    torch.compile give plain greedy decoding's tokens, with no compiled part
+    falling back to its plain function."""
+    with pytest.raises(ValueError, match="speculative_compile"):
+        LLM(device="cpu", max_model_len=256, speculative_method="eagle", speculative_compile=True)
+    spec = LLM(device="cpu", max_model_len=256, seed=0, kv_cache_memory=64 << 20,
+               enable_prefix_caching=False, speculative_method="eagle",
+               num_speculative_tokens=3, speculative_tree="2,2,4", speculative_device_loop=True,
+               speculative_compile=True)
+    prompt = {"prompt_token_ids": _prompt(llm, TEXTS[1])}
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    want = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    got = spec.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    assert got == want
+    loop = spec._loop.loop
+    assert loop.rounds > 0 and loop.compile_error is None
+    assert loop._levels is not loop.expander.levels          # the compiled wrapper ran
+
+
 def test_padded_prefill_body_matches_the_eager_prefill(llm):
     """What the prefill graph runs (a GPU captures it): the prompt padded to its
     length class gives the same first token, head context and next tokens."""
