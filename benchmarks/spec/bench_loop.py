@@ -52,6 +52,10 @@ def main(argv=None) -> int:
                     help="dummy: random weights of --model's shape (benchmarks/runtime/"
                          "smollm2_shape.py writes the default model's): round times without "
                          "the model file (tau then means nothing)")
+    ap.add_argument("--variant", action="append", default=[],
+                    help="LABEL:module.attr=value[,module.attr=value]: each tree (and compiled "
+                         "tree) also with these module settings, after the defaults; e.g. "
+                         "'topk:slipstream.spec.eagle_tree.topk_by_sort=0' (repeatable)")
     ap.add_argument("--one-stage-topk-too", action="store_true",
                     help="each tree also with the draft vocabulary's top-k in one torch.topk "
                          "(eagle_tree.row_topk's two GPU stages off), for comparison")
@@ -106,17 +110,25 @@ def main(argv=None) -> int:
                graphs=args.device == "cuda" and not args.no_graphs)
     results = []
     stages = (2, 1) if args.one_stage_topk_too else (2,)
-    runs = [(h, t, False, st) for h in heads for t in args.trees.split(";") for st in stages]
-    runs += [(heads[0], t, True, 2) for t in args.compile_trees.split(";") if t]
+    variants = [("", [])] + [_variant(v) for v in args.variant]
+    runs = [(h, t, False, st, va) for h in heads for t in args.trees.split(";") if t for st in stages
+            for va in variants]
+    runs += [(heads[0], t, True, 2, va) for t in args.compile_trees.split(";") if t
+             for va in variants]
     from slipstream.spec import eagle_tree
-    for head, spec, comp, st in runs:
+    for head, spec, comp, st, (label, settings) in runs:
         d, k, b, n = (int(x) for x in spec.split(","))
         row = dict(head=head or "shipped", tree=dict(depth=d, topk=k, beam=b, nodes=n))
         if comp:
             row["compiled"] = True
         if args.one_stage_topk_too:
             row["topk_stages"] = st
+        if label:
+            row["variant"] = label
         eagle_tree.two_stage = st == 2      # read when the round's graph is captured
+        saved = [(mod, attr, getattr(mod, attr)) for mod, attr, _ in settings]
+        for mod, attr, value in settings:
+            setattr(mod, attr, value)
         try:
             t0 = time.perf_counter()
             loop = EagleLoop(llm, head, depth=d, topk=k, beam=b, max_nodes=n,
@@ -168,10 +180,31 @@ def main(argv=None) -> int:
         except Exception as e:   # noqa: BLE001 - one shape failing must not lose the others
             traceback.print_exc()
             row["error"] = f"{type(e).__name__}: {e}"[:400]
+        for mod, attr, value in saved:
+            setattr(mod, attr, value)
         results.append(row)
         print(json.dumps(row), flush=True)
         _write(args, env, results)
     return 0
+
+
+def _variant(text: str) -> tuple[str, list]:
+    """'LABEL:module.attr=value,...' -> (label, [(module, attr, value)]); a value takes
+    the type of the attribute's current value."""
+    import importlib
+    label, _, body = text.partition(":")
+    settings = []
+    for item in filter(None, body.split(",")):
+        name, _, value = item.partition("=")
+        modname, _, attr = name.rpartition(".")
+        mod = importlib.import_module(modname)
+        cur = getattr(mod, attr)
+        if isinstance(cur, bool):
+            val = value.lower() in ("1", "true", "yes", "on")
+        else:
+            val = type(cur)(value)
+        settings.append((mod, attr, val))
+    return label, settings
 
 
 @contextmanager
@@ -256,9 +289,14 @@ def _kernels(loop, prompt, path: Path, shape: str) -> None:
     kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40)
     path.parent.mkdir(parents=True, exist_ok=True)
+    # The last round's kernels in launch order (what each part of the round costs).
+    kernels.sort(key=lambda e: e.time_range.start)
+    last = kernels[-(len(kernels) // 4):]
+    order = "\n".join(f"{e.device_time:8.1f} us  {e.name[:110]}" for e in last)
     path.write_text(f"tree {shape}: {len(kernels) / 4:.0f} kernels a round, "
                     f"{sum(e.device_time for e in kernels) / 4 / 1e3:.3f} ms of kernel time "
-                    "a round (eager, no launch gaps)\n\n" + table + "\n")
+                    "a round (eager, no launch gaps)\n\n" + table + "\n\n"
+                    "## The last round's kernels in order\n\n" + order + "\n")
 
 
 def _write(args, env, results) -> None:
@@ -278,7 +316,8 @@ def _write(args, env, results) -> None:
         shape = f"{t['depth']},{t['topk']},{t['beam']},{t['nodes']}" + (
             " compiled" if r.get("compiled") else "") + (
             f" (top-k in {r['topk_stages']} stage{'s' if r['topk_stages'] > 1 else ''})"
-            if "topk_stages" in r else "")
+            if "topk_stages" in r else "") + (
+            f" [{r['variant']}]" if "variant" in r else "")
         if "error" in r:
             lines.append(f"| {Path(r['head']).name} | {shape} | error: {r['error']} ||||||||")
             continue

@@ -24,6 +24,12 @@ from torch import nn
 
 from slipstream.layers.rotary import RotaryEmbedding, apply_rotary
 
+# On a GPU the head's attention repeats its K/V heads for the query heads itself:
+# scaled_dot_product_attention with enable_gqa and a mask takes the math path there
+# (fp32 products, separate softmax and mask kernels); without GQA it takes the fused
+# memory-efficient kernel. Benchmarks switch it off to compare.
+expand_kv_on_gpu = True
+
 
 @dataclass(frozen=True)
 class EagleShape:
@@ -96,9 +102,13 @@ class EagleHead(nn.Module):
             c = kk.shape[0] - t
             mask = torch.ones(t, c + t, dtype=torch.bool, device=x.device)
             mask[:, c:] = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+        group = self.shape.num_heads // self.shape.num_kv_heads
+        if group > 1 and expand_kv_on_gpu and q.is_cuda:
+            kk, vv = (x.repeat_interleave(group, dim=1) for x in (kk, vv))
+            group = 1
         o = F.scaled_dot_product_attention(
             q.transpose(0, 1), kk.transpose(0, 1), vv.transpose(0, 1), attn_mask=mask,
-            enable_gqa=self.shape.num_heads != self.shape.num_kv_heads).transpose(0, 1)
+            enable_gqa=group > 1).transpose(0, 1)
         return self.finish(x, o), k, v
 
     @property

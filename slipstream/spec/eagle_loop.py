@@ -53,6 +53,13 @@ class EagleLoop(LoopPrefill, LoopParts):
         if max_nodes + 1 > MAX_TREE_NODES or min(depth, topk, beam, max_nodes) < 1:
             raise ValueError(f"eagle loop: depth, topk, beam >= 1 and 1 <= max_nodes < "
                              f"{MAX_TREE_NODES}, got {depth}, {topk}, {beam}, {max_nodes}")
+        width = total = topk                         # candidates the expansion leaves
+        for _ in range(depth - 1):
+            width = min(beam, width) * topk
+            total += width
+        if max_nodes > total:
+            raise ValueError(f"eagle loop: max_nodes {max_nodes} exceeds the {total} candidates "
+                             f"of depth {depth}, topk {topk}, beam {beam}")
         engine = getattr(llm, "engine", llm)          # an LLM or its Engine
         runner = engine.runner
         self.model, self.backend = runner.model, runner.backend

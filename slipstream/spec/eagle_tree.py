@@ -29,6 +29,11 @@ from slipstream.kernels.cpu_eagle import chain_table
 # Rows at least this long take `row_topk`'s two stages on a GPU.
 TWO_STAGE_MIN = 4096
 two_stage = True      # benchmarks switch it off to compare
+# On a GPU a stage over rows of at most this many values sorts them (one block a row,
+# bitonic) instead of torch.topk (radix selection, several passes: ~12 us a call on the
+# H200 in a compiled round's kernel profile, benchmarks/spec/README.md).
+SORT_MAX = 2048
+topk_by_sort = True   # benchmarks switch it off to compare
 
 
 class TopK(NamedTuple):
@@ -36,28 +41,42 @@ class TopK(NamedTuple):
     indices: torch.Tensor
 
 
-def row_topk(x: torch.Tensor, k: int, stages: int | None = None) -> TopK:
+def row_topk(x: torch.Tensor, k: int, stages: int | None = None,
+             by_sort: bool | None = None) -> TopK:
     """torch.topk(x, k) over the last dim (values, indices; values descending). On a GPU a
     long row goes in two stages: the top k of each of ~sqrt(n) pieces, then the top k of
     those. torch.topk gives a row one thread block, so a row of the draft vocabulary
     (16,384 log-probabilities) took ~85 us on the H200 (a round's kernel profile,
     benchmarks/spec/README.md) where its pieces fill the GPU. Which of equal values is
     kept may differ from torch.topk's choice (neither is specified). stages: 1 or 2 to
-    force either way (None: two for such rows on a GPU, unless `two_stage` is off)."""
+    force either way (None: two for such rows on a GPU, unless `two_stage` is off).
+    by_sort: stages over rows of at most SORT_MAX values by a sort (None: on a GPU,
+    unless `topk_by_sort` is off)."""
     n = x.shape[-1]
+    if by_sort is None:
+        by_sort = topk_by_sort and x.is_cuda
     if stages is None:
         stages = 2 if two_stage and x.is_cuda and n >= TWO_STAGE_MIN and k <= 64 else 1
     if stages == 1:
-        return TopK(*x.topk(k))
+        return _top(x, k, by_sort)
     piece = 1 << ((n.bit_length() + 1) // 2)            # ~sqrt(n), a power of two
     pad = -n % piece
     if pad:
         x = torch.nn.functional.pad(x, (0, pad), value=float("-inf"))
-    first = x.unflatten(-1, (-1, piece)).topk(min(k, piece))          # [..., pieces, k']
+    first = _top(x.unflatten(-1, (-1, piece)), min(k, piece), by_sort)          # [..., pieces, k']
     base = torch.arange(0, x.shape[-1], piece, device=x.device)[:, None]
     cand = (first.indices + base).flatten(-2)
-    second = first.values.flatten(-2).topk(k)
+    second = _top(first.values.flatten(-2), k, by_sort)
     return TopK(second.values, cand.gather(-1, second.indices))
+
+
+def _top(x: torch.Tensor, k: int, by_sort: bool) -> TopK:
+    """torch.topk over the last dim, or (by_sort) a descending sort of rows of at most
+    SORT_MAX values cut to k: the same values, ties possibly in another order."""
+    if by_sort and x.shape[-1] <= SORT_MAX:
+        s = x.sort(-1, descending=True)
+        return TopK(s.values[..., :k], s.indices[..., :k])
+    return TopK(*x.topk(k))
 
 
 class EagleTreeExpander:

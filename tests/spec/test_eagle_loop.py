@@ -62,6 +62,8 @@ def test_loop_with_an_eagle3_head_is_token_identical(llm, tmp_path):
 def test_loop_checks_its_options(llm):
     with pytest.raises(ValueError, match="max_nodes"):
         EagleLoop(llm, max_nodes=64)
+    with pytest.raises(ValueError, match="candidates"):
+        EagleLoop(llm, depth=2, topk=2, beam=1, max_nodes=5)      # 2 + 1 x 2 candidates
     loop = EagleLoop(llm, depth=2, topk=2, beam=2, max_nodes=4, max_len=64)
     with pytest.raises(ValueError, match="max_len"):
         loop.generate(list(range(60)), 8)
@@ -111,6 +113,15 @@ def test_compiled_loop_through_llm_generate_is_token_identical(llm):
     loop = spec._loop.loop
     assert loop.rounds > 0 and loop.compile_error is None
     assert loop._levels is not loop.expander.levels          # the compiled wrapper ran
+
+
+def test_first_by_rank_is_the_stable_sort_prefix():
+    from slipstream.spec.loop_parts import first_by_rank
+    gen = torch.Generator().manual_seed(0)
+    for c, n in ((328, 60), (6, 6), (40, 1), (64, 63)):
+        key = torch.randint(0, 12, (c,), generator=gen).double() / 4 - 3     # many ties
+        want = key.sort(descending=True, stable=True).indices[:n]
+        assert torch.equal(first_by_rank(key, n), want)
 
 
 def test_padded_prefill_body_matches_the_eager_prefill(llm):

@@ -40,7 +40,12 @@ def test_two_stage_row_topk_equals_topk(n, k):
     from slipstream.spec.eagle_tree import row_topk
     gen = torch.Generator().manual_seed(n + k)
     for x in (torch.randn(n, generator=gen), torch.randn(3, n, generator=gen)):
-        got, want = row_topk(x, k, stages=2), x.topk(k)
-        assert torch.equal(got.values, want.values)
-        assert torch.equal(x.gather(-1, got.indices), got.values)
+        want = x.topk(k)
+        for by_sort in (False, True):
+            got = row_topk(x, k, stages=2, by_sort=by_sort)
+            assert torch.equal(got.values, want.values)
+            assert torch.equal(x.gather(-1, got.indices), got.values)
+        if n <= 2048:                   # one stage by a sort
+            got = row_topk(x, k, stages=1, by_sort=True)
+            assert torch.equal(got.values, want.values) and torch.equal(x.gather(-1, got.indices), got.values)
         assert torch.equal(row_topk(x, k).indices, want.indices)     # on the CPU: torch.topk
