@@ -17,8 +17,8 @@ def test_kivi_on_cuda_inside_one_block_equals_a_16_bit_cache(tiny_folder):
     p = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     ref = [o.outputs[0].token_ids for o in _llm(folder, attention_backend="torch").generate(
         prompts, p, use_tqdm=False)]
-    llm = _llm(folder, kv_cache_dtype="kivi4")
-    assert llm.engine.runner.backend.name == "torch"
+    llm = _llm(folder, kv_cache_dtype="kivi4", attention_backend="torch")
+    assert llm.engine.runner.backend.name == "torch"   # (the triton backend: test_gpu_runtime.py)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, p, use_tqdm=False)] == ref
     long = random_prompts(2, 100, 60, 90, seed=2)          # sealed blocks too: runs, finite
     outs = llm.generate(long, SamplingParams(temperature=0.0, max_tokens=20, logprobs=1,
