@@ -15,7 +15,6 @@ of a shared machine falls on them alike; every timed step is checked quiet.
 """
 import argparse
 import json
-import os
 import statistics
 import tempfile
 import time

@@ -34,12 +34,12 @@ import time
 import torch
 
 from slipstream.batch import ForwardBatch
+from slipstream.kernels.kv_move import move_rows
 from slipstream.spec.eagle import EagleHead
-from slipstream.spec.eagle_tree import EagleTreeExpander
+from slipstream.spec.eagle_tree import COMPILED_SORT_MAX, EagleTreeExpander
 from slipstream.spec.heads import DraftLMHead, read_draft_vocab, resolve_head
 from slipstream.spec.loop_parts import LoopParts
 from slipstream.spec.loop_prefill import LoopPrefill
-from slipstream.spec.tree_step import movable
 
 
 class EagleLoop(LoopPrefill, LoopParts):
@@ -80,6 +80,7 @@ class EagleLoop(LoopPrefill, LoopParts):
         self._tree_fn, self._accept_fn, self._pairs_fn = self._tree, self._accept, self._pairs
         self.compile_error: str | None = None
         if compile_expansion:
+            self.expander.sort_max = COMPILED_SORT_MAX if dev.type == "cuda" else None
             self._levels, self._tree_fn, self._accept_fn, self._pairs_fn = (
                 self._compiled(torch.compile(f, dynamic=False), f)
                 for f in (self.expander.levels, self._tree, self._accept, self._pairs))
@@ -274,8 +275,7 @@ class EagleLoop(LoopPrefill, LoopParts):
         src = torch.where(rows[:d] < a, n + 1 + path, dst)
         for pool in self.pools:
             if pool is not None:
-                flat = movable(pool.flatten(2, 3))
-                flat.index_copy_(2, self._slots(dst), flat.index_select(2, self._slots(src)))
+                move_rows(pool, self._slots(src), self._slots(dst))
         # 4. The head over the new pairs, then the next tree.
         feat, k, v, valid = self._pairs_fn(hidden, path, emitted, a, n, self.hk, self.hv,
                                            self.hvalid)

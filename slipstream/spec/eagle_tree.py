@@ -29,10 +29,14 @@ from slipstream.kernels.cpu_eagle import chain_table
 # Rows at least this long take `row_topk`'s two stages on a GPU.
 TWO_STAGE_MIN = 4096
 two_stage = True      # benchmarks switch it off to compare
-# On a GPU a stage over rows of at most this many values sorts them (one block a row,
-# bitonic) instead of torch.topk (radix selection, several passes: ~12 us a call on the
-# H200 in a compiled round's kernel profile, benchmarks/spec/README.md).
-SORT_MAX = 2048
+# On a GPU a stage over rows of at most SORT_MAX values sorts them and keeps the first
+# k, instead of torch.topk (radix selection in several passes, ~12 us a call in the
+# H200 kernel profile of a round). Measured on the H200 (benchmarks/spec/README.md, "The
+# compiled round"): eagerly, sorting the 128-value pieces of the first stage pays and
+# sorting the second stage's 1,024 values does not; under torch.compile (the EAGLE
+# loop's `compile_expansion`, whose expander sets `sort_max`) sorting both pays.
+SORT_MAX = 128
+COMPILED_SORT_MAX = 2048
 topk_by_sort = True   # benchmarks switch it off to compare
 
 
@@ -42,7 +46,7 @@ class TopK(NamedTuple):
 
 
 def row_topk(x: torch.Tensor, k: int, stages: int | None = None,
-             by_sort: bool | None = None) -> TopK:
+             sort_max: int | None = None) -> TopK:
     """torch.topk(x, k) over the last dim (values, indices; values descending). On a GPU a
     long row goes in two stages: the top k of each of ~sqrt(n) pieces, then the top k of
     those. torch.topk gives a row one thread block, so a row of the draft vocabulary
@@ -50,30 +54,30 @@ def row_topk(x: torch.Tensor, k: int, stages: int | None = None,
     benchmarks/spec/README.md) where its pieces fill the GPU. Which of equal values is
     kept may differ from torch.topk's choice (neither is specified). stages: 1 or 2 to
     force either way (None: two for such rows on a GPU, unless `two_stage` is off).
-    by_sort: stages over rows of at most SORT_MAX values by a sort (None: on a GPU,
-    unless `topk_by_sort` is off)."""
+    sort_max: stages over rows of at most this many values by a sort (0: none; None:
+    SORT_MAX on a GPU unless `topk_by_sort` is off, else 0)."""
     n = x.shape[-1]
-    if by_sort is None:
-        by_sort = topk_by_sort and x.is_cuda
+    if sort_max is None:
+        sort_max = SORT_MAX if topk_by_sort and x.is_cuda else 0
     if stages is None:
         stages = 2 if two_stage and x.is_cuda and n >= TWO_STAGE_MIN and k <= 64 else 1
     if stages == 1:
-        return _top(x, k, by_sort)
+        return _top(x, k, sort_max)
     piece = 1 << ((n.bit_length() + 1) // 2)            # ~sqrt(n), a power of two
     pad = -n % piece
     if pad:
         x = torch.nn.functional.pad(x, (0, pad), value=float("-inf"))
-    first = _top(x.unflatten(-1, (-1, piece)), min(k, piece), by_sort)          # [..., pieces, k']
+    first = _top(x.unflatten(-1, (-1, piece)), min(k, piece), sort_max)        # [..., pieces, k']
     base = torch.arange(0, x.shape[-1], piece, device=x.device)[:, None]
     cand = (first.indices + base).flatten(-2)
-    second = _top(first.values.flatten(-2), k, by_sort)
+    second = _top(first.values.flatten(-2), k, sort_max)
     return TopK(second.values, cand.gather(-1, second.indices))
 
 
-def _top(x: torch.Tensor, k: int, by_sort: bool) -> TopK:
-    """torch.topk over the last dim, or (by_sort) a descending sort of rows of at most
-    SORT_MAX values cut to k: the same values, ties possibly in another order."""
-    if by_sort and x.shape[-1] <= SORT_MAX:
+def _top(x: torch.Tensor, k: int, sort_max: int) -> TopK:
+    """torch.topk over the last dim, or for rows of at most sort_max values a descending
+    sort cut to k: the same values, ties possibly in another order."""
+    if x.shape[-1] <= sort_max:
         s = x.sort(-1, descending=True)
         return TopK(s.values[..., :k], s.indices[..., :k])
     return TopK(*x.topk(k))
@@ -89,6 +93,7 @@ class EagleTreeExpander:
         self.pool = None
         self._consts: dict[tuple, torch.Tensor] = {}
         self.cpu_head = None     # kernels/cpu_eagle.CPUEagle: a chain (beam 1) in one C call
+        self.sort_max: int | None = None   # row_topk's; the compiled loop sets COMPILED_SORT_MAX
 
     def expand(self, root_feat: torch.Tensor, past_k: torch.Tensor, past_v: torch.Tensor,
                base: int | torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
@@ -120,7 +125,7 @@ class EagleTreeExpander:
         ctx = past_k.shape[0]
         k = self.topk
         logp = torch.log_softmax(self.lm_head(root_feat[None]), -1, dtype=torch.float32)[0]
-        top = row_topk(logp, min(k, logp.shape[-1]))
+        top = row_topk(logp, min(k, logp.shape[-1]), sort_max=self.sort_max)
         # Candidates level by level: draft-vocabulary column, cumulative
         # log-probability, parent (global candidate index, -1: the root).
         const = self._const
@@ -158,7 +163,7 @@ class EagleTreeExpander:
                                   (ks, vs), mask)
             ks.append(kn), vs.append(vn)
             logp = torch.log_softmax(self.lm_head(f), -1, dtype=torch.float32)
-            top = row_topk(logp, min(k, logp.shape[-1]))         # [b, k]
+            top = row_topk(logp, min(k, logp.shape[-1]), sort_max=self.sort_max)         # [b, k]
             kk = top.indices.shape[1]
             cols.append(top.indices.flatten())
             scores.append((sc[fr][:, None] + top.values).flatten())

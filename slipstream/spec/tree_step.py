@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from slipstream.kernels.kv_move import move_rows
 from slipstream.spec.transfer import to_device
 from slipstream.spec.tree import DraftTree, ancestor_array
 
@@ -69,10 +70,4 @@ def move_kv(pools: tuple, src: list[int], dst: list[int], device) -> None:
     sd = to_device(np.array([src, dst], dtype=np.int64), torch.int64, device)
     for pool in pools:
         if pool is not None:
-            flat = movable(pool.flatten(2, 3))             # [layers, 2, slots, ...]
-            flat.index_copy_(2, sd[1], flat.index_select(2, sd[0]))
-
-
-def movable(t: torch.Tensor) -> torch.Tensor:
-    """t, or its bytes where index copies lack its dtype (float8 codes on a CPU)."""
-    return t.view(torch.uint8) if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else t
+            move_rows(pool, sd[0], sd[1])

@@ -15,6 +15,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from slipstream.kernels.dense_gemv import _gemv_kernel as _dense_gemv_kernel
 from slipstream.kernels.int_weight_gemv import _dequantize_kernel, _gemv_kernel
+from slipstream.kernels.kv_move import _move_rows_kernel
 from slipstream.kernels.quant_act import _quantize_rows_kernel, quant_params
 from slipstream.kernels.quant_gemm import _int_weight_gemm_kernel
 from slipstream.kernels.rms_norm import _rms_norm_kernel
@@ -182,11 +183,21 @@ def decode_step(kind):
         assert "prefetch.global.L2" in k.asm["ptx"] and "griddepcontrol.wait" in k.asm["ptx"]
 
 
+def kv_move(kind):
+    """The speculation round's KV slot move over a 16-bit pool (int16 rows) or 8-bit codes."""
+    pool = torch.empty(8, dtype=torch.int16 if kind == "16bit" else torch.uint8)
+    i64 = torch.empty(8, dtype=torch.int64)
+    k = compile_sm90(_move_rows_kernel, dict(Pool=pool, Src=i64, Dst=i64, n=6, plane_stride=1 << 32),
+                     dict(ROW=192, D=8, BLOCK=256), num_warps=4)
+    assert "bar.sync" in k.asm["ptx"], "no barrier between the loads and the stores"
+
+
 CHECKS = {f"{fn.__name__}-{kind}": (fn, kind) for fn in (gemm, tma_gemm, producers)
           for kind in ("int8", "fp8")}
 CHECKS.update({f"weight_only-{kind}": (weight_only, kind) for kind in ("int4", "int8")})
 CHECKS.update({f"decode_step-{kind}": (decode_step, kind) for kind in ("bf16", "int8", "fp8")})
 CHECKS.update({f"w4_mma-{kind}": (w4_mma, kind) for kind in ("bf16", "fp16")})
+CHECKS.update({f"kv_move-{kind}": (kv_move, kind) for kind in ("16bit", "8bit")})
 
 
 def main() -> int:

@@ -29,7 +29,7 @@ def results():
                                    for k in ("int8", "fp8")]
                          + ["weight_only-int4", "weight_only-int8"]
                          + [f"decode_step-{k}" for k in ("bf16", "int8", "fp8")]
-                         + ["w4_mma-bf16", "w4_mma-fp16"])
+                         + ["w4_mma-bf16", "w4_mma-fp16", "kv_move-16bit", "kv_move-8bit"])
 def test_compiles_for_sm90(results, check):
     if results[check].startswith("skip"):
         pytest.skip(results[check])
