@@ -13,12 +13,15 @@ depth) count the loop's rounds too.
 """
 from __future__ import annotations
 
+import logging
 import time
 
 from slipstream.engine.detokenizer import IncrementalDetokenizer
 from slipstream.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from slipstream.engine.request import Request, RequestStatus
 from slipstream.spec.eagle_loop import EagleLoop
+
+log = logging.getLogger("slipstream")
 
 
 class LoopPath:
@@ -34,6 +37,10 @@ class LoopPath:
         size = min(max(256, 1 << (length - 1).bit_length()), cap)
         if size not in self.loops:
             spec = self.engine.config.speculative
+            if spec.loop_compile:
+                log.info("EAGLE loop for sequences up to %d tokens: its round compiles at its "
+                         "first prompt (torch.compile, about 20-60 s; cached on disk after that)",
+                         size)
             self.loops[size] = EagleLoop(self.engine, spec.model, spec.num_speculative_tokens,
                                          spec.eagle_topk, spec.eagle_beam, spec.eagle_max_nodes,
                                          max_len=size, compile_expansion=spec.loop_compile)
