@@ -24,11 +24,12 @@ from torch import nn
 
 from slipstream.layers.rotary import RotaryEmbedding, apply_rotary
 
-# On a GPU the head's attention repeats its K/V heads for the query heads itself:
-# scaled_dot_product_attention with enable_gqa and a mask takes the math path there
-# (fp32 products, separate softmax and mask kernels); without GQA it takes the fused
-# memory-efficient kernel. Benchmarks switch it off to compare.
-expand_kv_on_gpu = True
+# On a GPU the head's attention is given what scaled_dot_product_attention's fused
+# (memory-efficient) kernel takes: 4-D inputs, and K/V heads repeated for the query
+# heads instead of enable_gqa. Otherwise it runs its math path (fp32 products, separate
+# mask and softmax kernels: ~12 us of fp32 GEMMs per draft level in the H200 profile of
+# a compiled round). Benchmarks switch it off to compare.
+fused_attention_on_gpu = True
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,22 @@ def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     # One fused op (drafting is launch-bound on a GPU); the weight in x's dtype,
     # so that mixed dtypes under autocast (training) meet one dtype.
     return F.rms_norm(x, (x.shape[-1],), w.to(x.dtype), eps)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+              fused: bool) -> torch.Tensor:
+    """q [T, heads, d], k / v [C, kv_heads, d], mask [T, C] bool -> [T, heads, d].
+    fused: the inputs shaped for SDPA's fused kernels (see `fused_attention_on_gpu`)."""
+    group = q.shape[1] // k.shape[1]
+    if fused:
+        if group > 1:
+            k, v = (t.repeat_interleave(group, dim=1) for t in (k, v))
+        return F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+            attn_mask=mask[None, None])[0].transpose(0, 1)
+    return F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
+        enable_gqa=group > 1).transpose(0, 1)
 
 
 class EagleHead(nn.Module):
@@ -102,13 +119,7 @@ class EagleHead(nn.Module):
             c = kk.shape[0] - t
             mask = torch.ones(t, c + t, dtype=torch.bool, device=x.device)
             mask[:, c:] = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
-        group = self.shape.num_heads // self.shape.num_kv_heads
-        if group > 1 and expand_kv_on_gpu and q.is_cuda:
-            kk, vv = (x.repeat_interleave(group, dim=1) for x in (kk, vv))
-            group = 1
-        o = F.scaled_dot_product_attention(
-            q.transpose(0, 1), kk.transpose(0, 1), vv.transpose(0, 1), attn_mask=mask,
-            enable_gqa=group > 1).transpose(0, 1)
+        o = attention(q, kk, vv, mask, fused_attention_on_gpu and q.is_cuda)
         return self.finish(x, o), k, v
 
     @property

@@ -49,3 +49,17 @@ def test_two_stage_row_topk_equals_topk(n, k):
             got = row_topk(x, k, stages=1, sort_max=2048)
             assert torch.equal(got.values, want.values) and torch.equal(x.gather(-1, got.indices), got.values)
         assert torch.equal(row_topk(x, k).indices, want.indices)     # on the CPU: torch.topk
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4)])
+def test_head_attention_shaped_for_the_fused_kernel_equals_the_gqa_call(heads, kv_heads):
+    """The GPU's form of the head's attention (4-D, K/V heads repeated) computes what
+    the enable_gqa call computes, mask included."""
+    from slipstream.spec.eagle_head import attention
+    gen = torch.Generator().manual_seed(heads)
+    q = torch.randn(8, heads, 16, generator=gen)
+    k, v = (torch.randn(40, kv_heads, 16, generator=gen) for _ in range(2))
+    mask = torch.rand(8, 40, generator=gen) < 0.6
+    mask[:, 0] = True
+    torch.testing.assert_close(attention(q, k, v, mask, True), attention(q, k, v, mask, False),
+                               atol=1e-5, rtol=1e-5)
