@@ -5,13 +5,14 @@ The pool is [layers, 2, blocks, block_size, ...] (a KV pool or its scale pool);
 for every (layer, K or V) plane the rows at slots src[i] are copied to dst[i],
 all read before any is written (a source may be another move's destination).
 
-Why a kernel: `index_select` / `index_copy_` over the whole pool, a tensor of
-more than 2^31 elements on a GPU, are split by PyTorch into one launch per
-32-bit addressable piece; the H200 kernel profile of an EAGLE loop round
-(benchmarks/spec/README.md, "The compiled round") counted 28 gathers of ~5.4 us
-and 28 index copies of ~2.2 us for six moved slots, ~0.2 ms of a ~1.9 ms round.
+Why a kernel: for six moved slots, `index_select` / `index_copy_` over the whole
+pool (a tensor of billions of elements on a GPU) launched 28 gathers of ~5.4 us
+and 28 index copies of ~2.2 us in the H200 kernel profile of an EAGLE loop round
+(benchmarks/spec/README.md, "The compiled round"), ~0.2 ms of a ~1.9-ms round;
+PyTorch splits such ops into pieces its 32-bit index arithmetic can address.
 Here one program per plane loads the moved rows into registers, waits for all
-its threads (a barrier), then stores them: one launch. Twin: `move_rows_reference` (the two index ops).
+its threads (a barrier), then stores them: one launch. Twin:
+`move_rows_reference` (the two index ops).
 """
 from __future__ import annotations
 
