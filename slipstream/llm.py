@@ -55,20 +55,11 @@ class LLM:
         # Validate and tokenize everything before anything runs.
         for p in prompts:
             self.engine.tokenize(p)
-        loop = self._loop_path()
+        loop = self.engine.loop_path()
         if loop is not None and loop.accepts(prompts, params):
             return [loop.generate(prompts[0], params[0])]
         ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params)]
         return self._run(ids, use_tqdm)
-
-    def _loop_path(self):
-        """The EAGLE loop for single greedy prompts (speculative_device_loop), built once."""
-        if not self.engine.config.speculative.device_loop:
-            return None
-        if getattr(self, "_loop", None) is None:
-            from slipstream.spec.loop_path import LoopPath
-            self._loop = LoopPath(self.engine)
-        return self._loop
 
     def chat(self, messages: list[dict] | Sequence[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

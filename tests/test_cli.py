@@ -4,7 +4,6 @@ context limit, analyze without matplotlib)."""
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -97,3 +96,32 @@ def test_analyze_prints_the_analysis_without_matplotlib(capsys, monkeypatch, tmp
     assert rc == 2
     assert "llama-3-8b" in out.out and "lm_head" in out.out   # the analysis came out first
     assert "matplotlib" in out.err and not (tmp_path / "r.png").exists()
+
+
+def test_generate_streams_greedy_prompts_through_the_device_loop(capsys):
+    """--spec-device-loop: `generate` answers a greedy prompt through the EAGLE loop
+    (streamed after each batch of rounds) with plain decoding's text."""
+    args = ["generate", "List three uses of a paper clip.", "-t", "0", "--max-tokens", "24",
+            "--max-model-len", "256"]
+    assert main(args) == 0
+    plain = capsys.readouterr().out
+    loop = ["--speculative-method", "eagle", "--num-speculative-tokens", "3", "--spec-tree", "2,2,4",
+            "--spec-device-loop"]
+    from slipstream.spec.loop_path import LoopPath
+    calls = []
+    real = LoopPath.generate
+
+    def counted(self, *a, **kw):
+        calls.append(kw.get("on_text") is not None)
+        return real(self, *a, **kw)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(LoopPath, "generate", counted)
+        assert main(args + loop) == 0
+    out = capsys.readouterr()
+    assert calls == [True] and out.out == plain
+    assert "tokens in" in out.err
+
+
+def test_serve_refuses_the_device_loop_before_loading():
+    rc, torch_loaded, _, out = _probe("serve", "--speculative-method", "eagle", "--spec-device-loop")
+    assert rc == 2 and "drop --spec-device-loop" in out and not torch_loaded

@@ -144,8 +144,13 @@ def make_engine(args):
 
 def stream(engine, prompt, params) -> tuple[str, int, float, float | None, str | None]:
     """Generate one completion, writing text to stdout as it comes. Returns
-    (text, generated tokens, seconds, seconds to first token, finish reason)."""
+    (text, generated tokens, seconds, seconds to first token, finish reason).
+    With `--spec-device-loop` a greedy prompt goes through the EAGLE loop, its
+    text written after each batch of rounds."""
     t0 = time.perf_counter()
+    loop = engine.loop_path()
+    if loop is not None and loop.accepts([prompt], [params]):
+        return _stream_loop(loop, prompt, params, t0)
     rid = engine.add_request(prompt, params)
     shown, ttft, out = 0, None, None
     try:
@@ -164,6 +169,25 @@ def stream(engine, prompt, params) -> tuple[str, int, float, float | None, str |
     if out is None:
         return "", 0, time.perf_counter() - t0, ttft, None
     c = out.outputs[0]
+    return c.text, len(c.token_ids), time.perf_counter() - t0, ttft, c.finish_reason
+
+
+def _stream_loop(loop, prompt, params, t0: float):
+    shown, ttft = 0, None
+
+    def write(text: str) -> None:
+        nonlocal shown, ttft
+        ttft = ttft or time.perf_counter() - t0
+        sys.stdout.write(text[shown:])
+        sys.stdout.flush()
+        shown = max(shown, len(text))
+    try:
+        out = loop.generate(prompt, params, on_text=write)
+    except KeyboardInterrupt:
+        sys.stdout.write(" [interrupted]\n")
+        return "", 0, time.perf_counter() - t0, ttft, None
+    c = out.outputs[0]
+    sys.stdout.write(c.text[shown:] + "\n")
     return c.text, len(c.token_ids), time.perf_counter() - t0, ttft, c.finish_reason
 
 

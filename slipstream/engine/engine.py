@@ -20,7 +20,7 @@ from slipstream.loader import open_model
 from slipstream.quant.selector import quant_method_for
 from slipstream.runner.model_runner import ModelRunner, StepHandle
 from slipstream.sampling_params import SamplingParams
-from slipstream.step_data import SchedulerOutput, TokenLogprobs
+from slipstream.step_data import TokenLogprobs
 
 PromptType = str | dict | list
 
@@ -155,6 +155,16 @@ class Engine:
         stop = getattr(self.runner, "shutdown", None)
         if stop is not None:
             stop()
+    def loop_path(self):
+        """The EAGLE device loop for single greedy prompts (spec/loop_path.py), built at
+        the first call; None unless `speculative_device_loop` is on."""
+        if not self.config.speculative.device_loop:
+            return None
+        if getattr(self, "_loop_path", None) is None:
+            from slipstream.spec.loop_path import LoopPath
+            self._loop_path = LoopPath(self)
+        return self._loop_path
+
     @property
     def spec_stats(self):
         """Speculative decoding counters (spec.generator.SpecStats: rounds, tau,

@@ -59,6 +59,10 @@ def _check(args) -> None:
         raise ValueError("--max-request-bytes must be at least 1024")
     if args.api_key is not None and not args.api_key.strip():
         raise ValueError("--api-key must not be empty")
+    if getattr(args, "spec_device_loop", False):
+        raise ValueError("--spec-device-loop answers one prompt at a time (LLM.generate, "
+                         "`slipstream generate` and `chat`); the server batches its requests "
+                         "through the engine's speculation rounds: drop --spec-device-loop")
 
 
 def make_engine(args):

@@ -1,5 +1,6 @@
 """`LLM.generate` of one greedy prompt through the EAGLE loop (opt-in:
-`speculative_device_loop=True` with `speculative_method="eagle"`).
+`speculative_device_loop=True` with `speculative_method="eagle"`); the CLI's
+`generate` and `chat` stream through it too (`Engine.loop_path`, `on_text`).
 
 The loop (spec/eagle_loop.py) runs each speculation round as one CUDA graph
 with no host round trip; this path hands it the requests it can answer
@@ -54,7 +55,9 @@ class LoopPath:
         return (p.n == 1 and p.is_greedy and not p.has_penalties and p.logprobs is None
                 and p.prompt_logprobs is None and not p.logit_bias and p.min_tokens == 0)
 
-    def generate(self, prompt, params) -> RequestOutput:
+    def generate(self, prompt, params, on_text=None) -> RequestOutput:
+        """on_text(text): called with the text so far (what a stop string may still
+        take back held back) after each batch of rounds, for streaming."""
         engine = self.engine
         text, ids = engine.tokenize(prompt)
         arrival = time.monotonic()
@@ -77,6 +80,8 @@ class LoopPath:
                         stopped = True
                 if stopped:
                     return True
+            if on_text is not None:
+                on_text(detok.visible_text(False))
             return False
         loop = self._loop_for(len(ids) + req.max_tokens)
         loop.generate(ids, req.max_tokens, done=take)

@@ -87,12 +87,12 @@ def test_llm_generate_takes_the_loop_for_one_greedy_prompt(llm):
             want.token_ids, want.text, want.finish_reason, want.stop_reason)
     st = spec.engine.spec_stats
     assert st.rounds > 0 and st.tau > 1.2
-    assert sum(lp.rounds for lp in spec._loop.loops.values()) == st.rounds
+    assert sum(lp.rounds for lp in spec.engine.loop_path().loops.values()) == st.rounds
     # Two prompts (or sampling) take the engine's speculative path.
     rounds = st.rounds
     spec.generate([prompt, prompt], cases[0], use_tqdm=False)
     spec.generate(prompt, SamplingParams(temperature=0.8, seed=1, max_tokens=8), use_tqdm=False)
-    assert sum(lp.rounds for lp in spec._loop.loops.values()) == rounds
+    assert sum(lp.rounds for lp in spec.engine.loop_path().loops.values()) == rounds
 
 
 def test_compiled_loop_through_llm_generate_is_token_identical(llm):
@@ -110,7 +110,7 @@ def test_compiled_loop_through_llm_generate_is_token_identical(llm):
     want = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
     got = spec.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
     assert got == want
-    loop = spec._loop.loop
+    loop = spec.engine.loop_path().loop
     assert loop.rounds > 0 and loop.compile_error is None
     assert loop._levels is not loop.expander.levels          # the compiled wrapper ran
 
