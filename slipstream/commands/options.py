@@ -148,46 +148,34 @@ def stream(engine, prompt, params) -> tuple[str, int, float, float | None, str |
     With `--spec-device-loop` a greedy prompt goes through the EAGLE loop, its
     text written after each batch of rounds."""
     t0 = time.perf_counter()
-    loop = engine.loop_path()
-    if loop is not None and loop.accepts([prompt], [params]):
-        return _stream_loop(loop, prompt, params, t0)
-    rid = engine.add_request(prompt, params)
     shown, ttft, out = 0, None, None
+
+    def write(text: str) -> None:
+        nonlocal shown, ttft
+        if ttft is None:
+            ttft = time.perf_counter() - t0
+        sys.stdout.write(text[shown:])
+        sys.stdout.flush()
+        shown = max(shown, len(text))
+    loop = engine.loop_path()
+    rid = None
     try:
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if ttft is None:
-                    ttft = time.perf_counter() - t0
-                text = out.outputs[0].text
-                sys.stdout.write(text[shown:])
-                sys.stdout.flush()
-                shown = len(text)
+        if loop is not None and loop.accepts([prompt], [params]):
+            out = loop.generate(prompt, params, on_text=write)
+            write(out.outputs[0].text)
+        else:
+            rid = engine.add_request(prompt, params)
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    write(out.outputs[0].text)
     except KeyboardInterrupt:
-        engine.abort_request(rid)
+        if rid is not None:
+            engine.abort_request(rid)
         sys.stdout.write(" [interrupted]")
     sys.stdout.write("\n")
     if out is None:
         return "", 0, time.perf_counter() - t0, ttft, None
     c = out.outputs[0]
-    return c.text, len(c.token_ids), time.perf_counter() - t0, ttft, c.finish_reason
-
-
-def _stream_loop(loop, prompt, params, t0: float):
-    shown, ttft = 0, None
-
-    def write(text: str) -> None:
-        nonlocal shown, ttft
-        ttft = ttft or time.perf_counter() - t0
-        sys.stdout.write(text[shown:])
-        sys.stdout.flush()
-        shown = max(shown, len(text))
-    try:
-        out = loop.generate(prompt, params, on_text=write)
-    except KeyboardInterrupt:
-        sys.stdout.write(" [interrupted]\n")
-        return "", 0, time.perf_counter() - t0, ttft, None
-    c = out.outputs[0]
-    sys.stdout.write(c.text[shown:] + "\n")
     return c.text, len(c.token_ids), time.perf_counter() - t0, ttft, c.finish_reason
 
 

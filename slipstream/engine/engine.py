@@ -69,6 +69,7 @@ class Engine:
         self.scheduler = Scheduler(self.config.scheduler, self.kv)
         self._hasher = BlockHasher(cc.block_size) if cc.enable_prefix_caching else None
         self._parents: dict[str, _Parent] = {}
+        self._loop_path = None       # spec/loop_path.LoopPath, built by loop_path()
         self._seqs: dict[str, _Sequence] = {}
         self._ids = itertools.count()
         self._inflight: StepHandle | None = None   # launched, output not yet collected
@@ -155,12 +156,13 @@ class Engine:
         stop = getattr(self.runner, "shutdown", None)
         if stop is not None:
             stop()
+
     def loop_path(self):
         """The EAGLE device loop for single greedy prompts (spec/loop_path.py), built at
         the first call; None unless `speculative_device_loop` is on."""
         if not self.config.speculative.device_loop:
             return None
-        if getattr(self, "_loop_path", None) is None:
+        if self._loop_path is None:
             from slipstream.spec.loop_path import LoopPath
             self._loop_path = LoopPath(self)
         return self._loop_path
