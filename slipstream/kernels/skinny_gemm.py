@@ -20,8 +20,11 @@ import torch
 import triton
 import triton.language as tl
 
+from triton.language.extra.cuda import gdc_wait
+
 from slipstream.kernels.attention_tile import next_pow2
-from slipstream.kernels.runtime import interpreting
+from slipstream.kernels.dense_gemv import _prefetch_l2
+from slipstream.kernels.runtime import interpreting, pdl_supported
 
 MAX_ROWS = 64
 DEFAULT_CONFIG = {"BLOCK_N": 32, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4}
@@ -30,17 +33,30 @@ DEFAULT_CONFIG = {"BLOCK_N": 32, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4}
 enabled = False
 # "BLOCK_NxBLOCK_KxWARPSxSTAGES" to force one config (benchmark A/B runs); "" chooses.
 config_override = ""
+# True: launched early (programmatic dependent launch, sm_90): a program asks L2 for
+# the first PREFETCH_K columns of its weight rows, then waits for the kernel before
+# (which wrote x). Pays only after kernels that let it launch early
+# (rms_norm.signal_dependents).
+chain = False
+PREFETCH_K = 1024
 INTERPRET_CONFIG = {"BLOCK_N": 16, "BLOCK_K": 32, "num_warps": 4, "num_stages": 1}
 
 
 @triton.jit(do_not_specialize=["M"])
 def _skinny_kernel(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   EVEN_K: tl.constexpr, F32_DOT: tl.constexpr):
+                   EVEN_K: tl.constexpr, F32_DOT: tl.constexpr, CHAIN: tl.constexpr,
+                   PREFETCH_K: tl.constexpr):
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.arange(0, BLOCK_M)
     k = tl.arange(0, BLOCK_K)
-    w_ptr = W + tl.minimum(n, N - 1).to(tl.int64)[:, None] * stride_wn + k[None, :]
+    w_rows = W + tl.minimum(n, N - 1).to(tl.int64)[:, None] * stride_wn
+    if CHAIN:  # the weight is no kernel's output: ask for it, then wait for x
+        LINE: tl.constexpr = 1024 // W.dtype.element_ty.primitive_bitwidth
+        cols = tl.arange(0, PREFETCH_K // LINE) * LINE
+        _prefetch_l2(w_rows + tl.minimum(cols, K - 1)[None, :])
+        gdc_wait()
+    w_ptr = w_rows + k[None, :]
     x_ptr = X + tl.minimum(m, M - 1).to(tl.int64)[None, :] * stride_xm + k[:, None]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -89,8 +105,10 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = Non
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     cfg = dict(INTERPRET_CONFIG if interpreting() else (config or choose_config(m, n, k)))
     block_n, block_k = cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K")
+    link = chain and pdl_supported(x)
     _skinny_kernel[(triton.cdiv(n, block_n),)](
         x, w, out, m, n, k, x.stride(0), w.stride(0), out.stride(0),
         BLOCK_M=max(16, next_pow2(m)), BLOCK_N=block_n, BLOCK_K=block_k,
-        EVEN_K=k % block_k == 0, F32_DOT=interpreting(), **cfg)
+        EVEN_K=k % block_k == 0, F32_DOT=interpreting(), CHAIN=link,
+        PREFETCH_K=min(PREFETCH_K, next_pow2(k)), launch_pdl=link, **cfg)
     return out

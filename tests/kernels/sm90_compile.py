@@ -22,6 +22,7 @@ from slipstream.kernels.rms_norm import _rms_norm_kernel
 from slipstream.kernels.rotary_kv_store import _rotary_store_kernel
 from slipstream.kernels.short_decode_attention import FEW_CONFIG, MANY_CONFIG, _short_decode_kernel
 from slipstream.kernels.silu_mul import _silu_mul_quant_kernel
+from slipstream.kernels.skinny_gemm import _skinny_kernel
 from slipstream.kernels.w8a8_gemm import _w8a8_gemm_kernel, _w8a8_tma_kernel
 
 CODES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
@@ -61,7 +62,8 @@ def producers(kind):
     compile_sm90(_rms_norm_kernel, dict(X=BF16, Res=BF16, W=BF16, Out=q, ResOut=BF16, eps=1e-5,
                                         stride_x=4096, stride_r=4096, stride_o=4096,
                                         stride_ro=4096, S=F32),
-                 dict(N=4096, BLOCK=4096, HAS_RESIDUAL=True, QUANT=True, **p), num_warps=16)
+                 dict(N=4096, BLOCK=4096, HAS_RESIDUAL=True, QUANT=True, SIGNAL=True, **p),
+                 num_warps=16)
     for one_pass, block, warps in ((False, 2048, 8), (True, 16384, 16)):
         compile_sm90(_silu_mul_quant_kernel, dict(X=BF16, Q=q, S=F32, stride_x=28672,
                                                   stride_q=14336, D=14336),
@@ -192,12 +194,27 @@ def kv_move(kind):
     assert "bar.sync" in k.asm["ptx"], "no barrier between the loads and the stores"
 
 
+def skinny(kind):
+    """The few-row GEMM on tensor cores; `chained`: the L2 prefetch before its wait."""
+    args = dict(X=BF16, W=BF16, Y=BF16, M=61, N=3072, K=576, stride_xm=576, stride_wn=576,
+                stride_ym=3072)
+    chain = kind == "chained"
+    k = compile_sm90(_skinny_kernel, args, dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=64, EVEN_K=True,
+                                                F32_DOT=False, CHAIN=chain, PREFETCH_K=1024),
+                     num_warps=4, num_stages=4)
+    ptx = k.asm["ptx"]
+    assert "mma" in ptx, "no tensor-core instructions in the PTX"
+    if chain:
+        assert "prefetch.global.L2" in ptx and "griddepcontrol.wait" in ptx
+
+
 CHECKS = {f"{fn.__name__}-{kind}": (fn, kind) for fn in (gemm, tma_gemm, producers)
           for kind in ("int8", "fp8")}
 CHECKS.update({f"weight_only-{kind}": (weight_only, kind) for kind in ("int4", "int8")})
 CHECKS.update({f"decode_step-{kind}": (decode_step, kind) for kind in ("bf16", "int8", "fp8")})
 CHECKS.update({f"w4_mma-{kind}": (w4_mma, kind) for kind in ("bf16", "fp16")})
 CHECKS.update({f"kv_move-{kind}": (kv_move, kind) for kind in ("16bit", "8bit")})
+CHECKS.update({f"skinny-{kind}": (skinny, kind) for kind in ("plain", "chained")})
 
 
 def main() -> int:
