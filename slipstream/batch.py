@@ -40,6 +40,10 @@ class ForwardBatch:
     # Optional [num_seqs, max_query_len, max_query_len] bool mask among the query
     # tokens of each request (draft-tree verification); None means causal.
     tree_mask: torch.Tensor | None = None
+    # tree_mask already packed ([num_seqs, max_query_len] int64, bit j of row t: token
+    # t sees token j; kernels/tree_attention.pack_tree_mask), for backends that read
+    # bits (`takes_tree_bits`); with it they ignore tree_mask's contents.
+    tree_bits: torch.Tensor | None = None
     # The first `num_decode_seqs` requests bring one token each (decodes come first
     # in a step), so a backend can send them to its decode kernel.
     num_decode_seqs: int = 0

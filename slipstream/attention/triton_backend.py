@@ -45,6 +45,7 @@ from slipstream.batch import ForwardBatch
 @register_backend("triton")
 class TritonAttentionBackend:
     name = "triton"
+    takes_tree_bits = True   # reads ForwardBatch.tree_bits instead of tree_mask when given
     # The model may hand q and k over unrotated, with the step's rotary (one kernel
     # rotates them and stores K/V); False keeps the separate rotary kernel.
     fuses_rotary = True
@@ -58,7 +59,8 @@ class TritonAttentionBackend:
             if batch.max_query_len > MAX_TREE_NODES:
                 raise ValueError(f"the triton backend verifies draft trees of at most "
                                  f"{MAX_TREE_NODES} nodes, got {batch.max_query_len}")
-            self._tree_bits = pack_tree_mask(batch.tree_mask[:, :, :batch.max_query_len])
+            self._tree_bits = (batch.tree_bits if batch.tree_bits is not None else
+                               pack_tree_mask(batch.tree_mask[:, :, :batch.max_query_len]))
         elif batch.is_decode_only:
             self._mode = "split_kv"
             self._tree_bits = None

@@ -58,9 +58,15 @@ DEFAULT_KV_DOT = {"int8": 3, "fp8": 2}
 DEFAULT_PREFETCH = 0
 
 
+# The most rows (query token x head in group) a program of the split kernel takes;
+# taller steps (tree verification) are cut into row blocks of this many. 16 runs
+# them on 2-warp programs (DEEP / WIDE configs), more on 4-warp TALL ones.
+MAX_BLOCK_M = 64
+
+
 def _tile_rows(max_query_len: int, group: int) -> tuple[int, int]:
     """(BLOCK_M, row blocks per KV head): rows are query token x head in group."""
-    block_m = max(16, min(next_pow2(max_query_len * group), 64))
+    block_m = max(16, min(next_pow2(max_query_len * group), MAX_BLOCK_M))
     return block_m, triton.cdiv(max_query_len * group, block_m)
 
 

@@ -117,15 +117,19 @@ class LMHead(_VocabShard):
                                                  torch.get_default_dtype())
                 self.bias = None
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        # hidden: [n, hidden_size] -> logits [n, vocab_size] in fp32 (matmul in the model dtype)
+    def forward(self, hidden: torch.Tensor, fp32: bool = True) -> torch.Tensor:
+        # hidden: [n, hidden_size] -> logits [n, vocab_size] in fp32 (matmul in the model
+        # dtype); fp32=False: one GPU's plain product is returned before its (exact) cast
         if self.quant_method is not None:
             return self.quant_method.apply(self._owner[0], hidden).float()
         table = self._cpu_table(hidden)
         if table is not None:
             return table.matmul(hidden.float())
         y = decode_gemv.linear(self, hidden) if hidden.shape[0] == 1 else None  # Hopper, 1 row
-        logits = (y if y is not None else F.linear(hidden, self.weight)).float()  # [n, rows_per_rank]
+        y = y if y is not None else F.linear(hidden, self.weight)      # [n, rows_per_rank]
+        if self.tp_size == 1 and not fp32:
+            return y
+        logits = y.float()
         if self.tp_size == 1:
             return logits
         logits = comm.all_gather(logits, self.tp.device_group, self.tp_size)

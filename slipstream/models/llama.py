@@ -237,11 +237,12 @@ class LlamaForCausalLM(nn.Module):
         The caller has run `backend.prepare(batch)` for this step."""
         return self.model(batch)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, fp32: bool = True) -> torch.Tensor:
         # hidden: [n, hidden_size] (or the forward's wider rows: their first
-        # hidden_size columns) -> logits [n, vocab_size] float32
+        # hidden_size columns) -> logits [n, vocab_size] float32 (fp32=False: left in
+        # the product's dtype where it has one; the same argmax, since the cast is exact)
         h = self.config.hidden_size
-        return self.lm_head(hidden if hidden.shape[-1] == h else hidden[..., :h])
+        return self.lm_head(hidden if hidden.shape[-1] == h else hidden[..., :h], fp32=fp32)
 
     def set_feature_taps(self, layers) -> None:
         """Make the forward return, after the final hidden states, the output of

@@ -35,6 +35,7 @@ import torch
 
 from slipstream.batch import ForwardBatch
 from slipstream.kernels.kv_move import move_rows
+from slipstream.layers.argmax import row_argmax
 from slipstream.spec.eagle import EagleHead
 from slipstream.spec.eagle_tree import COMPILED_SORT_MAX, EagleTreeExpander
 from slipstream.spec.heads import DraftLMHead, read_draft_vocab, resolve_head
@@ -68,6 +69,7 @@ class EagleLoop(LoopPrefill, LoopParts):
         engine = getattr(llm, "engine", llm)          # an LLM or its Engine
         runner = engine.runner
         self.model, self.backend = runner.model, runner.backend
+        self._bits_only = getattr(self.backend, "takes_tree_bits", False)
         self.pools = (runner.kv_cache, runner.kv_scales)
         self.block_pool = engine.scheduler.kv.pool
         self.bs = engine.config.cache.block_size
@@ -82,13 +84,14 @@ class EagleLoop(LoopPrefill, LoopParts):
                                           self.lm_head.token_ids, depth, topk, beam)
         self.depth, self.nodes = depth, max_nodes
         self._levels = self.expander.levels
-        self._tree_fn, self._accept_fn, self._pairs_fn = self._tree, self._accept, self._pairs
+        parts = (self.expander.levels, self._tree, self._feed, self._accept, self._pairs,
+                 self._commit)
         self.compile_error: str | None = None
         if compile_expansion:
             self.expander.sort_max = COMPILED_SORT_MAX if dev.type == "cuda" else None
-            self._levels, self._tree_fn, self._accept_fn, self._pairs_fn = (
-                self._compiled(torch.compile(f, dynamic=False), f)
-                for f in (self.expander.levels, self._tree, self._accept, self._pairs))
+            parts = tuple(self._compiled(torch.compile(f, dynamic=False), f) for f in parts)
+        (self._levels, self._tree_fn, self._feed_fn, self._accept_fn, self._pairs_fn,
+         self._commit_fn) = parts
         self.max_len = max_len
         self.graphs = graphs and dev.type == "cuda"
         self.graph = None
@@ -125,7 +128,8 @@ class EagleLoop(LoopPrefill, LoopParts):
             slot_mapping=torch.zeros(t, **i64), block_tables=self.block_table,
             logits_indices=self.rows.clone(), max_query_len=t, max_seq_len=max_len,
             query_lens_cpu=[t], seq_lens_cpu=[max_len],
-            tree_mask=torch.zeros(1, t, t, dtype=torch.bool, device=dev))
+            tree_mask=torch.zeros(1, t, t, dtype=torch.bool, device=dev),
+            tree_bits=torch.zeros(1, t, **i64))
         if dev.type == "cuda":
             from slipstream.kernels.decode_attention import choose_num_splits
             mc = self.model.config
@@ -256,43 +260,30 @@ class EagleLoop(LoopPrefill, LoopParts):
 
     def round(self) -> None:
         """One round on the device (no host value read; shapes fixed)."""
-        d, t = self.depth, self.nodes + 1
-        rows, n = self.rows, self.n_ctx
+        t, n = self.nodes + 1, self.n_ctx
         # 1. The tree from the last expansion's candidates.
         tokens, prow, depth, anc = self._tree_fn(self.table, self.root)
         # 2. The target over root + tree.
         b = self.batch
-        b.input_ids.copy_(tokens)
-        b.positions.copy_(n + depth)
-        b.slot_mapping.copy_(self._slots(n + rows))
-        b.context_lens.copy_(n.view(1))
-        b.seq_lens.copy_((n + t).view(1))
-        b.tree_mask.copy_(anc[None])
+        self._feed_fn(tokens, depth, anc, n, b.input_ids, b.positions, b.slot_mapping,
+                      b.context_lens, b.seq_lens, b.tree_bits)
+        if not self._bits_only:          # a backend that reads the mask itself
+            b.tree_mask.copy_(anc[None])
         if self.dev.type != "cuda":      # the CPU kernels size their loops from host lengths
             b.max_seq_len = int(n) + t
             b.seq_lens_cpu = [b.max_seq_len]
         self.backend.prepare(b)
         hidden = self.model(b)                                         # [t, hidden]
-        am = self.model.compute_logits(hidden).argmax(-1)              # [t]
+        am = row_argmax(self.model.compute_logits(hidden, fp32=False))  # [t]
         # 3. Greedy acceptance, K/V of the accepted path after the root.
-        a, last, path, emitted = self._accept_fn(tokens, am, prow, depth, anc)
-        dst = n + 1 + rows[:d]
-        src = torch.where(rows[:d] < a, n + 1 + path, dst)
+        a, last, path, emitted, src, dst = self._accept_fn(tokens, am, prow, depth, anc, n)
         for pool in self.pools:
             if pool is not None:
-                move_rows(pool, self._slots(src), self._slots(dst))
-        # 4. The head over the new pairs, then the next tree.
+                move_rows(pool, src, dst)
+        # 4. The head over the new pairs; the state for the next round, the ring entry
+        #    (accepted + 1, then the tokens); the next tree's candidates.
         feat, k, v, valid = self._pairs_fn(hidden, path, emitted, a, n, self.hk, self.hv,
                                            self.hvalid)
-        at = self.hptr + rows[:d + 1]
-        self.hk.index_copy_(0, at, k)
-        self.hv.index_copy_(0, at, v)
-        self.hvalid.index_copy_(0, at, valid)
-        self.hptr.add_(a + 1)
-        self.feat.copy_(feat)
-        self.root.copy_(am.index_select(0, last.view(1))[0])
-        n.add_(a + 1)
+        self._commit_fn(a, last, am, emitted, feat, k, v, valid, self.hk, self.hv, self.hvalid,
+                        self.hptr, self.feat, self.root, n, self.ring, self.rix)
         self.table.copy_(self._levels(self.feat, self.hk, self.hv, self.hvalid, n))
-        # 5. The ring: accepted + 1, then the tokens.
-        self.ring.index_copy_(0, self.rix.view(1), torch.cat([(a + 1).view(1), emitted])[None])
-        self.rix.add_(1)

@@ -22,8 +22,17 @@ def first_by_rank(key: torch.Tensor, n: int) -> torch.Tensor:
     return out.scatter(0, torch.where(rank < n, rank, n), idx)[:n]   # slot n: the rest
 
 
+def pack_rows(mask: torch.Tensor) -> torch.Tensor:
+    """[t, t] bool -> [t] int64 bitmasks, bit j of row i set when mask[i, j]
+    (kernels/tree_attention.pack_tree_mask for one request, fusable)."""
+    t = mask.shape[-1]
+    weights = torch.ones(t, dtype=torch.int64, device=mask.device) << torch.arange(
+        t, dtype=torch.int64, device=mask.device)
+    return (mask.to(torch.int64) * weights).sum(-1)
+
+
 class LoopParts:
-    """Mixin of EagleLoop (reads depth, nodes, rows, head, embed)."""
+    """Mixin of EagleLoop (reads depth, nodes, rows, head, embed, slot_of)."""
 
     def _tree(self, table: torch.Tensor, root: torch.Tensor):
         """table [4, C] -> root + tree: tokens, parent rows, depths [t], ancestor mask [t, t]
@@ -51,9 +60,23 @@ class LoopParts:
             cur = prow[cur]
         return tokens, prow, depth, anc
 
-    def _accept(self, tokens, am, prow, depth, anc):
+    def _feed(self, tokens, depth, anc, n, ids, pos, slots, ctx, seq, bits):
+        """Write the target step's inputs for root + tree into the batch's buffers
+        (ids, positions, slots [t]; context and sequence length [1] int32; the
+        ancestor mask packed to bits [1, t]); compiled, a kernel or two instead of
+        one per buffer."""
+        t = tokens.shape[0]
+        ids.copy_(tokens)
+        pos.copy_(n + depth)
+        slots.copy_(self.slot_of[n + self.rows])
+        ctx.copy_(n.view(1))
+        seq.copy_((n + t).view(1))
+        bits.copy_(pack_rows(anc)[None])
+
+    def _accept(self, tokens, am, prow, depth, anc, n):
         """-> accepted count, last accepted row, path [D] (node rows - 1, -1 pad),
-        emitted tokens [D + 1] (-1 pad)."""
+        emitted tokens [D + 1] (-1 pad), and the KV slots the accepted path moves
+        from and to (the slots after the root; rows past the count stay)."""
         d, rows = self.depth, self.rows
         wrong = (tokens != am[prow]) & (rows > 0)
         good = ~(anc & wrong[None]).any(1) & (rows > 0)
@@ -64,7 +87,24 @@ class LoopParts:
         emitted = torch.cat([torch.where(path >= 0, tokens[(path + 1).clamp_min(0)], -1),
                              path.new_full((1,), -1)])
         emitted = emitted.scatter(0, a.view(1), am.index_select(0, last.view(1)))
-        return a, last, path, emitted
+        dst = n + 1 + rows[:d]
+        src = torch.where(rows[:d] < a, n + 1 + path, dst)
+        return a, last, path, emitted, self.slot_of[src], self.slot_of[dst]
+
+    def _commit(self, a, last, am, emitted, feat, k, v, valid, hk, hv, hvalid, hptr, feat_s,
+                root, n, ring, rix):
+        """The round's state writes: the head's new K/V pairs, the feature and root
+        of the next round, the context length, the ring's entry (count, tokens)."""
+        at = hptr + self.rows[:self.depth + 1]
+        hk.index_copy_(0, at, k)
+        hv.index_copy_(0, at, v)
+        hvalid.index_copy_(0, at, valid)
+        hptr.add_(a + 1)
+        feat_s.copy_(feat)
+        root.copy_(am.index_select(0, last.view(1))[0])
+        n.add_(a + 1)
+        ring.index_copy_(0, rix.view(1), torch.cat([(a + 1).view(1), emitted])[None])
+        rix.add_(1)
 
     def _pairs(self, hidden, path, emitted, a, n, hk, hv, hvalid):
         """The head over the D + 1 possible new pairs -> f^ after the last real one,

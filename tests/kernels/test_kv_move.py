@@ -42,9 +42,10 @@ def test_a_failing_launch_falls_back_to_the_twin(monkeypatch):
             raise RuntimeError("no build")
     monkeypatch.setattr(kv_move, "_move_rows_kernel", Broken())
     monkeypatch.setattr(kv_move, "enabled", True)
-    pool = torch.randn(2, 2, 3, 4, 8)
+    pool = torch.randn(2, 2, 3, 4, 8, device=DEVICE)
+    src, dst = torch.tensor([7, 3], device=DEVICE), torch.tensor([1, 2], device=DEVICE)
     want = pool.clone()
-    move_rows_reference(want, torch.tensor([7, 3]), torch.tensor([1, 2]))
+    move_rows_reference(want, src, dst)
     with pytest.warns(UserWarning, match="index ops"):
-        move_rows(pool, torch.tensor([7, 3]), torch.tensor([1, 2]), kernel=True)
+        move_rows(pool, src, dst, kernel=True)
     assert torch.equal(pool, want) and not kv_move.enabled
