@@ -220,8 +220,8 @@ def split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
         out = torch.empty_like(q)
     group = num_heads // num_kv_heads
     head_dim_pad = next_pow2(head_dim)
-    block_m, row_blocks = _tile_rows(max_query_len, group)
     num_seqs = cu_seqlens_q.shape[0] - 1
+    block_m, row_blocks = _tile_rows(max_query_len, group, num_seqs, num_kv_heads)
     cfg = {**_launch_config(block_m, num_seqs * num_kv_heads * row_blocks * num_splits, q.device,
                             quant), **config}
     block_n = cfg.pop("BLOCK_N")

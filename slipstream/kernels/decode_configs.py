@@ -59,14 +59,25 @@ DEFAULT_PREFETCH = 0
 
 
 # The most rows (query token x head in group) a program of the split kernel takes;
-# taller steps (tree verification) are cut into row blocks of this many. 16 runs
-# them on 2-warp programs (DEEP / WIDE configs), more on 4-warp TALL ones.
-MAX_BLOCK_M = 64
+# taller steps (tree verification) are cut into row blocks of this many (16: 2-warp
+# programs, DEEP / WIDE configs; more: 4-warp TALL ones). 0: 64, or 16 where 64-row
+# blocks would leave most SMs idle (fewer programs than FEW_PROGRAMS_SHARE of them):
+# one request's tree of 61 tokens on SmolLM2 (3 KV heads, 9 programs) verified
+# 1.7% faster a round in 16-row blocks (H200, benchmarks/spec/README.md).
+MAX_BLOCK_M = 0
+FEW_PROGRAMS_SHARE = 0.5
 
 
-def _tile_rows(max_query_len: int, group: int) -> tuple[int, int]:
+def _tile_rows(max_query_len: int, group: int, num_seqs: int = 1,
+               num_kv_heads: int = 1) -> tuple[int, int]:
     """(BLOCK_M, row blocks per KV head): rows are query token x head in group."""
-    block_m = max(16, min(next_pow2(max_query_len * group), MAX_BLOCK_M))
+    rows = max_query_len * group
+    cap = MAX_BLOCK_M
+    if not cap:
+        sms = num_sms() if torch.cuda.is_available() else 132
+        few = num_seqs * num_kv_heads * triton.cdiv(rows, 64) < FEW_PROGRAMS_SHARE * sms
+        cap = 16 if few else 64
+    block_m = max(16, min(next_pow2(rows), cap))
     return block_m, triton.cdiv(max_query_len * group, block_m)
 
 
@@ -79,7 +90,7 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, *,
         return 1
     if sm_count is None:
         sm_count = num_sms() if torch.cuda.is_available() else 132
-    block_m, row_blocks = _tile_rows(max_query_len, group)
+    block_m, row_blocks = _tile_rows(max_query_len, group, num_seqs, num_kv_heads)
     programs = max(num_seqs * num_kv_heads * row_blocks, 1)
     per_sm = DEEP_PER_SM if block_m <= 16 else TALL_PER_SM
     want = max(per_sm * sm_count // programs, 1)

@@ -19,10 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from triton.language.extra.cuda import gdc_launch_dependents
-
 from slipstream.kernels.attention_tile import next_pow2
-from slipstream.kernels.runtime import pdl_supported
 from slipstream.kernels.quant_act import empty_rows, quant_params, quantize_block, row_scale
 
 
@@ -31,9 +28,7 @@ def _rms_norm_kernel(X, Res, W, Out, ResOut, eps,
                      stride_x, stride_r, stride_o, stride_ro,
                      N: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                      QUANT: tl.constexpr, S, QMAX: tl.constexpr, EPS: tl.constexpr,
-                     FP8: tl.constexpr, SIGNAL: tl.constexpr):
-    if SIGNAL:  # a kernel launched after this one by PDL may start; it waits for our writes
-        gdc_launch_dependents()
+                     FP8: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
@@ -54,12 +49,6 @@ def _rms_norm_kernel(X, Res, W, Out, ResOut, eps,
                  quantize_block(y, scale, QMAX, FP8, Out.dtype.element_ty), mask=mask)
     else:
         tl.store(Out + row * stride_o + cols, (w * normed).to(Out.dtype.element_ty), mask=mask)
-
-
-# True: the kernel lets the kernel after it launch early (programmatic dependent
-# launch, sm_90), for a product that streams its weight before it waits on the norm
-# (kernels/skinny_gemm.py with `chain`). Off until timed through the engine.
-signal_dependents = False
 
 
 def _num_warps(block: int) -> int:
@@ -93,7 +82,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
             x, res, weight, out, res_out, eps,
             x.stride(0), res.stride(0), out.stride(0), res_out.stride(0),
             N=hidden, BLOCK=block, HAS_RESIDUAL=residual is not None,
-            num_warps=_num_warps(block), SIGNAL=signal_dependents and pdl_supported(x), **extra)
+            num_warps=_num_warps(block), **extra)
     if quant is not None:
         out = (out, scale)
     return out if residual is None else (out, res_out)

@@ -34,7 +34,6 @@ from torch import nn
 from slipstream.distributed import comm
 from slipstream.distributed.parallel import kv_heads_of_rank
 from slipstream.errors import ModelLoadError
-from slipstream.kernels import skinny_gemm
 from slipstream.layers import decode_gemv
 from slipstream.layers.weight_loader import copy_checked
 
@@ -78,9 +77,6 @@ class UnquantizedLinearMethod:
             if y is not None:
                 return y
             x = decode_gemv.unfold(x)
-        elif skinny_gemm.enabled and x.is_cuda and layer.bias is None and skinny_gemm.fits(
-                x, layer.weight):
-            return skinny_gemm.skinny_gemm(x, layer.weight)
         return F.linear(x, layer.weight, layer.bias)
 
 

@@ -25,11 +25,10 @@ from torch import nn
 from slipstream.layers.rotary import RotaryEmbedding, apply_rotary
 
 # On a GPU the head's attention is given what scaled_dot_product_attention's fused
-# (memory-efficient) kernel takes: 4-D inputs, and K/V heads repeated for the query
-# heads instead of enable_gqa. Otherwise it runs its math path (fp32 products, separate
-# mask and softmax kernels: ~12 us of fp32 GEMMs per draft level in the H200 profile of
-# a compiled round). Benchmarks switch it off to compare.
-fused_attention_on_gpu = True
+# kernels take: 4-D inputs, and K/V heads repeated for the query heads instead of
+# enable_gqa. With 3-D inputs it ran its math path (fp32 products, separate mask and
+# softmax kernels): an eager EAGLE loop round on the H200 took 2.49 ms instead of 2.27
+# (benchmarks/spec/README.md, "Trimming the round").
 
 
 @dataclass(frozen=True)
@@ -64,7 +63,7 @@ def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
               fused: bool) -> torch.Tensor:
     """q [T, heads, d], k / v [C, kv_heads, d], mask [T, C] bool -> [T, heads, d].
-    fused: the inputs shaped for SDPA's fused kernels (see `fused_attention_on_gpu`)."""
+    fused: the inputs shaped for SDPA's fused kernels (the GPU's choice, above)."""
     group = q.shape[1] // k.shape[1]
     if fused:
         if group > 1:
@@ -119,7 +118,7 @@ class EagleHead(nn.Module):
             c = kk.shape[0] - t
             mask = torch.ones(t, c + t, dtype=torch.bool, device=x.device)
             mask[:, c:] = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
-        o = attention(q, kk, vv, mask, fused_attention_on_gpu and q.is_cuda)
+        o = attention(q, kk, vv, mask, q.is_cuda)
         return self.finish(x, o), k, v
 
     @property

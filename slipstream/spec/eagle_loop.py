@@ -42,11 +42,6 @@ from slipstream.spec.heads import DraftLMHead, read_draft_vocab, resolve_head
 from slipstream.spec.loop_parts import LoopParts
 from slipstream.spec.loop_prefill import LoopPrefill
 
-# Splits of the KV sequence in the round's tree attention: 0 chooses them for the
-# loop's longest context (decode_configs.choose_num_splits); a positive count forces
-# it (benchmark A/B runs).
-tree_splits = 0
-
 
 class EagleLoop(LoopPrefill, LoopParts):
     def __init__(self, llm, head_path: str | None = None, depth: int = 6, topk: int = 8,
@@ -134,7 +129,7 @@ class EagleLoop(LoopPrefill, LoopParts):
             from slipstream.kernels.decode_attention import choose_num_splits
             mc = self.model.config
             ctx = max(512, 1 << (max_len - 1).bit_length())
-            self.batch.decode_splits = tree_splits or choose_num_splits(
+            self.batch.decode_splits = choose_num_splits(
                 1, mc.num_key_value_heads, ctx, max_query_len=t,
                 group=mc.num_attention_heads // mc.num_key_value_heads)
 
