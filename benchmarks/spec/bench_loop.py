@@ -55,10 +55,9 @@ def main(argv=None) -> int:
     ap.add_argument("--variant", action="append", default=[],
                     help="LABEL:module.attr=value[,module.attr=value]: each tree (and compiled "
                          "tree) also with these module settings, after the defaults; e.g. "
-                         "'topk:slipstream.spec.eagle_tree.topk_by_sort=0' (repeatable)")
-    ap.add_argument("--one-stage-topk-too", action="store_true",
-                    help="each tree also with the draft vocabulary's top-k in one torch.topk "
-                         "(eagle_tree.row_topk's two GPU stages off), for comparison")
+                         "'rows64:slipstream.kernels.decode_configs.MAX_BLOCK_M=64', or "
+                         "'onestage:slipstream.spec.eagle_tree.TWO_STAGE_MIN=1000000000' (the "
+                         "draft vocabulary's top-k in one stage) (repeatable)")
     ap.add_argument("--out", default=str(HERE / "results"))
     args = ap.parse_args(argv)
     import torch
@@ -109,23 +108,16 @@ def main(argv=None) -> int:
                prompts=len(prompts), max_tokens=args.max_tokens,
                graphs=args.device == "cuda" and not args.no_graphs)
     results = []
-    stages = (2, 1) if args.one_stage_topk_too else (2,)
     variants = [("", [])] + [_variant(v) for v in args.variant]
-    runs = [(h, t, False, st, va) for h in heads for t in args.trees.split(";") if t for st in stages
-            for va in variants]
-    runs += [(heads[0], t, True, 2, va) for t in args.compile_trees.split(";") if t
-             for va in variants]
-    from slipstream.spec import eagle_tree
-    for head, spec, comp, st, (label, settings) in runs:
+    runs = [(h, t, False, va) for h in heads for t in args.trees.split(";") if t for va in variants]
+    runs += [(heads[0], t, True, va) for t in args.compile_trees.split(";") if t for va in variants]
+    for head, spec, comp, (label, settings) in runs:
         d, k, b, n = (int(x) for x in spec.split(","))
         row = dict(head=head or "shipped", tree=dict(depth=d, topk=k, beam=b, nodes=n))
         if comp:
             row["compiled"] = True
-        if args.one_stage_topk_too:
-            row["topk_stages"] = st
         if label:
             row["variant"] = label
-        eagle_tree.two_stage = st == 2      # read when the round's graph is captured
         saved = [(mod, attr, getattr(mod, attr)) for mod, attr, _ in settings]
         for mod, attr, value in settings:
             setattr(mod, attr, value)
@@ -315,8 +307,6 @@ def _write(args, env, results) -> None:
         t = r["tree"]
         shape = f"{t['depth']},{t['topk']},{t['beam']},{t['nodes']}" + (
             " compiled" if r.get("compiled") else "") + (
-            f" (top-k in {r['topk_stages']} stage{'s' if r['topk_stages'] > 1 else ''})"
-            if "topk_stages" in r else "") + (
             f" [{r['variant']}]" if "variant" in r else "")
         if "error" in r:
             lines.append(f"| {Path(r['head']).name} | {shape} | error: {r['error']} ||||||||")

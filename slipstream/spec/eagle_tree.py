@@ -28,7 +28,6 @@ from slipstream.kernels.cpu_eagle import chain_table
 
 # Rows at least this long take `row_topk`'s two stages on a GPU.
 TWO_STAGE_MIN = 4096
-two_stage = True      # benchmarks switch it off to compare
 # On a GPU a stage over rows of at most SORT_MAX values sorts them and keeps the first
 # k, instead of torch.topk (radix selection in several passes, ~12 us a call in the
 # H200 kernel profile of a round). Measured on the H200 (benchmarks/spec/README.md, "The
@@ -37,7 +36,6 @@ two_stage = True      # benchmarks switch it off to compare
 # loop's `compile_expansion`, whose expander sets `sort_max`) sorting both pays.
 SORT_MAX = 128
 COMPILED_SORT_MAX = 2048
-topk_by_sort = True   # benchmarks switch it off to compare
 
 
 class TopK(NamedTuple):
@@ -53,14 +51,14 @@ def row_topk(x: torch.Tensor, k: int, stages: int | None = None,
     (16,384 log-probabilities) took ~85 us on the H200 (a round's kernel profile,
     benchmarks/spec/README.md) where its pieces fill the GPU. Which of equal values is
     kept may differ from torch.topk's choice (neither is specified). stages: 1 or 2 to
-    force either way (None: two for such rows on a GPU, unless `two_stage` is off).
+    force either way (None: two for such rows on a GPU).
     sort_max: stages over rows of at most this many values by a sort (0: none; None:
-    SORT_MAX on a GPU unless `topk_by_sort` is off, else 0)."""
+    SORT_MAX on a GPU, else 0)."""
     n = x.shape[-1]
     if sort_max is None:
-        sort_max = SORT_MAX if topk_by_sort and x.is_cuda else 0
+        sort_max = SORT_MAX if x.is_cuda else 0
     if stages is None:
-        stages = 2 if two_stage and x.is_cuda and n >= TWO_STAGE_MIN and k <= 64 else 1
+        stages = 2 if x.is_cuda and n >= TWO_STAGE_MIN and k <= 64 else 1
     if stages == 1:
         return _top(x, k, sort_max)
     piece = 1 << ((n.bit_length() + 1) // 2)            # ~sqrt(n), a power of two

@@ -5,15 +5,11 @@ from __future__ import annotations
 
 import torch
 
-# The tree's nodes chosen by ranks (one [C, C] comparison, fused by torch.compile)
-# rather than a stable sort of the C candidates (a radix sort of ~33 us a round on the
-# H200, benchmarks/spec/README.md). Benchmarks switch it off to compare.
-select_by_rank = True
-
-
 def first_by_rank(key: torch.Tensor, n: int) -> torch.Tensor:
     """The indices of key's n largest values, largest first, ties to the lower index:
-    `key.sort(descending=True, stable=True).indices[:n]` without a sort."""
+    `key.sort(descending=True, stable=True).indices[:n]` without a sort (one [C, C]
+    comparison that torch.compile fuses, where the stable sort of the tree's candidates
+    was a radix sort of ~33 us a round on the H200, benchmarks/spec/README.md)."""
     c = key.shape[0]
     idx = torch.arange(c, device=key.device)
     before = (key[None, :] > key[:, None]) | ((key[None, :] == key[:, None]) & (idx[None, :] < idx[:, None]))
@@ -41,12 +37,8 @@ class LoopParts:
         rows = self.rows
         tok_c, score, par, level = table
         key = score - 1e-6 * level
-        if select_by_rank:
-            sel = first_by_rank(key, nn)
-            nodes = sel[first_by_rank(score[sel] - level[sel] * 1e6, nn)]
-        else:
-            sel = key.sort(descending=True, stable=True).indices[:nn]   # not topk
-            nodes = sel[(level[sel] * 1e6 - score[sel]).argsort()]
+        sel = first_by_rank(key, nn)
+        nodes = sel[first_by_rank(score[sel] - level[sel] * 1e6, nn)]
         where = torch.zeros(tok_c.shape[0], dtype=torch.int64, device=table.device)
         where = where.scatter(0, nodes, rows[1:])                  # candidate -> row
         p = par[nodes].long()
