@@ -29,6 +29,10 @@ from slipstream.layers.rotary import RotaryEmbedding, apply_rotary
 # enable_gqa. With 3-D inputs it ran its math path (fp32 products, separate mask and
 # softmax kernels): an eager EAGLE loop round on the H200 took 2.49 ms instead of 2.27
 # (benchmarks/spec/README.md, "Trimming the round").
+# Which of SDPA's GPU kernels runs it: "" lets SDPA choose (cuDNN's on the H200, ~9 us a
+# draft level, and a memset before each); "efficient", "flash", "cudnn" or "math"
+# forces one (benchmark A/B runs).
+gpu_sdpa = ""
 
 
 @dataclass(frozen=True)
@@ -68,9 +72,17 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     if fused:
         if group > 1:
             k, v = (t.repeat_interleave(group, dim=1) for t in (k, v))
-        return F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-            attn_mask=mask[None, None])[0].transpose(0, 1)
+        args = (q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None])
+        if gpu_sdpa:
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+            backend = {"efficient": SDPBackend.EFFICIENT_ATTENTION, "flash":
+                       SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+                       "math": SDPBackend.MATH}[gpu_sdpa]
+            with sdpa_kernel(backend):
+                o = F.scaled_dot_product_attention(*args, attn_mask=mask[None, None])
+        else:
+            o = F.scaled_dot_product_attention(*args, attn_mask=mask[None, None])
+        return o[0].transpose(0, 1)
     return F.scaled_dot_product_attention(
         q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
         enable_gqa=group > 1).transpose(0, 1)
