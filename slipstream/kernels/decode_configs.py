@@ -74,11 +74,15 @@ def _tile_rows(max_query_len: int, group: int, num_seqs: int = 1,
     rows = max_query_len * group
     cap = MAX_BLOCK_M
     if not cap:
-        sms = num_sms() if torch.cuda.is_available() else 132
-        few = num_seqs * num_kv_heads * triton.cdiv(rows, 64) < FEW_PROGRAMS_SHARE * sms
+        few = num_seqs * num_kv_heads * triton.cdiv(rows, 64) < FEW_PROGRAMS_SHARE * _sm_count()
         cap = 16 if few else 64
     block_m = max(16, min(next_pow2(rows), cap))
-    return block_m, triton.cdiv(max_query_len * group, block_m)
+    return block_m, triton.cdiv(rows, block_m)
+
+
+def _sm_count() -> int:
+    """SMs of the GPU (132, an H100 / H200's, without one: CPU tests)."""
+    return num_sms() if torch.cuda.is_available() else 132
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, *,
@@ -89,7 +93,7 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, *,
     if max_seq_len <= UNSPLIT_MAX_LEN:
         return 1
     if sm_count is None:
-        sm_count = num_sms() if torch.cuda.is_available() else 132
+        sm_count = _sm_count()
     block_m, row_blocks = _tile_rows(max_query_len, group, num_seqs, num_kv_heads)
     programs = max(num_seqs * num_kv_heads * row_blocks, 1)
     per_sm = DEEP_PER_SM if block_m <= 16 else TALL_PER_SM

@@ -33,6 +33,8 @@ from slipstream.layers.rotary import RotaryEmbedding, apply_rotary
 # draft level, and a memset before each); "efficient", "flash", "cudnn" or "math"
 # forces one (benchmark A/B runs).
 gpu_sdpa = ""
+_SDPA_BACKENDS = {"efficient": "EFFICIENT_ATTENTION", "flash": "FLASH_ATTENTION",
+                  "cudnn": "CUDNN_ATTENTION", "math": "MATH"}
 
 
 @dataclass(frozen=True)
@@ -75,10 +77,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
         args = (q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None])
         if gpu_sdpa:
             from torch.nn.attention import SDPBackend, sdpa_kernel
-            backend = {"efficient": SDPBackend.EFFICIENT_ATTENTION, "flash":
-                       SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
-                       "math": SDPBackend.MATH}[gpu_sdpa]
-            with sdpa_kernel(backend):
+            with sdpa_kernel(getattr(SDPBackend, _SDPA_BACKENDS[gpu_sdpa])):
                 o = F.scaled_dot_product_attention(*args, attn_mask=mask[None, None])
         else:
             o = F.scaled_dot_product_attention(*args, attn_mask=mask[None, None])

@@ -77,7 +77,6 @@ class EagleLoop(LoopPrefill, LoopParts):
         self.expander = EagleTreeExpander(self.head, self.embed, self.lm_head,
                                           self.lm_head.token_ids, depth, topk, beam)
         self.depth, self.nodes = depth, max_nodes
-        self._levels = self.expander.levels
         parts = (self.expander.levels, self._tree, self._feed, self._accept, self._pairs,
                  self._commit)
         self.compile_error: str | None = None

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from slipstream.kernels.tree_attention import pack_tree_mask
+
 def first_by_rank(key: torch.Tensor, n: int) -> torch.Tensor:
     """The indices of key's n largest values, largest first, ties to the lower index:
     `key.sort(descending=True, stable=True).indices[:n]` without a sort (one [C, C]
@@ -16,15 +18,6 @@ def first_by_rank(key: torch.Tensor, n: int) -> torch.Tensor:
     rank = before.sum(1)                                       # [c]: 0 = first
     out = torch.zeros(n + 1, dtype=torch.int64, device=key.device)
     return out.scatter(0, torch.where(rank < n, rank, n), idx)[:n]   # slot n: the rest
-
-
-def pack_rows(mask: torch.Tensor) -> torch.Tensor:
-    """[t, t] bool -> [t] int64 bitmasks, bit j of row i set when mask[i, j]
-    (kernels/tree_attention.pack_tree_mask for one request, fusable)."""
-    t = mask.shape[-1]
-    weights = torch.ones(t, dtype=torch.int64, device=mask.device) << torch.arange(
-        t, dtype=torch.int64, device=mask.device)
-    return (mask.to(torch.int64) * weights).sum(-1)
 
 
 class LoopParts:
@@ -63,7 +56,7 @@ class LoopParts:
         slots.copy_(self.slot_of[n + self.rows])
         ctx.copy_(n.view(1))
         seq.copy_((n + t).view(1))
-        bits.copy_(pack_rows(anc)[None])
+        bits.copy_(pack_tree_mask(anc[None]))
 
     def _accept(self, tokens, am, prow, depth, anc, n):
         """-> accepted count, last accepted row, path [D] (node rows - 1, -1 pad),

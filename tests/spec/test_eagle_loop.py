@@ -124,17 +124,6 @@ def test_first_by_rank_is_the_stable_sort_prefix():
         assert torch.equal(first_by_rank(key, n), want)
 
 
-def test_packed_rows_are_the_backends_tree_bits():
-    """The loop packs its ancestor mask itself (ForwardBatch.tree_bits): the same bits as
-    the Triton backend's pack_tree_mask, bit 63 included."""
-    from slipstream.kernels.tree_attention import pack_tree_mask
-    from slipstream.spec.loop_parts import pack_rows
-    gen = torch.Generator().manual_seed(1)
-    for t in (1, 13, 64):
-        mask = torch.rand(t, t, generator=gen) > 0.5
-        assert torch.equal(pack_rows(mask), pack_tree_mask(mask[None])[0])
-
-
 def test_padded_prefill_body_matches_the_eager_prefill(llm):
     """What the prefill graph runs (a GPU captures it): the prompt padded to its
     length class gives the same first token, head context and next tokens."""
