@@ -66,6 +66,18 @@ DEFAULT_PREFETCH = 0
 # 1.7% faster a round in 16-row blocks (H200, benchmarks/spec/README.md).
 MAX_BLOCK_M = 0
 FEW_PROGRAMS_SHARE = 0.5
+# The launch config of tree steps (tree verification), "BLOCK_NxWARPSxSTAGES" (e.g.
+# "32x4x3"), or "" for the rule below; for A/B runs (benchmarks/spec/bench_tree_configs.py).
+TREE_CONFIG = ""
+
+
+def parse_launch(text: str) -> dict:
+    """'BLOCK_NxWARPSxSTAGES' -> a launch config."""
+    try:
+        bn, w, st = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"a launch config is BLOCK_NxWARPSxSTAGES, e.g. 64x2x6, got {text!r}") from None
+    return {"BLOCK_N": bn, "num_warps": w, "num_stages": st}
 
 
 def _tile_rows(max_query_len: int, group: int, num_seqs: int = 1,
@@ -102,9 +114,12 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, *,
     return min(want, useful, MAX_SPLITS)
 
 
-def _launch_config(block_m: int, programs: int, device, quant: bool = False) -> dict:
+def _launch_config(block_m: int, programs: int, device, quant: bool = False,
+                   tree: bool = False) -> dict:
     if interpreting():
         return INTERPRET_CONFIG
+    if tree and TREE_CONFIG:
+        return parse_launch(TREE_CONFIG)
     if block_m > 16:
         return TALL_CONFIG
     # More programs than one wave of deep ones: the shallower config fits more.

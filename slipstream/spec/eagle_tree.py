@@ -36,6 +36,9 @@ TWO_STAGE_MIN = 4096
 # loop's `compile_expansion`, whose expander sets `sort_max`) sorting both pays.
 SORT_MAX = 128
 COMPILED_SORT_MAX = 2048
+# On a GPU a level's log-softmax and top-k run as kernels/logp_topk.py's two launches
+# (False: log_softmax, then row_topk; for A/B runs).
+FUSED_LOGP_TOPK = True
 
 
 class TopK(NamedTuple):
@@ -70,6 +73,16 @@ def row_topk(x: torch.Tensor, k: int, stages: int | None = None,
     cand = (first.indices + base).flatten(-2)
     second = _top(first.values.flatten(-2), k, sort_max)
     return TopK(second.values, cand.gather(-1, second.indices))
+
+
+def logp_top(logits: torch.Tensor, k: int, sort_max: int | None = None) -> TopK:
+    """The top k of log_softmax(logits) over the last dim of [rows, n] logits: values
+    (fp32 log-probabilities, descending) and indices."""
+    if logits.is_cuda and FUSED_LOGP_TOPK and k <= 64:
+        from slipstream.kernels.logp_topk import logp_topk_op
+        return TopK(*logp_topk_op(logits, k))
+    logp = torch.log_softmax(logits, -1, dtype=torch.float32)
+    return row_topk(logp, k, sort_max=sort_max)
 
 
 def _top(x: torch.Tensor, k: int, sort_max: int) -> TopK:
@@ -122,8 +135,9 @@ class EagleTreeExpander:
         dt, dev = root_feat.dtype, root_feat.device
         ctx = past_k.shape[0]
         k = self.topk
-        logp = torch.log_softmax(self.lm_head(root_feat[None]), -1, dtype=torch.float32)[0]
-        top = row_topk(logp, min(k, logp.shape[-1]), sort_max=self.sort_max)
+        logits = self.lm_head(root_feat[None])
+        top = logp_top(logits, min(k, logits.shape[-1]), self.sort_max)
+        top = TopK(top.values[0], top.indices[0])
         # Candidates level by level: draft-vocabulary column, cumulative
         # log-probability, parent (global candidate index, -1: the root).
         const = self._const
@@ -160,8 +174,8 @@ class EagleTreeExpander:
             f, kn, vn = self.head(self.embed(toks).to(dt), feat_in[fr], pos,
                                   (ks, vs), mask)
             ks.append(kn), vs.append(vn)
-            logp = torch.log_softmax(self.lm_head(f), -1, dtype=torch.float32)
-            top = row_topk(logp, min(k, logp.shape[-1]), sort_max=self.sort_max)         # [b, k]
+            logits = self.lm_head(f)
+            top = logp_top(logits, min(k, logits.shape[-1]), self.sort_max)              # [b, k]
             kk = top.indices.shape[1]
             cols.append(top.indices.flatten())
             scores.append((sc[fr][:, None] + top.values).flatten())
