@@ -22,6 +22,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import weakref
 from pathlib import Path
 
 _SOURCE = Path(__file__).with_name("cpu_quant.c")
@@ -167,18 +168,44 @@ def threads() -> int:
     return _threads or 1
 
 
-def take_threads() -> int:
+def take_threads(owner=None) -> int:
     """Give the CPU threads to the kernels' pool and run torch's own ops on one.
 
     Two pools of spinning threads on the same cores slow each other down (and a
     torch OpenMP barrier waits for a descheduled thread: a shared machine
-    collapses). When the kernels carry the heavy work, torch keeps one thread."""
-    global took_threads
+    collapses). When the kernels carry the heavy work, torch keeps one thread.
+    owner: an object that lives as long as the model whose products the pool
+    carries; `release_threads` gives torch its threads back once none is alive."""
+    global took_threads, _torch_threads
     import torch
+    if owner is not None:
+        _owners.add(owner)
+    if not took_threads:
+        _torch_threads = torch.get_num_threads()
     n = set_threads(None)
     torch.set_num_threads(1)
     took_threads = True
     return n
 
 
+def release_threads() -> bool:
+    """torch's threads back (as before `take_threads`) when no model whose products the
+    pool carries is alive: a dense model loaded after a GGUF one was dropped must not
+    run its products on one thread. True when given back."""
+    global took_threads
+    if not took_threads:
+        return False
+    if len(_owners):
+        import gc
+        gc.collect()            # an engine dropped by the caller may sit in a cycle
+    if len(_owners):
+        return False
+    import torch
+    torch.set_num_threads(_torch_threads)
+    took_threads = False
+    return True
+
+
+_owners: "weakref.WeakSet" = weakref.WeakSet()
+_torch_threads = 1
 took_threads = False     # take_threads ran: products left to torch get one thread

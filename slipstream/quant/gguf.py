@@ -167,6 +167,6 @@ def gguf_scheme(config, files):
         tables = ("model.embed_tokens.", "lm_head.")
         tp = config.parallel.tensor_parallel_size > 1
         files.keep_quantized(lambda name, q: _keep(name, q) and not (tp and name.startswith(tables)))
-        cpu_library.take_threads()
+        cpu_library.take_threads(config)
     method = GGUFLinearMethod(quantized, config.dtype)
     return lambda prefix: method

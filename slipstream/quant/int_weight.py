@@ -181,8 +181,7 @@ class IntWeightMethod:
         del layer.qweight, layer.scales        # the blocks hold them (as the GPU paths do)
         if not self.sym:
             del layer.qzeros
-        if not cpu_library.took_threads:    # the kernels carry the products (as for GGUF)
-            cpu_library.take_threads()
+        cpu_library.take_threads(layer)     # the kernels carry the products (as for GGUF)
 
     def _gpu_mma(self, layer: nn.Module, x: torch.Tensor):
         """On a CUDA GPU with tensor cores (sm_80+), 4-bit codes in groups of 128 re-laid

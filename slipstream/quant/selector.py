@@ -32,6 +32,9 @@ def quant_method_for(config, files) -> QuantMethodFor | None:
                              f"quantized ({stored!r}); leave quantization unset")
         name = stored
     if name is None:
+        if config.device.type == "cpu":   # dense products run on torch's threads
+            from slipstream.kernels import cpu_library
+            cpu_library.release_threads()
         return None
     if name not in registered_schemes() and name in _BUILTIN:
         importlib.import_module(_BUILTIN[name])

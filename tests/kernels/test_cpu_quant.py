@@ -175,3 +175,31 @@ def test_other_cpus(arch, tmp_path):
                        env=env, capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert "skipped" not in r.stdout.splitlines()[-1], r.stdout[-500:]
+
+
+def test_torch_gets_its_threads_back_when_no_pool_owner_lives(monkeypatch):
+    """A dense CPU model loaded after a GGUF one was dropped runs torch's ops on all
+    threads again (take_threads had left torch one); not while the GGUF one lives."""
+    import types
+    import weakref
+    from slipstream.quant.selector import quant_method_for
+    before = torch.get_num_threads()
+    monkeypatch.setattr(cpu_library, "_owners", weakref.WeakSet())
+    monkeypatch.setattr(cpu_library, "took_threads", False)
+    try:
+        torch.set_num_threads(2)
+
+        class Owner:
+            pass
+        owner = Owner()
+        cpu_library.take_threads(owner)
+        assert torch.get_num_threads() == 1 and cpu_library.took_threads
+        dense = types.SimpleNamespace(quantization=None, device=torch.device("cpu"))
+        assert quant_method_for(dense, object()) is None
+        assert torch.get_num_threads() == 1          # the owner still lives
+        del owner
+        assert quant_method_for(dense, object()) is None
+        assert torch.get_num_threads() == 2 and not cpu_library.took_threads
+        assert not cpu_library.release_threads()     # nothing taken
+    finally:
+        torch.set_num_threads(before)
