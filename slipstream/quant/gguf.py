@@ -136,7 +136,7 @@ def _rank_share(layer: nn.Module, w, index: int):
     else dequantized)."""
     from slipstream.loader.gguf import GGUFWeight
     from slipstream.kernels.cpu_quant import BLOCKS
-    rank, tp = layer.tp_rank, layer.tp_size
+    rank = layer.tp_rank
     if layer.split == "output":
         n = layer.local_output_sizes[index]
         if isinstance(w, torch.Tensor):
