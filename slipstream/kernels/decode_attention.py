@@ -223,7 +223,7 @@ def split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     num_seqs = cu_seqlens_q.shape[0] - 1
     block_m, row_blocks = _tile_rows(max_query_len, group, num_seqs, num_kv_heads)
     cfg = {**_launch_config(block_m, num_seqs * num_kv_heads * row_blocks * num_splits, q.device,
-                            quant, tree_bits is not None), **config}
+                            quant, tree_bits is not None, num_splits), **config}
     block_n = cfg.pop("BLOCK_N")
     kv_dot = cfg.pop("KV_DOT", default_kv_dot(k_cache.dtype, block_m))
     if kv_dot not in (0, 1, 2, 3):

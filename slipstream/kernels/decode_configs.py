@@ -17,6 +17,12 @@ WIDE_CONFIG = {"BLOCK_N": 64, "num_warps": 2, "num_stages": 4}  # 1 tile, 39 KB,
 # Taller tiles (several tree nodes x heads): one warpgroup, so the dots run on
 # wgmma with operands in shared memory (116 KB, one program an SM).
 TALL_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 6}
+# One request's tree in 16-row blocks, unsplit, 16-bit cache (the EAGLE loop's
+# verification): 128-key tiles in one warpgroup. H200, SmolLM2's 61-token tree over
+# 160 / 320 tokens, 30 layers' caches in a graph: 15.1 / 16.7 us a call against 17.1 /
+# 19.1 with DEEP_CONFIG, best of 49 configs (benchmarks/spec/bench_tree_configs.py);
+# the compiled loop round 1.396 against 1.431 ms (benchmarks/spec/README.md).
+SHORT_TREE_CONFIG = {"BLOCK_N": 128, "num_warps": 4, "num_stages": 3}
 # 1-byte (int8 / fp8) caches: a 128-key tile moves the bytes of a 64-key 16-bit
 # one. Compiled for sm_90 (benchmarks/attention/compile_report.py --kv int8):
 # 128 keys, 4 warps, 6 stages keep two such tiles in flight like DEEP (77 KB,
@@ -115,11 +121,13 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, *,
 
 
 def _launch_config(block_m: int, programs: int, device, quant: bool = False,
-                   tree: bool = False) -> dict:
+                   tree: bool = False, splits: int = 1) -> dict:
     if interpreting():
         return INTERPRET_CONFIG
     if tree and TREE_CONFIG:
         return parse_launch(TREE_CONFIG)
+    if tree and block_m <= 16 and splits == 1 and not quant:
+        return SHORT_TREE_CONFIG
     if block_m > 16:
         return TALL_CONFIG
     # More programs than one wave of deep ones: the shallower config fits more.

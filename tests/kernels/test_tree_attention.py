@@ -87,3 +87,21 @@ def test_wide_tree_uses_high_mask_bits(paged_batch, close):
     ref = reference.tree_attention(b.q.float(), b.k_cache.float(), b.v_cache.float(),
                                    b.cu_seqlens_q, b.seq_lens, b.block_tables, masks, 0.2, None)
     close(out, ref, 4e-3, 4e-3)
+
+
+def test_launch_config_of_one_short_tree(monkeypatch):
+    """One request's tree in 16-row blocks, unsplit, 16-bit cache: SHORT_TREE_CONFIG;
+    quantized caches, split steps and TREE_CONFIG's A/B strings keep their own."""
+    from slipstream.kernels import decode_configs as dc
+    monkeypatch.setattr(dc, "interpreting", lambda: False)
+    monkeypatch.setattr(dc, "num_sms", lambda index=0: 132)
+    dev = torch.device("cuda", 0)
+    assert dc._launch_config(16, 36, dev, tree=True) == dc.SHORT_TREE_CONFIG
+    assert dc._launch_config(16, 36, dev, quant=True, tree=True) == dc.QUANT_DEEP_CONFIG
+    assert dc._launch_config(16, 72, dev, tree=True, splits=2) == dc.DEEP_CONFIG
+    assert dc._launch_config(64, 9, dev, tree=True) == dc.TALL_CONFIG
+    assert dc._launch_config(16, 36, dev) == dc.DEEP_CONFIG
+    monkeypatch.setattr(dc, "TREE_CONFIG", "32x2x4")
+    assert dc._launch_config(16, 36, dev, tree=True) == {"BLOCK_N": 32, "num_warps": 2, "num_stages": 4}
+    with pytest.raises(ValueError, match="BLOCK_NxWARPSxSTAGES"):
+        dc.parse_launch("32x2")
