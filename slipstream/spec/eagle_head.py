@@ -29,9 +29,10 @@ from slipstream.layers.rotary import RotaryEmbedding, apply_rotary
 # enable_gqa. With 3-D inputs it ran its math path (fp32 products, separate mask and
 # softmax kernels): an eager EAGLE loop round on the H200 took 2.49 ms instead of 2.27
 # (benchmarks/spec/README.md, "Trimming the round").
-# Which of SDPA's GPU kernels runs it: "" lets SDPA choose (cuDNN's on the H200, ~9 us a
-# draft level, and a memset before each); "efficient", "flash", "cudnn" or "math"
-# forces one (benchmark A/B runs).
+# Which GPU kernel runs it: "" lets SDPA choose (cuDNN's on the H200, ~9 us a draft
+# level, and a memset before each); "efficient", "flash", "cudnn" or "math" forces one of
+# SDPA's (both SDPA alternatives measured slower in the compiled EAGLE round); "triton"
+# takes kernels/masked_attention.py (one launch, K/V read once per GQA group).
 gpu_sdpa = ""
 _SDPA_BACKENDS = {"efficient": "EFFICIENT_ATTENTION", "flash": "FLASH_ATTENTION",
                   "cudnn": "CUDNN_ATTENTION", "math": "MATH"}
@@ -71,11 +72,15 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     """q [T, heads, d], k / v [C, kv_heads, d], mask [T, C] bool -> [T, heads, d].
     fused: the inputs shaped for SDPA's fused kernels (the GPU's choice, above)."""
     group = q.shape[1] // k.shape[1]
+    if (fused and gpu_sdpa == "triton" and q.shape[-1] in (16, 32, 64, 128, 256)
+            and not (torch.is_grad_enabled() and q.requires_grad)):   # (no backward)
+        from slipstream.kernels.masked_attention import masked_attention_op
+        return masked_attention_op(q, k, v, mask)
     if fused:
         if group > 1:
             k, v = (t.repeat_interleave(group, dim=1) for t in (k, v))
         args = (q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None])
-        if gpu_sdpa:
+        if gpu_sdpa in _SDPA_BACKENDS:
             from torch.nn.attention import SDPBackend, sdpa_kernel
             with sdpa_kernel(getattr(SDPBackend, _SDPA_BACKENDS[gpu_sdpa])):
                 o = F.scaled_dot_product_attention(*args, attn_mask=mask[None, None])
