@@ -99,7 +99,7 @@ def masked_attention_reference(q, k, v, mask, scale: float | None = None) -> tor
     k, v = (x.repeat_interleave(group, dim=1) for x in (k, v))
     o = F.scaled_dot_product_attention(q.transpose(0, 1).float(), k.transpose(0, 1).float(),
                                        v.transpose(0, 1).float(), attn_mask=mask, scale=scale)
-    return o.transpose(0, 1).to(q.dtype)
+    return o.transpose(0, 1)                      # fp32
 
 
 @torch.library.custom_op("slipstream::masked_attention", mutates_args=())

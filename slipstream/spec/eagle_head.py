@@ -29,11 +29,12 @@ from slipstream.layers.rotary import RotaryEmbedding, apply_rotary
 # enable_gqa. With 3-D inputs it ran its math path (fp32 products, separate mask and
 # softmax kernels): an eager EAGLE loop round on the H200 took 2.49 ms instead of 2.27
 # (benchmarks/spec/README.md, "Trimming the round").
-# Which GPU kernel runs it: "" lets SDPA choose (cuDNN's on the H200, ~9 us a draft
-# level, and a memset before each); "efficient", "flash", "cudnn" or "math" forces one of
-# SDPA's (both SDPA alternatives measured slower in the compiled EAGLE round); "triton"
-# takes kernels/masked_attention.py (one launch, K/V read once per GQA group).
-gpu_sdpa = ""
+# Which GPU kernel runs it: "triton" takes kernels/masked_attention.py (one launch, K/V
+# read once per GQA group; the compiled EAGLE round on the H200 1.348 against 1.375 ms
+# with cuDNN's, benchmarks/spec/README.md); "" lets SDPA choose (cuDNN's there, ~9 us a
+# draft level, and a memset before each); "efficient", "flash", "cudnn" or "math" forces
+# one of SDPA's (efficient and math measured slower than cuDNN's in that round).
+gpu_sdpa = "triton"
 _SDPA_BACKENDS = {"efficient": "EFFICIENT_ATTENTION", "flash": "FLASH_ATTENTION",
                   "cudnn": "CUDNN_ATTENTION", "math": "MATH"}
 

@@ -32,7 +32,7 @@ def test_masked_attention_matches_sdpa(t, heads, kv_heads, d, past, real):
     q, k, v, mask = _case(t, heads, kv_heads, d, past, real)
     got = masked_attention(q, k, v, mask)
     want = masked_attention_reference(q, k, v, mask)
-    torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=1.5e-2)
+    torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2)
 
 
 def test_strided_views_and_bad_shapes():
@@ -40,7 +40,7 @@ def test_strided_views_and_bad_shapes():
     kv = torch.cat([k, v], 1)                                 # K and V as views of one tensor
     got = masked_attention(q, kv[:, :3], kv[:, 3:], mask)
     torch.testing.assert_close(got.float(), masked_attention_reference(q, k, v, mask).float(),
-                               rtol=0, atol=1.5e-2)
+                               rtol=1e-2, atol=1e-2)
     with pytest.raises(ValueError, match="masked_attention"):
         masked_attention(q, k, v, mask[:, 1:])
     with pytest.raises(ValueError, match="masked_attention"):
@@ -51,7 +51,7 @@ def test_the_op_under_torch_compile():
     q, k, v, mask = _case(8, 9, 3, 64, 64, 30)
     fn = torch.compile(lambda a, b, c, m: masked_attention_op(a * 1.0, b, c, m & m), dynamic=False)
     torch.testing.assert_close(fn(q, k, v, mask).float(),
-                               masked_attention_reference(q, k, v, mask).float(), rtol=0, atol=1.5e-2)
+                               masked_attention_reference(q, k, v, mask).float(), rtol=1e-2, atol=1e-2)
 
 
 def test_the_eagle_heads_attention_takes_it_when_asked(monkeypatch):
@@ -60,4 +60,4 @@ def test_the_eagle_heads_attention_takes_it_when_asked(monkeypatch):
     monkeypatch.setattr(eagle_head, "gpu_sdpa", "triton")
     got = eagle_head.attention(q, k, v, mask, fused=True)
     want = eagle_head.attention(q.float(), k.float(), v.float(), mask, fused=False)
-    torch.testing.assert_close(got.float(), want, rtol=0, atol=1.5e-2)
+    torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2)

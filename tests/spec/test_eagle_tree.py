@@ -51,11 +51,15 @@ def test_two_stage_row_topk_equals_topk(n, k):
         assert torch.equal(row_topk(x, k).indices, want.indices)     # on the CPU: torch.topk
 
 
+@pytest.mark.parametrize("kernel", ["", "triton"])
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4)])
-def test_head_attention_shaped_for_the_fused_kernel_equals_the_gqa_call(heads, kv_heads):
-    """The GPU's form of the head's attention (4-D, K/V heads repeated) computes what
-    the enable_gqa call computes, mask included."""
+def test_head_attention_shaped_for_the_fused_kernel_equals_the_gqa_call(heads, kv_heads, kernel,
+                                                                         monkeypatch):
+    """The GPU's forms of the head's attention (SDPA's: 4-D, K/V heads repeated; or the
+    Triton kernel) compute what the enable_gqa call computes, mask included."""
+    from slipstream.spec import eagle_head
     from slipstream.spec.eagle_head import attention
+    monkeypatch.setattr(eagle_head, "gpu_sdpa", kernel)
     gen = torch.Generator().manual_seed(heads)
     q = torch.randn(8, heads, 16, generator=gen)
     k, v = (torch.randn(40, kv_heads, 16, generator=gen) for _ in range(2))
