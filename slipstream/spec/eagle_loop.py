@@ -41,6 +41,12 @@ from slipstream.spec.heads import DraftLMHead, read_draft_vocab, resolve_head
 from slipstream.spec.loop_parts import LoopParts
 from slipstream.spec.loop_prefill import LoopPrefill
 
+# On a GPU the round's argmax over the target's rows by kernels/logp_topk.py's two
+# launches (a program per row and 1,024-column piece) instead of torch's argmax (one
+# block a row: 13.2 us for 61 rows of 49,152 bf16 logits in the H200 kernel profile of a
+# round). Off until measured (bench_loop.py --variant).
+PIECE_ARGMAX = False
+
 
 class EagleLoop(LoopPrefill, LoopParts):
     def __init__(self, llm, head_path: str | None = None, depth: int = 6, topk: int = 8,
@@ -268,7 +274,12 @@ class EagleLoop(LoopPrefill, LoopParts):
         self.backend.prepare(b)
         hidden = self.model(b)                                         # [t, hidden]
         # (one block a row: 61 rows fill the GPU, where row_argmax's two passes took 16 us)
-        am = self.model.compute_logits(hidden, fp32=False).argmax(-1)  # [t]
+        logits = self.model.compute_logits(hidden, fp32=False)
+        if PIECE_ARGMAX and logits.is_cuda:
+            from slipstream.kernels.logp_topk import logp_topk
+            am = logp_topk(logits, 1)[1][:, 0]                          # ties: the first
+        else:
+            am = logits.argmax(-1)                                       # [t]
         # 3. Greedy acceptance, K/V of the accepted path after the root.
         a, last, path, emitted, src, dst = self._accept_fn(tokens, am, prow, depth, anc, n)
         for pool in self.pools:

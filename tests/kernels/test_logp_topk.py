@@ -49,3 +49,15 @@ def test_the_op_under_torch_compile():
     want_v, want_i = logp_topk_reference(x * 2.0, 8)
     assert torch.equal(indices, want_i)
     torch.testing.assert_close(values, want_v, rtol=0, atol=2e-6)
+
+
+def test_k1_is_argmax_with_ties_to_the_first():
+    """The EAGLE loop's piece argmax (eagle_loop.PIECE_ARGMAX): k = 1 over bf16 rows of
+    a 49,152-token vocabulary, ties included, is torch's argmax (first occurrence)."""
+    gen = torch.Generator().manual_seed(3)
+    x = (torch.randn(5, 49152, generator=gen) * 3).bfloat16()
+    x[2, [100, 30000]] = 50.0                             # a tie across pieces
+    x = x.to(DEVICE)
+    _, indices = logp_topk(x, 1)
+    assert indices[:, 0].tolist() == x.float().argmax(-1).tolist()
+    assert indices[2, 0].item() == 100
