@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 MASKED_SCORE = -1.0e6
+LOG2E = 1.4426950408889634   # scores go to exp2: scale * LOG2E
 
 
 @triton.jit

@@ -180,8 +180,9 @@ def take_threads(owner=None) -> int:
     import torch
     if owner is not None:
         _owners.add(owner)
-    if not took_threads:
-        _torch_threads = torch.get_num_threads()
+    if took_threads:            # (a quantized model calls this for each of its layers)
+        return threads()
+    _torch_threads = torch.get_num_threads()
     n = set_threads(None)
     torch.set_num_threads(1)
     took_threads = True

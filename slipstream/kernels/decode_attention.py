@@ -44,7 +44,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from slipstream.kernels.attention_tile import (
-    attend_paged_range, check_kv_scales, next_pow2, prefetch_paged_keys)
+    LOG2E, attend_paged_range, check_kv_scales, next_pow2, prefetch_paged_keys)
 from slipstream.kernels.code_tile import attend_code_range, fp16_query, int8_query
 from slipstream.kernels.decode_configs import (  # noqa: F401 (re-exported)
     DEEP_CONFIG, DEEP_PER_SM, DEFAULT_KV_DOT, DEFAULT_PREFETCH, MAX_SPLITS, MAX_TREE_NODES,
@@ -54,7 +54,6 @@ from slipstream.kernels.runtime import interpreting, pdl_supported
 from slipstream.kernels.short_decode_attention import short_decode_attention, short_decode_default
 from slipstream.kernels.split_merge import merge_splits, split_kv_scratch  # noqa: F401 (re-exported)
 
-LOG2E = 1.4426950408889634
 
 
 @triton.jit(do_not_specialize=["num_kv_heads", "num_splits", "qk_scale", "window"])

@@ -30,11 +30,11 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from slipstream.kernels.attention_tile import LOG2E
 from slipstream.kernels.gluon_attention_tile import attend_block, load_kv, produce_block
 from slipstream.kernels.gluon_schedule import plan, work_item_kv, work_range
 from slipstream.kernels.runtime import num_sms
 
-LOG2E = 1.4426950408889634
 HEAD_DIMS = (64, 128)
 DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 

@@ -34,11 +34,10 @@ import torch
 import triton
 import triton.language as tl
 
-from slipstream.kernels.attention_tile import next_pow2
+from slipstream.kernels.attention_tile import LOG2E, next_pow2
 from slipstream.kernels.runtime import interpreting, num_sms
 from slipstream.kernels.split_merge import merge_splits, split_kv_scratch
 
-LOG2E = 1.4426950408889634
 
 
 @triton.jit

@@ -19,10 +19,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from slipstream.kernels.attention_tile import next_pow2
+from slipstream.kernels.attention_tile import LOG2E, exact_dot, next_pow2, softmax_tile_update
 from slipstream.kernels.runtime import interpreting
-
-LOG2E = 1.4426950408889634
 
 
 @triton.jit
@@ -55,18 +53,16 @@ def _masked_attention_kernel(Q, K, V, Mask, Out, T, C, stride_qt, stride_qh, str
         if F32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k)) * qk_scale
-        s = tl.where(seen != 0, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_safe[:, None])
-        alpha = tl.math.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        # A row's masked keys score MASKED_SCORE: wiped by its first seen key.
+        acc, m_i, l_i = softmax_tile_update(acc, m_i, l_i, exact_dot(q, tl.trans(k)), v,
+                                            qk_scale, seen != 0, True)
     tl.store(Out + t[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-             out.to(Out.dtype.element_ty), mask=row_ok[:, None])
+             (acc / l_i[:, None]).to(Out.dtype.element_ty), mask=row_ok[:, None])
+
+
+def supported(head_dim: int) -> bool:
+    """Head dims the kernel takes: powers of two, 16-256."""
+    return 16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0
 
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
@@ -76,7 +72,7 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     d a power of two (16-256)."""
     t, heads, d = q.shape
     c, kv_heads, _ = k.shape
-    if heads % kv_heads or d & (d - 1) or not 16 <= d <= 256 or mask.shape != (t, c):
+    if heads % kv_heads or not supported(d) or mask.shape != (t, c):
         raise ValueError(f"masked_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, "
                          f"mask {tuple(mask.shape)}")
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
@@ -90,7 +86,7 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
         q, k, v, mask.view(torch.uint8), out, t, c, q.stride(0), q.stride(1), k.stride(0),
         k.stride(1), v.stride(0), v.stride(1), mask.stride(0), out.stride(0), out.stride(1),
         (d ** -0.5 if scale is None else scale) * LOG2E, GROUP=group, D=d, BLOCK_M=block_m,
-        BLOCK_N=64, F32=interpreting() or q.dtype == torch.float32, num_warps=4, num_stages=3)
+        BLOCK_N=64, F32=interpreting(), num_warps=4, num_stages=3)
     return out
 
 

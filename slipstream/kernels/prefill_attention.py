@@ -42,13 +42,12 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from slipstream.kernels.attention_tile import (
-    attend_paged_range, check_kv_scales, exact_dot, next_pow2, softmax_tile_update)
+    LOG2E, attend_paged_range, check_kv_scales, exact_dot, next_pow2, softmax_tile_update)
 from slipstream.kernels.prefill_configs import (
     INTERPRET_CONFIG, UNTUNED_CONFIG, PREFILL_CONFIGS, paged_load_args, prune_configs, set_block_shapes)
 from slipstream.kernels.prefill_paged import attend_cached, tile_pages
 from slipstream.kernels.runtime import capability, interpreting
 
-LOG2E = 1.4426950408889634
 
 
 @triton.jit

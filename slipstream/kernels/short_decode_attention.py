@@ -44,10 +44,9 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from slipstream.kernels.attention_tile import (
-    attend_paged_keys, check_kv_scales, exact_dot, next_pow2, softmax_tile_update)
+    LOG2E, attend_paged_keys, check_kv_scales, exact_dot, next_pow2, softmax_tile_update)
 from slipstream.kernels.runtime import interpreting, num_sms, pdl_supported
 
-LOG2E = 1.4426950408889634
 # BLOCK_N: keys of the peeled first tile (contexts up to it take one tile).
 # Compiled for sm_90 (bf16 cache, GQA 4, head dim 128): 256 keys in 8 warps
 # (198 registers, 141 KB shared memory, one program an SM) for up to one

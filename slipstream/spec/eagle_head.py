@@ -73,10 +73,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     """q [T, heads, d], k / v [C, kv_heads, d], mask [T, C] bool -> [T, heads, d].
     fused: the inputs shaped for SDPA's fused kernels (the GPU's choice, above)."""
     group = q.shape[1] // k.shape[1]
-    if (fused and gpu_sdpa == "triton" and q.shape[-1] in (16, 32, 64, 128, 256)
-            and not (torch.is_grad_enabled() and q.requires_grad)):   # (no backward)
-        from slipstream.kernels.masked_attention import masked_attention_op
-        return masked_attention_op(q, k, v, mask)
+    if fused and gpu_sdpa == "triton" and not (torch.is_grad_enabled() and q.requires_grad):
+        from slipstream.kernels import masked_attention as ma        # (it has no backward)
+        if ma.supported(q.shape[-1]):
+            return ma.masked_attention_op(q, k, v, mask)
     if fused:
         if group > 1:
             k, v = (t.repeat_interleave(group, dim=1) for t in (k, v))

@@ -44,7 +44,8 @@ from slipstream.spec.loop_prefill import LoopPrefill
 # On a GPU the round's argmax over the target's rows by kernels/logp_topk.py's two
 # launches (a program per row and 1,024-column piece) instead of torch's argmax (one
 # block a row: 13.2 us for 61 rows of 49,152 bf16 logits in the H200 kernel profile of a
-# round). Off until measured (bench_loop.py --variant).
+# round; its log-sum-exp shares are computed and dropped). Off until measured
+# (bench_loop.py --variant).
 PIECE_ARGMAX = False
 
 

@@ -79,9 +79,10 @@ def row_topk(x: torch.Tensor, k: int, stages: int | None = None,
 def logp_top(logits: torch.Tensor, k: int, sort_max: int | None = None) -> TopK:
     """The top k of log_softmax(logits) over the last dim of [rows, n] logits: values
     (fp32 log-probabilities, descending) and indices."""
-    if logits.is_cuda and FUSED_LOGP_TOPK and k <= 64:
-        from slipstream.kernels.logp_topk import logp_topk_op
-        return TopK(*logp_topk_op(logits, k))
+    if logits.is_cuda and FUSED_LOGP_TOPK:
+        from slipstream.kernels import logp_topk
+        if k <= logp_topk.MAX_K:
+            return TopK(*logp_topk.logp_topk_op(logits, k))
     logp = torch.log_softmax(logits, -1, dtype=torch.float32)
     return row_topk(logp, k, sort_max=sort_max)
 
