@@ -41,13 +41,6 @@ from slipstream.spec.heads import DraftLMHead, read_draft_vocab, resolve_head
 from slipstream.spec.loop_parts import LoopParts
 from slipstream.spec.loop_prefill import LoopPrefill
 
-# On a GPU the round's argmax over the target's rows by kernels/logp_topk.py's two
-# launches (a program per row and 1,024-column piece) instead of torch's argmax (one
-# block a row: 13.2 us for 61 rows of 49,152 bf16 logits in the H200 kernel profile of a
-# round; its log-sum-exp shares are computed and dropped). Off until measured
-# (bench_loop.py --variant).
-PIECE_ARGMAX = False
-
 
 class EagleLoop(LoopPrefill, LoopParts):
     def __init__(self, llm, head_path: str | None = None, depth: int = 6, topk: int = 8,
@@ -274,13 +267,11 @@ class EagleLoop(LoopPrefill, LoopParts):
             b.seq_lens_cpu = [b.max_seq_len]
         self.backend.prepare(b)
         hidden = self.model(b)                                         # [t, hidden]
-        # (one block a row: 61 rows fill the GPU, where row_argmax's two passes took 16 us)
+        # torch's argmax, one block a row: 61 rows fill the GPU, where row_argmax's two
+        # passes took 16 us and logp_topk's pieces (k = 1) made the round 1.346 ms against
+        # 1.332 (H200, dummy weights, same process)
         logits = self.model.compute_logits(hidden, fp32=False)
-        if PIECE_ARGMAX and logits.is_cuda:
-            from slipstream.kernels.logp_topk import logp_topk
-            am = logp_topk(logits, 1)[1][:, 0]                          # ties: the first
-        else:
-            am = logits.argmax(-1)                                       # [t]
+        am = logits.argmax(-1)                                           # [t]
         # 3. Greedy acceptance, K/V of the accepted path after the root.
         a, last, path, emitted, src, dst = self._accept_fn(tokens, am, prow, depth, anc, n)
         for pool in self.pools:

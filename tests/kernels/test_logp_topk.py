@@ -52,8 +52,8 @@ def test_the_op_under_torch_compile():
 
 
 def test_k1_is_argmax_with_ties_to_the_first():
-    """The EAGLE loop's piece argmax (eagle_loop.PIECE_ARGMAX): k = 1 over bf16 rows of
-    a 49,152-token vocabulary, ties included, is torch's argmax (first occurrence)."""
+    """k = 1 over bf16 rows of a 49,152-token vocabulary, ties included, is torch's
+    argmax (first occurrence)."""
     gen = torch.Generator().manual_seed(3)
     x = (torch.randn(5, 49152, generator=gen) * 3).bfloat16()
     x[2, [100, 30000]] = 50.0                             # a tie across pieces
