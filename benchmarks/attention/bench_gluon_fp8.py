@@ -107,11 +107,13 @@ def contenders(q, k, v, cu, n_max, causal, fp8_variants, bf16_variants, fp8_defa
     calls["triton_fp8_e2e"] = (lambda: fp8_prefill_attention(q, k, v, cu, n_max, SCALE, causal=causal,
                                                              out=t_out), fc.ERROR_BOUND)
     v16 = v if v.dtype == torch.bfloat16 else v.half()  # --smoke runs fp32
-    xs = {True: quantize_fp8_inputs(q, k, v, cu), False: quantize_fp8_inputs(q, k, v16, cu, fp8_v=False)}
+    xs = {(True, False): quantize_fp8_inputs(q, k, v, cu),
+          (True, True): quantize_fp8_inputs(q, k, v, cu, key_perm=True),
+          (False, False): quantize_fp8_inputs(q, k, v16, cu, fp8_v=False)}
     for name in fp8_variants:
         o = torch.empty_like(q)
-        cfg, fp8_v = fc.kernel_config(name)
-        calls[name] = (lambda cfg=cfg, x=xs[fp8_v], o=o: gluon_fp8_prefill(
+        cfg, fp8_v, key_perm = fc.kernel_config(name)
+        calls[name] = (lambda cfg=cfg, x=xs[fp8_v, key_perm], o=o: gluon_fp8_prefill(
             x, cu, n_max, SCALE, causal=causal, out=o, config=cfg, lengths=lengths), fc.ERROR_BOUND)
     o8 = torch.empty_like(q)
     fused = quantize_fp8_inputs_fused if DEV == "cuda" else (

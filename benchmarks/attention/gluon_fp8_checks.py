@@ -54,6 +54,17 @@ VARIANTS = {
     "fp8_s2_noturns": {**_BASE, "TURNS": False},
     "fp8_persistent_s2_snake_noturns": {**_BASE, "PERSISTENT": True, "SNAKE": True, "TURNS": False},
     "fp8_persistent_s2_table": {**_BASE, "PERSISTENT": True, "SNAKE": True, "TABLE": True},
+    # P's row sums on the tensor cores (ROWSUM), P.V's operand without shuffles (KEY_PERM:
+    # V^T's tokens stored in the order P's registers hold them; an input layout, not a config)
+    "fp8_s2_rowsum": {**_BASE, "ROWSUM": True},
+    "fp8_s2_perm": {**_BASE, "KEY_PERM": True},
+    "fp8_s2_rowsum_perm": {**_BASE, "ROWSUM": True, "KEY_PERM": True},
+    "fp8_s3_rowsum_perm": {**_BASE, "ROWSUM": True, "KEY_PERM": True, "STAGES": 3},
+    "fp8_s2_noturns_rowsum_perm": {**_BASE, "TURNS": False, "ROWSUM": True, "KEY_PERM": True},
+    "fp8_persistent_s2_snake_rowsum_perm": {**_BASE, "PERSISTENT": True, "SNAKE": True, "ROWSUM": True,
+                                            "KEY_PERM": True},
+    "fp8_persistent_s2_snake_noturns_rowsum_perm": {**_BASE, "PERSISTENT": True, "SNAKE": True,
+                                                    "TURNS": False, "ROWSUM": True, "KEY_PERM": True},
     # QK^T-only FP8 (the existing path's split: V and P.V in bf16), for its error
     "qk8_s2": {**_BASE, "FP8_V": False},
     "qk8_persistent_s2_lpt": {**_BASE, "PERSISTENT": True, "SNAKE": True, "HEAD_GROUP": 4096, "FP8_V": False},
@@ -64,10 +75,11 @@ DEFAULT_RUN = ["fp8_s2", "fp8_s3", "fp8_s4", "fp8_persistent_s2_snake", "fp8_per
                "fp8_s2_noturns", "fp8_persistent_s2_snake_noturns", "qk8_s2", "qk8_persistent_s2_snake"]
 
 
-def kernel_config(name: str) -> tuple[dict, bool]:
-    """(the kernel's config, whether V is FP8) of a variant."""
+def kernel_config(name: str) -> tuple[dict, bool, bool]:
+    """(the kernel's config, whether V is FP8, whether V^T's tokens are in KEY_PERM order)
+    of a variant."""
     cfg = dict(VARIANTS[name])
-    return cfg, cfg.pop("FP8_V", True)
+    return cfg, cfg.pop("FP8_V", True), cfg.pop("KEY_PERM", False)
 # (request lengths, heads, kv_heads, causal, out dtype, head_dim): ragged ends, GQA, MQA,
 # one-token and one-tile-plus-one requests, hdim 64 (SmolLM2's 9/3 heads), fp16 output.
 CASES = [([1, 63, 128, 129, 700, 1500, 2048], 16, 4, True, torch.bfloat16, 128),
@@ -77,10 +89,10 @@ CASES = [([1, 63, 128, 129, 700, 1500, 2048], 16, 4, True, torch.bfloat16, 128),
 _DATA: dict = {}
 
 
-def case_data(i: int, fp8_v: bool = True):
+def case_data(i: int, fp8_v: bool = True, key_perm: bool = False):
     """(q, k, v bf16, cu, fp32 reference, Fp8Inputs) of case i, shared by every variant."""
     from slipstream.kernels.gluon_fp8_inputs import quantize_fp8_inputs
-    if (i, fp8_v) not in _DATA:
+    if (i, fp8_v, key_perm) not in _DATA:
         lengths, heads, kv_heads, causal, _, dim = CASES[i]
         gen = torch.Generator(device="cuda").manual_seed(i)
         cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
@@ -88,8 +100,9 @@ def case_data(i: int, fp8_v: bool = True):
         k, v = (torch.randn(sum(lengths), kv_heads, dim, device="cuda", dtype=torch.bfloat16,
                             generator=gen) for _ in range(2))
         ref = reference(q.float(), k.float(), v.float(), cu, causal, dim ** -0.5)
-        _DATA[i, fp8_v] = (q, k, v, cu, ref, quantize_fp8_inputs(q, k, v, cu, fp8_v=fp8_v))
-    return _DATA[i, fp8_v]
+        _DATA[i, fp8_v, key_perm] = (q, k, v, cu, ref, quantize_fp8_inputs(q, k, v, cu, fp8_v=fp8_v,
+                                                                           key_perm=key_perm))
+    return _DATA[i, fp8_v, key_perm]
 
 
 def _name(lengths, heads, kv_heads, causal, dtype, dim) -> str:
@@ -100,16 +113,17 @@ def check_variant(name: str) -> dict:
     """Errors per case; the output starts as NaN, so rows never written show."""
     from slipstream.kernels.gluon_fp8_inputs import emulate_fp8_prefill
     from slipstream.kernels.gluon_fp8_prefill import gluon_fp8_prefill
-    cfg, fp8_v = kernel_config(name)
+    cfg, fp8_v, key_perm = kernel_config(name)
     worst, errs = 0.0, {}
     for i, (lengths, heads, kv_heads, causal, dtype, dim) in enumerate(CASES):
-        q, k, v, cu, ref, x = case_data(i, fp8_v)
+        q, k, v, cu, ref, x = case_data(i, fp8_v, key_perm)
         if not fp8_v and dtype != torch.bfloat16:  # P.V in v's dtype: the output's here
             x = x._replace(v=x.v.to(dtype))
         out = torch.full(q.shape, float("nan"), dtype=dtype, device="cuda")
         gluon_fp8_prefill(x, cu, max(lengths), dim ** -0.5, causal=causal, out=out, config=cfg,
                           lengths=lengths)
-        twin = emulate_fp8_prefill(x, cu, dim ** -0.5, causal=causal, block_n=cfg["BLOCK_N"])
+        twin = emulate_fp8_prefill(x, cu, dim ** -0.5, causal=causal, block_n=cfg["BLOCK_N"],
+                                   rowsum=cfg.get("ROWSUM", False))
         name = _name(lengths, heads, kv_heads, causal, dtype, dim)
         errs[name] = rel_err(out, ref)
         errs[name + "_vs_twin"] = rel_err(out, twin)
@@ -185,8 +199,8 @@ def outlier_accuracy(dev: str, log, fp8_ok: bool = True, qk8_ok: bool = True) ->
 
 def compile_variant(name: str) -> dict:
     from slipstream.kernels.gluon_compile import compile_fp8_prefill, overlap_report, sass_overlap
-    cfg, fp8_v = kernel_config(name)
-    k = compile_fp8_prefill(cfg, fp8_v=fp8_v)
+    cfg, fp8_v, key_perm = kernel_config(name)
+    k = compile_fp8_prefill(cfg, fp8_v=fp8_v, key_perm=key_perm)
     return {"ok": True, "shared_bytes": k.metadata.shared, **overlap_report(k.asm["ptx"]),
             "sass_exp2_under_pv": sass_overlap(k.asm["cubin"])}
 

@@ -18,8 +18,9 @@ from slipstream.kernels.gluon_fp8_inputs import Fp8Inputs, v_columns
 @triton.jit
 def _quantize_blocks_kernel(X, R, Q, Scale, CuSeqlens, VStarts, heads, stride_xt, stride_xh, stride_q,
                             D: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr,
-                            ROTATE: tl.constexpr, TRANSPOSE: tl.constexpr):
-    """Program (block, head, request): tokens block*BLOCK.. of the request, scales per SUB."""
+                            ROTATE: tl.constexpr, TRANSPOSE: tl.constexpr, KEY_PERM: tl.constexpr):
+    """Program (block, head, request): tokens block*BLOCK.. of the request, scales per SUB.
+    KEY_PERM (TRANSPOSE): each 16 tokens' columns in gluon_fp8_inputs.KEY_PERM_16 order."""
     mb = tl.program_id(0)
     h = tl.program_id(1)
     seq = tl.program_id(2)
@@ -39,7 +40,10 @@ def _quantize_blocks_kernel(X, R, Q, Scale, CuSeqlens, VStarts, heads, stride_xt
         row_scale = tl.reshape(tl.broadcast_to(scale[:, None], [BLOCK // SUB, SUB]), [BLOCK])
         q = tl.clamp(x / row_scale[:, None], -448.0, 448.0).to(tl.float8e4nv)
         if TRANSPOSE:  # Q is V^T [kv_heads * D, columns], the request's from VStarts[seq]
-            col = tl.load(VStarts + seq) + rows
+            col = rows
+            if KEY_PERM:  # token bits c3 c2 c1 c0 -> column bits c2 c1 c3 c0
+                col = (rows & ~15) | (rows & 1) | ((rows >> 3) & 1) << 1 | ((rows >> 1) & 3) << 2
+            col = tl.load(VStarts + seq) + col
             tl.store(Q + (h * D + cols)[None, :].to(tl.int64) * stride_q + col[:, None], q,
                      mask=keep[:, None])
         else:
@@ -47,17 +51,18 @@ def _quantize_blocks_kernel(X, R, Q, Scale, CuSeqlens, VStarts, heads, stride_xt
         tl.store(Scale + tok * heads + h, row_scale, mask=keep)
 
 
-def _launch(x, out, scale, cu_seqlens, v_starts, max_seqlen, rot, block, sub, transpose):
+def _launch(x, out, scale, cu_seqlens, v_starts, max_seqlen, rot, block, sub, transpose, key_perm=False):
     tokens, heads, d = x.shape
     grid = (triton.cdiv(max_seqlen, block), heads, cu_seqlens.numel() - 1)
     _quantize_blocks_kernel[grid](x, rot if rot is not None else x, out, scale, cu_seqlens, v_starts, heads,
                                   x.stride(0), x.stride(1), out.stride(0), D=d, BLOCK=block, SUB=sub,
-                                  ROTATE=rot is not None, TRANSPOSE=transpose, num_warps=8)
+                                  ROTATE=rot is not None, TRANSPOSE=transpose, KEY_PERM=key_perm,
+                                  num_warps=8)
 
 
 def quantize_fp8_inputs_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                               cu_seqlens: torch.Tensor, max_seqlen: int, *, rotate: bool = True,
-                              q_block: int = 64, kv_block: int = 128) -> Fp8Inputs:
+                              q_block: int = 64, kv_block: int = 128, key_perm: bool = False) -> Fp8Inputs:
     """quantize_fp8_inputs (full FP8) in three launches. q [tokens, heads, D], k / v
     [tokens, kv_heads, D] with D contiguous; max_seqlen: host int, the longest request.
     q_block must divide 128 (Q is read 128 tokens at a time); kv_block is 128."""
@@ -72,7 +77,7 @@ def quantize_fp8_inputs_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     rot = random_orthogonal(d, q.device).contiguous() if rotate else None
     q8 = torch.empty(q.shape, dtype=FP8, device=q.device)
     k8 = torch.empty(k.shape, dtype=FP8, device=q.device)
-    v_starts, v_cols, width = v_columns(cu_seqlens, tokens)
+    v_starts, v_cols, width = v_columns(cu_seqlens, tokens, key_perm)
     vt8 = torch.zeros(kv_heads * d, width, dtype=torch.uint8, device=q.device).view(FP8)
     q_scale = torch.empty(tokens, heads, dtype=torch.float32, device=q.device)
     k_scale = torch.empty(tokens, kv_heads, dtype=torch.float32, device=q.device)
@@ -80,8 +85,8 @@ def quantize_fp8_inputs_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if max_seqlen > 0 and tokens:
         _launch(q, q8, q_scale, cu_seqlens, v_starts, max_seqlen, rot, 128, q_block, False)
         _launch(k, k8, k_scale, cu_seqlens, v_starts, max_seqlen, rot, 128, kv_block, False)
-        _launch(v, vt8, v_scale, cu_seqlens, v_starts, max_seqlen, None, 128, kv_block, True)
-    return Fp8Inputs(q8, k8, vt8, q_scale, k_scale, v_scale, kv_block, v_starts, v_cols)
+        _launch(v, vt8, v_scale, cu_seqlens, v_starts, max_seqlen, None, 128, kv_block, True, key_perm)
+    return Fp8Inputs(q8, k8, vt8, q_scale, k_scale, v_scale, kv_block, v_starts, v_cols, key_perm)
 
 
 assert FP8_MAX == 448.0  # the kernel's constant

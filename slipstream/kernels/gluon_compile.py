@@ -62,9 +62,11 @@ def compile_paged_prefill(config: dict | None = None, *, causal: bool = True,
 
 def compile_fp8_prefill(config: dict | None = None, *, causal: bool = True,
                         out_dtype: torch.dtype = torch.bfloat16, heads: int = 16, kv_heads: int = 16,
-                        tokens: int = 4096, head_dim: int = 128, fp8_v: bool = True):
+                        tokens: int = 4096, head_dim: int = 128, fp8_v: bool = True,
+                        key_perm: bool = False):
     """compile_prefill for the FP8 kernel (gluon_fp8_prefill), from CPU tensors
-    (fp8_v False: QK^T-only FP8, V in out_dtype)."""
+    (fp8_v False: QK^T-only FP8, V in out_dtype; key_perm: V^T's tokens in the order of
+    the shuffle-free P operand)."""
     from slipstream.kernels import gluon_fp8_prefill
     from slipstream.kernels.gluon_fp8_inputs import Fp8Inputs
     fp8 = torch.float8_e4m3fn
@@ -75,7 +77,7 @@ def compile_fp8_prefill(config: dict | None = None, *, causal: bool = True,
     q_scale, kv_scale = torch.empty(tokens, heads), torch.empty(tokens, kv_heads)
     out = torch.empty(tokens, heads, head_dim, dtype=out_dtype)
     cu = torch.tensor([0, tokens], dtype=torch.int32)
-    x = Fp8Inputs(q, k, vt, q_scale, kv_scale, kv_scale, 128, cu, torch.arange(tokens))
+    x = Fp8Inputs(q, k, vt, q_scale, kv_scale, kv_scale, 128, cu, torch.arange(tokens), key_perm)
     args, consts, _ = gluon_fp8_prefill.fp8_kernel_args(x, out, cu, tokens, head_dim ** -0.5, causal,
                                                         config or {}, [tokens])
     return _compile(gluon_fp8_prefill._fp8_prefill_kernel, args, consts)

@@ -35,11 +35,22 @@ class Fp8Inputs(NamedTuple):
     kv_block: int          # K's and V's scales are constant over kv_block tokens of a request
     v_starts: torch.Tensor  # [num_seqs + 1] int32: each request's first V^T column, a multiple of 16
     v_cols: torch.Tensor   # [tokens] int64: each token's V^T column
+    key_perm: bool = False  # V^T's tokens in KEY_PERM_16 order within each 16 (the kernel's KEY_PERM)
 
 
-def v_columns(cu_seqlens: torch.Tensor, tokens: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+# KEY_PERM_16[c]: the V^T column (within its 16) of a request's token c (within its 16):
+# column a = a0 + 2 a1 + 4 a2 + 8 a3 holds token a0 + 8 a1 + 2 a2 + 4 a3, the key P.V's
+# register A operand holds at column a when P stays in the scores' registers
+# (gluon_fp8_tile.p_operand).
+KEY_PERM_16 = tuple((c & 1) | ((c >> 3) & 1) << 1 | ((c >> 1) & 1) << 2 | ((c >> 2) & 1) << 3
+                    for c in range(16))
+
+
+def v_columns(cu_seqlens: torch.Tensor, tokens: int, key_perm: bool = False
+              ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """V^T's token axis: each request starts at a multiple of 16 columns (TMA reads V^T
-    tiles from a request's start, and wants that inner coordinate 16-byte aligned).
+    tiles from a request's start, and wants that inner coordinate 16-byte aligned);
+    key_perm: the tokens of each 16 in KEY_PERM_16 order.
     Returns (v_starts [num_seqs + 1] int32, v_cols [tokens] int64, width: a host bound)."""
     cu = cu_seqlens.long()
     padded = (cu[1:] - cu[:-1] + 15) // 16 * 16
@@ -47,16 +58,21 @@ def v_columns(cu_seqlens: torch.Tensor, tokens: int) -> tuple[torch.Tensor, torc
     tok = torch.arange(tokens, device=cu.device)
     seq = torch.searchsorted(cu[1:], tok, right=True)
     width = (tokens + 16 * (cu.numel() - 1) + 15) // 16 * 16
-    return starts.int(), starts[seq] + tok - cu[seq], width
+    offset = tok - cu[seq]
+    if key_perm:
+        perm = torch.tensor(KEY_PERM_16, device=cu.device)
+        offset = offset // 16 * 16 + perm[offset % 16]
+    return starts.int(), starts[seq] + offset, width
 
 
 def quantize_fp8_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                         *, rotate: bool = True, q_block: int = 64, kv_block: int = 128,
-                        fp8_v: bool = True) -> Fp8Inputs:
+                        fp8_v: bool = True, key_perm: bool = False) -> Fp8Inputs:
     """q [tokens, heads, D], k / v [tokens, kv_heads, D] (any float dtype), cu_seqlens
     [num_seqs + 1] int32 -> Fp8Inputs. kv_block must be a multiple of the kernel's BLOCK_N.
     fp8_v False: QK^T-only FP8 (the existing path's split): v kept as is (bf16 / fp16,
-    contiguous), its scale 1; P.V then runs in v's dtype."""
+    contiguous), its scale 1; P.V then runs in v's dtype. key_perm (fp8_v): V^T's tokens in
+    KEY_PERM_16 order, for the kernel's shuffle-free P operand."""
     if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape or q.shape[0] != k.shape[0] \
             or q.shape[2] != k.shape[2]:
         raise ValueError(f"q, k, v must be [tokens, heads, D], k and v alike: "
@@ -76,11 +92,11 @@ def quantize_fp8_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_se
                          k_scale.contiguous(), torch.ones_like(k_scale), kv_block, cu_seqlens,
                          torch.arange(tokens, device=v.device))
     v8, v_scale = quantize_fp8_blocks(v, cu_seqlens, kv_block)
-    v_starts, v_cols, width = v_columns(cu_seqlens, tokens)
+    v_starts, v_cols, width = v_columns(cu_seqlens, tokens, key_perm)
     vt8 = torch.zeros(kv_heads * d, width, dtype=torch.uint8, device=v.device)
     vt8[:, v_cols] = v8.view(torch.uint8).permute(1, 2, 0).reshape(kv_heads * d, tokens)
     return Fp8Inputs(q8.contiguous(), k8.contiguous(), vt8.view(FP8), q_scale.contiguous(),
-                     k_scale.contiguous(), v_scale.contiguous(), kv_block, v_starts, v_cols)
+                     k_scale.contiguous(), v_scale.contiguous(), kv_block, v_starts, v_cols, key_perm)
 
 
 def dequantize_fp8_inputs(x: Fp8Inputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -93,11 +109,12 @@ def dequantize_fp8_inputs(x: Fp8Inputs) -> tuple[torch.Tensor, torch.Tensor, tor
 
 
 def emulate_fp8_prefill(x: Fp8Inputs, cu_seqlens: torch.Tensor, scale: float, *,
-                        causal: bool = True, quantize_p: bool = True, block_n: int = 128) -> torch.Tensor:
+                        causal: bool = True, quantize_p: bool = True, block_n: int = 128,
+                        rowsum: bool = False) -> torch.Tensor:
     """The kernel's arithmetic in fp32 [tokens, heads, D]: the scores of the dequantised
     q, k; P cast to e4m3 as 2^8 exp(s - m) with m the row's running maximum over the key
     tiles of block_n so far (the online softmax's), rescaled to the final one after the
-    cast; l of the unrounded P."""
+    cast; l of the unrounded P (rowsum, the kernel's ROWSUM: of the rounded P)."""
     q, k, v = dequantize_fp8_inputs(x)
     group = q.shape[1] // k.shape[1]
     out = torch.zeros_like(q)
@@ -120,6 +137,6 @@ def emulate_fp8_prefill(x: Fp8Inputs, cu_seqlens: torch.Tensor, scale: float, *,
         if quantize_p:
             p = p.to(FP8 if x.v.dtype == FP8 else x.v.dtype).float()
         p = p * torch.exp(m_run - m_fin)
-        l = (torch.exp(s - m_fin) * P_SCALE).sum(-1, keepdim=True)
+        l = p.sum(-1, keepdim=True) if rowsum else (torch.exp(s - m_fin) * P_SCALE).sum(-1, keepdim=True)
         out[a:e] = (p @ vs / l).transpose(0, 1)
     return out

@@ -19,15 +19,18 @@ def _close_codes(a, b):
     return bool((near | halved).all()) and (~near).float().mean().item() < 0.05
 
 
-@pytest.mark.parametrize("rotate, q_block", [(True, 64), (False, 128)])
-def test_fused_matches_pytorch(rotate, q_block):
+@pytest.mark.parametrize("rotate, q_block, key_perm", [(True, 64, False), (False, 128, False),
+                                                       (True, 64, True)])
+def test_fused_matches_pytorch(rotate, q_block, key_perm):
     g = torch.Generator().manual_seed(0)
     lengths = [1, 130, 300]
     cu = torch.tensor([0, 1, 131, 431], dtype=torch.int32)
     q = torch.randn(431, 4, 64, generator=g)
     k, v = (torch.randn(431, 2, 64, generator=g) * 3 for _ in range(2))
-    a = quantize_fp8_inputs_fused(q, k, v, cu, max(lengths), rotate=rotate, q_block=q_block)
-    b = quantize_fp8_inputs(q, k, v, cu, rotate=rotate, q_block=q_block)
+    a = quantize_fp8_inputs_fused(q, k, v, cu, max(lengths), rotate=rotate, q_block=q_block,
+                                  key_perm=key_perm)
+    b = quantize_fp8_inputs(q, k, v, cu, rotate=rotate, q_block=q_block, key_perm=key_perm)
+    assert a.key_perm == b.key_perm == key_perm and torch.equal(a.v_cols, b.v_cols)
     assert a.v.shape == b.v.shape == (128, (431 + 3 * 16 + 15) // 16 * 16) and a.kv_block == 128
     assert a.v_starts.tolist() == b.v_starts.tolist() == [0, 16, 160, 464]
     unused = torch.ones(a.v.shape[1], dtype=torch.bool)
@@ -60,7 +63,7 @@ t = dict(X=torch.empty(8, dtype=torch.bfloat16), R=torch.empty(8),
          stride_q=2048)
 out = []
 for rot, tr, sub in ((True, False, 64), (False, True, 128)):
-    c = dict(D=128, BLOCK=128, SUB=sub, ROTATE=rot, TRANSPOSE=tr)
+    c = dict(D=128, BLOCK=128, SUB=sub, ROTATE=rot, TRANSPOSE=tr, KEY_PERM=tr)
     sig = {n: "constexpr" if n in c else mangle_type(t[n]) for n in K.arg_names}
     ptx = triton.compile(ASTSource(K, sig, c), target=GPUTarget("cuda", 90, 32),
                          options={"num_warps": 8}).asm["ptx"]
