@@ -56,10 +56,12 @@ VARIANTS = {
     "fp8_persistent_s2_table": {**_BASE, "PERSISTENT": True, "SNAKE": True, "TABLE": True},
     # P's row sums on the tensor cores (ROWSUM), P.V's operand without shuffles (KEY_PERM:
     # V^T's tokens stored in the order P's registers hold them; an input layout, not a config)
-    "fp8_s2_rowsum": {**_BASE, "ROWSUM": True},
     "fp8_s2_perm": {**_BASE, "KEY_PERM": True},
+    "fp8_s2_noturns_perm": {**_BASE, "TURNS": False, "KEY_PERM": True},
+    "fp8_persistent_s2_snake_perm": {**_BASE, "PERSISTENT": True, "SNAKE": True, "KEY_PERM": True},
+    "fp8_persistent_s2_snake_noturns_perm": {**_BASE, "PERSISTENT": True, "SNAKE": True, "TURNS": False,
+                                             "KEY_PERM": True},
     "fp8_s2_rowsum_perm": {**_BASE, "ROWSUM": True, "KEY_PERM": True},
-    "fp8_s3_rowsum_perm": {**_BASE, "ROWSUM": True, "KEY_PERM": True, "STAGES": 3},
     "fp8_s2_noturns_rowsum_perm": {**_BASE, "TURNS": False, "ROWSUM": True, "KEY_PERM": True},
     "fp8_persistent_s2_snake_rowsum_perm": {**_BASE, "PERSISTENT": True, "SNAKE": True, "ROWSUM": True,
                                             "KEY_PERM": True},

@@ -93,8 +93,8 @@ def _compile(kernel, args, consts):
 
 def _event(line: str) -> str | None:
     m = re.search(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", line)
-    if m:
-        return "wait" + m.group(1)
+    if m:  # a wait that leaves groups in flight (1, or 2 for P.V and the row sums) or none
+        return "wait1" if int(m.group(1)) else "wait0"
     for pat, name in (("wgmma.mma_async", "mma"), ("wgmma.commit_group", "commit"),
                       ("ex2.approx", "exp2"), ("cp.async.bulk.tensor", "tma")):
         if pat in line:
@@ -159,16 +159,16 @@ def sass(cubin: bytes) -> str:
 
 
 def sass_overlap(cubin: bytes) -> list[int]:
-    """For each `WARPGROUP.DEPBAR.LE gsb0, 0x1` in the SASS, how many MUFU.EX2
-    run before the next full wait (`..., 0x0`), following unconditional
-    branches and the fall-through of conditional ones. Raises FileNotFoundError
-    where Triton ships no cuobjdump."""
+    """For each `WARPGROUP.DEPBAR.LE gsb0, 0x1` (or 0x2: P.V and the row sums in flight)
+    in the SASS, how many MUFU.EX2 run before the next full wait (`..., 0x0`), following
+    unconditional branches and the fall-through of conditional ones. Raises
+    FileNotFoundError where Triton ships no cuobjdump."""
     ins = [(int(m.group(1), 16), m.group(2).strip()) for ln in sass(cubin).splitlines()
            if (m := re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", ln))]
     at = {addr: i for i, (addr, _) in enumerate(ins)}
     counts = []
     for i, (_, text) in enumerate(ins):
-        if "DEPBAR.LE gsb0, 0x1" not in text:
+        if not re.search(r"DEPBAR\.LE gsb0, 0x[12]\b", text):
             continue
         j, exp2, steps = i + 1, 0, 0
         while j < len(ins) and steps < 20000 and "DEPBAR.LE gsb0, 0x0" not in ins[j][1]:

@@ -72,11 +72,28 @@ def p_operand(p, p_layout: gl.constexpr, KEY_PERM: gl.constexpr):
 
 
 @gluon.jit
+def retire_pv_rowsum(acc_tok, l_tok, always):
+    """retire_pv_fp8 for ROWSUM: P.V and then P x ones, which read the same P registers,
+    retire together (issued as S, P.V, P x ones and waited on as 2 then 0 groups: with
+    P x ones between S and P.V and a wait on 1, P.V's output came out wrong on the H200,
+    as if P's registers were given back when the first of the two retired)."""
+    if always:
+        acc, acc_l = warpgroup_mma_wait(0, deps=(acc_tok, l_tok))
+    else:
+        gl.thread_barrier()
+        acc, acc_l = warpgroup_mma_wait(0, deps=(acc_tok, l_tok))
+        gl.thread_barrier()
+    return acc, acc_l
+
+
+@gluon.jit
 def computed_here(x):
-    """x, its value computed before this point: an empty non-pure asm tied to x's register.
-    With ROWSUM nothing reads P before the next tile, and LLVM sank its exp2 below P.V's
-    retiring wait (no exp2 under P.V in the PTX); this holds them above it, at no cost."""
-    return gl.inline_asm_elementwise("", "=r,0", [x], dtype=gl.float32, is_pure=False, pack=1)
+    """x, its value computed before this point (a non-pure asm copy, which LLVM does not
+    move; ptxas drops the copy). With ROWSUM nothing reads P before the next tile, and
+    LLVM sank its exp2 below P.V's retiring wait (no exp2 under P.V in the PTX); this holds
+    them above it."""
+    return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=gl.float32, is_pure=False,
+                                     pack=1)
 
 
 @gluon.jit
@@ -149,8 +166,7 @@ def _tiles_fp8(j0, j1, acc, acc_l, p, m_i, l_i, alpha, vs_prev, qf, offs_m, zero
                l_row: gl.constexpr, pl_layout: gl.constexpr, KEY_PERM: gl.constexpr):
     """Key tiles j0..j1-1 of a block: issue S_j, rescale O, issue P_{j-1} V_{j-1}, the
     softmax of S_j under it, retire P.V. ROWSUM: P_{j-1} x ones (the row sums, into
-    acc_l [rows, ONES_N]) issued between S_j and P.V, so the scores' wait covers it.
-    Returns the carried state."""
+    acc_l [rows, ONES_N]) issued after P.V and retired with it. Returns the carried state."""
     for j in range(j0, j1):
         it = it0 + j
         slot = it % STAGES
@@ -166,23 +182,21 @@ def _tiles_fp8(j0, j1, acc, acc_l, p, m_i, l_i, alpha, vs_prev, qf, offs_m, zero
         acc = acc * gl.convert_layout(alpha * (vs_prev / vs), o_row)[:, None]
         vs_prev = vs
         p_op = p_operand(p.to(v_bufs.dtype), p_layout, KEY_PERM)
+        acc_tok = warpgroup_mma(p_op, _v_operand(v_bufs.index(prev), V_FP8), acc, is_async=True)
         if ROWSUM:
             acc_l = acc_l * gl.convert_layout(alpha, l_row)[:, None]
             l_tok = warpgroup_mma(gl.convert_layout(p_op, pl_layout), ones.permute((1, 0)), acc_l,
                                   is_async=True)
-        acc_tok = warpgroup_mma(p_op, _v_operand(v_bufs.index(prev), V_FP8), acc, is_async=True)
         if TURNS:
             mbarrier.arrive(turn_bars.index(1 - ME))
-        if ROWSUM:
-            s, acc_l = warpgroup_mma_wait(1, deps=(s_tok, l_tok))
-        else:
-            s = warpgroup_mma_wait(1, deps=(s_tok,))
+        s = warpgroup_mma_wait(2 if ROWSUM else 1, deps=(s_tok,))
         mbarrier.arrive(kv_empty.index(slot))  # K_j is consumed
         p, m_i, l_i, alpha = softmax_tile_fp8(s, m_i, l_i, qf * ks, j * BLOCK_N, offs_m, q_len,
                                               CAUSAL, BLOCK_N, s_layout, MASK, ROWSUM)
         if ROWSUM:
             p = computed_here(p)
-        if PIN:
+            acc, acc_l = retire_pv_rowsum(acc_tok, l_tok, q_start >= 0)
+        elif PIN:
             acc = retire_pv_fp8(acc_tok, q_start >= 0)
         else:
             acc = warpgroup_mma_wait(0, deps=(acc_tok,))
@@ -261,11 +275,11 @@ def attend_block_fp8(q_smem, q_ready, q_phase, k_bufs, v_bufs, ones, k_ready, v_
     mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
     acc = acc * gl.convert_layout(alpha * (vs_prev / vs), o_row)[:, None]
     p_op = p_operand(p.to(p_dtype), p_layout, KEY_PERM)
+    acc_tok = warpgroup_mma(p_op, _v_operand(v_bufs.index(last % STAGES), V_FP8), acc, is_async=True)
     if ROWSUM:
         acc_l = acc_l * gl.convert_layout(alpha, l_row)[:, None]
         l_tok = warpgroup_mma(gl.convert_layout(p_op, pl_layout), ones.permute((1, 0)), acc_l,
                               is_async=True)
-    acc_tok = warpgroup_mma(p_op, _v_operand(v_bufs.index(last % STAGES), V_FP8), acc, is_async=True)
     if ROWSUM:
         acc, acc_l = warpgroup_mma_wait(0, deps=(acc_tok, l_tok))
         l_i = gl.convert_layout(gl.max(acc_l, axis=1), row_layout)  # its ONES_N columns are equal
