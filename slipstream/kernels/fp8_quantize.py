@@ -62,10 +62,11 @@ def _launch(x, out, scale, cu_seqlens, v_starts, max_seqlen, rot, block, sub, tr
 
 def quantize_fp8_inputs_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                               cu_seqlens: torch.Tensor, max_seqlen: int, *, rotate: bool = True,
-                              q_block: int = 64, kv_block: int = 128, key_perm: bool = False) -> Fp8Inputs:
+                              q_block: int = 64, kv_block: int = 128, key_perm: bool = True) -> Fp8Inputs:
     """quantize_fp8_inputs (full FP8) in three launches. q [tokens, heads, D], k / v
     [tokens, kv_heads, D] with D contiguous; max_seqlen: host int, the longest request.
-    q_block must divide 128 (Q is read 128 tokens at a time); kv_block is 128."""
+    q_block must divide 128 (Q is read 128 tokens at a time); kv_block is 128; key_perm: V^T's
+    tokens in the kernel's P operand order (gluon_fp8_inputs.KEY_PERM_16)."""
     if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape or q.shape[0] != k.shape[0] \
             or q.shape[2] != k.shape[2] or any(t.stride(2) != 1 for t in (q, k, v)):
         raise ValueError(f"q, k, v must be [tokens, heads, D] with D contiguous, k and v alike: "

@@ -63,10 +63,10 @@ def compile_paged_prefill(config: dict | None = None, *, causal: bool = True,
 def compile_fp8_prefill(config: dict | None = None, *, causal: bool = True,
                         out_dtype: torch.dtype = torch.bfloat16, heads: int = 16, kv_heads: int = 16,
                         tokens: int = 4096, head_dim: int = 128, fp8_v: bool = True,
-                        key_perm: bool = False):
+                        key_perm: bool = True):
     """compile_prefill for the FP8 kernel (gluon_fp8_prefill), from CPU tensors
     (fp8_v False: QK^T-only FP8, V in out_dtype; key_perm: V^T's tokens in the order of
-    the shuffle-free P operand)."""
+    the shuffle-free P operand, fp8_v only)."""
     from slipstream.kernels import gluon_fp8_prefill
     from slipstream.kernels.gluon_fp8_inputs import Fp8Inputs
     fp8 = torch.float8_e4m3fn
@@ -77,7 +77,7 @@ def compile_fp8_prefill(config: dict | None = None, *, causal: bool = True,
     q_scale, kv_scale = torch.empty(tokens, heads), torch.empty(tokens, kv_heads)
     out = torch.empty(tokens, heads, head_dim, dtype=out_dtype)
     cu = torch.tensor([0, tokens], dtype=torch.int32)
-    x = Fp8Inputs(q, k, vt, q_scale, kv_scale, kv_scale, 128, cu, torch.arange(tokens), key_perm)
+    x = Fp8Inputs(q, k, vt, q_scale, kv_scale, kv_scale, 128, cu, torch.arange(tokens), key_perm and fp8_v)
     args, consts, _ = gluon_fp8_prefill.fp8_kernel_args(x, out, cu, tokens, head_dim ** -0.5, causal,
                                                         config or {}, [tokens])
     return _compile(gluon_fp8_prefill._fp8_prefill_kernel, args, consts)
@@ -93,8 +93,8 @@ def _compile(kernel, args, consts):
 
 def _event(line: str) -> str | None:
     m = re.search(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", line)
-    if m:  # a wait that leaves groups in flight (1, or 2 for P.V and the row sums) or none
-        return "wait1" if int(m.group(1)) else "wait0"
+    if m:
+        return "wait" + m.group(1)
     for pat, name in (("wgmma.mma_async", "mma"), ("wgmma.commit_group", "commit"),
                       ("ex2.approx", "exp2"), ("cp.async.bulk.tensor", "tma")):
         if pat in line:
@@ -159,16 +159,16 @@ def sass(cubin: bytes) -> str:
 
 
 def sass_overlap(cubin: bytes) -> list[int]:
-    """For each `WARPGROUP.DEPBAR.LE gsb0, 0x1` (or 0x2: P.V and the row sums in flight)
-    in the SASS, how many MUFU.EX2 run before the next full wait (`..., 0x0`), following
-    unconditional branches and the fall-through of conditional ones. Raises
-    FileNotFoundError where Triton ships no cuobjdump."""
+    """For each `WARPGROUP.DEPBAR.LE gsb0, 0x1` in the SASS, how many MUFU.EX2
+    run before the next full wait (`..., 0x0`), following unconditional
+    branches and the fall-through of conditional ones. Raises FileNotFoundError
+    where Triton ships no cuobjdump."""
     ins = [(int(m.group(1), 16), m.group(2).strip()) for ln in sass(cubin).splitlines()
            if (m := re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", ln))]
     at = {addr: i for i, (addr, _) in enumerate(ins)}
     counts = []
     for i, (_, text) in enumerate(ins):
-        if not re.search(r"DEPBAR\.LE gsb0, 0x[12]\b", text):
+        if "DEPBAR.LE gsb0, 0x1" not in text:
             continue
         j, exp2, steps = i + 1, 0, 0
         while j < len(ins) and steps < 20000 and "DEPBAR.LE gsb0, 0x0" not in ins[j][1]:

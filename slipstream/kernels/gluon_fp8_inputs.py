@@ -67,12 +67,12 @@ def v_columns(cu_seqlens: torch.Tensor, tokens: int, key_perm: bool = False
 
 def quantize_fp8_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                         *, rotate: bool = True, q_block: int = 64, kv_block: int = 128,
-                        fp8_v: bool = True, key_perm: bool = False) -> Fp8Inputs:
+                        fp8_v: bool = True, key_perm: bool = True) -> Fp8Inputs:
     """q [tokens, heads, D], k / v [tokens, kv_heads, D] (any float dtype), cu_seqlens
     [num_seqs + 1] int32 -> Fp8Inputs. kv_block must be a multiple of the kernel's BLOCK_N.
     fp8_v False: QK^T-only FP8 (the existing path's split): v kept as is (bf16 / fp16,
-    contiguous), its scale 1; P.V then runs in v's dtype. key_perm (fp8_v): V^T's tokens in
-    KEY_PERM_16 order, for the kernel's shuffle-free P operand."""
+    contiguous), its scale 1; P.V then runs in v's dtype. key_perm (fp8_v only): V^T's tokens
+    in KEY_PERM_16 order, for the kernel's shuffle-free P operand (False: the keys' order)."""
     if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape or q.shape[0] != k.shape[0] \
             or q.shape[2] != k.shape[2]:
         raise ValueError(f"q, k, v must be [tokens, heads, D], k and v alike: "
@@ -109,12 +109,11 @@ def dequantize_fp8_inputs(x: Fp8Inputs) -> tuple[torch.Tensor, torch.Tensor, tor
 
 
 def emulate_fp8_prefill(x: Fp8Inputs, cu_seqlens: torch.Tensor, scale: float, *,
-                        causal: bool = True, quantize_p: bool = True, block_n: int = 128,
-                        rowsum: bool = False) -> torch.Tensor:
+                        causal: bool = True, quantize_p: bool = True, block_n: int = 128) -> torch.Tensor:
     """The kernel's arithmetic in fp32 [tokens, heads, D]: the scores of the dequantised
     q, k; P cast to e4m3 as 2^8 exp(s - m) with m the row's running maximum over the key
     tiles of block_n so far (the online softmax's), rescaled to the final one after the
-    cast; l of the unrounded P (rowsum, the kernel's ROWSUM: of the rounded P)."""
+    cast; l of the unrounded P."""
     q, k, v = dequantize_fp8_inputs(x)
     group = q.shape[1] // k.shape[1]
     out = torch.zeros_like(q)
@@ -137,6 +136,6 @@ def emulate_fp8_prefill(x: Fp8Inputs, cu_seqlens: torch.Tensor, scale: float, *,
         if quantize_p:
             p = p.to(FP8 if x.v.dtype == FP8 else x.v.dtype).float()
         p = p * torch.exp(m_run - m_fin)
-        l = p.sum(-1, keepdim=True) if rowsum else (torch.exp(s - m_fin) * P_SCALE).sum(-1, keepdim=True)
+        l = (torch.exp(s - m_fin) * P_SCALE).sum(-1, keepdim=True)
         out[a:e] = (p @ vs / l).transpose(0, 1)
     return out

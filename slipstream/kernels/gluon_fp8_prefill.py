@@ -23,7 +23,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from slipstream.kernels.gluon_fp8_inputs import Fp8Inputs
-from slipstream.kernels.gluon_fp8_tile import ONES_N, attend_block_fp8, fill_ones, produce_block_fp8
+from slipstream.kernels.gluon_fp8_tile import attend_block_fp8, produce_block_fp8
 from slipstream.kernels.gluon_prefill import HEAD_DIMS, LOG2E, _is_sm90
 from slipstream.kernels.gluon_schedule import plan, work_item, work_range
 from slipstream.kernels.runtime import num_sms
@@ -34,18 +34,15 @@ OUT_DTYPES = (torch.bfloat16, torch.float16)
 
 @gluon.jit
 def _consume(t0, t_end, t_step, total, CuSeqlens, Items, n_mblocks, heads, num_seqs, kv_heads, group,
-             q_smem, q_ready, q_empty, k_bufs, v_bufs, ones_bufs, k_ready, v_ready, kv_empty, turn_bars,
-             Out, QScale, KScale,
+             q_smem, q_ready, q_empty, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn_bars, Out,
+             QScale, KScale,
              VScale, stride_ot, qk_scale, ME: gl.constexpr, CAUSAL: gl.constexpr,
              BLOCK_M: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, Q_SLOTS: gl.constexpr,
              PIN: gl.constexpr, PERSISTENT: gl.constexpr, SNAKE: gl.constexpr,
              HEAD_GROUP: gl.constexpr, TABLE: gl.constexpr, V_FP8: gl.constexpr,
-             TURNS: gl.constexpr, ROWSUM: gl.constexpr, KEY_PERM: gl.constexpr):
+             TURNS: gl.constexpr, KEY_PERM: gl.constexpr):
     """One consumer warpgroup (ME: its 64 rows of each block) over work items t0, t0 + t_step, .."""
-    ones = ones_bufs.index(ME)
-    if ROWSUM:
-        fill_ones(ones, BLOCK_N)
     it0 = 0
     k = 0
     for t in range(t0, t_end, t_step):
@@ -55,11 +52,11 @@ def _consume(t0, t_end, t_step, total, CuSeqlens, Items, n_mblocks, heads, num_s
         if n_tiles > 0:
             qs = k % Q_SLOTS
             attend_block_fp8(q_smem.index(qs * 2 + ME), q_ready.index(qs), (k // Q_SLOTS) & 1,
-                             k_bufs, v_bufs, ones, k_ready, v_ready, kv_empty, turn_bars, Out, QScale,
+                             k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn_bars, Out, QScale,
                              KScale, VScale, q_start, q_len, m_row0 + ME * ROWS, head, heads,
                              head // group, kv_heads, n_tiles, it0, mask_from, stride_ot,
                              qk_scale, ME, CAUSAL, ROWS, BLOCK_N, HEAD_DIM, STAGES, 4, PIN, V_FP8, TURNS,
-                             ROWSUM, KEY_PERM)
+                             KEY_PERM)
             mbarrier.arrive(q_empty.index(qs))
             it0 += n_tiles
             k += 1
@@ -110,8 +107,7 @@ def _fp8_prefill_kernel(q_desc, k_desc, vt_desc, Out, QScale, KScale, VScale, Cu
                         STAGES: gl.constexpr, CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr,
                         Q_BUFS: gl.constexpr, PIN: gl.constexpr, SNAKE: gl.constexpr,
                         HEAD_GROUP: gl.constexpr, TABLE: gl.constexpr, V_FP8: gl.constexpr,
-                        TURNS: gl.constexpr, ROWSUM: gl.constexpr, KEY_PERM: gl.constexpr,
-                        num_warps: gl.constexpr):
+                        TURNS: gl.constexpr, KEY_PERM: gl.constexpr, num_warps: gl.constexpr):
     n_mblocks = gl.cdiv(max_len, BLOCK_M)
     t0, t_end, t_step, total = work_range(n_mblocks, heads, num_seqs, Items, PERSISTENT, SNAKE, TABLE)
     ROWS: gl.constexpr = BLOCK_M // 2
@@ -126,9 +122,6 @@ def _fp8_prefill_kernel(q_desc, k_desc, vt_desc, Out, QScale, KScale, VScale, Cu
     q_ready = gl.allocate_shared_memory(gl.int64, [Q_SLOTS, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [Q_SLOTS, 1], mbarrier.MBarrierLayout())
     turn_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    ONES_ROWS: gl.constexpr = ONES_N if ROWSUM else 1  # one [ONES_N, BLOCK_N] slot a consumer
-    ones_bufs = gl.allocate_shared_memory(gl.float8e4nv, [2, ONES_ROWS, BLOCK_N],
-                                          gl.NVMMASharedLayout(128 if BLOCK_N >= 128 else 64, 8))
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
@@ -142,15 +135,15 @@ def _fp8_prefill_kernel(q_desc, k_desc, vt_desc, Out, QScale, KScale, VScale, Cu
     mbarrier.arrive(turn_bars.index(0))  # the upper rows' warpgroup goes first
     gl.warp_specialize([
         (_consume, (t0, t_end, t_step, total, CuSeqlens, Items, n_mblocks, heads, num_seqs, kv_heads, group,
-                    q_smem, q_ready, q_empty, k_bufs, v_bufs, ones_bufs, k_ready, v_ready, kv_empty,
-                    turn_bars, Out, QScale, KScale, VScale, stride_ot, qk_scale, 0, CAUSAL, BLOCK_M, ROWS,
+                    q_smem, q_ready, q_empty, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn_bars,
+                    Out, QScale, KScale, VScale, stride_ot, qk_scale, 0, CAUSAL, BLOCK_M, ROWS,
                     BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS, PIN, PERSISTENT, SNAKE, HEAD_GROUP, TABLE, V_FP8,
-                    TURNS, ROWSUM, KEY_PERM)),
+                    TURNS, KEY_PERM)),
         (_consume, (t0, t_end, t_step, total, CuSeqlens, Items, n_mblocks, heads, num_seqs, kv_heads, group,
-                    q_smem, q_ready, q_empty, k_bufs, v_bufs, ones_bufs, k_ready, v_ready, kv_empty,
-                    turn_bars, Out, QScale, KScale, VScale, stride_ot, qk_scale, 1, CAUSAL, BLOCK_M, ROWS,
+                    q_smem, q_ready, q_empty, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn_bars,
+                    Out, QScale, KScale, VScale, stride_ot, qk_scale, 1, CAUSAL, BLOCK_M, ROWS,
                     BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS, PIN, PERSISTENT, SNAKE, HEAD_GROUP, TABLE, V_FP8,
-                    TURNS, ROWSUM, KEY_PERM)),
+                    TURNS, KEY_PERM)),
         (_produce, (t0, t_end, t_step, total, CuSeqlens, Items, VStarts, n_mblocks, heads, num_seqs,
                     group, q_desc, q_smem, q_ready, q_empty, k_desc, vt_desc, k_bufs, v_bufs, k_ready, v_ready,
                     kv_empty, CAUSAL, BLOCK_M, ROWS, BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS, PERSISTENT,
@@ -160,8 +153,10 @@ def _fp8_prefill_kernel(q_desc, k_desc, vt_desc, Out, QScale, KScale, VScale, Cu
 # --- launcher -------------------------------------------------------------------
 
 DEFAULT_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 128, "STAGES": 2, "PERSISTENT": False, "Q_BUFS": 2,
-                  "PIN": True, "SNAKE": False, "HEAD_GROUP": 0, "TABLE": False, "TURNS": True,
-                  "ROWSUM": False, "num_warps": 4}  # SNAKE..TABLE: gluon_schedule.py
+                  "PIN": True, "SNAKE": False, "HEAD_GROUP": 0, "TABLE": False, "TURNS": False,
+                  "num_warps": 4}  # SNAKE..TABLE: gluon_schedule.py
+# TURNS off: each warpgroup issues its (short, FP8) GEMMs when ready; faster than ping-pong
+# turns on every shape of the H200 runs of 2026-12-03 (1-4%, GLUON_FP8.md)
 PERSISTENT_UP_TO = 4096  # as the bf16 kernel (GLUON.md): persistent (snake order) up to 4k
 
 
@@ -217,8 +212,6 @@ def fp8_kernel_args(x: Fp8Inputs, out, cu_seqlens, max_seqlen: int, scale: float
     if (cfg["SNAKE"] and not cfg["PERSISTENT"]) or cfg["HEAD_GROUP"] < 0:
         raise ValueError("SNAKE needs PERSISTENT, HEAD_GROUP >= 0 (gluon_schedule.py)")
     check_fp8_inputs(x, cu_seqlens, cfg["BLOCK_N"])
-    if cfg["ROWSUM"] and x.v.dtype != FP8:
-        raise ValueError("ROWSUM sums the e4m3 P on the tensor cores: it needs V in e4m3 (fp8_v)")
     q8, k8, vt8, q_scale, k_scale, v_scale, _, v_starts, _, key_perm = x
     tokens, heads, d = q8.shape
     kv_heads = k8.shape[1]

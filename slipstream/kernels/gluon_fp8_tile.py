@@ -22,21 +22,10 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+    mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
 
 P_SHIFT = 8.0  # log2 of the factor P is stored with in e4m3 (256 <= 448)
-ONES_N = gl.constexpr(8)  # ROWSUM: columns of the ones operand (wgmma's smallest N)
-
-
-@gluon.jit
-def fill_ones(ones, BLOCK_N: gl.constexpr):
-    """ROWSUM's B operand: ones [ONES_N, BLOCK_N] e4m3 (K-major like V^T's tiles), written
-    by the warpgroup that reads it, made visible to its wgmma."""
-    blk: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0])
-    ones.store(gl.full([8, BLOCK_N], 1.0, gl.float32, blk).to(gl.float8e4nv))
-    fence_async_shared()
-    gl.thread_barrier()
 
 
 @gluon.jit
@@ -61,39 +50,16 @@ def p_operand(p, p_layout: gl.constexpr, KEY_PERM: gl.constexpr):
     them, so no value moves between threads: A column a = a0 + 2 a1 + 4 a2 + 8 a3 + 16 a4..
     is key a0 + 8 a1 + 2 a2 + 4 a3 + 16 a4.. (the key bits 1-2 are the lane's in both
     layouts, bit 0 and bits 3.. a register's); V^T's tokens are stored in the same order
-    within each 16 (gluon_fp8_inputs.KEY_PERM_16)."""
+    within each 16 (gluon_fp8_inputs.KEY_PERM_16). Otherwise the A operand's layout
+    (16 SHFL.IDX and 16 SEL a tile in the SASS)."""
     if KEY_PERM:
         R: gl.constexpr = p.shape[0]
-        x = p.reshape([R, 2, 2, 2, 2, 2, 2, 2])        # key bits c6 .. c0
-        x = gl.permute(x, (0, 1, 2, 3, 5, 6, 4, 7))    # -> a6 a5 a4 a3=c2 a2=c1 a1=c3 a0=c0
-        return gl.convert_layout(x.reshape([R, p.shape[1]]), p_layout)
+        N: gl.constexpr = p.shape[1]
+        x = p.reshape([R, N // 16, 2, 2, 2, 2])        # key: sixteens, bits c3 c2 c1 c0
+        x = gl.permute(x, (0, 1, 3, 4, 2, 5))          # -> a3=c2 a2=c1 a1=c3 a0=c0
+        return gl.convert_layout(x.reshape([R, N]), p_layout)
     else:
         return gl.convert_layout(p, p_layout)
-
-
-@gluon.jit
-def retire_pv_rowsum(acc_tok, l_tok, always):
-    """retire_pv_fp8 for ROWSUM: P.V and then P x ones, which read the same P registers,
-    retire together (issued as S, P.V, P x ones and waited on as 2 then 0 groups: with
-    P x ones between S and P.V and a wait on 1, P.V's output came out wrong on the H200,
-    as if P's registers were given back when the first of the two retired)."""
-    if always:
-        acc, acc_l = warpgroup_mma_wait(0, deps=(acc_tok, l_tok))
-    else:
-        gl.thread_barrier()
-        acc, acc_l = warpgroup_mma_wait(0, deps=(acc_tok, l_tok))
-        gl.thread_barrier()
-    return acc, acc_l
-
-
-@gluon.jit
-def computed_here(x):
-    """x, its value computed before this point (a non-pure asm copy, which LLVM does not
-    move; ptxas drops the copy). With ROWSUM nothing reads P before the next tile, and
-    LLVM sank its exp2 below P.V's retiring wait (no exp2 under P.V in the PTX); this holds
-    them above it."""
-    return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=gl.float32, is_pure=False,
-                                     pack=1)
 
 
 @gluon.jit
@@ -135,11 +101,9 @@ def _v_operand(v_tile, V_FP8: gl.constexpr):
 
 @gluon.jit
 def softmax_tile_fp8(s, m_i, l_i, f, start, offs_m, q_len, CAUSAL: gl.constexpr,
-                     BLOCK_N: gl.constexpr, s_layout: gl.constexpr, MASK: gl.constexpr,
-                     ROWSUM: gl.constexpr):
+                     BLOCK_N: gl.constexpr, s_layout: gl.constexpr, MASK: gl.constexpr):
     """Online softmax of one FP8 score tile; f [rows] = q_scale * k_scale * qk_scale
-    (> 0), m_i in log2 units. Returns P * 2^P_SHIFT (and l of the same; ROWSUM: l_i
-    as given, the tensor cores sum P). MASK: the
+    (> 0), m_i in log2 units. Returns P * 2^P_SHIFT (and l of the same). MASK: the
     tile reaches the causal diagonal or the request's end (a runtime branch here was
     if-converted by the compiler: its compares and selects ran on every tile)."""
     if MASK:
@@ -151,22 +115,19 @@ def softmax_tile_fp8(s, m_i, l_i, f, start, offs_m, q_len, CAUSAL: gl.constexpr,
     m_new = gl.maximum(m_i, gl.max(s, axis=1) * f)
     p = gl.exp2(s * f[:, None] - (m_new - 8.0)[:, None])  # 8.0 = P_SHIFT
     alpha = gl.exp2(m_i - m_new)
-    if not ROWSUM:
-        l_i = l_i * alpha + gl.sum(p, axis=1)
+    l_i = l_i * alpha + gl.sum(p, axis=1)
     return p, m_new, l_i, alpha
 
 
 @gluon.jit
-def _tiles_fp8(j0, j1, acc, acc_l, p, m_i, l_i, alpha, vs_prev, qf, offs_m, zero_s, q_smem, k_bufs,
-               v_bufs, ones, k_ready, v_ready, kv_empty, turn_bars, kv_base, v_base, tile_step,
-               q_start, q_len, it0, ME: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
+def _tiles_fp8(j0, j1, acc, p, m_i, l_i, alpha, vs_prev, qf, offs_m, zero_s, q_smem, k_bufs, v_bufs,
+               k_ready, v_ready, kv_empty, turn_bars, kv_base, v_base, tile_step, q_start, q_len,
+               it0, ME: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
                STAGES: gl.constexpr, PIN: gl.constexpr, V_FP8: gl.constexpr,
                s_layout: gl.constexpr, o_row: gl.constexpr, p_layout: gl.constexpr,
-               MASK: gl.constexpr, TURNS: gl.constexpr, ROWSUM: gl.constexpr,
-               l_row: gl.constexpr, pl_layout: gl.constexpr, KEY_PERM: gl.constexpr):
+               MASK: gl.constexpr, TURNS: gl.constexpr, KEY_PERM: gl.constexpr):
     """Key tiles j0..j1-1 of a block: issue S_j, rescale O, issue P_{j-1} V_{j-1}, the
-    softmax of S_j under it, retire P.V. ROWSUM: P_{j-1} x ones (the row sums, into
-    acc_l [rows, ONES_N]) issued after P.V and retired with it. Returns the carried state."""
+    softmax of S_j under it, retire P.V. Returns the carried state."""
     for j in range(j0, j1):
         it = it0 + j
         slot = it % STAGES
@@ -183,42 +144,33 @@ def _tiles_fp8(j0, j1, acc, acc_l, p, m_i, l_i, alpha, vs_prev, qf, offs_m, zero
         vs_prev = vs
         p_op = p_operand(p.to(v_bufs.dtype), p_layout, KEY_PERM)
         acc_tok = warpgroup_mma(p_op, _v_operand(v_bufs.index(prev), V_FP8), acc, is_async=True)
-        if ROWSUM:
-            acc_l = acc_l * gl.convert_layout(alpha, l_row)[:, None]
-            l_tok = warpgroup_mma(gl.convert_layout(p_op, pl_layout), ones.permute((1, 0)), acc_l,
-                                  is_async=True)
         if TURNS:
             mbarrier.arrive(turn_bars.index(1 - ME))
-        s = warpgroup_mma_wait(2 if ROWSUM else 1, deps=(s_tok,))
+        s = warpgroup_mma_wait(1, deps=(s_tok,))
         mbarrier.arrive(kv_empty.index(slot))  # K_j is consumed
         p, m_i, l_i, alpha = softmax_tile_fp8(s, m_i, l_i, qf * ks, j * BLOCK_N, offs_m, q_len,
-                                              CAUSAL, BLOCK_N, s_layout, MASK, ROWSUM)
-        if ROWSUM:
-            p = computed_here(p)
-            acc, acc_l = retire_pv_rowsum(acc_tok, l_tok, q_start >= 0)
-        elif PIN:
+                                              CAUSAL, BLOCK_N, s_layout, MASK)
+        if PIN:
             acc = retire_pv_fp8(acc_tok, q_start >= 0)
         else:
             acc = warpgroup_mma_wait(0, deps=(acc_tok,))
         mbarrier.arrive(kv_empty.index(STAGES + prev))  # V_{j-1} is consumed
-    return acc, acc_l, p, m_i, l_i, alpha, vs_prev
+    return acc, p, m_i, l_i, alpha, vs_prev
 
 
 @gluon.jit
-def attend_block_fp8(q_smem, q_ready, q_phase, k_bufs, v_bufs, ones, k_ready, v_ready, kv_empty,
+def attend_block_fp8(q_smem, q_ready, q_phase, k_bufs, v_bufs, k_ready, v_ready, kv_empty,
                      turn_bars, Out, QScale, KScale, VScale, q_start, q_len, m_row0, head, heads,
                      kv_head, kv_heads, n_tiles, it0, mask_from, stride_ot, qk_scale,
                      ME: gl.constexpr, CAUSAL: gl.constexpr, ROWS: gl.constexpr,
                      BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                      WARPS: gl.constexpr, PIN: gl.constexpr, V_FP8: gl.constexpr,
-                     TURNS: gl.constexpr, ROWSUM: gl.constexpr, KEY_PERM: gl.constexpr):
+                     TURNS: gl.constexpr, KEY_PERM: gl.constexpr):
     """ROWS query rows (m_row0.. of the request) against key tiles it0.. (n_tiles) with
     ping-pong turns; the output (Out's dtype) stored with a masked store.
     Scales: QScale [tokens, heads], KScale / VScale [tokens, kv_heads] fp32 (a tile's
     scale is read at its first token). Not V_FP8 (QK^T-only FP8): V [BLOCK_N, D] tiles in
-    v_bufs' 16-bit dtype, P cast to it, V's scale 1. ROWSUM: l is the row sum of the e4m3 P
-    (the values P.V multiplies) by the tensor cores, P x ones [BLOCK_N, ONES_N] from shared
-    memory (fill_ones), in place of 64 adds a thread a tile and their shuffles."""
+    v_bufs' 16-bit dtype, P cast to it, V's scale 1."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout([3, 0], [WARPS, 1], [16, BLOCK_N, 32])
     p_dtype: gl.constexpr = v_bufs.dtype
     o_layout: gl.constexpr = gl.NVMMADistributedLayout([3, 0], [WARPS, 1],
@@ -226,10 +178,6 @@ def attend_block_fp8(q_smem, q_ready, q_phase, k_bufs, v_bufs, ones, k_ready, v_
     p_layout: gl.constexpr = gl.DotOperandLayout(0, o_layout, 32 // p_dtype.primitive_bitwidth)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     o_row: gl.constexpr = gl.SliceLayout(1, o_layout)
-    l_layout: gl.constexpr = gl.NVMMADistributedLayout([3, 0], [WARPS, 1],
-                                                       [16, ONES_N, 256 // p_dtype.primitive_bitwidth])
-    pl_layout: gl.constexpr = gl.DotOperandLayout(0, l_layout, 32 // p_dtype.primitive_bitwidth)
-    l_row: gl.constexpr = gl.SliceLayout(1, l_layout)
     offs_m = m_row0 + gl.arange(0, ROWS, layout=row_layout)
     zero_s = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
     qf = gl.load(QScale + (q_start + offs_m).to(gl.int64) * heads + head, mask=offs_m < q_len,
@@ -253,22 +201,20 @@ def attend_block_fp8(q_smem, q_ready, q_phase, k_bufs, v_bufs, ones, k_ready, v_
     m_i = gl.full([ROWS], float("-inf"), gl.float32, row_layout)
     l_i = gl.zeros([ROWS], gl.float32, row_layout)
     p, m_i, l_i, alpha = softmax_tile_fp8(s, m_i, l_i, qf * ks, 0, offs_m, q_len, CAUSAL, BLOCK_N,
-                                          s_layout, True, ROWSUM)
+                                          s_layout, True)
     acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
-    acc_l = gl.zeros([ROWS, ONES_N], gl.float32, l_layout)
 
     # tiles 1 .. n_free - 1 need no mask, the rest (diagonal, request end) do
     n_free = gl.maximum(gl.minimum(mask_from // BLOCK_N, n_tiles), 1)
-    acc, acc_l, p, m_i, l_i, alpha, vs_prev = _tiles_fp8(
-        1, n_free, acc, acc_l, p, m_i, l_i, alpha, vs_prev, qf, offs_m, zero_s, q_smem, k_bufs,
-        v_bufs, ones, k_ready, v_ready, kv_empty, turn_bars, kv_base, v_base, tile_step, q_start,
-        q_len, it0, ME, CAUSAL, BLOCK_N, STAGES, PIN, V_FP8, s_layout, o_row, p_layout, False, TURNS,
-        ROWSUM, l_row, pl_layout, KEY_PERM)
-    acc, acc_l, p, m_i, l_i, alpha, vs_prev = _tiles_fp8(
-        n_free, n_tiles, acc, acc_l, p, m_i, l_i, alpha, vs_prev, qf, offs_m, zero_s, q_smem, k_bufs,
-        v_bufs, ones, k_ready, v_ready, kv_empty, turn_bars, kv_base, v_base, tile_step, q_start,
-        q_len, it0, ME, CAUSAL, BLOCK_N, STAGES, PIN, V_FP8, s_layout, o_row, p_layout, True, TURNS,
-        ROWSUM, l_row, pl_layout, KEY_PERM)
+    acc, p, m_i, l_i, alpha, vs_prev = _tiles_fp8(
+        1, n_free, acc, p, m_i, l_i, alpha, vs_prev, qf, offs_m, zero_s, q_smem, k_bufs, v_bufs,
+        k_ready, v_ready, kv_empty, turn_bars, kv_base, v_base, tile_step, q_start, q_len, it0, ME,
+        CAUSAL, BLOCK_N, STAGES, PIN, V_FP8, s_layout, o_row, p_layout, False, TURNS, KEY_PERM)
+    acc, p, m_i, l_i, alpha, vs_prev = _tiles_fp8(
+        n_free, n_tiles, acc, p, m_i, l_i, alpha, vs_prev, qf, offs_m, zero_s, q_smem, k_bufs,
+        v_bufs, k_ready, v_ready, kv_empty, turn_bars, kv_base, v_base, tile_step, q_start, q_len,
+        it0, ME, CAUSAL, BLOCK_N, STAGES, PIN, V_FP8, s_layout, o_row, p_layout, True, TURNS,
+        KEY_PERM)
 
     last = it0 + n_tiles - 1
     vs = gl.load(v_base + (n_tiles - 1) * tile_step)
@@ -276,15 +222,7 @@ def attend_block_fp8(q_smem, q_ready, q_phase, k_bufs, v_bufs, ones, k_ready, v_
     acc = acc * gl.convert_layout(alpha * (vs_prev / vs), o_row)[:, None]
     p_op = p_operand(p.to(p_dtype), p_layout, KEY_PERM)
     acc_tok = warpgroup_mma(p_op, _v_operand(v_bufs.index(last % STAGES), V_FP8), acc, is_async=True)
-    if ROWSUM:
-        acc_l = acc_l * gl.convert_layout(alpha, l_row)[:, None]
-        l_tok = warpgroup_mma(gl.convert_layout(p_op, pl_layout), ones.permute((1, 0)), acc_l,
-                              is_async=True)
-    if ROWSUM:
-        acc, acc_l = warpgroup_mma_wait(0, deps=(acc_tok, l_tok))
-        l_i = gl.convert_layout(gl.max(acc_l, axis=1), row_layout)  # its ONES_N columns are equal
-    else:
-        acc = warpgroup_mma_wait(0, deps=(acc_tok,))
+    acc = warpgroup_mma_wait(0, deps=(acc_tok,))
     mbarrier.arrive(kv_empty.index(STAGES + last % STAGES))
 
     out = (acc * gl.convert_layout(vs / l_i, o_row)[:, None]).to(Out.dtype.element_ty)

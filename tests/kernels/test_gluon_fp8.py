@@ -100,21 +100,18 @@ def test_key_perm_operand_order():
     assert sorted(KEY_PERM_16) == list(range(16))
     g = torch.Generator().manual_seed(1)
     p, v = torch.randn(64, 128, generator=g), torch.randn(128, 32, generator=g)
-    a = p.reshape(64, 2, 2, 2, 2, 2, 2, 2).permute(0, 1, 2, 3, 5, 6, 4, 7).reshape(64, 128)
+    a = p.reshape(64, 8, 2, 2, 2, 2).permute(0, 1, 3, 4, 2, 5).reshape(64, 128)
     col = torch.tensor([c // 16 * 16 + KEY_PERM_16[c % 16] for c in range(128)])
     vt = torch.empty(32, 128)
     vt[:, col] = v.T                                   # token c at column col[c]
     torch.testing.assert_close(a @ vt.T, p @ v)
     q, k, v, cu = _data()
-    x, xp = quantize_fp8_inputs(q, k, v, cu), quantize_fp8_inputs(q, k, v, cu, key_perm=True)
+    x, xp = quantize_fp8_inputs(q, k, v, cu, key_perm=False), quantize_fp8_inputs(q, k, v, cu)
     assert xp.key_perm and not x.key_perm and xp.v_starts.tolist() == x.v_starts.tolist()
     assert not torch.equal(xp.v_cols, x.v_cols)
     assert torch.equal(xp.v_cols // 16, x.v_cols // 16)  # a permutation within each 16
     torch.testing.assert_close(dequantize_fp8_inputs(xp)[2], dequantize_fp8_inputs(x)[2], rtol=0, atol=0)
-    # ROWSUM's twin: l of the e4m3 P, within rounding of l of the exact P
-    scale = 64 ** -0.5
-    a, b = emulate_fp8_prefill(xp, cu, scale, rowsum=True), emulate_fp8_prefill(xp, cu, scale)
-    assert 0 < _rel(a, b) < 1e-2
+    assert not quantize_fp8_inputs(q, k, v.bfloat16(), cu, fp8_v=False).key_perm  # V stays V
 
 
 def test_rejects_unsupported_input():
@@ -147,13 +144,13 @@ def test_rejects_unsupported_input():
     with pytest.raises(ValueError, match="unknown config"):
         fp8_kernel_args(x, out, cu, 300, 0.1, True, {"WS": True})
     x16 = quantize_fp8_inputs(q, k, v.bfloat16(), cu, fp8_v=False)
-    with pytest.raises(ValueError, match="ROWSUM"):
-        fp8_kernel_args(x16, out, cu, 300, 0.1, True, {"ROWSUM": True})
     with pytest.raises(ValueError, match="key_perm"):
         fp8_kernel_args(x16._replace(key_perm=True), out, cu, 300, 0.1, True, {})
-    _, consts, _ = fp8_kernel_args(quantize_fp8_inputs(q, k, v, cu, key_perm=True), out, cu, 300, 0.1,
-                                   True, {"ROWSUM": True})
-    assert consts["KEY_PERM"] is True and consts["ROWSUM"] is True
+    _, consts, _ = fp8_kernel_args(x, out, cu, 300, 0.1, True, {})
+    assert consts["KEY_PERM"] is True and consts["TURNS"] is False  # the defaults
+    _, consts, _ = fp8_kernel_args(quantize_fp8_inputs(q, k, v, cu, key_perm=False), out, cu, 300, 0.1,
+                                   True, {})
+    assert consts["KEY_PERM"] is False
     with pytest.raises(ValueError, match="kv_block"):
         quantize_fp8_inputs(q, k, v, cu, kv_block=32)
     assert isinstance(x, Fp8Inputs) and x.kv_block == 128
@@ -169,14 +166,13 @@ for name, (cfg, kw) in {"default": ({}, {}),
                              "out_dtype": torch.float16}),
                         "qk8_persistent": ({"PERSISTENT": True, "SNAKE": True, "HEAD_GROUP": 4096},
                                            {"fp8_v": False}),
-                        "rowsum_key_perm": ({"ROWSUM": True}, {"key_perm": True})}.items():
+                        "natural_order": ({}, {"key_perm": False})}.items():
     try:
         k = compile_fp8_prefill(cfg, **kw)
         code = sass(k.asm["cubin"])
         out[name] = {"shared": k.metadata.shared, "block_n": cfg.get("BLOCK_N", 128),
                      "qgmma": len(re.findall(r"QGMMA\\.64x\\d+x32\\.F32\\.E4M3\\.E4M3", code)),
-                     "ones_qgmma": len(re.findall(r"QGMMA\\.64x8x32\\.F32\\.E4M3\\.E4M3", code)),
-                     "shfl_idx": code.count("SHFL.IDX"), "rowsum": cfg.get("ROWSUM", False),
+                     "shfl_idx": code.count("SHFL.IDX"),
                      "fp8_v": kw.get("fp8_v", True), "head_dim": kw.get("head_dim", 128),
                      **overlap_report(k.asm["ptx"]), "sass_exp2": sass_overlap(k.asm["cubin"])}
     except FileNotFoundError as e:
@@ -191,25 +187,23 @@ def compiled():
 
 
 @pytest.mark.parametrize("name", ["default", "persistent_n64_gqa_hdim64_fp16", "qk8_persistent",
-                                  "rowsum_key_perm"])
+                                  "natural_order"])
 def test_compiles_for_sm90_on_fp8_tensor_cores(compiled, name):
     r = compiled[name]
     if "skip" in r:
         pytest.skip(r["skip"])
     # Each of 2 consumers issues QK^T and P.V in 3 places (QK^T: the first tile and the
     # unmasked and masked loops; P.V: both loops and the last tile): e4m3 wgmma of K = 32
-    # (D / 32 and BLOCK_N / 32 of them); QK^T-only, P.V as bf16 (K = 16). ROWSUM: P x ones
-    # beside each P.V (N = 8). The shuffle-free P operand (key_perm) moves no value between
-    # threads: no SHFL.IDX anywhere (the default's P operand takes 16 a tile).
+    # (D / 32 and BLOCK_N / 32 of them); QK^T-only, P.V as bf16 (K = 16). The shuffle-free
+    # P operand (key_perm, the default) moves no value between threads: no SHFL.IDX anywhere;
+    # with V^T in the keys' order the P operand takes 16 a tile (the control).
     qk = 2 * 3 * r["head_dim"] // 32
-    ones = 2 * 3 * r["block_n"] // 32 if r["rowsum"] else 0
-    assert r["ones_qgmma"] == ones, r
-    if name == "rowsum_key_perm":
+    if name == "default":
         assert r["shfl_idx"] == 0, r
-    elif name == "default":
-        assert r["shfl_idx"] > 0, r  # the control: the same count would pass nothing
+    elif name == "natural_order":
+        assert r["shfl_idx"] > 0, r
     if r["fp8_v"]:
-        assert r["qgmma"] == qk + 2 * 3 * r["block_n"] // 32 + ones == r["wgmma"], r
+        assert r["qgmma"] == qk + 2 * 3 * r["block_n"] // 32 == r["wgmma"], r
     else:
         assert r["qgmma"] == qk and r["wgmma"] == qk + 2 * 3 * r["block_n"] // 16, r
     assert r["softmax_under_two_groups"] and r["shared"] <= 227 * 1024, r
@@ -226,17 +220,14 @@ hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_devi
 @pytest.mark.parametrize("config", [{"PERSISTENT": False}, {"PERSISTENT": True}, None,
                                     {"PERSISTENT": True, "SNAKE": True, "HEAD_GROUP": 4096},
                                     {"PERSISTENT": True, "SNAKE": True, "TABLE": True}])
-@pytest.mark.parametrize("fp8_v", [True, False, "rowsum_key_perm"])
+@pytest.mark.parametrize("fp8_v", [True, False, "natural_order"])
 def test_matches_twin_on_gpu(causal, head_dim, config, fp8_v):
     q, k, v, cu = (t.cuda() for t in _data([1, 100, 128, 129, 777], 8, 2, head_dim))
-    fast = fp8_v == "rowsum_key_perm"
-    x = quantize_fp8_inputs(q, k, v.bfloat16(), cu, fp8_v=bool(fp8_v), key_perm=fast)
-    if fast:
-        config = {**(config or {}), "ROWSUM": True}
+    x = quantize_fp8_inputs(q, k, v.bfloat16(), cu, fp8_v=bool(fp8_v), key_perm=fp8_v is True)
     out = gluon_fp8_prefill(x, cu, 777, head_dim ** -0.5, causal=causal, config=config,
                             lengths=[1, 100, 128, 129, 777]).float()
     assert torch.isfinite(out).all()
-    assert _rel(out, emulate_fp8_prefill(x, cu, head_dim ** -0.5, causal=causal, rowsum=fast)) < TWIN_BOUND
+    assert _rel(out, emulate_fp8_prefill(x, cu, head_dim ** -0.5, causal=causal)) < TWIN_BOUND
     assert _rel(out, _attention(q, k, v, cu, head_dim ** -0.5, causal)) < ERROR_BOUND
 
 
