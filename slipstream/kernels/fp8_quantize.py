@@ -29,8 +29,11 @@ def _quantize_blocks_kernel(X, R, Q, Scale, CuSeqlens, VStarts, heads, stride_xt
     if mb * BLOCK < n:
         rows = mb * BLOCK + tl.arange(0, BLOCK)
         cols = tl.arange(0, D)
-        keep = rows < n
-        tok = (start + rows).to(tl.int64)
+        src = rows  # the token a row holds (with KEY_PERM, V^T column a holds token pi(a))
+        if KEY_PERM:  # pi(a) = a0 + 8 a1 + 2 a2 + 4 a3: gathered here, so the store stays contiguous
+            src = (rows & ~15) | (rows & 1) | ((rows >> 1) & 1) << 3 | ((rows >> 2) & 3) << 1
+        keep = src < n
+        tok = (start + src).to(tl.int64)
         x = tl.load(X + tok[:, None] * stride_xt + h * stride_xh + cols[None, :], mask=keep[:, None],
                     other=0.0).to(tl.float32)
         if ROTATE:
@@ -40,10 +43,7 @@ def _quantize_blocks_kernel(X, R, Q, Scale, CuSeqlens, VStarts, heads, stride_xt
         row_scale = tl.reshape(tl.broadcast_to(scale[:, None], [BLOCK // SUB, SUB]), [BLOCK])
         q = tl.clamp(x / row_scale[:, None], -448.0, 448.0).to(tl.float8e4nv)
         if TRANSPOSE:  # Q is V^T [kv_heads * D, columns], the request's from VStarts[seq]
-            col = rows
-            if KEY_PERM:  # token bits c3 c2 c1 c0 -> column bits c2 c1 c3 c0
-                col = (rows & ~15) | (rows & 1) | ((rows >> 3) & 1) << 1 | ((rows >> 1) & 3) << 2
-            col = tl.load(VStarts + seq) + col
+            col = tl.load(VStarts + seq) + rows
             tl.store(Q + (h * D + cols)[None, :].to(tl.int64) * stride_q + col[:, None], q,
                      mask=keep[:, None])
         else:
