@@ -250,7 +250,7 @@ def main() -> None:
         bf16 = pool.submit(bgp.run_checks, args.bf16_variants, args.smoke, log) if args.bf16_variants else None
         res["checks"] = {**fp8.result(), **(bf16.result() if bf16 else {})}
     passing = [n for n, r in res["checks"].items() if r["ok"]]
-    fp8_ok = {"fp8_s2_noturns_perm", "fp8_persistent_s2_snake_noturns_perm"} <= set(passing)  # the default's
+    fp8_ok = {"fp8_s2_noturns", "fp8_persistent_s2_snake_noturns"} <= set(passing)  # the default's
     qk8_ok = "qk8_s2" in passing
     try:
         res["outliers"] = fc.outlier_accuracy(DEV, log, fp8_ok, qk8_ok)

@@ -56,7 +56,7 @@ VARIANTS = {
     "fp8_persistent_s2_snake_noturns": {**_BASE, "PERSISTENT": True, "SNAKE": True, "TURNS": False},
     "fp8_persistent_s2_table": {**_BASE, "PERSISTENT": True, "SNAKE": True, "TABLE": True},
     # P.V's operand without shuffles (KEY_PERM: V^T's tokens stored in the order P's
-    # registers hold them; an input layout, not a config; the default since 2026-12-03)
+    # registers hold them; an input layout, not a config)
     "fp8_s2_perm": {**_BASE, "KEY_PERM": True},
     "fp8_s2_noturns_perm": {**_BASE, "TURNS": False, "KEY_PERM": True},
     "fp8_persistent_s2_snake_perm": {**_BASE, "PERSISTENT": True, "SNAKE": True, "KEY_PERM": True},

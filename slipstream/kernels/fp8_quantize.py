@@ -29,11 +29,8 @@ def _quantize_blocks_kernel(X, R, Q, Scale, CuSeqlens, VStarts, heads, stride_xt
     if mb * BLOCK < n:
         rows = mb * BLOCK + tl.arange(0, BLOCK)
         cols = tl.arange(0, D)
-        src = rows  # the token a row holds (with KEY_PERM, V^T column a holds token pi(a))
-        if KEY_PERM:  # pi(a) = a0 + 8 a1 + 2 a2 + 4 a3: gathered here, so the store stays contiguous
-            src = (rows & ~15) | (rows & 1) | ((rows >> 1) & 1) << 3 | ((rows >> 2) & 3) << 1
-        keep = src < n
-        tok = (start + src).to(tl.int64)
+        keep = rows < n
+        tok = (start + rows).to(tl.int64)
         x = tl.load(X + tok[:, None] * stride_xt + h * stride_xh + cols[None, :], mask=keep[:, None],
                     other=0.0).to(tl.float32)
         if ROTATE:
@@ -44,8 +41,14 @@ def _quantize_blocks_kernel(X, R, Q, Scale, CuSeqlens, VStarts, heads, stride_xt
         q = tl.clamp(x / row_scale[:, None], -448.0, 448.0).to(tl.float8e4nv)
         if TRANSPOSE:  # Q is V^T [kv_heads * D, columns], the request's from VStarts[seq]
             col = tl.load(VStarts + seq) + rows
-            tl.store(Q + (h * D + cols)[None, :].to(tl.int64) * stride_q + col[:, None], q,
-                     mask=keep[:, None])
+            vq, vkeep = q, keep
+            if KEY_PERM:  # column a holds token a0 + 8 a1 + 2 a2 + 4 a3 of its 16: rows reordered
+                vq = tl.reshape(tl.permute(tl.reshape(q, [BLOCK // 16, 2, 2, 2, 2, D]), (0, 2, 3, 1, 4, 5)),
+                                [BLOCK, D])
+                vkeep = tl.reshape(tl.permute(tl.reshape(keep, [BLOCK // 16, 2, 2, 2, 2]), (0, 2, 3, 1, 4)),
+                                   [BLOCK])
+            tl.store(Q + (h * D + cols)[None, :].to(tl.int64) * stride_q + col[:, None], vq,
+                     mask=vkeep[:, None])
         else:
             tl.store(Q + tok[:, None] * stride_q + h * D + cols[None, :], q, mask=keep[:, None])
         tl.store(Scale + tok * heads + h, row_scale, mask=keep)
@@ -62,7 +65,7 @@ def _launch(x, out, scale, cu_seqlens, v_starts, max_seqlen, rot, block, sub, tr
 
 def quantize_fp8_inputs_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                               cu_seqlens: torch.Tensor, max_seqlen: int, *, rotate: bool = True,
-                              q_block: int = 64, kv_block: int = 128, key_perm: bool = True) -> Fp8Inputs:
+                              q_block: int = 64, kv_block: int = 128, key_perm: bool = False) -> Fp8Inputs:
     """quantize_fp8_inputs (full FP8) in three launches. q [tokens, heads, D], k / v
     [tokens, kv_heads, D] with D contiguous; max_seqlen: host int, the longest request.
     q_block must divide 128 (Q is read 128 tokens at a time); kv_block is 128; key_perm: V^T's

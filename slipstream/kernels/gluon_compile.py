@@ -63,7 +63,7 @@ def compile_paged_prefill(config: dict | None = None, *, causal: bool = True,
 def compile_fp8_prefill(config: dict | None = None, *, causal: bool = True,
                         out_dtype: torch.dtype = torch.bfloat16, heads: int = 16, kv_heads: int = 16,
                         tokens: int = 4096, head_dim: int = 128, fp8_v: bool = True,
-                        key_perm: bool = True):
+                        key_perm: bool = False):
     """compile_prefill for the FP8 kernel (gluon_fp8_prefill), from CPU tensors
     (fp8_v False: QK^T-only FP8, V in out_dtype; key_perm: V^T's tokens in the order of
     the shuffle-free P operand, fp8_v only)."""

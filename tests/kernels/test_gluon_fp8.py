@@ -106,7 +106,7 @@ def test_key_perm_operand_order():
     vt[:, col] = v.T                                   # token c at column col[c]
     torch.testing.assert_close(a @ vt.T, p @ v)
     q, k, v, cu = _data()
-    x, xp = quantize_fp8_inputs(q, k, v, cu, key_perm=False), quantize_fp8_inputs(q, k, v, cu)
+    x, xp = quantize_fp8_inputs(q, k, v, cu), quantize_fp8_inputs(q, k, v, cu, key_perm=True)
     assert xp.key_perm and not x.key_perm and xp.v_starts.tolist() == x.v_starts.tolist()
     assert not torch.equal(xp.v_cols, x.v_cols)
     assert torch.equal(xp.v_cols // 16, x.v_cols // 16)  # a permutation within each 16
@@ -147,10 +147,10 @@ def test_rejects_unsupported_input():
     with pytest.raises(ValueError, match="key_perm"):
         fp8_kernel_args(x16._replace(key_perm=True), out, cu, 300, 0.1, True, {})
     _, consts, _ = fp8_kernel_args(x, out, cu, 300, 0.1, True, {})
-    assert consts["KEY_PERM"] is True and consts["TURNS"] is False  # the defaults
-    _, consts, _ = fp8_kernel_args(quantize_fp8_inputs(q, k, v, cu, key_perm=False), out, cu, 300, 0.1,
+    assert consts["KEY_PERM"] is False and consts["TURNS"] is False  # the defaults
+    _, consts, _ = fp8_kernel_args(quantize_fp8_inputs(q, k, v, cu, key_perm=True), out, cu, 300, 0.1,
                                    True, {})
-    assert consts["KEY_PERM"] is False
+    assert consts["KEY_PERM"] is True  # the kernel follows its inputs' order
     with pytest.raises(ValueError, match="kv_block"):
         quantize_fp8_inputs(q, k, v, cu, kv_block=32)
     assert isinstance(x, Fp8Inputs) and x.kv_block == 128
@@ -166,7 +166,7 @@ for name, (cfg, kw) in {"default": ({}, {}),
                              "out_dtype": torch.float16}),
                         "qk8_persistent": ({"PERSISTENT": True, "SNAKE": True, "HEAD_GROUP": 4096},
                                            {"fp8_v": False}),
-                        "natural_order": ({}, {"key_perm": False})}.items():
+                        "key_perm": ({}, {"key_perm": True})}.items():
     try:
         k = compile_fp8_prefill(cfg, **kw)
         code = sass(k.asm["cubin"])
@@ -187,7 +187,7 @@ def compiled():
 
 
 @pytest.mark.parametrize("name", ["default", "persistent_n64_gqa_hdim64_fp16", "qk8_persistent",
-                                  "natural_order"])
+                                  "key_perm"])
 def test_compiles_for_sm90_on_fp8_tensor_cores(compiled, name):
     r = compiled[name]
     if "skip" in r:
@@ -195,12 +195,12 @@ def test_compiles_for_sm90_on_fp8_tensor_cores(compiled, name):
     # Each of 2 consumers issues QK^T and P.V in 3 places (QK^T: the first tile and the
     # unmasked and masked loops; P.V: both loops and the last tile): e4m3 wgmma of K = 32
     # (D / 32 and BLOCK_N / 32 of them); QK^T-only, P.V as bf16 (K = 16). The shuffle-free
-    # P operand (key_perm, the default) moves no value between threads: no SHFL.IDX anywhere;
-    # with V^T in the keys' order the P operand takes 16 a tile (the control).
+    # P operand (key_perm) moves no value between threads: no SHFL.IDX anywhere; with V^T in
+    # the keys' order (the default) the P operand takes 16 a tile (the control).
     qk = 2 * 3 * r["head_dim"] // 32
-    if name == "default":
+    if name == "key_perm":
         assert r["shfl_idx"] == 0, r
-    elif name == "natural_order":
+    elif name == "default":
         assert r["shfl_idx"] > 0, r
     if r["fp8_v"]:
         assert r["qgmma"] == qk + 2 * 3 * r["block_n"] // 32 == r["wgmma"], r
@@ -220,10 +220,10 @@ hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_devi
 @pytest.mark.parametrize("config", [{"PERSISTENT": False}, {"PERSISTENT": True}, None,
                                     {"PERSISTENT": True, "SNAKE": True, "HEAD_GROUP": 4096},
                                     {"PERSISTENT": True, "SNAKE": True, "TABLE": True}])
-@pytest.mark.parametrize("fp8_v", [True, False, "natural_order"])
+@pytest.mark.parametrize("fp8_v", [True, False, "key_perm"])
 def test_matches_twin_on_gpu(causal, head_dim, config, fp8_v):
     q, k, v, cu = (t.cuda() for t in _data([1, 100, 128, 129, 777], 8, 2, head_dim))
-    x = quantize_fp8_inputs(q, k, v.bfloat16(), cu, fp8_v=bool(fp8_v), key_perm=fp8_v is True)
+    x = quantize_fp8_inputs(q, k, v.bfloat16(), cu, fp8_v=bool(fp8_v), key_perm=fp8_v == "key_perm")
     out = gluon_fp8_prefill(x, cu, 777, head_dim ** -0.5, causal=causal, config=config,
                             lengths=[1, 100, 128, 129, 777]).float()
     assert torch.isfinite(out).all()
