@@ -42,7 +42,8 @@ def _consume(t0, t_end, t_step, total, CuSeqlens, Items, n_mblocks, heads, num_s
              PIN: gl.constexpr, PERSISTENT: gl.constexpr, SNAKE: gl.constexpr,
              HEAD_GROUP: gl.constexpr, TABLE: gl.constexpr, V_FP8: gl.constexpr,
              TURNS: gl.constexpr, KEY_PERM: gl.constexpr):
-    """One consumer warpgroup (ME: its 64 rows of each block) over work items t0, t0 + t_step, .."""
+    """One consumer warpgroup (ME: its 64 rows of each block) over work items t0, t0 + t_step, ..
+    (BLOCK_M // ROWS consumers share each block's K / V tiles)."""
     it0 = 0
     k = 0
     for t in range(t0, t_end, t_step):
@@ -51,7 +52,7 @@ def _consume(t0, t_end, t_step, total, CuSeqlens, Items, n_mblocks, heads, num_s
             CAUSAL, PERSISTENT, SNAKE, HEAD_GROUP, TABLE)
         if n_tiles > 0:
             qs = k % Q_SLOTS
-            attend_block_fp8(q_smem.index(qs * 2 + ME), q_ready.index(qs), (k // Q_SLOTS) & 1,
+            attend_block_fp8(q_smem.index(qs * (BLOCK_M // ROWS) + ME), q_ready.index(qs), (k // Q_SLOTS) & 1,
                              k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn_bars, Out, QScale,
                              KScale, VScale, q_start, q_len, m_row0 + ME * ROWS, head, heads,
                              head // group, kv_heads, n_tiles, it0, mask_from, stride_ot,
@@ -70,7 +71,7 @@ def _produce(t0, t_end, t_step, total, CuSeqlens, Items, VStarts, n_mblocks, hea
              BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
              Q_SLOTS: gl.constexpr, PERSISTENT: gl.constexpr, SNAKE: gl.constexpr,
              HEAD_GROUP: gl.constexpr, TABLE: gl.constexpr, V_FP8: gl.constexpr):
-    """The producer warp: each block's two Q halves, then its K / V^T tiles
+    """The producer warp: each block's Q parts (one a consumer), then its K / V^T tiles
     (with one Q buffer, a later block's first STAGES tiles before its Q)."""
     it0 = 0
     k = 0
@@ -90,10 +91,11 @@ def _produce(t0, t_end, t_step, total, CuSeqlens, Items, VStarts, n_mblocks, hea
                                   q_start, v_start, kv_col, 0, early, it0, STAGES, BLOCK_N, V_FP8)
             if k >= Q_SLOTS:
                 mbarrier.wait(q_empty.index(qs), ((k - Q_SLOTS) // Q_SLOTS) & 1)
-            mbarrier.expect(q_ready.index(qs), 2 * q_desc.block_type.nbytes)
-            for c in gl.static_range(2):
+            CONSUMERS: gl.constexpr = BLOCK_M // ROWS
+            mbarrier.expect(q_ready.index(qs), CONSUMERS * q_desc.block_type.nbytes)
+            for c in gl.static_range(CONSUMERS):
                 tma.async_copy_global_to_shared(q_desc, [q_start + m_row0 + c * ROWS, head * HEAD_DIM],
-                                                q_ready.index(qs), q_smem.index(qs * 2 + c))
+                                                q_ready.index(qs), q_smem.index(qs * CONSUMERS + c))
             produce_block_fp8(k_desc, vt_desc, k_bufs, v_bufs, k_ready, v_ready, kv_empty, q_start,
                               v_start, kv_col, early, n_tiles, it0, STAGES, BLOCK_N, V_FP8)
             it0 += n_tiles
@@ -110,9 +112,10 @@ def _fp8_prefill_kernel(q_desc, k_desc, vt_desc, Out, QScale, KScale, VScale, Cu
                         TURNS: gl.constexpr, KEY_PERM: gl.constexpr, num_warps: gl.constexpr):
     n_mblocks = gl.cdiv(max_len, BLOCK_M)
     t0, t_end, t_step, total = work_range(n_mblocks, heads, num_seqs, Items, PERSISTENT, SNAKE, TABLE)
-    ROWS: gl.constexpr = BLOCK_M // 2
+    ROWS: gl.constexpr = 64                     # a consumer warpgroup's rows
+    CONSUMERS: gl.constexpr = BLOCK_M // ROWS   # 2 (ping-pong), or 3
     Q_SLOTS: gl.constexpr = Q_BUFS if PERSISTENT else 1
-    q_smem = gl.allocate_shared_memory(gl.float8e4nv, [Q_SLOTS * 2, ROWS, HEAD_DIM], q_desc.layout)
+    q_smem = gl.allocate_shared_memory(gl.float8e4nv, [Q_SLOTS * CONSUMERS, ROWS, HEAD_DIM], q_desc.layout)
     k_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_tile: gl.constexpr = vt_desc.block_type.shape  # V^T's [D, BLOCK_N], or V's [BLOCK_N, D]
     v_bufs = gl.allocate_shared_memory(vt_desc.dtype, [STAGES, v_tile[0], v_tile[1]], vt_desc.layout)
@@ -125,29 +128,49 @@ def _fp8_prefill_kernel(q_desc, k_desc, vt_desc, Out, QScale, KScale, VScale, Cu
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(kv_empty.index(i), count=2)
-        mbarrier.init(kv_empty.index(STAGES + i), count=2)
+        mbarrier.init(kv_empty.index(i), count=CONSUMERS)
+        mbarrier.init(kv_empty.index(STAGES + i), count=CONSUMERS)
     for i in gl.static_range(Q_SLOTS):
         mbarrier.init(q_ready.index(i), count=1)
-        mbarrier.init(q_empty.index(i), count=2)
+        mbarrier.init(q_empty.index(i), count=CONSUMERS)
     for i in gl.static_range(2):
         mbarrier.init(turn_bars.index(i), count=1)
     mbarrier.arrive(turn_bars.index(0))  # the upper rows' warpgroup goes first
-    gl.warp_specialize([
-        (_consume, (t0, t_end, t_step, total, CuSeqlens, Items, n_mblocks, heads, num_seqs, kv_heads, group,
-                    q_smem, q_ready, q_empty, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn_bars,
-                    Out, QScale, KScale, VScale, stride_ot, qk_scale, 0, CAUSAL, BLOCK_M, ROWS,
-                    BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS, PIN, PERSISTENT, SNAKE, HEAD_GROUP, TABLE, V_FP8,
-                    TURNS, KEY_PERM)),
-        (_consume, (t0, t_end, t_step, total, CuSeqlens, Items, n_mblocks, heads, num_seqs, kv_heads, group,
-                    q_smem, q_ready, q_empty, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn_bars,
-                    Out, QScale, KScale, VScale, stride_ot, qk_scale, 1, CAUSAL, BLOCK_M, ROWS,
-                    BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS, PIN, PERSISTENT, SNAKE, HEAD_GROUP, TABLE, V_FP8,
-                    TURNS, KEY_PERM)),
-        (_produce, (t0, t_end, t_step, total, CuSeqlens, Items, VStarts, n_mblocks, heads, num_seqs,
-                    group, q_desc, q_smem, q_ready, q_empty, k_desc, vt_desc, k_bufs, v_bufs, k_ready, v_ready,
-                    kv_empty, CAUSAL, BLOCK_M, ROWS, BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS, PERSISTENT,
-                    SNAKE, HEAD_GROUP, TABLE, V_FP8))], [4, 1], [240, 24])
+    if CONSUMERS == 3:  # 13 warps: 3 x 128 x 152 + 32 x 24 registers fit the SM's 64K
+        gl.warp_specialize([(_consume, (t0, t_end, t_step, total, CuSeqlens, Items, n_mblocks, heads, num_seqs, kv_heads,
+                                group, q_smem, q_ready, q_empty, k_bufs, v_bufs, k_ready, v_ready, kv_empty,
+                                turn_bars, Out, QScale, KScale, VScale, stride_ot, qk_scale, 0, CAUSAL, BLOCK_M,
+                                ROWS, BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS, PIN, PERSISTENT, SNAKE, HEAD_GROUP,
+                                TABLE, V_FP8, TURNS, KEY_PERM)),
+                            (_consume, (t0, t_end, t_step, total, CuSeqlens, Items, n_mblocks, heads, num_seqs, kv_heads,
+                                group, q_smem, q_ready, q_empty, k_bufs, v_bufs, k_ready, v_ready, kv_empty,
+                                turn_bars, Out, QScale, KScale, VScale, stride_ot, qk_scale, 1, CAUSAL, BLOCK_M,
+                                ROWS, BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS, PIN, PERSISTENT, SNAKE, HEAD_GROUP,
+                                TABLE, V_FP8, TURNS, KEY_PERM)),
+                            (_consume, (t0, t_end, t_step, total, CuSeqlens, Items, n_mblocks, heads, num_seqs, kv_heads,
+                                group, q_smem, q_ready, q_empty, k_bufs, v_bufs, k_ready, v_ready, kv_empty,
+                                turn_bars, Out, QScale, KScale, VScale, stride_ot, qk_scale, 2, CAUSAL, BLOCK_M,
+                                ROWS, BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS, PIN, PERSISTENT, SNAKE, HEAD_GROUP,
+                                TABLE, V_FP8, TURNS, KEY_PERM)),
+                            (_produce, (t0, t_end, t_step, total, CuSeqlens, Items, VStarts, n_mblocks, heads, num_seqs,
+                                group, q_desc, q_smem, q_ready, q_empty, k_desc, vt_desc, k_bufs, v_bufs, k_ready,
+                                v_ready, kv_empty, CAUSAL, BLOCK_M, ROWS, BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS,
+                                PERSISTENT, SNAKE, HEAD_GROUP, TABLE, V_FP8))], [4, 4, 1], [152, 152, 24])
+    else:
+        gl.warp_specialize([(_consume, (t0, t_end, t_step, total, CuSeqlens, Items, n_mblocks, heads, num_seqs, kv_heads,
+                                group, q_smem, q_ready, q_empty, k_bufs, v_bufs, k_ready, v_ready, kv_empty,
+                                turn_bars, Out, QScale, KScale, VScale, stride_ot, qk_scale, 0, CAUSAL, BLOCK_M,
+                                ROWS, BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS, PIN, PERSISTENT, SNAKE, HEAD_GROUP,
+                                TABLE, V_FP8, TURNS, KEY_PERM)),
+                            (_consume, (t0, t_end, t_step, total, CuSeqlens, Items, n_mblocks, heads, num_seqs, kv_heads,
+                                group, q_smem, q_ready, q_empty, k_bufs, v_bufs, k_ready, v_ready, kv_empty,
+                                turn_bars, Out, QScale, KScale, VScale, stride_ot, qk_scale, 1, CAUSAL, BLOCK_M,
+                                ROWS, BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS, PIN, PERSISTENT, SNAKE, HEAD_GROUP,
+                                TABLE, V_FP8, TURNS, KEY_PERM)),
+                            (_produce, (t0, t_end, t_step, total, CuSeqlens, Items, VStarts, n_mblocks, heads, num_seqs,
+                                group, q_desc, q_smem, q_ready, q_empty, k_desc, vt_desc, k_bufs, v_bufs, k_ready,
+                                v_ready, kv_empty, CAUSAL, BLOCK_M, ROWS, BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS,
+                                PERSISTENT, SNAKE, HEAD_GROUP, TABLE, V_FP8))], [4, 1], [240, 24])
 
 
 # --- launcher -------------------------------------------------------------------
@@ -207,8 +230,11 @@ def fp8_kernel_args(x: Fp8Inputs, out, cu_seqlens, max_seqlen: int, scale: float
     if unknown:
         raise ValueError(f"unknown config keys {sorted(unknown)}; known: {sorted(DEFAULT_CONFIG)}")
     cfg = {**DEFAULT_CONFIG, **config}
-    if cfg["BLOCK_M"] != 128 or cfg["num_warps"] != 4:
-        raise ValueError("the FP8 kernel runs BLOCK_M 128 as two warpgroups of 64 rows (num_warps 4)")
+    if cfg["BLOCK_M"] not in (128, 192) or cfg["num_warps"] != 4:
+        raise ValueError("the FP8 kernel runs BLOCK_M 128 or 192 as two or three warpgroups of 64 rows "
+                         "(num_warps 4)")
+    if cfg["BLOCK_M"] == 192 and cfg["TURNS"]:
+        raise ValueError("ping-pong TURNS take two consumer warpgroups (BLOCK_M 128)")
     if (cfg["SNAKE"] and not cfg["PERSISTENT"]) or cfg["HEAD_GROUP"] < 0:
         raise ValueError("SNAKE needs PERSISTENT, HEAD_GROUP >= 0 (gluon_schedule.py)")
     check_fp8_inputs(x, cu_seqlens, cfg["BLOCK_N"])
