@@ -33,17 +33,18 @@ OUT_DTYPES = (torch.bfloat16, torch.float16)
 
 
 @gluon.jit
-def _consume(t0, t_end, t_step, total, CuSeqlens, Items, n_mblocks, heads, num_seqs, kv_heads, group,
-             q_smem, q_ready, q_empty, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn_bars, Out,
-             QScale, KScale,
-             VScale, stride_ot, qk_scale, ME: gl.constexpr, CAUSAL: gl.constexpr,
+def _consume(work, bufs, outs, ME: gl.constexpr, CAUSAL: gl.constexpr,
              BLOCK_M: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, Q_SLOTS: gl.constexpr,
              PIN: gl.constexpr, PERSISTENT: gl.constexpr, SNAKE: gl.constexpr,
              HEAD_GROUP: gl.constexpr, TABLE: gl.constexpr, V_FP8: gl.constexpr,
              TURNS: gl.constexpr, KEY_PERM: gl.constexpr):
     """One consumer warpgroup (ME: its 64 rows of each block) over work items t0, t0 + t_step, ..
-    (BLOCK_M // ROWS consumers share each block's K / V tiles)."""
+    (BLOCK_M // ROWS consumers share each block's K / V tiles). work, bufs, outs: the kernel's
+    tuples (_fp8_prefill_kernel)."""
+    t0, t_end, t_step, total, CuSeqlens, Items, n_mblocks, heads, num_seqs, kv_heads, group = work
+    q_smem, q_ready, q_empty, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn_bars = bufs
+    Out, QScale, KScale, VScale, stride_ot, qk_scale = outs
     it0 = 0
     k = 0
     for t in range(t0, t_end, t_step):
@@ -136,41 +137,31 @@ def _fp8_prefill_kernel(q_desc, k_desc, vt_desc, Out, QScale, KScale, VScale, Cu
     for i in gl.static_range(2):
         mbarrier.init(turn_bars.index(i), count=1)
     mbarrier.arrive(turn_bars.index(0))  # the upper rows' warpgroup goes first
+    work = (t0, t_end, t_step, total, CuSeqlens, Items, n_mblocks, heads, num_seqs, kv_heads, group)
+    bufs = (q_smem, q_ready, q_empty, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn_bars)
+    outs = (Out, QScale, KScale, VScale, stride_ot, qk_scale)
     if CONSUMERS == 3:  # 13 warps: 3 x 128 x 152 + 32 x 24 registers fit the SM's 64K
-        gl.warp_specialize([(_consume, (t0, t_end, t_step, total, CuSeqlens, Items, n_mblocks, heads, num_seqs, kv_heads,
-                                group, q_smem, q_ready, q_empty, k_bufs, v_bufs, k_ready, v_ready, kv_empty,
-                                turn_bars, Out, QScale, KScale, VScale, stride_ot, qk_scale, 0, CAUSAL, BLOCK_M,
-                                ROWS, BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS, PIN, PERSISTENT, SNAKE, HEAD_GROUP,
-                                TABLE, V_FP8, TURNS, KEY_PERM)),
-                            (_consume, (t0, t_end, t_step, total, CuSeqlens, Items, n_mblocks, heads, num_seqs, kv_heads,
-                                group, q_smem, q_ready, q_empty, k_bufs, v_bufs, k_ready, v_ready, kv_empty,
-                                turn_bars, Out, QScale, KScale, VScale, stride_ot, qk_scale, 1, CAUSAL, BLOCK_M,
-                                ROWS, BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS, PIN, PERSISTENT, SNAKE, HEAD_GROUP,
-                                TABLE, V_FP8, TURNS, KEY_PERM)),
-                            (_consume, (t0, t_end, t_step, total, CuSeqlens, Items, n_mblocks, heads, num_seqs, kv_heads,
-                                group, q_smem, q_ready, q_empty, k_bufs, v_bufs, k_ready, v_ready, kv_empty,
-                                turn_bars, Out, QScale, KScale, VScale, stride_ot, qk_scale, 2, CAUSAL, BLOCK_M,
-                                ROWS, BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS, PIN, PERSISTENT, SNAKE, HEAD_GROUP,
-                                TABLE, V_FP8, TURNS, KEY_PERM)),
-                            (_produce, (t0, t_end, t_step, total, CuSeqlens, Items, VStarts, n_mblocks, heads, num_seqs,
-                                group, q_desc, q_smem, q_ready, q_empty, k_desc, vt_desc, k_bufs, v_bufs, k_ready,
-                                v_ready, kv_empty, CAUSAL, BLOCK_M, ROWS, BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS,
-                                PERSISTENT, SNAKE, HEAD_GROUP, TABLE, V_FP8))], [4, 4, 1], [152, 152, 24])
+        gl.warp_specialize([
+            (_consume, (work, bufs, outs, 0, CAUSAL, BLOCK_M, ROWS, BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS, PIN,
+                        PERSISTENT, SNAKE, HEAD_GROUP, TABLE, V_FP8, TURNS, KEY_PERM)),
+            (_consume, (work, bufs, outs, 1, CAUSAL, BLOCK_M, ROWS, BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS, PIN,
+                        PERSISTENT, SNAKE, HEAD_GROUP, TABLE, V_FP8, TURNS, KEY_PERM)),
+            (_consume, (work, bufs, outs, 2, CAUSAL, BLOCK_M, ROWS, BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS, PIN,
+                        PERSISTENT, SNAKE, HEAD_GROUP, TABLE, V_FP8, TURNS, KEY_PERM)),
+            (_produce, (t0, t_end, t_step, total, CuSeqlens, Items, VStarts, n_mblocks, heads, num_seqs, group,
+                        q_desc, q_smem, q_ready, q_empty, k_desc, vt_desc, k_bufs, v_bufs, k_ready, v_ready,
+                        kv_empty, CAUSAL, BLOCK_M, ROWS, BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS, PERSISTENT,
+                        SNAKE, HEAD_GROUP, TABLE, V_FP8))], [4, 4, 1], [152, 152, 24])
     else:
-        gl.warp_specialize([(_consume, (t0, t_end, t_step, total, CuSeqlens, Items, n_mblocks, heads, num_seqs, kv_heads,
-                                group, q_smem, q_ready, q_empty, k_bufs, v_bufs, k_ready, v_ready, kv_empty,
-                                turn_bars, Out, QScale, KScale, VScale, stride_ot, qk_scale, 0, CAUSAL, BLOCK_M,
-                                ROWS, BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS, PIN, PERSISTENT, SNAKE, HEAD_GROUP,
-                                TABLE, V_FP8, TURNS, KEY_PERM)),
-                            (_consume, (t0, t_end, t_step, total, CuSeqlens, Items, n_mblocks, heads, num_seqs, kv_heads,
-                                group, q_smem, q_ready, q_empty, k_bufs, v_bufs, k_ready, v_ready, kv_empty,
-                                turn_bars, Out, QScale, KScale, VScale, stride_ot, qk_scale, 1, CAUSAL, BLOCK_M,
-                                ROWS, BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS, PIN, PERSISTENT, SNAKE, HEAD_GROUP,
-                                TABLE, V_FP8, TURNS, KEY_PERM)),
-                            (_produce, (t0, t_end, t_step, total, CuSeqlens, Items, VStarts, n_mblocks, heads, num_seqs,
-                                group, q_desc, q_smem, q_ready, q_empty, k_desc, vt_desc, k_bufs, v_bufs, k_ready,
-                                v_ready, kv_empty, CAUSAL, BLOCK_M, ROWS, BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS,
-                                PERSISTENT, SNAKE, HEAD_GROUP, TABLE, V_FP8))], [4, 1], [240, 24])
+        gl.warp_specialize([
+            (_consume, (work, bufs, outs, 0, CAUSAL, BLOCK_M, ROWS, BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS, PIN,
+                        PERSISTENT, SNAKE, HEAD_GROUP, TABLE, V_FP8, TURNS, KEY_PERM)),
+            (_consume, (work, bufs, outs, 1, CAUSAL, BLOCK_M, ROWS, BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS, PIN,
+                        PERSISTENT, SNAKE, HEAD_GROUP, TABLE, V_FP8, TURNS, KEY_PERM)),
+            (_produce, (t0, t_end, t_step, total, CuSeqlens, Items, VStarts, n_mblocks, heads, num_seqs, group,
+                        q_desc, q_smem, q_ready, q_empty, k_desc, vt_desc, k_bufs, v_bufs, k_ready, v_ready,
+                        kv_empty, CAUSAL, BLOCK_M, ROWS, BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS, PERSISTENT,
+                        SNAKE, HEAD_GROUP, TABLE, V_FP8))], [4, 1], [240, 24])
 
 
 # --- launcher -------------------------------------------------------------------
