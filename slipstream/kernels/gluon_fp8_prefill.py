@@ -65,15 +65,15 @@ def _consume(work, bufs, outs, ME: gl.constexpr, CAUSAL: gl.constexpr,
 
 
 @gluon.jit
-def _produce(t0, t_end, t_step, total, CuSeqlens, Items, VStarts, n_mblocks, heads, num_seqs, group,
-             q_desc,
-             q_smem, q_ready, q_empty, k_desc, vt_desc, k_bufs, v_bufs, k_ready, v_ready, kv_empty,
-             CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, ROWS: gl.constexpr,
+def _produce(work, VStarts, loads, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, ROWS: gl.constexpr,
              BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
              Q_SLOTS: gl.constexpr, PERSISTENT: gl.constexpr, SNAKE: gl.constexpr,
              HEAD_GROUP: gl.constexpr, TABLE: gl.constexpr, V_FP8: gl.constexpr):
     """The producer warp: each block's Q parts (one a consumer), then its K / V^T tiles
-    (with one Q buffer, a later block's first STAGES tiles before its Q)."""
+    (with one Q buffer, a later block's first STAGES tiles before its Q). work, loads: the
+    kernel's tuples."""
+    t0, t_end, t_step, total, CuSeqlens, Items, n_mblocks, heads, num_seqs, kv_heads, group = work
+    q_desc, q_smem, q_ready, q_empty, k_desc, vt_desc, k_bufs, v_bufs, k_ready, v_ready, kv_empty = loads
     it0 = 0
     k = 0
     for t in range(t0, t_end, t_step):
@@ -140,6 +140,7 @@ def _fp8_prefill_kernel(q_desc, k_desc, vt_desc, Out, QScale, KScale, VScale, Cu
     work = (t0, t_end, t_step, total, CuSeqlens, Items, n_mblocks, heads, num_seqs, kv_heads, group)
     bufs = (q_smem, q_ready, q_empty, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn_bars)
     outs = (Out, QScale, KScale, VScale, stride_ot, qk_scale)
+    loads = (q_desc, q_smem, q_ready, q_empty, k_desc, vt_desc, k_bufs, v_bufs, k_ready, v_ready, kv_empty)
     if CONSUMERS == 3:  # 13 warps: 3 x 128 x 152 + 32 x 24 registers fit the SM's 64K
         gl.warp_specialize([
             (_consume, (work, bufs, outs, 0, CAUSAL, BLOCK_M, ROWS, BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS, PIN,
@@ -148,20 +149,16 @@ def _fp8_prefill_kernel(q_desc, k_desc, vt_desc, Out, QScale, KScale, VScale, Cu
                         PERSISTENT, SNAKE, HEAD_GROUP, TABLE, V_FP8, TURNS, KEY_PERM)),
             (_consume, (work, bufs, outs, 2, CAUSAL, BLOCK_M, ROWS, BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS, PIN,
                         PERSISTENT, SNAKE, HEAD_GROUP, TABLE, V_FP8, TURNS, KEY_PERM)),
-            (_produce, (t0, t_end, t_step, total, CuSeqlens, Items, VStarts, n_mblocks, heads, num_seqs, group,
-                        q_desc, q_smem, q_ready, q_empty, k_desc, vt_desc, k_bufs, v_bufs, k_ready, v_ready,
-                        kv_empty, CAUSAL, BLOCK_M, ROWS, BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS, PERSISTENT,
-                        SNAKE, HEAD_GROUP, TABLE, V_FP8))], [4, 4, 1], [152, 152, 24])
+            (_produce, (work, VStarts, loads, CAUSAL, BLOCK_M, ROWS, BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS,
+                        PERSISTENT, SNAKE, HEAD_GROUP, TABLE, V_FP8))], [4, 4, 1], [152, 152, 24])
     else:
         gl.warp_specialize([
             (_consume, (work, bufs, outs, 0, CAUSAL, BLOCK_M, ROWS, BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS, PIN,
                         PERSISTENT, SNAKE, HEAD_GROUP, TABLE, V_FP8, TURNS, KEY_PERM)),
             (_consume, (work, bufs, outs, 1, CAUSAL, BLOCK_M, ROWS, BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS, PIN,
                         PERSISTENT, SNAKE, HEAD_GROUP, TABLE, V_FP8, TURNS, KEY_PERM)),
-            (_produce, (t0, t_end, t_step, total, CuSeqlens, Items, VStarts, n_mblocks, heads, num_seqs, group,
-                        q_desc, q_smem, q_ready, q_empty, k_desc, vt_desc, k_bufs, v_bufs, k_ready, v_ready,
-                        kv_empty, CAUSAL, BLOCK_M, ROWS, BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS, PERSISTENT,
-                        SNAKE, HEAD_GROUP, TABLE, V_FP8))], [4, 1], [240, 24])
+            (_produce, (work, VStarts, loads, CAUSAL, BLOCK_M, ROWS, BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS,
+                        PERSISTENT, SNAKE, HEAD_GROUP, TABLE, V_FP8))], [4, 1], [240, 24])
 
 
 # --- launcher -------------------------------------------------------------------
