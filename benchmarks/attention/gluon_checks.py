@@ -57,6 +57,12 @@ VARIANTS = {
     # table: the non-empty items only, longest first, from the host's request lengths
     "pingpong_n128_s2_table": {**_PP, "TABLE": True},
     "pingpong_persistent_n128_s2_table": {**_PP, "PERSISTENT": True, "SNAKE": True, "TABLE": True},
+    # three consumer warpgroups (BLOCK_M 192, no turns; 64-key tiles: 128-key ones spill at
+    # the 152 registers a consumer 13 warps leave), two-consumer 64-key tiles as the control
+    "three_consumers_n64_s4": {**_PP, "BLOCK_M": 192, "TURNS": False, "BLOCK_N": 64, "STAGES": 4},
+    "three_consumers_persistent_n64_s3_snake": {**_PP, "BLOCK_M": 192, "TURNS": False, "BLOCK_N": 64,
+                                                "STAGES": 3, "PERSISTENT": True, "SNAKE": True},
+    "two_consumers_n64_s4": {**_PP, "TURNS": False, "BLOCK_N": 64, "STAGES": 4},
 }
 # What one run times by default (about 60 s on the H200); the others by --variants.
 DEFAULT_RUN = ["m128_n128_s3", "ws_m128_n128_s2", "ws_m128_n128_s3", "pingpong_n128_s2",

@@ -40,18 +40,19 @@ DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
 @gluon.jit
-def _consume(t0, t_end, t_step, total, CuSeqlens, Items, n_mblocks, heads, num_seqs, group, q_smem,
-             q_ready, q_empty, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn_bars, k_desc, v_desc,
-             o_desc, Out,
-             stride_ot, qk_scale, KvLens, ME: gl.constexpr, CAUSAL: gl.constexpr,
+def _consume(work, bufs, outs, ME: gl.constexpr, CAUSAL: gl.constexpr,
              BLOCK_M: gl.constexpr,
              ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
              STAGES: gl.constexpr, Q_SLOTS: gl.constexpr, WARPS: gl.constexpr,
              PINGPONG: gl.constexpr, TURNS: gl.constexpr, PIN: gl.constexpr,
              PERSISTENT: gl.constexpr, SNAKE: gl.constexpr, HEAD_GROUP: gl.constexpr,
              TABLE: gl.constexpr, PAGED: gl.constexpr):
-    """A consumer warpgroup (set) over item slots t0, t0 + t_step, .. < t_end (gluon_schedule)."""
-    CONSUMERS: gl.constexpr = 2 if PINGPONG else 1
+    """A consumer warpgroup (set) over item slots t0, t0 + t_step, .. < t_end (gluon_schedule).
+    work, bufs, outs: the kernel's tuples (_prefill_kernel)."""
+    t0, t_end, t_step, total, CuSeqlens, Items, n_mblocks, heads, num_seqs, group, KvLens = work
+    q_smem, q_ready, q_empty, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn_bars = bufs
+    k_desc, v_desc, o_desc, Out, stride_ot, qk_scale = outs
+    CONSUMERS: gl.constexpr = BLOCK_M // ROWS
     it0 = 0  # K/V tiles done so far (the ring position)
     k = 0    # blocks done so far (the Q slot)
     for t in range(t0, t_end, t_step):
@@ -71,17 +72,17 @@ def _consume(t0, t_end, t_step, total, CuSeqlens, Items, n_mblocks, heads, num_s
 
 
 @gluon.jit
-def _produce(t0, t_end, t_step, total, CuSeqlens, Items, n_mblocks, heads, num_seqs, group, q_desc,
-             q_smem, q_ready, q_empty, k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, kv_empty,
-             KvLens, BlockTables, stride_bt,
-             CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, ROWS: gl.constexpr,
+def _produce(work, loads, BlockTables, stride_bt, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, ROWS: gl.constexpr,
              BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
              Q_SLOTS: gl.constexpr, CONSUMERS: gl.constexpr, PERSISTENT: gl.constexpr,
              SNAKE: gl.constexpr, HEAD_GROUP: gl.constexpr, TABLE: gl.constexpr,
              PAGED: gl.constexpr, PAGE: gl.constexpr):
     """The producer warp over the same work items: each block's Q, then its K/V.
     With one Q buffer (persistent), a later block's first STAGES tiles go first:
-    its Q must wait for the previous block's end, its K/V only for ring slots."""
+    its Q must wait for the previous block's end, its K/V only for ring slots. work, loads:
+    the kernel's tuples."""
+    t0, t_end, t_step, total, CuSeqlens, Items, n_mblocks, heads, num_seqs, group, KvLens = work
+    q_desc, q_smem, q_ready, q_empty, k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, kv_empty = loads
     it0 = 0
     k = 0
     for t in range(t0, t_end, t_step):
@@ -121,7 +122,7 @@ def _prefill_kernel(q_desc, k_desc, v_desc, o_desc, Out, CuSeqlens, Items, max_l
     n_mblocks = gl.cdiv(max_len, BLOCK_M)
     # persistent: one program per SM over every block; else grid (query block, head, request)
     t0, t_end, t_step, total = work_range(n_mblocks, heads, num_seqs, Items, PERSISTENT, SNAKE, TABLE)
-    CONSUMERS: gl.constexpr = 2 if PINGPONG else 1
+    CONSUMERS: gl.constexpr = BLOCK_M // 64 if PINGPONG else 1  # 2, or 3 (BLOCK_M 192, no turns)
     ROWS: gl.constexpr = BLOCK_M // CONSUMERS
     Q_SLOTS: gl.constexpr = Q_BUFS if PERSISTENT else 1
     dtype: gl.constexpr = q_desc.dtype
@@ -166,38 +167,32 @@ def _prefill_kernel(q_desc, k_desc, v_desc, o_desc, Out, CuSeqlens, Items, max_l
                          n_pages, 0, CAUSAL, ROWS, BLOCK_N, HEAD_DIM, STAGES, num_warps, True,
                          False, PIN, PAGED, PAGE)
     else:
-        if PINGPONG:
+        work = (t0, t_end, t_step, total, CuSeqlens, Items, n_mblocks, heads, num_seqs, group, KvLens)
+        bufs = (q_smem, q_ready, q_empty, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn_bars)
+        outs = (k_desc, v_desc, o_desc, Out, stride_ot, qk_scale)
+        loads = (q_desc, q_smem, q_ready, q_empty, k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, kv_empty)
+        if CONSUMERS == 3:  # 13 warps: 3 x 128 x 152 + 32 x 24 registers fit the SM's 64K
+            gl.warp_specialize([(_consume, (work, bufs, outs, 0, CAUSAL, BLOCK_M, ROWS, BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS,
+                            num_warps, True, False, PIN, PERSISTENT, SNAKE, HEAD_GROUP, TABLE, PAGED)),
+                                (_consume, (work, bufs, outs, 1, CAUSAL, BLOCK_M, ROWS, BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS,
+                            4, True, False, PIN, PERSISTENT, SNAKE, HEAD_GROUP, TABLE, PAGED)),
+                                (_consume, (work, bufs, outs, 2, CAUSAL, BLOCK_M, ROWS, BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS,
+                            4, True, False, PIN, PERSISTENT, SNAKE, HEAD_GROUP, TABLE, PAGED)),
+                                (_produce, (work, loads, BlockTables, stride_bt, CAUSAL, BLOCK_M, ROWS, BLOCK_N, HEAD_DIM, STAGES,
+                            Q_SLOTS, CONSUMERS, PERSISTENT, SNAKE, HEAD_GROUP, TABLE, PAGED, PAGE))], [4, 4, 1], [152, 152, 24])
+        elif PINGPONG:
             mbarrier.arrive(turn_bars.index(0))  # the upper rows' warpgroup goes first
-            gl.warp_specialize([
-                (_consume, (t0, t_end, t_step, total, CuSeqlens, Items, n_mblocks, heads, num_seqs, group,
-                            q_smem, q_ready, q_empty, k_bufs, v_bufs, k_ready, v_ready, kv_empty,
-                            turn_bars, k_desc, v_desc, o_desc, Out, stride_ot, qk_scale, KvLens, 0,
-                            CAUSAL, BLOCK_M, ROWS, BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS, num_warps,
-                            True, TURNS, PIN, PERSISTENT, SNAKE, HEAD_GROUP, TABLE, PAGED)),
-                (_consume, (t0, t_end, t_step, total, CuSeqlens, Items, n_mblocks, heads, num_seqs, group,
-                            q_smem, q_ready, q_empty, k_bufs, v_bufs, k_ready, v_ready, kv_empty,
-                            turn_bars, k_desc, v_desc, o_desc, Out, stride_ot, qk_scale, KvLens, 1,
-                            CAUSAL, BLOCK_M, ROWS, BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS, 4, True,
-                            TURNS, PIN, PERSISTENT, SNAKE, HEAD_GROUP, TABLE, PAGED)),
-                (_produce, (t0, t_end, t_step, total, CuSeqlens, Items, n_mblocks, heads, num_seqs, group,
-                            q_desc, q_smem, q_ready, q_empty, k_desc, v_desc, k_bufs, v_bufs,
-                            k_ready, v_ready, kv_empty, KvLens, BlockTables, stride_bt, CAUSAL,
-                            BLOCK_M, ROWS, BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS, CONSUMERS,
-                            PERSISTENT, SNAKE, HEAD_GROUP, TABLE, PAGED, PAGE))],
-                [4, 1], [240, 24])
+            gl.warp_specialize([(_consume, (work, bufs, outs, 0, CAUSAL, BLOCK_M, ROWS, BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS,
+                            num_warps, True, TURNS, PIN, PERSISTENT, SNAKE, HEAD_GROUP, TABLE, PAGED)),
+                                (_consume, (work, bufs, outs, 1, CAUSAL, BLOCK_M, ROWS, BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS,
+                            4, True, TURNS, PIN, PERSISTENT, SNAKE, HEAD_GROUP, TABLE, PAGED)),
+                                (_produce, (work, loads, BlockTables, stride_bt, CAUSAL, BLOCK_M, ROWS, BLOCK_N, HEAD_DIM, STAGES,
+                            Q_SLOTS, CONSUMERS, PERSISTENT, SNAKE, HEAD_GROUP, TABLE, PAGED, PAGE))], [4, 1], [240, 24])
         else:
-            gl.warp_specialize([
-                (_consume, (t0, t_end, t_step, total, CuSeqlens, Items, n_mblocks, heads, num_seqs, group,
-                            q_smem, q_ready, q_empty, k_bufs, v_bufs, k_ready, v_ready, kv_empty,
-                            turn_bars, k_desc, v_desc, o_desc, Out, stride_ot, qk_scale, KvLens, 0,
-                            CAUSAL, BLOCK_M, ROWS, BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS, num_warps,
-                            False, False, PIN, PERSISTENT, SNAKE, HEAD_GROUP, TABLE, PAGED)),
-                (_produce, (t0, t_end, t_step, total, CuSeqlens, Items, n_mblocks, heads, num_seqs, group,
-                            q_desc, q_smem, q_ready, q_empty, k_desc, v_desc, k_bufs, v_bufs,
-                            k_ready, v_ready, kv_empty, KvLens, BlockTables, stride_bt, CAUSAL,
-                            BLOCK_M, ROWS, BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS, CONSUMERS,
-                            PERSISTENT, SNAKE, HEAD_GROUP, TABLE, PAGED, PAGE))],
-                [1], [24])
+            gl.warp_specialize([(_consume, (work, bufs, outs, 0, CAUSAL, BLOCK_M, ROWS, BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS,
+                            num_warps, False, False, PIN, PERSISTENT, SNAKE, HEAD_GROUP, TABLE, PAGED)),
+                                (_produce, (work, loads, BlockTables, stride_bt, CAUSAL, BLOCK_M, ROWS, BLOCK_N, HEAD_DIM, STAGES,
+                            Q_SLOTS, CONSUMERS, PERSISTENT, SNAKE, HEAD_GROUP, TABLE, PAGED, PAGE))], [1], [24])
 
 
 # --- launcher -------------------------------------------------------------------
@@ -263,9 +258,12 @@ def kernel_args(q, k, v, out, cu_seqlens, max_seqlen: int, scale: float, causal:
         raise ValueError(f"unknown config keys {sorted(unknown)}; known: {sorted(DEFAULT_CONFIG)}")
     cfg = {**DEFAULT_CONFIG, **config}
     head_dim = q.shape[2]
-    rows = cfg["BLOCK_M"] // (2 if cfg["PINGPONG"] else 1)
-    if cfg["PINGPONG"] and (not cfg["WS"] or cfg["num_warps"] != 4 or rows != 64):
-        raise ValueError("PINGPONG needs WS, num_warps 4 and BLOCK_M 128 (64 rows a warpgroup)")
+    rows = 64 if cfg["PINGPONG"] else cfg["BLOCK_M"]
+    if cfg["PINGPONG"] and (not cfg["WS"] or cfg["num_warps"] != 4 or cfg["BLOCK_M"] not in (128, 192)):
+        raise ValueError("PINGPONG needs WS, num_warps 4 and BLOCK_M 128 or 192 (two or three "
+                         "warpgroups of 64 rows)")
+    if cfg["PINGPONG"] and cfg["BLOCK_M"] == 192 and cfg["TURNS"]:
+        raise ValueError("three consumer warpgroups (BLOCK_M 192) run without TURNS")
     if cfg["PERSISTENT"] and not cfg["WS"]:
         raise ValueError("PERSISTENT needs WS (the producer warp walks the blocks ahead)")
     if (cfg["SNAKE"] and not cfg["PERSISTENT"]) or cfg["HEAD_GROUP"] < 0:

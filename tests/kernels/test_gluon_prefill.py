@@ -32,6 +32,9 @@ CONFIGS = {  # four compiles (a few seconds each): every mode's code compiles so
     # producer warp of the ping-pong kernel; 128-token pages copied by the consumers.
     "paged_pingpong_page16": ({"WS": True, "PINGPONG": True, "num_warps": 4}, {"paged": True}),
     "paged_page128": ({}, {"paged": True, "page": 128}),
+    # three consumer warpgroups of 64 rows (BLOCK_M 192), no turns, 64-key tiles
+    "three_consumers": ({"WS": True, "PINGPONG": True, "num_warps": 4, "BLOCK_M": 192, "TURNS": False,
+                         "BLOCK_N": 64, "STAGES": 4}, {}),
 }
 _CHILD = """
 import json, sys, torch
@@ -120,6 +123,11 @@ def test_needs_hopper_and_valid_config():
         kernel_args(q, k, v, q, cu, 64, 0.1, True, {"BLOCK_K": 64})
     with pytest.raises(ValueError, match="PERSISTENT"):
         kernel_args(q, k, v, q, cu, 64, 0.1, True, {"PERSISTENT": True})
+    three = {"WS": True, "PINGPONG": True, "num_warps": 4, "BLOCK_M": 192}
+    with pytest.raises(ValueError, match="TURNS"):
+        kernel_args(q, k, v, q, cu, 64, 0.1, True, three)
+    _, consts, grid = kernel_args(q, k, v, q, cu, 300, 0.1, True, {**three, "TURNS": False})
+    assert consts["BLOCK_M"] == 192 and grid[0] == 2  # blocks of 192 rows
 
 
 hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
@@ -136,6 +144,8 @@ hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_devi
                                     {**BASE, "WS": True, "PINGPONG": True, "num_warps": 4,
                                      "PERSISTENT": True, "SNAKE": True, "HEAD_GROUP": 4096},
                                     {**BASE, "WS": True, "PINGPONG": True, "num_warps": 4, "TABLE": True},
+                                    {**BASE, "WS": True, "PINGPONG": True, "num_warps": 4, "BLOCK_M": 192,
+                                     "TURNS": False, "BLOCK_N": 64, "STAGES": 4},
                                     None])  # None: what the backend runs (CHOSEN)
 def test_matches_reference_on_gpu(dtype, causal, head_dim, config):
     lengths, heads, kv_heads = [1, 100, 128, 129, 777], 8, 2
