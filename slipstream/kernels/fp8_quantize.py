@@ -40,15 +40,16 @@ def _quantize_blocks_kernel(X, R, Q, Scale, CuSeqlens, VStarts, heads, stride_xt
         row_scale = tl.reshape(tl.broadcast_to(scale[:, None], [BLOCK // SUB, SUB]), [BLOCK])
         q = tl.clamp(x / row_scale[:, None], -448.0, 448.0).to(tl.float8e4nv)
         if TRANSPOSE:  # Q is V^T [kv_heads * D, columns], the request's from VStarts[seq]
-            col = tl.load(VStarts + seq) + rows
-            vq, vkeep = q, keep
+            # A request's columns start 16-aligned and run to its length rounded up to 16 (the
+            # rows past its end store the zeros they loaded), so stores go 16 tokens at a time.
+            col = tl.multiple_of(tl.load(VStarts + seq), 16) + rows
+            n16 = tl.multiple_of((n + 15) // 16 * 16, 16)
+            vq = q
             if KEY_PERM:  # column a holds token a0 + 8 a1 + 2 a2 + 4 a3 of its 16: rows reordered
                 vq = tl.reshape(tl.permute(tl.reshape(q, [BLOCK // 16, 2, 2, 2, 2, D]), (0, 2, 3, 1, 4, 5)),
                                 [BLOCK, D])
-                vkeep = tl.reshape(tl.permute(tl.reshape(keep, [BLOCK // 16, 2, 2, 2, 2]), (0, 2, 3, 1, 4)),
-                                   [BLOCK])
             tl.store(Q + (h * D + cols)[None, :].to(tl.int64) * stride_q + col[:, None], vq,
-                     mask=vkeep[:, None])
+                     mask=(rows < n16)[:, None])
         else:
             tl.store(Q + tok[:, None] * stride_q + h * D + cols[None, :], q, mask=keep[:, None])
         tl.store(Scale + tok * heads + h, row_scale, mask=keep)
