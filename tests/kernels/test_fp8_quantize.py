@@ -65,15 +65,20 @@ out = []
 for rot, tr, sub in ((True, False, 64), (False, True, 128)):
     c = dict(D=128, BLOCK=128, SUB=sub, ROTATE=rot, TRANSPOSE=tr, KEY_PERM=tr)
     sig = {n: "constexpr" if n in c else mangle_type(t[n]) for n in K.arg_names}
-    ptx = triton.compile(ASTSource(K, sig, c), target=GPUTarget("cuda", 90, 32),
+    # what a launch specialises: pointers and strides divisible by 16
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(K.arg_names)
+             if n in ("X", "R", "Q", "Scale", "CuSeqlens", "VStarts", "stride_xt", "stride_xh", "stride_q")}
+    ptx = triton.compile(ASTSource(K, sig, c, attrs), target=GPUTarget("cuda", 90, 32),
                          options={"num_warps": 8}).asm["ptx"]
-    out.append({"rotate": rot, "mma": "mma" in ptx, "cvt_e4m3": ptx.count("cvt.rn.satfinite.e4m3x2")})
+    out.append({"rotate": rot, "transpose": tr, "mma": "mma" in ptx,
+                "cvt_e4m3": ptx.count("cvt.rn.satfinite.e4m3x2"),
+                "byte_stores": ptx.count("st.global.b8"), "vector_stores": ptx.count("st.global.v4")})
 print(json.dumps(out))
 """
 
 
 def test_compiles_for_sm90():
-    """The rotation on the tensor cores, the cast with the hardware's rounding."""
+    """The rotation on the tensor cores, the cast with the hardware's rounding, 16-byte stores."""
     import json
     import os
     import subprocess
@@ -87,3 +92,5 @@ def test_compiles_for_sm90():
     assert run.returncode == 0, run.stderr[-3000:]
     for r in json.loads(run.stdout.strip().splitlines()[-1]):
         assert r["mma"] == r["rotate"] and r["cvt_e4m3"] > 0, r
+        # codes stored 16 bytes at a time, V^T's too (its request starts 16-aligned)
+        assert r["vector_stores"] > 0 and r["byte_stores"] == 0, r
