@@ -62,17 +62,8 @@ VARIANTS = {
     "fp8_persistent_s2_snake_perm": {**_BASE, "PERSISTENT": True, "SNAKE": True, "KEY_PERM": True},
     "fp8_persistent_s2_snake_noturns_perm": {**_BASE, "PERSISTENT": True, "SNAKE": True, "TURNS": False,
                                              "KEY_PERM": True},
-    # three consumer warpgroups (BLOCK_M 192: a third softmax in flight; 64-key tiles, as
-    # 128-key ones spill at the 152 registers a consumer that 13 warps leave), with the
-    # two-consumer 64-key tiles as their control
+    # 64-key tiles, the control of the three-consumer run (GLUON_FP8.md)
     "fp8_n64_s4_noturns_perm": {**_BASE, "BLOCK_N": 64, "STAGES": 4, "TURNS": False, "KEY_PERM": True},
-    "fp8_m192_n64_s4_perm": {**_BASE, "BLOCK_M": 192, "BLOCK_N": 64, "STAGES": 4, "TURNS": False,
-                             "KEY_PERM": True},
-    "fp8_m192_n64_s3_perm": {**_BASE, "BLOCK_M": 192, "BLOCK_N": 64, "STAGES": 3, "TURNS": False,
-                             "KEY_PERM": True},
-    "fp8_persistent_m192_n64_s4_snake_perm": {**_BASE, "BLOCK_M": 192, "BLOCK_N": 64, "STAGES": 4,
-                                              "TURNS": False, "PERSISTENT": True, "SNAKE": True,
-                                              "KEY_PERM": True},
     # QK^T-only FP8 (the existing path's split: V and P.V in bf16), for its error
     "qk8_s2": {**_BASE, "FP8_V": False},
     "qk8_persistent_s2_lpt": {**_BASE, "PERSISTENT": True, "SNAKE": True, "HEAD_GROUP": 4096, "FP8_V": False},

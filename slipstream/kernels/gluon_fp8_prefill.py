@@ -114,7 +114,7 @@ def _fp8_prefill_kernel(q_desc, k_desc, vt_desc, Out, QScale, KScale, VScale, Cu
     n_mblocks = gl.cdiv(max_len, BLOCK_M)
     t0, t_end, t_step, total = work_range(n_mblocks, heads, num_seqs, Items, PERSISTENT, SNAKE, TABLE)
     ROWS: gl.constexpr = 64                     # a consumer warpgroup's rows
-    CONSUMERS: gl.constexpr = BLOCK_M // ROWS   # 2 (ping-pong), or 3
+    CONSUMERS: gl.constexpr = BLOCK_M // ROWS   # 2
     Q_SLOTS: gl.constexpr = Q_BUFS if PERSISTENT else 1
     q_smem = gl.allocate_shared_memory(gl.float8e4nv, [Q_SLOTS * CONSUMERS, ROWS, HEAD_DIM], q_desc.layout)
     k_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
@@ -141,24 +141,13 @@ def _fp8_prefill_kernel(q_desc, k_desc, vt_desc, Out, QScale, KScale, VScale, Cu
     bufs = (q_smem, q_ready, q_empty, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn_bars)
     outs = (Out, QScale, KScale, VScale, stride_ot, qk_scale)
     loads = (q_desc, q_smem, q_ready, q_empty, k_desc, vt_desc, k_bufs, v_bufs, k_ready, v_ready, kv_empty)
-    if CONSUMERS == 3:  # 13 warps: 3 x 128 x 152 + 32 x 24 registers fit the SM's 64K
-        gl.warp_specialize([
-            (_consume, (work, bufs, outs, 0, CAUSAL, BLOCK_M, ROWS, BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS, PIN,
-                        PERSISTENT, SNAKE, HEAD_GROUP, TABLE, V_FP8, TURNS, KEY_PERM)),
-            (_consume, (work, bufs, outs, 1, CAUSAL, BLOCK_M, ROWS, BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS, PIN,
-                        PERSISTENT, SNAKE, HEAD_GROUP, TABLE, V_FP8, TURNS, KEY_PERM)),
-            (_consume, (work, bufs, outs, 2, CAUSAL, BLOCK_M, ROWS, BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS, PIN,
-                        PERSISTENT, SNAKE, HEAD_GROUP, TABLE, V_FP8, TURNS, KEY_PERM)),
-            (_produce, (work, VStarts, loads, CAUSAL, BLOCK_M, ROWS, BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS,
-                        PERSISTENT, SNAKE, HEAD_GROUP, TABLE, V_FP8))], [4, 4, 1], [152, 152, 24])
-    else:
-        gl.warp_specialize([
-            (_consume, (work, bufs, outs, 0, CAUSAL, BLOCK_M, ROWS, BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS, PIN,
-                        PERSISTENT, SNAKE, HEAD_GROUP, TABLE, V_FP8, TURNS, KEY_PERM)),
-            (_consume, (work, bufs, outs, 1, CAUSAL, BLOCK_M, ROWS, BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS, PIN,
-                        PERSISTENT, SNAKE, HEAD_GROUP, TABLE, V_FP8, TURNS, KEY_PERM)),
-            (_produce, (work, VStarts, loads, CAUSAL, BLOCK_M, ROWS, BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS,
-                        PERSISTENT, SNAKE, HEAD_GROUP, TABLE, V_FP8))], [4, 1], [240, 24])
+    gl.warp_specialize([
+        (_consume, (work, bufs, outs, 0, CAUSAL, BLOCK_M, ROWS, BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS, PIN,
+                    PERSISTENT, SNAKE, HEAD_GROUP, TABLE, V_FP8, TURNS, KEY_PERM)),
+        (_consume, (work, bufs, outs, 1, CAUSAL, BLOCK_M, ROWS, BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS, PIN,
+                    PERSISTENT, SNAKE, HEAD_GROUP, TABLE, V_FP8, TURNS, KEY_PERM)),
+        (_produce, (work, VStarts, loads, CAUSAL, BLOCK_M, ROWS, BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS,
+                    PERSISTENT, SNAKE, HEAD_GROUP, TABLE, V_FP8))], [4, 1], [240, 24])
 
 
 # --- launcher -------------------------------------------------------------------
@@ -218,11 +207,8 @@ def fp8_kernel_args(x: Fp8Inputs, out, cu_seqlens, max_seqlen: int, scale: float
     if unknown:
         raise ValueError(f"unknown config keys {sorted(unknown)}; known: {sorted(DEFAULT_CONFIG)}")
     cfg = {**DEFAULT_CONFIG, **config}
-    if cfg["BLOCK_M"] not in (128, 192) or cfg["num_warps"] != 4:
-        raise ValueError("the FP8 kernel runs BLOCK_M 128 or 192 as two or three warpgroups of 64 rows "
-                         "(num_warps 4)")
-    if cfg["BLOCK_M"] == 192 and cfg["TURNS"]:
-        raise ValueError("ping-pong TURNS take two consumer warpgroups (BLOCK_M 128)")
+    if cfg["BLOCK_M"] != 128 or cfg["num_warps"] != 4:
+        raise ValueError("the FP8 kernel runs BLOCK_M 128 as two warpgroups of 64 rows (num_warps 4)")
     if (cfg["SNAKE"] and not cfg["PERSISTENT"]) or cfg["HEAD_GROUP"] < 0:
         raise ValueError("SNAKE needs PERSISTENT, HEAD_GROUP >= 0 (gluon_schedule.py)")
     check_fp8_inputs(x, cu_seqlens, cfg["BLOCK_N"])

@@ -141,8 +141,8 @@ def test_rejects_unsupported_input():
         fp8_kernel_args(x._replace(k_scale=x.k_scale.double()), out, cu, 300, 0.1, True, {})
     with pytest.raises(ValueError, match="BLOCK_M"):
         fp8_kernel_args(x, out, cu, 300, 0.1, True, {"BLOCK_M": 64})
-    with pytest.raises(ValueError, match="TURNS"):
-        fp8_kernel_args(x, out, cu, 300, 0.1, True, {"BLOCK_M": 192, "TURNS": True})
+    with pytest.raises(ValueError, match="BLOCK_M"):
+        fp8_kernel_args(x, out, cu, 300, 0.1, True, {"BLOCK_M": 192})
     with pytest.raises(ValueError, match="unknown config"):
         fp8_kernel_args(x, out, cu, 300, 0.1, True, {"WS": True})
     x16 = quantize_fp8_inputs(q, k, v.bfloat16(), cu, fp8_v=False)
@@ -168,13 +168,12 @@ for name, (cfg, kw) in {"default": ({}, {}),
                              "out_dtype": torch.float16}),
                         "qk8_persistent": ({"PERSISTENT": True, "SNAKE": True, "HEAD_GROUP": 4096},
                                            {"fp8_v": False}),
-                        "key_perm": ({}, {"key_perm": True}),
-                        "three_consumers": ({"BLOCK_M": 192, "BLOCK_N": 64, "STAGES": 4}, {"key_perm": True})}.items():
+                        "key_perm": ({}, {"key_perm": True})}.items():
     try:
         k = compile_fp8_prefill(cfg, **kw)
         code = sass(k.asm["cubin"])
         out[name] = {"shared": k.metadata.shared, "block_n": cfg.get("BLOCK_N", 128),
-                     "consumers": cfg.get("BLOCK_M", 128) // 64, "spills": code.count("STL"),
+                     "spills": code.count("STL"),
                      "qgmma": len(re.findall(r"QGMMA\\.64x\\d+x32\\.F32\\.E4M3\\.E4M3", code)),
                      "shfl_idx": code.count("SHFL.IDX"),
                      "fp8_v": kw.get("fp8_v", True), "head_dim": kw.get("head_dim", 128),
@@ -191,21 +190,21 @@ def compiled():
 
 
 @pytest.mark.parametrize("name", ["default", "persistent_n64_gqa_hdim64_fp16", "qk8_persistent",
-                                  "key_perm", "three_consumers"])
+                                  "key_perm"])
 def test_compiles_for_sm90_on_fp8_tensor_cores(compiled, name):
     r = compiled[name]
     if "skip" in r:
         pytest.skip(r["skip"])
-    # Each consumer (2, or 3 with BLOCK_M 192) issues QK^T and P.V in 3 places (QK^T: the first
+    # Each of the 2 consumers issues QK^T and P.V in 3 places (QK^T: the first
     # tile and the unmasked and masked loops; P.V: both loops and the last tile): e4m3 wgmma of K = 32
     # (D / 32 and BLOCK_N / 32 of them); QK^T-only, P.V as bf16 (K = 16). The shuffle-free
     # P operand (key_perm) moves no value between threads: no SHFL.IDX anywhere; with V^T in
     # the keys' order (the default) the P operand takes 16 a tile (the control).
-    c = r["consumers"]
+    c = 2
     qk = c * 3 * r["head_dim"] // 32
     if r["fp8_v"]:  # (the QK^T-only persistent build keeps 8 spill stores)
-        assert r["spills"] == 0, r  # three consumers fit 152 registers with 64-key tiles only
-    if name in ("key_perm", "three_consumers"):
+        assert r["spills"] == 0, r
+    if name == "key_perm":
         assert r["shfl_idx"] == 0, r
     elif name == "default":
         assert r["shfl_idx"] > 0, r
@@ -227,7 +226,7 @@ hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_devi
 @pytest.mark.parametrize("config", [{"PERSISTENT": False}, {"PERSISTENT": True}, None,
                                     {"PERSISTENT": True, "SNAKE": True, "HEAD_GROUP": 4096},
                                     {"PERSISTENT": True, "SNAKE": True, "TABLE": True},
-                                    {"BLOCK_M": 192, "BLOCK_N": 64, "STAGES": 4}])
+                                    {"BLOCK_N": 64, "STAGES": 4}])
 @pytest.mark.parametrize("fp8_v", [True, False, "key_perm"])
 def test_matches_twin_on_gpu(causal, head_dim, config, fp8_v):
     q, k, v, cu = (t.cuda() for t in _data([1, 100, 128, 129, 777], 8, 2, head_dim))
