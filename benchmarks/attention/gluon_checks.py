@@ -63,6 +63,9 @@ VARIANTS = {
     "three_consumers_persistent_n64_s3_snake": {**_PP, "BLOCK_M": 192, "TURNS": False, "BLOCK_N": 64,
                                                 "STAGES": 3, "PERSISTENT": True, "SNAKE": True},
     "two_consumers_n64_s4": {**_PP, "TURNS": False, "BLOCK_N": 64, "STAGES": 4},
+    # the softmax's row max and sum by pairwise halving (gluon_attention_tile.row_reduce)
+    "pingpong_n128_s2_tree": {**_PP, "TREE": True},
+    "pingpong_persistent_n128_s2_snake_tree": {**_PP, "PERSISTENT": True, "SNAKE": True, "TREE": True},
 }
 # What one run times by default (about 60 s on the H200); the others by --variants.
 DEFAULT_RUN = ["m128_n128_s3", "ws_m128_n128_s2", "ws_m128_n128_s3", "pingpong_n128_s2",

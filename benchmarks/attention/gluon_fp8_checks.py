@@ -64,6 +64,10 @@ VARIANTS = {
                                              "KEY_PERM": True},
     # 64-key tiles, the control of the three-consumer run (GLUON_FP8.md)
     "fp8_n64_s4_noturns_perm": {**_BASE, "BLOCK_N": 64, "STAGES": 4, "TURNS": False, "KEY_PERM": True},
+    # the softmax's row max and sum by pairwise halving (gluon_attention_tile.row_reduce)
+    "fp8_s2_noturns_tree": {**_BASE, "TURNS": False, "TREE": True},
+    "fp8_persistent_s2_snake_noturns_tree": {**_BASE, "PERSISTENT": True, "SNAKE": True, "TURNS": False,
+                                             "TREE": True},
     # QK^T-only FP8 (the existing path's split: V and P.V in bf16), for its error
     "qk8_s2": {**_BASE, "FP8_V": False},
     "qk8_persistent_s2_lpt": {**_BASE, "PERSISTENT": True, "SNAKE": True, "HEAD_GROUP": 4096, "FP8_V": False},

@@ -86,8 +86,48 @@ def produce_block(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, kv_empty, q_
 
 
 @gluon.jit
+def _fold(x, IS_MAX: gl.constexpr):
+    """[R, N] -> [R, N // 2]: columns c and c + N // 2 combined (a register bit of the
+    wgmma layout, so no value moves between threads)."""
+    a, b = gl.split(gl.permute(gl.reshape(x, [x.shape[0], 2, x.shape[1] // 2]), (0, 2, 1)))
+    if IS_MAX:
+        return gl.maximum(a, b)
+    else:
+        return a + b
+
+
+@gluon.jit
+def row_reduce(x, IS_MAX: gl.constexpr, TREE: gl.constexpr):
+    """Row max (IS_MAX) or sum of a [R, N] wgmma tile, in x's row layout. TREE: halve
+    the columns pairwise down to 8 (four levels at N = 128) before the reduction, so a
+    thread's chain is ~5 operations deep, not one after another over its 32 values of
+    a row (what gl.max / gl.sum compile to)."""
+    row: gl.constexpr = gl.SliceLayout(1, x.type.layout)
+    if TREE:
+        y = x
+        if y.shape[1] > 64:
+            y = _fold(y, IS_MAX)
+        if y.shape[1] > 32:
+            y = _fold(y, IS_MAX)
+        if y.shape[1] > 16:
+            y = _fold(y, IS_MAX)
+        if y.shape[1] > 8:
+            y = _fold(y, IS_MAX)
+        if IS_MAX:
+            return gl.convert_layout(gl.max(y, axis=1), row)
+        else:
+            return gl.convert_layout(gl.sum(y, axis=1), row)
+    else:
+        if IS_MAX:
+            return gl.max(x, axis=1)
+        else:
+            return gl.sum(x, axis=1)
+
+
+@gluon.jit
 def softmax_tile(s, m_i, l_i, start, offs_m, kv_len, mask_from, qk_scale,
-                 CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
+                 CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr,
+                 TREE: gl.constexpr):
     """Online softmax of one score tile (keys start..start+BLOCK_N; rows at positions
     offs_m). m_i is kept in log2 units (scaled), so p = exp2(s * scale - m) is one
     FMA and one MUFU op. Only tiles at or past mask_from (causal diagonal, the
@@ -99,10 +139,10 @@ def softmax_tile(s, m_i, l_i, start, offs_m, kv_len, mask_from, qk_scale,
             keep = keep & (offs_n[None, :] <= offs_m[:, None])
         s = gl.where(keep, s, float("-inf"))
     # Every row sees key 0 in the first tile, so m_new is finite from there on.
-    m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
+    m_new = gl.maximum(m_i, row_reduce(s, True, TREE) * qk_scale)
     p = gl.exp2(s * qk_scale - m_new[:, None])
     alpha = gl.exp2(m_i - m_new)
-    l_i = l_i * alpha + gl.sum(p, axis=1)
+    l_i = l_i * alpha + row_reduce(p, False, TREE)
     return p, m_new, l_i, alpha
 
 
@@ -129,14 +169,15 @@ def attend_block(q_smem, q_ready, q_phase, k_bufs, v_bufs, k_ready, v_ready, kv_
                  CAUSAL: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
                  HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr,
                  SELF_LOAD: gl.constexpr, TURNS: gl.constexpr, PIN: gl.constexpr,
-                 PAGED: gl.constexpr, PAGE: gl.constexpr):
+                 PAGED: gl.constexpr, PAGE: gl.constexpr, TREE: gl.constexpr):
     """ROWS query rows (m_row0.. of the request) against its key tiles it0.. (n_tiles),
     then the output stored. The request's keys are its ctx cached ones, then its
     q_len own (ctx 0 without paging); query row r sits at position ctx + r.
     SELF_LOAD: these warps also issue the copies (it0 = 0).
     TURNS (ping-pong): warpgroup ME takes turns (turn_bars) with its partner to issue its
     GEMMs; both take one turn a tile, so turn k is tile it0 + j. PIN: keep the P.V
-    wait below the softmax (retire_pv); off only to measure it."""
+    wait below the softmax (retire_pv); off only to measure it. TREE: the softmax's row
+    reductions by pairwise halving (row_reduce)."""
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout([3, 0], [WARPS, 1], [16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout([3, 0], [WARPS, 1], [16, HEAD_DIM, 16])
@@ -162,7 +203,7 @@ def attend_block(q_smem, q_ready, q_phase, k_bufs, v_bufs, k_ready, v_ready, kv_
     m_i = gl.full([ROWS], float("-inf"), gl.float32, row_layout)
     l_i = gl.zeros([ROWS], gl.float32, row_layout)
     p, m_i, l_i, alpha = softmax_tile(s, m_i, l_i, 0, offs_m, kv_len, mask_from, qk_scale,
-                                      CAUSAL, BLOCK_N, s_layout)
+                                      CAUSAL, BLOCK_N, s_layout, TREE)
     acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
 
     for j in range(1, n_tiles):
@@ -186,7 +227,7 @@ def attend_block(q_smem, q_ready, q_phase, k_bufs, v_bufs, k_ready, v_ready, kv_
         if not SELF_LOAD:
             mbarrier.arrive(kv_empty.index(slot))  # K_j is consumed
         p, m_i, l_i, alpha = softmax_tile(s, m_i, l_i, j * BLOCK_N, offs_m, kv_len, mask_from,
-                                          qk_scale, CAUSAL, BLOCK_N, s_layout)
+                                          qk_scale, CAUSAL, BLOCK_N, s_layout, TREE)
         if PIN:
             acc = retire_pv(acc_tok, p_op, q_start >= 0)
         else:

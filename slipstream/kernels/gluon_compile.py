@@ -178,3 +178,26 @@ def sass_overlap(cubin: bytes) -> list[int]:
             steps += 1
         counts.append(exp2)
     return counts
+
+
+def chain_depth(code: str, opcode: str) -> int:
+    """The longest run of `opcode` instructions in the SASS (cuobjdump text) each of which
+    reads the register the one before wrote, in program order (a register written by any
+    other instruction starts over): 31 for a row max taken one value after another over
+    a thread's 32, ~5 for pairwise halving."""
+    depth: dict[str, int] = {}
+    best = 0
+    for ln in code.splitlines():
+        m = re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)\s+([^;]*);", ln)
+        if not m:
+            continue
+        ops = [o.strip() for o in m.group(2).split(",")]
+        if not ops or not re.fullmatch(r"R\d+", ops[0]):
+            continue
+        if m.group(1).split(".")[0] == opcode:
+            d = 1 + max((depth.get(o.lstrip("-|"), 0) for o in ops[1:]), default=0)
+            depth[ops[0]] = d
+            best = max(best, d)
+        else:
+            depth.pop(ops[0], None)
+    return best

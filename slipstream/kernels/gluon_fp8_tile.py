@@ -24,6 +24,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
+from .gluon_attention_tile import row_reduce
+
 
 P_SHIFT = 8.0  # log2 of the factor P is stored with in e4m3 (256 <= 448)
 
@@ -101,21 +103,23 @@ def _v_operand(v_tile, V_FP8: gl.constexpr):
 
 @gluon.jit
 def softmax_tile_fp8(s, m_i, l_i, f, start, offs_m, q_len, CAUSAL: gl.constexpr,
-                     BLOCK_N: gl.constexpr, s_layout: gl.constexpr, MASK: gl.constexpr):
+                     BLOCK_N: gl.constexpr, s_layout: gl.constexpr, MASK: gl.constexpr,
+                     TREE: gl.constexpr):
     """Online softmax of one FP8 score tile; f [rows] = q_scale * k_scale * qk_scale
     (> 0), m_i in log2 units. Returns P * 2^P_SHIFT (and l of the same). MASK: the
     tile reaches the causal diagonal or the request's end (a runtime branch here was
-    if-converted by the compiler: its compares and selects ran on every tile)."""
+    if-converted by the compiler: its compares and selects ran on every tile). TREE: row
+    max and sum by pairwise halving (gluon_attention_tile.row_reduce)."""
     if MASK:
         offs_n = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         keep = offs_n[None, :] < q_len
         if CAUSAL:
             keep = keep & (offs_n[None, :] <= offs_m[:, None])
         s = gl.where(keep, s, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(s, axis=1) * f)
+    m_new = gl.maximum(m_i, row_reduce(s, True, TREE) * f)
     p = gl.exp2(s * f[:, None] - (m_new - 8.0)[:, None])  # 8.0 = P_SHIFT
     alpha = gl.exp2(m_i - m_new)
-    l_i = l_i * alpha + gl.sum(p, axis=1)
+    l_i = l_i * alpha + row_reduce(p, False, TREE)
     return p, m_new, l_i, alpha
 
 
@@ -125,7 +129,8 @@ def _tiles_fp8(j0, j1, acc, p, m_i, l_i, alpha, vs_prev, qf, offs_m, zero_s, q_s
                it0, ME: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
                STAGES: gl.constexpr, PIN: gl.constexpr, V_FP8: gl.constexpr,
                s_layout: gl.constexpr, o_row: gl.constexpr, p_layout: gl.constexpr,
-               MASK: gl.constexpr, TURNS: gl.constexpr, KEY_PERM: gl.constexpr):
+               MASK: gl.constexpr, TURNS: gl.constexpr, KEY_PERM: gl.constexpr,
+               TREE: gl.constexpr):
     """Key tiles j0..j1-1 of a block: issue S_j, rescale O, issue P_{j-1} V_{j-1}, the
     softmax of S_j under it, retire P.V. Returns the carried state."""
     for j in range(j0, j1):
@@ -149,7 +154,7 @@ def _tiles_fp8(j0, j1, acc, p, m_i, l_i, alpha, vs_prev, qf, offs_m, zero_s, q_s
         s = warpgroup_mma_wait(1, deps=(s_tok,))
         mbarrier.arrive(kv_empty.index(slot))  # K_j is consumed
         p, m_i, l_i, alpha = softmax_tile_fp8(s, m_i, l_i, qf * ks, j * BLOCK_N, offs_m, q_len,
-                                              CAUSAL, BLOCK_N, s_layout, MASK)
+                                              CAUSAL, BLOCK_N, s_layout, MASK, TREE)
         if PIN:
             acc = retire_pv_fp8(acc_tok, q_start >= 0)
         else:
@@ -165,7 +170,7 @@ def attend_block_fp8(q_smem, q_ready, q_phase, k_bufs, v_bufs, k_ready, v_ready,
                      ME: gl.constexpr, CAUSAL: gl.constexpr, ROWS: gl.constexpr,
                      BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                      WARPS: gl.constexpr, PIN: gl.constexpr, V_FP8: gl.constexpr,
-                     TURNS: gl.constexpr, KEY_PERM: gl.constexpr):
+                     TURNS: gl.constexpr, KEY_PERM: gl.constexpr, TREE: gl.constexpr):
     """ROWS query rows (m_row0.. of the request) against key tiles it0.. (n_tiles) with
     ping-pong turns; the output (Out's dtype) stored with a masked store.
     Scales: QScale [tokens, heads], KScale / VScale [tokens, kv_heads] fp32 (a tile's
@@ -201,7 +206,7 @@ def attend_block_fp8(q_smem, q_ready, q_phase, k_bufs, v_bufs, k_ready, v_ready,
     m_i = gl.full([ROWS], float("-inf"), gl.float32, row_layout)
     l_i = gl.zeros([ROWS], gl.float32, row_layout)
     p, m_i, l_i, alpha = softmax_tile_fp8(s, m_i, l_i, qf * ks, 0, offs_m, q_len, CAUSAL, BLOCK_N,
-                                          s_layout, True)
+                                          s_layout, True, TREE)
     acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
 
     # tiles 1 .. n_free - 1 need no mask, the rest (diagonal, request end) do
@@ -209,12 +214,13 @@ def attend_block_fp8(q_smem, q_ready, q_phase, k_bufs, v_bufs, k_ready, v_ready,
     acc, p, m_i, l_i, alpha, vs_prev = _tiles_fp8(
         1, n_free, acc, p, m_i, l_i, alpha, vs_prev, qf, offs_m, zero_s, q_smem, k_bufs, v_bufs,
         k_ready, v_ready, kv_empty, turn_bars, kv_base, v_base, tile_step, q_start, q_len, it0, ME,
-        CAUSAL, BLOCK_N, STAGES, PIN, V_FP8, s_layout, o_row, p_layout, False, TURNS, KEY_PERM)
+        CAUSAL, BLOCK_N, STAGES, PIN, V_FP8, s_layout, o_row, p_layout, False, TURNS, KEY_PERM,
+        TREE)
     acc, p, m_i, l_i, alpha, vs_prev = _tiles_fp8(
         n_free, n_tiles, acc, p, m_i, l_i, alpha, vs_prev, qf, offs_m, zero_s, q_smem, k_bufs,
         v_bufs, k_ready, v_ready, kv_empty, turn_bars, kv_base, v_base, tile_step, q_start, q_len,
         it0, ME, CAUSAL, BLOCK_N, STAGES, PIN, V_FP8, s_layout, o_row, p_layout, True, TURNS,
-        KEY_PERM)
+        KEY_PERM, TREE)
 
     last = it0 + n_tiles - 1
     vs = gl.load(v_base + (n_tiles - 1) * tile_step)

@@ -35,11 +35,14 @@ CONFIGS = {  # four compiles (a few seconds each): every mode's code compiles so
     # three consumer warpgroups of 64 rows (BLOCK_M 192), no turns, 64-key tiles
     "three_consumers": ({"WS": True, "PINGPONG": True, "num_warps": 4, "BLOCK_M": 192, "TURNS": False,
                          "BLOCK_N": 64, "STAGES": 4}, {}),
+    # the softmax's row max and sum by pairwise halving, against "pingpong" below
+    "pingpong_tree": ({"WS": True, "PINGPONG": True, "num_warps": 4, "TREE": True}, {}),
+    "pingpong": ({"WS": True, "PINGPONG": True, "num_warps": 4}, {}),
 }
 _CHILD = """
 import json, sys, torch
-from slipstream.kernels.gluon_compile import (compile_paged_prefill, compile_prefill, overlap_report,
-                                              sass_overlap)
+from slipstream.kernels.gluon_compile import (chain_depth, compile_paged_prefill, compile_prefill,
+                                              overlap_report, sass, sass_overlap)
 out = {}
 for name, (cfg, kw) in json.loads(sys.argv[1]).items():
     if "dtype" in kw:
@@ -48,7 +51,9 @@ for name, (cfg, kw) in json.loads(sys.argv[1]).items():
         compile = compile_paged_prefill if kw.pop("paged", False) else compile_prefill
         k = compile(cfg, **kw)
         out[name] = {"shared": k.metadata.shared, "block_n": cfg.get("BLOCK_N", 128),
-                     "pinned": cfg.get("PIN", True),
+                     "pinned": cfg.get("PIN", True), "tree": cfg.get("TREE", False),
+                     "max_depth": chain_depth(sass(k.asm["cubin"]), "FMNMX"),
+                     "sum_depth": chain_depth(sass(k.asm["cubin"]), "FADD"),
                      **overlap_report(k.asm["ptx"]), "sass_exp2": sass_overlap(k.asm["cubin"])}
     except FileNotFoundError as e:  # a Triton build without its ptxas
         out[name] = {"skip": str(e)}
@@ -76,6 +81,12 @@ def test_compiles_for_sm90_with_overlap(compiled, name):
         assert r["sass_exp2"] and min(r["sass_exp2"]) >= r["block_n"] // 2, r
     else:
         assert r["sass_exp2"] and max(r["sass_exp2"]) == 0, r
+    # A thread's row max and row sum over its BLOCK_N / 4 scores of a row: one value after
+    # another (gl.max / gl.sum), or halved pairwise down to 2 and then across the 4 lanes.
+    if r["tree"]:
+        assert r["max_depth"] <= 8 and r["sum_depth"] <= 8, r
+    elif name == "pingpong":
+        assert r["max_depth"] >= r["block_n"] // 4 and r["sum_depth"] >= r["block_n"] // 4, r
 
 
 def test_overlap_report_sees_serial_wgmma():
@@ -146,6 +157,8 @@ hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_devi
                                     {**BASE, "WS": True, "PINGPONG": True, "num_warps": 4, "TABLE": True},
                                     {**BASE, "WS": True, "PINGPONG": True, "num_warps": 4, "BLOCK_M": 192,
                                      "TURNS": False, "BLOCK_N": 64, "STAGES": 4},
+                                    {**BASE, "WS": True, "PINGPONG": True, "num_warps": 4, "TREE": True},
+                                    {**BASE, "TREE": True, "BLOCK_N": 64},
                                     None])  # None: what the backend runs (CHOSEN)
 def test_matches_reference_on_gpu(dtype, causal, head_dim, config):
     lengths, heads, kv_heads = [1, 100, 128, 129, 777], 8, 2
@@ -170,7 +183,8 @@ def test_matches_reference_on_gpu(dtype, causal, head_dim, config):
     (torch.float16, 64, 16, BASE),                   # no producer warp: the consumers copy
     (torch.bfloat16, 128, 128, {**BASE, "WS": True, "PINGPONG": True, "num_warps": 4,
                                 "PERSISTENT": True, "SNAKE": True}),   # a tile inside a page
-    (torch.bfloat16, 64, 256, None)])               # two tiles a page
+    (torch.bfloat16, 64, 256, None),                # two tiles a page
+    (torch.bfloat16, 128, 16, {**BASE, "WS": True, "PINGPONG": True, "num_warps": 4, "TREE": True})])
 def test_paged_matches_reference_on_gpu(paged_batch, dtype, head_dim, page, config):
     """Queries after cached context, every key read from the paged cache (permuted
     pages, the step's own K/V stored): against the plain-PyTorch paged attention."""
