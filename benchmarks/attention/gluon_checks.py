@@ -66,6 +66,9 @@ VARIANTS = {
     # the softmax's row max and sum by pairwise halving (gluon_attention_tile.row_reduce)
     "pingpong_n128_s2_tree": {**_PP, "TREE": True},
     "pingpong_persistent_n128_s2_snake_tree": {**_PP, "PERSISTENT": True, "SNAKE": True, "TREE": True},
+    # K_j released beside V_{j-1} (one warpgroup sync a tile fewer; gluon_attention_tile)
+    "pingpong_n128_s2_latek": {**_PP, "LATE_K": True},
+    "pingpong_persistent_n128_s2_snake_latek": {**_PP, "PERSISTENT": True, "SNAKE": True, "LATE_K": True},
 }
 # What one run times by default (about 60 s on the H200); the others by --variants.
 DEFAULT_RUN = ["m128_n128_s3", "ws_m128_n128_s2", "ws_m128_n128_s3", "pingpong_n128_s2",

@@ -68,6 +68,10 @@ VARIANTS = {
     "fp8_s2_noturns_tree": {**_BASE, "TURNS": False, "TREE": True},
     "fp8_persistent_s2_snake_noturns_tree": {**_BASE, "PERSISTENT": True, "SNAKE": True, "TURNS": False,
                                              "TREE": True},
+    # K_j released beside V_{j-1} (one warpgroup sync a tile fewer; gluon_fp8_tile)
+    "fp8_s2_noturns_latek": {**_BASE, "TURNS": False, "LATE_K": True},
+    "fp8_persistent_s2_snake_noturns_latek": {**_BASE, "PERSISTENT": True, "SNAKE": True, "TURNS": False,
+                                              "LATE_K": True},
     # QK^T-only FP8 (the existing path's split: V and P.V in bf16), for its error
     "qk8_s2": {**_BASE, "FP8_V": False},
     "qk8_persistent_s2_lpt": {**_BASE, "PERSISTENT": True, "SNAKE": True, "HEAD_GROUP": 4096, "FP8_V": False},

@@ -169,7 +169,8 @@ def attend_block(q_smem, q_ready, q_phase, k_bufs, v_bufs, k_ready, v_ready, kv_
                  CAUSAL: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
                  HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr,
                  SELF_LOAD: gl.constexpr, TURNS: gl.constexpr, PIN: gl.constexpr,
-                 PAGED: gl.constexpr, PAGE: gl.constexpr, TREE: gl.constexpr):
+                 PAGED: gl.constexpr, PAGE: gl.constexpr, TREE: gl.constexpr,
+                 LATE_K: gl.constexpr):
     """ROWS query rows (m_row0.. of the request) against its key tiles it0.. (n_tiles),
     then the output stored. The request's keys are its ctx cached ones, then its
     q_len own (ctx 0 without paging); query row r sits at position ctx + r.
@@ -177,7 +178,9 @@ def attend_block(q_smem, q_ready, q_phase, k_bufs, v_bufs, k_ready, v_ready, kv_
     TURNS (ping-pong): warpgroup ME takes turns (turn_bars) with its partner to issue its
     GEMMs; both take one turn a tile, so turn k is tile it0 + j. PIN: keep the P.V
     wait below the softmax (retire_pv); off only to measure it. TREE: the softmax's row
-    reductions by pairwise halving (row_reduce)."""
+    reductions by pairwise halving (row_reduce). LATE_K: release K_j once P_{j-1} V_{j-1}
+    has retired, beside V_{j-1}: each mbarrier arrive syncs the warpgroup (bar.sync) before
+    one thread arrives, and two side by side cost about one sync."""
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout([3, 0], [WARPS, 1], [16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout([3, 0], [WARPS, 1], [16, HEAD_DIM, 16])
@@ -224,7 +227,7 @@ def attend_block(q_smem, q_ready, q_phase, k_bufs, v_bufs, k_ready, v_ready, kv_
         if TURNS:
             mbarrier.arrive(turn_bars.index(1 - ME))
         s = warpgroup_mma_wait(1, deps=(s_tok,))  # wgmma groups retire in order: S_j done
-        if not SELF_LOAD:
+        if not SELF_LOAD and not LATE_K:
             mbarrier.arrive(kv_empty.index(slot))  # K_j is consumed
         p, m_i, l_i, alpha = softmax_tile(s, m_i, l_i, j * BLOCK_N, offs_m, kv_len, mask_from,
                                           qk_scale, CAUSAL, BLOCK_N, s_layout, TREE)
@@ -239,6 +242,8 @@ def attend_block(q_smem, q_ready, q_phase, k_bufs, v_bufs, k_ready, v_ready, kv_
                     q_start + (j - 1 + STAGES) * BLOCK_N, kv_col, j - 1 + STAGES < n_tiles, table,
                     j - 1 + STAGES, n_pages, STAGES, PAGED, PAGE, BLOCK_N)
         else:
+            if LATE_K:  # K_j released beside V_{j-1}: one sync point a tile where there were two
+                mbarrier.arrive(kv_empty.index(slot))
             mbarrier.arrive(kv_empty.index(STAGES + prev))
 
     last = it0 + n_tiles - 1

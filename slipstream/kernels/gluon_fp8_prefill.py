@@ -38,7 +38,8 @@ def _consume(work, bufs, outs, ME: gl.constexpr, CAUSAL: gl.constexpr,
              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, Q_SLOTS: gl.constexpr,
              PIN: gl.constexpr, PERSISTENT: gl.constexpr, SNAKE: gl.constexpr,
              HEAD_GROUP: gl.constexpr, TABLE: gl.constexpr, V_FP8: gl.constexpr,
-             TURNS: gl.constexpr, KEY_PERM: gl.constexpr, TREE: gl.constexpr):
+             TURNS: gl.constexpr, KEY_PERM: gl.constexpr, TREE: gl.constexpr,
+             LATE_K: gl.constexpr):
     """One consumer warpgroup (ME: its 64 rows of each block) over work items t0, t0 + t_step, ..
     (BLOCK_M // ROWS consumers share each block's K / V tiles). work, bufs, outs: the kernel's
     tuples (_fp8_prefill_kernel)."""
@@ -58,7 +59,7 @@ def _consume(work, bufs, outs, ME: gl.constexpr, CAUSAL: gl.constexpr,
                              KScale, VScale, q_start, q_len, m_row0 + ME * ROWS, head, heads,
                              head // group, kv_heads, n_tiles, it0, mask_from, stride_ot,
                              qk_scale, ME, CAUSAL, ROWS, BLOCK_N, HEAD_DIM, STAGES, 4, PIN, V_FP8, TURNS,
-                             KEY_PERM, TREE)
+                             KEY_PERM, TREE, LATE_K)
             mbarrier.arrive(q_empty.index(qs))
             it0 += n_tiles
             k += 1
@@ -111,7 +112,7 @@ def _fp8_prefill_kernel(q_desc, k_desc, vt_desc, Out, QScale, KScale, VScale, Cu
                         Q_BUFS: gl.constexpr, PIN: gl.constexpr, SNAKE: gl.constexpr,
                         HEAD_GROUP: gl.constexpr, TABLE: gl.constexpr, V_FP8: gl.constexpr,
                         TURNS: gl.constexpr, KEY_PERM: gl.constexpr, TREE: gl.constexpr,
-                        num_warps: gl.constexpr):
+                        LATE_K: gl.constexpr, num_warps: gl.constexpr):
     n_mblocks = gl.cdiv(max_len, BLOCK_M)
     t0, t_end, t_step, total = work_range(n_mblocks, heads, num_seqs, Items, PERSISTENT, SNAKE, TABLE)
     ROWS: gl.constexpr = 64                     # a consumer warpgroup's rows
@@ -144,9 +145,9 @@ def _fp8_prefill_kernel(q_desc, k_desc, vt_desc, Out, QScale, KScale, VScale, Cu
     loads = (q_desc, q_smem, q_ready, q_empty, k_desc, vt_desc, k_bufs, v_bufs, k_ready, v_ready, kv_empty)
     gl.warp_specialize([
         (_consume, (work, bufs, outs, 0, CAUSAL, BLOCK_M, ROWS, BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS, PIN,
-                    PERSISTENT, SNAKE, HEAD_GROUP, TABLE, V_FP8, TURNS, KEY_PERM, TREE)),
+                    PERSISTENT, SNAKE, HEAD_GROUP, TABLE, V_FP8, TURNS, KEY_PERM, TREE, LATE_K)),
         (_consume, (work, bufs, outs, 1, CAUSAL, BLOCK_M, ROWS, BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS, PIN,
-                    PERSISTENT, SNAKE, HEAD_GROUP, TABLE, V_FP8, TURNS, KEY_PERM, TREE)),
+                    PERSISTENT, SNAKE, HEAD_GROUP, TABLE, V_FP8, TURNS, KEY_PERM, TREE, LATE_K)),
         (_produce, (work, VStarts, loads, CAUSAL, BLOCK_M, ROWS, BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS,
                     PERSISTENT, SNAKE, HEAD_GROUP, TABLE, V_FP8))], [4, 1], [240, 24])
 
@@ -155,7 +156,7 @@ def _fp8_prefill_kernel(q_desc, k_desc, vt_desc, Out, QScale, KScale, VScale, Cu
 
 DEFAULT_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 128, "STAGES": 2, "PERSISTENT": False, "Q_BUFS": 2,
                   "PIN": True, "SNAKE": False, "HEAD_GROUP": 0, "TABLE": False, "TURNS": False,
-                  "TREE": False, "num_warps": 4}  # SNAKE..TABLE: gluon_schedule.py
+                  "TREE": False, "LATE_K": False, "num_warps": 4}  # SNAKE..TABLE: gluon_schedule.py
 # TURNS off: each warpgroup issues its (short, FP8) GEMMs when ready; faster than ping-pong
 # turns on every shape of the H200 runs of 2026-12-03 (1-4%, GLUON_FP8.md)
 PERSISTENT_UP_TO = 4096  # as the bf16 kernel (GLUON.md): persistent (snake order) up to 4k

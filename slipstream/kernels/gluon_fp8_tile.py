@@ -130,7 +130,7 @@ def _tiles_fp8(j0, j1, acc, p, m_i, l_i, alpha, vs_prev, qf, offs_m, zero_s, q_s
                STAGES: gl.constexpr, PIN: gl.constexpr, V_FP8: gl.constexpr,
                s_layout: gl.constexpr, o_row: gl.constexpr, p_layout: gl.constexpr,
                MASK: gl.constexpr, TURNS: gl.constexpr, KEY_PERM: gl.constexpr,
-               TREE: gl.constexpr):
+               TREE: gl.constexpr, LATE_K: gl.constexpr):
     """Key tiles j0..j1-1 of a block: issue S_j, rescale O, issue P_{j-1} V_{j-1}, the
     softmax of S_j under it, retire P.V. Returns the carried state."""
     for j in range(j0, j1):
@@ -152,13 +152,16 @@ def _tiles_fp8(j0, j1, acc, p, m_i, l_i, alpha, vs_prev, qf, offs_m, zero_s, q_s
         if TURNS:
             mbarrier.arrive(turn_bars.index(1 - ME))
         s = warpgroup_mma_wait(1, deps=(s_tok,))
-        mbarrier.arrive(kv_empty.index(slot))  # K_j is consumed
+        if not LATE_K:
+            mbarrier.arrive(kv_empty.index(slot))  # K_j is consumed
         p, m_i, l_i, alpha = softmax_tile_fp8(s, m_i, l_i, qf * ks, j * BLOCK_N, offs_m, q_len,
                                               CAUSAL, BLOCK_N, s_layout, MASK, TREE)
         if PIN:
             acc = retire_pv_fp8(acc_tok, q_start >= 0)
         else:
             acc = warpgroup_mma_wait(0, deps=(acc_tok,))
+        if LATE_K:  # K_j released beside V_{j-1}: one sync point a tile where there were two
+            mbarrier.arrive(kv_empty.index(slot))
         mbarrier.arrive(kv_empty.index(STAGES + prev))  # V_{j-1} is consumed
     return acc, p, m_i, l_i, alpha, vs_prev
 
@@ -170,7 +173,8 @@ def attend_block_fp8(q_smem, q_ready, q_phase, k_bufs, v_bufs, k_ready, v_ready,
                      ME: gl.constexpr, CAUSAL: gl.constexpr, ROWS: gl.constexpr,
                      BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                      WARPS: gl.constexpr, PIN: gl.constexpr, V_FP8: gl.constexpr,
-                     TURNS: gl.constexpr, KEY_PERM: gl.constexpr, TREE: gl.constexpr):
+                     TURNS: gl.constexpr, KEY_PERM: gl.constexpr, TREE: gl.constexpr,
+                     LATE_K: gl.constexpr):
     """ROWS query rows (m_row0.. of the request) against key tiles it0.. (n_tiles) with
     ping-pong turns; the output (Out's dtype) stored with a masked store.
     Scales: QScale [tokens, heads], KScale / VScale [tokens, kv_heads] fp32 (a tile's
@@ -215,12 +219,12 @@ def attend_block_fp8(q_smem, q_ready, q_phase, k_bufs, v_bufs, k_ready, v_ready,
         1, n_free, acc, p, m_i, l_i, alpha, vs_prev, qf, offs_m, zero_s, q_smem, k_bufs, v_bufs,
         k_ready, v_ready, kv_empty, turn_bars, kv_base, v_base, tile_step, q_start, q_len, it0, ME,
         CAUSAL, BLOCK_N, STAGES, PIN, V_FP8, s_layout, o_row, p_layout, False, TURNS, KEY_PERM,
-        TREE)
+        TREE, LATE_K)
     acc, p, m_i, l_i, alpha, vs_prev = _tiles_fp8(
         n_free, n_tiles, acc, p, m_i, l_i, alpha, vs_prev, qf, offs_m, zero_s, q_smem, k_bufs,
         v_bufs, k_ready, v_ready, kv_empty, turn_bars, kv_base, v_base, tile_step, q_start, q_len,
         it0, ME, CAUSAL, BLOCK_N, STAGES, PIN, V_FP8, s_layout, o_row, p_layout, True, TURNS,
-        KEY_PERM, TREE)
+        KEY_PERM, TREE, LATE_K)
 
     last = it0 + n_tiles - 1
     vs = gl.load(v_base + (n_tiles - 1) * tile_step)

@@ -46,7 +46,7 @@ def _consume(work, bufs, outs, ME: gl.constexpr, CAUSAL: gl.constexpr,
              STAGES: gl.constexpr, Q_SLOTS: gl.constexpr, WARPS: gl.constexpr,
              PINGPONG: gl.constexpr, TURNS: gl.constexpr, PIN: gl.constexpr,
              PERSISTENT: gl.constexpr, SNAKE: gl.constexpr, HEAD_GROUP: gl.constexpr,
-             TABLE: gl.constexpr, PAGED: gl.constexpr, TREE: gl.constexpr):
+             TABLE: gl.constexpr, PAGED: gl.constexpr, TREE: gl.constexpr, LATE_K: gl.constexpr):
     """A consumer warpgroup (set) over item slots t0, t0 + t_step, .. < t_end (gluon_schedule).
     work, bufs, outs: the kernel's tuples (_prefill_kernel)."""
     t0, t_end, t_step, total, CuSeqlens, Items, n_mblocks, heads, num_seqs, group, KvLens = work
@@ -65,7 +65,7 @@ def _consume(work, bufs, outs, ME: gl.constexpr, CAUSAL: gl.constexpr,
                          k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn_bars, k_desc, v_desc,
                          o_desc, Out, q_start, q_len, m_row0 + ME * ROWS, head, kv_col, n_tiles,
                          it0, mask_from, stride_ot, qk_scale, ctx, 0, 0, ME, CAUSAL, ROWS,
-                         BLOCK_N, HEAD_DIM, STAGES, WARPS, False, TURNS, PIN, PAGED, BLOCK_N, TREE)
+                         BLOCK_N, HEAD_DIM, STAGES, WARPS, False, TURNS, PIN, PAGED, BLOCK_N, TREE, LATE_K)
             mbarrier.arrive(q_empty.index(qs))  # Q's slot (and the output staged in it) is free
             it0 += n_tiles
             k += 1
@@ -119,7 +119,7 @@ def _prefill_kernel(q_desc, k_desc, v_desc, o_desc, Out, CuSeqlens, Items, max_l
                     PERSISTENT: gl.constexpr, Q_BUFS: gl.constexpr, PIN: gl.constexpr,
                     SNAKE: gl.constexpr, HEAD_GROUP: gl.constexpr, TABLE: gl.constexpr,
                     PAGED: gl.constexpr, PAGE: gl.constexpr, TREE: gl.constexpr,
-                    num_warps: gl.constexpr):
+                    LATE_K: gl.constexpr, num_warps: gl.constexpr):
     n_mblocks = gl.cdiv(max_len, BLOCK_M)
     # persistent: one program per SM over every block; else grid (query block, head, request)
     t0, t_end, t_step, total = work_range(n_mblocks, heads, num_seqs, Items, PERSISTENT, SNAKE, TABLE)
@@ -166,7 +166,7 @@ def _prefill_kernel(q_desc, k_desc, v_desc, o_desc, Out, CuSeqlens, Items, max_l
                          kv_empty, turn_bars, k_desc, v_desc, o_desc, Out, q_start, q_len, m_row0,
                          head, kv_col, n_tiles, 0, mask_from, stride_ot, qk_scale, ctx, table,
                          n_pages, 0, CAUSAL, ROWS, BLOCK_N, HEAD_DIM, STAGES, num_warps, True,
-                         False, PIN, PAGED, PAGE, TREE)
+                         False, PIN, PAGED, PAGE, TREE, LATE_K)
     else:
         work = (t0, t_end, t_step, total, CuSeqlens, Items, n_mblocks, heads, num_seqs, group, KvLens)
         bufs = (q_smem, q_ready, q_empty, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn_bars)
@@ -174,24 +174,24 @@ def _prefill_kernel(q_desc, k_desc, v_desc, o_desc, Out, CuSeqlens, Items, max_l
         loads = (q_desc, q_smem, q_ready, q_empty, k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, kv_empty)
         if CONSUMERS == 3:  # 13 warps: 3 x 128 x 152 + 32 x 24 registers fit the SM's 64K
             gl.warp_specialize([(_consume, (work, bufs, outs, 0, CAUSAL, BLOCK_M, ROWS, BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS,
-                            num_warps, True, False, PIN, PERSISTENT, SNAKE, HEAD_GROUP, TABLE, PAGED, TREE)),
+                            num_warps, True, False, PIN, PERSISTENT, SNAKE, HEAD_GROUP, TABLE, PAGED, TREE, LATE_K)),
                                 (_consume, (work, bufs, outs, 1, CAUSAL, BLOCK_M, ROWS, BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS,
-                            4, True, False, PIN, PERSISTENT, SNAKE, HEAD_GROUP, TABLE, PAGED, TREE)),
+                            4, True, False, PIN, PERSISTENT, SNAKE, HEAD_GROUP, TABLE, PAGED, TREE, LATE_K)),
                                 (_consume, (work, bufs, outs, 2, CAUSAL, BLOCK_M, ROWS, BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS,
-                            4, True, False, PIN, PERSISTENT, SNAKE, HEAD_GROUP, TABLE, PAGED, TREE)),
+                            4, True, False, PIN, PERSISTENT, SNAKE, HEAD_GROUP, TABLE, PAGED, TREE, LATE_K)),
                                 (_produce, (work, loads, BlockTables, stride_bt, CAUSAL, BLOCK_M, ROWS, BLOCK_N, HEAD_DIM, STAGES,
                             Q_SLOTS, CONSUMERS, PERSISTENT, SNAKE, HEAD_GROUP, TABLE, PAGED, PAGE))], [4, 4, 1], [152, 152, 24])
         elif PINGPONG:
             mbarrier.arrive(turn_bars.index(0))  # the upper rows' warpgroup goes first
             gl.warp_specialize([(_consume, (work, bufs, outs, 0, CAUSAL, BLOCK_M, ROWS, BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS,
-                            num_warps, True, TURNS, PIN, PERSISTENT, SNAKE, HEAD_GROUP, TABLE, PAGED, TREE)),
+                            num_warps, True, TURNS, PIN, PERSISTENT, SNAKE, HEAD_GROUP, TABLE, PAGED, TREE, LATE_K)),
                                 (_consume, (work, bufs, outs, 1, CAUSAL, BLOCK_M, ROWS, BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS,
-                            4, True, TURNS, PIN, PERSISTENT, SNAKE, HEAD_GROUP, TABLE, PAGED, TREE)),
+                            4, True, TURNS, PIN, PERSISTENT, SNAKE, HEAD_GROUP, TABLE, PAGED, TREE, LATE_K)),
                                 (_produce, (work, loads, BlockTables, stride_bt, CAUSAL, BLOCK_M, ROWS, BLOCK_N, HEAD_DIM, STAGES,
                             Q_SLOTS, CONSUMERS, PERSISTENT, SNAKE, HEAD_GROUP, TABLE, PAGED, PAGE))], [4, 1], [240, 24])
         else:
             gl.warp_specialize([(_consume, (work, bufs, outs, 0, CAUSAL, BLOCK_M, ROWS, BLOCK_N, HEAD_DIM, STAGES, Q_SLOTS,
-                            num_warps, False, False, PIN, PERSISTENT, SNAKE, HEAD_GROUP, TABLE, PAGED, TREE)),
+                            num_warps, False, False, PIN, PERSISTENT, SNAKE, HEAD_GROUP, TABLE, PAGED, TREE, LATE_K)),
                                 (_produce, (work, loads, BlockTables, stride_bt, CAUSAL, BLOCK_M, ROWS, BLOCK_N, HEAD_DIM, STAGES,
                             Q_SLOTS, CONSUMERS, PERSISTENT, SNAKE, HEAD_GROUP, TABLE, PAGED, PAGE))], [1], [24])
 
@@ -200,7 +200,8 @@ def _prefill_kernel(q_desc, k_desc, v_desc, o_desc, Out, CuSeqlens, Items, max_l
 
 DEFAULT_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 128, "STAGES": 2, "WS": False, "PINGPONG": False,
                   "TURNS": True, "PERSISTENT": False, "Q_BUFS": 2, "PIN": True, "SNAKE": False,
-                  "HEAD_GROUP": 0, "TABLE": False, "TREE": False, "num_warps": 8}  # SNAKE..TABLE: gluon_schedule.py
+                  "HEAD_GROUP": 0, "TABLE": False, "TREE": False, "LATE_K": False,
+                  "num_warps": 8}  # SNAKE..TABLE: gluon_schedule.py
 # A call without `config` (H200, GLUON.md): ping-pong, 2 stages; persistent with the snake
 # order up to 4k tokens a request (+8% at 4k causal over round robin), not past (grid best).
 CHOSEN = {"PERSISTENT_UP_TO": 4096, "config": {"WS": True, "PINGPONG": True, "num_warps": 4}}

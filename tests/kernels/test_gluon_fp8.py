@@ -236,7 +236,8 @@ hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_devi
                                     {"PERSISTENT": True, "SNAKE": True, "HEAD_GROUP": 4096},
                                     {"PERSISTENT": True, "SNAKE": True, "TABLE": True},
                                     {"BLOCK_N": 64, "STAGES": 4}, {"TREE": True},
-                                    {"PERSISTENT": True, "SNAKE": True, "TREE": True, "BLOCK_N": 64}])
+                                    {"PERSISTENT": True, "SNAKE": True, "TREE": True, "BLOCK_N": 64},
+                                    {"LATE_K": True}, {"PERSISTENT": True, "SNAKE": True, "LATE_K": True}])
 @pytest.mark.parametrize("fp8_v", [True, False, "key_perm"])
 def test_matches_twin_on_gpu(causal, head_dim, config, fp8_v):
     q, k, v, cu = (t.cuda() for t in _data([1, 100, 128, 129, 777], 8, 2, head_dim))

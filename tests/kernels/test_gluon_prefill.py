@@ -159,6 +159,9 @@ hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_devi
                                      "TURNS": False, "BLOCK_N": 64, "STAGES": 4},
                                     {**BASE, "WS": True, "PINGPONG": True, "num_warps": 4, "TREE": True},
                                     {**BASE, "TREE": True, "BLOCK_N": 64},
+                                    {**BASE, "WS": True, "PINGPONG": True, "num_warps": 4, "LATE_K": True},
+                                    {**BASE, "WS": True, "PINGPONG": True, "num_warps": 4, "LATE_K": True,
+                                     "PERSISTENT": True, "SNAKE": True},
                                     None])  # None: what the backend runs (CHOSEN)
 def test_matches_reference_on_gpu(dtype, causal, head_dim, config):
     lengths, heads, kv_heads = [1, 100, 128, 129, 777], 8, 2
@@ -184,7 +187,8 @@ def test_matches_reference_on_gpu(dtype, causal, head_dim, config):
     (torch.bfloat16, 128, 128, {**BASE, "WS": True, "PINGPONG": True, "num_warps": 4,
                                 "PERSISTENT": True, "SNAKE": True}),   # a tile inside a page
     (torch.bfloat16, 64, 256, None),                # two tiles a page
-    (torch.bfloat16, 128, 16, {**BASE, "WS": True, "PINGPONG": True, "num_warps": 4, "TREE": True})])
+    (torch.bfloat16, 128, 16, {**BASE, "WS": True, "PINGPONG": True, "num_warps": 4, "TREE": True}),
+    (torch.bfloat16, 128, 16, {**BASE, "WS": True, "PINGPONG": True, "num_warps": 4, "LATE_K": True})])
 def test_paged_matches_reference_on_gpu(paged_batch, dtype, head_dim, page, config):
     """Queries after cached context, every key read from the paged cache (permuted
     pages, the step's own K/V stored): against the plain-PyTorch paged attention."""
