@@ -28,9 +28,17 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+class Parser(argparse.ArgumentParser):
+    """An option error is one line naming the option (not the whole usage);
+    subcommands' parsers are of this class too."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The parser; `command`'s module is imported and mounted, the others are listed only."""
-    parser = argparse.ArgumentParser(prog="slipstream", description="Fast, exact LLM inference.")
+    parser = Parser(prog="slipstream", description="Fast, exact LLM inference.")
     from slipstream import __version__
     parser.add_argument("--version", action="version", version=f"slipstream {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(COMMANDS) + "}")

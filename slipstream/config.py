@@ -73,7 +73,7 @@ class SpecConfig:
     draft_num_blocks: int = 1024         # the draft model's own KV pool
     ngram_max: int = 4
     ngram_min: int = 1
-    medusa_topk: tuple[int, ...] = (3, 2, 1, 1)
+    medusa_topk: tuple[int, ...] | None = None   # None: (3, 2, 1, ...) over the head file's heads
     eagle_topk: int = 4
     eagle_beam: int = 4
     eagle_max_nodes: int = 16

@@ -48,6 +48,7 @@ def test_help_without_torch(argv):
 def test_option_errors_come_before_any_load(argv, message):
     rc, torch_loaded, seconds, out = _probe("generate", "hello", *argv)
     assert rc == 2 and message in out, out
+    assert len(out.strip().splitlines()) == 2, out      # RESULT, then one line: not the whole usage
     assert not torch_loaded, "the model (and torch) must not load for a bad option"
     assert seconds < 5
 
@@ -72,6 +73,21 @@ def test_raw_prompt_on_a_chat_model_gets_the_hint(capsys):
     assert rc == 0
     assert "drop --raw" in err and "chat template" in err
     assert "loaded llama in" in err   # the load time is reported
+
+
+def test_a_stop_string_at_once_gets_no_hint(capsys, monkeypatch):
+    """A stop string that matched the first token is not the model ending its turn."""
+    from slipstream.commands import options
+    real = options.stream
+    seen = []
+
+    def stop_at_once(engine, prompt, params):
+        seen.append(real(engine, prompt, params))
+        return "", 1, 0.1, 0.1, "stop", "Tokyo"
+    monkeypatch.setattr(options, "stream", stop_at_once)
+    rc = main(["generate", "What is the capital of Japan?", "--raw", "-t", "0", "--max-tokens", "4",
+               "--max-model-len", "128", "--stop", "Tokyo"])
+    assert rc == 0 and len(seen[0]) == 6 and "drop --raw" not in capsys.readouterr().err
 
 
 def test_chat_template_is_applied_by_default(capsys):

@@ -55,6 +55,7 @@ class Precisions:
     kv: Precision = BF16       # KV cache
     act: Precision = BF16      # activations; embeddings, LM head, norms and routers stay here
     head: Precision | None = None   # an untied LM head quantized on its own; None: act
+    head_when_tied: bool = False    # `head` holds for a tied head too (GGUF blocks serve both)
 
     @classmethod
     def parse(cls, weight="bf16", kv="bf16", act="bf16", head=None) -> "Precisions":
@@ -134,7 +135,8 @@ def head_ops(spec: ModelSpec, work: Workload, prec: Precisions) -> list[OpCost]:
     # The lookup reads one row per token; its FLOPs are nil.
     embed = OpCost("embed", weight_bytes=min(work.tokens, v) * d * a, act_bytes=work.tokens * d * a,
                    params=v * d, active_params=v * d, stored_bytes=v * d * a)
-    head_w = a if prec.head is None or spec.tie_word_embeddings else prec.head.bytes_per_element
+    tied = spec.tie_word_embeddings and not prec.head_when_tied
+    head_w = a if prec.head is None or tied else prec.head.bytes_per_element
     lm_head = matmul("lm_head", rows, d, v, head_w, a)
     if spec.tie_word_embeddings:   # same matrix as the embedding: count its parameters once
         lm_head = replace(lm_head, params=0.0, active_params=0.0, stored_bytes=0.0)

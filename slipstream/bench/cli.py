@@ -43,7 +43,7 @@ ENGINE_OPTIONS = {
     "speculative_model": (str, None, "draft model folder or Medusa / EAGLE head file"),
     "num_speculative_tokens": (int, None, "draft length (EAGLE: tree depth)"),
     "speculative_draft_layers": (int, None, "draft with the first N layers of the model"),
-    "speculative_tree": (str, None, "medusa top-k per head '3,2,1,1'; eagle 'topk,beam,nodes'"),
+    "speculative_tree": (str, None, "medusa top-k per head '3,2,1'; eagle 'topk,beam,nodes'"),
     "speculative_auto_off": (bool, True, "stop drafting where the roofline predicts no gain"),
     "speculative_draft_graphs": (bool, False, "EAGLE: tree expansion from a CUDA graph (GPU)"),
     "speculative_device_loop": (bool, False, "EAGLE: one greedy prompt with every round on the device"),
@@ -52,13 +52,23 @@ ENGINE_OPTIONS = {
 }
 
 
+class _Defaults(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends "(default: X)" where the help does not already say it and X is not None."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if action.default is None or "default" in text:
+            return text
+        return super()._get_help_string(action)
+
+
 def add_parsers(bench_subparsers) -> None:
     from slipstream.bench import latency, throughput
     for name, module, help_ in (
             ("latency", latency, "time prefill and decode of one batch of random prompts"),
             ("throughput", throughput, "requests/s and tokens/s of many requests at once")):
         p = bench_subparsers.add_parser(name, help=help_, description=module.__doc__.split("\n\n")[0],
-                                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                        formatter_class=_Defaults)
         module.add_arguments(p)
         _common_arguments(p)
         p.set_defaults(func=run_latency if name == "latency" else run_throughput)
@@ -101,8 +111,11 @@ def _make_llm(args):
     opts = {f.name: getattr(ea, f.name) for f in fields(ea) if f.name != "model"}
     llm = LLM(ea.model, **opts)
     cfg = llm.engine.config
+    from slipstream.commands.options import weights_summary
+    quant, _ = weights_summary(getattr(llm.engine.runner, "model", None), cfg.quantization)
+    dummy = ", random" if args.load_format == "dummy" else ""
     print(f"loaded {cfg.model} ({cfg.model_config.architecture}, "
-          f"{str(cfg.dtype).removeprefix('torch.')}, {cfg.device}, weights: {args.load_format}) "
+          f"{str(cfg.dtype).removeprefix('torch.')}, {cfg.device}, weights: {quant}{dummy}) "
           f"in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     return llm
 

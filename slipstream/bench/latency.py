@@ -109,7 +109,8 @@ def run(engine, args, copy_bandwidth: float | None) -> dict:
         "decode_step_bytes": None, "decode_pct_copy_bandwidth": None,
     }
     spec = ModelSpec.from_model_config(cfg.model_config)
-    prec = precisions_for(cfg.dtype, cfg.quantization, cfg.cache.kv_cache_dtype, spec.head_dim)
+    prec = precisions_for(cfg.dtype, cfg.quantization, cfg.cache.kv_cache_dtype, spec.head_dim,
+                          getattr(engine.runner, "model", None))
     if step and prec is not None:     # None: a weight or cache format the analysis does not model
         mean_ctx = args.input_len + args.output_len // 2
         nbytes = step_bytes(spec, StepStats(b, b, b, b * mean_ctx), prec)

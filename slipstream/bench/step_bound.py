@@ -9,6 +9,8 @@ so the bytes are exact for decode steps and close for mixed ones.
 """
 from __future__ import annotations
 
+import torch
+
 from slipstream.analysis.flops import Precisions, Workload, model_cost
 from slipstream.analysis.precision import Precision, parse_precision
 from slipstream.analysis.hardware import HardwareProfile
@@ -28,14 +30,18 @@ _SCHEMES = {"rtn-int4": (Precision("int4", 4, 128, scale_bits=40), None),
 
 
 def precisions_for(dtype, quantization: str | None = None, kv_cache_dtype: str = "auto",
-                   head_dim: int | None = None) -> Precisions | None:
+                   head_dim: int | None = None, model=None) -> Precisions | None:
     """The precisions a step of the engine reads its weights and KV cache in; None for
-    formats the analysis does not model (GGUF blocks, checkpoints' own formats, 3 bits,
-    KIVI)."""
+    formats the analysis does not model (checkpoints' own formats, 3 bits, KIVI).
+    GGUF blocks are read off the loaded `model` (None there: not modelled)."""
     name = {"torch.float32": "fp32", "torch.float16": "fp16"}.get(str(dtype), "bf16")
     act = parse_precision(name)
-    weight, head = act, None
-    if quantization is not None:
+    weight, head, head_when_tied = act, None, False
+    if quantization == "gguf":
+        if model is None or (stored := gguf_precisions(model)) is None:
+            return None
+        (weight, head), head_when_tied = stored, True
+    elif quantization is not None:
         if quantization not in _SCHEMES:
             return None
         weight, head = _SCHEMES[quantization]
@@ -45,7 +51,33 @@ def precisions_for(dtype, quantization: str | None = None, kv_cache_dtype: str =
             Precision(kv_cache_dtype, 8)
     elif kv_cache_dtype not in ("auto", None, name, str(dtype).replace("torch.", "")):
         return None
-    return Precisions(weight, kv, act, head)
+    return Precisions(weight, kv, act, head, head_when_tied)
+
+
+def gguf_precisions(model) -> tuple[Precision, Precision | None] | None:
+    """(the blocks' linear layers, the LM head) as the bytes a weight takes in
+    the loaded model, averaged over its tensors (a file may mix block formats;
+    Q4_1 is 5 bits a weight with its two fp16 numbers a block of 32); None when
+    no layer keeps GGUF blocks. The head is the embedding table when tied."""
+    body, head = [0, 0], None
+    for name, module in model.named_modules():
+        w = getattr(module, "gguf_weight", None)
+        if w is None:
+            continue
+        if isinstance(w, torch.Tensor):
+            size = (w.numel() * w.element_size(), w.numel())
+        else:                                   # QuantMatrix: the file's blocks
+            size = (sum(d.numel() for _, d in w.segments), w.rows * w.cols)
+        if name.endswith(("lm_head", "embed_tokens")):
+            if head is None or name.endswith("lm_head"):
+                head = size
+        else:
+            body[0] += size[0]
+            body[1] += size[1]
+    if not body[1]:
+        return None
+    as_bits = lambda nbytes, n: Precision("gguf", 8 * nbytes / n)   # noqa: E731
+    return as_bits(*body), (as_bits(*head) if head else None)
 
 
 def workload_of(s: StepStats) -> Workload:

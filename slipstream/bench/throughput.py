@@ -72,7 +72,8 @@ def run(llm, args, hardware) -> dict:
         "batch_sizes": _batch_summary(steps),
     }
     spec = ModelSpec.from_model_config(cfg.model_config)
-    prec = precisions_for(cfg.dtype, cfg.quantization, cfg.cache.kv_cache_dtype, spec.head_dim)
+    prec = precisions_for(cfg.dtype, cfg.quantization, cfg.cache.kv_cache_dtype, spec.head_dim,
+                          getattr(engine.runner, "model", None))
     if hardware is not None and steps and prec is not None:
         bound_s = sum(step_time_bound(spec, hardware, s, prec) for s in steps)
         res["roofline"] = {

@@ -44,7 +44,7 @@ def run(args) -> int:
         text = tok.apply_chat_template(messages, add_generation_prompt=True)
         ids = tok.encode(text, add_special_tokens=False)
         try:
-            reply, n, secs, ttft, reason = options.stream(engine, {"prompt": text, "prompt_token_ids": ids}, params)
+            reply, n, secs, ttft, reason, _ = options.stream(engine, {"prompt": text, "prompt_token_ids": ids}, params)
         except ValueError as e:  # e.g. the conversation outgrew the context
             messages.pop()
             print(f"error: {e}; /reset starts a new conversation", file=sys.stderr)

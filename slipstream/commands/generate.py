@@ -43,10 +43,10 @@ def run(args) -> int:
     else:
         prompt = args.prompt
     n_prompt = len(prompt["prompt_token_ids"]) if isinstance(prompt, dict) else len(tok.encode(prompt))
-    _, n, secs, ttft, reason = options.stream(engine, prompt, params)
+    _, n, secs, ttft, reason, stop_reason = options.stream(engine, prompt, params)
     options.report(n, secs, ttft)
     options.note_context_limit(engine, n_prompt, n, reason, params.max_tokens)
-    if args.raw and has_template and reason == "stop" and n <= 1:
+    if args.raw and has_template and reason == "stop" and stop_reason is None and n <= 1:
         print("[the model ended its turn at once: it is a chat model and expects its chat "
               "template; drop --raw to apply it]", file=sys.stderr)
     return 0

@@ -126,13 +126,9 @@ def make_engine(args):
         tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager,
         **spec_engine_args(args)))
     cfg = engine.config
-    quant = "dense"
-    layer = getattr(engine.runner.model, "lm_head", None)
-    method = getattr(layer, "quant_method", None)
-    if method is not None:
-        quant = f"{type(method).__name__.removesuffix('LinearMethod').lower()} blocks"
+    quant, gguf_kernels = weights_summary(getattr(engine.runner, "model", None), cfg.quantization)
     from slipstream.kernels import cpu_library
-    n = cpu_library.threads() if method is not None else torch.get_num_threads()
+    n = cpu_library.threads() if gguf_kernels else torch.get_num_threads()
     threads = f", {n} thread{'s' if n > 1 else ''}" if cfg.device.type == "cpu" else ""
     print(f"loaded {cfg.model_config.architecture} in {time.perf_counter() - t1:.1f} s "
           f"(+{t1 - t0:.1f} s importing torch; {str(cfg.dtype).removeprefix('torch.')}, weights: {quant}, "
@@ -142,9 +138,34 @@ def make_engine(args):
     return engine
 
 
-def stream(engine, prompt, params) -> tuple[str, int, float, float | None, str | None]:
+def weights_summary(model, scheme: str | None) -> tuple[str, bool]:
+    """How the loaded layers hold their weights, for the load line ("dense",
+    "gguf blocks", "gptq: hfpackedint"...), and whether GGUF kernels run."""
+    from slipstream.layers.linear import UnquantizedLinearMethod
+    from slipstream.quant.gguf import GGUFLinearMethod
+    kinds, gguf_kernels = set(), False
+    for module in (model.modules() if model is not None else ()):
+        method = getattr(module, "quant_method", None)
+        if method is None or isinstance(method, UnquantizedLinearMethod):
+            continue
+        if isinstance(method, GGUFLinearMethod):
+            gguf_kernels |= method.quantized
+            if method.quantized:
+                kinds.add("gguf blocks")
+            continue        # else dequantized at load: dense
+        kinds.add(type(method).__name__.removesuffix("Method").removesuffix("Linear").lower())
+    if not kinds:
+        return "dense", False
+    if kinds == {"gguf blocks"}:
+        return "gguf blocks", gguf_kernels
+    return f"{scheme or 'quantized'}: {', '.join(sorted(kinds))}", gguf_kernels
+
+
+def stream(engine, prompt, params) -> tuple[str, int, float, float | None, str | None,
+                                           int | str | None]:
     """Generate one completion, writing text to stdout as it comes. Returns
-    (text, generated tokens, seconds, seconds to first token, finish reason).
+    (text, generated tokens, seconds, seconds to first token, finish reason,
+    stop reason: the stop string or stop token id that ended it, None at EOS).
     With `--spec-device-loop` a greedy prompt goes through the EAGLE loop, its
     text written after each batch of rounds."""
     t0 = time.perf_counter()
@@ -174,9 +195,9 @@ def stream(engine, prompt, params) -> tuple[str, int, float, float | None, str |
         sys.stdout.write(" [interrupted]")
     sys.stdout.write("\n")
     if out is None:
-        return "", 0, time.perf_counter() - t0, ttft, None
+        return "", 0, time.perf_counter() - t0, ttft, None, None
     c = out.outputs[0]
-    return c.text, len(c.token_ids), time.perf_counter() - t0, ttft, c.finish_reason
+    return c.text, len(c.token_ids), time.perf_counter() - t0, ttft, c.finish_reason, c.stop_reason
 
 
 def report(n: int, seconds: float, ttft: float | None) -> None:

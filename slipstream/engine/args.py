@@ -42,7 +42,7 @@ class EngineArgs:
     speculative_model: str | None = None
     num_speculative_tokens: int | None = None
     speculative_draft_layers: int | None = None
-    speculative_tree: str | None = None      # medusa: "3,2,1,1" top-k per head; eagle: "topk,beam,nodes"
+    speculative_tree: str | None = None      # medusa: "3,2,1" top-k per head; eagle: "topk,beam,nodes"
     speculative_auto_off: bool = True
     # EAGLE's tree expansion replayed from a CUDA graph (opt-in until measured on a GPU)
     speculative_draft_graphs: bool = False
@@ -177,7 +177,7 @@ class EngineArgs:
                 extra = dict(eagle_topk=nums[0], eagle_beam=nums[1], eagle_max_nodes=nums[2])
             else:
                 raise ValueError(f"speculative_tree {self.speculative_tree!r}: medusa takes top-k "
-                                 "per head ('3,2,1,1'), eagle 'topk,beam,max_nodes' ('4,4,16')")
+                                 "per head ('3,2,1'), eagle 'topk,beam,max_nodes' ('4,4,16')")
         cfg_nodes = _tree_nodes(method, extra)
         if cfg_nodes > 63:
             raise ValueError(f"speculative_tree: {cfg_nodes} draft nodes; the tree-attention "
@@ -194,7 +194,7 @@ class EngineArgs:
 def _tree_nodes(method: str, extra: dict) -> int:
     if method == "medusa":
         nodes, width = 0, 1
-        for k in extra.get("medusa_topk", SpecConfig.medusa_topk):
+        for k in extra.get("medusa_topk") or (3, 2, 1, 1):   # the default tree over 4 heads
             width *= k
             nodes += width
         return nodes

@@ -92,7 +92,7 @@ def add_spec_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative-draft-layers", type=int, default=None,
                    help="draft with the first N layers of --speculative-model (early exit)")
     g.add_argument("--spec-tree", default=None,
-                   help="tree shape: medusa top-k per head ('3,2,1,1'), eagle 'topk,beam,nodes'")
+                   help="tree shape: medusa top-k per head ('3,2,1'), eagle 'topk,beam,nodes'")
     g.add_argument("--no-spec-auto-off", action="store_true",
                    help="speculate even where the roofline model predicts no gain")
     g.add_argument("--spec-draft-graphs", action="store_true",

@@ -63,10 +63,18 @@ def static_tree(topk: tuple[int, ...]) -> tuple[tuple[int, ...], list[tuple[int,
     return parents, paths
 
 
+def default_topk(num_heads: int) -> tuple[int, ...]:
+    """Top-3 from the first head, top-2 from the second, top-1 after: a tree
+    over every head the file holds (3 heads: 3 + 6 + 6 = 15 nodes)."""
+    return ((3, 2) + (1,) * num_heads)[:num_heads]
+
+
 class MedusaProposer:
     needs_hidden = True
 
-    def __init__(self, heads: MedusaHeads, lm_head, topk: tuple[int, ...] = (3, 2, 1, 1)):
+    def __init__(self, heads: MedusaHeads, lm_head, topk: tuple[int, ...] | None = None):
+        if topk is None:
+            topk = default_topk(heads.num_heads)
         if len(topk) > heads.num_heads or min(topk, default=0) < 1:
             raise ValueError(f"medusa topk {topk}: one k >= 1 per head, at most "
                              f"{heads.num_heads} heads")

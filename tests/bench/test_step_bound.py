@@ -1,4 +1,6 @@
 """Bytes a step must move for the built-in weight and cache formats."""
+import dataclasses
+
 import torch
 
 from slipstream.analysis.flops import Workload, model_cost
@@ -26,8 +28,31 @@ def test_quantized_weights_count_their_own_bytes():
 
 
 def test_unmodelled_formats_give_none():
-    assert precisions_for(torch.bfloat16, "gguf") is None
+    assert precisions_for(torch.bfloat16, "gguf") is None     # no loaded model to read
     assert precisions_for(torch.bfloat16, "rtn-int3") is None
     assert precisions_for(torch.bfloat16, None, "kivi4") is None
     p = precisions_for(torch.bfloat16, None, "int8", head_dim=128)
     assert abs(p.kv.bytes_per_element - (1 + 4 / 128)) < 1e-9
+
+
+def test_gguf_blocks_count_the_bytes_the_loaded_model_holds():
+    """The default model keeps Q4_1 blocks in its layers (5 bits a weight) and a
+    Q8_0 embedding that is also its LM head (8.5 bits)."""
+    from slipstream import LLM
+    from slipstream.analysis.model_spec import ModelSpec
+    llm = LLM(device="cpu", max_model_len=256, kv_cache_memory=32 << 20)
+    cfg, model = llm.engine.config, llm.engine.runner.model
+    if cfg.quantization != "gguf":
+        import pytest
+        pytest.skip("the CPU kernels did not build here: the default model runs dense")
+    p = precisions_for(cfg.dtype, "gguf", head_dim=64, model=model)
+    assert p.weight.bytes_per_element == 5 / 8 and p.head.bytes_per_element == 8.5 / 8
+    spec = ModelSpec.from_model_config(cfg.model_config)
+    assert spec.tie_word_embeddings
+    fp32 = _bytes(precisions_for(torch.float32), spec)
+    blocks = _bytes(p, spec)
+    head = spec.vocab_size * spec.hidden_size
+    # the tied head reads its Q8_0 blocks, not fp32 activations' bytes
+    as_act = _bytes(dataclasses.replace(p, head_when_tied=False), spec)
+    assert abs((as_act - blocks) - head * (4 - 8.5 / 8)) / head < 1e-6
+    assert 0.14 < blocks / fp32 < 0.22

@@ -28,6 +28,10 @@ def test_scheme_scores_close_to_dense(tiny_llama, dense, scheme):
     assert names == {{"int8": "IntWeightMethod", "rtn-int4": "IntWeightMethod",
                       "rtn-int3": "IntWeightMethod", "fp8": "Fp8Method",
                       "w8a8": "Int8W8A8Method"}[scheme]}
+    from slipstream.commands.options import weights_summary
+    summary, gguf_kernels = weights_summary(llm.engine.runner.model, scheme)
+    assert summary.startswith(f"{scheme}: ") and summary != f"{scheme}: " and not gguf_kernels
+    assert weights_summary(make_llm(tiny_llama).engine.runner.model, None) == ("dense", False)
 
 
 def test_rtn_int4_equals_the_dense_model_on_fake_quantized_weights(tiny_llama, tmp_path,
