@@ -10,8 +10,9 @@ stage of bench_engine.py (decode at the given batches, 128-token prompts,
 Variants:
   default      torch's defaults (cuBLAS, its default workspace: cuBLASLt may pick
                split-K kernels and a splitKreduce kernel after them)
-  no-workspace CUBLAS_WORKSPACE_CONFIG=:0:0 and CUBLASLT_WORKSPACE_SIZE=0 (no split-K)
-  cublaslt     torch.backends.cuda.preferred_blas_library("cublaslt")
+  no-workspace CUBLAS_WORKSPACE_CONFIG=:0:0 and CUBLASLT_WORKSPACE_SIZE=0 (no split-K;
+               what the engine sets on CUDA since runner/blas.py)
+  cublaslt     torch.backends.cuda.preferred_blas_library("cublaslt"), torch's workspace
 
 Writes DIR/<variant>_<repeat>/latency.json and DIR/summary.{json,md}: per
 variant and batch, the median decode tokens/s, step over the roofline step,
@@ -30,9 +31,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 VARIANTS = {
-    "default": {},
+    "default": {"SLIPSTREAM_CUBLAS_WORKSPACE": "torch"},
     "no-workspace": {"CUBLAS_WORKSPACE_CONFIG": ":0:0", "CUBLASLT_WORKSPACE_SIZE": "0"},
-    "cublaslt": {"BENCH_BLAS": "cublaslt"},
+    "cublaslt": {"BENCH_BLAS": "cublaslt", "SLIPSTREAM_CUBLAS_WORKSPACE": "torch"},
 }
 
 

@@ -52,6 +52,9 @@ class ModelRunner:
         self.config = config
         self.tp = tp
         self.device, self.dtype = config.device, config.dtype
+        if self.device.type == "cuda":
+            from slipstream.runner.blas import prefer_unsplit_gemms
+            prefer_unsplit_gemms()      # before the first product makes cuBLAS's workspace
         mc, sc, cc = config.model_config, config.scheduler, config.cache
         self.backend = create_backend(config.attention_backend, self.device)
         with torch.device(self.device), default_dtype(self.dtype):
