@@ -232,10 +232,14 @@ class Engine:
             parent = seq.parent
             parent.first_token_time = parent.first_token_time or now
             lps = result.logprobs.get(req.request_id) or []
-            new = req.output_token_ids[before[req.request_id]:]
+            start = before[req.request_id]
+            new = req.output_token_ids[start:]
             for i, token in enumerate(new):
-                self._absorb_token(seq, token, lps[i] if i < len(lps) else None,
-                                   last=i == len(new) - 1)
+                # A stop string may end it inside a step that accepted several tokens
+                # (speculation): the tokens after it are not part of the answer.
+                if self._absorb_token(seq, token, lps[i] if i < len(lps) else None,
+                                      i == len(new) - 1, start + i + 1):
+                    break
             touched[parent.request_id] = parent
         outputs = [self._make_output(p) for p in touched.values()]
         for p in touched.values():
@@ -246,7 +250,9 @@ class Engine:
         return outputs
 
     def _absorb_token(self, seq: _Sequence, token: int, lp: TokenLogprobs | None,
-                      last: bool) -> None:
+                      last: bool, position: int) -> bool:
+        """Takes output token number `position` (1-based); True when a stop string
+        ended the request at it."""
         req = seq.request
         if lp is not None:
             seq.cumulative_logprob += lp.logprob
@@ -255,13 +261,17 @@ class Engine:
             token in req.eos_token_ids or token in req.stop_token_ids)
         if not stopped_by_token or seq.detok.include_stop:
             # Like EOS, a stop string ends a request only once it has min_tokens.
-            stop = seq.detok.add_tokens([token], check_stop=req.num_output_tokens >= req.params.min_tokens)
+            stop = seq.detok.add_tokens([token], check_stop=position >= req.params.min_tokens)
             if stop is not None:
+                req.truncate_output(position)       # before the blocks are released
                 req.status = RequestStatus.FINISHED_STOPPED
                 req.stop_reason = stop
                 self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED, stop)
+                seq.detok.flush()
+                return True
         if req.status.is_finished and last:
             seq.detok.flush()
+        return False
 
     def _logprob_dict(self, lp: TokenLogprobs) -> PositionLogprobs:
         out: PositionLogprobs = {}

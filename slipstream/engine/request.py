@@ -87,6 +87,17 @@ class Request:
         if self._hasher is not None:
             self._hasher.extend(self.block_hashes, self.all_token_ids)
 
+    def truncate_output(self, num_output_tokens: int) -> None:
+        """Drop the output tokens after the first `num_output_tokens` (a stop string
+        matched inside a step that accepted several tokens)."""
+        cut = self.num_output_tokens - num_output_tokens
+        if cut <= 0:
+            return
+        del self.output_token_ids[num_output_tokens:]
+        del self.all_token_ids[len(self.all_token_ids) - cut:]
+        if self._hasher is not None:
+            del self.block_hashes[len(self.all_token_ids) // self._hasher.block_size:]
+
     def check_stop(self) -> bool:
         """Token-level stop conditions after a token was appended (stop strings
         are the detokenizer's business). Sets status and stop_reason."""
