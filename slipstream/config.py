@@ -122,7 +122,12 @@ _DTYPES = {
 def resolve_device(device: str | torch.device | None) -> torch.device:
     if device is None or device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device: expected auto, cpu, cuda or cuda:N, got {device!r}") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device: expected auto, cpu, cuda or cuda:N, got {device!r}")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device: CUDA was asked for but torch sees no CUDA device")
     return dev

@@ -58,7 +58,14 @@ class LLM:
         loop = self.engine.loop_path()
         if loop is not None and loop.accepts(prompts, params):
             return [loop.generate(prompts[0], params[0])]
-        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        ids = []
+        try:
+            for p, sp in zip(prompts, params):
+                ids.append(self.engine.add_request(p, sp))
+        except BaseException:
+            for rid in ids:             # none of the call's requests stays behind
+                self.engine.abort_request(rid)
+            raise
         return self._run(ids, use_tqdm)
 
     def chat(self, messages: list[dict] | Sequence[list[dict]],

@@ -165,5 +165,8 @@ class SamplingParams:
         """Params of the `index`-th of the n sequences of a request (n > 1 fan-out):
         n = 1 and, when a seed is set, seed + index so siblings differ but the
         whole request stays reproducible (vLLM's rule)."""
-        seed = None if self.seed is None else self.seed + index
+        seed = None
+        if self.seed is not None:      # wrapped into the range a generator accepts
+            span = _SEED_MAX - _SEED_MIN + 1
+            seed = (self.seed + index - _SEED_MIN) % span + _SEED_MIN
         return dataclasses.replace(self, n=1, seed=seed)

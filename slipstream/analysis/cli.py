@@ -18,6 +18,7 @@ from slipstream.analysis.hardware import get_hardware, measure_profile, save_pro
 from slipstream.analysis.presets import resolve_model
 from slipstream.analysis.report import Scenario, analyze, render_text
 from slipstream.analysis.roofline import decode_bound, step_bound
+from slipstream.cli import Parser
 
 _DESCRIPTION = """FLOPs, bytes moved and roofline bounds of a model on a GPU (reference chapter 1),
 and the theory of speculative decoding (chapter 3.3-3.4).
@@ -34,7 +35,7 @@ Each form takes --help."""
 
 
 def _model_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="slipstream analyze", description="FLOPs, bytes and "
+    p = Parser(prog="slipstream analyze", description="FLOPs, bytes and "
                                 "roofline bounds of a model on a GPU")
     p.add_argument("model", help="preset (see `analyze models`), config.json, or model folder")
     p.add_argument("--gpu", default="H100", help="A100, H100, H200, B200, or a measured profile")
@@ -81,7 +82,7 @@ def run_model(argv: list[str]) -> int:
 
 
 def _tp_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="slipstream analyze tp",
+    p = Parser(prog="slipstream analyze tp",
                                 description="Tensor parallelism: all-reduce bytes per layer per "
                                 "token, communication time per step, and when TP pays")
     p.add_argument("model", help="preset, config.json, or model folder")
@@ -117,7 +118,7 @@ def run_tp(argv: list[str]) -> int:
 
 
 def _kv_transfer_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="slipstream analyze kv-transfer",
+    p = Parser(prog="slipstream analyze kv-transfer",
                                 description="Prefill/decode disaggregation: time to move a "
                                 "prompt's KV cache between instances (KV bytes per token x "
                                 "tokens / link bandwidth), against the prompt's prefill time")
@@ -160,7 +161,7 @@ def run_kv_transfer(argv: list[str]) -> int:
 
 
 def _specdec_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="slipstream analyze specdec",
+    p = Parser(prog="slipstream analyze specdec",
                                 description="Speculative decoding: expected tokens per round, "
                                 "speedup, best draft length (chapter 3.3-3.4)")
     p.add_argument("--alpha", type=float, required=True, help="per-token acceptance rate")
@@ -183,7 +184,7 @@ def run_specdec(argv: list[str]) -> int:
 
 
 def _measure_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="slipstream analyze measure",
+    p = Parser(prog="slipstream analyze measure",
                                 description="Measure copy bandwidth and bf16 matmul rate of this "
                                 "device and store the profile for benchmarks and --gpu")
     p.add_argument("--device", default="auto", help="cuda, cuda:1, cpu (auto: cuda if present)")
@@ -208,7 +209,7 @@ def run_measure(argv: list[str]) -> int:
 def _table_form(name: str, rows: Callable[[], list[dict]],
                 render: Callable[[list[dict]], str]) -> Callable[[list[str]], int]:
     def run(argv: list[str]) -> int:
-        p = argparse.ArgumentParser(prog=f"slipstream analyze {name}")
+        p = Parser(prog=f"slipstream analyze {name}")
         p.add_argument("--json", action="store_true")
         table = rows()
         print(json.dumps(table, indent=2) if p.parse_args(argv).json else render(table))

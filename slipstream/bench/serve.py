@@ -235,7 +235,11 @@ def run(args) -> int:
     import os
     import shlex
     import sys
-    rates = [float(x) for x in str(args.request_rate).split(",") if x.strip()]
+    try:
+        rates = [float(x) for x in str(args.request_rate).split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--request-rate: expected rates per second separated by commas "
+                         f"(or inf), got {args.request_rate!r}") from None
     if not rates or any(not r > 0 for r in rates):
         raise ValueError("--request-rate must list positive rates (or inf)")
     if args.num_requests < 1:

@@ -25,6 +25,14 @@ def _device(text: str) -> str:
     return text
 
 
+def _quantization(text: str) -> str:
+    from slipstream.quant.selector import _BUILTIN      # names only: no torch
+    names = ("auto", "none", *_BUILTIN)
+    if text not in names:
+        raise argparse.ArgumentTypeError(f"expected one of {', '.join(names)}, got {text!r}")
+    return text
+
+
 def _at_least(low: int):
     def parse(text: str) -> int:
         try:
@@ -48,7 +56,7 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
                         "quantized on the CPU; else bfloat16 on CUDA and on CPUs with native bf16, "
                         "float32 on other CPUs)")
     g.add_argument("--device", default="auto", type=_device, help="auto, cpu or cuda[:N]")
-    g.add_argument("--quantization", "-q", default="auto",
+    g.add_argument("--quantization", "-q", default="auto", type=_quantization,
                    help="auto, none, or a scheme (gguf: keep a GGUF file's quantized blocks and "
                         "run them through the CPU kernels; auto: gguf for a GGUF file on the CPU "
                         "when a C compiler is present, none otherwise)")
@@ -105,30 +113,52 @@ def sampling_params(args):
         raise ValueError(msg) from None
 
 
+# EngineArgs field -> flag, for the speculative-decoding checks
+_SPEC_FLAGS = {"speculative_method": "--speculative-method", "speculative_model": "--speculative-model",
+               "num_speculative_tokens": "--num-speculative-tokens",
+               "speculative_draft_layers": "--speculative-draft-layers",
+               "speculative_tree": "--spec-tree", "speculative_draft_graphs": "--spec-draft-graphs",
+               "speculative_device_loop": "--spec-device-loop", "speculative_compile": "--spec-compile",
+               "speculative_online": "--spec-online"}
+
+
+def check_spec_options(engine_args) -> None:
+    """The speculative-decoding options' own checks, with the flags' names."""
+    try:
+        engine_args.spec_config()
+    except ValueError as e:
+        msg = str(e)
+        for field in sorted(_SPEC_FLAGS, key=len, reverse=True):
+            msg = msg.replace(field, _SPEC_FLAGS[field])
+        raise ValueError(msg) from None
+
+
 def make_engine(args):
     """Load the model, with a progress line and the load time."""
     t0 = time.perf_counter()
-    name = args.model or "SmolLM2-135M-Instruct (Q4_1 GGUF, the default model)"
-    print(f"loading {name} ...", file=sys.stderr, flush=True)
     import torch
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
     from slipstream.engine.args import EngineArgs
     from slipstream.engine.engine import Engine
     from slipstream.spec.cli import spec_engine_args
-    t1 = time.perf_counter()
-    engine = Engine(EngineArgs(
+    engine_args = EngineArgs(
         model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
         attention_backend=args.attention_backend, kv_cache_memory=args.kv_cache_memory,
         kv_cache_dtype=args.kv_cache_dtype,
         enable_prefix_caching=not args.no_prefix_caching, load_format=args.load_format,
         quantization=args.quantization,
         tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager,
-        **spec_engine_args(args)))
+        **spec_engine_args(args))
+    check_spec_options(engine_args)     # before anything loads
+    name = args.model or "SmolLM2-135M-Instruct (Q4_1 GGUF, the default model)"
+    print(f"loading {name} ...", file=sys.stderr, flush=True)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    t1 = time.perf_counter()
+    engine = Engine(engine_args)
     cfg = engine.config
-    quant, gguf_kernels = weights_summary(getattr(engine.runner, "model", None), cfg.quantization)
+    quant, cpu_kernels = weights_summary(getattr(engine.runner, "model", None), cfg.quantization)
     from slipstream.kernels import cpu_library
-    n = cpu_library.threads() if gguf_kernels else torch.get_num_threads()
+    n = cpu_library.threads() if cpu_kernels else torch.get_num_threads()
     threads = f", {n} thread{'s' if n > 1 else ''}" if cfg.device.type == "cpu" else ""
     print(f"loaded {cfg.model_config.architecture} in {time.perf_counter() - t1:.1f} s "
           f"(+{t1 - t0:.1f} s importing torch; {str(cfg.dtype).removeprefix('torch.')}, weights: {quant}, "
@@ -140,25 +170,27 @@ def make_engine(args):
 
 def weights_summary(model, scheme: str | None) -> tuple[str, bool]:
     """How the loaded layers hold their weights, for the load line ("dense",
-    "gguf blocks", "gptq: hfpackedint"...), and whether GGUF kernels run."""
+    "gguf blocks", "rtn-int4: intweight"...), and whether the CPU kernels
+    (GGUF blocks, or integer codes re-laid as blocks) carry the products."""
     from slipstream.layers.linear import UnquantizedLinearMethod
     from slipstream.quant.gguf import GGUFLinearMethod
-    kinds, gguf_kernels = set(), False
+    kinds, cpu_kernels = set(), False
     for module in (model.modules() if model is not None else ()):
         method = getattr(module, "quant_method", None)
         if method is None or isinstance(method, UnquantizedLinearMethod):
             continue
         if isinstance(method, GGUFLinearMethod):
-            gguf_kernels |= method.quantized
+            cpu_kernels |= method.quantized
             if method.quantized:
                 kinds.add("gguf blocks")
             continue        # else dequantized at load: dense
+        cpu_kernels |= getattr(module, "cpu_blocks", None) is not None
         kinds.add(type(method).__name__.removesuffix("Method").removesuffix("Linear").lower())
     if not kinds:
         return "dense", False
     if kinds == {"gguf blocks"}:
-        return "gguf blocks", gguf_kernels
-    return f"{scheme or 'quantized'}: {', '.join(sorted(kinds))}", gguf_kernels
+        return "gguf blocks", cpu_kernels
+    return f"{scheme or 'quantized'}: {', '.join(sorted(kinds))}", cpu_kernels
 
 
 def stream(engine, prompt, params) -> tuple[str, int, float, float | None, str | None,

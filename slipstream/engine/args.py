@@ -67,12 +67,14 @@ class EngineArgs:
         device = resolve_device(self.device)
         dtype = resolve_dtype(self.dtype, device)
         quantization = None if self.quantization == "none" else self.quantization
-        if quantization == "auto":   # GGUF blocks at run time on a CPU (quant/gguf.py), else dense
+        if quantization in ("auto", "gguf"):   # GGUF blocks at run time on a CPU (quant/gguf.py)
             from slipstream.quant.gguf import runs_quantized
             # Dummy weights are dense.
             real = self.load_format == "auto"
-            quantization = "gguf" if real and runs_quantized(self.model, device) else None
-            if quantization and self.dtype in (None, "auto"):
+            blocks = real and runs_quantized(self.model, device)
+            if quantization == "auto":
+                quantization = "gguf" if blocks else None
+            if blocks and self.dtype in (None, "auto"):
                 dtype = torch.float32   # the kernels take fp32 activations; weights stay in blocks
         if self.dtype in (None, "auto"):
             from slipstream.quant.cpu_blocks import runs_on_blocks

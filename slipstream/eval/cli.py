@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import sys
 
 
 def add_parser(subparsers) -> None:
@@ -17,7 +16,10 @@ def add_parser(subparsers) -> None:
     q.add_argument("--stride", type=int, default=None,
                    help="tokens between window starts; each window scores its last STRIDE "
                         "tokens (default context / 2)")
-    q.add_argument("--quantization", default=None, help="quantize a float checkpoint at load")
+    q.add_argument("--quantization", default="auto",
+                   help="auto (default): the model as `generate` runs it (a GGUF file's blocks "
+                        "through the CPU kernels); none: dequantized, dense; or a scheme that "
+                        "quantizes a float checkpoint at load")
     q.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8", "fp8", "fp8_e4m3", "kivi4", "kivi2"),
                    help="KV cache format (int8 / fp8: 1-byte codes, a scale per token and head; "
                         "kivi4 / kivi2: KIVI codes)")

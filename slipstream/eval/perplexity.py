@@ -45,7 +45,7 @@ def sliding_windows(n: int, context: int, stride: int) -> list[tuple[int, int, i
 def perplexity(llm, token_ids: list[int], context: int = 1024,
                stride: int | None = None, batch: int = 8) -> PerplexityResult:
     from slipstream.sampling_params import SamplingParams
-    stride = stride or context // 2
+    stride = context // 2 if stride is None else stride
     wins = sliding_windows(len(token_ids), context, stride)
     sp = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0)
     nll, n = 0.0, 0

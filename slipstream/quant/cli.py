@@ -24,7 +24,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--method", default="gptq",
                    help="rtn, gptq, awq (weight-only int), smoothquant (W8A8 int8), mixed "
                         "(per-layer bits by sensitivity, GPTQ) (default: gptq)")
-    p.add_argument("--bits", type=int, default=4, help="2, 3, 4 or 8 (default 4)")
+    p.add_argument("--bits", type=int, default=4, choices=(2, 3, 4, 8), metavar="BITS",
+                   help="2, 3, 4 or 8 (default 4)")
     p.add_argument("--group-size", type=int, default=128,
                    help="input columns per scale; 0 = one per output channel (default 128)")
     p.add_argument("--sym", action="store_true", help="symmetric codes (default: asymmetric)")

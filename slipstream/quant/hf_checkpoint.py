@@ -191,7 +191,13 @@ class HFPackedIntMethod:
 
 def _scheme(fmt: str):
     def factory(config, files):
-        qc = files.quantization_config
+        qc = getattr(files, "quantization_config", None)
+        if not qc or str(qc.get("quant_method", fmt)).lower() != fmt:
+            found = (qc or {}).get("quant_method")
+            raise ValueError(f"quantization {fmt!r} reads {fmt.upper()} checkpoints; this model "
+                             + (f"is quantized with {found!r}" if found else
+                                "has no quantization_config") + " (quantize one with "
+                             f"`slipstream quantize --method {fmt}`, or leave --quantization at auto)")
         bits = int(qc.get("bits", 4))
         group = int(qc.get("group_size", 128))
         if fmt == "awq" and str(qc.get("version", "gemm")).lower() != "gemm":

@@ -63,7 +63,7 @@ class QuantizeOptions:
     def __post_init__(self):
         if self.method not in METHODS:
             raise ValueError(f"method: expected one of {METHODS}, got {self.method!r}")
-        if self.method in ("awq",) and self.bits not in (2, 3, 4, 8):
+        if self.method in ("rtn", "gptq", "awq") and self.bits not in (2, 3, 4, 8):
             raise ValueError(f"bits: expected 2, 3, 4 or 8, got {self.bits}")
         if not 0.0 <= self.asym_calib <= 1.0:
             raise ValueError(f"asym_calib: expected a value in [0, 1], got {self.asym_calib}")

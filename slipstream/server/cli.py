@@ -80,10 +80,14 @@ def make_engine(args):
                 async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling])
     opts.update(load_format=args.load_format, tensor_parallel_size=args.tensor_parallel_size,
                 quantization=None if args.quantization == "none" else args.quantization)
+    from slipstream.commands.options import check_spec_options
+    from slipstream.spec.cli import spec_engine_args
+    opts.update(spec_engine_args(args))
     if args.threads is not None:
         import torch
         torch.set_num_threads(args.threads)
     engine_args = EngineArgs(**{k: v for k, v in opts.items() if k in names})
+    check_spec_options(engine_args)
     if getattr(args, "prefill_device", None):
         from slipstream.distributed.prefill_decode import PDEngine
         return PDEngine(engine_args, args.prefill_device)

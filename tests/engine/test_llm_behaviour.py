@@ -67,6 +67,27 @@ def test_seeded_sampling_reproducible_and_n_fans_out(llama_llm):
     assert_no_leak(llama_llm)
 
 
+def test_the_largest_seed_fans_out_and_a_failed_call_leaves_nothing(llama_llm, monkeypatch):
+    top = SamplingParams(max_tokens=4, temperature=1.0, seed=2 ** 64 - 1, n=2, ignore_eos=True)
+    assert [top.child(i).seed for i in range(2)] == [2 ** 64 - 1, -(2 ** 63)]   # wrapped
+    outs = llama_llm.generate(random_prompts(1, 265, 5, 10, seed=3), top, use_tqdm=False)
+    assert len(outs[0].outputs) == 2
+    # The second prompt's request fails: the first one's does not stay behind.
+    real, calls = llama_llm.engine.add_request, []
+
+    def second_fails(prompt, params, *a, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise ValueError("refused")
+        return real(prompt, params, *a, **kw)
+    monkeypatch.setattr(llama_llm.engine, "add_request", second_fails)
+    with pytest.raises(ValueError, match="refused"):
+        llama_llm.generate(random_prompts(2, 265, 5, 10, seed=4), SamplingParams(max_tokens=4),
+                           use_tqdm=False)
+    assert not llama_llm.engine.has_unfinished_requests()
+    assert_no_leak(llama_llm)
+
+
 def test_stop_token_ids_and_max_tokens(llama_llm):
     prompt = random_prompts(1, 265, 10, 10, seed=6)
     free = llama_llm.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0]
@@ -149,3 +170,27 @@ def test_truncated_checkpoints_are_clear_errors(tiny_folder, tmp_path):
     cut.write_bytes(gguf_bytes[: len(gguf_bytes) // 3])
     with pytest.raises(ModelLoadError, match="cut.gguf"):
         LLM(str(cut), device="cpu")
+
+
+@pytest.mark.parametrize("device", ["tpu", "gpu", "cuda:x"])
+def test_an_unknown_device_is_a_clear_error(tiny_folder, device):
+    with pytest.raises(ValueError, match="device: expected auto, cpu, cuda or cuda:N"):
+        make_llm(tiny_folder("llama")[0], device=device)
+
+
+def test_gptq_asked_of_a_float_checkpoint_is_a_clear_error(tiny_folder):
+    with pytest.raises(ValueError, match="reads GPTQ checkpoints; this model has no quantization_config"):
+        make_llm(tiny_folder("llama")[0], quantization="gptq")
+
+
+def test_gguf_named_runs_its_blocks_in_fp32_as_auto_does():
+    import torch
+    from slipstream.engine.args import EngineArgs
+    from slipstream.kernels import cpu_library
+    from slipstream.loader import open_model
+    if cpu_library.load() is None:
+        pytest.skip("the CPU kernels did not build here")
+    files = open_model(None)
+    for q in ("auto", "gguf"):
+        cfg = EngineArgs(quantization=q, device="cpu").create_config(str(files.path), files.config)
+        assert cfg.quantization == "gguf" and cfg.dtype == torch.float32
