@@ -22,7 +22,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from slipstream.server.async_engine import AsyncEngine, Overloaded, StepError
+from slipstream.server.async_engine import AsyncEngine, Overloaded, StepError, TooLarge
 from slipstream.server.metrics import ServerMetrics
 from slipstream.server.openai_format import SSE_DONE, Formatter, sse
 from slipstream.server.protocol import (ChatCompletionRequest, CompletionRequest,
@@ -39,11 +39,17 @@ def _error(status: int, message: str, param=None, kind="invalid_request_error", 
 
 
 def _validation_message(e: ValidationError) -> RequestError:
-    err = e.errors()[0]
-    loc = [str(x) for x in err["loc"] if not (isinstance(x, str) and ("[" in x or x in
-           ("str", "int", "float", "bool", "list", "dict")))]
+    errors = e.errors()
+    err = errors[0]
+
+    def where(error) -> list[str]:      # the field, without the union members' tags
+        return [str(x) for x in error["loc"] if not (isinstance(x, str) and ("[" in x or x in
+                ("str", "int", "float", "bool", "list", "dict")))]
+    loc = where(err)
     param = ".".join(loc) if loc else None
-    return RequestError(f"{param or 'body'}: {err['msg']}", param)
+    kinds = {x["type"] for x in errors if where(x) == loc}
+    msg = "Input should be a number" if {"int_type", "float_type"} <= kinds else err["msg"]
+    return RequestError(f"{param or 'body'}: {msg}", param)
 
 
 class Server:
@@ -182,9 +188,13 @@ class Server:
             if not chat and req.echo:
                 echo[rid] = text if text is not None else self.engine.tokenizer.decode(ids)
         logprobs = req._logprobs()
-        fmt = Formatter(chat, call_id, self.model_name, req.n, logprobs, index, echo)
+        tok = self.engine.tokenizer
+        fmt = Formatter(chat, call_id, self.model_name, req.n, logprobs, index, echo,
+                        decode=lambda tid: tok.decode([tid], skip_special_tokens=False))
         try:
             sub = self.async_engine.submit(items)
+        except TooLarge as e:
+            raise RequestError(str(e), "n") from None
         except Overloaded as e:
             raise RequestError(str(e), None, 503, "server_overloaded") from None
         for rid in index:
@@ -308,7 +318,8 @@ def build_app(engine, model_name: str, api_key: str | None = None, max_queued: i
         return model_card()
 
     @app.get("/version")
-    async def version():
+    async def version(request: Request):
+        server.check_auth(request)
         from slipstream import __version__
         return {"version": __version__}
 

@@ -32,6 +32,10 @@ class Overloaded(RuntimeError):
     """The server holds as many requests as it may queue."""
 
 
+class TooLarge(ValueError):
+    """One request alone holds more sequences than the server ever takes at once."""
+
+
 @dataclass
 class EngineStats:
     """A snapshot the stepping thread takes after every step (read by /metrics)."""
@@ -87,6 +91,10 @@ class AsyncEngine:
         """Queue requests `(prompt, params, request_id)` that share one output queue.
         Raises Overloaded (queueing nothing) when they would pass the capacity."""
         seqs = sum(params.n for _, params, _ in items)
+        if seqs > self.capacity:      # no wait would make room: not a retry-later 503
+            raise TooLarge(f"n: the request asks for {seqs} sequences (prompts x n), more than "
+                           f"the server runs and queues at once ({self.capacity}); send fewer "
+                           "prompts or a smaller n")
         if self.num_in_flight + seqs > self.capacity:
             raise Overloaded(f"the server is full ({self.num_in_flight} sequences in flight, "
                              f"at most {self.capacity}); retry later")

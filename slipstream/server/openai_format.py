@@ -27,11 +27,15 @@ def _finish_reason(c: CompletionOutput) -> str | None:
 
 class Formatter:
     def __init__(self, chat: bool, call_id: str, model: str, n: int, logprobs: int | None,
-                 prompt_index: dict[str, int], echo: dict[str, str] | None = None):
+                 prompt_index: dict[str, int], echo: dict[str, str] | None = None,
+                 decode=None):
         self.chat, self.id, self.model, self.n = chat, call_id, model, n
         self.logprobs = logprobs            # top alternatives per token, None: no logprobs
         self.prompt_index = prompt_index    # request id -> prompt position
         self.echo = echo or {}              # request id -> prompt text to prepend
+        # token id -> text (the first prompt token's, which has no logprob entry)
+        self.decode = decode or (lambda tid: "")
+        self._echoed: set[int] = set()      # streamed choices whose prompt went out
         self.created = int(time.time())
         self._sent_text: dict[int, int] = {}
         self._sent_tokens: dict[int, int] = {}
@@ -57,6 +61,37 @@ class Formatter:
         ranked = sorted((lp for lp in entry.values() if lp.rank is not None), key=lambda lp: lp.rank)
         return [(lp.decoded_token or "", lp.logprob) for lp in ranked[:self.logprobs]]
 
+    def _top_with(self, entry, tid: int) -> dict[str, float]:
+        """Completions: the top alternatives and, always, the chosen token (OpenAI's
+        rule: up to logprobs + 1 entries)."""
+        top = dict(self._top(entry))
+        chosen = entry[tid]
+        top.setdefault(chosen.decoded_token or "", chosen.logprob)
+        return top
+
+    def _prompt_logprobs(self, out: RequestOutput):
+        """Completions with echo: the prompt's tokens, their logprobs (the first has
+        none) and offsets in the echoed text, as four lists; None when not asked."""
+        if self.chat or self.logprobs is None or out.request_id not in self.echo \
+                or out.prompt_logprobs is None:
+            return None
+        tokens, lps, tops, offsets, at = [], [], [], [], 0
+        for tid, entry in zip(out.prompt_token_ids, out.prompt_logprobs):
+            tok = self.decode(tid) if entry is None else (entry[tid].decoded_token or "")
+            tokens.append(tok)
+            lps.append(None if entry is None else entry[tid].logprob)
+            tops.append(None if entry is None else self._top_with(entry, tid))
+            offsets.append(at)
+            at += len(tok)
+        return tokens, lps, tops, offsets
+
+    def _with_prompt(self, out: RequestOutput, lps: dict | None) -> dict | None:
+        prompt = self._prompt_logprobs(out)
+        if prompt is None or lps is None:
+            return lps
+        keys = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+        return {k: part + lps[k] for k, part in zip(keys, prompt)}
+
     def _logprobs(self, c: CompletionOutput, start: int, text_offset: int):
         if self.logprobs is None or c.logprobs is None:
             return None
@@ -75,7 +110,7 @@ class Formatter:
             tok = entry[tid].decoded_token or ""
             tokens.append(tok)
             token_lps.append(entry[tid].logprob)
-            tops.append(dict(self._top(entry)))
+            tops.append(self._top_with(entry, tid))
             offsets.append(text_offset)
             text_offset += len(tok)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
@@ -90,7 +125,7 @@ class Formatter:
             for c in out.outputs:
                 i = self._index(out, c)
                 prefix = self.echo.get(out.request_id, "")
-                lps = self._logprobs(c, 0, len(prefix))
+                lps = self._with_prompt(out, self._logprobs(c, 0, len(prefix)))
                 if self.chat:
                     choices.append({"index": i, "message": {"role": "assistant", "content": c.text},
                                     "logprobs": lps, "finish_reason": _finish_reason(c)})
@@ -123,8 +158,8 @@ class Formatter:
                           "logprobs": None, "finish_reason": None}
                 else:
                     rid = next((r for r, q in self.prompt_index.items() if q == p), None)
-                    if not self.echo.get(rid):
-                        continue
+                    if not self.echo.get(rid) or self.logprobs is not None:
+                        continue    # with logprobs the prompt goes with its logprobs, later
                     ch = {"index": i, "text": self.echo[rid], "logprobs": None,
                           "finish_reason": None}
                 out.append(sse(self._chunk([ch], include_usage=include_usage)))
@@ -143,7 +178,11 @@ class Formatter:
             reason = _finish_reason(c)
             if not delta and reason is None and not (new_tokens and self.logprobs is not None):
                 continue
-            lps = self._logprobs(c, sent_tok, sent_text)
+            prefix = self.echo.get(out.request_id, "")
+            lps = self._logprobs(c, sent_tok, len(prefix) + sent_text)
+            if prefix and self.logprobs is not None and i not in self._echoed:
+                self._echoed.add(i)         # the echoed prompt opens the first chunk
+                delta, lps = prefix + delta, self._with_prompt(out, lps)
             self._sent_text[i] = max(sent_text, len(c.text))
             self._sent_tokens[i] = len(c.token_ids)
             if reason is not None:

@@ -76,6 +76,9 @@ class _Sampling(BaseModel):
     def _logprobs(self) -> int | None:  # overridden
         return None
 
+    def _prompt_logprobs(self) -> int | None:  # overridden
+        return None
+
     def check(self, max_model_len: int, vocab_size: int) -> None:
         """Checks that need more than one field or the model; RequestError names the field."""
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
@@ -125,6 +128,7 @@ class _Sampling(BaseModel):
             seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos, max_tokens=max_tokens if max_tokens is not None else room,
             min_tokens=self.min_tokens, logprobs=self._logprobs(),
+            prompt_logprobs=self._prompt_logprobs(),
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output)
         if self.logit_bias:
@@ -158,6 +162,10 @@ class CompletionRequest(_Sampling):
 
     def _logprobs(self) -> int | None:
         return self.logprobs
+
+    def _prompt_logprobs(self) -> int | None:
+        """echo with logprobs: the prompt's tokens get theirs too (OpenAI's legacy API)."""
+        return self.logprobs if self.echo else None
 
     def check(self, max_model_len: int, vocab_size: int) -> None:
         super().check(max_model_len, vocab_size)

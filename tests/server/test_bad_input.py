@@ -37,6 +37,9 @@ CASES = [
     ("max-tokens-string", C, comp(max_tokens="10"), 400, "max_tokens"),
     ("max-tokens-float", C, comp(max_tokens=2.5), 400, "max_tokens"),
     ("temperature-negative", C, comp(temperature=-1), 400, "temperature"),
+    ("temperature-string", C, comp(temperature="0.5"), 400, "temperature"),
+    # more sequences than the server ever holds (64 running + 1,024 queued): 400, not a 503
+    ("more-sequences-than-the-server-holds", C, comp(prompt=["hi"] * 69, n=16), 400, "n"),
     ("temperature-too-high", C, comp(temperature=3), 400, "temperature"),
     ("temperature-string", C, comp(temperature="hot"), 400, "temperature"),
     ("temperature-nan", C, b'{"prompt": "x", "temperature": NaN}', 400, "temperature"),
@@ -131,6 +134,8 @@ def test_bad_input(tiny_server, case):
     assert err["param"] == param
     if param is not None:
         assert param.split(".")[0] in err["message"]
+    if name == "temperature-string":
+        assert "should be a number" in err["message"]
 
 
 def test_table_is_large_enough():

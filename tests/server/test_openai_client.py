@@ -89,6 +89,38 @@ def test_completion_logprobs(client, model):
         assert math.isclose(chosen, max(tops.values()), abs_tol=1e-4)  # greedy takes the top
 
 
+def test_sampled_token_is_always_among_the_completion_top_logprobs(client, model):
+    r = client.completions.create(model=model, prompt="Once upon a time", max_tokens=12,
+                                  temperature=1.0, seed=3, logprobs=1,
+                                  extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    for tok, chosen, tops in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert tops[tok] == chosen and len(tops) <= 2      # logprobs + 1 at most
+    zero = client.completions.create(model=model, prompt="Once upon a time", max_tokens=3,
+                                     temperature=0, logprobs=0).choices[0].logprobs
+    assert [list(t) for t in zero.top_logprobs] == [[t] for t in zero.tokens]
+
+
+def test_echo_with_logprobs_scores_the_prompt(client, model):
+    """lm-eval-harness's log-likelihood request: echo, logprobs, one token."""
+    prompt = "The capital of France is"
+    kw = dict(model=model, prompt=prompt, max_tokens=2, temperature=0, logprobs=1, echo=True,
+              extra_body={"ignore_eos": True})
+    r = client.completions.create(**kw)
+    lp, n_prompt = r.choices[0].logprobs, r.usage.prompt_tokens
+    assert len(lp.tokens) == n_prompt + 2 == len(lp.token_logprobs) == len(lp.text_offset)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(x <= 0 for x in lp.token_logprobs[1:])
+    text = r.choices[0].text
+    assert "".join(lp.tokens) == text
+    assert [text[o:o + len(t)] for o, t in zip(lp.text_offset, lp.tokens)] == lp.tokens
+    chunks = list(client.completions.create(**kw, stream=True))
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == text
+    assert sum((s.text_offset for s in streamed), []) == lp.text_offset
+    assert sum((s.tokens for s in streamed), []) == lp.tokens
+
+
 def test_chat_logprobs(client, model):
     r = client.chat.completions.create(
         model=model, messages=[{"role": "user", "content": "Say hello"}], max_tokens=4,

@@ -168,7 +168,7 @@ def test_api_key(tiny_model_dir, tmp_path):
         import urllib.error
         assert server.get("/health") == '{"status":"ok"}'
         assert "<html" in server.get("/")
-        for path in ("/v1/models", "/metrics"):
+        for path in ("/v1/models", "/metrics", "/version"):
             for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
                 with pytest.raises(urllib.error.HTTPError) as e:
                     server.get(path, headers)
