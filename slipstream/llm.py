@@ -77,6 +77,7 @@ class LLM:
         tok = self.engine.tokenizer
         prompts = []
         for conv in conversations:
+            conv = [_text_content(m) for m in conv]
             text = tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt)
             # The template already wrote any BOS token into the text.
             prompts.append({"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)})
@@ -104,3 +105,17 @@ class LLM:
         finally:
             bar.close()
         return [done[rid] for rid in ids]
+
+
+def _text_content(message: dict) -> dict:
+    """OpenAI's content parts ([{"type": "text", "text": ...}]) joined into one string,
+    as the server does; other part types are refused."""
+    content = message.get("content")
+    if not isinstance(content, list):
+        return message
+    texts = []
+    for part in content:
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise ValueError(f"messages: only text content parts are supported, got {part!r}")
+        texts.append(part["text"])
+    return {**message, "content": "".join(texts)}

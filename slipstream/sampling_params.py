@@ -101,6 +101,10 @@ class SamplingParams:
                 f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}")
 
     def _verify(self) -> None:
+        for flag in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
+                     "include_stop_str_in_output"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
         _check_int("n", self.n, low=1)
         _check_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
         _check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)

@@ -47,8 +47,10 @@ def add_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--data-cache", default=None,
                    help="keep the target's answers and features in this file and reuse them")
-    p.add_argument("--out", default="slipstream/spec/weights",
-                   help="directory for <model>.<method>.safetensors and <model>.train.json")
+    p.add_argument("--out", default="draft-heads",
+                   help="directory for <model>.<method>.safetensors and <model>.train.json "
+                        "(default: ./draft-heads; the shipped heads live in "
+                        "slipstream/spec/weights/)")
     p.set_defaults(func=run)
 
 

@@ -141,7 +141,9 @@ def test_bad_prompts_raise_value_error(llama_llm, prompt, params, match):
     assert_no_leak(llama_llm)
 
 
-@pytest.mark.parametrize("kwargs,field", [({"max_tokens": -1}, "max_tokens"), ({"top_p": 0}, "top_p"),
+@pytest.mark.parametrize("kwargs,field", [({"ignore_eos": "yes"}, "ignore_eos"),
+                                          ({"include_stop_str_in_output": 1}, "include_stop_str_in_output"),
+                                          ({"max_tokens": -1}, "max_tokens"), ({"top_p": 0}, "top_p"),
                                           ({"temperature": -1}, "temperature"), ({"n": 0}, "n")])
 def test_bad_sampling_params_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
@@ -194,3 +196,17 @@ def test_gguf_named_runs_its_blocks_in_fp32_as_auto_does():
     for q in ("auto", "gguf"):
         cfg = EngineArgs(quantization=q, device="cpu").create_config(str(files.path), files.config)
         assert cfg.quantization == "gguf" and cfg.dtype == torch.float32
+
+
+def test_chat_takes_text_content_parts(llama_llm):
+    params = SamplingParams(max_tokens=4, temperature=0)
+    parts = [{"role": "user", "content": [{"type": "text", "text": "hello "},
+                                          {"type": "text", "text": "there"}]}]
+    whole = [{"role": "user", "content": "hello there"}]
+    if llama_llm.engine.tokenizer.chat_template is None:
+        pytest.skip("the tiny model has no chat template")
+    a = llama_llm.chat(parts, params, use_tqdm=False)[0].outputs[0].token_ids
+    assert a == llama_llm.chat(whole, params, use_tqdm=False)[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match="only text content parts"):
+        llama_llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}],
+                       params, use_tqdm=False)
