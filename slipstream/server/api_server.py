@@ -103,6 +103,9 @@ class Server:
             req = schema.model_validate(body)
         except ValidationError as e:
             raise _validation_message(e) from None
+        ignored = sorted(set(body) - set(schema.model_fields))
+        if ignored:     # as vLLM does: accepted, and said so in the log
+            log.warning("fields present in the request but ignored: %s", ", ".join(ignored))
         self.check_model(req.model)
         return req
 

@@ -7,7 +7,7 @@ Fields OpenAI defines that change nothing here (`user`) are accepted; fields
 whose meaning this server does not implement are refused with a 400 naming
 them rather than silently dropped (`best_of` above `n`, `suffix`, a
 `response_format` other than text, `tools` the model may call, `functions`);
-unknown fields are ignored, as OpenAI does.
+unknown fields are ignored (and logged), as vLLM does.
 """
 from __future__ import annotations
 

@@ -172,3 +172,9 @@ def test_fields_that_ask_for_nothing_are_accepted(tiny_server):
                                  tool_choice="none"))):
         code, obj = tiny_server.post(path, body)
         assert code == 200, obj
+
+
+def test_unknown_fields_are_ignored_and_logged(tiny_server):
+    code, obj = tiny_server.post(C, comp(frobnicate=3, zz_extra="x"))
+    assert code == 200, obj
+    assert "fields present in the request but ignored: frobnicate, zz_extra" in tiny_server.log()
