@@ -13,7 +13,10 @@ and refuses further steps: it never hangs on a dead rank.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
+import signal
+import threading
 import time
 import weakref
 from dataclasses import replace
@@ -37,6 +40,7 @@ log = logging.getLogger("slipstream")
 
 class WorkerDiedError(SlipstreamError, RuntimeError):
     """A tensor-parallel rank stopped; the engine cannot run further steps."""
+    stops_engine = True     # a server answers no new request after it (server/async_engine.py)
 
 
 class TPExecutor:
@@ -65,9 +69,9 @@ class TPExecutor:
             config = replace(config, device=rank_device(config.device, 0, world.first_gpu))
             self._spawn(args, join_store(world.port, world.size), world)
         elif env is not None:
-            rank, world, local_rank = env
-            if world != size:
-                raise ValueError(f"tensor_parallel_size={size} but torchrun started {world} processes")
+            rank, started, local_rank = env      # (`world` stays None: no P/D world)
+            if started != size:
+                raise ValueError(f"tensor_parallel_size={size} but torchrun started {started} processes")
             config = replace(config, device=rank_device(config.device, local_rank))
             if rank != 0:   # this process is a worker: serve rank 0's steps, then leave
                 run_worker(rank, size, None, args, local_rank)
@@ -162,6 +166,22 @@ class TPExecutor:
         torch.set_num_threads(self._threads)
 
     # ---- the ModelRunner interface ---------------------------------------------
+
+    @contextlib.contextmanager
+    def step_guard(self):
+        """SIGINT held back while a step runs (main thread only), then raised: a
+        step left half-way would leave the workers inside its collectives."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        caught = []
+        previous = signal.signal(signal.SIGINT, lambda *_: caught.append(1))
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGINT, previous)
+        if caught:
+            raise KeyboardInterrupt
 
     def execute(self, sched: SchedulerOutput) -> StepHandle:
         self._check_workers()

@@ -59,6 +59,7 @@ class PeerDiedError(SlipstreamError, RuntimeError):
     """The other instance of a prefill/decode pair stopped. `request_ids`: the requests
     it took with it (those waiting for their prompt), raised once by the `step` that found
     out; requests already decoding go on."""
+    stops_engine = True     # no new prompt can be computed: a server refuses new requests
 
     def __init__(self, message: str, request_ids: list[str] | None = None):
         super().__init__(message)
@@ -298,9 +299,12 @@ class PDEngine:
         lost = sorted(getattr(self, "_pending", {}))
         if hasattr(self, "_pending"):
             self._pending.clear()
-        self._failed = (f"{reason}; requests waiting for their prompt were failed"
-                        f"{' (' + ', '.join(lost) + ')' if lost else ''}; requests already "
-                        "decoding go on, new ones are refused")
+        # Not naming the lost requests: the message reaches every client's error body
+        # (the log names them).
+        if lost:
+            log.error("requests lost with the prefill instance: %s", ", ".join(lost))
+        self._failed = (f"{reason}; {len(lost)} request(s) waiting for their prompt were "
+                        "failed; requests already decoding go on, new ones are refused")
         _kill(self._proc)
         raise PeerDiedError(self._failed, lost) from error
 

@@ -28,7 +28,7 @@ import torch
 from slipstream.distributed.kv_transfer import (SendBlocks, cached_block_ids, close_link,
                                                 gather_blocks, kv_layout, link_of, open_link)
 from slipstream.distributed.parallel import World, join_store
-from slipstream.distributed.worker import cpu_threads_per_rank
+from slipstream.distributed.worker import cpu_threads_per_rank, follow_parent
 
 
 def start_instance(world: World, args, device: torch.device):
@@ -50,6 +50,7 @@ def prefill_main(world: World, args) -> None:
     from slipstream.config import resolve_device
     from slipstream.sampling_params import SamplingParams
 
+    follow_parent()
     device = resolve_device(args.device)
     if device.type == "cpu":
         torch.set_num_threads(cpu_threads_per_rank(world.size))

@@ -128,6 +128,26 @@ def move_shard(runner, link, cmd) -> list:
     return []
 
 
+def follow_parent() -> None:
+    """For a process rank 0 spawned: Ctrl-C (SIGINT to the terminal's process group)
+    is rank 0's to handle, which then stops its helpers; and the process ends with
+    its parent (Linux: a parent-death signal), so no helper outlives a server
+    killed while it loads."""
+    import multiprocessing
+    import signal
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    parent = multiprocessing.parent_process()
+    if sys.platform.startswith("linux"):
+        import ctypes
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+    if parent is not None and os.getppid() != parent.pid:    # it died before the prctl
+        os._exit(1)
+
+
 def spawned_worker(rank: int, size: int, store_port: int, args, world: World | None = None) -> None:
     """Entry point of a worker that rank 0 started (torch.multiprocessing spawn)."""
+    follow_parent()
     run_worker(rank, size, store_port, args, local_rank=rank, world=world)

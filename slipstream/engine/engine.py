@@ -186,6 +186,15 @@ class Engine:
         step's output is collected while the device runs this one: outputs lag
         the launches by one step, and the host work of scheduling, packing
         inputs, stop checks and detokenizing hides behind device time."""
+        # A tensor-parallel step's collectives must meet the workers' whole: Ctrl-C
+        # lands after it (the step's outputs are kept for the next call).
+        guard = getattr(self.runner, "step_guard", None)
+        if guard is not None:
+            with guard():
+                return self._step()
+        return self._step()
+
+    def _step(self) -> list[RequestOutput]:
         overlap, drained = self.async_scheduling, []
         spec = getattr(self.runner, "speculator", None)
         if spec is not None and self._async_allowed:

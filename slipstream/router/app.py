@@ -28,6 +28,7 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from slipstream.cache.prefix_cache import BlockHasher
 from slipstream.router import upstream
@@ -45,8 +46,11 @@ def _error(status: int, message: str, kind: str = "server_error") -> JSONRespons
 
 class RouterServer:
     def __init__(self, router: Router, tokenizer, poll_interval: float = 0.5,
-                 connect_timeout: float = 3.0, read_timeout: float = 600.0):
+                 connect_timeout: float = 3.0, read_timeout: float = 600.0,
+                 api_key: str | None = None):
         self.router = router
+        # the instances' key, for the router's own polls
+        self.poll_headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.tokenizer = tokenizer
         self.poll_interval = poll_interval
         self.connect_timeout = connect_timeout
@@ -58,6 +62,7 @@ class RouterServer:
         async def one(inst):
             try:
                 resp = await upstream.request(inst.url, "GET", "/v1/cache/state",
+                                              headers=self.poll_headers,
                                               connect_timeout=self.connect_timeout,
                                               read_timeout=max(2.0, 4 * self.poll_interval))
                 body = await resp.read()
@@ -172,10 +177,11 @@ class RouterServer:
             done()
 
     async def models(self, request: Request):
+        """GET /v1/models and /v1/models/NAME, from the first live instance."""
         headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED}
         for inst in self.router.live():
             try:
-                resp = await upstream.request(inst.url, "GET", "/v1/models", b"", headers,
+                resp = await upstream.request(inst.url, "GET", request.url.path, b"", headers,
                                               self.connect_timeout, 30.0)
                 return Response(await resp.read(), status_code=resp.status,
                                 media_type=resp.headers.get("content-type", "application/json"))
@@ -224,6 +230,15 @@ def build_router_app(server: RouterServer) -> FastAPI:
     @app.get("/v1/models")
     async def models(request: Request):
         return await server.models(request)
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str, request: Request):   # the client's models.retrieve
+        return await server.models(request)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, e):       # 404 / 405 as OpenAI error objects, as serve's
+        return _error(e.status_code, f"{request.method} {request.url.path}: {e.detail}",
+                      "invalid_request_error")
 
     @app.post("/v1/completions")
     async def completions(request: Request):

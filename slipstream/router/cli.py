@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -30,6 +31,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="seconds to reach an instance before trying another")
     p.add_argument("--request-timeout", type=float, default=600.0,
                    help="seconds an instance may stay silent while answering")
+    p.add_argument("--api-key", default=os.environ.get("SLIPSTREAM_API_KEY"),
+                   help="the key the instances were started with (their --api-key): the "
+                        "router's polls carry it; clients' requests carry their own, which the "
+                        "instances check (default: $SLIPSTREAM_API_KEY)")
     p.add_argument("--log-level", default="info", help="uvicorn log level")
     p.set_defaults(func=run)
     return p
@@ -64,7 +69,7 @@ def run(args) -> int:
     from slipstream.loader import open_model
     tokenizer = open_model(args.model, args.load_format).tokenizer()
     server = RouterServer(router, tokenizer, args.poll_interval, args.connect_timeout,
-                          args.request_timeout)
+                          args.request_timeout, api_key=args.api_key)
     print(f"routing to {', '.join(urls)}; serving on http://{args.host}:{args.port}",
           file=sys.stderr, flush=True)
     uvicorn.run(build_router_app(server), host=args.host, port=args.port,

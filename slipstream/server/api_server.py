@@ -22,7 +22,8 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from slipstream.server.async_engine import AsyncEngine, Overloaded, StepError, TooLarge
+from slipstream.server.async_engine import (AsyncEngine, EngineStopped, Overloaded, StepError,
+                                           TooLarge)
 from slipstream.server.metrics import ServerMetrics
 from slipstream.server.openai_format import SSE_DONE, Formatter, sse
 from slipstream.server.protocol import (ChatCompletionRequest, CompletionRequest,
@@ -198,6 +199,8 @@ class Server:
             sub = self.async_engine.submit(items)
         except TooLarge as e:
             raise RequestError(str(e), "n") from None
+        except EngineStopped as e:
+            raise RequestError(str(e), None, 503, "server_error") from None
         except Overloaded as e:
             raise RequestError(str(e), None, 503, "server_overloaded") from None
         for rid in index:
@@ -297,6 +300,9 @@ def build_app(engine, model_name: str, api_key: str | None = None, max_queued: i
 
     @app.get("/health")
     async def health():
+        stopped = server.async_engine.stopped
+        if stopped is not None:     # a router or load balancer sends its traffic elsewhere
+            return JSONResponse({"status": "error", "message": stopped}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/", response_class=HTMLResponse)
@@ -337,6 +343,9 @@ def build_app(engine, model_name: str, api_key: str | None = None, max_queued: i
         server.check_auth(request)
         from slipstream.router.instance_state import instance_state
         ae = server.async_engine
+        if ae.stopped is not None:  # the router counts this instance down
+            raise RequestError(f"the engine takes no new requests: {ae.stopped}", None, 503,
+                               "server_error")
         return instance_state(server.engine, ae.stats, ae.num_in_flight)
 
     @app.post("/v1/completions")

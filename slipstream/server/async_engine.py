@@ -36,6 +36,11 @@ class TooLarge(ValueError):
     """One request alone holds more sequences than the server ever takes at once."""
 
 
+class EngineStopped(RuntimeError):
+    """The engine can take no new request (a tensor-parallel rank or the prefill
+    instance of a pair died); `/health` says so too."""
+
+
 @dataclass
 class EngineStats:
     """A snapshot the stepping thread takes after every step (read by /metrics)."""
@@ -57,6 +62,7 @@ class AsyncEngine:
         self.capacity = engine.config.scheduler.max_num_seqs + max_queued
         self.on_output = on_output
         self.stats = EngineStats()
+        self.stopped: str | None = None     # why the engine takes no new request
         self._inbox: list[tuple] = []
         self._aborts: list[str] = []
         self._lock = threading.Lock()
@@ -90,6 +96,8 @@ class AsyncEngine:
     def submit(self, items: list[tuple[object, SamplingParams, str]]) -> "Submission":
         """Queue requests `(prompt, params, request_id)` that share one output queue.
         Raises Overloaded (queueing nothing) when they would pass the capacity."""
+        if self.stopped is not None:
+            raise EngineStopped(f"the engine takes no new requests: {self.stopped}")
         seqs = sum(params.n for _, params, _ in items)
         if seqs > self.capacity:      # no wait would make room: not a retry-later 503
             raise TooLarge(f"n: the request asks for {seqs} sequences (prompts x n), more than "
@@ -129,6 +137,10 @@ class AsyncEngine:
                 try:
                     engine.add_request(prompt, params, rid)
                 except Exception as e:  # noqa: BLE001 - handed to the request, not raised here
+                    if getattr(e, "stops_engine", False):
+                        self.stopped = str(e)
+                    if not isinstance(e, ValueError):
+                        e = StepError(f"the engine cannot take this request: {e}")
                     self._deliver([(rid, e)])
             for rid in aborts:
                 try:
@@ -158,6 +170,8 @@ class AsyncEngine:
             outputs = engine.step()
         except Exception as e:  # noqa: BLE001 - one bad step must not stop the server
             self.stats.step_errors += 1
+            if getattr(e, "stops_engine", False):
+                self.stopped = str(e)
             lost = getattr(e, "request_ids", None)
             if lost is not None:
                 # The engine names the requests it lost (a prefill/decode pair whose

@@ -59,6 +59,11 @@ def _check(args) -> None:
         raise ValueError("--max-request-bytes must be at least 1024")
     if args.api_key is not None and not args.api_key.strip():
         raise ValueError("--api-key must not be empty")
+    from slipstream.commands.options import _DEVICE
+    if args.prefill_device is not None and (args.prefill_device == "auto"
+                                            or not _DEVICE.fullmatch(args.prefill_device)):
+        raise ValueError(f"--prefill-device: expected cpu, cuda or cuda:N, got "
+                         f"{args.prefill_device!r}")
     if getattr(args, "spec_device_loop", False):
         raise ValueError("--spec-device-loop answers one prompt at a time (LLM.generate, "
                          "`slipstream generate` and `chat`); the server batches its requests "

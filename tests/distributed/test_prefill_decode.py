@@ -113,7 +113,7 @@ def test_prefill_dying_while_requests_wait_fails_them_not_hangs(folder):
         pd.engine.step()
         os.kill(proc.pid, signal.SIGKILL)     # ... then gone
         t0 = time.monotonic()
-        with pytest.raises(PeerDiedError, match=rf"waiting for their prompt were failed \({rid}\)") as e:
+        with pytest.raises(PeerDiedError, match=r"1 request\(s\) waiting for their prompt were failed") as e:
             for _ in range(200):
                 pd.engine.step()
         assert time.monotonic() - t0 < 5
@@ -130,6 +130,19 @@ def test_options_are_checked(folder):
         _pd(folder, prefill_device="cuda:1")
     with pytest.raises(ValueError, match="tensor_parallel_size=3 does not divide"):
         _pd(folder, tensor_parallel_size=3)
+
+
+def _spawned_child(parent: int) -> int:
+    """The pid of `parent`'s child started by multiprocessing's spawn (from /proc)."""
+    from pathlib import Path
+    for d in Path("/proc").iterdir():
+        try:
+            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if ppid == parent and b"spawn_main" in (d / "cmdline").read_bytes():
+                return int(d.name)
+        except (ValueError, OSError, IndexError):
+            continue
+    raise AssertionError(f"no spawned child of {parent}")
 
 
 def test_serve_with_a_prefill_device_answers_like_one_instance(folder, tmp_path):
@@ -156,6 +169,20 @@ def test_serve_with_a_prefill_device_answers_like_one_instance(folder, tmp_path)
         with urllib.request.urlopen(req, timeout=60) as r:
             out = json.loads(r.read())
         assert out["choices"][0]["text"] == plain.text, server.log()
+        # The prefill process dies: the server says so and refuses new requests with a
+        # 503 (a router sends them elsewhere), naming no other client's request.
+        os.kill(_spawned_child(server.proc.pid), signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        status = 200
+        while status == 200 and time.monotonic() < deadline:
+            status, obj = server.post("/v1/completions", {"prompt": prompt, "max_tokens": 2})
+        assert status in (500, 503) and "cmpl-" not in obj["error"]["message"], obj
+        status, obj = server.post("/v1/completions", {"prompt": prompt, "max_tokens": 2})
+        assert status == 503 and "takes no new requests" in obj["error"]["message"], obj
+        import urllib.error
+        with pytest.raises(urllib.error.HTTPError) as e:
+            server.get("/health")
+        assert e.value.code == 503
     finally:
         server.stop()
 

@@ -384,3 +384,33 @@ def test_pieces_under_tensor_parallelism(split_kv_folder, monkeypatch):
         _assert_same(ref, got)
     finally:
         llm.engine.shutdown()
+
+
+def test_torchrun_ranks_generate_as_one_process(split_kv_folder, tmp_path):
+    """Launched by torchrun (one process a rank): rank 0 generates rank-1-assisted
+    what a single process generates."""
+    import subprocess
+    import sys
+    script = tmp_path / "tp_run.py"
+    script.write_text(
+        "import os, sys\n"
+        "from slipstream import LLM, SamplingParams\n"
+        "if __name__ == '__main__':\n"
+        "    llm = LLM(sys.argv[1], tensor_parallel_size=2, device='cpu', dtype='float32',\n"
+        "              max_model_len=256, block_size=4, num_kv_blocks=256)\n"
+        "    out = llm.generate([{'prompt_token_ids': [5, 6, 7, 8, 9]}],\n"
+        "                       SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)\n"
+        "    print('TOKENS', out[0].outputs[0].token_ids, flush=True)\n"
+        "    llm.engine.shutdown()\n")
+    env = {**os.environ, "PYTHONPATH": os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "OMP_NUM_THREADS": "1"}
+    from tests.server.conftest import free_port
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                        "--master-port", str(free_port()), str(script), str(split_kv_folder)],
+                       capture_output=True, text=True, env=env, timeout=150)
+    assert r.returncode == 0, r.stdout + r.stderr
+    got = [line for line in r.stdout.splitlines() if line.startswith("TOKENS")]
+    want = make_llm(split_kv_folder).generate(
+        [{"prompt_token_ids": [5, 6, 7, 8, 9]}], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+        use_tqdm=False)[0].outputs[0].token_ids
+    assert got == [f"TOKENS {want}"]

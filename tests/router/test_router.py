@@ -28,7 +28,7 @@ HANG_LIMIT_S = 180     # tests/conftest.py: a hang ends the run with a traceback
 
 
 class RouterProcess:
-    def __init__(self, instances: list[str], model, log_path):
+    def __init__(self, instances: list[str], model, log_path, extra: tuple = ()):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -37,7 +37,7 @@ class RouterProcess:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "slipstream.cli", "router", "--instances", ",".join(instances),
              "--model", str(model), "--port", str(self.port), "--poll-interval", "0.3",
-             "--log-level", "warning"], stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+             "--log-level", "warning", *extra], stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -166,3 +166,37 @@ def test_a_killed_instance_fails_its_stream_and_the_router_goes_on(cluster):
     assert not state[victim]["alive"] and state[inst]["alive"]
     assert state[victim]["in_flight"] == state[inst]["in_flight"] == 0   # nothing left counted
     assert router.get("/health")["live_instances"] == 1
+
+
+def test_instances_with_an_api_key_and_openai_errors(tmp_path):
+    """Instances started with --api-key: the router's polls carry --api-key, the
+    clients' requests their own key; unknown routes answer OpenAI error objects;
+    models.retrieve passes through."""
+    folder = write_tiny_model(tmp_path / "model")
+    inst = ServerProcess(["--model", str(folder), *TINY_ARGS, "--api-key", "k3y"], tmp_path / "i.log")
+    router = RouterProcess([inst.url], folder, tmp_path / "r.log", ("--api-key", "k3y"))
+    try:
+        assert router.get("/health")["live_instances"] == 1
+        key = {"Authorization": "Bearer k3y", "Content-Type": "application/json"}
+
+        def call(path, body=None, headers=key):
+            req = urllib.request.Request(router.url + path, method="POST" if body else "GET",
+                                         data=json.dumps(body).encode() if body else None,
+                                         headers=headers)
+            try:
+                with urllib.request.urlopen(req, timeout=60) as r:
+                    return r.status, json.loads(r.read())
+            except urllib.error.HTTPError as e:
+                return e.code, json.loads(e.read())
+        status, obj = call("/v1/completions", _complete(PROMPT_A))
+        assert status == 200 and obj["choices"][0]["text"], obj
+        status, obj = call("/v1/completions", _complete(PROMPT_A), {"Content-Type": "application/json"})
+        assert status == 401, obj
+        model = call("/v1/models")[1]["data"][0]["id"]
+        status, obj = call(f"/v1/models/{model}")
+        assert status == 200 and obj["id"] == model
+        status, obj = call("/v1/nothing-here")
+        assert status == 404 and obj["error"]["message"]
+    finally:
+        router.stop()
+        inst.stop()
