@@ -116,7 +116,28 @@ class RouterServer:
     # ---- proxying ------------------------------------------------------------
 
     async def generate(self, request: Request, chat: bool):
-        raw = await request.body()
+        """Proxy one request; a client that hangs up before the answer started (a
+        non-streaming one: before it is whole) closes the instance's connection,
+        which aborts the request there."""
+        raw = await request.body()       # before the watch, which reads the same channel
+        work = asyncio.create_task(self._generate(request, raw, chat))
+
+        async def watch():
+            while not await request.is_disconnected():
+                await asyncio.sleep(0.25)
+        watcher = asyncio.create_task(watch())
+        try:
+            await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+        if work.done():
+            return work.result()
+        work.cancel()
+        with contextlib.suppress(BaseException):
+            await work
+        return Response(status_code=499)
+
+    async def _generate(self, request: Request, raw: bytes, chat: bool):
         try:
             body = json.loads(raw)
             ids = await asyncio.to_thread(self.prompt_ids, body, chat) if isinstance(body, dict) else []
@@ -136,9 +157,15 @@ class RouterServer:
             inst, _ = choice
             tried.add(inst.url)
             inst.in_flight += 1
+            # Counted before the answer: a second request sharing the prefix that comes
+            # while this one is computed (a non-streaming answer arrives whole) follows it.
+            self.router.routed(inst, hashes)
             try:
                 resp = await upstream.request(inst.url, "POST", path, raw, headers,
                                               self.connect_timeout, self.read_timeout)
+            except asyncio.CancelledError:      # the client left (generate's watch)
+                inst.in_flight -= 1
+                raise
             except upstream.Unreachable as e:
                 inst.in_flight -= 1
                 inst.down(str(e))
@@ -148,7 +175,6 @@ class RouterServer:
                 inst.in_flight -= 1
                 return _error(502, f"engine instance {inst.url} failed while serving this "
                                    f"request: {e}")
-            self.router.routed(inst, hashes)
             break
         extra = {"x-slipstream-instance": inst.url}
         media = resp.headers.get("content-type", "application/json")

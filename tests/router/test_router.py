@@ -197,6 +197,27 @@ def test_instances_with_an_api_key_and_openai_errors(tmp_path):
         assert status == 200 and obj["id"] == model
         status, obj = call("/v1/nothing-here")
         assert status == 404 and obj["error"]["message"]
+        # A non-streaming client hangs up: the router closes the instance's connection,
+        # which aborts the request there; nothing stays counted in flight.
+        import http.client
+        import socket
+        conn = http.client.HTTPConnection("127.0.0.1", router.port, timeout=0.5)
+        conn.request("POST", "/v1/completions", json.dumps(
+            _complete(PROMPT_B, max_tokens=900, ignore_eos=True)), key)
+        with pytest.raises(socket.timeout):
+            conn.getresponse()
+        conn.sock.shutdown(socket.SHUT_RDWR)
+        conn.close()
+
+        def aborted() -> float:
+            text = inst.get("/metrics", {"Authorization": "Bearer k3y"})
+            return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                       if line.startswith("slipstream_requests_total") and 'outcome="aborted"' in line)
+        deadline = time.monotonic() + 20
+        while aborted() < 1 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert aborted() >= 1, inst.log()
+        assert router.get("/router/state")["instances"][0]["in_flight"] == 0
     finally:
         router.stop()
         inst.stop()
