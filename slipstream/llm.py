@@ -33,6 +33,11 @@ class LLM:
             raise TypeError(f"LLM() got unknown options: {', '.join(sorted(unknown))}")
         self.engine = Engine(EngineArgs(model=model, **kwargs))
 
+    def shutdown(self) -> None:
+        """Stop the engine's tensor-parallel workers (and prefill process), if any;
+        the LLM cannot generate after this."""
+        self.engine.shutdown()
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 

@@ -43,15 +43,24 @@ class WorkerDiedError(SlipstreamError, RuntimeError):
     stops_engine = True     # a server answers no new request after it (server/async_engine.py)
 
 
+# The executor whose process group this process holds (a weak reference: an engine
+# dropped without shutdown() leaves the group, which the next executor takes down).
+_group_owner: weakref.ref | None = None
+
+
 class TPExecutor:
     def __init__(self, args, config, files, quant_method_for, world: World | None = None):
         """world: the larger world this instance is one of (a prefill/decode pair);
         None: its own."""
+        global _group_owner
         size = config.parallel.tensor_parallel_size
+        if torch.distributed.is_initialized() and _group_owner is not None and _group_owner() is None:
+            destroy_tp_group()      # left by an engine dropped without shutdown(): its ranks are gone
+            _group_owner = None
         if torch.distributed.is_initialized():
             raise RuntimeError("torch.distributed is already initialised in this process (another "
                                "tensor-parallel engine, or the script's own process group); "
-                               "shut that down first (Engine.shutdown())")
+                               "shut that down first (llm.shutdown() or Engine.shutdown())")
         self.size = size
         self.tp = None   # set once this engine's process group exists
         self._threads = torch.get_num_threads()
@@ -92,6 +101,7 @@ class TPExecutor:
                 self.tp = init_tp_group(0, size, config.device, store)
             else:
                 self.tp = init_world(world, 0, config.device, LINK_TIMEOUT)[0]
+            _group_owner = weakref.ref(self)
             self.runner = ModelRunner(config, files.weights(), quant_method_for, self.tp)
         except Exception as e:
             time.sleep(0.2)   # a worker that failed first has its exit code by now

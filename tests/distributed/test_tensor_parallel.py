@@ -414,3 +414,19 @@ def test_torchrun_ranks_generate_as_one_process(split_kv_folder, tmp_path):
         [{"prompt_token_ids": [5, 6, 7, 8, 9]}], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
         use_tqdm=False)[0].outputs[0].token_ids
     assert got == [f"TOKENS {want}"]
+
+
+def test_an_engine_dropped_without_shutdown_leaves_no_group_behind(split_kv_folder):
+    import gc
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    prompt = [{"prompt_token_ids": [5, 6, 7, 8]}]
+    first = make_llm(split_kv_folder, tensor_parallel_size=2)
+    want = first.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    del first                                   # no shutdown()
+    gc.collect()
+    second = make_llm(split_kv_folder, tensor_parallel_size=2)
+    try:
+        assert second.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == want
+    finally:
+        second.shutdown()
+    assert not torch.distributed.is_initialized()
