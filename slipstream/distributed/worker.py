@@ -130,21 +130,24 @@ def move_shard(runner, link, cmd) -> list:
 
 def follow_parent() -> None:
     """For a process rank 0 spawned: Ctrl-C (SIGINT to the terminal's process group)
-    is rank 0's to handle, which then stops its helpers; and the process ends with
-    its parent (Linux: a parent-death signal), so no helper outlives a server
-    killed while it loads."""
+    is rank 0's to handle, which then stops its helpers; and the process ends soon
+    after its parent process does (a watch on the parent pid: no helper outlives a
+    server killed while it loads). Not a parent-death signal, which follows the
+    spawning thread rather than the process."""
     import multiprocessing
     import signal
+    import threading
+    import time
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     parent = multiprocessing.parent_process()
-    if sys.platform.startswith("linux"):
-        import ctypes
-        try:
-            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
-        except (OSError, AttributeError):
-            pass
-    if parent is not None and os.getppid() != parent.pid:    # it died before the prctl
-        os._exit(1)
+    if parent is None:
+        return
+
+    def watch():
+        while os.getppid() == parent.pid:
+            time.sleep(0.5)
+        os._exit(1)     # reparented: the parent is gone
+    threading.Thread(target=watch, name="slipstream-parent-watch", daemon=True).start()
 
 
 def spawned_worker(rank: int, size: int, store_port: int, args, world: World | None = None) -> None:
