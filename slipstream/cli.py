@@ -65,8 +65,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args) or 0
     except (SlipstreamError, ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {_with_flags(str(e), args)}", file=sys.stderr)
         return 2
+
+
+def _with_flags(message: str, args: argparse.Namespace) -> str:
+    """The engine names its options as Python does (`tensor_parallel_size=3`); on
+    the command line they read as the flags that set them (`--tensor-parallel-size=3`)."""
+    for name in sorted(vars(args), key=len, reverse=True):
+        if "_" in name and name in message:
+            message = message.replace(name, "--" + name.replace("_", "-"))
+    return message
 
 
 if __name__ == "__main__":

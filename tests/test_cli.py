@@ -141,3 +141,10 @@ def test_generate_streams_greedy_prompts_through_the_device_loop(capsys):
 def test_serve_refuses_the_device_loop_before_loading():
     rc, torch_loaded, _, out = _probe("serve", "--speculative-method", "eagle", "--spec-device-loop")
     assert rc == 2 and "drop --spec-device-loop" in out and not torch_loaded
+
+
+def test_engine_errors_name_the_flags(capsys):
+    """The engine's messages name Python fields; the command line shows its flags."""
+    rc = main(["generate", "hi", "--max-model-len", "999999", "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--max-model-len=999999 exceeds" in err and "max_model_len" not in err
