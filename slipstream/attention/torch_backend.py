@@ -68,6 +68,9 @@ class TorchAttentionBackend:
         if (batch.num_seqs == 1 and batch.tree_mask is None and self._cpu_kernel
                 and batch.seq_lens_cpu[0] == q.shape[0]):
             return self._fresh_prompt(q, k, v, layer)
+        if batch.num_seqs > 1 and batch.tree_mask is None and self._cpu_kernel \
+                and not batch.is_decode_only:
+            return self._mixed(q, k, v, layer, batch)
         if batch.is_decode_only and batch.tree_mask is None:
             if batch.num_seqs > 1:
                 return self._batched_decode(q, layer, batch)
@@ -76,6 +79,33 @@ class TorchAttentionBackend:
         return reference.paged_attention(
             q, layer.k_cache, layer.v_cache, self._query_start_loc, batch.seq_lens_cpu,
             batch.block_tables, layer.scale, layer.sliding_window, batch.tree_mask)
+
+    def _mixed(self, q, k, v, layer, batch) -> torch.Tensor:
+        """A step with prompt tokens and several requests, each row as it would run
+        alone: decode rows through the decode kernel (as in decode-only steps), a
+        fresh prompt through `_fresh_prompt` (as a lone prompt), the rest (chunks
+        after a cached prefix) through the paged reference. So what else is in the
+        step does not change a request's attention."""
+        loc, lens = self._query_start_loc, batch.seq_lens_cpu
+        out = torch.empty_like(q)
+        decode = [i for i in range(batch.num_seqs) if loc[i + 1] - loc[i] == 1]
+        if decode:
+            seqs = torch.tensor(decode)
+            rows = torch.tensor([loc[i] for i in decode])
+            out[rows] = cpu_attention.decode_attention(     # K/V are in the cache already
+                q[rows], layer.k_cache, layer.v_cache, batch.seq_lens[seqs],
+                batch.block_tables[seqs], layer.scale, layer.sliding_window)
+        for i in range(batch.num_seqs):
+            qs, qe = loc[i], loc[i + 1]
+            if qe - qs <= 1:
+                continue
+            if lens[i] == qe - qs:
+                out[qs:qe] = self._fresh_prompt(q[qs:qe], k[qs:qe], v[qs:qe], layer)
+            else:
+                out[qs:qe] = reference.paged_attention(
+                    q[qs:qe], layer.k_cache, layer.v_cache, [0, qe - qs], [lens[i]],
+                    batch.block_tables[i:i + 1], layer.scale, layer.sliding_window)
+        return out
 
     def _quantized(self, q, k, v, layer, batch) -> torch.Tensor:
         reference.store_kv(k, v, layer.k_cache, layer.v_cache, batch.slot_mapping,

@@ -210,3 +210,25 @@ def test_chat_takes_text_content_parts(llama_llm):
     with pytest.raises(ValueError, match="only text content parts"):
         llama_llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}],
                        params, use_tqdm=False)
+
+
+def test_cpu_attention_of_fresh_prompts_does_not_depend_on_the_step(tiny_folder):
+    """On the CPU kernels' path a fresh prompt's attention is the same alone or beside
+    another prompt in one step (exact equality of the first layer's attention output;
+    before, a batch went through the paged reference and a lone prompt through SDPA)."""
+    import torch
+    from slipstream.kernels import cpu_library
+    if cpu_library.load() is None:
+        pytest.skip("the CPU kernels did not build here")
+    folder, _ = tiny_folder("llama")
+    llm = make_llm(folder, enable_prefix_caching=False, attention_backend="torch")
+    seen = []
+    attn = llm.engine.runner.model.model.layers[0].self_attn.attn
+    attn.register_forward_hook(lambda mod, inp, out: seen.append(out.detach().clone()))
+    a, b = random_prompts(2, 265, 12, 12, seed=11)
+    p = SamplingParams(max_tokens=1, temperature=0)
+    llm.generate([a], p, use_tqdm=False)
+    alone = seen[0]
+    seen.clear()
+    llm.generate([a, b], p, use_tqdm=False)
+    assert torch.equal(seen[0][:len(a["prompt_token_ids"])], alone)
