@@ -72,9 +72,14 @@ def main(argv: list[str] | None = None) -> int:
 def _with_flags(message: str, args: argparse.Namespace) -> str:
     """The engine names its options as Python does (`tensor_parallel_size=3`); on
     the command line they read as the flags that set them (`--tensor-parallel-size=3`)."""
-    for name in sorted(vars(args), key=len, reverse=True):
-        if "_" in name and name in message:
-            message = message.replace(name, "--" + name.replace("_", "-"))
+    return name_flags(message, {name: "--" + name.replace("_", "-") for name in vars(args)
+                                if "_" in name})
+
+
+def name_flags(message: str, flags: dict[str, str]) -> str:
+    """`message` with each field name in `flags` replaced by its flag, longest first."""
+    for name in sorted(flags, key=len, reverse=True):
+        message = message.replace(name, flags[name])
     return message
 
 

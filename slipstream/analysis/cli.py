@@ -36,7 +36,7 @@ Each form takes --help."""
 
 def _model_parser() -> argparse.ArgumentParser:
     p = Parser(prog="slipstream analyze", description="FLOPs, bytes and "
-                                "roofline bounds of a model on a GPU")
+               "roofline bounds of a model on a GPU")
     p.add_argument("model", help="preset (see `analyze models`), config.json, or model folder")
     p.add_argument("--gpu", default="H100", help="A100, H100, H200, B200, or a measured profile")
     p.add_argument("--num-gpus", type=int, default=1,
@@ -83,8 +83,8 @@ def run_model(argv: list[str]) -> int:
 
 def _tp_parser() -> argparse.ArgumentParser:
     p = Parser(prog="slipstream analyze tp",
-                                description="Tensor parallelism: all-reduce bytes per layer per "
-                                "token, communication time per step, and when TP pays")
+               description="Tensor parallelism: all-reduce bytes per layer per "
+               "token, communication time per step, and when TP pays")
     p.add_argument("model", help="preset, config.json, or model folder")
     p.add_argument("--gpu", default="H200", help="one device: A100, H100, H200, B200, or a profile")
     p.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4, 8], help="sizes to compare")
@@ -119,9 +119,9 @@ def run_tp(argv: list[str]) -> int:
 
 def _kv_transfer_parser() -> argparse.ArgumentParser:
     p = Parser(prog="slipstream analyze kv-transfer",
-                                description="Prefill/decode disaggregation: time to move a "
-                                "prompt's KV cache between instances (KV bytes per token x "
-                                "tokens / link bandwidth), against the prompt's prefill time")
+               description="Prefill/decode disaggregation: time to move a "
+               "prompt's KV cache between instances (KV bytes per token x "
+               "tokens / link bandwidth), against the prompt's prefill time")
     p.add_argument("model", help="preset, config.json, or model folder")
     p.add_argument("--prompt", type=int, nargs="+", default=[512, 1024, 4096, 16384],
                    help="prompt lengths (tokens)")
@@ -162,8 +162,8 @@ def run_kv_transfer(argv: list[str]) -> int:
 
 def _specdec_parser() -> argparse.ArgumentParser:
     p = Parser(prog="slipstream analyze specdec",
-                                description="Speculative decoding: expected tokens per round, "
-                                "speedup, best draft length (chapter 3.3-3.4)")
+               description="Speculative decoding: expected tokens per round, "
+               "speedup, best draft length (chapter 3.3-3.4)")
     p.add_argument("--alpha", type=float, required=True, help="per-token acceptance rate")
     p.add_argument("--gamma", type=int, required=True, help="draft tokens per round")
     p.add_argument("--c", type=float, required=True, help="draft step time / target step time")
@@ -185,8 +185,8 @@ def run_specdec(argv: list[str]) -> int:
 
 def _measure_parser() -> argparse.ArgumentParser:
     p = Parser(prog="slipstream analyze measure",
-                                description="Measure copy bandwidth and bf16 matmul rate of this "
-                                "device and store the profile for benchmarks and --gpu")
+               description="Measure copy bandwidth and bf16 matmul rate of this "
+               "device and store the profile for benchmarks and --gpu")
     p.add_argument("--device", default="auto", help="cuda, cuda:1, cpu (auto: cuda if present)")
     p.add_argument("--out", help="profile path (default: ~/.cache/slipstream/hardware/<device>.json)")
     p.add_argument("--copy-mib", type=int, help="bytes copied per run, in MiB")

@@ -12,7 +12,7 @@ import sys
 import time
 
 DTYPES = ("auto", "float32", "fp32", "float", "float16", "fp16", "half", "bfloat16", "bf16")
-_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
+DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:\d+)?")
 # SamplingParams field -> flag
 _SAMPLING_FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temperature", "top_p": "--top-p",
                    "top_k": "--top-k", "min_p": "--min-p", "repetition_penalty": "--repetition-penalty",
@@ -20,14 +20,14 @@ _SAMPLING_FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temperature",
 
 
 def _device(text: str) -> str:
-    if not _DEVICE.fullmatch(text):
+    if not DEVICE_PATTERN.fullmatch(text):
         raise argparse.ArgumentTypeError(f"expected auto, cpu, cuda or cuda:N, got {text!r}")
     return text
 
 
 def _quantization(text: str) -> str:
-    from slipstream.quant.selector import _BUILTIN      # names only: no torch
-    names = ("auto", "none", *_BUILTIN)
+    from slipstream.quant.selector import BUILTIN_SCHEMES      # names only: no torch
+    names = ("auto", "none", *BUILTIN_SCHEMES)
     if text not in names:
         raise argparse.ArgumentTypeError(f"expected one of {', '.join(names)}, got {text!r}")
     return text
@@ -113,24 +113,14 @@ def sampling_params(args):
         raise ValueError(msg) from None
 
 
-# EngineArgs field -> flag, for the speculative-decoding checks
-_SPEC_FLAGS = {"speculative_method": "--speculative-method", "speculative_model": "--speculative-model",
-               "num_speculative_tokens": "--num-speculative-tokens",
-               "speculative_draft_layers": "--speculative-draft-layers",
-               "speculative_tree": "--spec-tree", "speculative_draft_graphs": "--spec-draft-graphs",
-               "speculative_device_loop": "--spec-device-loop", "speculative_compile": "--spec-compile",
-               "speculative_online": "--spec-online"}
-
-
 def check_spec_options(engine_args) -> None:
     """The speculative-decoding options' own checks, with the flags' names."""
+    from slipstream.cli import name_flags
+    from slipstream.spec.cli import SPEC_FLAGS
     try:
         engine_args.spec_config()
     except ValueError as e:
-        msg = str(e)
-        for field in sorted(_SPEC_FLAGS, key=len, reverse=True):
-            msg = msg.replace(field, _SPEC_FLAGS[field])
-        raise ValueError(msg) from None
+        raise ValueError(name_flags(str(e), SPEC_FLAGS)) from None
 
 
 def make_engine(args):

@@ -196,7 +196,8 @@ class EngineArgs:
 def _tree_nodes(method: str, extra: dict) -> int:
     if method == "medusa":
         nodes, width = 0, 1
-        for k in extra.get("medusa_topk") or (3, 2, 1, 1):   # the default tree over 4 heads
+        from slipstream.spec.medusa import default_topk
+        for k in extra.get("medusa_topk") or default_topk(4):   # the default over 4 heads
             width *= k
             nodes += width
         return nodes

@@ -6,7 +6,7 @@ import importlib
 from slipstream.quant.base import QuantMethodFor, registered_schemes
 
 # Scheme name -> module that registers it (imported only when asked for).
-_BUILTIN: dict[str, str] = {
+BUILTIN_SCHEMES: dict[str, str] = {
     "gguf": "slipstream.quant.gguf",
     "rtn-int4": "slipstream.quant.rtn",
     "rtn-int4-head8": "slipstream.quant.rtn",
@@ -36,11 +36,11 @@ def quant_method_for(config, files) -> QuantMethodFor | None:
             from slipstream.kernels import cpu_library
             cpu_library.release_threads()
         return None
-    if name not in registered_schemes() and name in _BUILTIN:
-        importlib.import_module(_BUILTIN[name])
+    if name not in registered_schemes() and name in BUILTIN_SCHEMES:
+        importlib.import_module(BUILTIN_SCHEMES[name])
     try:
         factory = registered_schemes()[name]
     except KeyError:
-        known = sorted(set(registered_schemes()) | set(_BUILTIN))
+        known = sorted(set(registered_schemes()) | set(BUILTIN_SCHEMES))
         raise ValueError(f"quantization: unknown {name!r}; choose from {known}") from None
     return factory(config, files)

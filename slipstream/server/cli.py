@@ -59,9 +59,9 @@ def _check(args) -> None:
         raise ValueError("--max-request-bytes must be at least 1024")
     if args.api_key is not None and not args.api_key.strip():
         raise ValueError("--api-key must not be empty")
-    from slipstream.commands.options import _DEVICE
+    from slipstream.commands.options import DEVICE_PATTERN
     if args.prefill_device is not None and (args.prefill_device == "auto"
-                                            or not _DEVICE.fullmatch(args.prefill_device)):
+                                            or not DEVICE_PATTERN.fullmatch(args.prefill_device)):
         raise ValueError(f"--prefill-device: expected cpu, cuda or cuda:N, got "
                          f"{args.prefill_device!r}")
     if getattr(args, "spec_device_loop", False):

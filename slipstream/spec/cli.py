@@ -109,17 +109,21 @@ def add_spec_options(p: argparse.ArgumentParser) -> None:
                         "small ops (torch.compile; adds a compile of ~20-60 s at the first prompt)")
 
 
+# EngineArgs field -> the flag that sets it (`speculative_auto_off` is --no-spec-auto-off, negated)
+SPEC_FLAGS = {"speculative_method": "--speculative-method", "speculative_model": "--speculative-model",
+              "num_speculative_tokens": "--num-speculative-tokens",
+              "speculative_draft_layers": "--speculative-draft-layers", "speculative_tree": "--spec-tree",
+              "speculative_draft_graphs": "--spec-draft-graphs",
+              "speculative_device_loop": "--spec-device-loop", "speculative_compile": "--spec-compile",
+              "speculative_online": "--spec-online"}
+
+
 def spec_engine_args(args: argparse.Namespace) -> dict:
-    return dict(speculative_method=args.speculative_method,
-                speculative_model=args.speculative_model,
-                num_speculative_tokens=args.num_speculative_tokens,
-                speculative_draft_layers=args.speculative_draft_layers,
-                speculative_tree=args.spec_tree,
-                speculative_auto_off=not args.no_spec_auto_off,
-                speculative_draft_graphs=args.spec_draft_graphs,
-                speculative_device_loop=getattr(args, "spec_device_loop", False),
-                speculative_compile=getattr(args, "spec_compile", False),
-                speculative_online=getattr(args, "spec_online", False))
+    """The EngineArgs fields of the flags above (a command without a flag: its default)."""
+    out = {field: getattr(args, flag[2:].replace("-", "_"), False)
+           for field, flag in SPEC_FLAGS.items()}
+    out["speculative_auto_off"] = not args.no_spec_auto_off
+    return out
 
 
 def add_bench_parser(bench_subparsers) -> None:
