@@ -112,6 +112,36 @@ def _timed_steps(llm, reqs) -> dict:
                                for k in ("decode", "mixed")}}
 
 
+class _GCPauses:
+    """The collector's pauses while the block runs: count and seconds per
+    generation, and the longest."""
+
+    def __enter__(self):
+        import gc
+        self.count, self.seconds, self.longest_ms, self._t0 = [0, 0, 0], [0.0, 0.0, 0.0], 0.0, 0.0
+        gc.callbacks.append(self._on)
+        return self
+
+    def _on(self, phase, info):
+        if phase == "start":
+            self._t0 = time.perf_counter()
+            return
+        dt = time.perf_counter() - self._t0
+        g = info["generation"]
+        self.count[g] += 1
+        self.seconds[g] += dt
+        self.longest_ms = max(self.longest_ms, dt * 1e3)
+
+    def __exit__(self, *exc):
+        import gc
+        gc.callbacks.remove(self._on)
+
+    def report(self) -> dict:
+        return {"count_by_generation": self.count,
+                "seconds_by_generation": [round(x, 4) for x in self.seconds],
+                "longest_ms": round(self.longest_ms, 2)}
+
+
 def stage_throughput(out: Path) -> dict:
     import torch
     from slipstream.analysis.hardware import (HardwareProfile, measure_copy_bandwidth,
@@ -128,11 +158,16 @@ def stage_throughput(out: Path) -> dict:
     print("cold", cold, flush=True)
     args = SimpleNamespace(dataset="sharegpt-like", num_prompts=NUM_PROMPTS, dataset_seed=0,
                            input_len=None, output_len=None)
-    res = throughput.run(llm, args, hw)
-    print(throughput.report(res), flush=True)
+    with _GCPauses() as pauses:
+        res = throughput.run(llm, args, hw)
+    res["gc_pauses"] = pauses.report()
+    res["gc_freeze"] = os.environ.get("SLIPSTREAM_GC_FREEZE", "1")
+    print(throughput.report(res), "gc", res["gc_pauses"], flush=True)
     res["cold_pass"] = cold
     # The same kind of pass again, warm, each step timed: where the time goes.
-    res["warm_pass"] = _timed_steps(llm, _requests(seed=2))
+    with _GCPauses() as pauses:
+        res["warm_pass"] = _timed_steps(llm, _requests(seed=2))
+    res["warm_pass"]["gc_pauses"] = pauses.report()
     print("warm", res["warm_pass"], flush=True)
     res["graphs_captured"] = len(llm.engine.runner.graphs.graphs)
     res["max_num_batched_tokens"] = llm.engine.config.scheduler.max_num_batched_tokens

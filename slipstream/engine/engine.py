@@ -11,6 +11,7 @@ from slipstream.cache.kv_manager import KVCacheManager
 from slipstream.cache.prefix_cache import BlockHasher
 from slipstream.engine.args import EngineArgs
 from slipstream.engine.detokenizer import IncrementalDetokenizer
+from slipstream.engine.gc_heap import freeze_startup_heap
 from slipstream.engine.outputs import (CompletionOutput, Logprob, PositionLogprobs, RequestMetrics,
                                        RequestOutput)
 from slipstream.engine.request import Request, RequestStatus
@@ -84,6 +85,7 @@ class Engine:
         self.async_scheduling &= not self.config.speculative.enabled
         mc = self.config.model_config
         self.eos_token_ids = tuple(dict.fromkeys(mc.eos_token_ids + tuple(self.tokenizer.eos_token_ids)))
+        freeze_startup_heap()
 
     @property
     def max_model_len(self) -> int:
