@@ -83,3 +83,10 @@ class TokenLogprobs:
     rank: int
     top_ids: list[int]
     top_logprobs: list[float]
+
+    @classmethod
+    def from_row(cls, ids: list[int], vals: list[float], rank: int, k: int) -> "TokenLogprobs":
+        """A row of `layers.logprobs.LogprobsTensors` on the host: column 0 is
+        the chosen token, then the top alternatives; keep k of them (-1: all)."""
+        top = len(ids) - 1 if k < 0 else k
+        return cls(int(ids[0]), vals[0], int(rank), [int(i) for i in ids[1:1 + top]], vals[1:1 + top])

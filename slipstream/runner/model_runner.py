@@ -42,6 +42,7 @@ class StepHandle:
     prompt_logprobs: dict[str, tuple]   # request id -> (start, host tensors, k)
     done: torch.cuda.Event | None
     spec_tokens: dict[str, list[int]] = field(default_factory=dict)  # verified drafts + 1
+    spec_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)   # of those tokens
 
 
 class ModelRunner:
@@ -192,7 +193,7 @@ class ModelRunner:
         handle = StepHandle(plan.sample_req_ids, plan.sample_rows, None, None, {}, {}, None)
         logits_indices = batch.logits_indices
         if spec is not None:
-            handle.spec_tokens = spec.verify(plan, hidden)
+            handle.spec_tokens, handle.spec_logprobs = spec.verify(plan, hidden)
             spec.keep_hidden(plan, hidden)
             if handle.spec_tokens:  # the rest sample as usual
                 keep = [i for i, r in enumerate(plan.sample_req_ids) if r not in handle.spec_tokens]
@@ -268,10 +269,11 @@ class ModelRunner:
         if handle.logprobs is not None:
             ids, vals, ranks = (x.tolist() for x in handle.logprobs)
             for rid, (i, k) in handle.logprob_req.items():
-                out.logprobs[rid] = [_record(ids[i], vals[i], ranks[i], k)]
+                out.logprobs[rid] = [TokenLogprobs.from_row(ids[i], vals[i], ranks[i], k)]
+        out.logprobs.update(handle.spec_logprobs)
         for rid, (start, (ids, vals, ranks), k) in handle.prompt_logprobs.items():
             ids, vals, ranks = ids.tolist(), vals.tolist(), ranks.tolist()
-            out.prompt_logprobs[rid] = (start, [_record(a, b, c, k) for a, b, c in zip(ids, vals, ranks)])
+            out.prompt_logprobs[rid] = (start, [TokenLogprobs.from_row(a, b, c, k) for a, b, c in zip(ids, vals, ranks)])
         return out
 
 
@@ -282,12 +284,6 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     host.copy_(t, non_blocking=True)
     return host
-
-
-def _record(ids: list[int], vals: list[float], rank: int, k: int) -> TokenLogprobs:
-    """Column 0 is the chosen token, then the top alternatives; keep k of them."""
-    top = len(ids) - 1 if k < 0 else k
-    return TokenLogprobs(ids[0], vals[0], rank, ids[1:1 + top], vals[1:1 + top])
 
 
 @contextlib.contextmanager

@@ -25,6 +25,7 @@ import time
 import numpy as np
 import torch
 
+from slipstream.layers.logprobs import compute_logprobs, gather_logprobs
 from slipstream.spec.base import ProposeRequest
 from slipstream.spec.generator import SpecStats
 from slipstream.spec.governor import SpecGovernor
@@ -33,6 +34,7 @@ from slipstream.spec.transfer import HostCopy, to_device
 from slipstream.spec.tree import DraftTree, TreeBatch
 from slipstream.spec.tree_step import TreeStepLayout, move_kv
 from slipstream.spec.verify import verify
+from slipstream.step_data import TokenLogprobs
 
 
 class Speculator:
@@ -75,9 +77,11 @@ class Speculator:
     # ---- request life -------------------------------------------------------
 
     def add(self, req_id: str, params) -> None:
-        # Penalties and log-probabilities would have to follow each draft path;
-        # such requests decode plainly. min_tokens is checked per step.
-        self.eligible[req_id] = not params.has_penalties and params.logprobs is None
+        # Penalties would have to follow each draft path (every position's counts
+        # include the path's tokens before it); such requests decode plainly.
+        # Log-probabilities come from the verified rows (`_path_logprobs`).
+        # min_tokens is checked per step.
+        self.eligible[req_id] = not params.has_penalties
 
     def remove(self, req_id: str) -> None:
         self.eligible.pop(req_id, None)
@@ -120,15 +124,16 @@ class Speculator:
 
     # ---- after the forward ------------------------------------------------------
 
-    def verify(self, plan, hidden: torch.Tensor) -> dict[str, list[int]]:
-        """Verify every staged draft; returns request id -> emitted tokens.
+    def verify(self, plan, hidden: torch.Tensor) -> tuple[dict[str, list[int]], dict[str, list]]:
+        """Verify every staged draft; returns request id -> emitted tokens, and
+        request id -> their `TokenLogprobs` for requests that asked for them.
         Everything the host does not need to see is queued on the device
         before the round's one wait (the packed result)."""
         trees = self._step_trees
         if not trees:
             if self._early:
                 self._early = {}
-            return {}
+            return {}, {}
         self._early = {}
         ib, dev = self.ib, hidden.device
         loc = np.concatenate([[0], np.cumsum(plan.query_lens)])
@@ -151,6 +156,7 @@ class Speculator:
             for t in (out.tokens, out.num_accepted, out.accepted_nodes):
                 comm.broadcast(t, self.tp.device_group)
         d = out.accepted_nodes.shape[1]
+        lp_copy = None if self.follower else self._path_logprobs(logits, out, spec_rows, sb)
         parts = [out.tokens, out.num_accepted[:, None], out.accepted_nodes]
         # Proposers that can draft from the device-side result (Medusa, EAGLE) do
         # it now: their next drafts travel in the same copy.
@@ -200,7 +206,38 @@ class Speculator:
             move_kv((self.kv_cache, self.kv_scales), src, dst, dev)
         self.sampling.num_outputs[spec_rows] += np.asarray(num_acc) + 1
         self.governor.observe_round(sum(num_acc) + len(rids), len(rids), int(nodes.sum()))
-        return emitted
+        logprobs = {}
+        if lp_copy is not None:
+            which, k, packed_lp = lp_copy
+            packed_lp = packed_lp.wait()                  # landed with the result above
+            for j, kj in zip(which, k):
+                w = (packed_lp.shape[2] - 1) // 2         # chosen token + alternatives
+                logprobs[rids[j]] = [TokenLogprobs.from_row(r[:w], r[w:2 * w], r[-1], kj)
+                                     for r in packed_lp[j, :num_acc[j] + 1].tolist()]
+        return emitted, logprobs
+
+    def _path_logprobs(self, logits: torch.Tensor, out, spec_rows, sb):
+        """Log-probabilities of the tokens each verified path emits (raw logits,
+        as the sampler reports them), for the requests that asked: position i of
+        a path is predicted by the row of its i-th node (the root first). Queued
+        on the device; returns (indices among the verified requests, their k,
+        HostCopy of [n, D + 1, 2 * (width + 1) + 1] float64), or None."""
+        if sb.max_num_logprobs is None:
+            return None
+        ks = self.sampling.num_logprobs[spec_rows]
+        which = [j for j, kj in enumerate(ks) if kj >= -1]
+        if not which:
+            return None
+        dev = logits.device
+        sel = to_device(which, torch.int64, dev)
+        nodes = out.accepted_nodes[sel]
+        path_rows = torch.cat([nodes.new_zeros(len(which), 1), nodes + 1], 1).clamp_min(0)
+        rows = logits[sel[:, None], path_rows]                          # [n, D + 1, vocab]
+        tokens = out.tokens[sel].clamp_min(0)
+        lp = gather_logprobs(compute_logprobs(rows.flatten(0, 1)), int(sb.max_num_logprobs),
+                             tokens.flatten())
+        packed = torch.cat([lp.token_ids.double(), lp.logprobs.double(), lp.ranks[:, None].double()], 1)
+        return which, [int(ks[j]) for j in which], HostCopy(packed.view(len(which), nodes.shape[1] + 1, -1))
 
     def _slot(self, row: int, pos: int) -> int:
         bs = self.block_size
@@ -385,3 +422,4 @@ def local_embedding(proposer, model) -> None:
     for part in (getattr(proposer, "expander", None), getattr(proposer, "online", None)):
         if part is not None:
             part.embed = proposer.embed
+

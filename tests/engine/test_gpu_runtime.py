@@ -129,6 +129,30 @@ def test_piecewise_graphs_under_speculation(tiny_folder, monkeypatch, tmp_path, 
     assert outs == base
 
 
+def test_speculation_with_logprobs_on_cuda(tiny_folder):
+    """A request asking for log-probabilities speculates on the GPU: tokens and
+    log-probabilities equal plain decoding's, and a round still launches without
+    a synchronizing call (its one wait is an event)."""
+    from slipstream.spec.bench_profile import count_syncs
+    folder, _ = tiny_folder("llama")
+    prompt = {"prompt_token_ids": [5, 6, 7, 8, 9] * 4}
+    params = SamplingParams(max_tokens=20, temperature=0, logprobs=2, ignore_eos=True)
+    plain = _llm(folder).generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    llm = _llm(folder, speculative_method="ngram", num_speculative_tokens=3,
+               speculative_auto_off=False)
+    out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    assert llm.engine.runner.speculator.stats.accepted > 0
+    assert out.token_ids == plain.token_ids
+    for x, y in zip(out.logprobs, plain.logprobs):
+        assert list(x) == list(y)
+        for t in x:
+            assert x[t].rank == y[t].rank and x[t].logprob == pytest.approx(y[t].logprob, abs=1e-4)
+    r = count_syncs(llm, prompt, SamplingParams(max_tokens=60, temperature=0, logprobs=2,
+                                                ignore_eos=True), warmup_steps=2, rounds=4)
+    assert r["syncs_per_round"] and max(r["syncs_per_round"]) == 0, r
+    assert r["error_mode_round"] in (None, "passed"), r
+
+
 def test_kivi_decodes_on_the_triton_backend_as_on_the_torch_backend(tiny_folder):
     """A KIVI cache on the GPU: the Triton backend's decode kernel against the torch
     backend's path, fp32 (full-precision dots), blocks sealed while decoding; no graphs."""

@@ -90,8 +90,9 @@ def test_ragged_acceptance_in_one_batch(folder, plain):
 
     def spy(self, plan, hidden):
         out = real(self, plan, hidden)
-        if len(out) > 1:
-            seen.append(sorted(len(v) for v in out.values()))
+        emitted = out[0]
+        if len(emitted) > 1:
+            seen.append(sorted(len(v) for v in emitted.values()))
         return out
     speculator.Speculator.verify = spy
     try:
@@ -103,6 +104,42 @@ def test_ragged_acceptance_in_one_batch(folder, plain):
     assert [o.outputs[0].token_ids for o in outs] == plain
     # Some step verified several requests that emitted different numbers of tokens.
     assert any(len(set(s)) > 1 for s in seen)
+
+
+@pytest.mark.parametrize("method", ["ngram", "eagle"])
+def test_logprobs_under_speculation_equal_plain_decoding(folder, method, tmp_path):
+    """A request that asks for log-probabilities speculates too: each emitted
+    token's log-probability, rank and top alternatives come from its verified
+    row and equal plain decoding's; a stop string inside a multi-token step
+    keeps one record per kept token."""
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=3)
+    kw = dict(speculative_method=method, num_speculative_tokens=3, speculative_auto_off=False)
+    if method == "eagle":
+        _, e = _heads(tmp_path, folder)
+        kw.update(speculative_model=str(e), speculative_tree="3,2,6")
+    plain = make_llm(folder).generate(_prompts(), params, use_tqdm=False)
+    llm = make_llm(folder, **kw)
+    outs = llm.generate(_prompts(), params, use_tqdm=False)
+    stats = llm.engine.runner.speculator.stats
+    assert stats.rounds > 0 and stats.accepted > 0
+    for o, p in zip(outs, plain):
+        a, b = o.outputs[0], p.outputs[0]
+        assert a.token_ids == b.token_ids
+        assert len(a.logprobs) == len(a.token_ids) == 20
+        for tok, x, y in zip(a.token_ids, a.logprobs, b.logprobs):
+            assert list(x) == list(y) and len(x) in (3, 4) and tok in x
+            for t in x:
+                assert x[t].rank == y[t].rank
+                assert x[t].logprob == pytest.approx(y[t].logprob, abs=1e-4)
+        assert a.cumulative_logprob == pytest.approx(b.cumulative_logprob, abs=1e-3)
+    assert_no_leak(llm)
+    # A stop string that ends the answer inside a step: one record per kept token.
+    text = outs[0].outputs[0].text
+    cut = text[:len(text) // 2]
+    stop = llm.generate([_prompts()[0]], SamplingParams(
+        temperature=0.0, max_tokens=20, logprobs=1, stop=[cut[-3:]] if len(cut) >= 3 else None),
+        use_tqdm=False)[0].outputs[0]
+    assert len(stop.logprobs) == len(stop.token_ids)
 
 
 def test_sampling_with_speculation_is_seeded_and_complete(folder):
