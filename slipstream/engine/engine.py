@@ -11,7 +11,7 @@ from slipstream.cache.kv_manager import KVCacheManager
 from slipstream.cache.prefix_cache import BlockHasher
 from slipstream.engine.args import EngineArgs
 from slipstream.engine.detokenizer import IncrementalDetokenizer
-from slipstream.engine.gc_heap import freeze_startup_heap
+from slipstream.engine.gc_heap import freeze_startup_heap, refreeze_if_grown
 from slipstream.engine.outputs import (CompletionOutput, Logprob, PositionLogprobs, RequestMetrics,
                                        RequestOutput)
 from slipstream.engine.request import Request, RequestStatus
@@ -193,8 +193,12 @@ class Engine:
         guard = getattr(self.runner, "step_guard", None)
         if guard is not None:
             with guard():
-                return self._step()
-        return self._step()
+                outputs = self._step()
+        else:
+            outputs = self._step()
+        if not self.has_unfinished_requests():
+            refreeze_if_grown()         # idle: a full collection costs no step
+        return outputs
 
     def _step(self) -> list[RequestOutput]:
         overlap, drained = self.async_scheduling, []

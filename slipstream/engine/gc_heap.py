@@ -7,13 +7,18 @@ an engine is built, its objects (and the imports') are moved to the permanent
 generation (`gc.freeze`), so later collections walk only what came after.
 
 Each new engine first thaws and collects, so an engine dropped earlier (engines
-sit in reference cycles) is freed then. `SLIPSTREAM_GC_FREEZE=0` leaves the
-collector alone.
+sit in reference cycles) is freed then. Work after start-up leaves long-lived
+objects too (kernels compiled for the first requests' shapes, graphs captured
+on first use): when the engine goes idle with at least REFREEZE_OBJECTS of them
+in the oldest generation, the heap is collected and frozen again, at a moment
+no step waits on. `SLIPSTREAM_GC_FREEZE=0` leaves the collector alone.
 """
 from __future__ import annotations
 
 import gc
 import os
+
+REFREEZE_OBJECTS = 50_000
 
 
 def enabled() -> bool:
@@ -26,3 +31,16 @@ def freeze_startup_heap() -> None:
     gc.unfreeze()
     gc.collect()
     gc.freeze()
+
+
+def refreeze_if_grown() -> None:
+    """Collect and freeze again when the oldest (unfrozen) generation has grown
+    past REFREEZE_OBJECTS; called when the engine has nothing to run."""
+    if not enabled():
+        return
+    try:
+        grown = len(gc.get_objects(generation=2))
+    except (TypeError, ValueError):     # a collector without that generation
+        return
+    if grown >= REFREEZE_OBJECTS:
+        freeze_startup_heap()

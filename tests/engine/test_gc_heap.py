@@ -52,3 +52,23 @@ def test_opt_out_leaves_the_collector_alone(tiny_folder, monkeypatch):
     llm = make_llm(folder)
     assert gc.get_freeze_count() == 0
     assert _in_young_generations(llm.engine)
+
+
+def test_idle_engine_freezes_what_grew_since(tiny_folder, monkeypatch):
+    """Long-lived objects made after start-up (compiled kernels, captured graphs:
+    here a stand-in) are frozen once the engine goes idle, if there are enough."""
+    from slipstream.engine import gc_heap
+    monkeypatch.delenv("SLIPSTREAM_GC_FREEZE", raising=False)
+    monkeypatch.setattr(gc_heap, "REFREEZE_OBJECTS", 1000)
+    folder, _ = tiny_folder("llama")
+    llm = make_llm(folder)
+    grown = [_Marker() for _ in range(2000)]
+    gc.collect()                                  # survivors reach the oldest generation
+    assert _in_young_generations(grown[0])
+    llm.generate([{"prompt_token_ids": [5, 6, 7]}], use_tqdm=False)
+    assert not _in_young_generations(grown[0])    # frozen at the idle step
+    few = _Marker()
+    gc.collect()
+    monkeypatch.setattr(gc_heap, "REFREEZE_OBJECTS", 10 ** 9)
+    llm.generate([{"prompt_token_ids": [5, 6, 7]}], use_tqdm=False)
+    assert _in_young_generations(few)             # below the threshold: left alone
