@@ -77,11 +77,11 @@ class Speculator:
     # ---- request life -------------------------------------------------------
 
     def add(self, req_id: str, params) -> None:
-        # Penalties would have to follow each draft path (every position's counts
-        # include the path's tokens before it); such requests decode plainly.
-        # Log-probabilities come from the verified rows (`_path_logprobs`).
-        # min_tokens is checked per step.
-        self.eligible[req_id] = not params.has_penalties
+        # Every request may speculate: the verifier applies logit bias and the
+        # penalties of each draft path (`spec.verify.constrain`), log-probabilities
+        # come from the verified rows (`_path_logprobs`), and no request drafts
+        # while it is short of min_tokens (`propose`).
+        self.eligible[req_id] = True
 
     def remove(self, req_id: str) -> None:
         self.eligible.pop(req_id, None)
@@ -156,6 +156,11 @@ class Speculator:
             for t in (out.tokens, out.num_accepted, out.accepted_nodes):
                 comm.broadcast(t, self.tp.device_group)
         d = out.accepted_nodes.shape[1]
+        if sb.penalties is not None:        # the emitted tokens join the penalty counts
+            kept = torch.arange(d + 1, device=dev)[None, :] <= out.num_accepted[:, None]
+            self.sampling.output_counts.index_put_(
+                (sb.rows[:, None].expand(b, d + 1).reshape(-1), out.tokens.clamp_min(0).reshape(-1)),
+                kept.reshape(-1).to(torch.int32), accumulate=True)
         lp_copy = None if self.follower else self._path_logprobs(logits, out, spec_rows, sb)
         parts = [out.tokens, out.num_accepted[:, None], out.accepted_nodes]
         # Proposers that can draft from the device-side result (Medusa, EAGLE) do

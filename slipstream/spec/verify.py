@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from slipstream.layers.sampler import (SamplingBatch, apply_min_p, apply_top_k_top_p,
-                                       random_sample)
+from slipstream.layers.sampler import (Penalties, SamplingBatch, apply_min_p, apply_penalties,
+                                       apply_top_k_top_p, random_sample)
 from slipstream.sampling_params import SAMPLING_EPS
 from slipstream.spec.tree import TreeBatch
 
@@ -179,9 +179,49 @@ def verify_sampled(probs: torch.Tensor, trees: TreeBatch,
     return _finish(trees, path, last, cur)
 
 
+def constrain(logits: torch.Tensor, trees: TreeBatch, sb: SamplingBatch) -> torch.Tensor:
+    """The logits plain decoding would sample from at each verification row.
+
+    logits: [B, N + 1, V] raw. Each request's logit_bias is added to all its rows;
+    penalties count, at row r, the request's outputs so far plus the draft tokens on
+    the path from the root down to node r (`relations[:, 0]`: ancestors and r itself,
+    the root left out; the root token is already among the outputs), which is what
+    the request will have emitted when it samples from row r. Returns `logits`
+    itself when neither is asked for, else a new tensor. No host sync."""
+    if sb.logit_bias is None and sb.penalties is None:
+        return logits
+    b, r, v = logits.shape
+    dev = logits.device
+    out = logits.float()
+    if sb.logit_bias is not None:
+        rows, ids, vals = sb.logit_bias
+        n = rows.shape[0]
+        level = torch.arange(r, device=dev).expand(n, r)
+        out = out.index_put((rows[:, None].expand(n, r), level, ids[:, None].expand(n, r)),
+                            vals[:, None].expand(n, r), accumulate=True)
+    if sb.penalties is not None:
+        pen = sb.penalties
+        if trees.relations is None:
+            raise ValueError("penalties under speculation need the trees' relations")
+        counts = pen.output_counts.float()[:, None, :].repeat(1, r, 1)      # [B, R, V]
+        bi = torch.arange(b, device=dev)[:, None, None].expand(b, r, r)
+        ri = torch.arange(r, device=dev)[None, :, None].expand(b, r, r)
+        tok = trees.tokens[:, None, :].expand(b, r, r)                     # token of node c
+        counts.index_put_((bi.reshape(-1), ri.reshape(-1), tok.reshape(-1)),
+                          trees.relations[:, 0].float().reshape(-1), accumulate=True)
+        rep = lambda t: t.repeat_interleave(r, dim=0)   # noqa: E731
+        out = apply_penalties(out.reshape(b * r, v), Penalties(
+            repetition=rep(pen.repetition), frequency=rep(pen.frequency),
+            presence=rep(pen.presence), output_counts=counts.view(b * r, v),
+            prompt_mask=rep(pen.prompt_mask))).view(b, r, v)
+    return out
+
+
 def verify(logits: torch.Tensor, trees: TreeBatch, sb: SamplingBatch) -> VerifyOutput:
     """logits: [B, N + 1, V] at each request's verification rows (pad rows
-    beyond a request's nodes are never read); sb: one row per request."""
+    beyond a request's nodes are never read); sb: one row per request. Logit
+    bias and penalties are applied here (`constrain`)."""
+    logits = constrain(logits, trees, sb)
     b, r, v = logits.shape
     if sb.all_greedy:
         return verify_greedy(logits.argmax(dim=-1), trees)

@@ -142,6 +142,36 @@ def test_logprobs_under_speculation_equal_plain_decoding(folder, method, tmp_pat
     assert len(stop.logprobs) == len(stop.token_ids)
 
 
+@pytest.mark.parametrize("method", ["ngram", "eagle"])
+def test_penalties_and_logit_bias_under_speculation_equal_plain_decoding(folder, method, tmp_path):
+    """Requests with penalties and logit bias speculate, and each verification row
+    is judged by the logits plain decoding would sample from after that row's
+    path: greedy tokens equal plain decoding's (the penalty counts also take the
+    tokens of multi-token steps)."""
+    base = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    params = [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, repetition_penalty=1.3,
+                             frequency_penalty=0.3, presence_penalty=0.2),
+              SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True,
+                             logit_bias={7: 2.5, 101: -50.0}),
+              SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, frequency_penalty=0.5,
+                             logit_bias={9: 1.0}),
+              base, base]
+    kw = dict(speculative_method=method, num_speculative_tokens=3, speculative_auto_off=False)
+    if method == "eagle":
+        _, e = _heads(tmp_path, folder)
+        kw.update(speculative_model=str(e), speculative_tree="3,2,6")
+    plain = [o.outputs[0].token_ids for o in make_llm(folder).generate(_prompts(), params,
+                                                                       use_tqdm=False)]
+    llm = make_llm(folder, **kw)
+    outs = [o.outputs[0].token_ids for o in llm.generate(_prompts(), params, use_tqdm=False)]
+    assert outs == plain
+    stats = llm.engine.runner.speculator.stats
+    assert stats.rounds > 0 and stats.drafted > 0
+    if method == "ngram":
+        assert stats.accepted > 0
+    assert_no_leak(llm)
+
+
 def test_sampling_with_speculation_is_seeded_and_complete(folder):
     params = SamplingParams(temperature=0.9, top_k=20, max_tokens=12, seed=7, ignore_eos=True)
     a = make_llm(folder, speculative_method="ngram", speculative_auto_off=False)

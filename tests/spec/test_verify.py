@@ -214,3 +214,49 @@ def test_greedy_without_a_depth_loop_equals_the_walk():
         longest = max(longest, int(walk.num_accepted.max()))
     assert tb.relations is not None
     assert longest >= 3        # deep paths were compared, not only rejections
+
+
+def test_constrain_matches_the_sampler_at_every_row():
+    """Logit bias and penalties at each verification row equal what the plain
+    sampler applies after the request has emitted the path down to that row:
+    two requests with different trees, one of them without penalties."""
+    from slipstream.layers.sampler import Penalties, SamplingBatch, apply_penalties
+    from slipstream.spec.verify import constrain
+    g = torch.Generator().manual_seed(3)
+    v = 12
+    trees = [DraftTree(torch.tensor([4, 7, 4, 9, 4]), (-1, -1, 0, 1, 2)),
+             DraftTree(torch.tensor([2, 2]), (-1, 0))]
+    tb = TreeBatch.stack(trees, "cpu")
+    b, r = 2, tb.tokens.shape[1]
+    logits = torch.randn(b, r, v, generator=g) * 3
+    counts = torch.zeros(b, v, dtype=torch.int32)
+    counts[0, 4], counts[0, 1], counts[1, 2] = 2, 1, 1
+    prompt = torch.zeros(b, v, dtype=torch.bool)
+    prompt[0, 9] = prompt[1, 5] = True
+    pen = Penalties(repetition=torch.tensor([1.3, 1.0]), frequency=torch.tensor([0.4, 0.0]),
+                    presence=torch.tensor([0.25, 0.0]), output_counts=counts, prompt_mask=prompt)
+    bias = (torch.tensor([0, 1, 1]), torch.tensor([7, 2, 3]), torch.tensor([1.5, -2.0, 0.5]))
+    sb = SamplingBatch(num_rows=b, all_greedy=True, all_random=False, temperature=None, top_k=None,
+                       max_top_k=v, top_p=None, min_p=None, generators={}, penalties=pen,
+                       min_tokens_mask=None, max_num_logprobs=None, logit_bias=bias)
+    got = constrain(logits, tb, sb)
+    for i, t in enumerate(trees):
+        for row in range(t.num_nodes + 1):
+            path, node = [], row - 1          # the draft tokens from the root's child down to row
+            while node >= 0:
+                path.append(int(t.tokens[node]))
+                node = t.parents[node]
+            c = counts[i].clone()
+            for tok in path:
+                c[tok] += 1
+            x = logits[i, row].clone()
+            for bi, bt, bv in zip(*bias):
+                if bi == i:
+                    x[bt] += bv
+            want = apply_penalties(x[None], Penalties(pen.repetition[i:i + 1], pen.frequency[i:i + 1],
+                                                      pen.presence[i:i + 1], c[None], prompt[i:i + 1]))
+            assert torch.allclose(got[i, row], want[0], atol=1e-6), (i, row)
+    plain = SamplingBatch(num_rows=b, all_greedy=True, all_random=False, temperature=None, top_k=None,
+                          max_top_k=v, top_p=None, min_p=None, generators={}, penalties=None,
+                          min_tokens_mask=None, max_num_logprobs=None)
+    assert constrain(logits, tb, plain) is logits
