@@ -64,7 +64,7 @@ class Speculator:
             enable_graphs(spec.draft_graphs)
         self.governor = SpecGovernor(spec, config.model_config, config.device)
         self.stats = SpecStats()
-        self.eligible: dict[str, bool] = {}    # request id -> may speculate at all
+        self.requests: set[str] = set()        # ids of the requests added (each may speculate)
         self.hidden: dict[str, list[torch.Tensor]] = {}
         self._step_trees: dict[str, DraftTree] = {}
         self._layout = TreeStepLayout()
@@ -81,10 +81,10 @@ class Speculator:
         # penalties of each draft path (`spec.verify.constrain`), log-probabilities
         # come from the verified rows (`_path_logprobs`), and no request drafts
         # while it is short of min_tokens (`propose`).
-        self.eligible[req_id] = True
+        self.requests.add(req_id)
 
     def remove(self, req_id: str) -> None:
-        self.eligible.pop(req_id, None)
+        self.requests.discard(req_id)
         self.hidden.pop(req_id, None)
         self.proposer.release(req_id)
 
@@ -283,7 +283,7 @@ class Speculator:
         room = self.governor.probe_requests if self.overlapping else len(plan.req_ids)
         for rid, q in zip(plan.req_ids, plan.query_lens):
             q = int(q)
-            if len(rids) < room and rid not in self._step_trees and self.eligible.get(rid):
+            if len(rids) < room and rid not in self._step_trees and rid in self.requests:
                 first = loc + q - 1 if self.overlapping else loc
                 rids.append(rid)
                 idx.extend(range(first, loc + q))
@@ -354,7 +354,7 @@ class Speculator:
             if limit is not None and len(reqs) + len(drafts) >= limit:
                 break
             row = ib.row_of.get(rid)
-            if row is None or not self.eligible.get(rid):
+            if row is None or rid not in self.requests:
                 continue
             if self.sampling.num_outputs[row] < self.sampling.min_tokens[row]:
                 continue
