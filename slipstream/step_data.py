@@ -72,6 +72,8 @@ class StepOutput:
     prompt_logprobs: dict[str, tuple[int, list["TokenLogprobs"]]] = field(default_factory=dict)
     # Drafts proposed for each request's next step (same form as spec_drafts).
     drafts: dict[str, tuple[list[int], tuple[int, ...]]] = field(default_factory=dict)
+    # request id -> (draft tokens verified, of them accepted) in this step.
+    spec_counts: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 @dataclass

@@ -32,6 +32,8 @@ class _Sequence:
     detok: IncrementalDetokenizer
     parent: "_Parent"
     cumulative_logprob: float = 0.0
+    draft_tokens: int = 0           # speculation: draft tokens verified for it
+    accepted_tokens: int = 0        # and of them accepted
 
 
 class _Parent:
@@ -239,6 +241,11 @@ class Engine:
             recorded.extend(entries[max(0, len(recorded) - start):])
         before = {rid: self._seqs[rid].request.num_output_tokens
                   for rid in result.sampled if rid in self._seqs}
+        for rid, (drafted, accepted) in result.spec_counts.items():
+            seq = self._seqs.get(rid)
+            if seq is not None:
+                seq.draft_tokens += drafted
+                seq.accepted_tokens += accepted
         advanced = self.scheduler.update(result.sampled, result.drafts)
         touched: dict[str, _Parent] = {}
         now = time.monotonic()
@@ -315,6 +322,10 @@ class Engine:
         if first.params.prompt_logprobs is not None:
             prompt_lps = [None] + [self._logprob_dict(e) for e in first.prompt_logprobs]
         finished = parent.finished
+        extra = {}
+        if self.config.speculative.enabled:   # cumulative, over the request's sequences
+            extra = {"num_draft_tokens": sum(s.draft_tokens for s in parent.seqs),
+                     "num_accepted_tokens": sum(s.accepted_tokens for s in parent.seqs)}
         return RequestOutput(
             request_id=parent.request_id,
             prompt=parent.prompt,
@@ -326,4 +337,5 @@ class Engine:
             metrics=RequestMetrics(parent.arrival_time, parent.first_token_time,
                                    time.monotonic() if finished else None,
                                    sum(s.request.num_preemptions for s in parent.seqs)),
+            extra=extra,
         )

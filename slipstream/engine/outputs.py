@@ -48,4 +48,6 @@ class RequestOutput:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
+    # With speculation on: "num_draft_tokens" verified for the request so far and
+    # "num_accepted_tokens" of them (the server's speculation metrics read these).
     extra: dict = field(default_factory=dict)

@@ -43,6 +43,7 @@ class StepHandle:
     done: torch.cuda.Event | None
     spec_tokens: dict[str, list[int]] = field(default_factory=dict)  # verified drafts + 1
     spec_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)   # of those tokens
+    spec_counts: dict[str, tuple[int, int]] = field(default_factory=dict)   # (drafted, accepted)
 
 
 class ModelRunner:
@@ -193,7 +194,7 @@ class ModelRunner:
         handle = StepHandle(plan.sample_req_ids, plan.sample_rows, None, None, {}, {}, None)
         logits_indices = batch.logits_indices
         if spec is not None:
-            handle.spec_tokens, handle.spec_logprobs = spec.verify(plan, hidden)
+            handle.spec_tokens, handle.spec_logprobs, handle.spec_counts = spec.verify(plan, hidden)
             spec.keep_hidden(plan, hidden)
             if handle.spec_tokens:  # the rest sample as usual
                 keep = [i for i, r in enumerate(plan.sample_req_ids) if r not in handle.spec_tokens]
@@ -271,6 +272,7 @@ class ModelRunner:
             for rid, (i, k) in handle.logprob_req.items():
                 out.logprobs[rid] = [TokenLogprobs.from_row(ids[i], vals[i], ranks[i], k)]
         out.logprobs.update(handle.spec_logprobs)
+        out.spec_counts = handle.spec_counts
         for rid, (start, (ids, vals, ranks), k) in handle.prompt_logprobs.items():
             ids, vals, ranks = ids.tolist(), vals.tolist(), ranks.tolist()
             out.prompt_logprobs[rid] = (start, [TokenLogprobs.from_row(a, b, c, k) for a, b, c in zip(ids, vals, ranks)])

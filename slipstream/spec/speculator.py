@@ -21,6 +21,7 @@ memory (spec/transfer.py), so nothing else stalls the host.
 from __future__ import annotations
 
 import time
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -35,6 +36,13 @@ from slipstream.spec.tree import DraftTree, TreeBatch
 from slipstream.spec.tree_step import TreeStepLayout, move_kv
 from slipstream.spec.verify import verify
 from slipstream.step_data import TokenLogprobs
+
+
+class Verified(NamedTuple):
+    """A step's verification, request id -> what it gave that request."""
+    tokens: dict[str, list[int]]                 # the emitted tokens (accepted drafts + 1)
+    logprobs: dict[str, list[TokenLogprobs]]     # their log-probabilities, where asked for
+    counts: dict[str, tuple[int, int]]           # (draft tokens verified, of them accepted)
 
 
 class Speculator:
@@ -124,16 +132,14 @@ class Speculator:
 
     # ---- after the forward ------------------------------------------------------
 
-    def verify(self, plan, hidden: torch.Tensor) -> tuple[dict[str, list[int]], dict[str, list]]:
-        """Verify every staged draft; returns request id -> emitted tokens, and
-        request id -> their `TokenLogprobs` for requests that asked for them.
-        Everything the host does not need to see is queued on the device
-        before the round's one wait (the packed result)."""
+    def verify(self, plan, hidden: torch.Tensor) -> Verified:
+        """Verify every staged draft. Everything the host does not need to see
+        is queued on the device before the round's one wait (the packed result)."""
         trees = self._step_trees
         if not trees:
             if self._early:
                 self._early = {}
-            return {}, {}
+            return Verified({}, {}, {})
         self._early = {}
         ib, dev = self.ib, hidden.device
         loc = np.concatenate([[0], np.cumsum(plan.query_lens)])
@@ -184,6 +190,7 @@ class Speculator:
         host = result.wait()
         packed = host[:, :2 * d + 2].tolist()
         emitted: dict[str, list[int]] = {}
+        counts: dict[str, tuple[int, int]] = {}
         num_acc = []
         src, dst = [], []
         for j, (i, rid, t) in enumerate(zip(order, rids, tlist)):
@@ -196,6 +203,7 @@ class Speculator:
                 dst.append(self._slot(row, s + to))
             toks = r[:a + 1]
             emitted[rid] = toks
+            counts[rid] = (t.num_nodes, a)
             ib.token_ids[row, s + 1:s + 2 + a] = toks
             ib.num_known[row] = ib.num_tokens[row] = s + 2 + a
             if early is not None and early[1][j]:
@@ -219,7 +227,7 @@ class Speculator:
                 w = (packed_lp.shape[2] - 1) // 2         # chosen token + alternatives
                 logprobs[rids[j]] = [TokenLogprobs.from_row(r[:w], r[w:2 * w], r[-1], kj)
                                      for r in packed_lp[j, :num_acc[j] + 1].tolist()]
-        return emitted, logprobs
+        return Verified(emitted, logprobs, counts)
 
     def _path_logprobs(self, logits: torch.Tensor, out, spec_rows, sb):
         """Log-probabilities of the tokens each verified path emits (raw logits,

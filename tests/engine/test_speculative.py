@@ -163,10 +163,13 @@ def test_penalties_and_logit_bias_under_speculation_equal_plain_decoding(folder,
     plain = [o.outputs[0].token_ids for o in make_llm(folder).generate(_prompts(), params,
                                                                        use_tqdm=False)]
     llm = make_llm(folder, **kw)
-    outs = [o.outputs[0].token_ids for o in llm.generate(_prompts(), params, use_tqdm=False)]
-    assert outs == plain
+    results = llm.generate(_prompts(), params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in results] == plain
     stats = llm.engine.runner.speculator.stats
     assert stats.rounds > 0 and stats.drafted > 0
+    # Each request's output counts its own drafts; together they are the engine's.
+    assert sum(o.extra["num_draft_tokens"] for o in results) == stats.drafted
+    assert sum(o.extra["num_accepted_tokens"] for o in results) == stats.accepted
     if method == "ngram":
         assert stats.accepted > 0
     assert_no_leak(llm)
