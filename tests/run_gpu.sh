@@ -23,13 +23,16 @@ i=0
 for g in "${GROUPS_[@]}"; do
   i=$((i + 1))
   # shellcheck disable=SC2086
-  timeout "$LIMIT" python3 -m pytest -q -rf $g -p no:cacheprovider > "$OUT/gpu_tests_$i.log" 2>&1 &
+  # SIGINT at the limit: pytest stops and still prints what ran and what failed
+  # (unbuffered, so a killed run's log keeps its lines).
+  timeout -s INT -k 30 "$LIMIT" python3 -u -m pytest -q -rf $g -p no:cacheprovider > "$OUT/gpu_tests_$i.log" 2>&1 &
 done
 wait
 rc=0
 for j in $(seq 1 $i); do
   echo "== group $j: ${GROUPS_[$((j - 1))]}"
   grep -E "^FAILED|^ERROR|passed|failed" "$OUT/gpu_tests_$j.log" | tail -15
+  grep -q "KeyboardInterrupt" "$OUT/gpu_tests_$j.log" && { echo "(stopped at ${LIMIT}s: the counts above are of the tests that ran)"; rc=1; }
   grep -qE " passed| failed" "$OUT/gpu_tests_$j.log" || { echo "(no summary: over ${LIMIT}s or crashed)"; rc=1; }
   grep -qE "^FAILED|^ERROR| failed" "$OUT/gpu_tests_$j.log" && rc=1
 done
