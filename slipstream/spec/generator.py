@@ -86,6 +86,9 @@ class SpeculativeGenerator:
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], params: SamplingParams,
                  stats: SpecStats | None = None) -> list[list[int]]:
+        if params.has_penalties or params.logit_bias or params.min_tokens:
+            raise ValueError("the reference loop samples without penalties, logit bias or "
+                             "min_tokens; the engine (LLM) applies them under speculation")
         stats = stats if stats is not None else SpecStats()
         n = len(prompts)
         ids = [f"r{i}" for i in range(n)]

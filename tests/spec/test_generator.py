@@ -153,3 +153,12 @@ def test_two_caches_on_one_model_do_not_collide(tiny_target, plain):
     a = SpeculativeGenerator(tiny_target, None, num_blocks=64, block_size=4)
     features_of(tiny_target, torch.tensor(PROMPTS[1]))   # binds the layers to its own pool
     assert a.generate(PROMPTS, GREEDY) == plain
+
+
+def test_reference_loop_refuses_what_it_does_not_apply(tiny_target):
+    gen = SpeculativeGenerator(tiny_target, None, num_blocks=64, block_size=4)
+    for params in (SamplingParams(temperature=0, max_tokens=4, repetition_penalty=1.2),
+                   SamplingParams(temperature=0, max_tokens=4, logit_bias={5: 1.0}),
+                   SamplingParams(temperature=0, max_tokens=4, min_tokens=2)):
+        with pytest.raises(ValueError, match="reference loop"):
+            gen.generate([[5, 6, 7]], params)
