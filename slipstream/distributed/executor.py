@@ -13,9 +13,12 @@ and refuses further steps: it never hangs on a dead rank.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
+import os
 import signal
+import sys
 import threading
 import time
 import weakref
@@ -84,7 +87,7 @@ class TPExecutor:
             config = replace(config, device=rank_device(config.device, local_rank))
             if rank != 0:   # this process is a worker: serve rank 0's steps, then leave
                 run_worker(rank, size, None, args, local_rank)
-                raise SystemExit(0)
+                _leave_worker()
             store = None
         else:
             if config.device.type == "cuda" and torch.cuda.device_count() < size:
@@ -254,3 +257,16 @@ def _kill(procs) -> None:
         if p.is_alive():
             p.kill()
         p.join(timeout=5)
+
+
+def _leave_worker() -> None:
+    """End a torchrun worker once rank 0 has stopped it. Its exit handlers run and
+    its output is flushed, but the interpreter's own teardown is skipped: there,
+    now and then, the C++ side of torch.distributed destroyed a thread still
+    running ("terminate called without an active exception", SIGABRT), which
+    made torchrun report the whole run failed after its work was done."""
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(0)

@@ -408,10 +408,9 @@ def test_torchrun_ranks_generate_as_one_process(split_kv_folder, tmp_path):
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                         "--master-port", str(free_port()), str(script), str(split_kv_folder)],
                        capture_output=True, text=True, env=env, timeout=150)
-    # Known: now and then a rank aborts at interpreter exit, after its work, inside
-    # torch.distributed's teardown ("terminate called without an active exception").
-    assert r.returncode == 0 or "terminate called without an active exception" in r.stderr, \
-        r.stdout + r.stderr
+    # Rank 1 leaves without the interpreter's teardown, where torch.distributed's C++
+    # side now and then aborted ("terminate called without an active exception").
+    assert r.returncode == 0, r.stdout + r.stderr
     got = [line for line in r.stdout.splitlines() if line.startswith("TOKENS")]
     want = make_llm(split_kv_folder).generate(
         [{"prompt_token_ids": [5, 6, 7, 8, 9]}], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
