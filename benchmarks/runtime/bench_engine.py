@@ -169,7 +169,9 @@ def stage_throughput(out: Path) -> dict:
         res["warm_pass"] = _timed_steps(llm, _requests(seed=2))
     res["warm_pass"]["gc_pauses"] = pauses.report()
     print("warm", res["warm_pass"], flush=True)
-    res["graphs_captured"] = len(llm.engine.runner.graphs.graphs)
+    res["graphs_captured"] = len(llm.engine.runner.graphs.graphs)          # decode graphs
+    pw = llm.engine.runner.piecewise
+    res["piecewise_buckets_captured"] = None if pw is None else sorted(pw.pieces)
     res["max_num_batched_tokens"] = llm.engine.config.scheduler.max_num_batched_tokens
     (out / "requests.json").write_text(json.dumps([[r.prompt_token_ids, r.output_len] for r in reqs]))
     return res
