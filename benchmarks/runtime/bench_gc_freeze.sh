@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The throughput stage of bench_engine.py (1,000 ShareGPT-like requests, Llama-3-8B
-# shape, random bf16 weights) with the start-up heap frozen (the engine's default)
-# and not (SLIPSTREAM_GC_FREEZE=0), each in its own process, alternating:
+# shape, random bf16 weights) with every engine's start-up heap frozen
+# (SLIPSTREAM_GC_FREEZE=1; the server's default) and not (=0), each in its own
+# process, alternating:
 #   bash benchmarks/runtime/bench_gc_freeze.sh OUT [REPEATS]
 # Writes OUT/freeze<0|1>_<repeat>.json (each with the collector's pauses in the
 # timed run and in the warm pass) and OUT/printed.txt.

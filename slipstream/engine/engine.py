@@ -11,7 +11,7 @@ from slipstream.cache.kv_manager import KVCacheManager
 from slipstream.cache.prefix_cache import BlockHasher
 from slipstream.engine.args import EngineArgs
 from slipstream.engine.detokenizer import IncrementalDetokenizer
-from slipstream.engine.gc_heap import freeze_startup_heap, refreeze_if_grown
+from slipstream.engine import gc_heap
 from slipstream.engine.outputs import (CompletionOutput, Logprob, PositionLogprobs, RequestMetrics,
                                        RequestOutput)
 from slipstream.engine.request import Request, RequestStatus
@@ -56,6 +56,7 @@ class Engine:
     def __init__(self, args: EngineArgs, world=None):
         """world: under tensor parallelism, the prefill/decode pair
         (`distributed.parallel.World`) this instance is one of; None: its own."""
+        gc_heap.thaw()              # an engine dropped earlier frees its memory first
         files = open_model(args.model, args.load_format, args.seed)
         self.config = args.create_config(str(files.path), files.config)
         self.tokenizer = files.tokenizer()
@@ -87,7 +88,7 @@ class Engine:
         self.async_scheduling &= not self.config.speculative.enabled
         mc = self.config.model_config
         self.eos_token_ids = tuple(dict.fromkeys(mc.eos_token_ids + tuple(self.tokenizer.eos_token_ids)))
-        freeze_startup_heap()
+        gc_heap.engine_built()
 
     @property
     def max_model_len(self) -> int:
@@ -160,6 +161,8 @@ class Engine:
         stop = getattr(self.runner, "shutdown", None)
         if stop is not None:
             stop()
+        if gc_heap.mode() == "all":
+            gc_heap.thaw()          # what the caller drops next is collectable again
 
     def loop_path(self):
         """The EAGLE device loop for single greedy prompts (spec/loop_path.py), built at
@@ -199,7 +202,7 @@ class Engine:
         else:
             outputs = self._step()
         if not self.has_unfinished_requests():
-            refreeze_if_grown()         # idle: a full collection costs no step
+            gc_heap.refreeze_if_grown()     # idle: a full collection costs no step
         return outputs
 
     def _step(self) -> list[RequestOutput]:

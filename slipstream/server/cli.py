@@ -117,6 +117,8 @@ def run(args) -> int:
           f"in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     app = build_app(engine, name, api_key=args.api_key, max_queued=args.max_queued_requests,
                     max_request_bytes=args.max_request_bytes)
+    from slipstream.engine import gc_heap
+    gc_heap.serving()       # the start-up heap out of the collector's way (engine/gc_heap.py)
     print(f"serving on http://{args.host}:{args.port} (chat page at /)"
           + (" with an API key" if args.api_key else ""), file=sys.stderr, flush=True)
     # uvicorn's SIGTERM/SIGINT handling stops accepting connections, waits for the
