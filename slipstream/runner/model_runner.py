@@ -141,7 +141,7 @@ class ModelRunner:
         starts = {}
         for r in sched.new_requests:
             if self.speculator is not None:
-                self.speculator.add(r.req_id, r.params)
+                self.speculator.add(r.req_id)
             row = ib.add(r.req_id, r.prompt_token_ids, r.output_token_ids, r.block_ids)
             self.sampling.add(row, r.params, r.prompt_token_ids, r.output_token_ids, r.eos_token_ids,
                               self._parked.pop(r.req_id, None))

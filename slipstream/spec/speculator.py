@@ -84,7 +84,7 @@ class Speculator:
 
     # ---- request life -------------------------------------------------------
 
-    def add(self, req_id: str, params) -> None:
+    def add(self, req_id: str) -> None:
         # Every request may speculate: the verifier applies logit bias and the
         # penalties of each draft path (`spec.verify.constrain`), log-probabilities
         # come from the verified rows (`_path_logprobs`), and no request drafts
@@ -223,8 +223,8 @@ class Speculator:
         if lp_copy is not None:
             which, k, packed_lp = lp_copy
             packed_lp = packed_lp.wait()                  # landed with the result above
+            w = (packed_lp.shape[2] - 1) // 2             # chosen token + alternatives
             for j, kj in zip(which, k):
-                w = (packed_lp.shape[2] - 1) // 2         # chosen token + alternatives
                 logprobs[rids[j]] = [TokenLogprobs.from_row(r[:w], r[w:2 * w], r[-1], kj)
                                      for r in packed_lp[j, :num_acc[j] + 1].tolist()]
         return Verified(emitted, logprobs, counts)

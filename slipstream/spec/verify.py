@@ -209,11 +209,10 @@ def constrain(logits: torch.Tensor, trees: TreeBatch, sb: SamplingBatch) -> torc
         tok = trees.tokens[:, None, :].expand(b, r, r)                     # token of node c
         counts.index_put_((bi.reshape(-1), ri.reshape(-1), tok.reshape(-1)),
                           trees.relations[:, 0].float().reshape(-1), accumulate=True)
-        rep = lambda t: t.repeat_interleave(r, dim=0)   # noqa: E731
         out = apply_penalties(out.reshape(b * r, v), Penalties(
-            repetition=rep(pen.repetition), frequency=rep(pen.frequency),
-            presence=rep(pen.presence), output_counts=counts.view(b * r, v),
-            prompt_mask=rep(pen.prompt_mask))).view(b, r, v)
+            repetition=_each_row(pen.repetition, r), frequency=_each_row(pen.frequency, r),
+            presence=_each_row(pen.presence, r), output_counts=counts.view(b * r, v),
+            prompt_mask=_each_row(pen.prompt_mask, r))).view(b, r, v)
     return out
 
 
@@ -230,12 +229,15 @@ def verify(logits: torch.Tensor, trees: TreeBatch, sb: SamplingBatch) -> VerifyO
     return verify_sampled(probs, trees, sb.generators)
 
 
+def _each_row(t: torch.Tensor | None, r: int) -> torch.Tensor | None:
+    """A per-request tensor with each request's row repeated for its r verification rows."""
+    return None if t is None else t.repeat_interleave(r, dim=0)
+
+
 def _repeat_rows(sb: SamplingBatch, r: int) -> SamplingBatch:
     """The batch's per-row settings, each row repeated r times (for target_probs)."""
-    def rep(t):
-        return None if t is None else t.repeat_interleave(r, dim=0)
     return SamplingBatch(
         num_rows=sb.num_rows * r, all_greedy=sb.all_greedy, all_random=sb.all_random,
-        temperature=rep(sb.temperature), top_k=rep(sb.top_k), max_top_k=sb.max_top_k,
-        top_p=rep(sb.top_p), min_p=rep(sb.min_p), generators={}, penalties=None,
-        min_tokens_mask=None, max_num_logprobs=None)
+        temperature=_each_row(sb.temperature, r), top_k=_each_row(sb.top_k, r),
+        max_top_k=sb.max_top_k, top_p=_each_row(sb.top_p, r), min_p=_each_row(sb.min_p, r),
+        generators={}, penalties=None, min_tokens_mask=None, max_num_logprobs=None)
