@@ -38,6 +38,11 @@ class LLM:
         the LLM cannot generate after this."""
         self.engine.shutdown()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget the cached prompt blocks (False, and nothing reset, while requests
+        are unfinished)."""
+        return self.engine.reset_prefix_cache()
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 

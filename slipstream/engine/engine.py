@@ -156,6 +156,16 @@ class Engine:
             self.scheduler.finish_request(s.request.request_id, RequestStatus.FINISHED_ABORTED)
             self._seqs.pop(s.request.request_id, None)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prompt block, so that the next requests compute their
+        prompts whole (benchmarks that repeat prompts). Only while no request is
+        unfinished, since running requests hold cached blocks: False, and nothing
+        reset, otherwise."""
+        if self.has_unfinished_requests():
+            return False
+        self.kv.pool.reset_prefix_cache()
+        return True
+
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any (the engine cannot step after this)."""
         stop = getattr(self.runner, "shutdown", None)

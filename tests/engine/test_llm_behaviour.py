@@ -38,6 +38,19 @@ def test_prefix_cache_hit_gives_cold_run_tokens(tiny_folder):
     # whole but for its last token, which is always recomputed.
     assert [o.num_cached_tokens for o in outs] == [40, 40, 40]
     assert all(o.num_cached_tokens == 0 for o in cold.generate(prompts, GREEDY, use_tqdm=False))
+
+    # Reset: the same prompts compute whole again, with the same tokens.
+    warm.engine.add_request(prompts[0], GREEDY)
+    assert warm.reset_prefix_cache() is False          # a request is unfinished
+    assert pool.num_cached_blocks >= 10
+    while warm.engine.has_unfinished_requests():
+        warm.engine.step()
+    assert warm.reset_prefix_cache() is True
+    assert pool.num_cached_blocks == 0
+    outs = warm.generate(prompts, GREEDY, use_tqdm=False)
+    assert tokens(outs) == expect
+    assert [o.num_cached_tokens for o in outs] == [0, 40, 40]   # the first fills it again
+    assert_no_leak(warm)
     assert_no_leak(warm)
 
 
