@@ -18,9 +18,11 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 from slipstream.kernels.attention_tile import next_pow2
 from slipstream.kernels.quant_act import empty_rows, quant_params, quantize_block, row_scale
+from slipstream.kernels.runtime import pdl_elementwise
 
 
 @triton.jit
@@ -28,10 +30,13 @@ def _rms_norm_kernel(X, Res, W, Out, ResOut, eps,
                      stride_x, stride_r, stride_o, stride_ro,
                      N: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                      QUANT: tl.constexpr, S, QMAX: tl.constexpr, EPS: tl.constexpr,
-                     FP8: tl.constexpr):
+                     FP8: tl.constexpr, PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)   # a parameter: no kernel writes it
+    if PDL:   # launched early: x and the residual are the kernel ahead's outputs
+        gdc_wait()
     x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(Res + row * stride_r + cols, mask=mask, other=0.0)
@@ -40,7 +45,6 @@ def _rms_norm_kernel(X, Res, W, Out, ResOut, eps,
     h = x.to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(h * h, axis=0) / N + eps)
     normed = (h * inv_rms).to(X.dtype.element_ty).to(tl.float32)
-    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
     if QUANT:   # Out holds the codes; the normed row is rounded to the model dtype first
         y = (w * normed).to(X.dtype.element_ty).to(tl.float32)
         scale = row_scale(tl.max(tl.abs(y), axis=0), QMAX, EPS)
@@ -82,7 +86,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
             x, res, weight, out, res_out, eps,
             x.stride(0), res.stride(0), out.stride(0), res_out.stride(0),
             N=hidden, BLOCK=block, HAS_RESIDUAL=residual is not None,
-            num_warps=_num_warps(block), **extra)
+            PDL=(pdl := pdl_elementwise(x)), launch_pdl=pdl, num_warps=_num_warps(block), **extra)
     if quant is not None:
         out = (out, scale)
     return out if residual is None else (out, res_out)

@@ -24,11 +24,11 @@ import torch
 import triton
 import triton.language as tl
 
-from triton.language.extra.cuda import gdc_launch_dependents
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from slipstream.kernels.attention_tile import next_pow2
 from slipstream.kernels.kv_store import codes_of, scale_pool_args
-from slipstream.kernels.runtime import pdl_supported
+from slipstream.kernels.runtime import pdl_elementwise, pdl_supported
 
 
 @triton.jit
@@ -103,9 +103,12 @@ def _rotary_store_kernel(Q, K, V, Positions, Cos, Sin, KCache, VCache, KScale, V
                          NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                          HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
                          KV_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr, QUANT: tl.constexpr,
-                         QMAX: tl.constexpr, IS_INT: tl.constexpr, PDL: tl.constexpr):
+                         QMAX: tl.constexpr, IS_INT: tl.constexpr, PDL: tl.constexpr,
+                         EARLY: tl.constexpr):
     if PDL:  # the attention kernel may launch; it waits for this grid before its reads
         gdc_launch_dependents()
+    if EARLY:  # launched early itself: q, k and v are the kernel ahead's outputs
+        gdc_wait()
     t = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
     d = tl.arange(0, BLOCK_D)
@@ -159,4 +162,5 @@ def rotary_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
         cos.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *s_strides,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=half, BLOCK_D=next_pow2(half),
         BLOCK_H=block_h, KV_PAD=next_pow2(num_kv_heads), PAGE_SIZE=k_cache.shape[1],
-        QUANT=quant, QMAX=qmax, IS_INT=is_int, PDL=pdl_supported(q), num_warps=4)
+        QUANT=quant, QMAX=qmax, IS_INT=is_int, PDL=pdl_supported(q),
+        EARLY=(early := pdl_elementwise(q)), launch_pdl=early, num_warps=4)

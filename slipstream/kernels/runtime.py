@@ -54,6 +54,19 @@ def pdl_supported(t: torch.Tensor) -> bool:
     return t.is_cuda and _pdl_device(t.device.index or 0)
 
 
+# The norms, SiLU x up and rotary + KV store may launch behind the kernel ahead of
+# them (programmatic dependent launch), so that their launch and the load of a
+# norm's weight overlap that kernel's tail. Off: measured on an H200 (Llama-3-8B
+# shape, benchmarks/runtime/bench_pdl.py) it moved batch-1 decode by +0.2% and made
+# batches 8 and 64 1% slower.
+EARLY_ELEMENTWISE = False
+
+
+def pdl_elementwise(t: torch.Tensor) -> bool:
+    """Whether a row-wise kernel (norm, SiLU x up, rotary + KV store) launches early."""
+    return EARLY_ELEMENTWISE and pdl_supported(t)
+
+
 @functools.cache
 def _pdl_device(device_index: int) -> bool:
     if os.environ.get("SLIPSTREAM_DISABLE_PDL", "0") not in ("", "0"):

@@ -22,12 +22,17 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 from slipstream.kernels.quant_act import empty_rows, quant_params, quantize_block, row_scale
+from slipstream.kernels.runtime import pdl_elementwise
 
 
 @triton.jit
-def _silu_mul_kernel(X, Out, stride_x, stride_o, D: tl.constexpr, BLOCK: tl.constexpr):
+def _silu_mul_kernel(X, Out, stride_x, stride_o, D: tl.constexpr, BLOCK: tl.constexpr,
+                     PDL: tl.constexpr):
+    if PDL:   # launched early: x is the kernel ahead's output
+        gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < D
@@ -45,7 +50,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if num_tokens > 0:
         block = min(1024, triton.next_power_of_2(d))
         _silu_mul_kernel[(num_tokens, triton.cdiv(d, block))](
-            x, out, x.stride(0), out.stride(0), D=d, BLOCK=block, num_warps=4)
+            x, out, x.stride(0), out.stride(0), D=d, BLOCK=block,
+            PDL=(pdl := pdl_elementwise(x)), launch_pdl=pdl, num_warps=4)
     return out
 
 

@@ -21,7 +21,7 @@ from slipstream.kernels.quant_gemm import _int_weight_gemm_kernel
 from slipstream.kernels.rms_norm import _rms_norm_kernel
 from slipstream.kernels.rotary_kv_store import _rotary_store_kernel
 from slipstream.kernels.short_decode_attention import FEW_CONFIG, MANY_CONFIG, _short_decode_kernel
-from slipstream.kernels.silu_mul import _silu_mul_quant_kernel
+from slipstream.kernels.silu_mul import _silu_mul_kernel, _silu_mul_quant_kernel
 from slipstream.kernels.skinny_gemm import _skinny_kernel
 from slipstream.kernels.w8a8_gemm import _w8a8_gemm_kernel, _w8a8_tma_kernel
 
@@ -59,10 +59,12 @@ def tma_gemm(kind):
 def producers(kind):
     q = torch.empty(8, dtype=CODES[kind])
     p = quant_params(kind)
-    compile_sm90(_rms_norm_kernel, dict(X=BF16, Res=BF16, W=BF16, Out=q, ResOut=BF16, eps=1e-5,
-                                        stride_x=4096, stride_r=4096, stride_o=4096,
-                                        stride_ro=4096, S=F32),
-                 dict(N=4096, BLOCK=4096, HAS_RESIDUAL=True, QUANT=True, **p), num_warps=16)
+    k = compile_sm90(_rms_norm_kernel, dict(X=BF16, Res=BF16, W=BF16, Out=q, ResOut=BF16,
+                                            eps=1e-5, stride_x=4096, stride_r=4096,
+                                            stride_o=4096, stride_ro=4096, S=F32),
+                     dict(N=4096, BLOCK=4096, HAS_RESIDUAL=True, QUANT=True, PDL=True, **p),
+                     num_warps=16)
+    assert "griddepcontrol.wait" in k.asm["ptx"], "the early-launched norm does not wait"
     for one_pass, block, warps in ((False, 2048, 8), (True, 16384, 16)):
         compile_sm90(_silu_mul_quant_kernel, dict(X=BF16, Q=q, S=F32, stride_x=28672,
                                                   stride_q=14336, D=14336),
@@ -168,15 +170,19 @@ def decode_step(kind):
                  PAGE_SIZE=16, QUANT=kind != "bf16", CHAIN=True, EARLY_KV=True,
                  TRIGGER=True), **cfg)
         assert "mma.sync" in k.asm["ptx"] and "griddepcontrol.wait" in k.asm["ptx"]
-    compile_sm90(_rotary_store_kernel, dict(
+    k = compile_sm90(_rotary_store_kernel, dict(
         Q=BF16, K=BF16, V=BF16, Positions=i64, Cos=BF16, Sin=BF16, KCache=cache, VCache=cache,
         KScale=scales[0], VScale=scales[1], SlotMapping=i64, stride_qt=6144, stride_qh=128,
         stride_kt=6144, stride_kh=128, stride_vt=6144, stride_vh=128, stride_cp=128,
         stride_cb=16384, stride_cs=1024, stride_ch=128, stride_sb=128, stride_ss=8),
         dict(NUM_HEADS=32, NUM_KV_HEADS=8, HALF=64, BLOCK_D=64, BLOCK_H=16, KV_PAD=8,
              PAGE_SIZE=16, QUANT=kind != "bf16", QMAX=127.0 if kind == "int8" else 448.0,
-             IS_INT=kind == "int8", PDL=True), num_warps=4)
+             IS_INT=kind == "int8", PDL=True, EARLY=True), num_warps=4)
+    assert "griddepcontrol.wait" in k.asm["ptx"], "the early-launched rotary + store does not wait"
     if kind == "bf16":
+        k = compile_sm90(_silu_mul_kernel, dict(X=BF16, Out=BF16, stride_x=28672, stride_o=14336),
+                         dict(D=14336, BLOCK=1024, PDL=True), num_warps=4)
+        assert "griddepcontrol.wait" in k.asm["ptx"], "the early-launched SiLU x up does not wait"
         k = compile_sm90(_dense_gemv_kernel, dict(X=BF16, W=BF16, Y=BF16, M=1, N=4096, K=4096,
                                                   stride_xm=4096, stride_wn=4096, stride_ym=4096),
                          dict(BLOCK_M=1, BLOCK_N=32, BLOCK_K=256, PREFETCH_K=1024, CHAIN=True),
