@@ -230,3 +230,34 @@ def test_batch_one_decode_through_the_tma_gemv(tiny_folder, monkeypatch):
     for (t_on, lp_on), (t_off, lp_off) in zip(on, off):
         assert t_on == t_off
         assert lp_on == pytest.approx(lp_off, abs=5e-2)
+
+
+def test_speculation_with_penalties_and_logit_bias_on_cuda(tiny_folder):
+    """Requests with penalties and logit bias speculate on the GPU: greedy tokens
+    equal plain decoding's (each verification row judged by the logits plain
+    decoding samples from after that row's path), and a round launches without a
+    synchronizing call unless it captures a new tree size's graph."""
+    from slipstream.spec.bench_profile import count_syncs
+    folder, _ = tiny_folder("llama")
+    prompts = [{"prompt_token_ids": [5, 6, 7, 8, 9] * 4}, {"prompt_token_ids": [11, 12, 13] * 6},
+               {"prompt_token_ids": [3, 4, 5, 6] * 5}]
+    params = [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, repetition_penalty=1.3,
+                             frequency_penalty=0.3, presence_penalty=0.2),
+              SamplingParams(max_tokens=24, temperature=0, ignore_eos=True,
+                             logit_bias={7: 2.5, 101: -50.0}),
+              SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, frequency_penalty=0.5,
+                             logit_bias={9: 1.0})]
+    plain = [o.outputs[0].token_ids for o in _llm(folder).generate(prompts, params, use_tqdm=False)]
+    llm = _llm(folder, speculative_method="ngram", num_speculative_tokens=3,
+               speculative_auto_off=False)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    stats = llm.engine.runner.speculator.stats
+    assert stats.rounds > 0 and stats.drafted > 0
+    assert [o.outputs[0].token_ids for o in outs] == plain
+    assert sum(o.extra["num_draft_tokens"] for o in outs) == stats.drafted
+    r = count_syncs(llm, prompts[1], SamplingParams(
+        max_tokens=60, temperature=0, ignore_eos=True, logit_bias={7: 2.5, 101: -50.0},
+        presence_penalty=0.1), warmup_steps=2, rounds=4)
+    assert r["syncs_per_round"] and min(r["syncs_per_round"]) == 0, r
+    assert all(place.startswith("cuda_graph.py:") for place in r["sync_places"]), r
+    assert r["error_mode_round"] in (None, "passed"), r
