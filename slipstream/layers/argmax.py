@@ -1,4 +1,4 @@
-"""The index of each row's maximum, in two passes over long CUDA rows."""
+"""The index of each row's maximum, in two passes over long rows."""
 from __future__ import annotations
 
 import functools
@@ -7,12 +7,16 @@ import torch
 
 
 @functools.cache
-def _argmax_chunks(vocab: int) -> int:
-    """Chunks a row of `vocab` splits into for a two-pass argmax: the largest
-    divisor up to 256 leaving chunks of at least 128 (1: one pass)."""
+def _argmax_chunks(vocab: int, cuda: bool = True) -> int:
+    """Chunks a row of `vocab` splits into for a two-pass argmax (1: one pass).
+    CUDA: the largest divisor up to 256 leaving chunks of at least 128 (many
+    blocks). CPU: the largest divisor up to 16 (torch's argmax over a row is a
+    scalar loop; the maxima of a few long chunks are vectorised: 2.2-7x less
+    time at 1-16 rows of 32k-152k vocabularies, benchmarks/cpu/bench_argmax.py)."""
     if vocab < 8192:
         return 1
-    return max(c for c in range(1, 257) if vocab % c == 0 and vocab // c >= 128)
+    most, least_width = (256, 128) if cuda else (16, 512)
+    return max(c for c in range(1, most + 1) if vocab % c == 0 and vocab // c >= least_width)
 
 
 def row_argmax(x: torch.Tensor, chunks: int | None = None) -> torch.Tensor:
@@ -20,10 +24,11 @@ def row_argmax(x: torch.Tensor, chunks: int | None = None) -> torch.Tensor:
 
     On CUDA, one argmax kernel runs one block per row: 27 us for one row of a
     128k vocabulary on the H200, against a few for a pass over chunks of the row
-    (maxima and their indices) and a pass over the chunk maxima."""
+    (maxima and their indices) and a pass over the chunk maxima. On the CPU the
+    chunks' maxima are vectorised where argmax is not (`_argmax_chunks`)."""
     rows, vocab = x.shape
     if chunks is None:
-        chunks = _argmax_chunks(vocab) if x.is_cuda else 1
+        chunks = _argmax_chunks(vocab, x.is_cuda)
     if chunks == 1:
         return x.argmax(dim=-1)
     width = vocab // chunks

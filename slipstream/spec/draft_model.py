@@ -18,6 +18,7 @@ import dataclasses
 import torch
 
 from slipstream.attention.selector import create_backend
+from slipstream.layers.argmax import row_argmax
 from slipstream.runner.model_runner import default_dtype
 from slipstream.spec.base import ProposeRequest, register_proposer
 from slipstream.spec.draft_cache import DraftKVCache
@@ -74,7 +75,7 @@ class DraftModelProposer:
         self.model.backend.prepare(batch)
         hidden = self.model(batch)                                    # [tokens, hidden]
         last = batch.query_start_loc[1:].long() - 1
-        return self.model.compute_logits(hidden[last]).argmax(dim=-1)  # [num_seqs]
+        return row_argmax(self.model.compute_logits(hidden[last]))     # [num_seqs]
 
     @torch.inference_mode()
     def propose(self, requests: list[ProposeRequest]) -> list[DraftTree]:

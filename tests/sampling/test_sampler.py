@@ -250,8 +250,8 @@ def test_input_logits_are_not_modified():
 
 
 def test_row_argmax_two_pass_equals_argmax_with_ties():
-    """The chunked argmax of CUDA rows gives torch.argmax's answer, the first
-    index of the maximum, also when the maximum repeats within and across chunks."""
+    """The chunked argmax gives torch.argmax's answer, the first index of the
+    maximum, also when the maximum repeats within and across chunks."""
     from slipstream.layers.argmax import _argmax_chunks, row_argmax
     g = torch.Generator().manual_seed(0)
     x = torch.randn(6, 12 * 256, generator=g)
@@ -263,6 +263,14 @@ def test_row_argmax_two_pass_equals_argmax_with_ties():
         assert torch.equal(row_argmax(x, chunks), x.argmax(dim=-1)), chunks
     assert _argmax_chunks(128256) == 256 and 128256 % 256 == 0
     assert _argmax_chunks(49152) > 1 and _argmax_chunks(1000) == 1
+    # The CPU's rule: at most 16 chunks of at least 512; what the default model's rows use.
+    assert _argmax_chunks(49152, cuda=False) == 16 and _argmax_chunks(8191, cuda=False) == 1
+    assert _argmax_chunks(128256, cuda=False) == 16 and _argmax_chunks(9973, cuda=False) == 1
+    y = torch.randn(4, 49152, generator=g)
+    y[0, [100, 40000]] = 7.0
+    y[1] = 1.0
+    assert torch.equal(row_argmax(y), y.argmax(dim=-1))
+    assert torch.equal(row_argmax(y.bfloat16()), y.bfloat16().argmax(dim=-1))
 
 
 @pytest.mark.parametrize("kw", [dict(top_p=0.9), dict(top_p=0.5, top_k=40),
