@@ -9,7 +9,7 @@ fixed per graph: the split-KV count is chosen for a context class (the next
 power of two of the longest context, at least 512), so the key is (bucket,
 splits, whether the class takes the short-context decode kernel). Graphs are
 captured on first use (an eager run of the same step first compiles any
-kernel), all in one memory pool.
+kernel), or ahead of serving (engine/warmup.py), all in one memory pool.
 """
 from __future__ import annotations
 
@@ -51,28 +51,65 @@ class DecodeGraphs:
         context_class = min(max(512, 1 << max(max_seq_len - 1, 1).bit_length()), self.max_model_len)
         return self._choose(bucket, self._kv_heads, context_class, group=self._group)
 
+    # Set while graphs are captured ahead of serving (engine/warmup.py): a decode step
+    # then also captures its bucket's graphs for the longer context classes.
+    capture_every_class = False
+
     def run(self, batch: ForwardBatch, bucket: int) -> torch.Tensor:
         """batch: a decode step padded to `bucket` sequences, in the static buffers.
         Returns the final hidden states [bucket, hidden] (valid until the next replay)."""
+        if self.capture_every_class:
+            self._capture_classes(batch, bucket)
+        key = self._key(batch, bucket)
+        entry = self.graphs.get(key)
+        if entry is None:
+            entry = self.graphs[key] = self._capture(batch)
+        graph, out = entry
+        graph.replay()
+        return out
+
+    def _key(self, batch: ForwardBatch, bucket: int) -> tuple:
+        """The graph key of a padded decode step; sets the step's split count."""
         from slipstream.kernels.decode_configs import SHORT_MAX_LEN
         splits = self.splits_for(bucket, batch.max_seq_len)
         batch.decode_splits = splits
         # Unsplit steps up to SHORT_MAX_LEN run another attention kernel: a graph of its own.
-        key = (bucket, splits, batch.max_seq_len <= SHORT_MAX_LEN)
-        entry = self.graphs.get(key)
-        if entry is None:
-            # Eager first: compiles kernels for these shapes and computes this step
-            # (the replay below recomputes the same values).
+        return (bucket, splits, batch.max_seq_len <= SHORT_MAX_LEN)
+
+    def _capture(self, batch: ForwardBatch) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        # Eager first: compiles kernels for these shapes and computes this step
+        # (the replay recomputes the same values).
+        self.backend.prepare(batch)
+        self.model(batch)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
             self.backend.prepare(batch)
-            self.model(batch)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                self.backend.prepare(batch)
-                out = self.model(batch)
-            entry = self.graphs[key] = (graph, out)
-        graph, out = entry
-        graph.replay()
-        return out
+            out = self.model(batch)
+        return graph, out
+
+    def _capture_classes(self, batch: ForwardBatch, bucket: int) -> None:
+        """`bucket`'s graphs for the context classes past the short one, captured
+        from this step with its longest context declared as each class's bound:
+        a graph depends on the bound only through the split count and the choice
+        of the short-context kernel (the kernels read each request's length from
+        the device), so it serves every later step of its class. Each capture
+        runs the step again, rewriting its tokens' K/V (the warm-up's own)."""
+        real = batch.max_seq_len
+        c = 1024
+        bounds = []
+        while c < self.max_model_len:
+            bounds.append(c)
+            c *= 2
+        if self.max_model_len > 512:
+            bounds.append(self.max_model_len)
+        try:
+            for bound in bounds:
+                batch.max_seq_len = bound
+                key = self._key(batch, bucket)
+                if key not in self.graphs:
+                    self.graphs[key] = self._capture(batch)
+        finally:
+            batch.max_seq_len = real
 
     # ---- one request verifying a draft tree --------------------------------------
 

@@ -39,6 +39,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="share of GPU memory the engine may use")
     e.add_argument("--async-scheduling", choices=("auto", "on", "off"), default="auto",
                    help="overlap host work with the device's step (auto: on with CUDA)")
+    e.add_argument("--no-graph-warmup", action="store_true",
+                   help="capture CUDA graphs on their first use instead of before serving")
     d = p.add_argument_group("prefill/decode disaggregation")
     d.add_argument("--prefill-device", default=None,
                    help="compute prompts in a second process on this device (e.g. cuda:1; "
@@ -115,6 +117,9 @@ def run(args) -> int:
     name = args.served_model_name or _default_name(cfg.model)
     print(f"loaded {cfg.model} as '{name}' ({cfg.device}, max_model_len {engine.max_model_len}) "
           f"in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+    if not args.no_graph_warmup:
+        from slipstream.engine.warmup import capture_graphs
+        capture_graphs(engine, log=lambda line: print(line, file=sys.stderr, flush=True))
     app = build_app(engine, name, api_key=args.api_key, max_queued=args.max_queued_requests,
                     max_request_bytes=args.max_request_bytes)
     from slipstream.engine import gc_heap

@@ -261,3 +261,32 @@ def test_speculation_with_penalties_and_logit_bias_on_cuda(tiny_folder):
     assert r["syncs_per_round"] and min(r["syncs_per_round"]) == 0, r
     assert all(place.startswith("cuda_graph.py:") for place in r["sync_places"]), r
     assert r["error_mode_round"] in (None, "passed"), r
+
+
+def test_graphs_captured_before_serving_serve_every_step(tiny_folder, tmp_path):
+    """capture_graphs captures every prompt-token bucket's pieces and every decode
+    batch size's graphs (each context class) up front: a later run of mixed lengths
+    (short contexts and ones past 512 tokens) and batch sizes captures nothing more,
+    and its outputs equal an engine's that captured as it went."""
+    import json
+    import shutil
+    from slipstream.engine.warmup import capture_graphs
+    folder = tmp_path / "long"      # the tiny model with a context past the short class
+    shutil.copytree(tiny_folder("llama")[0], folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": 2048}))
+    kw = dict(max_num_batched_tokens=64, max_num_seqs=16, num_kv_blocks=256, max_model_len=1200)
+    prompts = random_prompts(9, 265, 3, 40, seed=9) + random_prompts(2, 265, 560, 700, seed=10)
+    p = SamplingParams(max_tokens=12, temperature=0, logprobs=1, ignore_eos=True)
+    lazy = _outputs(_llm(folder, **kw), prompts, p)
+    llm = _llm(folder, **kw)
+    r = capture_graphs(llm.engine)
+    runner = llm.engine.runner
+    assert r["token_buckets"] == len([t for t in runner.piecewise.buckets if t <= 64]) > 0
+    assert sorted(runner.piecewise.pieces) == [t for t in runner.piecewise.buckets if t <= 64]
+    assert {k[0] for k in runner.graphs.graphs} == set(runner.graphs.buckets) and r["decode_buckets"]
+    assert {k[2] for k in runner.graphs.graphs} == {True, False}   # short and longer classes
+    assert llm.engine.kv.pool.num_cached_blocks == 0 and not llm.engine.has_unfinished_requests()
+    before = (set(runner.graphs.graphs), set(runner.piecewise.pieces))
+    assert _outputs(llm, prompts, p) == lazy
+    assert (set(runner.graphs.graphs), set(runner.piecewise.pieces)) == before

@@ -245,3 +245,15 @@ def test_cpu_attention_of_fresh_prompts_does_not_depend_on_the_step(tiny_folder)
     seen.clear()
     llm.generate([a, b], p, use_tqdm=False)
     assert torch.equal(seen[0][:len(a["prompt_token_ids"])], alone)
+
+
+def test_capturing_graphs_ahead_is_skipped_without_graphs(llama_llm):
+    """On the CPU (no CUDA graphs) capture_graphs says why it did nothing and runs
+    nothing; the serve command's switch for it parses."""
+    from slipstream.cli import build_parser
+    from slipstream.engine.warmup import capture_graphs
+    assert "no CUDA graphs" in capture_graphs(llama_llm.engine)["skipped"]
+    assert not llama_llm.engine.has_unfinished_requests()
+    args = build_parser("serve").parse_args(["serve", "--no-graph-warmup"])
+    assert args.no_graph_warmup is True
+    assert build_parser("serve").parse_args(["serve"]).no_graph_warmup is False
