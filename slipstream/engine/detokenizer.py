@@ -46,10 +46,13 @@ class IncrementalDetokenizer:
         return self._find_stop(start) if check_stop else None
 
     def flush(self) -> None:
-        """At the end, emit whatever an incomplete character left pending."""
+        """At the end, emit the text held back for a character still incomplete; the
+        bytes of a character the last token left unfinished (an answer cut by
+        max_tokens mid-character) are dropped rather than shown as U+FFFD."""
         if self._read < len(self._tokens):
             prefix_text = self._decode(self._tokens[self._prefix:self._read])
-            self.text += self._decode(self._tokens[self._prefix:])[len(prefix_text):]
+            tail = self._decode(self._tokens[self._prefix:])[len(prefix_text):]
+            self.text += tail.rstrip("\ufffd")
             self._prefix = self._read = len(self._tokens)
 
     def _find_stop(self, start: int) -> str | None:

@@ -28,7 +28,7 @@ from slipstream.server.metrics import ServerMetrics
 from slipstream.server.openai_format import SSE_DONE, Formatter, sse
 from slipstream.server.protocol import (ChatCompletionRequest, CompletionRequest,
                                         DetokenizeRequest, RequestError, TokenizeRequest,
-                                        error_body, template_messages)
+                                        error_body, refuse_unsupported, template_messages)
 
 log = logging.getLogger("slipstream.server")
 OPEN_PATHS = {"/health", "/", "/favicon.ico"}  # the chat page holds no data; its calls carry the key
@@ -104,6 +104,7 @@ class Server:
             req = schema.model_validate(body)
         except ValidationError as e:
             raise _validation_message(e) from None
+        refuse_unsupported(body, set(schema.model_fields))
         ignored = sorted(set(body) - set(schema.model_fields))
         if ignored:     # as vLLM does: accepted, and said so in the log
             log.warning("fields present in the request but ignored: %s", ", ".join(ignored))

@@ -6,14 +6,18 @@ ranges follow OpenAI, and every refusal names the field, so a client sees
 Fields OpenAI defines that change nothing here (`user`) are accepted; fields
 whose meaning this server does not implement are refused with a 400 naming
 them rather than silently dropped (`best_of` above `n`, `suffix`, a
-`response_format` other than text, `tools` the model may call, `functions`);
-unknown fields are ignored (and logged), as vLLM does.
+`response_format` other than text, `tools` the model may call, `functions`,
+`tool_choice` without tools, and vLLM's extras listed in `UNSUPPORTED`, such
+as guided decoding and beam search, when they ask for anything); `null` stands
+for the default wherever OpenAI allows it; other unknown fields are ignored
+(and logged), as vLLM does.
 """
 from __future__ import annotations
 
 from typing import Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr,
+                      field_validator, model_validator)
 
 from slipstream.sampling_params import SamplingParams
 
@@ -22,6 +26,34 @@ MAX_N = 16            # samples per prompt
 MAX_STOP = 16         # stop strings per request
 MAX_LOGPROBS = 5      # completions: OpenAI's limit for `logprobs`
 MAX_TOP_LOGPROBS = 20  # chat: OpenAI's limit for `top_logprobs`
+
+
+# vLLM's request extras that would change the answer, not served here: refused when
+# they ask for anything (a value other than null, false, 0, "" or empty), so that a
+# client asking for constrained output never gets free text with a 200.
+UNSUPPORTED = {
+    "guided_json": "guided decoding", "guided_regex": "guided decoding",
+    "guided_choice": "guided decoding", "guided_grammar": "guided decoding",
+    "guided_decoding_backend": "guided decoding", "guided_whitespace_pattern": "guided decoding",
+    "structured_outputs": "structured outputs", "use_beam_search": "beam search",
+    "length_penalty": "beam search", "truncate_prompt_tokens": "prompt truncation",
+    "prompt_logprobs": "prompt log-probabilities (completions: echo with logprobs)",
+    "allowed_token_ids": "allowed token ids", "bad_words": "bad words",
+    "logits_processors": "logits processors", "chat_template": "a chat template per request",
+    "chat_template_kwargs": "chat template arguments",
+    "continue_final_message": "continuing the final message", "documents": "documents",
+    "mm_processor_kwargs": "multimodal inputs", "prompt_embeds": "prompt embeddings",
+    "return_tokens_as_token_ids": "tokens as token ids",
+    "echo": "echo in chat completions (completions echo the prompt)",
+}
+
+
+def refuse_unsupported(body: dict, allowed: set[str]) -> None:
+    """RequestError for the first field of UNSUPPORTED (not in `allowed`, the schema's
+    own fields) that asks for something."""
+    for name, what in UNSUPPORTED.items():
+        if name in body and name not in allowed and body[name] not in (None, False, 0, "", [], {}):
+            raise RequestError(f"{name}: {what} is not supported by this server", name)
 
 
 class RequestError(ValueError):
@@ -44,9 +76,21 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
+# Fields OpenAI (or vLLM) declare nullable whose null means the default here.
+_NULL_IS_DEFAULT = ("n", "stream", "echo", "logprobs", "ignore_eos", "min_tokens",
+                    "skip_special_tokens", "include_stop_str_in_output", "add_generation_prompt")
+
+
 class _Sampling(BaseModel):
     """Fields shared by completions and chat completions."""
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_are_defaults(cls, data):
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None or k not in _NULL_IS_DEFAULT}
+        return data
 
     model: StrictStr | None = None
     n: StrictInt = Field(1, ge=1, le=MAX_N)
@@ -199,6 +243,17 @@ class ChatMessage(BaseModel):
     content: StrictStr | list[ContentPart] | None = None
     name: StrictStr | None = None
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, v):
+        if isinstance(v, list):
+            for part in v:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind != "text":
+                    raise ValueError(f"content part type {kind!r} is not supported (text parts "
+                                     "only: {\"type\": \"text\", \"text\": ...})")
+        return v
+
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(p.text for p in self.content)
@@ -238,6 +293,8 @@ class ChatCompletionRequest(_Sampling):
         if self.tools and self.tool_choice != "none":
             raise RequestError("tools: function calling is not supported (send tool_choice "
                                "\"none\" to keep the tools out of the answer)", "tools")
+        if not self.tools and self.tool_choice not in (None, "none"):
+            raise RequestError("tool_choice: only allowed when tools are given", "tool_choice")
         if self.functions:
             raise RequestError("functions: function calling is not supported", "functions")
 

@@ -151,3 +151,21 @@ def test_spaces_between_special_tokens(default_tokenizer):
             d.add_tokens([t])
         d.flush()
         assert d.text == expect
+
+
+def test_an_answer_cut_mid_character_ends_without_a_replacement_character(default_tokenizer):
+    """The byte tokens of a character the answer stopped inside (max_tokens) are
+    dropped at the end, not shown as U+FFFD; complete characters all come out."""
+    from slipstream.engine.detokenizer import IncrementalDetokenizer
+    from slipstream.sampling_params import SamplingParams
+    tok = default_tokenizer
+    ids = tok.encode("日本の首都", add_special_tokens=False)
+    texts = []
+    for k in range(1, len(ids) + 1):
+        d = IncrementalDetokenizer(tok, [], SamplingParams())
+        for t in ids[:k]:
+            d.add_tokens([t])
+        d.flush()
+        assert "\ufffd" not in d.text and "日本の首都".startswith(d.text)
+        texts.append(d.text)
+    assert texts[-1] == "日本の首都" and "" in texts   # some prefixes end mid-character

@@ -88,6 +88,19 @@ CASES = [
     ("chat-top-logprobs-too-many", CH, chat(logprobs=True, top_logprobs=21), 400, "top_logprobs"),
     ("chat-top-logprobs-without-logprobs", CH, chat(top_logprobs=2), 400, "top_logprobs"),
     ("chat-logprobs-int", CH, chat(logprobs=3), 400, "logprobs"),
+    ("chat-tool-choice-without-tools", CH, chat(tool_choice="required"), 400, "tool_choice"),
+    ("chat-image-part", CH, chat(messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x"}}]}]), 400, "messages.0.content"),
+    ("guided-choice", CH, chat(guided_choice=["yes", "no"]), 400, "guided_choice"),
+    ("guided-json", C, comp(guided_json={"type": "object"}), 400, "guided_json"),
+    ("structured-outputs", CH, chat(structured_outputs={"choice": ["a"]}), 400,
+     "structured_outputs"),
+    ("beam-search", C, comp(use_beam_search=True), 400, "use_beam_search"),
+    ("truncate-prompt-tokens", C, comp(truncate_prompt_tokens=4), 400, "truncate_prompt_tokens"),
+    ("chat-template-kwargs", CH, chat(chat_template_kwargs={"enable_thinking": True}), 400,
+     "chat_template_kwargs"),
+    ("chat-echo", CH, chat(echo=True), 400, "echo"),
+    ("n-null-is-fine-but-max-tokens-string", C, comp(n=None, max_tokens="x"), 400, "max_tokens"),
     ("body-too-large", C, comp(prompt="x" * (3 << 20)), 413, None),
     ("body-too-large-chunked", C, "chunked", 413, None),
 ]
@@ -136,6 +149,8 @@ def test_bad_input(tiny_server, case):
         assert param.split(".")[0] in err["message"]
     if name == "temperature-string":
         assert "should be a number" in err["message"]
+    if name == "chat-image-part":
+        assert "'image_url' is not supported" in err["message"]
 
 
 def test_table_is_large_enough():
@@ -172,6 +187,18 @@ def test_fields_that_ask_for_nothing_are_accepted(tiny_server):
                                  tool_choice="none"))):
         code, obj = tiny_server.post(path, body)
         assert code == 200, obj
+
+
+def test_null_means_the_default(tiny_server):
+    """Fields OpenAI declares nullable take their default when sent as null, and vLLM's
+    extras pass when they ask for nothing (false, null, empty)."""
+    for path, body in ((C, comp(n=None, stream=None, echo=None, logprobs=None, ignore_eos=None,
+                                use_beam_search=False, guided_json=None)),
+                       (CH, chat(n=None, stream=None, logprobs=None, min_tokens=None,
+                                 add_generation_prompt=None, chat_template_kwargs={}))):
+        code, obj = tiny_server.post(path, body)
+        assert code == 200, obj
+        assert len(obj["choices"]) == 1 and obj["choices"][0]["logprobs"] is None
 
 
 def test_unknown_fields_are_ignored_and_logged(tiny_server):
