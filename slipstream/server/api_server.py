@@ -195,7 +195,8 @@ class Server:
         logprobs = req._logprobs()
         tok = self.engine.tokenizer
         fmt = Formatter(chat, call_id, self.model_name, req.n, logprobs, index, echo,
-                        decode=lambda tid: tok.decode([tid], skip_special_tokens=False))
+                        decode=lambda tid: tok.decode([tid], skip_special_tokens=False),
+                        score_only=not chat and req.score_only)
         try:
             sub = self.async_engine.submit(items)
         except TooLarge as e:

@@ -28,8 +28,11 @@ def _finish_reason(c: CompletionOutput) -> str | None:
 class Formatter:
     def __init__(self, chat: bool, call_id: str, model: str, n: int, logprobs: int | None,
                  prompt_index: dict[str, int], echo: dict[str, str] | None = None,
-                 decode=None):
+                 decode=None, score_only: bool = False):
         self.chat, self.id, self.model, self.n = chat, call_id, model, n
+        # Completions with echo and max_tokens 0: the prompt alone, the step's one
+        # generated token left out of text, log-probabilities and usage.
+        self.score_only = score_only
         self.logprobs = logprobs            # top alternatives per token, None: no logprobs
         self.prompt_index = prompt_index    # request id -> prompt position
         self.echo = echo or {}              # request id -> prompt text to prepend
@@ -49,7 +52,17 @@ class Formatter:
     def _count(self, out: RequestOutput) -> None:
         self._prompt_tokens[out.request_id] = len(out.prompt_token_ids)
         for c in out.outputs:
-            self._completion_tokens[self._index(out, c)] = len(c.token_ids)
+            self._completion_tokens[self._index(out, c)] = 0 if self.score_only else len(c.token_ids)
+
+    def _reason(self, c: CompletionOutput) -> str | None:
+        if self.score_only and c.finish_reason is not None:
+            return "length"                 # the 0 tokens asked for, whatever the step drew
+        return _finish_reason(c)
+
+    def _answer(self, c: CompletionOutput) -> tuple[str, int]:
+        """The generated text to show and the index its tokens' log-probabilities start
+        at (past every token when scoring the prompt only)."""
+        return ("", len(c.token_ids)) if self.score_only else (c.text, 0)
 
     def usage(self) -> dict:
         p, c = sum(self._prompt_tokens.values()), sum(self._completion_tokens.values())
@@ -125,13 +138,14 @@ class Formatter:
             for c in out.outputs:
                 i = self._index(out, c)
                 prefix = self.echo.get(out.request_id, "")
-                lps = self._with_prompt(out, self._logprobs(c, 0, len(prefix)))
+                text, start = self._answer(c)
+                lps = self._with_prompt(out, self._logprobs(c, start, len(prefix)))
                 if self.chat:
-                    choices.append({"index": i, "message": {"role": "assistant", "content": c.text},
-                                    "logprobs": lps, "finish_reason": _finish_reason(c)})
+                    choices.append({"index": i, "message": {"role": "assistant", "content": text},
+                                    "logprobs": lps, "finish_reason": self._reason(c)})
                 else:
-                    choices.append({"index": i, "text": prefix + c.text, "logprobs": lps,
-                                    "finish_reason": _finish_reason(c)})
+                    choices.append({"index": i, "text": prefix + text, "logprobs": lps,
+                                    "finish_reason": self._reason(c)})
         choices.sort(key=lambda ch: ch["index"])
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": choices,
@@ -173,9 +187,11 @@ class Formatter:
             if i in self._finished:
                 continue
             sent_text, sent_tok = self._sent_text.get(i, 0), self._sent_tokens.get(i, 0)
-            delta = c.text[sent_text:] if len(c.text) > sent_text else ""
+            text, start = self._answer(c)
+            sent_tok = max(sent_tok, start)
+            delta = text[sent_text:] if len(text) > sent_text else ""
             new_tokens = len(c.token_ids) > sent_tok
-            reason = _finish_reason(c)
+            reason = self._reason(c)
             if not delta and reason is None and not (new_tokens and self.logprobs is not None):
                 continue
             prefix = self.echo.get(out.request_id, "")
@@ -183,7 +199,7 @@ class Formatter:
             if prefix and self.logprobs is not None and i not in self._echoed:
                 self._echoed.add(i)         # the echoed prompt opens the first chunk
                 delta, lps = prefix + delta, self._with_prompt(out, lps)
-            self._sent_text[i] = max(sent_text, len(c.text))
+            self._sent_text[i] = max(sent_text, len(text))
             self._sent_tokens[i] = len(c.token_ids)
             if reason is not None:
                 self._finished.add(i)

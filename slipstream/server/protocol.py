@@ -195,14 +195,22 @@ PromptField = Union[StrictStr, list[StrictStr], list[StrictInt], list[list[Stric
 
 class CompletionRequest(_Sampling):
     prompt: PromptField
-    max_tokens: StrictInt | None = Field(16, ge=1)
+    max_tokens: StrictInt | None = Field(16, ge=0)     # 0: with echo, the prompt scored alone
     logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: StrictBool = False
     suffix: StrictStr | None = None
     best_of: StrictInt | None = Field(None, ge=1, le=MAX_N)
 
     def _max_tokens(self) -> int | None:
-        return self.max_tokens
+        # Scoring the prompt (echo, max_tokens 0) still runs one step, whose token the
+        # answer leaves out (`score_only`).
+        return 1 if self.score_only else self.max_tokens
+
+    @property
+    def score_only(self) -> bool:
+        """echo with max_tokens 0: the prompt (and its log-probabilities), nothing
+        generated, as vLLM and OpenAI's legacy API answer it."""
+        return self.echo and self.max_tokens == 0
 
     def _logprobs(self) -> int | None:
         return self.logprobs
@@ -213,6 +221,9 @@ class CompletionRequest(_Sampling):
 
     def check(self, max_model_len: int, vocab_size: int) -> None:
         super().check(max_model_len, vocab_size)
+        if self.max_tokens == 0 and not self.echo:
+            raise RequestError("max_tokens: must be at least 1 (0 only with echo, which "
+                               "scores the prompt)", "max_tokens")
         if self.best_of is not None and self.best_of != self.n:
             raise RequestError("best_of: not supported (as in vLLM's V1 engine); ask for n "
                                "samples and pick among them", "best_of")

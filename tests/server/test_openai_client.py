@@ -221,3 +221,30 @@ def test_echo_and_token_id_prompts(client, model):
     ids = client.completions.create(model=model, prompt=[[504, 3575, 282], [504, 3575]],
                                     max_tokens=2, temperature=0, extra_body={"ignore_eos": True})
     assert [c.index for c in ids.choices] == [0, 1] and ids.usage.prompt_tokens == 5
+
+
+def test_echo_with_max_tokens_zero_scores_the_prompt_alone(client, model):
+    """lm-eval-harness's scoring request: echo, logprobs and max_tokens 0 answer the
+    prompt and its log-probabilities, nothing generated, whole and streamed; the
+    prompt's log-probabilities equal those of a request that also generates."""
+    prompt = "The capital of France is"
+    kw = dict(model=model, prompt=prompt, max_tokens=0, temperature=0, logprobs=1, echo=True)
+    r = client.completions.create(**kw)
+    c, n_prompt = r.choices[0], r.usage.prompt_tokens
+    assert c.text == prompt and c.finish_reason == "length"
+    assert r.usage.completion_tokens == 0 and r.usage.total_tokens == n_prompt
+    assert len(c.logprobs.tokens) == n_prompt == len(c.logprobs.token_logprobs)
+    assert "".join(c.logprobs.tokens) == prompt and c.logprobs.token_logprobs[0] is None
+    full = client.completions.create(**{**kw, "max_tokens": 2}).choices[0].logprobs
+    assert c.logprobs.token_logprobs[1:] == pytest.approx(full.token_logprobs[1:n_prompt], abs=1e-5)
+    chunks = list(client.completions.create(**kw, stream=True))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == prompt
+    streamed = [ch.choices[0].logprobs for ch in chunks if ch.choices and ch.choices[0].logprobs]
+    assert sum((s.tokens for s in streamed), []) == c.logprobs.tokens
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
+    plain = list(client.completions.create(model=model, prompt=prompt, max_tokens=0, echo=True,
+                                           stream=True))
+    assert "".join(ch.choices[0].text for ch in plain if ch.choices) == prompt
+    with pytest.raises(Exception) as e:        # without echo, 0 tokens is an error
+        client.completions.create(model=model, prompt=prompt, max_tokens=0)
+    assert "max_tokens" in str(e.value)
