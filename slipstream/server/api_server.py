@@ -35,8 +35,10 @@ OPEN_PATHS = {"/health", "/", "/favicon.ico"}  # the chat page holds no data; it
 
 
 def _error(status: int, message: str, param=None, kind="invalid_request_error", code=None):
+    # 503 (overloaded, stopped): clients that honour Retry-After wait a second, not spin.
+    headers = {"Retry-After": "1"} if status == 503 else None
     return JSONResponse(error_body(message, param, kind, code if code is not None else status),
-                        status_code=status)
+                        status_code=status, headers=headers)
 
 
 def _validation_message(e: ValidationError) -> RequestError:
@@ -75,7 +77,7 @@ class Server:
         ok = hmac.compare_digest(token.strip().encode(), self.api_key.encode())
         if scheme.lower() != "bearer" or not ok:
             raise RequestError("invalid or missing API key: send 'Authorization: Bearer KEY'",
-                               None, 401, "authentication_error")
+                               None, 401, "authentication_error", code="invalid_api_key")
 
     async def read_json(self, request: Request) -> dict:
         declared = request.headers.get("content-length")

@@ -131,6 +131,8 @@ def test_queue_limit_answers_503(engine):
         first, (status, raw) = asyncio.run(scenario())
         assert status == 503 and json.loads(raw)["error"]["type"] == "server_overloaded"
         assert [s for s, _ in first] == [200, 200]
+        from slipstream.server.api_server import _error
+        assert _error(503, "busy").headers["retry-after"] == "1"
     finally:
         srv.stop()
 
@@ -177,6 +179,7 @@ def test_api_key(tiny_model_dir, tmp_path):
         body = {"prompt": "hi", "max_tokens": 2}
         status, obj = server.post("/v1/completions", body)
         assert status == 401 and obj["error"]["type"] == "authentication_error"
+        assert obj["error"]["code"] == "invalid_api_key"     # OpenAI's code
         status, obj = server.post("/v1/completions", body, {"Authorization": "Bearer s3cret"})
         assert status == 200
         openai = pytest.importorskip("openai")
