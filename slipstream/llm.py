@@ -63,8 +63,9 @@ class LLM:
             if len(params) != len(prompts):
                 raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} prompts")
         # Validate and tokenize everything before anything runs.
-        for p in prompts:
+        for p, sp in zip(prompts, params):
             self.engine.tokenize(p)
+            self.engine.check_params(sp)
         loop = self.engine.loop_path()
         if loop is not None and loop.accepts(prompts, params):
             return [loop.generate(prompts[0], params[0])]

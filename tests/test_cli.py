@@ -148,3 +148,47 @@ def test_engine_errors_name_the_flags(capsys):
     rc = main(["generate", "hi", "--max-model-len", "999999", "--device", "cpu"])
     err = capsys.readouterr().err
     assert rc == 2 and "--max-model-len=999999 exceeds" in err and "max_model_len" not in err
+
+
+def test_speculative_options_without_a_method_are_refused(capsys):
+    """--spec-tree and the other speculative options do nothing without
+    --speculative-method: an error naming them, not plain decoding in silence."""
+    rc = main(["generate", "hi", "--spec-tree", "4,4,16", "--spec-online", "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--spec-tree, --spec-online need --speculative-method" in err, err
+    from slipstream.engine.args import EngineArgs
+    with pytest.raises(ValueError, match="speculative_draft_layers needs speculative_method"):
+        EngineArgs(speculative_draft_layers=3).spec_config()
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"not a safetensors file", "is not a safetensors file of eagle heads"),
+    (None, "is a medusa head file, not eagle heads")])
+def test_a_bad_head_file_is_one_line(tmp_path, content, message):
+    """--speculative-model naming a file that is not a head of that kind: one line."""
+    from slipstream.errors import ModelLoadError
+    from slipstream.spec.heads import resolve_head
+    path = tmp_path / "head.safetensors"
+    if content is None:
+        import torch
+        from safetensors.torch import save_file
+        save_file({"w1": torch.zeros(2, 2)}, str(path), metadata={"kind": "medusa"})
+    else:
+        path.write_bytes(content)
+    with pytest.raises(ModelLoadError, match=message):
+        resolve_head(str(path), "eagle")
+
+
+def test_quantize_group_size_must_be_a_multiple_of_32(capsys):
+    rc = main(["quantize", "-o", "/tmp/never-written", "--group-size", "100"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--group-size: expected 0 (per channel) or a multiple of 32, got 100" in err
+
+
+def test_chat_reads_piped_input_without_prompts(monkeypatch, capsys):
+    """Piped into `slipstream chat`, the replies alone go to stdout (no "> ")."""
+    import io
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Say yes.\n"))
+    rc = main(["chat", "-t", "0", "--max-tokens", "4", "--device", "cpu"])
+    out = capsys.readouterr().out
+    assert rc == 0 and out.strip() and not out.startswith(">") and "\n> " not in out, out

@@ -33,8 +33,13 @@ def make_requests(args, vocab_size: int, max_model_len: int):
     fixed = args.input_len is not None or args.output_len is not None
     dataset = args.dataset or ("random" if fixed else "sharegpt-like")
     if dataset == "random":
+        if args.input_len is None and args.output_len is None:
+            raise ValueError("--dataset random needs --input-len and --output-len")
         if args.input_len is None or args.output_len is None:
-            raise ValueError("--dataset random needs both --input-len and --output-len")
+            given, missing = (("--input-len", "--output-len") if args.input_len is not None
+                              else ("--output-len", "--input-len"))
+            raise ValueError(f"{given} needs {missing} too (the random dataset's lengths; "
+                             "without both, the default dataset sets them per request)")
         return dataset, fixed_requests(args.num_prompts, args.input_len, args.output_len,
                                        vocab_size, max_model_len, args.dataset_seed)
     if fixed:

@@ -29,7 +29,8 @@ def run(args) -> int:
     print("chat: type a message; /reset clears the conversation, /exit or Ctrl-D quits.", file=sys.stderr)
     while True:
         try:
-            line = input("> ")
+            # The "> " prompt only where someone types: piped in, the replies alone go out.
+            line = input("> " if sys.stdin.isatty() else "")
         except (EOFError, KeyboardInterrupt):
             print(file=sys.stderr)
             return 0

@@ -146,8 +146,14 @@ class EngineArgs:
     def spec_config(self) -> SpecConfig:
         method = self.speculative_method
         if method is None:
-            if self.speculative_model or self.num_speculative_tokens:
-                raise ValueError("speculative_model / num_speculative_tokens need speculative_method")
+            given = [name for name in ("speculative_model", "num_speculative_tokens",
+                                       "speculative_draft_layers", "speculative_tree",
+                                       "speculative_draft_graphs", "speculative_device_loop",
+                                       "speculative_compile", "speculative_online")
+                     if getattr(self, name) not in (None, False)]
+            if given:
+                raise ValueError(f"{', '.join(given)} need{'s' if len(given) == 1 else ''} "
+                                 "speculative_method")
             return SpecConfig()
         methods = ("draft", "ngram", "medusa", "eagle", "peagle")
         if method not in methods:

@@ -127,9 +127,19 @@ class Engine:
                 f"to generate)")
         return text, ids
 
+    def check_params(self, params: SamplingParams) -> None:
+        """What SamplingParams cannot check alone: token ids against the vocabulary."""
+        vocab = self.config.model_config.vocab_size
+        for name, tids in (("logit_bias", params.logit_bias or ()),
+                           ("stop_token_ids", params.stop_token_ids or ())):
+            bad = [t for t in tids if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"{name}: token id {bad[0]} is outside the vocabulary [0, {vocab})")
+
     def add_request(self, prompt: PromptType, params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
         params = params or SamplingParams()
+        self.check_params(params)
         text, ids = self.tokenize(prompt)
         request_id = str(next(self._ids)) if request_id is None else request_id
         if request_id in self._parents:

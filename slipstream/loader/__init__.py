@@ -89,6 +89,9 @@ def open_model(model: str | os.PathLike | None, load_format: str = "auto",
         return open_dummy(default_model_path() if model is None else model, seed)
     if load_format != "auto":
         raise ValueError(f"load_format: expected 'auto' or 'dummy', got {load_format!r}")
+    if model is not None and not str(model).strip():
+        raise ModelLoadError("model: the path is empty (None, or no --model, loads the default "
+                             "model)")
     path = default_model_path() if model is None else Path(model).expanduser()
     if not path.exists() and _is_preset(str(model)):
         raise ModelLoadError(f"{model!r} is a model shape without weights: add "

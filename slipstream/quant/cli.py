@@ -27,7 +27,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--bits", type=int, default=4, choices=(2, 3, 4, 8), metavar="BITS",
                    help="2, 3, 4 or 8 (default 4)")
     p.add_argument("--group-size", type=int, default=128,
-                   help="input columns per scale; 0 = one per output channel (default 128)")
+                   help="input columns per scale, a multiple of 32; 0 = one per output channel "
+                        "(default 128)")
     p.add_argument("--sym", action="store_true", help="symmetric codes (default: asymmetric)")
     p.add_argument("--no-act-order", dest="act_order", action="store_false",
                    help="GPTQ: quantize columns in their stored order (default: by decreasing "
@@ -86,8 +87,11 @@ def run(args) -> int:
     from slipstream.quant.calibration import read_calibration_text
     from slipstream.quant.checkpoint import save_quantized
     from slipstream.quant.quantizer import QuantizeOptions, quantize_model
-    if args.group_size < 0:
-        raise ValueError("group_size: expected 0 (per channel) or a positive number")
+    if args.group_size < 0 or args.group_size % 32:
+        # Checkpoints run through the block kernels (groups of 32 and multiples);
+        # other widths would decode through a per-call dequantization, ~1000x slower.
+        raise ValueError(f"group_size: expected 0 (per channel) or a multiple of 32, got "
+                         f"{args.group_size}")
     opts = QuantizeOptions(method=args.method, bits=args.bits,
                            group_size=args.group_size or None, sym=args.sym,
                            act_order=args.act_order, true_sequential=args.true_sequential,

@@ -28,12 +28,31 @@ def resolve_head(path: str | None, kind: str) -> Path:
         p = Path(path).expanduser()
         if not p.is_file():
             raise ValueError(f"speculative_model: no {kind} head file at {str(p)!r}")
+        _check_head_file(p, kind)
         return p
     p = SHIPPED_DIR / SHIPPED[kind]
     if not p.is_file():
         raise ValueError(f"speculative_model: no {kind} head was named and none ships "
                          f"at {p}; train one with `slipstream train-draft --method {kind}`")
     return p
+
+
+def _check_head_file(p: Path, kind: str) -> None:
+    """A head file names its kind in its metadata (EAGLE and P-EAGLE heads: eagle)."""
+    from safetensors import safe_open
+
+    from slipstream.errors import ModelLoadError
+    want = "medusa" if kind == "medusa" else "eagle"
+    try:
+        with safe_open(str(p), "pt") as f:
+            got = (f.metadata() or {}).get("kind")
+    except Exception as e:  # noqa: BLE001 - any unreadable file: one line for the user
+        raise ModelLoadError(f"speculative_model: {str(p)!r} is not a safetensors file of "
+                             f"{kind} heads ({e})") from None
+    if got != want:
+        found = f"a {got} head file" if got else "not a head file (no 'kind' in its metadata)"
+        raise ModelLoadError(f"speculative_model: {str(p)!r} is {found}, not {kind} heads; "
+                             f"make them with `slipstream train-draft --method {kind}`")
 
 
 def read_draft_vocab(path: str | Path) -> torch.Tensor | None:

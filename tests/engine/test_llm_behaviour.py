@@ -257,3 +257,18 @@ def test_capturing_graphs_ahead_is_skipped_without_graphs(llama_llm):
     args = build_parser("serve").parse_args(["serve", "--no-graph-warmup"])
     assert args.no_graph_warmup is True
     assert build_parser("serve").parse_args(["serve"]).no_graph_warmup is False
+
+
+def test_token_ids_of_sampling_parameters_are_checked_against_the_vocabulary(llama_llm):
+    """logit_bias and stop_token_ids outside the vocabulary are refused before
+    anything runs (they were silently ignored)."""
+    for params in (SamplingParams(logit_bias={10 ** 7: 1.0}), SamplingParams(stop_token_ids=[10 ** 7])):
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            llama_llm.generate(["hello"], params, use_tqdm=False)
+    assert not llama_llm.engine.has_unfinished_requests()
+
+
+def test_an_empty_model_path_is_refused():
+    from slipstream.loader import open_model
+    with pytest.raises(ModelLoadError, match="the path is empty"):
+        open_model("")
