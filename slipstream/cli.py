@@ -60,7 +60,13 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in argv if not a.startswith("-")), None)
     parser = build_parser(command if command in COMMANDS else None)
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:   # named by the subcommand that refused them, whose --help lists its options
+        prog = " ".join(["slipstream", args.command] + ([getattr(args, args.command)]
+                                                        if isinstance(getattr(args, args.command, None), str)
+                                                        else []))
+        parser.exit(2, f"{prog}: error: unrecognized arguments: {' '.join(extra)} "
+                       f"(see {prog} --help)\n")
     from slipstream.errors import SlipstreamError
     try:
         return args.func(args) or 0

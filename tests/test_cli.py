@@ -192,3 +192,21 @@ def test_chat_reads_piped_input_without_prompts(monkeypatch, capsys):
     rc = main(["chat", "-t", "0", "--max-tokens", "4", "--device", "cpu"])
     out = capsys.readouterr().out
     assert rc == 0 and out.strip() and not out.startswith(">") and "\n> " not in out, out
+
+
+def test_unknown_options_are_named_by_their_subcommand():
+    rc, torch_loaded, _, out = _probe("generate", "hi", "--bogus")
+    assert rc == 2 and not torch_loaded
+    assert "slipstream generate: error: unrecognized arguments: --bogus (see slipstream generate --help)" in out
+    rc, _, _, out = _probe("bench", "latency", "--bogus")
+    assert rc == 2 and "slipstream bench latency: error: unrecognized arguments: --bogus" in out
+
+
+def test_bench_takes_the_speculative_flags_of_generate():
+    """bench latency / throughput spell the engine fields out (--speculative-tree) and
+    take generate's shorter spellings too (--spec-tree, --no-spec-auto-off)."""
+    from slipstream.cli import build_parser
+    args = build_parser("bench").parse_args(["bench", "latency", "--spec-tree", "4,4,16",
+                                             "--no-spec-auto-off", "--spec-online"])
+    assert args.speculative_tree == "4,4,16" and args.speculative_auto_off is False
+    assert args.speculative_online is True

@@ -90,12 +90,19 @@ def _common_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _engine_arguments(g) -> None:
+    from slipstream.spec.cli import SPEC_FLAGS
     for name, (kind, default, help_) in ENGINE_OPTIONS.items():
-        flag = "--" + name.replace("_", "-")
+        flags = ["--" + name.replace("_", "-")]
+        # generate / chat / serve spell some speculative flags shorter (--spec-tree): both work
+        if SPEC_FLAGS.get(name, flags[0]) != flags[0]:
+            flags.append(SPEC_FLAGS[name])
+        if name == "speculative_auto_off":
+            flags.append("--spec-auto-off")           # and so --no-spec-auto-off
         if kind is bool:
-            g.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_)
+            g.add_argument(*flags, dest=name, action=argparse.BooleanOptionalAction,
+                           default=default, help=help_)
         else:
-            g.add_argument(flag, type=kind, default=default, help=help_)
+            g.add_argument(*flags, dest=name, type=kind, default=default, help=help_)
 
 
 def _engine_args(args):
