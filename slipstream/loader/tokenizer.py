@@ -24,6 +24,8 @@ follows the original (tests/loader/test_tokenizer_gguf.py shows all three).
 """
 from __future__ import annotations
 
+import functools
+import json
 from pathlib import Path
 from typing import Sequence
 
@@ -32,6 +34,20 @@ import tokenizers
 from slipstream.errors import ModelLoadError
 from slipstream.loader.json_file import read_json
 from slipstream.loader.chat_template import ChatTemplate, ChatTemplateError
+
+
+@functools.cache
+def _unicode_to_byte() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, character -> byte: printable bytes stand for
+    themselves, the others for 256 + n in their order."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+            *range(ord("\xae"), ord("\xff") + 1)]
+    table, n = {chr(b): b for b in keep}, 0
+    for b in range(256):
+        if b not in keep:
+            table[chr(256 + n)] = b
+            n += 1
+    return table
 
 
 class Tokenizer:
@@ -100,6 +116,32 @@ class Tokenizer:
 
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes a token stands for, also where they are part of a character
+        (byte-level BPE pieces, SentencePiece's <0xE6> byte tokens), so that a
+        client joining the bytes of the tokens gets the text (OpenAI's `bytes`)."""
+        piece = self.backend.id_to_token(token_id)
+        if piece is None or token_id in self.all_special_ids:
+            return self.decode([token_id], skip_special_tokens=False).encode()
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            try:
+                return bytes([int(piece[3:5], 16)])
+            except ValueError:
+                pass
+        if self._byte_level:
+            table = _unicode_to_byte()
+            if all(c in table for c in piece):
+                return bytes(table[c] for c in piece)
+        return piece.replace("\u2581", " ").encode()
+
+    @functools.cached_property
+    def _byte_level(self) -> bool:
+        """GPT-2 style byte-level BPE: pieces spell their bytes as printable characters."""
+        try:
+            return json.loads(self.backend.to_str()).get("decoder", {}).get("type") == "ByteLevel"
+        except Exception:  # noqa: BLE001 - an unusual serialization: treat pieces as text
+            return False
 
     # chat
     @property

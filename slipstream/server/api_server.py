@@ -198,7 +198,7 @@ class Server:
         tok = self.engine.tokenizer
         fmt = Formatter(chat, call_id, self.model_name, req.n, logprobs, index, echo,
                         decode=lambda tid: tok.decode([tid], skip_special_tokens=False),
-                        score_only=not chat and req.score_only)
+                        score_only=not chat and req.score_only, token_bytes=tok.token_bytes)
         try:
             sub = self.async_engine.submit(items)
         except TooLarge as e:

@@ -28,7 +28,7 @@ def _finish_reason(c: CompletionOutput) -> str | None:
 class Formatter:
     def __init__(self, chat: bool, call_id: str, model: str, n: int, logprobs: int | None,
                  prompt_index: dict[str, int], echo: dict[str, str] | None = None,
-                 decode=None, score_only: bool = False):
+                 decode=None, score_only: bool = False, token_bytes=None):
         self.chat, self.id, self.model, self.n = chat, call_id, model, n
         # Completions with echo and max_tokens 0: the prompt alone, the step's one
         # generated token left out of text, log-probabilities and usage.
@@ -38,6 +38,8 @@ class Formatter:
         self.echo = echo or {}              # request id -> prompt text to prepend
         # token id -> text (the first prompt token's, which has no logprob entry)
         self.decode = decode or (lambda tid: "")
+        # token id -> its bytes, whole or part of a character (chat logprobs' `bytes`)
+        self.token_bytes = token_bytes
         self._echoed: set[int] = set()      # streamed choices whose prompt went out
         self.created = int(time.time())
         self._sent_text: dict[int, int] = {}
@@ -71,8 +73,16 @@ class Formatter:
     # ---- logprobs ---------------------------------------------------------
 
     def _top(self, entry) -> list[tuple[str, float]]:
-        ranked = sorted((lp for lp in entry.values() if lp.rank is not None), key=lambda lp: lp.rank)
-        return [(lp.decoded_token or "", lp.logprob) for lp in ranked[:self.logprobs]]
+        return [(lp.decoded_token or "", lp.logprob) for _, lp in self._ranked(entry)]
+
+    def _ranked(self, entry) -> list[tuple[int, object]]:
+        """(token id, its Logprob) of the top alternatives, best first."""
+        ranked = sorted(((t, lp) for t, lp in entry.items() if lp.rank is not None),
+                        key=lambda x: x[1].rank)
+        return ranked[:self.logprobs]
+
+    def _bytes(self, tid: int, text: str) -> list[int]:
+        return list(self.token_bytes(tid) if self.token_bytes is not None else text.encode())
 
     def _top_with(self, entry, tid: int) -> dict[str, float]:
         """Completions: the top alternatives and, always, the chosen token (OpenAI's
@@ -114,9 +124,11 @@ class Formatter:
             for tid, entry in zip(ids, entries):
                 tok = entry[tid].decoded_token or ""
                 content.append({"token": tok, "logprob": entry[tid].logprob,
-                                "bytes": list(tok.encode()),
-                                "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode())}
-                                                 for t, v in self._top(entry)]})
+                                "bytes": self._bytes(tid, tok),
+                                "top_logprobs": [{"token": lp.decoded_token or "",
+                                                  "logprob": lp.logprob,
+                                                  "bytes": self._bytes(t, lp.decoded_token or "")}
+                                                 for t, lp in self._ranked(entry)]})
             return {"content": content}
         tokens, token_lps, tops, offsets = [], [], [], []
         for tid, entry in zip(ids, entries):

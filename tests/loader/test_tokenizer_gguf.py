@@ -169,3 +169,23 @@ def test_an_answer_cut_mid_character_ends_without_a_replacement_character(defaul
         assert "\ufffd" not in d.text and "日本の首都".startswith(d.text)
         texts.append(d.text)
     assert texts[-1] == "日本の首都" and "" in texts   # some prefixes end mid-character
+
+
+def test_token_bytes_join_into_the_text(default_tokenizer):
+    """Each token's bytes, also those of part of a character, join into the text
+    (what OpenAI's logprob `bytes` are for); and chat logprobs carry them."""
+    from slipstream.engine.outputs import CompletionOutput, Logprob, RequestOutput
+    from slipstream.server.openai_format import Formatter
+    tok = default_tokenizer
+    for text in ("日本の首都", "Emoji: 😀 😃", " plain words", "<|im_start|>user\nhi"):
+        ids = tok.encode(text, add_special_tokens=False)
+        assert b"".join(tok.token_bytes(i) for i in ids) == text.encode()
+    ids = tok.encode("日本", add_special_tokens=False)
+    entries = [{t: Logprob(-0.5, 1, tok.decode([t]))} for t in ids]
+    out = RequestOutput("r", None, [1], [CompletionOutput(0, "日本", ids, -1.0, entries, "length")],
+                        True)
+    fmt = Formatter(True, "c", "m", 1, 1, {"r": 0}, token_bytes=tok.token_bytes)
+    content = fmt.response([out])["choices"][0]["logprobs"]["content"]
+    assert bytes(sum((c["bytes"] for c in content), [])) == "日本".encode()
+    assert any(c["token"] == "\ufffd" for c in content)       # partial characters as text
+    assert [c["top_logprobs"][0]["bytes"] for c in content] == [c["bytes"] for c in content]
