@@ -44,7 +44,9 @@ def _model_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=1, help="decode batch size")
     p.add_argument("--context", type=int, default=4096, help="keys each decoded token attends to")
     p.add_argument("--prompt", type=int, default=4096, help="prefill length")
-    p.add_argument("--weight-dtype", default="bf16", help="bf16, fp8, int8, int4, int4-g64, ...")
+    p.add_argument("--weight-dtype", default=None,
+                   help="bf16, fp8, int8, int4, int4-g64, ... (default: what a model file stores, "
+                        "read off its tensors; bf16 for presets and config.json)")
     p.add_argument("--kv-dtype", default="bf16", help="KV cache precision")
     p.add_argument("--compute-dtype", default="bf16", help="matmul precision for the peak rate")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -55,9 +57,12 @@ def _model_parser() -> argparse.ArgumentParser:
 def run_model(argv: list[str]) -> int:
     args = _model_parser().parse_args(argv)
     spec, hw = resolve_model(args.model), get_hardware(args.gpu).times(args.num_gpus)
-    sc = Scenario(args.batch, args.context, args.prompt,
-                  Precisions.parse(args.weight_dtype, args.kv_dtype), args.compute_dtype)
+    precisions, stored = _precisions(args, spec)
+    sc = Scenario(args.batch, args.context, args.prompt, precisions, args.compute_dtype)
     data = analyze(spec, hw, sc)
+    if stored is not None:
+        data["stored_weights"] = {"source": stored.source, "bits": stored.weight.bits,
+                                  "head_bits": stored.head.bits if stored.head else None}
     plot_error = None
     if args.plot:
         from slipstream.analysis.plots import plot_roofline
@@ -73,12 +78,32 @@ def run_model(argv: list[str]) -> int:
         except ValueError as e:   # e.g. no matplotlib: the analysis itself still stands
             plot_error = e
     print(json.dumps(data, indent=2) if args.json else render_text(spec, hw, sc, data))
+    if stored is not None and not args.json:
+        head = f", LM head {stored.head.bits:.2f}" if stored.head else ""
+        print(f"\nweights as the file stores them ({stored.source}): {stored.weight.bits:.2f} bits "
+              f"a weight in the layers{head} (--weight-dtype overrides)")
     if plot_error is not None:
         print(f"error: no chart written: {plot_error}", file=sys.stderr)
         return 2
     if args.plot and not args.json:
         print(f"\nroofline chart written to {data['plot']}")
     return 0
+
+
+def _precisions(args, spec):
+    """--weight-dtype, or the precision the model file stores (None for presets)."""
+    if args.weight_dtype is not None:
+        return Precisions.parse(args.weight_dtype, args.kv_dtype), None
+    from slipstream.analysis.flops import model_cost
+    from slipstream.analysis.stored_precision import stored_precision
+    cost = model_cost(spec, Workload(batch=1, new_tokens=1, past_tokens=0))
+    linear = sum(op.params for layer in cost.layers for op in layer if op.matmul)
+    stored = stored_precision(args.model, linear, spec.vocab_size * spec.hidden_size)
+    base = Precisions.parse("bf16", args.kv_dtype)
+    if stored is None:
+        return base, None
+    return Precisions(stored.weight, base.kv, base.act, stored.head,
+                      head_when_tied=stored.head_tied and stored.head is not None), stored
 
 
 def _tp_parser() -> argparse.ArgumentParser:
