@@ -36,6 +36,7 @@ typedef struct {
     int32_t n_taps;                        /* feature taps: after layer taps[i] (ascending), */
     const int32_t *taps;                   /* the residual stream goes to tap_out */
     float *tap_out;                        /* [b, n_taps * hidden], set per call */
+    int64_t num_blocks, max_position;      /* the caches' blocks, the rotary tables' rows */
 } ss_model_t;
 
 static int64_t lin_rows(const ss_linear_t *l) {
@@ -97,12 +98,39 @@ typedef struct {
     const int32_t *qloc; const uint64_t *masks; int64_t n_seqs; int max_q;
 } ss_attend_t;
 
+/* The step's indices against the caches, tables and rotary rows, before any is
+ * used: a bad one would read or write outside them. 0, or the first check that
+ * fails: -2 a position, -3 a slot, -4 a sequence's lengths (or its table row's
+ * width), -5 a block id in the rows its attention reads (not checked over a
+ * KIVI cache, whose tables index its sealed blocks). */
+static int check_step(const ss_model_t *m, int64_t b, const int64_t *positions, const ss_attend_t *at) {
+    int64_t bs = m->block_size, cap = m->num_blocks * bs;
+    for (int64_t i = 0; i < b; i++) {
+        if (positions[i] < 0 || positions[i] >= m->max_position) return -2;
+        if (at->slots[i] < -1 || at->slots[i] >= cap) return -3;
+    }
+    if (at->qloc && (at->qloc[0] != 0 || at->qloc[at->n_seqs] != b)) return -4;
+    if (!at->qloc && at->n_seqs != b) return -4;
+    for (int64_t s = 0; s < at->n_seqs; s++) {
+        int64_t n = at->seq_lens[s], q = at->qloc ? at->qloc[s + 1] - at->qloc[s] : 1;
+        if (q < 1 || q > at->max_q || n < q || n > at->table_stride * bs) return -4;
+        if (m->layers[0].kivi) continue;
+        int64_t lo = m->window > 0 && n - q + 1 > m->window ? n - q + 1 - m->window : 0;
+        const int32_t *row = at->tables + s * at->table_stride;
+        for (int64_t j = lo / bs; j <= (n - 1) / bs; j++)
+            if (row[j] < 0 || row[j] >= m->num_blocks) return -5;
+    }
+    return 0;
+}
+
 /* x: [b, hidden] embeddings of the step's b tokens in, final normed hidden
- * states out. Returns 0, or -1 on arguments the kernels reject. */
+ * states out. Returns 0, -1 on shapes the kernels reject, or check_step's code. */
 static int run_step(const ss_model_t *m, float *x, int64_t b, const int64_t *positions, const ss_attend_t *at) {
     int64_t H = m->hidden, hd = m->hd, nq = (int64_t)m->nh * hd, nkvd = (int64_t)m->nkv * hd;
     int64_t wqkv = nq + 2 * nkvd, I = m->inter;
     if (hd > 512 || m->nkv < 1 || m->nh % m->nkv || hd % 2) return -1;
+    int bad = check_step(m, b, positions, at);
+    if (bad) return bad;
     int64_t need = b * (H + H + wqkv + nq + 2 * I + I);
     float *buf = malloc(need * sizeof(float));
     if (!buf) return -1;

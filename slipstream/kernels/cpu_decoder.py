@@ -62,7 +62,13 @@ class _Model(ctypes.Structure):
                 ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("window", ctypes.c_int64),
                 ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("final_norm", ctypes.c_void_p),
                 ("layers", ctypes.POINTER(_Layer)), ("n_taps", ctypes.c_int32),
-                ("taps", ctypes.c_void_p), ("tap_out", ctypes.c_void_p)]
+                ("taps", ctypes.c_void_p), ("tap_out", ctypes.c_void_p),
+                ("num_blocks", ctypes.c_int64), ("max_position", ctypes.c_int64)]
+
+# run_step's codes (cpu_decoder.c check_step): the step's indices it refused
+_REFUSED = {-1: "a shape the kernels do not take", -2: "a position outside the rotary tables",
+            -3: "a slot outside the KV cache", -4: "a sequence's lengths (or its block-table width)",
+            -5: "a block id outside the KV cache"}
 
 
 def _fp32(t: torch.Tensor | None) -> bool:
@@ -117,7 +123,8 @@ class CPUDecoder:
             nkv=attn.num_kv_heads, hd=attn.head_dim,
             inter=first.mlp.down_proj.gguf_weight.cols, eps=first.input_layernorm.eps,
             scale=attn.scale, window=attn.sliding_window or 0, cos=rope.cos.data_ptr(),
-            sin=rope.sin.data_ptr(), final_norm=model.norm.weight.data_ptr(), layers=layers)
+            sin=rope.sin.data_ptr(), final_norm=model.norm.weight.data_ptr(), layers=layers,
+            max_position=rope.cos.shape[0])
 
     @classmethod
     def build(cls, model) -> "CPUDecoder | None":
@@ -171,6 +178,7 @@ class CPUDecoder:
                 return False
             st.k_cache, st.v_cache = k.data_ptr(), v.data_ptr()
         self._struct.block_size = k0.shape[1]
+        self._struct.num_blocks = k0.shape[0]
         self._struct.kv_bf16 = int(k0.dtype == torch.bfloat16)
         self._caches = caches
         return True
@@ -219,7 +227,7 @@ class CPUDecoder:
                                       positions.data_ptr(), tables.data_ptr(), tables.shape[1],
                                       lens.data_ptr(), slots.data_ptr())
         if rc != 0:
-            raise RuntimeError("ss_decode_step rejected its arguments")
+            raise _refused("decode", rc, batch)
         return x
 
     def _kivi_slots(self, batch) -> torch.Tensor:
@@ -247,5 +255,15 @@ class CPUDecoder:
                                     tables.data_ptr(), tables.shape[1], lens.data_ptr(), slots.data_ptr(),
                                     len(qlens), qloc.data_ptr(), masks.data_ptr(), batch.max_query_len)
         if rc != 0:
-            raise RuntimeError("ss_tree_step rejected its arguments")
+            raise _refused("multi-token", rc, batch)
         return x
+
+
+def _refused(kind: str, rc: int, batch) -> RuntimeError:
+    """The C step checks the step's indices before using any (a bad one would read
+    or write outside the caches): what it refused, with the batch's shape."""
+    return RuntimeError(
+        f"the CPU {kind} step refused {_REFUSED.get(rc, f'its arguments ({rc})')}: seq_lens "
+        f"{batch.seq_lens_cpu[:16]}, query_lens {batch.query_lens_cpu[:16]}, block table "
+        f"{tuple(batch.block_tables.shape)}, slots {batch.slot_mapping.tolist()[:16]}, "
+        f"positions {batch.positions.tolist()[:16]}")

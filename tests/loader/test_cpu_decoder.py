@@ -309,3 +309,42 @@ def test_tree_rows_equal_one_token_steps_along_their_paths(tmp_path, tiny_model,
                 model.backend.prepare(b)
                 row = model(b)
             assert torch.equal(row[0], tree[i]), i
+
+
+@needs_kernels
+def test_one_call_steps_refuse_indices_outside_the_caches(tmp_path, tiny_model):
+    """A slot, block id, position or length the caches do not hold is refused
+    with a message before the C step reads or writes through it (it would land
+    outside the caches), for decode and multi-token steps alike."""
+    path = write_gguf(tmp_path / "m.gguf", tiny_model("llama"), Q.Q4_1, arch="llama")
+    llm = LLM(model=str(path), dtype="float32", device="cpu", quantization="gguf")
+    model = llm.engine.runner.model
+    ids = torch.randint(3, 60, (12,), generator=torch.Generator().manual_seed(4)).tolist()
+    allocate_kv_caches(model, 16, 4, torch.float32)
+    seq = Sequence(ids, 4, BlockAllocator(16))
+
+    def step(n, spoil=None):
+        done = seq.num_computed
+        b = make_batch([(seq, n)])
+        assert model.model.cpu_decoder.accepts(b)
+        if spoil:
+            spoil(b)
+            seq.num_computed = done         # (a refused step computes nothing)
+        model.backend.prepare(b)
+        return model(b)
+
+    def bad_table(b):
+        b.block_tables[0, 0] = 16
+    cases = [(lambda b: b.slot_mapping.fill_(16 * 4), "slot outside"),
+             (lambda b: b.slot_mapping.fill_(-2), "slot outside"),
+             (bad_table, "block id outside"),
+             (lambda b: b.positions.fill_(model.model.rotary_emb.cos.shape[0]), "position outside")]
+    with torch.inference_mode():
+        pre = make_batch([(seq, 8)])
+        model.backend.prepare(pre)
+        model(pre)
+        for n in (1, 3):
+            for spoil, what in cases:
+                with pytest.raises(RuntimeError, match=what):
+                    step(n, spoil)
+        step(1)                                   # the caches still serve a good step
