@@ -41,3 +41,14 @@ def test_cli_eval_ppl(tiny_llama, tmp_path, capsys):
     out = capsys.readouterr().out
     assert '"ppl"' in out and '"stride": 16' in out
     assert main(["eval", "ppl", str(tiny_llama), "--text", str(tmp_path / "none.txt")]) == 2
+
+
+@pytest.mark.parametrize("opts,message", [(["--context", "0"], "--context: expected at least 2"),
+                                          (["--context", "8", "--stride", "9"], "--stride: expected 1..")])
+def test_cli_eval_ppl_refuses_bad_windows_by_their_option_names(tmp_path, capsys, opts, message):
+    """Checked before any model loads, named as the user spelled them."""
+    from slipstream.cli import main
+    text = tmp_path / "t.txt"
+    text.write_text("some text")
+    assert main(["eval", "ppl", "/nonexistent/model", "--text", str(text), *opts]) == 2
+    assert message in capsys.readouterr().err
