@@ -8,6 +8,7 @@ reports cumulative text and token ids.
 """
 from __future__ import annotations
 
+import codecs
 import json
 import time
 
@@ -72,9 +73,6 @@ class Formatter:
 
     # ---- logprobs ---------------------------------------------------------
 
-    def _top(self, entry) -> list[tuple[str, float]]:
-        return [(lp.decoded_token or "", lp.logprob) for _, lp in self._ranked(entry)]
-
     def _ranked(self, entry) -> list[tuple[int, object]]:
         """(token id, its Logprob) of the top alternatives, best first."""
         ranked = sorted(((t, lp) for t, lp in entry.items() if lp.rank is not None),
@@ -84,12 +82,40 @@ class Formatter:
     def _bytes(self, tid: int, text: str) -> list[int]:
         return list(self.token_bytes(tid) if self.token_bytes is not None else text.encode())
 
+    def _raw(self, tid: int, decoded: str | None) -> bytes:
+        return self.token_bytes(tid) if self.token_bytes is not None else (decoded or "").encode()
+
+    def _spelled(self, tid: int, decoded: str | None) -> str:
+        """Completions: how a token is shown in `tokens` / `top_logprobs`. A token
+        holding part of a character (a byte-level BPE piece, a <0xE2> byte token) is
+        shown as OpenAI shows one, `bytes:\\xe2\\x80`, not as U+FFFD (which also
+        made such alternatives collide as keys)."""
+        decoded = decoded or ""
+        if "\ufffd" in decoded:
+            raw = self._raw(tid, decoded)
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError:
+                return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+        return decoded
+
+    def _characters(self, before: list[int]):
+        """A UTF-8 decoder holding the part of a character the tokens before this
+        chunk left open (a character is at most 4 bytes: the last 4 tokens hold it):
+        `len(dec.decode(bytes))` is then the characters of the text a token
+        completes, so `text_offset` follows the text as it is streamed, where a
+        character shows once whole."""
+        dec = codecs.getincrementaldecoder("utf-8")("replace")
+        for t in before[-4:]:
+            dec.decode(self._raw(t, None))
+        return dec
+
     def _top_with(self, entry, tid: int) -> dict[str, float]:
         """Completions: the top alternatives and, always, the chosen token (OpenAI's
         rule: up to logprobs + 1 entries)."""
-        top = dict(self._top(entry))
+        top = {self._spelled(t, lp.decoded_token): lp.logprob for t, lp in self._ranked(entry)}
         chosen = entry[tid]
-        top.setdefault(chosen.decoded_token or "", chosen.logprob)
+        top.setdefault(self._spelled(tid, chosen.decoded_token), chosen.logprob)
         return top
 
     def _prompt_logprobs(self, out: RequestOutput):
@@ -99,13 +125,14 @@ class Formatter:
                 or out.prompt_logprobs is None:
             return None
         tokens, lps, tops, offsets, at = [], [], [], [], 0
+        chars = self._characters([])
         for tid, entry in zip(out.prompt_token_ids, out.prompt_logprobs):
-            tok = self.decode(tid) if entry is None else (entry[tid].decoded_token or "")
-            tokens.append(tok)
+            decoded = self.decode(tid) if entry is None else entry[tid].decoded_token
+            tokens.append(self._spelled(tid, decoded))
             lps.append(None if entry is None else entry[tid].logprob)
             tops.append(None if entry is None else self._top_with(entry, tid))
             offsets.append(at)
-            at += len(tok)
+            at += len(chars.decode(self._raw(tid, decoded)))
         return tokens, lps, tops, offsets
 
     def _with_prompt(self, out: RequestOutput, lps: dict | None) -> dict | None:
@@ -131,13 +158,13 @@ class Formatter:
                                                  for t, lp in self._ranked(entry)]})
             return {"content": content}
         tokens, token_lps, tops, offsets = [], [], [], []
+        chars = self._characters(c.token_ids[:start])
         for tid, entry in zip(ids, entries):
-            tok = entry[tid].decoded_token or ""
-            tokens.append(tok)
+            tokens.append(self._spelled(tid, entry[tid].decoded_token))
             token_lps.append(entry[tid].logprob)
             tops.append(self._top_with(entry, tid))
             offsets.append(text_offset)
-            text_offset += len(tok)
+            text_offset += len(chars.decode(self._raw(tid, entry[tid].decoded_token)))
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
                 "text_offset": offsets}
 

@@ -189,3 +189,45 @@ def test_token_bytes_join_into_the_text(default_tokenizer):
     assert bytes(sum((c["bytes"] for c in content), [])) == "日本".encode()
     assert any(c["token"] == "\ufffd" for c in content)       # partial characters as text
     assert [c["top_logprobs"][0]["bytes"] for c in content] == [c["bytes"] for c in content]
+
+
+def test_completion_logprobs_spell_partial_characters_as_bytes(default_tokenizer):
+    """Completions: a token holding part of a character is shown as OpenAI shows
+    one (`bytes:\\xe6\\x97`), alternatives that are such pieces stay apart as keys,
+    and `text_offset` counts the characters of the text, also in a stream cut
+    inside a character (where the text sent so far stops before it)."""
+    from slipstream.engine.outputs import CompletionOutput, Logprob, RequestOutput
+    from slipstream.server.openai_format import Formatter
+    tok = default_tokenizer
+    text = "a日本の首都 ok"
+    ids = tok.encode(text, add_special_tokens=False)
+    parts = [t for t in ids if "\ufffd" in tok.decode([t])]
+    assert len(set(parts)) >= 2                             # the text has split characters
+
+    def entries():
+        return [{t: Logprob(-0.5, 1, tok.decode([t])),
+                 **{p: Logprob(-1.0 - j, 2 + j, tok.decode([p])) for j, p in enumerate(parts[:2]) if p != t}}
+                for t in ids]
+
+    def output():
+        return CompletionOutput(0, text, ids, -1.0, entries(), "length")
+    fmt = Formatter(False, "c", "m", 1, 2, {"r": 0}, token_bytes=tok.token_bytes)
+    lp = fmt.response([RequestOutput("r", None, [1], [output()], True)])["choices"][0]["logprobs"]
+    assert "\ufffd" not in "".join(lp["tokens"])
+    assert any(t.startswith("bytes:\\x") for t in lp["tokens"])
+    joined = b"".join(bytes.fromhex(t[6:].replace("\\x", "")) if t.startswith("bytes:") else t.encode()
+                      for t in lp["tokens"])
+    assert joined == text.encode()
+    assert all(len(top) >= 2 for top in lp["top_logprobs"])     # piece alternatives apart
+    # each offset: the characters of the text completed before the token
+    for k, o in enumerate(lp["text_offset"]):
+        done = b"".join(tok.token_bytes(t) for t in ids[:k]).decode("utf-8", "ignore")
+        assert o == len(done)
+        if not lp["tokens"][k].startswith("bytes:"):
+            assert text[o:o + len(lp["tokens"][k])] == lp["tokens"][k]
+    # a stream cut after any token gives the same offsets on both sides of the cut
+    for cut in range(1, len(ids)):
+        sent = len(b"".join(tok.token_bytes(t) for t in ids[:cut]).decode("utf-8", "ignore"))
+        first = fmt._logprobs(output(), 0, 0)["text_offset"][:cut]
+        rest = fmt._logprobs(output(), cut, sent)["text_offset"]
+        assert first + rest == lp["text_offset"], cut
