@@ -42,6 +42,7 @@ _SIGNATURES = {
     "ss_set_threads": ([_i32], _i32),
     "ss_set_amx": ([_i32], _i32),
     "ss_get_threads": ([], _i32),
+    "ss_pool_test_delay": ([_i32], None),
     "ss_matmul": ([_i32, _p, _p, _p, _i64, _p, _i64, _p, _i64], _i32),
     "ss_dequant": ([_i32, _p, _i64, _i64, _p], _i32),
     "ss_get_rows": ([_i32, _p, _i64, _p, _i64, _p], _i32),

@@ -386,8 +386,16 @@ static int claim(uint32_t gen, int64_t n) {
     }
 }
 
+/* Tests only (ss_pool_test_delay): microseconds a worker waits after seeing a new
+ * job, and three times that the caller waits between writing a job and opening
+ * it: the window of the race parallel_for closes, made wide. 0 in use. */
+static int pool_test_delay_us = 0;
+
 static void run_chunks(uint32_t gen) {
     chunk_fn fn = P.fn; void *args = P.args; int64_t n = P.n_chunks;
+    /* orders the reads above before the claims' reads of the ticket: a field written
+     * for a later job means the ticket shows a later generation (parallel_for) */
+    atomic_thread_fence(memory_order_acquire);
     int c;
     while ((c = claim(gen, n)) >= 0) {
         fn(args, c);
@@ -420,6 +428,7 @@ static void *worker(void *arg) {
             }
         }
         seen = gen;
+        if (pool_test_delay_us) usleep(pool_test_delay_us);
         run_chunks(gen);
     }
     return NULL;
@@ -434,8 +443,20 @@ static void parallel_for(chunk_fn fn, void *args, int64_t n_chunks) {
         for (int64_t c = 0; c < n_chunks; c++) fn(args, c);
         return;
     }
+    /* Close the last job's generation before its fields change. A worker that saw
+     * that generation late reads the fields whenever it runs again; with the
+     * generation still open it could read this job's fields (a larger n_chunks)
+     * and still claim under the old generation: run a chunk of this job before it
+     * opens, with an old function on new arguments or the other way round, and
+     * count it in a `done` this job has reset (the caller then returns with a chunk
+     * still running on its stack's arguments: crashes seen as SIGSEGV and SIGFPE).
+     * A closed generation has nothing left to claim (count 0xffffffff). */
+    uint32_t closed = ++generation;
+    atomic_store_explicit(&P.ticket, ((uint64_t)closed << 32) | 0xffffffffu, memory_order_seq_cst);
+    atomic_thread_fence(memory_order_seq_cst);
     P.fn = fn; P.args = args; P.n_chunks = n_chunks;
     atomic_store_explicit(&P.done, 0, memory_order_relaxed);
+    if (pool_test_delay_us) usleep(3 * pool_test_delay_us);
     uint32_t gen = ++generation;
     atomic_store_explicit(&P.ticket, (uint64_t)gen << 32, memory_order_release);
     if (atomic_load(&P.sleeping)) {
@@ -482,6 +503,8 @@ int ss_set_threads(int n_threads) {
 }
 
 int ss_get_threads(void) { return P.n_workers + 1; }
+
+void ss_pool_test_delay(int us) { pool_test_delay_us = us < 0 ? 0 : us; }
 
 /* ---- Q4 weights repacked for 16 rows at a time ---------------------------- */
 #include "cpu_q4x16.c"

@@ -155,6 +155,44 @@ def test_threads_give_the_same_result():
     assert torch.equal(one, three)
 
 
+_POOL_JOBS = """
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+from test_cpu_quant import random_blocks
+from slipstream.kernels import cpu_library
+from slipstream.kernels.cpu_quant import QuantMatrix
+gen = torch.Generator().manual_seed(8)
+mats = [QuantMatrix([(8, random_blocks(8, r, 256, gen))], 256) for r in (64, 512)]
+x = torch.randn(3, 256, generator=gen)
+refs = [(qm.matmul(x), qm.dequantize()) for qm in mats]
+cpu_library.set_threads(4)
+cpu_library.load().ss_pool_test_delay(200)
+bad = 0
+for _ in range(150):
+    for qm, (y, w) in zip(mats, refs):
+        bad += not torch.equal(qm.matmul(x), y)
+        bad += not torch.equal(qm.dequantize(), w)
+print("bad", bad)
+"""
+
+
+def test_pool_jobs_never_mix_when_workers_wake_late():
+    """Jobs of different sizes back to back, with workers that wake late after
+    seeing a job and a caller that pauses between writing the next job and opening
+    it (ss_pool_test_delay widens that window): a late worker must claim nothing of
+    a job it did not see opened. Before the fix it could run a chunk of the next
+    job early and count it, so the caller returned with chunks still running
+    (crashes in the engine's test runs). This exercises that path; it does not
+    reproduce the old race every time (with the old code it hung in one run of
+    six, so it runs in a process of its own with a time limit)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    r = subprocess.run([sys.executable, "-c", _POOL_JOBS, str(Path(__file__).parent)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.split()[-2:] == ["bad", "0"], r.stdout + r.stderr[-2000:]
+
+
 @pytest.mark.parametrize("arch", ["haswell", "x86-64", "skylake-avx512"])
 def test_other_cpus(arch, tmp_path):
     """The kernels built for an AVX2-only CPU, for one without vector extensions and
