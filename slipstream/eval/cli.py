@@ -33,14 +33,11 @@ def run(args) -> int:
     from pathlib import Path
 
     from slipstream import LLM
-    from slipstream.eval.perplexity import perplexity
+    from slipstream.eval.perplexity import check_windows, perplexity
     path = Path(args.text)
     if not path.is_file():
         raise ValueError(f"text: no such file {args.text!r}")
-    if args.context < 2:      # (before the model loads, in the option's own name)
-        raise ValueError(f"--context: expected at least 2 tokens, got {args.context}")
-    if args.stride is not None and not 1 <= args.stride <= args.context:
-        raise ValueError(f"--stride: expected 1..--context ({args.context}), got {args.stride}")
+    check_windows(args.context, args.stride, ("--context", "--stride"))   # before the model loads
     llm = LLM(args.model, dtype=args.dtype, device=args.device,
               quantization=args.quantization, max_model_len=args.context + 1,
               kv_cache_dtype=args.kv_cache_dtype,

@@ -23,12 +23,19 @@ class PerplexityResult:
     stride: int
 
 
+def check_windows(context: int, stride: int | None, names=("context", "stride")) -> None:
+    """Raise ValueError for windows that cannot score (stride None: the default),
+    naming the options as the caller spells them (the command line: --context)."""
+    c, st = names
+    if context < 2:
+        raise ValueError(f"{c}: expected at least 2 tokens, got {context}")
+    if stride is not None and not 1 <= stride <= context:
+        raise ValueError(f"{st}: expected 1..{c} ({context}), got {stride}")
+
+
 def sliding_windows(n: int, context: int, stride: int) -> list[tuple[int, int, int]]:
     """(start, end, first scored index) of each window over n tokens."""
-    if context < 2:
-        raise ValueError(f"context: expected at least 2 tokens, got {context}")
-    if not 1 <= stride <= context:
-        raise ValueError(f"stride: expected 1..context ({context}), got {stride}")
+    check_windows(context, stride)
     out, scored_upto = [], 1          # token 0 has no context: never scored
     start = 0
     while scored_upto < n:

@@ -79,10 +79,8 @@ class Formatter:
                         key=lambda x: x[1].rank)
         return ranked[:self.logprobs]
 
-    def _bytes(self, tid: int, text: str) -> list[int]:
-        return list(self.token_bytes(tid) if self.token_bytes is not None else text.encode())
-
     def _raw(self, tid: int, decoded: str | None) -> bytes:
+        """A token's bytes, whole or part of a character (its text where none are known)."""
         return self.token_bytes(tid) if self.token_bytes is not None else (decoded or "").encode()
 
     def _spelled(self, tid: int, decoded: str | None) -> str:
@@ -101,7 +99,7 @@ class Formatter:
 
     def _characters(self, before: list[int]):
         """A UTF-8 decoder holding the part of a character the tokens before this
-        chunk left open (a character is at most 4 bytes: the last 4 tokens hold it):
+        chunk left open (`before`: the last 4 of them; a character is at most 4 bytes):
         `len(dec.decode(bytes))` is then the characters of the text a token
         completes, so `text_offset` follows the text as it is streamed, where a
         character shows once whole."""
@@ -151,14 +149,14 @@ class Formatter:
             for tid, entry in zip(ids, entries):
                 tok = entry[tid].decoded_token or ""
                 content.append({"token": tok, "logprob": entry[tid].logprob,
-                                "bytes": self._bytes(tid, tok),
+                                "bytes": list(self._raw(tid, tok)),
                                 "top_logprobs": [{"token": lp.decoded_token or "",
                                                   "logprob": lp.logprob,
-                                                  "bytes": self._bytes(t, lp.decoded_token or "")}
+                                                  "bytes": list(self._raw(t, lp.decoded_token))}
                                                  for t, lp in self._ranked(entry)]})
             return {"content": content}
         tokens, token_lps, tops, offsets = [], [], [], []
-        chars = self._characters(c.token_ids[:start])
+        chars = self._characters(c.token_ids[max(0, start - 4):start])
         for tid, entry in zip(ids, entries):
             tokens.append(self._spelled(tid, entry[tid].decoded_token))
             token_lps.append(entry[tid].logprob)
