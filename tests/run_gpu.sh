@@ -16,7 +16,7 @@ export SLIPSTREAM_ATTENTION_TUNE=${SLIPSTREAM_ATTENTION_TUNE:-0}   # fixed tiles
 GROUPS_=(
   "tests/kernels/test_prefill_attention.py tests/kernels/test_tree_attention.py tests/kernels/test_logp_topk.py tests/kernels/test_masked_attention.py tests/kernels/test_gluon_prefill.py"
   "tests/kernels/test_decode_attention.py tests/kernels/test_short_decode_attention.py tests/kernels/test_kv_store.py tests/kernels/test_rotary_kv_store.py tests/kernels/test_fused_ops.py tests/kernels/test_triton_backend.py tests/kernels/test_gluon_fp8.py tests/kernels/test_w8a8_gemm.py"
-  "tests/kernels/test_kv_cache_quant.py tests/kernels/test_kv_code_paths.py tests/kernels/test_fp8_attention.py tests/kernels/test_quant_gemm.py tests/kernels/test_int_weight_gemv.py tests/kernels/test_quant_tuning.py tests/kernels/test_dense_gemv.py tests/kernels/test_w4_mma_gemv.py tests/kernels/test_kivi_decode.py tests/kernels/test_tma_gemv.py tests/kernels/test_tma_int8_gemv.py"
+  "tests/kernels/test_kv_cache_quant.py tests/kernels/test_kv_code_paths.py tests/kernels/test_fp8_attention.py tests/kernels/test_quant_gemm.py tests/kernels/test_int_weight_gemv.py tests/kernels/test_quant_tuning.py tests/kernels/test_dense_gemv.py tests/kernels/test_w4_mma_gemv.py tests/kernels/test_kivi_decode.py tests/kernels/test_tma_gemv.py tests/kernels/test_tma_int8_gemv.py tests/kernels/test_skinny_gemm.py tests/kernels/test_few_rows.py"
   "tests/engine/test_gpu_runtime.py tests/engine/test_gpu_spec_kv.py tests/sampling/test_sampler_cuda.py"
 )
 i=0

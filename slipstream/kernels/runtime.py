@@ -57,7 +57,7 @@ def pdl_supported(t: torch.Tensor) -> bool:
 # The norms, SiLU x up and rotary + KV store may launch behind the kernel ahead of
 # them (programmatic dependent launch), so that their launch and the load of a
 # norm's weight overlap that kernel's tail. Off: measured on an H200 (Llama-3-8B
-# shape, benchmarks/runtime/bench_pdl.py) it moved batch-1 decode by +0.2% and made
+# shape, benchmarks/runtime/bench_switch.py --switch pdl) it moved batch-1 decode by +0.2% and made
 # batches 8 and 64 1% slower.
 EARLY_ELEMENTWISE = False
 

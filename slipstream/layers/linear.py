@@ -34,7 +34,7 @@ from torch import nn
 from slipstream.distributed import comm
 from slipstream.distributed.parallel import kv_heads_of_rank
 from slipstream.errors import ModelLoadError
-from slipstream.layers import decode_gemv
+from slipstream.layers import decode_gemv, few_rows
 from slipstream.layers.weight_loader import copy_checked
 
 
@@ -77,6 +77,10 @@ class UnquantizedLinearMethod:
             if y is not None:
                 return y
             x = decode_gemv.unfold(x)
+        elif few_rows.ROLES:    # 2..32 rows of the products named (layers/few_rows.py)
+            y = few_rows.linear(layer, x)
+            if y is not None:
+                return y
         return F.linear(x, layer.weight, layer.bias)
 
 
