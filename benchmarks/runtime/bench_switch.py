@@ -12,6 +12,7 @@ so a drift of the machine hits them alike. The switches (`SWITCHES`):
 
     python benchmarks/runtime/bench_switch.py --switch pdl --out DIR [--repeats 3]
         [--batches 1,8,64] [--throughput-repeats 2]     # 0: decode latency only
+        [--settings plain,early]                        # a subset, the baseline first
 
 Writes DIR/SWITCH.json and DIR/SWITCH.md: decode tokens/s and step / roofline per
 setting and batch (median over the repeats, each repeat listed), greedy tokens of
@@ -82,6 +83,8 @@ def _greedy_tokens(llm) -> list[list[int]]:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--switch", choices=sorted(SWITCHES), required=True)
+    ap.add_argument("--settings", help="a comma list of the switch's settings (default all; "
+                    "the first is the baseline)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--batches", default="1,8,64")
@@ -100,6 +103,8 @@ def main() -> int:
     llm = _llm()
     engine = llm.engine
     settings = SWITCHES[a.switch]
+    if a.settings:
+        settings = {n: settings[n] for n in a.settings.split(",")}
     names = list(settings)
     setting = _Setting(engine.runner, settings)
     dev = torch.device("cuda")

@@ -77,7 +77,7 @@ class UnquantizedLinearMethod:
             if y is not None:
                 return y
             x = decode_gemv.unfold(x)
-        elif few_rows.ROLES:    # 2..32 rows of the products named (layers/few_rows.py)
+        elif few_rows.ROLES:    # a few rows of the products named (layers/few_rows.py)
             y = few_rows.linear(layer, x)
             if y is not None:
                 return y

@@ -52,7 +52,7 @@ def test_named_roles_take_the_skinny_gemm_at_2_to_32_rows(calls):
 def test_other_rows_roles_and_layers_keep_f_linear(calls):
     x = torch.randn(33, 64, device=DEVICE).bfloat16()
     _layer("qkv")(x)                                   # over MAX_ROWS
-    _layer("gate_up")(x[:8])                           # a role not named
+    _layer("down")(x[:8])                              # a role not named
     _layer("o", bias=True)(x[:8])                      # a bias
     _layer(None)(x[:8])                                # no role
     torch.set_default_dtype(torch.float32)
@@ -60,3 +60,12 @@ def test_other_rows_roles_and_layers_keep_f_linear(calls):
     layer.gemv_role = "o"
     layer(x[:8].float())
     assert calls == []
+
+
+def test_a_role_takes_it_from_its_fewest_rows(calls, monkeypatch):
+    monkeypatch.setattr(few_rows, "ROLES", frozenset({"gate_up"}))
+    layer = _layer("gate_up")
+    x = torch.randn(few_rows.ROWS["gate_up"], 64, device=DEVICE).bfloat16()
+    layer(x[:-1])
+    layer(x)
+    assert [r for r, _ in calls] == [few_rows.ROWS["gate_up"]]
