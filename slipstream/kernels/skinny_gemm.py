@@ -1,5 +1,5 @@
-"""A few to 64 rows times a 16-bit weight on tensor cores (not used by the engine:
-measured slower than cuBLAS there, below).
+"""A few to 64 rows times a 16-bit weight on tensor cores: the engine's qkv, o_proj and
+gate_up products of 2-32 rows on CUDA (layers/few_rows.py says which and why).
 
 y[m, n] = sum_k x[m, k] * w[n, k] for M <= 64 rows, w as nn.Linear keeps it ([N, K],
 rows contiguous). Program i owns BLOCK_N output features and all M rows: it streams
@@ -15,8 +15,9 @@ products of a layer at ~4 us each, ~0.5 ms of the round, for weights of 0.7-3.5 
 alone, 61 rows, SmolLM2's products take 3.8-6.4 us here against 3.7-5.2 with cuBLAS
 (0.82-1.00x; 16 rows 1.04-1.15x): both are bound by latency, not bytes. Inside the
 loop's round the target's products took 1.10-1.20 ms against cuBLAS's 0.99 whatever
-the config, so the engine keeps cuBLAS. Llama-3-8B's qkv and o_proj at 8-32 rows run
-1.04-1.14x cuBLAS alone (gate_up, down 0.90-1.07x): untried through the engine.
+the config, so tree verification keeps cuBLAS. Llama-3-8B's qkv and o_proj at 8-32 rows
+run 1.04-1.14x cuBLAS alone (gate_up, down 0.90-1.07x); through the engine they make
+decode of 8-32 requests a little faster (layers/few_rows.py).
 """
 from __future__ import annotations
 
