@@ -19,7 +19,10 @@ verifying k drafts costs little more than a plain step.
 It serves a model whose every linear layer holds a `QuantMatrix` (the GGUF
 scheme on a CPU with the kernels built), fp32 activations and an fp32 or bf16
 KV cache, batches where each sequence brings one token, or up to MAX_QUERY
-tokens after a cached context (prompts take the model's forward). Over a KIVI
+tokens after a cached context (prompts take the model's forward: also a lone
+one-token prompt, which would fit a decode step, so that it gets the same bits
+as beside other prompts, where the step is the model's forward anyway; a short
+rest of a prompt after a cached prefix still fits a verification step). Over a KIVI
 cache (cache/kivi_paged.py) it serves decode steps: the window bookkeeping and
 the sealing of blocks leaving the window run first (every layer, on the host),
 then the C step stores the new rows in the window pools and its attention reads
@@ -188,6 +191,8 @@ class CPUDecoder:
                 and batch.max_seq_len <= self.model.rotary_emb.max_position):
             return False
         decode = batch.is_decode_only and batch.tree_mask is None
+        if decode and min(batch.seq_lens_cpu) == 1:
+            return False      # a one-token prompt: the per-layer path, as beside other prompts
         if not decode and (self._attns[0].kivi is not None or not self._verifies(batch)):
             return False      # (over a KIVI cache: decode steps only)
         return self._bind_caches()

@@ -191,113 +191,183 @@ static inline __m512 two_scales(float a, float b) {
 }
 #endif
 
-static float dot_q4_0(const uint8_t *w, qx_t x, int64_t nb) {
+/* nx (1..DOT_MAX_X) rows of x against one weight row: out[i] = <w, x[i]>. The
+ * weight's blocks are unpacked once for all nx rows (a prompt's rows four at a
+ * time), and each row's sums run in the same order whatever nx, so a row of x
+ * gives the same bits alone (a decode step) as among others (a prompt, a batch).
+ * Inlined: `dotn_q` calls them with nx = 1 as a constant for the one-row case. */
+#define DOT_MAX_X 4
+/* a * b + c, rounded once where the CPU fuses them, else twice. Written out: the
+ * compiler fuses a product and a sum of plain expressions where it sees fit, and
+ * not always alike in the one-row code and the n-row loops (seen: an AVX-512 build
+ * without VNNI gave a row other bits among three rows than alone). Without fused
+ * instructions it fuses nothing, so the plain form is then as fixed. */
+#if defined(__FP_FAST_FMAF)
+#define FMA(a, b, c) fmaf(a, b, c)
+#else
+#define FMA(a, b, c) ((a) * (b) + (c))
+#endif
+#define SS_INLINE static inline __attribute__((always_inline))
+
+SS_INLINE void dotn_q4_0(const uint8_t *w, const qx_t *x, int nx, int64_t nb, float *out) {
 #if defined(SS_AVX512)
-    __m512 acc = _mm512_setzero_ps(); float off = 0; int64_t b = 0;
+    __m512 acc[DOT_MAX_X]; float off[DOT_MAX_X]; int64_t b = 0;
+    for (int i = 0; i < nx; i++) { acc[i] = _mm512_setzero_ps(); off[i] = 0; }
     for (; b + 2 <= nb; b += 2, w += 36) {
-        __m512i s = dot512_u8_i8(nibbles2(w + 2, w + 20), _mm512_loadu_si512(x.q + 32 * b));
+        __m512i u = nibbles2(w + 2, w + 20);
         float d0 = h2f(w), d1 = h2f(w + 18);
-        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), two_scales(d0 * x.d[b], d1 * x.d[b + 1]), acc);
-        off += d0 * x.s[b] + d1 * x.s[b + 1];
+        for (int i = 0; i < nx; i++) {
+            __m512i s = dot512_u8_i8(u, _mm512_loadu_si512(x[i].q + 32 * b));
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), two_scales(d0 * x[i].d[b], d1 * x[i].d[b + 1]), acc[i]);
+            off[i] = FMA(d1, x[i].s[b + 1], FMA(d0, x[i].s[b], off[i]));
+        }
     }
-    float total = _mm512_reduce_add_ps(acc) - 8 * off;
+    for (int i = 0; i < nx; i++) out[i] = _mm512_reduce_add_ps(acc[i]) - 8 * off[i];
     for (; b < nb; b++, w += 18) {
-        const uint8_t *q = w + 2; const int8_t *v = x.q + 32 * b; int si = 0;
-        for (int i = 0; i < 16; i++) si += ((q[i] & 15) - 8) * v[i] + ((q[i] >> 4) - 8) * v[i + 16];
-        total += h2f(w) * x.d[b] * si;
+        const uint8_t *q = w + 2; float d = h2f(w);
+        for (int i = 0; i < nx; i++) {
+            const int8_t *v = x[i].q + 32 * b; int si = 0;
+            for (int k = 0; k < 16; k++) si += ((q[k] & 15) - 8) * v[k] + ((q[k] >> 4) - 8) * v[k + 16];
+            out[i] = FMA(d * x[i].d[b], (float)si, out[i]);
+        }
     }
-    return total;
 #elif defined(__AVX2__)
-    __m256 acc = _mm256_setzero_ps(); float off = 0;
+    __m256 acc[DOT_MAX_X]; float off[DOT_MAX_X];
+    for (int i = 0; i < nx; i++) { acc[i] = _mm256_setzero_ps(); off[i] = 0; }
     for (int64_t b = 0; b < nb; b++, w += 18) {
-        __m256i s = dot_u8_i8(nibbles(w + 2), _mm256_loadu_si256((const __m256i *)(x.q + 32 * b)));
+        __m256i u = nibbles(w + 2);
         float d = h2f(w);
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(d * x.d[b]), acc);
-        off += d * x.s[b];
+        for (int i = 0; i < nx; i++) {
+            __m256i s = dot_u8_i8(u, _mm256_loadu_si256((const __m256i *)(x[i].q + 32 * b)));
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(d * x[i].d[b]), acc[i]);
+            off[i] = FMA(d, x[i].s[b], off[i]);
+        }
     }
-    return hsum(acc) - 8 * off;
+    for (int i = 0; i < nx; i++) out[i] = hsum(acc[i]) - 8 * off[i];
 #else
-    float total = 0;
+    for (int i = 0; i < nx; i++) out[i] = 0;
     for (int64_t b = 0; b < nb; b++, w += 18) {
-        const uint8_t *q = w + 2; const int8_t *v = x.q + 32 * b; int s = 0;
-        for (int i = 0; i < 16; i++) s += ((q[i] & 15) - 8) * v[i] + ((q[i] >> 4) - 8) * v[i + 16];
-        total += h2f(w) * x.d[b] * s;
+        const uint8_t *q = w + 2; float d = h2f(w);
+        for (int i = 0; i < nx; i++) {
+            const int8_t *v = x[i].q + 32 * b; int s = 0;
+            for (int k = 0; k < 16; k++) s += ((q[k] & 15) - 8) * v[k] + ((q[k] >> 4) - 8) * v[k + 16];
+            out[i] = FMA(d * x[i].d[b], (float)s, out[i]);
+        }
     }
-    return total;
 #endif
 }
 
-static float dot_q4_1(const uint8_t *w, qx_t x, int64_t nb) {
+SS_INLINE void dotn_q4_1(const uint8_t *w, const qx_t *x, int nx, int64_t nb, float *out) {
 #if defined(SS_AVX512)
-    __m512 acc = _mm512_setzero_ps(); float off = 0; int64_t b = 0;
+    __m512 acc[DOT_MAX_X]; float off[DOT_MAX_X]; int64_t b = 0;
+    for (int i = 0; i < nx; i++) { acc[i] = _mm512_setzero_ps(); off[i] = 0; }
     for (; b + 2 <= nb; b += 2, w += 40) {
-        __m512i s = dot512_u8_i8(nibbles2(w + 4, w + 24), _mm512_loadu_si512(x.q + 32 * b));
-        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), two_scales(h2f(w) * x.d[b], h2f(w + 20) * x.d[b + 1]), acc);
-        off += h2f(w + 2) * x.s[b] + h2f(w + 22) * x.s[b + 1];
+        __m512i u = nibbles2(w + 4, w + 24);
+        float d0 = h2f(w), m0 = h2f(w + 2), d1 = h2f(w + 20), m1 = h2f(w + 22);
+        for (int i = 0; i < nx; i++) {
+            __m512i s = dot512_u8_i8(u, _mm512_loadu_si512(x[i].q + 32 * b));
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), two_scales(d0 * x[i].d[b], d1 * x[i].d[b + 1]), acc[i]);
+            off[i] = FMA(m1, x[i].s[b + 1], FMA(m0, x[i].s[b], off[i]));
+        }
     }
-    float total = _mm512_reduce_add_ps(acc) + off;
+    for (int i = 0; i < nx; i++) out[i] = _mm512_reduce_add_ps(acc[i]) + off[i];
     for (; b < nb; b++, w += 20) {
-        const uint8_t *q = w + 4; const int8_t *v = x.q + 32 * b; int si = 0;
-        for (int i = 0; i < 16; i++) si += (q[i] & 15) * v[i] + (q[i] >> 4) * v[i + 16];
-        total += h2f(w) * x.d[b] * si + h2f(w + 2) * x.s[b];
+        const uint8_t *q = w + 4; float d = h2f(w), m = h2f(w + 2);
+        for (int i = 0; i < nx; i++) {
+            const int8_t *v = x[i].q + 32 * b; int si = 0;
+            for (int k = 0; k < 16; k++) si += (q[k] & 15) * v[k] + (q[k] >> 4) * v[k + 16];
+            out[i] = FMA(m, x[i].s[b], FMA(d * x[i].d[b], (float)si, out[i]));
+        }
     }
-    return total;
 #elif defined(__AVX2__)
-    __m256 acc = _mm256_setzero_ps(); float off = 0;
+    __m256 acc[DOT_MAX_X]; float off[DOT_MAX_X];
+    for (int i = 0; i < nx; i++) { acc[i] = _mm256_setzero_ps(); off[i] = 0; }
     for (int64_t b = 0; b < nb; b++, w += 20) {
-        __m256i s = dot_u8_i8(nibbles(w + 4), _mm256_loadu_si256((const __m256i *)(x.q + 32 * b)));
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(h2f(w) * x.d[b]), acc);
-        off += h2f(w + 2) * x.s[b];
+        __m256i u = nibbles(w + 4);
+        float d = h2f(w), m = h2f(w + 2);
+        for (int i = 0; i < nx; i++) {
+            __m256i s = dot_u8_i8(u, _mm256_loadu_si256((const __m256i *)(x[i].q + 32 * b)));
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(d * x[i].d[b]), acc[i]);
+            off[i] = FMA(m, x[i].s[b], off[i]);
+        }
     }
-    return hsum(acc) + off;
+    for (int i = 0; i < nx; i++) out[i] = hsum(acc[i]) + off[i];
 #else
-    float total = 0;
+    for (int i = 0; i < nx; i++) out[i] = 0;
     for (int64_t b = 0; b < nb; b++, w += 20) {
-        const uint8_t *q = w + 4; const int8_t *v = x.q + 32 * b; int s = 0;
-        for (int i = 0; i < 16; i++) s += (q[i] & 15) * v[i] + (q[i] >> 4) * v[i + 16];
-        total += h2f(w) * x.d[b] * s + h2f(w + 2) * x.s[b];
+        const uint8_t *q = w + 4; float d = h2f(w), m = h2f(w + 2);
+        for (int i = 0; i < nx; i++) {
+            const int8_t *v = x[i].q + 32 * b; int s = 0;
+            for (int k = 0; k < 16; k++) s += (q[k] & 15) * v[k] + (q[k] >> 4) * v[k + 16];
+            out[i] = FMA(m, x[i].s[b], FMA(d * x[i].d[b], (float)s, out[i]));
+        }
     }
-    return total;
 #endif
 }
 
-static float dot_q8_0(const uint8_t *w, qx_t x, int64_t nb) {
+SS_INLINE void dotn_q8_0(const uint8_t *w, const qx_t *x, int nx, int64_t nb, float *out) {
 #if defined(SS_AVX512)
-    __m512 acc = _mm512_setzero_ps(); int64_t b = 0;
+    __m512 acc[DOT_MAX_X]; int64_t b = 0;
+    for (int i = 0; i < nx; i++) acc[i] = _mm512_setzero_ps();
     for (; b + 2 <= nb; b += 2, w += 68) {
         __m512i a = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(w + 2))),
                                        _mm256_loadu_si256((const __m256i *)(w + 36)), 1);
-        __m512i v = _mm512_loadu_si512(x.q + 32 * b);
         /* |a| * (sign(a) * v): AVX-512 has no sign_epi8; negate v where a < 0 */
         __mmask64 neg = _mm512_movepi8_mask(a);
-        __m512i s = dot512_u8_i8(_mm512_abs_epi8(a), _mm512_mask_sub_epi8(v, neg, _mm512_setzero_si512(), v));
-        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), two_scales(h2f(w) * x.d[b], h2f(w + 34) * x.d[b + 1]), acc);
+        __m512i u = _mm512_abs_epi8(a);
+        float d0 = h2f(w), d1 = h2f(w + 34);
+        for (int i = 0; i < nx; i++) {
+            __m512i v = _mm512_loadu_si512(x[i].q + 32 * b);
+            __m512i s = dot512_u8_i8(u, _mm512_mask_sub_epi8(v, neg, _mm512_setzero_si512(), v));
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), two_scales(d0 * x[i].d[b], d1 * x[i].d[b + 1]), acc[i]);
+        }
     }
-    float total = _mm512_reduce_add_ps(acc);
+    for (int i = 0; i < nx; i++) out[i] = _mm512_reduce_add_ps(acc[i]);
     for (; b < nb; b++, w += 34) {
-        const int8_t *q = (const int8_t *)(w + 2), *v = x.q + 32 * b; int si = 0;
-        for (int i = 0; i < 32; i++) si += q[i] * v[i];
-        total += h2f(w) * x.d[b] * si;
+        const int8_t *q = (const int8_t *)(w + 2); float d = h2f(w);
+        for (int i = 0; i < nx; i++) {
+            const int8_t *v = x[i].q + 32 * b; int si = 0;
+            for (int k = 0; k < 32; k++) si += q[k] * v[k];
+            out[i] = FMA(d * x[i].d[b], (float)si, out[i]);
+        }
     }
-    return total;
 #elif defined(__AVX2__)
-    __m256 acc = _mm256_setzero_ps();
+    __m256 acc[DOT_MAX_X];
+    for (int i = 0; i < nx; i++) acc[i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++, w += 34) {
-        __m256i a = _mm256_loadu_si256((const __m256i *)(w + 2));
-        __m256i v = _mm256_loadu_si256((const __m256i *)(x.q + 32 * b));
-        __m256i s = dot_u8_i8(_mm256_sign_epi8(a, a), _mm256_sign_epi8(v, a));
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(h2f(w) * x.d[b]), acc);
+        __m256i a = _mm256_loadu_si256((const __m256i *)(w + 2)), u = _mm256_sign_epi8(a, a);
+        float d = h2f(w);
+        for (int i = 0; i < nx; i++) {
+            __m256i v = _mm256_loadu_si256((const __m256i *)(x[i].q + 32 * b));
+            __m256i s = dot_u8_i8(u, _mm256_sign_epi8(v, a));
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(d * x[i].d[b]), acc[i]);
+        }
     }
-    return hsum(acc);
+    for (int i = 0; i < nx; i++) out[i] = hsum(acc[i]);
 #else
-    float total = 0;
+    for (int i = 0; i < nx; i++) out[i] = 0;
     for (int64_t b = 0; b < nb; b++, w += 34) {
-        const int8_t *q = (const int8_t *)(w + 2), *v = x.q + 32 * b; int s = 0;
-        for (int i = 0; i < 32; i++) s += q[i] * v[i];
-        total += h2f(w) * x.d[b] * s;
+        const int8_t *q = (const int8_t *)(w + 2); float d = h2f(w);
+        for (int i = 0; i < nx; i++) {
+            const int8_t *v = x[i].q + 32 * b; int s = 0;
+            for (int k = 0; k < 32; k++) s += q[k] * v[k];
+            out[i] = FMA(d * x[i].d[b], (float)s, out[i]);
+        }
     }
-    return total;
 #endif
+}
+
+/* out[i] = <w, x[i]> for nx (1..DOT_MAX_X) rows of x; t: Q4_0, Q4_1 or Q8_0 (the file's blocks) */
+static void dotn_q(int t, const uint8_t *w, const qx_t *x, int nx, int64_t nb, float *out) {
+    if (nx == 1) {             /* decode: the same arithmetic, specialized */
+        if (t == T_Q4_1) dotn_q4_1(w, x, 1, nb, out);
+        else if (t == T_Q4_0) dotn_q4_0(w, x, 1, nb, out);
+        else dotn_q8_0(w, x, 1, nb, out);
+    } else {
+        if (t == T_Q4_1) dotn_q4_1(w, x, nx, nb, out);
+        else if (t == T_Q4_0) dotn_q4_0(w, x, nx, nb, out);
+        else dotn_q8_0(w, x, nx, nb, out);
+    }
 }
 
 /* x [m, cols] -> int8 blocks of 32 with their scales and scaled sums. */
@@ -512,34 +582,12 @@ void ss_pool_test_delay(int us) { pool_test_delay_us = us < 0 ? 0 : us; }
 #include "cpu_amx.c"
 
 /* ---- matmul ------------------------------------------------------------ */
-/* Four rows of x meet each weight block while it is in registers, so the
- * nibbles are unpacked once per four products (prefill), and once for m = 1. */
-#if defined(__AVX2__)
-static void dot4_q(int t, const uint8_t *w, const qx_t *x, int nx, int64_t nb, float *out) {
-    __m256 acc[4] = { _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps() };
-    float off[4] = {0, 0, 0, 0};
-    int bb = t == T_Q4_0 ? 18 : t == T_Q4_1 ? 20 : 34;
-    for (int64_t b = 0; b < nb; b++, w += bb) {
-        float d = h2f(w);
-        __m256i u, sgn = _mm256_setzero_si256();
-        if (t == T_Q8_0) { sgn = _mm256_loadu_si256((const __m256i *)(w + 2)); u = _mm256_sign_epi8(sgn, sgn); }
-        else u = nibbles(w + (t == T_Q4_1 ? 4 : 2));
-        float m = t == T_Q4_1 ? h2f(w + 2) : t == T_Q4_0 ? -8 * d : 0;
-        for (int i = 0; i < nx; i++) {
-            __m256i v = _mm256_loadu_si256((const __m256i *)(x[i].q + 32 * b));
-            if (t == T_Q8_0) v = _mm256_sign_epi8(v, sgn);
-            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8_i8(u, v)), _mm256_set1_ps(d * x[i].d[b]), acc[i]);
-            off[i] += m * x[i].s[b];
-        }
-    }
-    for (int i = 0; i < nx; i++) out[i] = hsum(acc[i]) + off[i];
-}
-#endif
-
-static float dot_q(int t, const uint8_t *w, qx_t x, int64_t nb) {
-    return t == T_Q4_1 ? dot_q4_1(w, x, nb) : t == T_Q4_0 ? dot_q4_0(w, x, nb) : dot_q8_0(w, x, nb);
-}
-
+/* Rows of x meet each weight row four at a time while its blocks are in registers
+ * (dotn_q: the nibbles unpacked once per four products), or sixteen weight rows
+ * at a time in the repacked layouts (x16_group, x16_q8_group, amx_group). Either
+ * way every output is one row of x against one row of W, its sums in an order
+ * that does not depend on the other rows of x: a token's products come out the
+ * same whatever else is in the step. */
 #define MAX_SEG 8
 #define M_BLOCK 64
 typedef struct {
@@ -615,11 +663,7 @@ static void mm_rows(mm_args *a, int s, int64_t base, int64_t lo, int64_t hi, flo
                         xq[k].q = a->xq + (i + k) * a->cols; xq[k].d = a->xd + (i + k) * nbx; xq[k].s = a->xs + (i + k) * nbx;
                     }
                     float v[4];
-#if defined(__AVX2__)
-                    if (nx > 1) dot4_q(t, w, xq, nx, nb, v); else v[0] = dot_q(t, w, xq[0], nb);
-#else
-                    for (int k = 0; k < nx; k++) v[k] = dot_q(t, w, xq[k], nb);
-#endif
+                    dotn_q(t, w, xq, nx, nb, v);
                     for (int k = 0; k < nx; k++) a->y[(i + k) * a->ldy + r] = v[k];
                     i += nx;
                 }

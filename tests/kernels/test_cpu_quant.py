@@ -54,6 +54,47 @@ def test_matmul_matches_dequantize_then_matmul(qtype, m, rows):
     assert (y - ref).abs().max() <= _tol(qtype) * ref.abs().max()
 
 
+def _differing(a: torch.Tensor, b: torch.Tensor) -> int:
+    return int((a != b).sum())
+
+
+@pytest.mark.parametrize("qtype", sorted(QUANTIZED), ids=lambda q: QUANTIZED[q])
+@pytest.mark.parametrize("rows", [40, 48])
+@pytest.mark.parametrize("blocks", ["odd", "even"])
+def test_a_row_gives_the_same_bits_alone_and_among_others(qtype, rows, blocks):
+    """Each row of x comes out bit for bit as it does alone, whatever the number of
+    rows around it: a one-token step and a prompt's token among others in a step
+    give the same logits. 48 rows: Q4_0 / Q4_1 / Q8_0 repacked for 16 rows at a
+    time (on a CPU with AMX, batches from 8 / 16 rows partly on tiles); 40 rows: the
+    file's blocks (rows of x four at a time, then a tail of fewer); an odd block
+    count: the two-block AVX-512 steps leave one over."""
+    cols = {"odd": 224, "even": 576} if BLOCKS[qtype][0] == 32 else {"odd": 768, "even": 512}
+    cols = cols[blocks]
+    gen = torch.Generator().manual_seed(qtype * 7 + rows + cols)
+    qm = QuantMatrix([(qtype, random_blocks(qtype, rows, cols, gen))], cols)
+    x = torch.randn(70, cols, generator=gen)
+    alone = torch.cat([qm.matmul(x[i:i + 1]) for i in range(x.shape[0])])
+    for m in (2, 3, 4, 5, 7, 8, 9, 16, 21, 40, 70):
+        assert _differing(qm.matmul(x[:m]), alone[:m]) == 0, f"{m} rows of x"
+    assert _differing(qm.matmul(x[33:]), alone[33:]) == 0
+
+
+def test_fused_segments_give_a_row_the_same_bits_alone_and_among_others():
+    """The default model's products (Q4_1 q/k/v and gate/up fused from shards, Q8_0
+    LM head rows, 576 columns) and a fused product whose shards do not repack."""
+    gen = torch.Generator().manual_seed(11)
+    for segs, cols in (([(3, random_blocks(3, r, 576, gen)) for r in (576, 192, 192)], 576),
+                       ([(3, random_blocks(3, 1536, 576, gen)), (3, random_blocks(3, 1536, 576, gen))], 576),
+                       ([(8, random_blocks(8, 320, 576, gen))], 576),
+                       ([(3, random_blocks(3, 24, 256, gen)), (2, random_blocks(2, 13, 256, gen)),
+                         (8, random_blocks(8, 5, 256, gen)), (12, random_blocks(12, 8, 256, gen))], 256)):
+        qm = QuantMatrix(segs, cols)
+        x = torch.randn(19, cols, generator=gen)
+        alone = torch.cat([qm.matmul(x[i:i + 1]) for i in range(x.shape[0])])
+        for m in (2, 5, 19):
+            assert _differing(qm.matmul(x[:m]), alone[:m]) == 0, f"{len(segs)} segments, {m} rows of x"
+
+
 @pytest.mark.parametrize("qtype", [2, 3, 8], ids=lambda q: QUANTIZED[q])
 def test_repacked_blocks_hold_the_same_weights(qtype):
     """The repacked layouts dequantized row by row equal the file's blocks dequantized

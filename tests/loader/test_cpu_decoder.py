@@ -75,6 +75,27 @@ def test_default_model_fused_decode_matches_layer_by_layer(monkeypatch):
 
 
 @needs_kernels
+def test_default_model_one_token_prompt_gets_the_same_bits_alone_and_beside_another(monkeypatch):
+    """A one-token prompt alone makes a step of one-token requests, which the one-call
+    decoder took, while beside another prompt its step is the model's forward
+    ("Once": first log-prob -0.926 alone, -0.885 beside "Twice", and token 2 differed).
+    It takes the model's forward alone too now: the same tokens and log-probs, bit for
+    bit; the decode steps after it stay fused."""
+    count = _Counting(monkeypatch)
+    llm = LLM(device="cpu", max_model_len=256)
+    p = SamplingParams(max_tokens=8, temperature=0, logprobs=2, ignore_eos=True)
+
+    def first(prompts):
+        out = llm.generate(prompts, p, use_tqdm=False)[0].outputs[0]
+        return out.token_ids, [{t: lp.logprob for t, lp in step.items()} for step in out.logprobs]
+
+    alone = first(["Once"])
+    assert count.calls == 7        # the 7 decode steps, not the prompt's
+    assert first(["Once", "Twice"]) == alone
+    assert first(["Twice", "Once"]) == first(["Twice"])
+
+
+@needs_kernels
 @pytest.mark.parametrize("arch,qtype,window", [("llama", Q.Q4_0, None), ("qwen2", Q.Q8_0, None),
                                                ("llama", Q.Q4_1, 8)])
 def test_tiny_models_fused_decode_matches_layer_by_layer(tmp_path, tiny_model, monkeypatch, arch, qtype,
