@@ -28,7 +28,8 @@ from slipstream.server.metrics import ServerMetrics
 from slipstream.server.openai_format import SSE_DONE, Formatter, sse
 from slipstream.server.protocol import (ChatCompletionRequest, CompletionRequest,
                                         DetokenizeRequest, RequestError, TokenizeRequest,
-                                        error_body, refuse_unsupported, template_messages)
+                                        check_text, error_body, refuse_unsupported,
+                                        template_messages)
 
 log = logging.getLogger("slipstream.server")
 OPEN_PATHS = {"/health", "/", "/favicon.ico"}  # the chat page holds no data; its calls carry the key
@@ -51,7 +52,12 @@ def _validation_message(e: ValidationError) -> RequestError:
     loc = where(err)
     param = ".".join(loc) if loc else None
     kinds = {x["type"] for x in errors if where(x) == loc}
-    msg = "Input should be a number" if {"int_type", "float_type"} <= kinds else err["msg"]
+    if "finite_number" in kinds:        # JSON's NaN or Infinity where a number belongs
+        msg = "must be a finite number (not NaN or Infinity)"
+    elif {"int_type", "float_type"} <= kinds:
+        msg = "Input should be a number"
+    else:
+        msg = err["msg"]
     return RequestError(f"{param or 'body'}: {msg}", param)
 
 
@@ -94,6 +100,8 @@ class Server:
             obj = json.loads(body)
         except (ValueError, UnicodeDecodeError) as e:
             raise RequestError(f"the body is not valid JSON: {e}", None) from None
+        except RecursionError:
+            raise RequestError("the body is nested too deeply to parse", None) from None
         if not isinstance(obj, dict):
             raise RequestError("the body must be a JSON object", None)
         return obj
@@ -124,6 +132,7 @@ class Server:
         if isinstance(prompt, str):
             if not prompt:
                 raise RequestError(f"{param}: must not be empty", param)
+            check_text(prompt, param)
             text, ids = prompt, self.engine.tokenizer.encode(prompt)
         else:
             text, ids = None, list(prompt)
@@ -161,6 +170,7 @@ class Server:
         def encode() -> list[int]:
             tok = self.engine.tokenizer
             if req.prompt is not None:
+                check_text(req.prompt, "prompt")
                 special = True if req.add_special_tokens is None else req.add_special_tokens
                 return tok.encode(req.prompt, add_special_tokens=special)
             text = self.chat_text(template_messages(req.messages), req.add_generation_prompt)
@@ -192,8 +202,9 @@ class Server:
             params = req.sampling_params(len(ids), self.max_model_len)
             items.append(({"prompt": text, "prompt_token_ids": ids}, params, rid))
             index[rid] = i
-            if not chat and req.echo:
-                echo[rid] = text if text is not None else self.engine.tokenizer.decode(ids)
+            if not chat and req.echo:   # token ids echo as their tokens, special ones too
+                echo[rid] = text if text is not None else \
+                    self.engine.tokenizer.decode(ids, skip_special_tokens=False)
         logprobs = req._logprobs()
         tok = self.engine.tokenizer
         fmt = Formatter(chat, call_id, self.model_name, req.n, logprobs, index, echo,
@@ -204,8 +215,10 @@ class Server:
         except TooLarge as e:
             raise RequestError(str(e), "n") from None
         except EngineStopped as e:
+            self._refused(index)
             raise RequestError(str(e), None, 503, "server_error") from None
         except Overloaded as e:
+            self._refused(index)
             raise RequestError(str(e), None, 503, "server_overloaded") from None
         for rid in index:
             self.metrics.arrived(rid, arrival)
@@ -214,6 +227,11 @@ class Server:
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return await self._collect(sub, fmt, request)
+
+    def _refused(self, request_ids) -> None:
+        """A 503 (full or stopped) counts its requests as refused."""
+        for rid in request_ids:
+            self.metrics.finished(rid, "refused")
 
     def _finished(self, sub, outcome: str) -> None:
         for rid in sub.request_ids:

@@ -4,7 +4,9 @@ One `Formatter` serves one API call, which may hold several prompts
 (completions accept a list) each sampled `n` times: choice index =
 prompt_index * n + sample index, as OpenAI numbers them. Streaming keeps, per
 choice, how much text and how many tokens were already sent, since the engine
-reports cumulative text and token ids.
+reports cumulative text and token ids, and where in the text the next token
+starts: with stop strings the text lags its tokens (held back in case it
+becomes a stop string), so `text_offset` follows the tokens, not the text sent.
 """
 from __future__ import annotations
 
@@ -45,6 +47,7 @@ class Formatter:
         self.created = int(time.time())
         self._sent_text: dict[int, int] = {}
         self._sent_tokens: dict[int, int] = {}
+        self._next_offset: dict[int, int] = {}  # text_offset of the next token to send
         self._finished: set[int] = set()
         self._prompt_tokens: dict[str, int] = {}
         self._completion_tokens: dict[int, int] = {}
@@ -141,8 +144,15 @@ class Formatter:
         return {k: part + lps[k] for k, part in zip(keys, prompt)}
 
     def _logprobs(self, c: CompletionOutput, start: int, text_offset: int):
+        """The log-probabilities of the tokens from `start` (completions: the first at
+        `text_offset` in the text)."""
+        return self._logprobs_at(c, start, text_offset)[0]
+
+    def _logprobs_at(self, c: CompletionOutput, start: int, text_offset: int):
+        """`_logprobs` and the text offset past the last of those tokens (where a
+        stream's next chunk starts)."""
         if self.logprobs is None or c.logprobs is None:
-            return None
+            return None, text_offset
         ids, entries = c.token_ids[start:], c.logprobs[start:]
         if self.chat:
             content = []
@@ -154,7 +164,7 @@ class Formatter:
                                                   "logprob": lp.logprob,
                                                   "bytes": list(self._raw(t, lp.decoded_token))}
                                                  for t, lp in self._ranked(entry)]})
-            return {"content": content}
+            return {"content": content}, text_offset
         tokens, token_lps, tops, offsets = [], [], [], []
         chars = self._characters(c.token_ids[max(0, start - 4):start])
         for tid, entry in zip(ids, entries):
@@ -164,7 +174,7 @@ class Formatter:
             offsets.append(text_offset)
             text_offset += len(chars.decode(self._raw(tid, entry[tid].decoded_token)))
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
-                "text_offset": offsets}
+                "text_offset": offsets}, text_offset
 
     # ---- whole responses --------------------------------------------------
 
@@ -232,7 +242,8 @@ class Formatter:
             if not delta and reason is None and not (new_tokens and self.logprobs is not None):
                 continue
             prefix = self.echo.get(out.request_id, "")
-            lps = self._logprobs(c, sent_tok, len(prefix) + sent_text)
+            lps, self._next_offset[i] = self._logprobs_at(c, sent_tok,
+                                                          self._next_offset.get(i, len(prefix)))
             if prefix and self.logprobs is not None and i not in self._echoed:
                 self._echoed.add(i)         # the echoed prompt opens the first chunk
                 delta, lps = prefix + delta, self._with_prompt(out, lps)

@@ -7,10 +7,13 @@ Fields OpenAI defines that change nothing here (`user`) are accepted; fields
 whose meaning this server does not implement are refused with a 400 naming
 them rather than silently dropped (`best_of` above `n`, `suffix`, a
 `response_format` other than text, `tools` the model may call, `functions`,
-`tool_choice` without tools, and vLLM's extras listed in `UNSUPPORTED`, such
-as guided decoding and beam search, when they ask for anything); `null` stands
-for the default wherever OpenAI allows it; other unknown fields are ignored
-(and logged), as vLLM does.
+`function_call`, `tool_choice` without tools, tools of any kind outside chat,
+and vLLM's extras listed in `UNSUPPORTED`, such as guided decoding and beam
+search, when they ask for anything); `null` stands for the default wherever
+OpenAI allows it; other unknown fields are ignored (and logged), as vLLM does.
+Text the tokenizer reads (prompts, message contents, stop strings) must be
+valid Unicode: a lone UTF-16 surrogate (JSON "\\ud800") is refused naming the
+field; error messages escape such characters, so they always encode.
 """
 from __future__ import annotations
 
@@ -45,6 +48,10 @@ UNSUPPORTED = {
     "mm_processor_kwargs": "multimodal inputs", "prompt_embeds": "prompt embeddings",
     "return_tokens_as_token_ids": "tokens as token ids",
     "echo": "echo in chat completions (completions echo the prompt)",
+    # Chat takes these as its own fields (ChatCompletionRequest.check); elsewhere
+    # (completions, /tokenize) any value that asks for something is refused.
+    "tools": "function calling (tools)", "tool_choice": "function calling (tools)",
+    "functions": "function calling", "function_call": "function calling",
 }
 
 
@@ -66,9 +73,26 @@ class RequestError(ValueError):
         self.code = code
 
 
+def check_text(text: str, param: str) -> None:
+    """RequestError where `text` is not valid Unicode: JSON may spell a lone UTF-16
+    surrogate ("\\ud800"), which no tokenizer encodes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise RequestError(f"{param}: invalid text, a lone surrogate {text[e.start]!r} at "
+                           f"character {e.start}", param) from None
+
+
+def _escaped(text: str | None) -> str | None:
+    """User text repeated in an error (a model name, a field's key) with any lone
+    surrogate written as `\\ud800`, so the answer always encodes as UTF-8."""
+    return None if text is None else text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def error_body(message: str, param: str | None = None, kind: str = "invalid_request_error",
                code: str | int | None = None) -> dict:
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    return {"error": {"message": _escaped(message), "type": kind, "param": _escaped(param),
+                      "code": code}}
 
 
 class StreamOptions(BaseModel):
@@ -83,7 +107,7 @@ _NULL_IS_DEFAULT = ("n", "stream", "echo", "logprobs", "ignore_eos", "min_tokens
 
 class _Sampling(BaseModel):
     """Fields shared by completions and chat completions."""
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)   # JSON's NaN, Infinity
 
     @model_validator(mode="before")
     @classmethod
@@ -130,6 +154,8 @@ class _Sampling(BaseModel):
             raise RequestError(f"stop: at most {MAX_STOP} stop strings, got {len(stops)}", "stop")
         if any(not s for s in stops):
             raise RequestError("stop: stop strings must not be empty", "stop")
+        for s in stops:
+            check_text(s, "stop")
         for key, value in (self.logit_bias or {}).items():
             try:
                 tid = int(key)
@@ -283,6 +309,7 @@ class ChatCompletionRequest(_Sampling):
     tools: list | None = None
     tool_choice: StrictStr | dict | None = None
     functions: list | None = None
+    function_call: StrictStr | dict | None = None
 
     def _max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None \
@@ -308,15 +335,22 @@ class ChatCompletionRequest(_Sampling):
             raise RequestError("tool_choice: only allowed when tools are given", "tool_choice")
         if self.functions:
             raise RequestError("functions: function calling is not supported", "functions")
+        if self.function_call not in (None, "none"):
+            raise RequestError("function_call: function calling is not supported",
+                               "function_call")
 
     def chat_messages(self) -> list[dict]:
         return template_messages(self.messages)
 
 
 def template_messages(messages: list[ChatMessage]) -> list[dict]:
-    """Messages as the chat template takes them ("developer" is a system message)."""
-    return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-            for m in messages]
+    """Messages as the chat template takes them ("developer" is a system message);
+    RequestError naming the message whose content is not valid Unicode."""
+    out = []
+    for i, m in enumerate(messages):
+        check_text(m.text(), f"messages.{i}.content")
+        out.append({"role": "system" if m.role == "developer" else m.role, "content": m.text()})
+    return out
 
 
 class TokenizeRequest(BaseModel):

@@ -101,6 +101,24 @@ CASES = [
      "chat_template_kwargs"),
     ("chat-echo", CH, chat(echo=True), 400, "echo"),
     ("n-null-is-fine-but-max-tokens-string", C, comp(n=None, max_tokens="x"), 400, "max_tokens"),
+    # JSON may spell a lone UTF-16 surrogate, which no tokenizer encodes (json.dumps
+    # writes it as \ud800) and which an error repeating it must escape
+    ("prompt-lone-surrogate", C, comp(prompt="a\ud800"), 400, "prompt"),
+    ("prompt-list-lone-surrogate", C, comp(prompt=["a", "\udc00b"]), 400, "prompt"),
+    ("stop-lone-surrogate", C, comp(stop=["\ud800"]), 400, "stop"),
+    ("chat-lone-surrogate", CH, chat(messages=[{"role": "user", "content": "hi \ud800"}]), 400,
+     "messages.0.content"),
+    ("chat-part-lone-surrogate", CH, chat(messages=[MSG[0], {"role": "user", "content": [
+        {"type": "text", "text": "\ud800"}]}]), 400, "messages.1.content"),
+    ("model-lone-surrogate", C, comp(model="\ud800"), 404, "model"),
+    ("nested-too-deeply", C, b"[" * 100000 + b"]" * 100000, 400, None),
+    ("field-nested-too-deeply", C, b'{"prompt": "x", "stop": ' + b"[" * 100000 + b"]" * 100000
+     + b"}", 400, None),
+    ("temperature-infinity", C, b'{"prompt": "x", "temperature": Infinity}', 400, "temperature"),
+    ("completions-tools", C, comp(tools=[{"type": "function", "function": {"name": "f"}}]), 400,
+     "tools"),
+    ("completions-tool-choice", C, comp(tool_choice="auto"), 400, "tool_choice"),
+    ("chat-function-call", CH, chat(function_call="auto"), 400, "function_call"),
     ("body-too-large", C, comp(prompt="x" * (3 << 20)), 413, None),
     ("body-too-large-chunked", C, "chunked", 413, None),
 ]
@@ -151,6 +169,10 @@ def test_bad_input(tiny_server, case):
         assert "should be a number" in err["message"]
     if name == "chat-image-part":
         assert "'image_url' is not supported" in err["message"]
+    if name in ("temperature-nan", "temperature-infinity"):
+        assert "must be a finite number" in err["message"]
+    if "surrogate" in name:
+        assert "\\ud800" in err["message"] or "\\udc00" in err["message"]
 
 
 def test_table_is_large_enough():

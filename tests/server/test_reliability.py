@@ -7,6 +7,7 @@ import json
 import signal
 import threading
 import time
+import urllib.request
 
 import pytest
 
@@ -131,6 +132,8 @@ def test_queue_limit_answers_503(engine):
         first, (status, raw) = asyncio.run(scenario())
         assert status == 503 and json.loads(raw)["error"]["type"] == "server_overloaded"
         assert [s for s, _ in first] == [200, 200]
+        with urllib.request.urlopen(srv.url + "/metrics", timeout=10) as r:
+            assert 'slipstream_requests_total{outcome="refused"} 1.0' in r.read().decode()
         from slipstream.server.api_server import _error
         assert _error(503, "busy").headers["retry-after"] == "1"
     finally:

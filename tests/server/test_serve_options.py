@@ -15,11 +15,13 @@ def test_speculative_options_reach_the_engine(tiny_model_dir):
     assert engine.runner.speculator is not None
 
 
-def test_a_bad_speculative_option_names_its_flag(tiny_model_dir):
-    args = build_parser("serve").parse_args(
-        ["serve", "--model", str(tiny_model_dir), "--device", "cpu", "--speculative-method", "ngram",
-         "--num-speculative-tokens", "99"])
-    with pytest.raises(ValueError, match="--num-speculative-tokens must be in"):
+def test_a_bad_speculative_option_names_its_flag(tiny_model_dir, capsys):
+    serve = ["serve", "--model", str(tiny_model_dir), "--device", "cpu", "--speculative-method", "ngram"]
+    with pytest.raises(SystemExit):     # a number out of range: refused by the parser
+        build_parser("serve").parse_args(serve + ["--num-speculative-tokens", "99"])
+    assert "argument --num-speculative-tokens: must be in [1, 16], got 99" in capsys.readouterr().err
+    args = build_parser("serve").parse_args(serve + ["--spec-tree", "4,4,16"])
+    with pytest.raises(ValueError, match="--spec-tree '4,4,16': medusa takes"):
         make_engine(args)
 
 

@@ -36,6 +36,9 @@ def test_bad_tokenize_requests(tiny_server):
             ({"prompt": "a", "messages": MSG}, 400, "prompt"),             # both
             ({"prompt": 5}, 400, "prompt"),
             ({"messages": []}, 400, "messages"),
+            ({"prompt": "\ud800"}, 400, "prompt"),                         # lone surrogate
+            ({"messages": [{"role": "user", "content": "\ud800"}]}, 400, "messages.0.content"),
+            ({"prompt": "a", "tools": [{"type": "function"}]}, 400, "tools"),
             ({"prompt": "a", "model": "gpt-9"}, 404, "model")):
         code, obj = tiny_server.post("/tokenize", body)
         assert code == status and obj["error"]["param"] == param, (body, obj)
