@@ -25,12 +25,18 @@ class LLM:
     kv_cache_memory, gpu_memory_utilization, kv_cache_dtype ("auto", "int8", "fp8", "kivi4", "kivi2"),
     attention_backend, seed, load_format:
     "dummy" builds the model with random weights, see loader/dummy.py).
+    `max_logprobs` (vLLM's, 20) is the most logprobs / prompt_logprobs a request of
+    `generate` may ask for (-1, the whole vocabulary, counts as its size); -1: no limit.
     """
 
-    def __init__(self, model: str | None = None, **kwargs):
+    def __init__(self, model: str | None = None, *, max_logprobs: int = 20, **kwargs):
         unknown = set(kwargs) - EngineArgs.field_names()
         if unknown:
             raise TypeError(f"LLM() got unknown options: {', '.join(sorted(unknown))}")
+        if isinstance(max_logprobs, bool) or not isinstance(max_logprobs, int) or max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be -1 (no limit) or at least 0, got "
+                             f"{max_logprobs!r}")
+        self.max_logprobs = max_logprobs
         self.engine = Engine(EngineArgs(model=model, **kwargs))
 
     def shutdown(self) -> None:
@@ -50,7 +56,9 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate for each prompt; outputs come back in prompt order. A prompt
-        is text or {"prompt_token_ids": [...]}."""
+        is text or {"prompt_token_ids": [...]}; `sampling_params` is a SamplingParams
+        (for every prompt) or a list of them (one per prompt); a dict of options is
+        refused with a TypeError, as vLLM does: pass SamplingParams(**options)."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -59,13 +67,22 @@ class LLM:
         if isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompts)
         else:
-            params = list(sampling_params)
+            if isinstance(sampling_params, (dict, str)):
+                raise _not_sampling_params(sampling_params)
+            try:
+                params = list(sampling_params)
+            except TypeError:
+                raise _not_sampling_params(sampling_params) from None
+            for sp in params:
+                if not isinstance(sp, SamplingParams):
+                    raise _not_sampling_params(sp)
             if len(params) != len(prompts):
                 raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} prompts")
         # Validate and tokenize everything before anything runs.
         for p, sp in zip(prompts, params):
             self.engine.tokenize(p)
             self.engine.check_params(sp)
+            self._check_logprobs(sp)
         loop = self.engine.loop_path()
         if loop is not None and loop.accepts(prompts, params):
             return [loop.generate(prompts[0], params[0])]
@@ -78,6 +95,23 @@ class LLM:
                 self.engine.abort_request(rid)
             raise
         return self._run(ids, use_tqdm)
+
+    def _check_logprobs(self, sp: SamplingParams) -> None:
+        """logprobs / prompt_logprobs within max_logprobs (-1, the whole vocabulary,
+        counts as its size), as vLLM checks them."""
+        cap = self.max_logprobs
+        if cap == -1:
+            return
+        vocab = self.engine.config.model_config.vocab_size
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(sp, name)
+            if value is None:
+                continue
+            n = vocab if value == -1 else value
+            if n > cap:
+                what = f"-1 (the whole vocabulary, {vocab})" if value == -1 else str(value)
+                raise ValueError(f"{name}={what} exceeds max_logprobs={cap}; "
+                                 "LLM(max_logprobs=N) raises the limit (-1: none)")
 
     def chat(self, messages: list[dict] | Sequence[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -116,6 +150,12 @@ class LLM:
         finally:
             bar.close()
         return [done[rid] for rid in ids]
+
+
+def _not_sampling_params(got) -> TypeError:
+    hint = ": build SamplingParams(**options) from it" if isinstance(got, dict) else ""
+    return TypeError(f"sampling_params: expected a SamplingParams or a list of them (one per "
+                     f"prompt), got a {type(got).__name__}{hint}")
 
 
 def _text_content(message: dict) -> dict:

@@ -44,6 +44,11 @@ def test_help_without_torch(argv):
     (["--max-model-len", "1"], "argument --max-model-len: must be at least 2"),
     (["--dtype", "f32"], "argument --dtype: invalid choice: 'f32'"),
     (["--device", "gpu"], "argument --device: expected auto, cpu, cuda or cuda:N"),
+    (["--speculative-method", "ngram", "--num-speculative-tokens", "-3"],
+     "argument --num-speculative-tokens: must be in [1, 16], got -3"),
+    (["--num-speculative-tokens", "0"], "argument --num-speculative-tokens: must be in [1, 16], got 0"),
+    (["--speculative-draft-layers", "0"], "argument --speculative-draft-layers: must be at least 1"),
+    (["-m", ""], "argument --model/-m: the path is empty; leave out --model for the default model"),
 ])
 def test_option_errors_come_before_any_load(argv, message):
     rc, torch_loaded, seconds, out = _probe("generate", "hello", *argv)
@@ -179,10 +184,117 @@ def test_a_bad_head_file_is_one_line(tmp_path, content, message):
         resolve_head(str(path), "eagle")
 
 
-def test_quantize_group_size_must_be_a_multiple_of_32(capsys):
-    rc = main(["quantize", "-o", "/tmp/never-written", "--group-size", "100"])
+@pytest.mark.parametrize("argv, message", [
+    (["--group-size", "100"], "argument --group-size: expected 0 (per channel) or a multiple of 32, got 100"),
+    (["--method", "gptq", "--damp", "-1"], "argument --damp: must be in (0.0, 1.0], got -1"),
+    (["--damp", "0"], "argument --damp: must be in (0.0, 1.0], got 0"),
+    (["--damp", "1.5"], "argument --damp: must be in (0.0, 1.0], got 1.5"),
+    (["--num-windows", "0"], "argument --num-windows: must be at least 1, got 0"),
+    (["--seq-len", "1"], "argument --seq-len: must be at least 2, got 1"),
+    (["--clip-grid", "-1"], "argument --clip-grid: must be at least 0, got -1"),
+    (["--alpha", "2"], "argument --alpha: must be in [0.0, 1.0], got 2"),
+    (["--asym-calib", "nan"], "argument --asym-calib: must be in [0.0, 1.0], got nan"),
+    (["--method", "bogus"], "argument --method: invalid choice: 'bogus'"),
+    (["--mixed-bits", "3,5"], "argument --mixed-bits: each width must be 2, 3, 4 or 8"),
+    (["--method", "mixed", "--avg-bits", "2.5"], "--avg-bits 2.5 is below the smallest of --mixed-bits (3)"),
+])
+def test_quantize_options_are_checked_before_anything_loads(argv, message):
+    """A bad number fails at once (exit 2, one line), not after loading and
+    calibrating (a LinAlgError from --damp -1, a ZeroDivisionError from
+    --num-windows 0)."""
+    rc, torch_loaded, seconds, out = _probe("quantize", "-o", "/tmp/never-written", *argv)
+    assert rc == 2 and message in out, out
+    assert len(out.strip().splitlines()) == 2, out
+    assert not torch_loaded and seconds < 5
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["bench", "throughput", "--num-prompts", "0"], "argument --num-prompts: must be at least 1, got 0"),
+    (["eval", "ppl", "--text", "t.txt", "--dtype", "foo"], "argument --dtype: invalid choice: 'foo'"),
+])
+def test_other_commands_check_options_before_anything_loads(argv, message):
+    rc, torch_loaded, seconds, out = _probe(*argv)
+    assert rc == 2 and message in out, out
+    assert not torch_loaded and seconds < 5
+
+
+def test_quantize_methods_are_the_quantizers():
+    from slipstream.quant import cli
+    from slipstream.quant.quantizer import METHODS
+    assert cli.METHODS == METHODS
+
+
+@pytest.mark.parametrize("method", ["medusa", "eagle", "peagle"])
+def test_shipped_heads_are_refused_for_another_model(tmp_path, capsys, method):
+    """The shipped heads are SmolLM2-135M's: on another model without
+    --speculative-model, one line before anything loads (not an IndexError or a
+    feature-tap error after the load)."""
+    rc = main(["generate", "hi", "-m", str(tmp_path), "--speculative-method", method])
     err = capsys.readouterr().err
-    assert rc == 2 and "--group-size: expected 0 (per channel) or a multiple of 32, got 100" in err
+    assert rc == 2 and f"no shipped {method} heads for the model" in err, err
+    assert "pass --speculative-model=PATH" in err and "loading" not in err
+    from slipstream.engine.args import EngineArgs
+    with pytest.raises(ValueError, match=f"no shipped {method} heads.*speculative_model=PATH"):
+        EngineArgs(model=str(tmp_path), speculative_method=method).spec_config()
+    # the default model (None, or its file) keeps its heads; a head file named is used as is
+    from slipstream.loader import default_model_path
+    for model in (None, str(default_model_path())):
+        assert EngineArgs(model=model, speculative_method=method).spec_config().model is None
+    head = str(tmp_path / "h.safetensors")
+    assert EngineArgs(model=str(tmp_path), speculative_method=method,
+                      speculative_model=head).spec_config().model == head
+
+
+def test_draft_needs_a_draft_model_or_layers(tmp_path):
+    """speculative_method='draft' alone would draft with the whole target (every
+    draft a target step): refused; with draft layers the target's own first layers
+    draft (not the default model's)."""
+    from slipstream.engine.args import EngineArgs
+    with pytest.raises(ValueError, match="'draft' needs speculative_model .* or speculative_draft_layers"):
+        EngineArgs(model=str(tmp_path), speculative_method="draft").spec_config()
+    cfg = EngineArgs(model=str(tmp_path), speculative_method="draft",
+                     speculative_draft_layers=1).spec_config()
+    assert cfg.model == str(tmp_path) and cfg.draft_num_layers == 1
+    assert EngineArgs(model=str(tmp_path), speculative_method="draft",
+                      speculative_model="d").spec_config().model == "d"
+
+
+def test_zero_speculative_tokens_without_a_method_is_refused():
+    from slipstream.engine.args import EngineArgs
+    for field in ("num_speculative_tokens", "speculative_draft_layers"):
+        with pytest.raises(ValueError, match=f"{field} needs speculative_method"):
+            EngineArgs(**{field: 0}).spec_config()
+
+
+def test_a_preset_name_without_dummy_is_one_clear_line(capsys):
+    rc = main(["generate", "hi", "-m", "llama-3-8b"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "'llama-3-8b' is a model shape without weights" in err, err
+    assert err.count("load-format") == 1 and "loading" not in err, err
+
+
+def test_chat_answers_slash_commands_itself(monkeypatch, capsys):
+    """An unknown /command is not sent to the model as a prompt; /help lists them;
+    // sends a message that begins with /."""
+    import io
+    from types import SimpleNamespace
+    from slipstream.commands import options
+    tok = SimpleNamespace(chat_template="t", apply_chat_template=lambda m, **_: m[-1]["content"],
+                          encode=lambda text, **_: [1, 2])
+    monkeypatch.setattr(options, "make_engine", lambda args: SimpleNamespace(tokenizer=tok))
+    sent = []
+
+    def stream(engine, prompt, params):
+        sent.append(prompt["prompt"])
+        return "ok", 1, 0.1, 0.1, "stop", None
+    monkeypatch.setattr(options, "stream", stream)
+    monkeypatch.setattr(options, "note_context_limit", lambda *a: None)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("/foo\n/help\n/usr/bin is a path\n//x\n/exit\nnever\n"))
+    assert main(["chat", "--device", "cpu"]) == 0
+    err = capsys.readouterr().err
+    assert "unknown command /foo; /help lists them" in err
+    assert "/reset" in err and "/help" in err
+    assert sent == ["/usr/bin is a path", "/x"]
 
 
 def test_chat_reads_piped_input_without_prompts(monkeypatch, capsys):

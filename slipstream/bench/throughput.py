@@ -18,7 +18,8 @@ from collections import Counter
 
 def add_arguments(p) -> None:
     from slipstream.bench.dataset import DATASETS
-    p.add_argument("--num-prompts", type=int, default=1000, help="requests in the run")
+    from slipstream.commands.options import number
+    p.add_argument("--num-prompts", type=number(int, 1), default=1000, help="requests in the run")
     p.add_argument("--dataset", choices=DATASETS, default=None,
                    help="sharegpt-like (default) or random (needs --input-len and --output-len)")
     p.add_argument("--input-len", type=int, default=None,

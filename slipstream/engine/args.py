@@ -146,11 +146,12 @@ class EngineArgs:
     def spec_config(self) -> SpecConfig:
         method = self.speculative_method
         if method is None:
+            # `is not`: 0 is a value given (num_speculative_tokens=0), not an unset flag
             given = [name for name in ("speculative_model", "num_speculative_tokens",
                                        "speculative_draft_layers", "speculative_tree",
                                        "speculative_draft_graphs", "speculative_device_loop",
                                        "speculative_compile", "speculative_online")
-                     if getattr(self, name) not in (None, False)]
+                     if getattr(self, name) is not None and getattr(self, name) is not False]
             if given:
                 raise ValueError(f"{', '.join(given)} need{'s' if len(given) == 1 else ''} "
                                  "speculative_method")
@@ -190,13 +191,46 @@ class EngineArgs:
         if cfg_nodes > 63:
             raise ValueError(f"speculative_tree: {cfg_nodes} draft nodes; the tree-attention "
                              "kernel verifies at most 63 (64 rows with the root)")
-        return SpecConfig(method=method, num_speculative_tokens=k, model=self.speculative_model,
+        draft_model = self.speculative_model
+        if draft_model is None and method in ("medusa", "eagle", "peagle") \
+                and not is_default_model(self.model):
+            # The shipped heads read SmolLM2-135M's hidden states: on another model they
+            # fail deep inside (an IndexError, a feature-tap error) or draft nonsense.
+            raise ValueError(f"speculative_method={method!r}: no shipped {method} heads for "
+                             f"the model {self.model!r} (they are trained for the default "
+                             f"model, SmolLM2-135M-Instruct); pass speculative_model=PATH, a "
+                             f"head file from `slipstream train-draft --method {method}`")
+        if method == "draft" and draft_model is None:
+            if self.speculative_draft_layers is None:
+                # The whole target drafting for itself: every draft costs a target step.
+                raise ValueError("speculative_method='draft' needs speculative_model (a smaller "
+                                 "model with the target's tokenizer) or speculative_draft_layers="
+                                 "N (the target's own first N layers draft)")
+            draft_model = self.model     # early exit: the target's first layers (None: default)
+        return SpecConfig(method=method, num_speculative_tokens=k, model=draft_model,
                           draft_num_layers=self.speculative_draft_layers,
                           auto_off=self.speculative_auto_off,
                           draft_graphs=self.speculative_draft_graphs,
                           device_loop=self.speculative_device_loop,
                           loop_compile=self.speculative_compile,
                           online=self.speculative_online, **extra)
+
+
+def is_default_model(model: str | None) -> bool:
+    """Whether `model` names the default model (None, or its GGUF file)."""
+    if model is None:
+        return True
+    from pathlib import Path
+
+    from slipstream.errors import ModelLoadError
+    from slipstream.loader import DEFAULT_MODEL_FILE, default_model_path
+    path = Path(model).expanduser()
+    if path.name == DEFAULT_MODEL_FILE:
+        return True
+    try:
+        return path.resolve() == default_model_path().resolve()
+    except ModelLoadError:      # the default model is not installed
+        return False
 
 
 def _tree_nodes(method: str, extra: dict) -> int:

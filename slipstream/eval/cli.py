@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 
+from slipstream.commands.options import DTYPES
+
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("eval", help="evaluate a model (perplexity)")
@@ -23,7 +25,8 @@ def add_parser(subparsers) -> None:
     q.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8", "fp8", "fp8_e4m3", "kivi4", "kivi2"),
                    help="KV cache format (int8 / fp8: 1-byte codes, a scale per token and head; "
                         "kivi4 / kivi2: KIVI codes)")
-    q.add_argument("--dtype", default="auto")
+    q.add_argument("--dtype", default="auto", choices=DTYPES, metavar="DTYPE",
+                   help="weights' dtype: auto (default), float32, float16, bfloat16")
     q.add_argument("--device", default="auto")
     q.add_argument("--json", action="store_true", help="print the result as JSON")
     q.set_defaults(func=run)

@@ -39,6 +39,8 @@ def token_windows(tokenizer, text: str, seq_len: int, max_windows: int) -> list[
     with more than `max_windows`, that many spread evenly over the text."""
     if seq_len < 2:
         raise ValueError(f"seq_len: expected at least 2, got {seq_len}")
+    if max_windows < 1:
+        raise ValueError(f"num_windows: expected at least 1, got {max_windows}")
     ids = tokenizer.encode(text)
     windows = [ids[i:i + seq_len] for i in range(0, len(ids), seq_len)]
     windows = [w for w in windows if len(w) >= max(2, seq_len // 2)]

@@ -6,10 +6,26 @@ import json
 import sys
 import time
 
+from slipstream.commands.options import number
+
 
 # GPTQ / AWQ settings whose defaults are QuantizeOptions' (chosen on held-out calibration
 # windows, benchmarks/quant/README.md); None: that default.
 TUNED = ("static_groups", "damp", "asym_calib", "clip_separate", "awq_duo", "awq_all_rows")
+# quantizer.METHODS, spelled here so that option errors answer without importing torch
+METHODS = ("rtn", "gptq", "awq", "smoothquant", "mixed")
+
+
+def _group_size(text: str) -> int:
+    # Checkpoints run through the block kernels (groups of 32 and multiples); other
+    # widths would decode through a per-call dequantization, ~1000x slower.
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0 or value % 32:
+        raise argparse.ArgumentTypeError(f"expected 0 (per channel) or a multiple of 32, got {text}")
+    return value
 
 
 def add_parser(subparsers) -> None:
@@ -21,12 +37,12 @@ def add_parser(subparsers) -> None:
     p.add_argument("model", nargs="?", default=None,
                    help="a Hugging Face folder or a .gguf file (default: SmolLM2-135M-Instruct)")
     p.add_argument("-o", "--output", required=True, help="output folder")
-    p.add_argument("--method", default="gptq",
+    p.add_argument("--method", default="gptq", choices=METHODS, metavar="METHOD",
                    help="rtn, gptq, awq (weight-only int), smoothquant (W8A8 int8), mixed "
                         "(per-layer bits by sensitivity, GPTQ) (default: gptq)")
     p.add_argument("--bits", type=int, default=4, choices=(2, 3, 4, 8), metavar="BITS",
                    help="2, 3, 4 or 8 (default 4)")
-    p.add_argument("--group-size", type=int, default=128,
+    p.add_argument("--group-size", type=_group_size, default=128,
                    help="input columns per scale, a multiple of 32; 0 = one per output channel "
                         "(default 128)")
     p.add_argument("--sym", action="store_true", help="symmetric codes (default: asymmetric)")
@@ -39,13 +55,13 @@ def add_parser(subparsers) -> None:
     p.add_argument("--static-groups", action=argparse.BooleanOptionalAction, default=None,
                    help="GPTQ act-order: fix every group's range up front so the codes stay in "
                         "input order (no gather of the layer's input at run time)")
-    p.add_argument("--damp", type=float, default=None,
-                   help="GPTQ: Hessian damping, a fraction of its mean diagonal")
-    p.add_argument("--asym-calib", type=float, default=None,
+    p.add_argument("--damp", type=number(float, 0.0, 1.0, low_open=True), default=None,
+                   help="GPTQ: Hessian damping, a fraction in (0, 1] of its mean diagonal")
+    p.add_argument("--asym-calib", type=number(float, 0.0, 1.0), default=None,
                    help="GPTQ: weight in [0, 1] of the asymmetric-calibration target (the "
                         "unquantized model's outputs from the quantized model's inputs, "
                         "GPTAQ); 0: plain GPTQ")
-    p.add_argument("--clip-grid", type=int, default=20,
+    p.add_argument("--clip-grid", type=number(int, 0), default=20,
                    help="GPTQ/AWQ: steps of the group-range clipping search; 0: none (default 20)")
     p.add_argument("--clip-separate", action=argparse.BooleanOptionalAction, default=None,
                    help="GPTQ: search the low and high ends of each group's range apart")
@@ -58,13 +74,16 @@ def add_parser(subparsers) -> None:
                 "(slipstream.quant.quantizer).")
     p.add_argument("--calib", default=None, help="calibration text file (default: a text "
                    "shipped with slipstream)")
-    p.add_argument("--seq-len", type=int, default=512, help="tokens per calibration window")
-    p.add_argument("--num-windows", type=int, default=16, help="calibration windows at most")
-    p.add_argument("--alpha", type=float, default=None,
+    p.add_argument("--seq-len", type=number(int, 2), default=512,
+                   help="tokens per calibration window")
+    p.add_argument("--num-windows", type=number(int, 1), default=16,
+                   help="calibration windows at most")
+    p.add_argument("--alpha", type=number(float, 0.0, 1.0), default=None,
                    help="SmoothQuant migration strength in [0, 1] for every layer (default: "
                         "searched per layer on the calibration data)")
-    p.add_argument("--avg-bits", type=float, default=3.5, help="mixed: average bits budget")
-    p.add_argument("--mixed-bits", default="3,4,8",
+    p.add_argument("--avg-bits", type=number(float, 0.0, 8.0, low_open=True), default=3.5,
+                   help="mixed: average bits budget, at least the smallest of --mixed-bits")
+    p.add_argument("--mixed-bits", default=(3, 4, 8), type=_bit_list,
                    help="mixed: the bit widths a layer may get (default 3,4,8)")
     p.add_argument("--device", default="cpu", help="where to run calibration (cpu, cuda)")
     p.set_defaults(func=run)
@@ -74,24 +93,22 @@ def _bit_list(text: str) -> tuple[int, ...]:
     try:
         bits = tuple(sorted({int(b) for b in text.split(",")}))
     except ValueError:
-        raise ValueError(f"mixed_bits: expected comma-separated integers, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
     if not bits or any(b not in (2, 3, 4, 8) for b in bits):
-        raise ValueError(f"mixed_bits: each width must be 2, 3, 4 or 8, got {text!r}")
+        raise argparse.ArgumentTypeError(f"each width must be 2, 3, 4 or 8, got {text!r}")
     return bits
 
 
 def run(args) -> int:
+    if args.method == "mixed" and args.avg_bits < min(args.mixed_bits):
+        raise ValueError(f"--avg-bits {args.avg_bits} is below the smallest of --mixed-bits "
+                         f"({min(args.mixed_bits)}): no allocation fits the budget")
     from tqdm import tqdm
 
     from slipstream.loader import open_model
     from slipstream.quant.calibration import read_calibration_text
     from slipstream.quant.checkpoint import save_quantized
     from slipstream.quant.quantizer import QuantizeOptions, quantize_model
-    if args.group_size < 0 or args.group_size % 32:
-        # Checkpoints run through the block kernels (groups of 32 and multiples);
-        # other widths would decode through a per-call dequantization, ~1000x slower.
-        raise ValueError(f"group_size: expected 0 (per channel) or a multiple of 32, got "
-                         f"{args.group_size}")
     opts = QuantizeOptions(method=args.method, bits=args.bits,
                            group_size=args.group_size or None, sym=args.sym,
                            act_order=args.act_order, true_sequential=args.true_sequential,
@@ -99,15 +116,24 @@ def run(args) -> int:
                            **{k: getattr(args, k) for k in TUNED if getattr(args, k) is not None},
                            alpha=args.alpha, seq_len=args.seq_len,
                            num_windows=args.num_windows, avg_bits=args.avg_bits,
-                           mixed_bits=_bit_list(args.mixed_bits))
+                           mixed_bits=args.mixed_bits)
     text = read_calibration_text(args.calib)
     files = open_model(args.model)
     t0 = time.perf_counter()
-    bar = tqdm(total=files.config.num_hidden_layers, desc=f"{args.method} layers", unit="layer",
-               file=sys.stderr)
-    cm, report = quantize_model(files, opts, text, args.device,
-                                progress=lambda i: bar.update(1))
-    bar.close()
+    print(f"loading {files.path} (dense, for calibration"
+          + ("; then each layer's sensitivity per bit width" if args.method == "mixed" else "")
+          + ") ...", file=sys.stderr, flush=True)
+    bars = []       # the layer bar starts with the first layer, not during the load
+
+    def start(num_layers: int) -> None:
+        bars.append(tqdm(total=num_layers, desc=f"{args.method} layers", unit="layer",
+                         file=sys.stderr, mininterval=0))
+    try:
+        cm, report = quantize_model(files, opts, text, args.device, start=start,
+                                    progress=lambda i: bars[0].update(1))
+    finally:
+        for bar in bars:
+            bar.close()
     extra = {"options": dict(vars(opts)),
              "info": {k: v for k, v in report.info.items()
                       if k not in ("awq_alpha", "smoothquant_alpha")}}

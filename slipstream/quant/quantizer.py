@@ -65,6 +65,25 @@ class QuantizeOptions:
             raise ValueError(f"method: expected one of {METHODS}, got {self.method!r}")
         if self.method in ("rtn", "gptq", "awq") and self.bits not in (2, 3, 4, 8):
             raise ValueError(f"bits: expected 2, 3, 4 or 8, got {self.bits}")
+        if self.group_size is not None and self.group_size < 1:
+            raise ValueError(f"group_size: expected None (per channel) or at least 1, got "
+                             f"{self.group_size}")
+        if not 0.0 < self.damp <= 1.0:   # GPTQ's damp_percent: H + damp * mean(diag H) I
+            raise ValueError(f"damp: expected a fraction in (0, 1], got {self.damp}")
+        for name, low in (("block_size", 1), ("clip_grid", 0), ("awq_grid", 1), ("seq_len", 2),
+                          ("num_windows", 1), ("sample_rows", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name}: expected an integer of at least {low}, got {value!r}")
+        if not 0.0 < self.clip_min <= 1.0:
+            raise ValueError(f"clip_min: expected a ratio in (0, 1], got {self.clip_min}")
+        if self.method == "mixed":
+            if not self.mixed_bits or any(b not in (2, 3, 4, 8) for b in self.mixed_bits):
+                raise ValueError(f"mixed_bits: each width must be 2, 3, 4 or 8, got "
+                                 f"{self.mixed_bits}")
+            if not min(self.mixed_bits) <= self.avg_bits:
+                raise ValueError(f"avg_bits: {self.avg_bits} is below the smallest of "
+                                 f"mixed_bits {self.mixed_bits}")
         if not 0.0 <= self.asym_calib <= 1.0:
             raise ValueError(f"asym_calib: expected a value in [0, 1], got {self.asym_calib}")
         if self.alpha is not None and not 0.0 <= self.alpha <= 1.0:
@@ -231,8 +250,10 @@ def quantize_layers(cm: CalibrationModel, windows: list[list[int]], opts: Quanti
 
 
 def quantize_model(files, opts: QuantizeOptions, calib_text: str, device="cpu",
-                   progress=None) -> tuple[CalibrationModel, QuantizeReport]:
-    """Load `files` dense, quantize it by `opts`; returns the model and its plan."""
+                   progress=None, start=None) -> tuple[CalibrationModel, QuantizeReport]:
+    """Load `files` dense, quantize it by `opts`; returns the model and its plan.
+    `start(num_layers)` is called once the model is loaded (and, for mixed, its bits
+    allocated), before the first layer; `progress(i)` after each decoder layer i."""
     cm = CalibrationModel(files, device)
     windows = token_windows(files.tokenizer(), calib_text, opts.seq_len, opts.num_windows)
     bits_plan = None
@@ -242,6 +263,8 @@ def quantize_model(files, opts: QuantizeOptions, calib_text: str, device="cpu",
         from slipstream.quant.mixed_precision import plan_bits
         bits_plan, alloc = plan_bits(cm, windows, opts)
         info["allocation"] = alloc
+    if start is not None:
+        start(len(cm.layers))
     report = quantize_layers(cm, windows, opts, bits_plan, progress)
     report.info.update(info)
     return cm, report

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import argparse
 
+from slipstream.commands.options import number
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("train-draft", help="train Medusa or EAGLE draft heads on the "
@@ -89,9 +91,9 @@ def add_spec_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative-model", default=None,
                    help="the draft model (draft) or head file (medusa, eagle, peagle; default: "
                         "the heads shipped for the default model)")
-    g.add_argument("--num-speculative-tokens", type=int, default=None,
-                   help="draft length (EAGLE: tree depth); default 4")
-    g.add_argument("--speculative-draft-layers", type=int, default=None,
+    g.add_argument("--num-speculative-tokens", type=number(int, 1, 16), default=None,
+                   help="draft length (EAGLE: tree depth), 1 to 16; default 4")
+    g.add_argument("--speculative-draft-layers", type=number(int, 1, None), default=None,
                    help="draft with the first N layers of --speculative-model (early exit)")
     g.add_argument("--spec-tree", default=None,
                    help="tree shape: medusa top-k per head ('3,2,1'), eagle 'topk,beam,nodes'")

@@ -272,3 +272,33 @@ def test_an_empty_model_path_is_refused():
     from slipstream.loader import open_model
     with pytest.raises(ModelLoadError, match="the path is empty"):
         open_model("")
+
+
+@pytest.mark.parametrize("params", [{"max_tokens": 3}, [{"max_tokens": 3}], "max_tokens=3", 3])
+def test_sampling_params_of_another_type_are_a_type_error(llama_llm, params):
+    """A dict (or anything else) in place of SamplingParams: a TypeError naming
+    SamplingParams before anything runs (it was an AttributeError deep inside)."""
+    with pytest.raises(TypeError, match="expected a SamplingParams or a list of them"):
+        llama_llm.generate(["x"], params, use_tqdm=False)
+    with pytest.raises(TypeError, match=r"SamplingParams\(\*\*options\)"):
+        llama_llm.generate(["x"], {"max_tokens": 3}, use_tqdm=False)
+    assert not llama_llm.engine.has_unfinished_requests()
+
+
+def test_logprobs_are_capped_by_max_logprobs(llama_llm, tiny_folder):
+    """As vLLM's max_logprobs (20): more is refused before anything runs, -1 (the
+    whole vocabulary) counts as its size; LLM(max_logprobs=-1) lifts the cap."""
+    for params, name in ((SamplingParams(logprobs=100000), "logprobs=100000"),
+                         (SamplingParams(prompt_logprobs=21), "prompt_logprobs=21"),
+                         (SamplingParams(logprobs=-1), "logprobs=-1 .the whole vocabulary")):
+        with pytest.raises(ValueError, match=f"{name}.* exceeds max_logprobs=20"):
+            llama_llm.generate(["hello"], params, use_tqdm=False)
+    assert not llama_llm.engine.has_unfinished_requests()
+    out = llama_llm.generate(["hello"], SamplingParams(max_tokens=1, logprobs=20), use_tqdm=False)
+    assert len(out[0].outputs[0].logprobs[0]) >= 20
+    vocab = llama_llm.engine.config.model_config.vocab_size
+    free = make_llm(tiny_folder("llama")[0], max_logprobs=-1)
+    out = free.generate(["hello"], SamplingParams(max_tokens=1, logprobs=-1), use_tqdm=False)
+    assert len(out[0].outputs[0].logprobs[0]) == vocab
+    with pytest.raises(ValueError, match="max_logprobs must be -1"):
+        make_llm(tiny_folder("llama")[0], max_logprobs=-2)

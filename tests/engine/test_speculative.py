@@ -194,6 +194,12 @@ def test_speculative_options_are_checked(folder):
         make_llm(folder, speculative_method="eagle", speculative_tree="3,2")
     with pytest.raises(ValueError, match="at most 63"):
         make_llm(folder, speculative_method="medusa", speculative_tree="4,4,4")
+    # The shipped heads are the default model's: another model names its own
+    for method in ("medusa", "eagle", "peagle"):
+        with pytest.raises(ValueError, match=f"no shipped {method} heads.*speculative_model=PATH"):
+            make_llm(folder, speculative_method=method)
+    with pytest.raises(ValueError, match="'draft' needs speculative_model"):
+        make_llm(folder, speculative_method="draft")
 
 
 @pytest.mark.parametrize("method", ["ngram", "eagle"])

@@ -127,13 +127,19 @@ def test_cli_quantize_rtn_and_load(tiny_llama, dense, tmp_path, capsys):
     out = tmp_path / "rtn"
     assert main(["quantize", str(tiny_llama), "-o", str(out), "--method", "rtn",
                  "--calib", str(calib)]) == 0
+    # The layer bar starts once the model is loaded and advances a layer at a time.
+    err = capsys.readouterr().err
+    n = open_model(str(tiny_llama)).config.num_hidden_layers
+    assert err.index("loading") < err.index("rtn layers:"), err
+    assert [f"{i}/{n}" in err for i in range(n + 1)] == [True] * (n + 1), err
     loaded = prompt_logprobs(make_llm(out), random_prompts())
     load_time = prompt_logprobs(make_llm(tiny_llama, quantization="rtn-int4"), random_prompts())
     torch.testing.assert_close(loaded, load_time, atol=2e-4, rtol=0)
     with pytest.raises(ValueError, match="quantization"):
         make_llm(out, quantization="fp8")
-    assert main(["quantize", str(tiny_llama), "-o", str(out), "--method", "nope"]) == 2
-    assert "method" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:     # refused while parsing, before any load
+        main(["quantize", str(tiny_llama), "-o", str(out), "--method", "nope"])
+    assert e.value.code == 2 and "argument --method: invalid choice" in capsys.readouterr().err
 
 
 def test_cli_gptq_settings_reach_the_options(tiny_llama, tmp_path):
@@ -150,3 +156,26 @@ def test_cli_gptq_settings_reach_the_options(tiny_llama, tmp_path):
     assert opts["damp"] == QuantizeOptions().damp        # unset: the library's default
     with pytest.raises(ValueError, match="asym_calib"):
         QuantizeOptions(asym_calib=1.5)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(damp=-1.0), "damp: expected a fraction in"), (dict(damp=0.0), "damp"),
+    (dict(num_windows=0), "num_windows: expected an integer of at least 1"),
+    (dict(seq_len=1), "seq_len"), (dict(clip_grid=-1), "clip_grid"), (dict(group_size=0), "group_size"),
+    (dict(method="mixed", avg_bits=2.5), "avg_bits: 2.5 is below"),
+    (dict(method="mixed", mixed_bits=(3, 5)), "mixed_bits"),
+])
+def test_quantize_options_are_checked_up_front(kwargs, match):
+    """The Python API refuses what the command line's parser refuses, before any
+    calibration (a LinAlgError from damp < 0, a ZeroDivisionError from 0 windows)."""
+    from slipstream.quant.quantizer import QuantizeOptions
+    with pytest.raises(ValueError, match=match):
+        QuantizeOptions(**kwargs)
+
+
+def test_token_windows_need_one_window():
+    from slipstream.quant.calibration import token_windows
+    tok = type("Tok", (), {"encode": staticmethod(lambda text: list(range(100)))})()
+    assert len(token_windows(tok, "x", 10, 3)) == 3
+    with pytest.raises(ValueError, match="num_windows: expected at least 1, got 0"):
+        token_windows(tok, "x", 10, 0)
