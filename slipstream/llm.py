@@ -11,6 +11,13 @@ from slipstream.engine.outputs import RequestOutput
 from slipstream.sampling_params import SamplingParams
 
 
+def checked_max_logprobs(value) -> int:
+    """`max_logprobs` as given, or ValueError: -1 (no limit) or at least 0."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < -1:
+        raise ValueError(f"max_logprobs must be -1 (no limit) or at least 0, got {value!r}")
+    return value
+
+
 class LLM:
     """Load a model once, then generate for batches of prompts.
 
@@ -33,10 +40,7 @@ class LLM:
         unknown = set(kwargs) - EngineArgs.field_names()
         if unknown:
             raise TypeError(f"LLM() got unknown options: {', '.join(sorted(unknown))}")
-        if isinstance(max_logprobs, bool) or not isinstance(max_logprobs, int) or max_logprobs < -1:
-            raise ValueError(f"max_logprobs must be -1 (no limit) or at least 0, got "
-                             f"{max_logprobs!r}")
-        self.max_logprobs = max_logprobs
+        self.max_logprobs = checked_max_logprobs(max_logprobs)
         self.engine = Engine(EngineArgs(model=model, **kwargs))
 
     def shutdown(self) -> None:

@@ -50,7 +50,7 @@ from slipstream.distributed.prefill_instance import prefill_main, start_instance
 from slipstream.distributed.worker import cpu_threads_per_rank
 from slipstream.engine.args import EngineArgs
 from slipstream.errors import SlipstreamError
-from slipstream.llm import LLM
+from slipstream.llm import LLM, checked_max_logprobs
 
 log = logging.getLogger("slipstream")
 
@@ -325,10 +325,12 @@ class DisaggregatedLLM(LLM):
     where the prefill instance runs (default: cuda:1 next to a cuda:0 decode
     instance, else the CPU). Call `shutdown()` when done."""
 
-    def __init__(self, model: str | None = None, prefill_device: str | None = None, **kwargs):
+    def __init__(self, model: str | None = None, prefill_device: str | None = None, *,
+                 max_logprobs: int = 20, **kwargs):
         unknown = set(kwargs) - EngineArgs.field_names()
         if unknown:
             raise TypeError(f"DisaggregatedLLM() got unknown options: {', '.join(sorted(unknown))}")
+        self.max_logprobs = checked_max_logprobs(max_logprobs)
         self.engine = PDEngine(EngineArgs(model=model, **kwargs), prefill_device)
 
     @property
