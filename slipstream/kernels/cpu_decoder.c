@@ -82,10 +82,7 @@ static int attn_out_mlp(const ss_linear_t *o, const ss_linear_t *gate_up, const 
     for (int64_t i = 0; i < b * H; i++) r[i] += h[i];
     for (int64_t i = 0; i < b; i++) rmsnorm(r + i * H, norm2, H, eps, h + i * H);
     if ((rc = lin(gate_up, H, h, b, gu))) return rc;
-    for (int64_t i = 0; i < b; i++) {
-        const float *g = gu + i * 2 * I, *u = g + I;
-        for (int64_t j = 0; j < I; j++) act[i * I + j] = g[j] / (1.0f + expf(-g[j])) * u[j];
-    }
+    for (int64_t i = 0; i < b; i++) silu_mul(gu + i * 2 * I, gu + i * 2 * I + I, I, act + i * I);
     if ((rc = lin(down, I, act, b, h))) return rc;
     for (int64_t i = 0; i < b * H; i++) r[i] += h[i];
     return 0;

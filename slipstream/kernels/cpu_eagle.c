@@ -27,33 +27,40 @@ typedef struct {
 } ss_eagle_t;
 
 /* Query q [hd] of KV head g against the past rows (valid) and `n_new` new rows
- * (all visible): softmax(q k^T * scale) v into out [hd]. */
+ * (all visible): softmax(q k^T * scale) v into out [hd]. The attention kernels'
+ * pieces: scores 16 keys at a time, the max and sum as vectors, V rows added
+ * in registers, not a dependent chain of additions a key and a libm exp. */
 static void head_attend(const ss_eagle_t *e, const float *q, int g, const float *pk, const float *pv,
                         const uint8_t *valid, int64_t ctx, const float *nk, const float *nv,
                         int64_t n_new, float *scores, float *out) {
-    int64_t hd = e->hd, row = (int64_t)e->nkv * hd;
-    float mx = -INFINITY;
-    for (int64_t j = 0; j < ctx + n_new; j++) {
-        if (j < ctx && !valid[j]) { scores[j] = -INFINITY; continue; }
-        const float *k = (j < ctx ? pk + j * row : nk + (j - ctx) * row) + g * hd;
-        float s = 0;
-        for (int64_t i = 0; i < hd; i++) s += q[i] * k[i];
-        scores[j] = s * e->scale;
-        if (scores[j] > mx) mx = scores[j];
-    }
-    float sum = 0;
-    for (int64_t j = 0; j < ctx + n_new; j++) {
-        float p = scores[j] == -INFINITY ? 0.0f : expf(scores[j] - mx);
-        scores[j] = p;
-        sum += p;
+    int64_t hd = e->hd, row = (int64_t)e->nkv * hd, n = ctx + n_new;
+    const float *rows[64];
+    for (int64_t j0 = 0; j0 < n; j0 += 64) {
+        int nt = n - j0 < 64 ? (int)(n - j0) : 64;
+        for (int j = 0; j < nt; j++) {
+            int64_t t = j0 + j;
+            rows[j] = (t < ctx ? pk + t * row : nk + (t - ctx) * row) + g * hd;
+        }
+        dots_keys(q, rows, nt, hd, e->scale, scores + j0);
+        for (int j = 0; j < nt; j++)
+            if (j0 + j < ctx && !valid[j0 + j]) scores[j0 + j] = -INFINITY;
     }
     for (int64_t i = 0; i < hd; i++) out[i] = 0;
-    for (int64_t j = 0; j < ctx + n_new; j++) {
-        if (scores[j] == 0.0f) continue;
-        const float *v = (j < ctx ? pv + j * row : nv + (j - ctx) * row) + g * hd;
-        float p = scores[j] / sum;
-        for (int64_t i = 0; i < hd; i++) out[i] += p * v[i];
+    float mx = tile_max(scores, (int)n);
+    if (mx == -INFINITY) return;
+    for (int64_t j = 0; j < n; j++) scores[j] -= mx;     /* (-inf stays -inf: weight 0) */
+    exp_tile(scores, (int)n);
+    float sum = tile_sum(scores, (int)n);
+    for (int64_t j0 = 0; j0 < n; j0 += 64) {
+        int nt = n - j0 < 64 ? (int)(n - j0) : 64;
+        for (int j = 0; j < nt; j++) {
+            int64_t t = j0 + j;
+            rows[j] = (t < ctx ? pv + t * row : nv + (t - ctx) * row) + g * hd;
+        }
+        pv_tile(scores + j0, rows, nt, hd, out);
     }
+    float inv = 1.0f / sum;
+    for (int64_t i = 0; i < hd; i++) out[i] *= inv;
 }
 
 /* t rows: emb, feat [t, hidden] -> f_out [t, hidden]. The rows' K and V go to

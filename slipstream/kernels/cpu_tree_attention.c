@@ -24,8 +24,8 @@ typedef struct {
 /* One query's online-softmax update over a tile of cnt keys: scores sc
  * (clobbered), V rows vr; the decode attention's arithmetic, in its order. */
 static void qa_tile(float *sc, const float *const *vr, int cnt, int hd, float *mx, float *den, float *acc) {
-    float m = *mx;
-    for (int j = 0; j < cnt; j++) m = sc[j] > m ? sc[j] : m;
+    float m = tile_max(sc, cnt);
+    m = m > *mx ? m : *mx;
     if (m == -INFINITY) return;           /* nothing seen yet: the tile adds nothing */
     if (m > *mx) {
         float f = expf(*mx - m);          /* 0 on the first tile seen */
@@ -35,23 +35,8 @@ static void qa_tile(float *sc, const float *const *vr, int cnt, int hd, float *m
     }
     for (int j = 0; j < cnt; j++) sc[j] -= m;
     exp_tile(sc, cnt);
-    for (int j = 0; j < cnt; j++) *den += sc[j];
-    if (hd == 64) {                       /* the accumulator in registers through the tile */
-        float r[64];
-        memcpy(r, acc, sizeof r);
-        for (int j = 0; j < cnt; j++) {
-            float p = sc[j];
-            if (p == 0) continue;         /* a masked key (or one that underflowed) */
-            for (int e = 0; e < 64; e++) r[e] += p * vr[j][e];
-        }
-        memcpy(acc, r, sizeof r);
-    } else {
-        for (int j = 0; j < cnt; j++) {
-            float p = sc[j];
-            if (p == 0) continue;
-            for (int e = 0; e < hd; e++) acc[e] += p * vr[j][e];
-        }
-    }
+    *den += tile_sum(sc, cnt);
+    pv_tile(sc, vr, cnt, hd, acc);       /* masked keys (and underflowed ones) add nothing */
 }
 
 /* Tiles of 64 keys from lo, shared by the chunk's queries, up to the tile that
@@ -73,10 +58,10 @@ static void qattn_chunk(void *a_, int64_t c) {
     int nq = (i1 - i0) * G;
     const float *q[QA_QUERIES];
     int64_t qpos[QA_QUERIES]; uint64_t qmask[QA_QUERIES];
-    /* sized by the head dim (stack: ~60 KB at hd 64, a bf16 tail's V rows included) */
+    /* sized by the head dim (stack: ~90 KB at hd 64 with a bf16 cache's converted K and V rows) */
     float acc[QA_QUERIES][hd], sc[QA_QUERIES][QA_TAIL], mx[QA_QUERIES], den[QA_QUERIES];
-    float kr[hd], vbuf[a->kv_bf16 ? QA_TAIL * hd : 1];
-    const float *vrow[QA_TAIL];
+    float kbuf[a->kv_bf16 ? QA_TAIL * hd : 1], vbuf[a->kv_bf16 ? QA_TAIL * hd : 1];
+    const float *krow[QA_TAIL], *vrow[QA_TAIL];
     for (int k = 0; k < nq; k++) {
         int i = i0 + k / G, h = kvh * G + k % G;
         q[k] = a->q + (q0 + i) * a->q_stride + (int64_t)h * hd;
@@ -89,23 +74,25 @@ static void qattn_chunk(void *a_, int64_t c) {
     int64_t tail = ctx > lo ? lo + (ctx - lo) / ATT_TILE * ATT_TILE : lo;
     for (int64_t t0 = lo; t0 < n; t0 += ATT_TILE) {
         int nt = t0 < tail ? ATT_TILE : (int)(n - t0);     /* the last: the tail, to n */
-        for (int j = 0; j < nt; j++) {
-            int64_t t = t0 + j, off = (((int64_t)table[t / a->bs] * a->bs + t % a->bs) * a->nkv + kvh) * hd;
-            const float *kp = (const float *)a->kc + off;
-            if (a->kv_bf16) { load_row(a->kc, 1, off, hd, kr); kp = kr; }
-            const float *qs[QA_QUERIES];   /* the queries that see key t */
-            int who[QA_QUERIES], ns = 0;
-            float d[QA_QUERIES];
-            for (int k = 0; k < nq; k++) {
+        int64_t tb = t0 / a->bs, tt = t0 % a->bs;
+        for (int j = 0; j < nt; j++) {   /* K and V rows (bf16 ones converted once) */
+            int64_t off = (((int64_t)table[tb] * a->bs + tt) * a->nkv + kvh) * hd;
+            if (++tt == a->bs) { tt = 0; tb++; }
+            krow[j] = (const float *)a->kc + off;
+            vrow[j] = (const float *)a->vc + off;
+            if (a->kv_bf16) {
+                load_row(a->kc, 1, off, hd, kbuf + j * hd); krow[j] = kbuf + j * hd;
+                load_row(a->vc, 1, off, hd, vbuf + j * hd); vrow[j] = vbuf + j * hd;
+            }
+        }
+        for (int k = 0; k < nq; k++) {   /* every query's scores, then the keys it does not see masked */
+            dots_keys(q[k], krow, nt, hd, a->scale, sc[k]);
+            for (int j = 0; j < nt; j++) {
+                int64_t t = t0 + j;
                 int seen = t < ctx || ((qmask[k] >> (t - ctx)) & 1);
                 if (a->window > 0 && qpos[k] - t >= a->window) seen = 0;
-                sc[k][j] = -INFINITY;
-                if (seen) { qs[ns] = q[k]; who[ns++] = k; }
+                if (!seen) sc[k][j] = -INFINITY;
             }
-            dots_f(kp, qs, ns, hd, a->scale, d);
-            for (int u = 0; u < ns; u++) sc[who[u]][j] = d[u];
-            vrow[j] = (const float *)a->vc + off;   /* V rows (bf16 ones converted once) */
-            if (a->kv_bf16) { load_row(a->vc, 1, off, hd, vbuf + j * hd); vrow[j] = vbuf + j * hd; }
         }
         if (t0 < tail) {
             for (int k = 0; k < nq; k++) qa_tile(sc[k], vrow, nt, hd, &mx[k], &den[k], acc[k]);

@@ -126,9 +126,13 @@ def test_first_by_rank_is_the_stable_sort_prefix():
 
 def test_padded_prefill_body_matches_the_eager_prefill(llm):
     """What the prefill graph runs (a GPU captures it): the prompt padded to its
-    length class gives the same first token, head context and next tokens."""
+    length class gives the same first token, head context and next tokens.
+    (A prompt of one query block of torch's CPU flash attention, 32 rows: in a
+    later block a row's sums depend on the block's length, so padding changes
+    their last bits, which the int8 activations of the next products can turn
+    into a different near-tie token.)"""
     loop = EagleLoop(llm, depth=3, topk=4, beam=4, max_nodes=12, max_len=256)
-    ids = _prompt(llm, TEXTS[1])
+    ids = _prompt(llm, TEXTS[1])[:32]
     ref = loop.generate(ids, 16)
     blocks = loop.block_pool.allocate(loop.nblocks)
     try:
