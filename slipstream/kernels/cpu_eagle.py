@@ -41,7 +41,7 @@ def _linear(*matrices: QuantMatrix) -> _Linear | None:
     products read them (QuantMatrix.matmul's segments), so a row comes out as there."""
     if len({qm.cols for qm in matrices}) != 1:
         return None
-    return linear_of([s for qm in matrices for s in qm.segments])
+    return linear_of([s for qm in matrices for s in qm.kernel_segments])
 
 
 def _matrix(module) -> QuantMatrix | None:
