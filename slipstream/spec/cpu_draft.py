@@ -8,8 +8,15 @@ the target's own blocks (Q8_0 for the default model: 10 MB) and the layer's
 products after the input fusion read their weights as Q8_0 blocks (3.5 MB), both through the CPU
 kernels' 16-row path. Drafts change only by the int8 rounding of the products;
 verification is untouched, so greedy outputs stay those of the target.
+
+`BITS` = 4 (the default; `SLIPSTREAM_CPU_DRAFT_BITS=8` for Q8_0) re-rounds those
+weights to Q4_1 blocks: a draft level is bound by the bytes it streams (about
+14 MB at 8 bits for the default model's head), so half the bytes is about half
+the level's time; the drafts move by the coarser rounding, the outputs do not.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 from torch import nn
@@ -18,7 +25,10 @@ from slipstream.kernels import cpu_library
 from slipstream.kernels.cpu_quant import QuantMatrix
 from slipstream.spec.heads import DraftLMHead
 
-Q8_0 = 8
+Q4_1, Q8_0 = 3, 8
+BITS = int(os.environ.get("SLIPSTREAM_CPU_DRAFT_BITS", "4"))
+if BITS not in (4, 8):
+    raise ValueError(f"SLIPSTREAM_CPU_DRAFT_BITS must be 4 or 8, got {BITS}")
 
 
 def q8_0_blocks(w: torch.Tensor) -> torch.Tensor:
@@ -34,13 +44,40 @@ def q8_0_blocks(w: torch.Tensor) -> torch.Tensor:
     return out.reshape(rows, cols // 32 * 34).contiguous()
 
 
-class QuantLinear(nn.Module):
-    """A bias-free nn.Linear whose product reads Q8_0 blocks: [..., in] -> [..., out] fp32."""
+def q4_1_blocks(w: torch.Tensor) -> torch.Tensor:
+    """w [rows, cols] (cols % 32 == 0) -> GGUF Q4_1 blocks uint8 [rows, cols / 32 * 20]:
+    per 32 values an fp16 step d = (max - min) / 15 and offset m = min, and the codes
+    round((w - m) / d) in [0, 15], value i in the low nibble of byte i and value
+    i + 16 in its high nibble."""
+    rows, cols = w.shape
+    if cols % 32:
+        raise ValueError(f"Q4_1 needs a multiple of 32 columns, got {cols}")
+    b = w.float().reshape(rows, cols // 32, 32)
+    lo = b.amin(-1, keepdim=True)
+    d = ((b.amax(-1, keepdim=True) - lo) / 15).half()
+    m = lo.half()
+    df = d.float()
+    q = torch.where(df > 0, (b - m.float()) / torch.where(df > 0, df, 1), 0).round().clamp(0, 15)
+    q = q.to(torch.uint8)
+    nib = q[..., :16] | (q[..., 16:] << 4)
+    out = torch.cat([d.view(torch.uint8).reshape(rows, cols // 32, 2),
+                     m.view(torch.uint8).reshape(rows, cols // 32, 2), nib], -1)
+    return out.reshape(rows, cols // 32 * 20).contiguous()
 
-    def __init__(self, linear: nn.Linear):
+
+def blocks(w: torch.Tensor, bits: int | None = None) -> tuple[int, torch.Tensor]:
+    """w -> (ggml type, blocks) at `bits` (default BITS): Q4_1 or Q8_0."""
+    return (Q4_1, q4_1_blocks(w)) if (bits or BITS) == 4 else (Q8_0, q8_0_blocks(w))
+
+
+class QuantLinear(nn.Module):
+    """A bias-free nn.Linear whose product reads Q4_1 or Q8_0 blocks (`bits`, default
+    BITS): [..., in] -> [..., out] fp32."""
+
+    def __init__(self, linear: nn.Linear, bits: int | None = None):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.qm = QuantMatrix([(Q8_0, q8_0_blocks(linear.weight.detach()))], linear.in_features)
+        self.qm = QuantMatrix([blocks(linear.weight.detach(), bits)], linear.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.qm.matmul(x.reshape(-1, self.in_features).float())
@@ -48,18 +85,22 @@ class QuantLinear(nn.Module):
 
 
 class QuantDraftLMHead(DraftLMHead):
-    """The draft vocabulary's rows of the target's quantized LM head, in its own blocks."""
+    """The draft vocabulary's rows of the target's quantized LM head: in its own blocks,
+    or re-rounded to Q4_1 where `bits` (default BITS) is 4 and they hold more bits."""
 
-    def __init__(self, base: DraftLMHead, qm: QuantMatrix):
+    def __init__(self, base: DraftLMHead, qm: QuantMatrix, bits: int | None = None):
         self.__dict__.update(base.__dict__)
         qtype, data = qm.segments[0]
-        self.rows = QuantMatrix([(qtype, data[self.vocab.cpu()].contiguous())], qm.cols)
+        rows = QuantMatrix([(qtype, data[self.vocab.cpu()].contiguous())], qm.cols)
+        if (bits or BITS) == 4 and qtype not in (Q4_1, 2):      # (2: Q4_0)
+            rows = QuantMatrix([(Q4_1, q4_1_blocks(rows.dequantize()))], qm.cols)
+        self.rows = rows
 
     def __call__(self, feats: torch.Tensor) -> torch.Tensor:
         return self.rows.matmul(feats.float().contiguous())
 
 
-# The head's linear layers that draft from Q8_0 blocks on a CPU (fc_taps: EAGLE-3 heads).
+# The head's linear layers that draft from GGUF blocks on a CPU (fc_taps: EAGLE-3 heads).
 QUANTIZED = ("fc", "fc_taps", "q", "k", "v", "o", "gate_up", "down")
 
 
@@ -72,7 +113,7 @@ def usable(head: nn.Module, device) -> bool:
 
 
 def quantize_head(head: nn.Module, lm_head: DraftLMHead) -> DraftLMHead:
-    """Swap the head's linear layers for Q8_0 ones (in place) and return the LM
+    """Swap the head's linear layers for block-quantized ones (BITS; in place) and return the LM
     head to draft with (the target's own blocks where it holds a single-format
     quantized table and a draft vocabulary; else `lm_head` unchanged)."""
     for name in QUANTIZED:
@@ -81,7 +122,7 @@ def quantize_head(head: nn.Module, lm_head: DraftLMHead) -> DraftLMHead:
             continue
         if lin.out_features % 16 == 0 and lin.in_features % 32 == 0:
             setattr(head, name, QuantLinear(lin))
-    head.qkv_weight = None      # the fused fp32 q/k/v product would bypass the Q8_0 layers
+    head.qkv_weight = None      # the fused fp32 q/k/v product would bypass the block layers
     return quantize_lm_head(lm_head)
 
 
