@@ -46,7 +46,8 @@ class EngineArgs:
     speculative_auto_off: bool = True
     # EAGLE's tree expansion replayed from a CUDA graph (opt-in until measured on a GPU)
     speculative_draft_graphs: bool = False
-    # EAGLE: one greedy prompt of LLM.generate, every round on the device (spec/loop_path.py)
+    # EAGLE: one greedy prompt of LLM.generate, every round on the device (spec/loop_path.py;
+    # on a CPU a chain, speculative_tree with top-k 1, takes spec/cpu_loop.py)
     speculative_device_loop: bool = False
     # The device loop's tree expansion and round parts through torch.compile (fuses their
     # small ops; a compile of ~20-60 s when the first loop is built)

@@ -105,7 +105,8 @@ def add_spec_options(p: argparse.ArgumentParser) -> None:
                    help="EAGLE / P-EAGLE: keep training the head on the target's outputs while "
                         "serving (online adaptation)")
     g.add_argument("--spec-device-loop", action="store_true",
-                   help="EAGLE: answer single greedy prompts with every round on the device")
+                   help="EAGLE: answer single greedy prompts with every round on the device "
+                        "(on a CPU with --spec-tree 1,1,N: a chain, each round a few C calls)")
     g.add_argument("--spec-compile", action="store_true",
                    help="with --spec-device-loop: compile the tree expansion and the round's "
                         "small ops (torch.compile; adds a compile of ~20-60 s at the first prompt)")

@@ -3,7 +3,8 @@
 `generate` and `chat` stream through it too (`Engine.loop_path`, `on_text`).
 
 The loop (spec/eagle_loop.py) runs each speculation round as one CUDA graph
-with no host round trip; this path hands it the requests it can answer
+with no host round trip (on a CPU, a chain whose head drafts in C takes
+spec/cpu_loop.py: each round a few C calls); this path hands it the requests it can answer
 exactly as the engine would: one prompt, greedy, no penalties, log
 probabilities, logit bias or min_tokens. Stops are the engine's own (EOS,
 stop token ids, stop strings, max_tokens, through `Request.check_stop` and
@@ -20,6 +21,7 @@ import time
 from slipstream.engine.detokenizer import IncrementalDetokenizer
 from slipstream.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from slipstream.engine.request import Request, RequestStatus
+from slipstream.spec.cpu_loop import CPUChainLoop
 from slipstream.spec.eagle_loop import EagleLoop
 
 log = logging.getLogger("slipstream")
@@ -31,13 +33,19 @@ class LoopPath:
         # One loop per length class (a power of two >= 256): static buffers, the head's
         # past and the target's split-KV launch are sized by it.
         self.loops: dict[int, EagleLoop] = {}
-        self.loop: EagleLoop | None = None           # the last one used
+        self.loop: EagleLoop | CPUChainLoop | None = None   # the last one used
+        self.cpu_loop: CPUChainLoop | None = None
 
-    def _loop_for(self, length: int) -> EagleLoop:
+    def _loop_for(self, length: int):
+        spec = self.engine.config.speculative
+        if self._cpu_chain(spec):
+            if self.cpu_loop is None:
+                self.cpu_loop = CPUChainLoop(self.engine, spec.num_speculative_tokens)
+            self.loop = self.cpu_loop
+            return self.loop
         cap = self.engine.max_model_len
         size = min(max(256, 1 << (length - 1).bit_length()), cap)
         if size not in self.loops:
-            spec = self.engine.config.speculative
             if spec.loop_compile:
                 log.info("EAGLE loop for sequences up to %d tokens: its round compiles at its "
                          "first prompt (torch.compile, about 20-60 s; cached on disk after that)",
@@ -47,6 +55,12 @@ class LoopPath:
                                          max_len=size, compile_expansion=spec.loop_compile)
         self.loop = self.loops[size]
         return self.loop
+
+    def _cpu_chain(self, spec) -> bool:
+        """A chain (top-k 1) on a CPU whose EAGLE head drafts in C: spec/cpu_loop.py."""
+        runner = self.engine.runner
+        return (runner.device.type == "cpu" and spec.eagle_topk == 1
+                and getattr(runner.speculator.proposer, "cpu_head", None) is not None)
 
     def accepts(self, prompts: list, params: list) -> bool:
         if len(prompts) != 1 or self.engine.has_unfinished_requests():
@@ -99,9 +113,11 @@ class LoopPath:
         if spec is None:
             return
         st, d, n = spec.stats, self.loop.depth, self.loop.nodes
-        for a in accepted:
+        # (a chain of the CPU loop drafts fewer tokens near max_tokens)
+        drafted = getattr(self.loop, "drafted", None) or [n] * len(accepted)
+        for a, k in zip(accepted, drafted):
             st.rounds += 1
-            st.drafted += n
+            st.drafted += k
             st.accepted += a
             st.emitted += a + 1
-            st.record(d, a)
+            st.record(d if k == n else k, a)

@@ -1,0 +1,175 @@
+"""Greedy EAGLE chains of one request on a CPU, each round a few C calls.
+
+The engine's speculation round (spec/speculator.py) serves batches on any device:
+it packs the step, stacks the trees, verifies through tensor ops, drafts through
+the proposer's bookkeeping and updates the scheduler, about 2 ms of host work a
+round on a 2-core CPU, where the verification step itself costs about 5 ms. For
+one greedy prompt on a CPU whose EAGLE head drafts in C (kernels/cpu_eagle.py),
+this loop keeps only the round's arithmetic. With the root at position P (the
+cache holding 0 .. P - 1) and the chain's drafts d_1 .. d_D:
+
+  1. the target over root, d_1 .. d_D at P .. P + D: the one-call CPU step
+     (kernels/cpu_decoder.py), whose rows are bit for bit those of one-token
+     steps, so the emitted tokens are plain greedy decoding's;
+  2. the LM head over those D + 1 rows and each row's argmax; a = the longest
+     prefix of the drafts equal to the argmax before each; emitted d_1 .. d_a and
+     the argmax after d_a, the next root. The accepted drafts' K/V already sit at
+     their positions (a chain moves nothing);
+  3. the head over the a + 1 new pairs (f_j, t_{j+1}), j = P .. P + a, then the
+     next chain from the root (both C calls).
+
+The prompt takes the engine's prefix cache as an engine step would (the hit
+blocks are read, the rest computed; its full blocks are then findable), and the
+head's context starts where the computed rows do, as the proposer's catch-up
+does after a hit. `LoopPath` (spec/loop_path.py) picks this loop on a CPU for a
+chain (`speculative_tree` with top-k 1) when the head drafts in C; the EAGLE
+loop (spec/eagle_loop.py) serves everything else.
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from slipstream.batch import ForwardBatch
+from slipstream.layers.argmax import row_argmax
+
+
+class CPUChainLoop:
+    def __init__(self, engine, depth: int):
+        runner = engine.runner
+        proposer = runner.speculator.proposer
+        if getattr(proposer, "cpu_head", None) is None:
+            raise ValueError("the CPU chain loop needs the EAGLE head on its C path")
+        if depth < 1:
+            raise ValueError(f"the CPU chain loop needs at least one draft, got {depth}")
+        self.model, self.backend = runner.model, runner.backend
+        self.head, self.cpu_head, self.embed = proposer.head, proposer.cpu_head, proposer.embed
+        self.block_pool = engine.scheduler.kv.pool
+        self.hasher = getattr(engine, "_hasher", None)          # None: no prefix caching
+        self.bs = engine.config.cache.block_size
+        self.limit = engine.max_model_len           # positions the rotary tables cover
+        self.depth = self.nodes = depth
+        self.seconds = {"prefill": 0.0, "rounds": 0.0}
+        self.rounds = self.emitted = 0
+        self.batches = 0
+        self.accepted: list[int] = []      # per round of the last generate: drafts accepted
+        self.drafted: list[int] = []       # and drafted
+
+    @torch.inference_mode()
+    def generate(self, prompt: list[int], max_tokens: int, done=None) -> list[int]:
+        """Greedy continuation of `prompt`, max_tokens long, or shorter once
+        `done(new_tokens)` (called after every round) returns True."""
+        p = len(prompt)
+        if p + max_tokens > self.limit:
+            raise ValueError(f"cpu chain loop: prompt + max_tokens must be <= {self.limit}")
+        t0 = time.perf_counter()
+        self._end = p + max_tokens          # position after the last token asked for
+        blocks, hashes, hits = self._blocks(prompt, math.ceil((p + max_tokens + self.depth + 1) / self.bs))
+        try:
+            table = torch.tensor([[b.block_id for b in blocks]], dtype=torch.int32)
+            self._slot_of = (table[0].long()[:, None] * self.bs + torch.arange(self.bs)).flatten()
+            self._table = table
+            s = self.head.shape
+            n = p + max_tokens + self.depth + 2
+            self._hk = torch.zeros(n, s.num_kv_heads, s.head_dim)
+            self._hv = torch.zeros_like(self._hk)
+            self._ones = torch.ones(n, dtype=torch.bool)
+            out = [self._prefill(prompt, blocks, hashes, hits * self.bs)]
+            t1 = time.perf_counter()
+            self.accepted, self.drafted = [], []
+            stop = done is not None and done(out)
+            while len(out) < max_tokens and not stop:
+                new = self._round()
+                out.extend(new)
+                self.rounds += 1
+                self.emitted += len(new)
+                stop = done is not None and done(new)
+            self.batches += 1
+            self.seconds["prefill"] += t1 - t0
+            self.seconds["rounds"] += time.perf_counter() - t1
+            return out[:max_tokens]
+        finally:
+            self.block_pool.free(blocks[::-1])
+
+    def _blocks(self, prompt: list[int], n: int) -> tuple[list, list[bytes], int]:
+        """n blocks for the sequence: the prompt's longest run of cached blocks (the
+        last token always left to compute, as the engine's lookup leaves it), then
+        fresh ones; the prompt's block hashes; the number of hits."""
+        pool, hashes, hits = self.block_pool, [], []
+        if self.hasher is not None:
+            self.hasher.extend(hashes, prompt)
+            for h in hashes[:(len(prompt) - 1) // self.bs]:
+                block = pool.lookup(h)
+                if block is None:
+                    break
+                hits.append(block)
+        need = n - len(hits)
+        if need > pool.num_free_blocks - sum(1 for b in hits if b.ref_cnt == 0):
+            raise RuntimeError(f"cpu chain loop: {n} KV blocks needed, {pool.num_free_blocks} free")
+        pool.touch(hits)
+        return hits + pool.allocate(need), hashes, len(hits)
+
+    def _batch(self, ids: torch.Tensor, start: int) -> ForwardBatch:
+        """ids [t] at positions start .. start + t - 1 after `start` cached tokens."""
+        t = ids.shape[0]
+        pos = torch.arange(start, start + t)
+        return ForwardBatch(
+            input_ids=ids, positions=pos,
+            query_start_loc=torch.tensor([0, t], dtype=torch.int32),
+            seq_lens=torch.tensor([start + t], dtype=torch.int32),
+            context_lens=torch.tensor([start], dtype=torch.int32),
+            slot_mapping=self._slot_of[start:start + t], block_tables=self._table,
+            logits_indices=torch.arange(t), max_query_len=t, max_seq_len=start + t,
+            query_lens_cpu=[t], seq_lens_cpu=[start + t])
+
+    def _forward(self, ids: torch.Tensor, start: int) -> torch.Tensor:
+        batch = self._batch(ids, start)
+        self.backend.prepare(batch)
+        return self.model(batch)
+
+    def _pairs(self, hidden: torch.Tensor, toks: torch.Tensor, start: int) -> None:
+        """The head over pairs (hidden row i, toks[i]) at start + i (its rows: from
+        position h0 on); the new root's feature and the next chain."""
+        n, r = toks.shape[0], start - self._h0
+        past = (self._hk[:r], self._hv[:r], self._ones[:r]) if r else (None,) * 3
+        f, k, v = self.cpu_head.rows(self.embed(toks), self.head.target_feature(hidden),
+                                     torch.arange(start, start + n), *past)
+        self._hk[r:r + n] = k
+        self._hv[r:r + n] = v
+        root = start + n                  # the root's position: the pairs end before it
+        d = min(self.depth, self._end - 1 - root)       # no drafts past max_tokens
+        if d < 1:
+            self._drafts = []
+            return
+        h = self._hk[:r + n], self._hv[:r + n], self._ones[:r + n]
+        tokens, _ = self.cpu_head.chain(f[-1], *h, root, d, 1)
+        self._drafts = tokens[:, 0].tolist()
+
+    def _prefill(self, prompt: list[int], blocks: list, hashes: list[bytes], c: int) -> int:
+        """The prompt after its c cached tokens; its full blocks become findable."""
+        p = len(prompt)
+        ids = torch.tensor(prompt, dtype=torch.int64)
+        hidden = self._forward(ids[c:], c)                                 # [P - c, width]
+        for i in range(c // self.bs, len(hashes)):          # (hashes: the full blocks)
+            self.block_pool.cache_block(blocks[i], hashes[i])
+        first = int(row_argmax(self.model.compute_logits(hidden[-1:]))[0])
+        self._root, self._pos, self._h0 = first, p, c
+        self._pairs(hidden, torch.cat([ids[c + 1:], torch.tensor([first])]), c)
+        return first
+
+    def _round(self) -> list[int]:
+        drafts, P = self._drafts, self._pos
+        ids = torch.tensor([self._root] + drafts, dtype=torch.int64)
+        hidden = self._forward(ids, P)                                     # [D + 1, width]
+        best = row_argmax(self.model.compute_logits(hidden)).tolist()
+        a = 0
+        while a < len(drafts) and drafts[a] == best[a]:
+            a += 1
+        emitted = drafts[:a] + [best[a]]
+        self.accepted.append(a)
+        self.drafted.append(len(drafts))
+        self._root, self._pos = best[a], P + a + 1
+        self._pairs(hidden[:a + 1], torch.tensor(emitted, dtype=torch.int64), P)
+        return emitted
