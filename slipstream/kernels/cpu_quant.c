@@ -913,6 +913,47 @@ int ss_matmul(int n_seg, const int *types, const uint8_t *const *ws, const int64
     return 0;
 }
 
+/* ---- greedy choice ------------------------------------------------------ */
+/* out[i] = the first index of the largest value of row i of x [rows, n] (a NaN
+ * counts as largest, as in torch's argmax): the row's maximum as vectors, then
+ * the first position equal to it. One thread: a row of logits just written by
+ * the LM head's threads costs less to read here than to hand out again. */
+int ss_row_argmax(const float *x, int64_t rows, int64_t n, int64_t *out) {
+    if (rows < 0 || n < 1) return -1;
+    for (int64_t r = 0; r < rows; r++) {
+        const float *v = x + r * n;
+        int64_t j = 0, hit = -1;
+        float m = -INFINITY;
+#if defined(SS_AVX512)
+        __m512 mv = _mm512_set1_ps(-INFINITY);
+        __mmask16 nan = 0;
+        for (; j + 16 <= n; j += 16) {
+            __m512 a = _mm512_loadu_ps(v + j);
+            nan |= _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q);
+            mv = _mm512_max_ps(mv, a);
+        }
+        m = _mm512_reduce_max_ps(mv);
+        if (nan) j = 0, m = -INFINITY;       /* a NaN somewhere: the scalar scan finds the first */
+#endif
+        for (; j < n && hit < 0; j++) {
+            if (v[j] != v[j]) hit = j;
+            else m = v[j] > m ? v[j] : m;
+        }
+        if (hit >= 0) { out[r] = hit; continue; }
+        int64_t k = 0;
+#if defined(SS_AVX512)
+        const __m512 mm = _mm512_set1_ps(m);
+        for (; k + 16 <= n && hit < 0; k += 16) {
+            __mmask16 eq = _mm512_cmp_ps_mask(_mm512_loadu_ps(v + k), mm, _CMP_EQ_OQ);
+            if (eq) hit = k + __builtin_ctz(eq);
+        }
+#endif
+        for (; k < n && hit < 0; k++) if (v[k] == m) hit = k;
+        out[r] = hit;
+    }
+    return 0;
+}
+
 /* ---- dequantization and row lookup ------------------------------------ */
 typedef struct { int type; const uint8_t *w; int64_t cols; const int64_t *ids; float *out; int64_t chunk, n; } dq_args;
 

@@ -234,6 +234,24 @@ def test_pool_jobs_never_mix_when_workers_wake_late():
     assert r.returncode == 0 and r.stdout.split()[-2:] == ["bad", "0"], r.stdout + r.stderr[-2000:]
 
 
+def test_row_argmax_in_c_is_torchs_argmax():
+    """The C kernels' argmax (fp32 rows on the CPU): torch's answer for ties, NaN (the
+    first NaN wins), rows of -inf, signed zeros and lengths off the vector width."""
+    from slipstream.layers.argmax import row_argmax
+    g = torch.Generator().manual_seed(1)
+    for n in (1, 7, 16, 17, 49152, 32001):
+        x = torch.randn(5, n, generator=g)
+        x[1] = (x[1] * 2).round()                        # ties
+        x[2, n // 2] = float("nan")
+        x[2, -1] = float("nan")
+        x[3] = float("-inf")
+        x[4] = 0.0
+        x[4, n // 3] = -0.0
+        assert torch.equal(row_argmax(x), x.argmax(dim=-1)), n
+        assert torch.equal(row_argmax(x[:, :n - 1 or 1].contiguous()), x[:, :n - 1 or 1].argmax(dim=-1))
+    assert row_argmax(torch.zeros(0, 8)).shape == (0,)
+
+
 @pytest.mark.parametrize("arch", ["haswell", "x86-64", "skylake-avx512"])
 def test_other_cpus(arch, tmp_path):
     """The kernels built for an AVX2-only CPU, for one without vector extensions and
