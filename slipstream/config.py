@@ -82,6 +82,7 @@ class SpecConfig:
     device_loop: bool = False            # EAGLE: spec/loop_path.py for single greedy prompts
     loop_compile: bool = False           # the loop's expansion and round parts compiled
     online: bool = False                 # EAGLE / P-EAGLE: keep training the head (spec/online.py)
+    draft_min_prob: float = 0.0          # EAGLE: drafts below this path probability not verified
     online_lr: float = 1e-4
     online_every: int = 2048             # recorded pairs between updates
 

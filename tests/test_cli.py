@@ -259,6 +259,22 @@ def test_draft_needs_a_draft_model_or_layers(tmp_path):
                       speculative_model="d").spec_config().model == "d"
 
 
+def test_draft_min_prob_is_checked():
+    from slipstream.engine.args import EngineArgs
+    with pytest.raises(ValueError, match="speculative_draft_min_prob needs speculative_method"):
+        EngineArgs(speculative_draft_min_prob=0.3).spec_config()
+    with pytest.raises(ValueError, match="applies to speculative_method='eagle'"):
+        EngineArgs(speculative_method="ngram", speculative_draft_min_prob=0.3).spec_config()
+    for bad in (1.0, -0.1):
+        with pytest.raises(ValueError, match=r"must be in \[0, 1\)"):
+            EngineArgs(speculative_method="eagle", speculative_draft_min_prob=bad).spec_config()
+    assert EngineArgs(speculative_method="eagle",
+                      speculative_draft_min_prob=0.3).spec_config().draft_min_prob == 0.3
+    from slipstream.cli import build_parser
+    args = build_parser("bench").parse_args(["bench", "latency", "--spec-draft-min-prob", "0.25"])
+    assert args.speculative_draft_min_prob == 0.25
+
+
 def test_zero_speculative_tokens_without_a_method_is_refused():
     from slipstream.engine.args import EngineArgs
     for field in ("num_speculative_tokens", "speculative_draft_layers"):

@@ -49,6 +49,8 @@ ENGINE_OPTIONS = {
     "speculative_device_loop": (bool, False, "EAGLE: one greedy prompt with every round on the device"),
     "speculative_compile": (bool, False, "EAGLE device loop: compile the expansion (torch.compile)"),
     "speculative_online": (bool, False, "EAGLE / P-EAGLE: keep training the head while serving"),
+    "speculative_draft_min_prob": (float, 0.0, "EAGLE: drafts below this path probability not "
+                                               "verified (0: off)"),
 }
 
 

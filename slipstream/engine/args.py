@@ -54,6 +54,9 @@ class EngineArgs:
     speculative_compile: bool = False
     # EAGLE / P-EAGLE: keep training the head on the pairs it drafts from (spec/online.py)
     speculative_online: bool = False
+    # EAGLE: drafts whose path the head gives less than this probability are not verified
+    # (a chain stops there; the engine's trees keep at least their best node); 0: off
+    speculative_draft_min_prob: float = 0.0
     seed: int = 0
     load_format: str = "auto"                # "auto": the model's weights; "dummy": random
     tensor_parallel_size: int = 1            # ranks sharing each layer (distributed/)
@@ -153,6 +156,7 @@ class EngineArgs:
                                        "speculative_draft_graphs", "speculative_device_loop",
                                        "speculative_compile", "speculative_online")
                      if getattr(self, name) is not None and getattr(self, name) is not False]
+            given += ["speculative_draft_min_prob"] if self.speculative_draft_min_prob else []
             if given:
                 raise ValueError(f"{', '.join(given)} need{'s' if len(given) == 1 else ''} "
                                  "speculative_method")
@@ -173,6 +177,11 @@ class EngineArgs:
         if self.speculative_compile and not self.speculative_device_loop:
             raise ValueError("speculative_compile applies to the EAGLE device loop "
                              "(speculative_device_loop=True)")
+        p = self.speculative_draft_min_prob
+        if not (isinstance(p, (int, float)) and 0 <= p < 1):
+            raise ValueError(f"speculative_draft_min_prob must be in [0, 1), got {p!r}")
+        if p and method != "eagle":
+            raise ValueError("speculative_draft_min_prob applies to speculative_method='eagle'")
         if self.speculative_online and method not in ("eagle", "peagle"):
             raise ValueError("speculative_online applies to speculative_method 'eagle' or 'peagle'")
         extra = {}
@@ -214,7 +223,7 @@ class EngineArgs:
                           draft_graphs=self.speculative_draft_graphs,
                           device_loop=self.speculative_device_loop,
                           loop_compile=self.speculative_compile,
-                          online=self.speculative_online, **extra)
+                          online=self.speculative_online, draft_min_prob=float(p), **extra)
 
 
 def is_default_model(model: str | None) -> bool:

@@ -116,15 +116,22 @@ int ss_eagle_pass(const ss_eagle_t *e, const float *emb, const float *feat, int6
     return head_rows(e, emb, feat, t, positions, pk, pv, valid, ctx, k_out, v_out, 0, f_out);
 }
 
-/* The top k of log_softmax(logits [n]) -> cols, logp (best first; ties: lower column). */
+/* The top k of log_softmax(logits [n]) -> cols, logp (best first; ties: lower column).
+ * The softmax's sum runs over 16 lanes with the vectorized exp (a double-precision
+ * libm call a column cost about as much as the level's LM-head product). */
 static void top_logp(const float *logits, int64_t n, int k, int32_t *cols, float *logp) {
     float mx = -INFINITY;
-    for (int64_t j = 0; j < n; j++) if (logits[j] > mx) mx = logits[j];
+    for (int64_t j = 0; j < n; j++) mx = logits[j] > mx ? logits[j] : mx;
+    float lane[16] = {0};
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16)
+        for (int i = 0; i < 16; i++) lane[i] += exp_any(logits[j + i] - mx);
     double sum = 0;
-    for (int64_t j = 0; j < n; j++) sum += exp((double)(logits[j] - mx));
+    for (int i = 0; i < 16; i++) sum += lane[i];
+    for (; j < n; j++) sum += exp_any(logits[j] - mx);
     float lse = mx + (float)log(sum);
     for (int i = 0; i < k; i++) { cols[i] = -1; logp[i] = -INFINITY; }
-    for (int64_t j = 0; j < n; j++) {
+    for (j = 0; j < n; j++) {
         float v = logits[j];
         if (cols[k - 1] >= 0 && v <= logp[k - 1]) continue;
         int i = k - 1;
@@ -138,10 +145,12 @@ static void top_logp(const float *logits, int64_t n, int k, int32_t *cols, float
  * tokens after the best token of level l - 1 (level 0: after the root), tokens
  * and their log-probabilities [depth, k] out. The past is the head's context
  * (ctx rows, `valid` marks the real ones); the draft's own rows sit at
- * positions base, base + 1, ... */
+ * positions base, base + 1, ... The chain stops at the first level whose best
+ * token's cumulative log-probability falls below min_logp (-inf: never).
+ * Returns the levels kept (0 .. depth; those before the stop), -1 on bad arguments. */
 int ss_eagle_chain(const ss_eagle_t *e, const float *root_feat, const float *pk, const float *pv,
                    const uint8_t *valid, int64_t ctx, int64_t base, int depth, int k,
-                   int64_t *tokens, float *logp) {
+                   float min_logp, int64_t *tokens, float *logp) {
     int64_t H = e->hidden, nkvd = (int64_t)e->nkv * e->hd, V = lin_rows(&e->lm);
     if (depth < 1 || k < 1 || k > V) return -1;
     float *buf = malloc(((int64_t)3 * H + V + 2 * depth * nkvd) * sizeof(float));
@@ -149,7 +158,8 @@ int ss_eagle_chain(const ss_eagle_t *e, const float *root_feat, const float *pk,
     if (!buf || !cols) { free(buf); free(cols); return -1; }
     float *feat = buf, *emb = feat + H, *f = emb + H, *logits = f + H, *nk = logits + V, *nv = nk + depth * nkvd;
     memcpy(feat, root_feat, H * sizeof(float));
-    int rc = 0;
+    int rc = 0, kept = depth;
+    float cum = 0;
     for (int l = 0; l < depth && rc == 0; l++) {
         if (l > 0) {           /* the head over the best token of the level before */
             int64_t tok = tokens[(l - 1) * k], pos = base + l - 1;
@@ -161,7 +171,9 @@ int ss_eagle_chain(const ss_eagle_t *e, const float *root_feat, const float *pk,
         top_logp(logits, V, k, cols, logp + l * k);
         for (int i = 0; i < k; i++)
             tokens[l * k + i] = e->token_of_col ? e->token_of_col[cols[i]] : cols[i];
+        cum += logp[l * k];
+        if (cum < min_logp) { kept = l; break; }
     }
     free(buf); free(cols);
-    return rc;
+    return rc ? -1 : kept;
 }

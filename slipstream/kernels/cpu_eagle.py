@@ -120,22 +120,24 @@ class CPUEagle:
         return f, k, v
 
     def chain(self, root_feat: torch.Tensor, past_k: torch.Tensor, past_v: torch.Tensor,
-              valid: torch.Tensor | None, base: int, depth: int, topk: int
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (token ids [depth, topk] int64, their draft log-probabilities [depth, topk]):
-        level 0 after the root, level l after the best token of level l - 1."""
+              valid: torch.Tensor | None, base: int, depth: int, topk: int,
+              min_logp: float = float("-inf")) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (token ids [levels, topk] int64, their draft log-probabilities [levels, topk]):
+        level 0 after the root, level l after the best token of level l - 1; `depth`
+        levels, or those before the first whose best token's cumulative
+        log-probability falls below min_logp (which is computed, then dropped)."""
         if valid is None:
             valid = torch.ones(past_k.shape[0], dtype=torch.bool)
         pk, pv, ok, ctx = self._past(past_k, past_v, valid)
         root = root_feat.float().contiguous()
         tokens = torch.empty(depth, topk, dtype=torch.int64)
         logp = torch.empty(depth, topk)
-        rc = self._lib.ss_eagle_chain(ctypes.byref(self._struct), root.data_ptr(), pk.data_ptr(),
-                                      pv.data_ptr(), ok.data_ptr(), ctx, int(base), depth, topk,
-                                      tokens.data_ptr(), logp.data_ptr())
-        if rc != 0:
+        kept = self._lib.ss_eagle_chain(ctypes.byref(self._struct), root.data_ptr(), pk.data_ptr(),
+                                        pv.data_ptr(), ok.data_ptr(), ctx, int(base), depth, topk,
+                                        float(min_logp), tokens.data_ptr(), logp.data_ptr())
+        if kept < 0:
             raise RuntimeError("ss_eagle_chain rejected its arguments")
-        return tokens, logp
+        return tokens[:kept], logp[:kept]
 
 
 def chain_table(tokens: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:

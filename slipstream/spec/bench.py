@@ -104,6 +104,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eagle-tree", default=None,
                    help="EAGLE tree 'topk,beam,nodes' (default 4,4,16)")
     p.add_argument("--eagle-depth", type=int, default=None, help="EAGLE tree depth (default 5)")
+    p.add_argument("--eagle-min-prob", type=float, default=None,
+                   help="EAGLE: drafts below this path probability not verified "
+                        "(speculative_draft_min_prob; default off)")
     p.add_argument("--medusa-tree", default=None, help="Medusa top-k per head (default 3,2,1)")
     p.add_argument("--ngram-tokens", type=int, default=None, help="n-gram chain length (default 4)")
     p.add_argument("--peagle-tokens", type=int, default=None,
@@ -187,6 +190,8 @@ def run(args, model=None, heads: dict | None = None, stem: str | None = None) ->
             opts["speculative_tree"] = args.eagle_tree
         if name in ("eagle", "eagle-loop") and getattr(args, "eagle_depth", None):
             opts["num_speculative_tokens"] = args.eagle_depth
+        if name in ("eagle", "eagle-loop") and getattr(args, "eagle_min_prob", None):
+            opts["speculative_draft_min_prob"] = args.eagle_min_prob
         if name == "medusa" and getattr(args, "medusa_tree", None):
             opts["speculative_tree"] = args.medusa_tree
         if name in ("ngram", "peagle") and getattr(args, f"{name}_tokens", None):

@@ -104,6 +104,9 @@ def add_spec_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--spec-online", action="store_true",
                    help="EAGLE / P-EAGLE: keep training the head on the target's outputs while "
                         "serving (online adaptation)")
+    g.add_argument("--spec-draft-min-prob", type=number(float, 0, 1), default=0.0,
+                   help="EAGLE: leave unverified the drafts whose path the head gives less than "
+                        "this probability (a chain stops there); 0 (default): off")
     g.add_argument("--spec-device-loop", action="store_true",
                    help="EAGLE: answer single greedy prompts with every round on the device "
                         "(on a CPU with --spec-tree 1,1,N: a chain, each round a few C calls)")
@@ -118,7 +121,8 @@ SPEC_FLAGS = {"speculative_method": "--speculative-method", "speculative_model":
               "speculative_draft_layers": "--speculative-draft-layers", "speculative_tree": "--spec-tree",
               "speculative_draft_graphs": "--spec-draft-graphs",
               "speculative_device_loop": "--spec-device-loop", "speculative_compile": "--spec-compile",
-              "speculative_online": "--spec-online"}
+              "speculative_online": "--spec-online",
+              "speculative_draft_min_prob": "--spec-draft-min-prob"}
 
 
 def spec_engine_args(args: argparse.Namespace) -> dict:

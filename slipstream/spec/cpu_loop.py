@@ -16,7 +16,10 @@ cache holding 0 .. P - 1) and the chain's drafts d_1 .. d_D:
      the argmax after d_a, the next root. The accepted drafts' K/V already sit at
      their positions (a chain moves nothing);
   3. the head over the a + 1 new pairs (f_j, t_{j+1}), j = P .. P + a, then the
-     next chain from the root (both C calls).
+     next chain from the root (both C calls); with `speculative_draft_min_prob`
+     the chain stops before the first draft whose path the head gives less than
+     that probability (EAGLE-2's dynamic depth on a chain: confident text drafts
+     deep, uncertain text costs no verification rows), possibly before any.
 
 The prompt takes the engine's prefix cache as an engine step would (the hit
 blocks are read, the rest computed; its full blocks are then findable), and the
@@ -51,6 +54,7 @@ class CPUChainLoop:
         self.bs = engine.config.cache.block_size
         self.limit = engine.max_model_len           # positions the rotary tables cover
         self.depth = self.nodes = depth
+        self.min_logp = proposer.min_logp      # speculative_draft_min_prob (-inf: off)
         self.seconds = {"prefill": 0.0, "rounds": 0.0}
         self.rounds = self.emitted = 0
         self.batches = 0
@@ -144,7 +148,7 @@ class CPUChainLoop:
             self._drafts = []
             return
         h = self._hk[:r + n], self._hv[:r + n], self._ones[:r + n]
-        tokens, _ = self.cpu_head.chain(f[-1], *h, root, d, 1)
+        tokens, _ = self.cpu_head.chain(f[-1], *h, root, d, 1, self.min_logp)
         self._drafts = tokens[:, 0].tolist()
 
     def _prefill(self, prompt: list[int], blocks: list, hashes: list[bytes], c: int) -> int:

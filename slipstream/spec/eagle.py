@@ -16,6 +16,8 @@ the tree. Drafts are deterministic (q one-hot).
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -32,12 +34,16 @@ class EagleProposer:
     needs_hidden = True
 
     def __init__(self, head: EagleHead, embed, lm_head, depth: int = 5, topk: int = 4,
-                 beam: int = 4, max_nodes: int = 16):
+                 beam: int = 4, max_nodes: int = 16, min_prob: float = 0.0):
         """lm_head: features [n, hidden] -> logits [n, V'] (the target's LM head,
         or a `heads.DraftLMHead` over a draft vocabulary, whose `token_ids`
-        maps columns to token ids)."""
+        maps columns to token ids). min_prob: candidates whose path's draft
+        probability is lower are left out of the tree (its best one stays)."""
         if min(depth, topk, beam, max_nodes) < 1:
             raise ValueError("eagle depth, topk, beam and max_nodes must be at least 1")
+        if not 0 <= min_prob < 1:
+            raise ValueError(f"eagle min_prob must be in [0, 1), got {min_prob}")
+        self.min_logp = math.log(min_prob) if min_prob > 0 else -math.inf
         self.head, self.embed, self.lm_head = head, embed, lm_head
         self.token_ids = getattr(lm_head, "token_ids", lambda cols: cols)
         self.depth, self.topk, self.beam, self.max_nodes = depth, topk, beam, max_nodes
@@ -165,9 +171,13 @@ class EagleProposer:
     def _select(self, table: torch.Tensor) -> DraftTree:
         """table: the host candidate table [4, C] -> the tree of the best max_nodes."""
         tok, score, par, level = table.numpy()
-        # Keep the best max_nodes (ties: shallower first); close under ancestors
-        # (a child never scores above its parent, so this rarely adds any).
-        keep = set(np.lexsort((level, -score))[:self.max_nodes].tolist())
+        # Keep the best max_nodes (ties: shallower first), those at min_prob or above
+        # (at least one); close under ancestors (a child never scores above its
+        # parent, so this rarely adds any).
+        n = self.max_nodes
+        if self.min_logp > -math.inf:
+            n = min(n, max(1, int((score >= self.min_logp).sum())))
+        keep = set(np.lexsort((level, -score))[:n].tolist())
         parent = par.astype(np.int64).tolist()
         for c in list(keep):
             a = parent[c]
@@ -234,4 +244,5 @@ def _make(spec, device, dtype, target=None, **_):
     head, lm_head, path = load_head(spec, device, dtype, target, "eagle")
     return adapt_online(EagleProposer(head, target.model.embed_tokens, lm_head,
                                       spec.num_speculative_tokens, spec.eagle_topk,
-                                      spec.eagle_beam, spec.eagle_max_nodes), spec, path, device)
+                                      spec.eagle_beam, spec.eagle_max_nodes,
+                                      spec.draft_min_prob), spec, path, device)

@@ -136,3 +136,35 @@ def test_default_model_drafts_through_the_c_head_and_stays_exact():
     got = [o.outputs[0].token_ids for o in spec.generate(prompts, params, use_tqdm=False)]
     assert got == want
     assert calls and spec.engine.spec_stats.tau > 1.2
+
+
+def test_chain_stops_at_the_first_level_below_min_logp():
+    """min_logp: the levels before the first whose best token's cumulative
+    log-probability falls below it (none, some or all), the same tokens as the
+    full chain's."""
+    import math
+    _, _, _, cpu, g = _setup(seed=3)
+    k, v, valid = _past(g, 9)
+    root = torch.randn(H, generator=g)
+    tokens, logp = cpu.chain(root, k, v, valid, 9, 5, 2)
+    cum = logp[:, 0].double().cumsum(0).tolist()
+    cuts = [(cum[0] + 1.0, 0)] + [((cum[i] + cum[i + 1]) / 2, i + 1) for i in range(4)]
+    for th, kept in cuts + [(-math.inf, 5)]:
+        t, lp = cpu.chain(root, k, v, valid, 9, 5, 2, min_logp=th)
+        assert t.shape == (kept, 2) and torch.equal(t, tokens[:kept]), th
+        torch.testing.assert_close(lp, logp[:kept])
+
+
+def test_tree_selection_leaves_out_unlikely_drafts():
+    """EagleProposer._select with min_prob: candidates below it are dropped, the
+    best one stays even when every candidate is below it."""
+    import math
+    import types
+    from slipstream.spec.eagle import EagleProposer
+    tokens = torch.tensor([[5, 6], [7, 8], [9, 10]])
+    logp = torch.log(torch.tensor([[0.8, 0.1], [0.5, 0.3], [0.5, 0.2]]))
+    table = chain_table(tokens, logp)                     # paths 0.8, 0.1, 0.4, 0.24, 0.2, 0.08
+    for p, want in ((0.0, [5, 6, 7, 8, 9, 10]), (0.3, [5, 7]), (0.21, [5, 7, 8]), (0.9, [5])):
+        me = types.SimpleNamespace(max_nodes=6, min_logp=math.log(p) if p else -math.inf)
+        tree = EagleProposer._select(me, table)
+        assert sorted(tree.tokens.tolist()) == sorted(want), p

@@ -120,3 +120,20 @@ def test_an_eagle3_head_reads_the_targets_taps(tmp_path):
     want = plain.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
     assert llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == want
     assert isinstance(llm.engine.loop_path().loop, CPUChainLoop)
+
+
+def test_chains_stop_below_the_draft_probability():
+    """speculative_draft_min_prob: chains as long as the head stays confident (up to
+    6 here), none where it is not; tokens stay plain decoding's (fresh engines
+    without prefix caches, as in the test above)."""
+    plain = LLM(**KW, enable_prefix_caching=False)
+    llm = LLM(**KW, **{**CHAIN, "num_speculative_tokens": 6, "speculative_tree": "1,1,6"},
+              speculative_draft_min_prob=0.3, enable_prefix_caching=False)
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    drafted = []
+    for text in TEXTS:
+        prompt = _chat(llm, text)
+        want = plain.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+        assert llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == want
+        drafted += llm.engine.loop_path().loop.drafted
+    assert min(drafted) < max(drafted) <= 6 and len(set(drafted)) > 2
