@@ -9,13 +9,15 @@ products after the input fusion read their weights as Q8_0 blocks (3.5 MB), both
 kernels' 16-row path. Drafts change only by the int8 rounding of the products;
 verification is untouched, so greedy outputs stay those of the target.
 
-`BITS` = 4 (`SLIPSTREAM_CPU_DRAFT_BITS=4`; the default is 8, Q8_0) re-rounds those
-weights to Q4_1 blocks: a draft level is bound by the bytes it streams (about
-14 MB at 8 bits for the default model's head), so half the bytes is about half
-the level's time; the drafts move by the coarser rounding, the outputs do not.
-Opt-in: the shipped head keeps its acceptance at 4 bits (tau 2.298 against
-2.309), but a small head's drafts can lose all of theirs (the tests' tiny
-trained heads accept nothing at 4 bits).
+Draft weights at 4 bits re-round those weights to Q4_1 blocks: a draft level is
+bound by the bytes it streams (about 14 MB at 8 bits for the default model's head),
+so half the bytes is about half the level's time; the drafts move by the coarser
+rounding, the outputs do not. The heads shipped for the default model draft at 4
+bits (the EAGLE head; measured: tau 2.298 against 2.309 for a chain of 3, and the CPU chain loop
+1.53x plain decoding against 1.35x at 8 bits over 256-token answers); a head from a
+file stays at 8 bits (Q8_0), since a small head's drafts can lose all their
+acceptance at 4 (the engine tests' tiny trained heads accept nothing).
+`SLIPSTREAM_CPU_DRAFT_BITS=4` or `8` sets it for every head.
 """
 from __future__ import annotations
 
@@ -29,9 +31,16 @@ from slipstream.kernels.cpu_quant import QuantMatrix
 from slipstream.spec.heads import DraftLMHead
 
 Q4_1, Q8_0 = 3, 8
-BITS = int(os.environ.get("SLIPSTREAM_CPU_DRAFT_BITS", "8"))
-if BITS not in (4, 8):
+_ENV_BITS = os.environ.get("SLIPSTREAM_CPU_DRAFT_BITS")
+BITS = int(_ENV_BITS) if _ENV_BITS else None     # None: draft_bits() decides per head
+if BITS not in (None, 4, 8):
     raise ValueError(f"SLIPSTREAM_CPU_DRAFT_BITS must be 4 or 8, got {BITS}")
+
+
+def draft_bits(shipped: bool = False) -> int:
+    """The draft weights' bits: SLIPSTREAM_CPU_DRAFT_BITS, else 4 for a shipped head, 8
+    for one from a file."""
+    return BITS or (4 if shipped else 8)
 
 
 def q8_0_blocks(w: torch.Tensor) -> torch.Tensor:
@@ -69,13 +78,13 @@ def q4_1_blocks(w: torch.Tensor) -> torch.Tensor:
 
 
 def blocks(w: torch.Tensor, bits: int | None = None) -> tuple[int, torch.Tensor]:
-    """w -> (ggml type, blocks) at `bits` (default BITS): Q4_1 or Q8_0."""
-    return (Q4_1, q4_1_blocks(w)) if (bits or BITS) == 4 else (Q8_0, q8_0_blocks(w))
+    """w -> (ggml type, blocks) at `bits` (default draft_bits()): Q4_1 or Q8_0."""
+    return (Q4_1, q4_1_blocks(w)) if (bits or draft_bits()) == 4 else (Q8_0, q8_0_blocks(w))
 
 
 class QuantLinear(nn.Module):
     """A bias-free nn.Linear whose product reads Q4_1 or Q8_0 blocks (`bits`, default
-    BITS): [..., in] -> [..., out] fp32."""
+    draft_bits()): [..., in] -> [..., out] fp32."""
 
     def __init__(self, linear: nn.Linear, bits: int | None = None):
         super().__init__()
@@ -89,13 +98,13 @@ class QuantLinear(nn.Module):
 
 class QuantDraftLMHead(DraftLMHead):
     """The draft vocabulary's rows of the target's quantized LM head: in its own blocks,
-    or re-rounded to Q4_1 where `bits` (default BITS) is 4 and they hold more bits."""
+    or re-rounded to Q4_1 where `bits` (default draft_bits()) is 4 and they hold more bits."""
 
     def __init__(self, base: DraftLMHead, qm: QuantMatrix, bits: int | None = None):
         self.__dict__.update(base.__dict__)
         qtype, data = qm.segments[0]
         rows = QuantMatrix([(qtype, data[self.vocab.cpu()].contiguous())], qm.cols)
-        if (bits or BITS) == 4 and qtype not in (Q4_1, 2):      # (2: Q4_0)
+        if (bits or draft_bits()) == 4 and qtype not in (Q4_1, 2):      # (2: Q4_0)
             rows = QuantMatrix([(Q4_1, q4_1_blocks(rows.dequantize()))], qm.cols)
         self.rows = rows
 
@@ -115,21 +124,22 @@ def usable(head: nn.Module, device) -> bool:
             and dtype == torch.float32)
 
 
-def quantize_head(head: nn.Module, lm_head: DraftLMHead) -> DraftLMHead:
-    """Swap the head's linear layers for block-quantized ones (BITS; in place) and return the LM
-    head to draft with (the target's own blocks where it holds a single-format
-    quantized table and a draft vocabulary; else `lm_head` unchanged)."""
+def quantize_head(head: nn.Module, lm_head: DraftLMHead, bits: int | None = None) -> DraftLMHead:
+    """Swap the head's linear layers for block-quantized ones (`bits`, default
+    draft_bits(); in place) and return the LM head to draft with (the target's own
+    blocks where it holds a single-format quantized table and a draft vocabulary, at
+    `bits`; else `lm_head` unchanged)."""
     for name in QUANTIZED:
         lin = getattr(head, name, None)
         if lin is None:
             continue
         if lin.out_features % 16 == 0 and lin.in_features % 32 == 0:
-            setattr(head, name, QuantLinear(lin))
+            setattr(head, name, QuantLinear(lin, bits))
     head.qkv_weight = None      # the fused fp32 q/k/v product would bypass the block layers
-    return quantize_lm_head(lm_head)
+    return quantize_lm_head(lm_head, bits)
 
 
-def quantize_lm_head(lm_head: DraftLMHead) -> DraftLMHead:
+def quantize_lm_head(lm_head: DraftLMHead, bits: int | None = None) -> DraftLMHead:
     """The LM head to draft with on a CPU: with a draft vocabulary, its rows in the
     target's own blocks where the target holds its LM head as a single-format quantized
     table (a dense fp32 copy of 16k rows streams 38 MB a call, single-threaded); else
@@ -137,5 +147,5 @@ def quantize_lm_head(lm_head: DraftLMHead) -> DraftLMHead:
     owner = getattr(lm_head.target.lm_head, "_owner", [None])[0]
     qm = getattr(owner, "gguf_weight", None)
     if lm_head.vocab is not None and isinstance(qm, QuantMatrix) and len(qm.segments) == 1:
-        return QuantDraftLMHead(lm_head, qm)
+        return QuantDraftLMHead(lm_head, qm, bits)
     return lm_head

@@ -224,7 +224,8 @@ def load_head(spec, device, dtype, target, kind: str):
     lm_head = DraftLMHead(target, read_draft_vocab(path), dtype, device)
     from slipstream.spec import cpu_draft
     if cpu_draft.usable(head, device):      # drafting on a CPU: products on GGUF blocks
-        lm_head = cpu_draft.quantize_head(head, lm_head)
+        shipped = spec.model is None and kind == "eagle"     # measured at 4 bits (cpu_draft)
+        lm_head = cpu_draft.quantize_head(head, lm_head, cpu_draft.draft_bits(shipped))
     return head, lm_head, path
 
 

@@ -127,6 +127,9 @@ def test_default_model_drafts_through_the_c_head_and_stays_exact():
                speculative_tree="2,1,6", speculative_auto_off=False)   # timing-free
     proposer = spec.engine.runner.speculator.proposer
     assert proposer.cpu_head is not None and proposer.expander.cpu_head is proposer.cpu_head
+    if cpu_draft.BITS is None:       # the shipped head drafts from 4-bit copies
+        assert proposer.head.q.qm.segments[0][0] == cpu_draft.Q4_1
+        assert proposer.lm_head.rows.segments[0][0] == cpu_draft.Q4_1
     calls = []
     chain = proposer.cpu_head.chain
     proposer.cpu_head.chain = lambda *a: calls.append(1) or chain(*a)

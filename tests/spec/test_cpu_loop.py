@@ -120,6 +120,9 @@ def test_an_eagle3_head_reads_the_targets_taps(tmp_path):
     want = plain.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
     assert llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == want
     assert isinstance(llm.engine.loop_path().loop, CPUChainLoop)
+    from slipstream.spec import cpu_draft
+    if cpu_draft.BITS is None:       # a head from a file drafts from 8-bit copies
+        assert llm.engine.runner.speculator.proposer.head.q.qm.segments[0][0] == cpu_draft.Q8_0
 
 
 def test_chains_stop_below_the_draft_probability():
