@@ -30,7 +30,7 @@ from slipstream.kernels import cpu_library
 from slipstream.kernels.cpu_quant import QuantMatrix
 from slipstream.spec.heads import DraftLMHead
 
-Q4_1, Q8_0 = 3, 8
+Q4_0, Q4_1, Q8_0 = 2, 3, 8
 _ENV_BITS = os.environ.get("SLIPSTREAM_CPU_DRAFT_BITS")
 BITS = int(_ENV_BITS) if _ENV_BITS else None     # None: draft_bits() decides per head
 if BITS not in (None, 4, 8):
@@ -104,7 +104,7 @@ class QuantDraftLMHead(DraftLMHead):
         self.__dict__.update(base.__dict__)
         qtype, data = qm.segments[0]
         rows = QuantMatrix([(qtype, data[self.vocab.cpu()].contiguous())], qm.cols)
-        if (bits or draft_bits()) == 4 and qtype not in (Q4_1, 2):      # (2: Q4_0)
+        if (bits or draft_bits()) == 4 and qtype not in (Q4_0, Q4_1):
             rows = QuantMatrix([(Q4_1, q4_1_blocks(rows.dequantize()))], qm.cols)
         self.rows = rows
 

@@ -36,7 +36,9 @@ import time
 import torch
 
 from slipstream.batch import ForwardBatch
+from slipstream.engine.request import Request
 from slipstream.layers.argmax import row_argmax
+from slipstream.sampling_params import SamplingParams
 
 
 class CPUChainLoop:
@@ -49,7 +51,7 @@ class CPUChainLoop:
             raise ValueError(f"the CPU chain loop needs at least one draft, got {depth}")
         self.model, self.backend = runner.model, runner.backend
         self.head, self.cpu_head, self.embed = proposer.head, proposer.cpu_head, proposer.embed
-        self.block_pool = engine.scheduler.kv.pool
+        self.kv = engine.scheduler.kv                # its prefix cache and block pool
         self.hasher = getattr(engine, "_hasher", None)          # None: no prefix caching
         self.bs = engine.config.cache.block_size
         self.limit = engine.max_model_len           # positions the rotary tables cover
@@ -57,7 +59,7 @@ class CPUChainLoop:
         self.min_logp = proposer.min_logp      # speculative_draft_min_prob (-inf: off)
         self.seconds = {"prefill": 0.0, "rounds": 0.0}
         self.rounds = self.emitted = 0
-        self.batches = 0
+        self.batches = self._count = 0
         self.accepted: list[int] = []      # per round of the last generate: drafts accepted
         self.drafted: list[int] = []       # and drafted
 
@@ -70,9 +72,19 @@ class CPUChainLoop:
             raise ValueError(f"cpu chain loop: prompt + max_tokens must be <= {self.limit}")
         t0 = time.perf_counter()
         self._end = p + max_tokens          # position after the last token asked for
-        blocks, hashes, hits = self._blocks(prompt, math.ceil((p + max_tokens + self.depth + 1) / self.bs))
+        # The engine's own bookkeeping for the sequence's blocks: the prompt's cached
+        # blocks (the last token always left to compute), fresh ones after them, the
+        # prompt's full blocks registered for later prompts.
+        self._count += 1
+        req = Request(f"cpu-loop-{self._count}", prompt, SamplingParams(max_tokens=max_tokens),
+                      (), self.limit, self.hasher)
+        hits = self.kv.get_computed_blocks(req)
+        c = len(hits) * self.bs
+        if not self.kv.allocate_slots(req, p + max_tokens + self.depth + 1 - c, hits):
+            raise RuntimeError(f"cpu chain loop: not enough free KV blocks for "
+                               f"{p + max_tokens + self.depth + 1} tokens")
         try:
-            table = torch.tensor([[b.block_id for b in blocks]], dtype=torch.int32)
+            table = torch.tensor([self.kv.block_ids(req.request_id)], dtype=torch.int32)
             self._slot_of = (table[0].long()[:, None] * self.bs + torch.arange(self.bs)).flatten()
             self._table = table
             s = self.head.shape
@@ -80,7 +92,7 @@ class CPUChainLoop:
             self._hk = torch.zeros(n, s.num_kv_heads, s.head_dim)
             self._hv = torch.zeros_like(self._hk)
             self._ones = torch.ones(n, dtype=torch.bool)
-            out = [self._prefill(prompt, blocks, hashes, hits * self.bs)]
+            out = [self._prefill(prompt, c)]
             t1 = time.perf_counter()
             self.accepted, self.drafted = [], []
             stop = done is not None and done(out)
@@ -95,25 +107,7 @@ class CPUChainLoop:
             self.seconds["rounds"] += time.perf_counter() - t1
             return out[:max_tokens]
         finally:
-            self.block_pool.free(blocks[::-1])
-
-    def _blocks(self, prompt: list[int], n: int) -> tuple[list, list[bytes], int]:
-        """n blocks for the sequence: the prompt's longest run of cached blocks (the
-        last token always left to compute, as the engine's lookup leaves it), then
-        fresh ones; the prompt's block hashes; the number of hits."""
-        pool, hashes, hits = self.block_pool, [], []
-        if self.hasher is not None:
-            self.hasher.extend(hashes, prompt)
-            for h in hashes[:(len(prompt) - 1) // self.bs]:
-                block = pool.lookup(h)
-                if block is None:
-                    break
-                hits.append(block)
-        need = n - len(hits)
-        if need > pool.num_free_blocks - sum(1 for b in hits if b.ref_cnt == 0):
-            raise RuntimeError(f"cpu chain loop: {n} KV blocks needed, {pool.num_free_blocks} free")
-        pool.touch(hits)
-        return hits + pool.allocate(need), hashes, len(hits)
+            self.kv.free(req)
 
     def _batch(self, ids: torch.Tensor, start: int) -> ForwardBatch:
         """ids [t] at positions start .. start + t - 1 after `start` cached tokens."""
@@ -151,13 +145,11 @@ class CPUChainLoop:
         tokens, _ = self.cpu_head.chain(f[-1], *h, root, d, 1, self.min_logp)
         self._drafts = tokens[:, 0].tolist()
 
-    def _prefill(self, prompt: list[int], blocks: list, hashes: list[bytes], c: int) -> int:
-        """The prompt after its c cached tokens; its full blocks become findable."""
+    def _prefill(self, prompt: list[int], c: int) -> int:
+        """The prompt after its c cached tokens."""
         p = len(prompt)
         ids = torch.tensor(prompt, dtype=torch.int64)
         hidden = self._forward(ids[c:], c)                                 # [P - c, width]
-        for i in range(c // self.bs, len(hashes)):          # (hashes: the full blocks)
-            self.block_pool.cache_block(blocks[i], hashes[i])
         first = int(row_argmax(self.model.compute_logits(hidden[-1:]))[0])
         self._root, self._pos, self._h0 = first, p, c
         self._pairs(hidden, torch.cat([ids[c + 1:], torch.tensor([first])]), c)
