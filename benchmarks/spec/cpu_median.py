@@ -90,12 +90,13 @@ def main(argv=None) -> int:
     (out / f"results_cpu_{date}.json").write_text(json.dumps(dict(env=env, results=table), indent=1))
     lo = min(min(b, a) for _, _, b, a in loads)
     hi = max(max(b, a) for _, _, b, a in loads)
-    lines = [f"# Speculative decoding on the CPU, batch 1, greedy ({date}, commit {env['commit']})", "",
+    lines = [f"# Speculative decoding on the CPU, batch 1 ({date}, commit {env['commit']})", "",
              f"SmolLM2-135M-Instruct Q4_1 GGUF, {args.num_prompts} chat prompts of "
              "benchmarks/spec/prompts.txt, "
              f"{args.max_tokens} tokens each, {os.cpu_count()} CPU threads; the median of {args.runs} runs of "
              "`slipstream bench spec` per configuration (runs alternate between configurations; each run "
-             "alternates plain and speculative decoding prompt by prompt). Shared machine: 1-minute load "
+             "alternates plain and speculative decoding prompt by prompt; greedy unless a configuration "
+             "names --temperature). Shared machine: 1-minute load "
              f"average {lo:.1f} to {hi:.1f} around the runs (2 cores).", "",
              "| config | method | tok/s | plain tok/s | speedup (median) | speedups (runs) | tau | "
              "drafted/round | identical |", "|---|---|---|---|---|---|---|---|---|"]

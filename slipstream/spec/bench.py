@@ -91,6 +91,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-prompts", type=int, default=None)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--batch", type=int, nargs="+", default=[1])
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 (default): greedy, outputs checked against plain decoding's; "
+                        "above 0 each request samples with seed 0 (tokens differ from plain "
+                        "decoding's, their distribution does not)")
+    p.add_argument("--top-p", type=float, default=1.0, help="with --temperature (default 1)")
     p.add_argument("--repeats", type=int, default=1,
                    help="at batch > 1, time the plain / speculative pair this many times "
                         "(median speedup reported; short batched runs are noisy)")
@@ -149,7 +154,10 @@ def run(args, model=None, heads: dict | None = None, stem: str | None = None) ->
         # is the process's share of the card: the second engine's pool gets what
         # is left of its share after the first.
         base_extra, spec_extra = dict(gpu_memory_utilization=0.3), dict(gpu_memory_utilization=0.65)
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    temperature = getattr(args, "temperature", 0.0)
+    params = SamplingParams(temperature=temperature, top_p=getattr(args, "top_p", 1.0),
+                            seed=0 if temperature > 0 else None, max_tokens=args.max_tokens,
+                            ignore_eos=True)
 
     if getattr(args, "profile", False) and args.out:
         (Path(args.out) / f"profiles_{args.device}.txt").unlink(missing_ok=True)
@@ -162,7 +170,9 @@ def run(args, model=None, heads: dict | None = None, stem: str | None = None) ->
                                                 else platform.processor() or platform.machine()),
                dtype=str(cfg.dtype).removeprefix("torch."), torch=torch.__version__,
                model=cfg.model, prompts=len(prompts), max_tokens=args.max_tokens,
-               attention_backend=base.engine.runner.backend.name)
+               attention_backend=base.engine.runner.backend.name,
+               sampling=("greedy" if params.is_greedy else
+                         f"sampled (temperature {params.temperature}, top-p {params.top_p}, seed 0)"))
     results = []
     sets = {}
     # Warm-up prompts outside the measured set (no prefix-cache hits in the timed runs).
@@ -254,7 +264,8 @@ def _method(LLM, model, common, spec_extra, opts, args, prompts, sets, base, par
                    tokens_per_s=round(n / secs, 2),
                    plain_tokens_per_s=round(n_tok / plain_s, 2),
                    speedup=round(plain_s / secs * n / n_tok, 3),
-                   identical=sum(a == b for a, b in zip(outs, ref)) / len(ref),
+                   identical=(sum(a == b for a, b in zip(outs, ref)) / len(ref)
+                              if params.is_greedy else None),
                    rounds=st.rounds, tau=round(st.tau, 3),
                    mean_accepted=round(st.accepted / max(st.rounds, 1), 3),
                    drafted_per_round=round(st.drafted / max(st.rounds, 1), 2),
@@ -297,7 +308,7 @@ def _write(args, stem: str, env: dict, results: list, quiet: bool = False) -> No
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{stem}.json").write_text(json.dumps(dict(env=env, results=results), indent=1))
     lines = [f"# Speculative decoding, {env['device_name']} ({args.device}, {env['dtype']})", "",
-             f"{env['prompts']} chat prompts, greedy, {args.max_tokens} tokens each; torch "
+             f"{env['prompts']} chat prompts, {env.get('sampling', 'greedy')}, {args.max_tokens} tokens each; torch "
              f"{env['torch']}; speedup = plain seconds / method seconds, the two runs alternating "
              "prompt by prompt in one process (plain tok/s is the interleaved plain run).", "",
              "| batch | method | tok/s | plain tok/s | speedup | tau | accepted/round | "
@@ -317,7 +328,7 @@ def _write(args, stem: str, env: dict, results: list, quiet: bool = False) -> No
                         if "speedup_median" in r else "") + " | "
                      f"{r.get('tau', '')} | {r.get('mean_accepted', '')} | "
                      f"{r.get('drafted_per_round', '')} | {r.get('acceptance_per_position', '')} | "
-                     f"{r.get('identical', '')} |")
+                     f"{'' if r.get('identical') is None else r['identical']} |")
     for r in checks:
         lines += ["", f"Synchronizing CUDA calls per speculation round ({r['method']}, batch 1, "
                   f"torch.cuda.set_sync_debug_mode): {r.get('syncs_per_round', r.get('skipped'))}; "

@@ -1,4 +1,4 @@
-"""Greedy EAGLE chains of one request on a CPU, each round a few C calls.
+"""EAGLE chains of one request on a CPU, each round a few C calls.
 
 The engine's speculation round (spec/speculator.py) serves batches on any device:
 it packs the step, stacks the trees, verifies through tensor ops, drafts through
@@ -13,8 +13,13 @@ cache holding 0 .. P - 1) and the chain's drafts d_1 .. d_D:
      steps, so the emitted tokens are plain greedy decoding's;
   2. the LM head over those D + 1 rows and each row's argmax; a = the longest
      prefix of the drafts equal to the argmax before each; emitted d_1 .. d_a and
-     the argmax after d_a, the next root. The accepted drafts' K/V already sit at
-     their positions (a chain moves nothing);
+     the argmax after d_a, the next root. A sampled request takes the engine's
+     verifier instead (spec/verify.py: draft d_i accepted with probability p_i(d_i)
+     under the request's temperature, top-k, top-p and min-p, a rejection drawing
+     from p_i without d_i, a bonus token from p_D after a whole chain), so its
+     tokens are distributed as plain sampling's (a seed makes them repeatable,
+     not equal to plain decoding's draws). The accepted drafts' K/V already sit
+     at their positions (a chain moves nothing);
   3. the head over the a + 1 new pairs (f_j, t_{j+1}), j = P .. P + a, then the
      next chain from the root (both C calls); with `speculative_draft_min_prob`
      the chain stops before the first draft whose path the head gives less than
@@ -38,7 +43,9 @@ import torch
 from slipstream.batch import ForwardBatch
 from slipstream.engine.request import Request
 from slipstream.layers.argmax import row_argmax
+from slipstream.layers.sampler import SamplingBatch, draw, make_generator, row_distribution
 from slipstream.sampling_params import SamplingParams
+from slipstream.spec.verify import verify_chain
 
 
 class CPUChainLoop:
@@ -64,10 +71,21 @@ class CPUChainLoop:
         self.drafted: list[int] = []       # and drafted
 
     @torch.inference_mode()
-    def generate(self, prompt: list[int], max_tokens: int, done=None) -> list[int]:
-        """Greedy continuation of `prompt`, max_tokens long, or shorter once
-        `done(new_tokens)` (called after every round) returns True."""
+    def generate(self, prompt: list[int], max_tokens: int, done=None,
+                 params: SamplingParams | None = None) -> list[int]:
+        """Continuation of `prompt`, max_tokens long, or shorter once
+        `done(new_tokens)` (called after every round) returns True. params: the
+        request's sampling (temperature, top-k, top-p, min-p, seed); None or greedy
+        params: greedy decoding. Penalties, logit bias and min_tokens are not taken."""
         p = len(prompt)
+        self._sb = self._gen = None
+        if params is not None and not params.is_greedy:
+            if params.has_penalties or params.logit_bias or params.min_tokens:
+                raise ValueError("cpu chain loop: penalties, logit_bias and min_tokens take "
+                                 "the engine's path")
+            self._gen = make_generator(params, "cpu")
+            self._sb = SamplingBatch.build([params], [prompt], [[]], [self._gen],
+                                           self.model.config.vocab_size, "cpu")
         if p + max_tokens > self.limit:
             raise ValueError(f"cpu chain loop: prompt + max_tokens must be <= {self.limit}")
         t0 = time.perf_counter()
@@ -150,7 +168,11 @@ class CPUChainLoop:
         p = len(prompt)
         ids = torch.tensor(prompt, dtype=torch.int64)
         hidden = self._forward(ids[c:], c)                                 # [P - c, width]
-        first = int(row_argmax(self.model.compute_logits(hidden[-1:]))[0])
+        logits = self.model.compute_logits(hidden[-1:])
+        if self._sb is None:
+            first = int(row_argmax(logits)[0])
+        else:
+            first = draw(*row_distribution(logits, self._sb), self._gen)
         self._root, self._pos, self._h0 = first, p, c
         self._pairs(hidden, torch.cat([ids[c + 1:], torch.tensor([first])]), c)
         return first
@@ -159,13 +181,19 @@ class CPUChainLoop:
         drafts, P = self._drafts, self._pos
         ids = torch.tensor([self._root] + drafts, dtype=torch.int64)
         hidden = self._forward(ids, P)                                     # [D + 1, width]
-        best = row_argmax(self.model.compute_logits(hidden)).tolist()
-        a = 0
-        while a < len(drafts) and drafts[a] == best[a]:
-            a += 1
-        emitted = drafts[:a] + [best[a]]
+        logits = self.model.compute_logits(hidden)
+        if self._sb is None:
+            best = row_argmax(logits).tolist()
+            a = 0
+            while a < len(drafts) and drafts[a] == best[a]:
+                a += 1
+            emitted = drafts[:a] + [best[a]]
+        else:
+            emitted = verify_chain(lambda i: row_distribution(logits[i:i + 1], self._sb),
+                                   drafts, self._gen)
+            a = len(emitted) - 1
         self.accepted.append(a)
         self.drafted.append(len(drafts))
-        self._root, self._pos = best[a], P + a + 1
+        self._root, self._pos = emitted[-1], P + a + 1
         self._pairs(hidden[:a + 1], torch.tensor(emitted, dtype=torch.int64), P)
         return emitted

@@ -1,17 +1,19 @@
-"""`LLM.generate` of one greedy prompt through the EAGLE loop (opt-in:
+"""`LLM.generate` of one prompt through the EAGLE loop (opt-in:
 `speculative_device_loop=True` with `speculative_method="eagle"`); the CLI's
 `generate` and `chat` stream through it too (`Engine.loop_path`, `on_text`).
 
 The loop (spec/eagle_loop.py) runs each speculation round as one CUDA graph
 with no host round trip (on a CPU, a chain whose head drafts in C takes
-spec/cpu_loop.py: each round a few C calls); this path hands it the requests it can answer
-exactly as the engine would: one prompt, greedy, no penalties, log
-probabilities, logit bias or min_tokens. Stops are the engine's own (EOS,
-stop token ids, stop strings, max_tokens, through `Request.check_stop` and
-the incremental detokenizer), checked after each batch of rounds; tokens
-past a stop are dropped. Everything else (several prompts, sampling, serving)
-takes the engine's path. The speculator's counters (tau, acceptance per
-depth) count the loop's rounds too.
+spec/cpu_loop.py: each round a few C calls); this path hands it the requests it
+can answer as the engine would: one prompt, no penalties, log probabilities,
+logit bias or min_tokens, and greedy (the engine's tokens), or on a CPU also
+sampled with temperature, top-k, top-p, min-p and a seed (the engine's
+distribution, through its verifier). Stops are the engine's own (EOS, stop
+token ids, stop strings, max_tokens, through `Request.check_stop` and the
+incremental detokenizer), checked after each batch of rounds; tokens past a
+stop are dropped. Everything else (several prompts, sampling on a GPU,
+serving) takes the engine's path. The speculator's counters (tau, acceptance
+per depth) count the loop's rounds too.
 """
 from __future__ import annotations
 
@@ -66,8 +68,12 @@ class LoopPath:
         if len(prompts) != 1 or self.engine.has_unfinished_requests():
             return False
         p = params[0]
-        return (p.n == 1 and p.is_greedy and not p.has_penalties and p.logprobs is None
-                and p.prompt_logprobs is None and not p.logit_bias and p.min_tokens == 0)
+        # The CPU chain loop also samples (through the engine's verifier); the
+        # EAGLE loop's round picks argmaxes on the device.
+        sampled_ok = self._cpu_chain(self.engine.config.speculative)
+        return (p.n == 1 and (p.is_greedy or sampled_ok) and not p.has_penalties
+                and p.logprobs is None and p.prompt_logprobs is None and not p.logit_bias
+                and p.min_tokens == 0)
 
     def generate(self, prompt, params, on_text=None) -> RequestOutput:
         """on_text(text): called with the text so far (what a stop string may still
@@ -98,7 +104,10 @@ class LoopPath:
                 on_text(detok.visible_text(False))
             return False
         loop = self._loop_for(len(ids) + req.max_tokens)
-        loop.generate(ids, req.max_tokens, done=take)
+        if isinstance(loop, CPUChainLoop):
+            loop.generate(ids, req.max_tokens, done=take, params=params)
+        else:
+            loop.generate(ids, req.max_tokens, done=take)
         detok.flush()
         self._count(loop.accepted)
         comp = CompletionOutput(index=0, text=detok.text, token_ids=list(req.output_token_ids),

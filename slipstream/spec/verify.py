@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from slipstream.layers import sampler
 from slipstream.layers.argmax import row_argmax
 from slipstream.layers.sampler import (Penalties, SamplingBatch, apply_min_p, apply_penalties,
                                        apply_top_k_top_p, random_sample)
@@ -51,11 +52,29 @@ def target_probs(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     logits = logits / temperature.unsqueeze(1)
     if sb.min_p is not None:
         logits = apply_min_p(logits, sb.min_p)
-    probs = apply_top_k_top_p(logits, sb.top_k, sb.max_top_k, sb.top_p).softmax(dim=-1)
+    if sb.top_p is not None and logits.device.type == "cpu" and sampler.CPU_NUCLEUS:
+        probs = _nucleus_probs(logits, sb)
+    else:
+        probs = apply_top_k_top_p(logits, sb.top_k, sb.max_top_k, sb.top_p).softmax(dim=-1)
     if greedy is None:
         return probs
     hot = torch.nn.functional.one_hot(greedy, logits.shape[1]).float()
     return torch.where((sb.temperature < SAMPLING_EPS).unsqueeze(1), hot, probs)
+
+
+def _nucleus_probs(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+    """top-k / top-p then softmax as `apply_top_k_top_p` gives them, on a CPU: rows
+    whose kept set lies among their likeliest tokens (`sampler.nucleus_candidates`,
+    as the plain CPU sampler draws) without a sort of the whole vocabulary (~2 ms a
+    49k row there), the others through it."""
+    weights, ids, ok = sampler.nucleus_candidates(logits, sb.top_k, sb.top_p)
+    probs = torch.zeros_like(logits).scatter_(1, ids, weights / weights.sum(-1, keepdim=True))
+    if not bool(ok.all()):
+        slow = (~ok).nonzero()[:, 0]
+        top_k = None if sb.top_k is None else sb.top_k[slow]
+        probs[slow] = apply_top_k_top_p(logits[slow], top_k, sb.max_top_k,
+                                        sb.top_p[slow]).softmax(dim=-1)
+    return probs
 
 
 def _finish(trees: TreeBatch, path: torch.Tensor, last: torch.Tensor,
@@ -180,6 +199,36 @@ def verify_sampled(probs: torch.Tensor, trees: TreeBatch,
     return _finish(trees, path, last, cur)
 
 
+def verify_chain(row, drafts: list[int], generator: torch.Generator | None = None) -> list[int]:
+    """`verify_sampled` for one request's chain of deterministic drafts (q =
+    one-hot) with the target's rows computed only as the walk reaches them: draft
+    d_i is accepted with probability p_i(d_i); at the first rejection the last
+    token is drawn from p_i without d_i, after a whole chain from p_D.
+
+    row(i) -> (ids [n] int64 or None for the whole vocabulary, probs [n] float32
+    summing to 1): p at verification row i (the root's row is 0), as
+    `sampler.row_distribution` gives it; generator: the request's (seeded) or None.
+    Returns the emitted tokens: the accepted drafts, then the last one."""
+    for i, d in enumerate(drafts):
+        ids, probs = row(i)
+        at = torch.tensor([d]) if ids is None else (ids == d).nonzero()[:, 0]
+        pd = float(probs[at].sum()) if len(at) else 0.0
+        if float(torch.rand(1, generator=generator)) < pd:
+            continue
+        if len(at) and pd < 1.0:
+            probs = _without(probs, at)
+        return drafts[:i] + [sampler.draw(ids, probs, generator)]
+    return drafts + [sampler.draw(*row(len(drafts)), generator)]
+
+
+def _without(probs: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+    """The residual after a one-hot draft is rejected: p with the draft's entry set to
+    0 (the draw renormalises)."""
+    probs = probs.clone()
+    probs[at] = 0.0
+    return probs
+
+
 def constrain(logits: torch.Tensor, trees: TreeBatch, sb: SamplingBatch) -> torch.Tensor:
     """The logits plain decoding would sample from at each verification row.
 
@@ -229,7 +278,7 @@ def verify(logits: torch.Tensor, trees: TreeBatch, sb: SamplingBatch) -> VerifyO
         best = logits.argmax(dim=-1) if logits.is_cuda else \
             row_argmax(logits.reshape(b * r, v)).view(b, r)
         return verify_greedy(best, trees)
-    expanded = _repeat_rows(sb, r)
+    expanded = repeat_rows(sb, r)
     probs = target_probs(logits.reshape(b * r, v), expanded).view(b, r, v)
     return verify_sampled(probs, trees, sb.generators)
 
@@ -239,7 +288,7 @@ def _each_row(t: torch.Tensor | None, r: int) -> torch.Tensor | None:
     return None if t is None else t.repeat_interleave(r, dim=0)
 
 
-def _repeat_rows(sb: SamplingBatch, r: int) -> SamplingBatch:
+def repeat_rows(sb: SamplingBatch, r: int) -> SamplingBatch:
     """The batch's per-row settings, each row repeated r times (for target_probs)."""
     return SamplingBatch(
         num_rows=sb.num_rows * r, all_greedy=sb.all_greedy, all_random=sb.all_random,

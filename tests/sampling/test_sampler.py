@@ -318,3 +318,31 @@ def test_cpu_nucleus_seeded_row_draws_alike_whatever_shares_the_batch():
     mixed = sample([seeded, other], torch.cat([peaked, flat]),
                    generators=[make_generator(seeded, "cpu"), None]).sampled_token_ids[0]
     assert alone[0] == alone[1] == mixed
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=0.7), dict(temperature=0.7, top_p=0.9),
+                                dict(temperature=1.3, top_k=3), dict(temperature=1.0, top_k=300, top_p=0.95),
+                                dict(temperature=0.8, min_p=0.1, top_p=0.8)])
+def test_row_distribution_is_the_samplers(kw):
+    """`row_distribution` (one row's kept tokens and probabilities, as the CPU chain
+    loop verifies with) equals the hand-written reference, on peaked rows (top-p over
+    the candidates) and flat ones (the full sort); `draw` follows it."""
+    from slipstream.layers.sampler import draw, row_distribution
+    vocab = 4096
+    gen = torch.Generator().manual_seed(3)
+    for scale in (5.0, 0.2):
+        logits = torch.randn(1, vocab, generator=gen) * scale
+        params = SamplingParams(**kw)
+        batch = SamplingBatch.build([params], [[]], [[]], [None], vocab, "cpu")
+        ids, probs = row_distribution(logits, batch)
+        dense = probs if ids is None else torch.zeros(vocab).scatter(0, ids, probs)
+        want = reference_probs(logits[0], **kw).float()
+        assert torch.equal(dense > 1e-9, want > 1e-9), (kw, scale)   # (the reference drops a tail)
+        torch.testing.assert_close(dense, want, atol=1e-6, rtol=1e-4)
+    small = torch.tensor([[2.0, 0.5, -1.0, 1.0, -30.0, 0.0, 1.5, -2.0]])
+    params = SamplingParams(**kw)
+    batch = SamplingBatch.build([params], [[]], [[]], [None], VOCAB, "cpu")
+    ids, probs = row_distribution(small, batch)
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.tensor([draw(ids, probs, g) for _ in range(DRAWS)])
+    assert_matches_distribution(tokens, reference_probs(small[0], **kw).float())

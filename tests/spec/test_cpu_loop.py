@@ -1,6 +1,7 @@
 """The CPU chain loop (spec/cpu_loop.py) emits plain greedy decoding's tokens, text,
 finish reasons and stops, with the shipped EAGLE head on the default model, prefix
-cache hits included; it gives its blocks back and is counted by the speculator."""
+cache hits included; it gives its blocks back and is counted by the speculator.
+Sampled requests draw from plain sampling's distribution."""
 import pytest
 import torch
 
@@ -76,14 +77,14 @@ def test_prefix_hits_start_the_heads_context_after_them(spec):
 
 
 def test_other_requests_take_the_engine(spec):
-    """Sampling, several prompts and trees wider than a chain keep their paths."""
+    """Penalties, several prompts and trees wider than a chain keep their paths."""
     loop = spec.engine.loop_path()
     spec.generate(_chat(spec, TEXTS[0]), SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
     rounds = loop.loop.rounds
     spec.generate([_chat(spec, t) for t in TEXTS], SamplingParams(temperature=0.0, max_tokens=8),
                   use_tqdm=False)
-    spec.generate(_chat(spec, TEXTS[0]), SamplingParams(temperature=0.8, seed=1, max_tokens=8),
-                  use_tqdm=False)
+    spec.generate(_chat(spec, TEXTS[0]), SamplingParams(temperature=0.8, seed=1, max_tokens=8,
+                                                        repetition_penalty=1.2), use_tqdm=False)
     assert loop.loop.rounds == rounds
     tree = LLM(**KW, **{**CHAIN, "speculative_tree": "2,2,4"})
     tree.generate(_chat(tree, TEXTS[0]), SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
@@ -140,3 +141,53 @@ def test_chains_stop_below_the_draft_probability():
         assert llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == want
         drafted += llm.engine.loop_path().loop.drafted
     assert min(drafted) < max(drafted) <= 6 and len(set(drafted)) > 2
+
+
+def test_sampled_one_hot_distributions_are_greedy(plain, spec):
+    """top_k 1 or a tiny top_p leave one token a row: the sampled loop (its draws, its
+    verifier) must then give plain greedy decoding's tokens, drafts accepted."""
+    prompt = _chat(spec, TEXTS[1])
+    want = plain.generate(prompt, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
+                          use_tqdm=False)[0].outputs[0].token_ids
+    loop = spec.engine.loop_path()
+    for params in (SamplingParams(temperature=0.8, top_k=1, max_tokens=40, ignore_eos=True),
+                   SamplingParams(temperature=1.2, top_p=1e-4, max_tokens=40, ignore_eos=True, seed=3)):
+        got = spec.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+        assert got == want, params
+        assert isinstance(loop.loop, CPUChainLoop) and sum(loop.loop.accepted) > 0
+
+
+def test_sampled_seeds_repeat_and_draws_follow_plain_sampling(plain, spec):
+    """A seed gives the same tokens twice; over many seeds the first two tokens (the
+    second through the verifier's accept / reject of a draft) are distributed as
+    plain sampling's: a two-sample chi-square over their top-3 outcomes."""
+    prompt = _chat(spec, "Finish the sentence: my favourite animal is")
+    params = dict(temperature=3.0, top_k=3, max_tokens=2, ignore_eos=True)   # near-flat rows
+    first = [spec.generate(prompt, SamplingParams(**params, seed=5), use_tqdm=False)[0].outputs[0].token_ids
+             for _ in range(2)]
+    assert first[0] == first[1]
+    n = 150
+    counts = []
+    for llm in (plain, spec):
+        outs = llm.generate(prompt, SamplingParams(**params, seed=0), use_tqdm=False)   # warm-up
+        seen = {}
+        for s in range(n):
+            ids = tuple(llm.generate(prompt, SamplingParams(**params, seed=1000 + s),
+                                     use_tqdm=False)[0].outputs[0].token_ids)
+            seen[ids] = seen.get(ids, 0) + 1
+        counts.append(seen)
+    assert spec.engine.loop_path().loop.rounds > 0 and outs
+    keys = sorted(set(counts[0]) | set(counts[1]))
+    a = torch.tensor([counts[0].get(k, 0) for k in keys], dtype=torch.float64)
+    b = torch.tensor([counts[1].get(k, 0) for k in keys], dtype=torch.float64)
+    keep = (a + b) >= 5                        # pool the rare outcomes
+    a = torch.cat([a[keep], a[~keep].sum()[None]])
+    b = torch.cat([b[keep], b[~keep].sum()[None]])
+    used = (a + b) > 0
+    a, b = a[used], b[used]
+    expected_a = (a + b) / 2
+    stat = float((((a - expected_a) ** 2 + (b - expected_a) ** 2) / expected_a).sum())
+    dof = len(a) - 1
+    p = float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
+                                      torch.tensor(stat / 2, dtype=torch.float64)))
+    assert dof >= 2 and p > 1e-3, (counts, p)

@@ -91,7 +91,7 @@ def _pvalue(seqs, p_tab):
     expected = np.zeros(V ** L)
     for seq in itertools.product(range(V), repeat=L):
         pr = np.prod([p_tab[seq[:i]][seq[i]] for i in range(L)])
-        expected[int(np.dot(seq, V ** np.arange(L - 1, -1, -1)))] = pr * TRIALS
+        expected[int(np.dot(seq, V ** np.arange(L - 1, -1, -1)))] = pr * len(seqs)
     keep = expected > 0
     assert observed[~keep].sum() == 0, "emitted a sequence of target probability 0"
     stat = ((observed[keep] - expected[keep]) ** 2 / expected[keep]).sum()
@@ -260,3 +260,50 @@ def test_constrain_matches_the_sampler_at_every_row():
                           max_top_k=v, top_p=None, min_p=None, generators={}, penalties=None,
                           min_tokens_mask=None, max_num_logprobs=None)
     assert constrain(logits, tb, plain) is logits
+
+
+def _chain_run(p_tab, q_tab, sparse, trials=40_000, seed=0):
+    """The chain of two argmax drafts of q verified by `verify_chain`, one trial
+    at a time, finished to L tokens by plain sampling from p. sparse: rows given
+    as (ids, probs) over the tokens of nonzero probability, else dense (None, p)."""
+    from slipstream.spec.verify import verify_chain
+    rng = np.random.default_rng(seed)
+    gen = torch.Generator().manual_seed(seed)
+    seqs = np.zeros((trials, L), dtype=np.int64)
+    accepted = set()
+    rows = {}
+    for prefix, p in p_tab.items():
+        t = torch.from_numpy(p).float()
+        ids = t.nonzero()[:, 0]
+        rows[prefix] = (ids, t[ids]) if sparse else (None, t)
+    for n in range(trials):
+        drafts, pre = [], ()
+        for _ in range(L - 1):
+            d = int(np.argmax(q_tab[pre]))
+            drafts.append(d)
+            pre += (d,)
+        out = verify_chain(lambda i: rows[tuple(drafts[:i])], drafts, gen)
+        accepted.add(len(out) - 1)
+        while len(out) < L:
+            out.append(int(_draw(rng, p_tab[tuple(out)][None])[0]))
+        seqs[n] = out[:L]
+    return seqs, accepted
+
+
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+def test_chain_walk_is_lossless(sparse):
+    """verify_chain (one request, rows computed as the walk reaches them) emits the
+    target's distribution, with a bad draft and tokens of probability 0 too."""
+    p_tab, q_tab = _table(3, sharp=2.0, zero_some=True), _table(4, sharp=0.5)
+    seqs, accepted = _chain_run(p_tab, q_tab, sparse)
+    assert _pvalue(seqs, p_tab) > 1e-3 and accepted == {0, 1, 2}
+
+
+def test_chain_walk_negative_control_no_residual(monkeypatch):
+    """Redrawing a rejected position from p itself (the draft left in) is lossy, and
+    the same test sees it."""
+    from slipstream.spec import verify
+    monkeypatch.setattr(verify, "_without", lambda probs, at: probs)
+    p_tab, q_tab = _table(1), _table(2)
+    seqs, _ = _chain_run(p_tab, q_tab, False, trials=20_000)
+    assert _pvalue(seqs, p_tab) < 1e-12
