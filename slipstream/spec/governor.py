@@ -46,6 +46,8 @@ CPU_DEFAULT = HardwareProfile("cpu-default", 50e9, 1e12, source="assumed")
 # plain steps until the steps are measured, and a chain's length is chosen
 # with the measured cost of a verified token added to the draft cost.
 CPU_TOKEN_COST = 0.2
+# Quiet steps between re-readings of the rule while only plain-step timings change.
+QUIET_RECHECK = 64
 
 
 def hardware_for(device: torch.device) -> HardwareProfile:
@@ -84,10 +86,13 @@ class SpecGovernor:
         self.last_k = self.k
         self.request_limit: int | None = None    # requests to draft for this step (probes)
         self.quiet = False                       # off with no probes at the last batch asked
-        # The rule's inputs when it last said quiet: until a measurement or the batch
-        # changes, the answer stands (asked every step; nothing else runs then).
-        self._stamp = 0                          # counts measurements
+        # The rule's inputs when it last said quiet: until one of them or the batch
+        # changes, the answer stands (asked every step; nothing else runs then). A
+        # quiet step's own timing (a plain step) moves an average the answer hardly
+        # depends on: it is read again after QUIET_RECHECK quiet steps.
+        self._stamp = 0                          # counts measurements other than plain steps
         self._quiet_key: tuple | None = None
+        self._quiet_steps = 0
 
     def _ema(self, old: float | None, new: float) -> float:
         return new if old is None else self.decay * old + (1 - self.decay) * new
@@ -110,7 +115,8 @@ class SpecGovernor:
         table = {"plain": self.plain_time, "spec": self.spec_time,
                  "probe": self.probe_time}.get(kind)
         if table is not None:
-            self._stamp += 1
+            if kind != "plain":
+                self._stamp += 1
             b = bucket(batch)
             table[b] = self._ema(table.get(b), seconds)
 
@@ -191,9 +197,12 @@ class SpecGovernor:
         if not self.auto_off:
             return self.k
         if self._quiet_key is not None and self._quiet_key == self._key(batch):
-            self._off_steps += 1
-            self.last_k, self.quiet = 0, True
-            return 0
+            self._quiet_steps += 1
+            if self._quiet_steps < QUIET_RECHECK:
+                self._off_steps += 1
+                self.last_k, self.quiet = 0, True
+                return 0
+        self._quiet_key, self._quiet_steps = None, 0
         s = self.predicted_speedup(batch)
         if s is None:            # nothing measured yet: try
             return self.k

@@ -162,7 +162,9 @@ def test_quiet_where_no_round_could_pay():
 
 def test_quiet_answer_stands_until_a_measurement_or_the_batch_changes():
     """Asked every step while quiet, the rule is not re-evaluated until something
-    it reads changes: a measurement, the batch size, or a value set directly."""
+    it reads changes: a measurement other than a plain step's, the batch size, or a
+    value set directly; the quiet steps' own timings are read every QUIET_RECHECK steps."""
+    from slipstream.spec.governor import QUIET_RECHECK
     g = _quiet_at_64()
     calls = []
     real = g.predicted_speedup
@@ -170,13 +172,18 @@ def test_quiet_answer_stands_until_a_measurement_or_the_batch_changes():
     assert g.num_tokens(64) == 0 and g.quiet and len(calls) == 1
     for _ in range(5):
         assert g.num_tokens(64) == 0 and g.quiet and g.request_limit is None
+        g.observe_step(0.004, 64, "plain")        # the quiet step's own timing
     assert len(calls) == 1
-    g.observe_step(0.004, 64, "plain")            # a new measurement: evaluated again
-    assert g.num_tokens(64) == 0 and len(calls) == 2
-    assert g.num_tokens(48) == 0 and len(calls) == 3   # another batch size
+    for _ in range(QUIET_RECHECK - 6):
+        g.num_tokens(64)
+    assert len(calls) == 1
+    assert g.num_tokens(64) == 0 and g.quiet and len(calls) == 2   # read again
+    g.observe_step(0.006, 1, "spec")              # another measurement: evaluated again
+    assert g.num_tokens(64) == 0 and len(calls) == 3
+    assert g.num_tokens(48) == 0 and len(calls) == 4   # another batch size
     g.num_tokens(1)
     assert not g.quiet                            # batch 1 keeps its probes
-    assert g.num_tokens(64) == 0 and g.quiet and len(calls) == 5
+    assert g.num_tokens(64) == 0 and g.quiet and len(calls) == 6
     g.draft_per_request = 0.0                     # set directly: evaluated again
     g.num_tokens(64)
-    assert len(calls) == 6
+    assert len(calls) == 7
