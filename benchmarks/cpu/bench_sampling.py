@@ -1,6 +1,7 @@
 """Decode with the CLI's default sampling (temperature 0.7, top-p 0.9) on the CPU, default
-model: top-p over the likeliest candidates (`sampler.nucleus_candidates`) against the sort
-of the whole vocabulary, alternating in one process, greedy decoding beside them.
+model: top-p over the likeliest candidates (`sampler.nucleus_candidates`: the C kernels'
+tokens near the row's largest logit, or torch's topk of 256) against the sort of the
+whole vocabulary, alternating in one process, greedy decoding beside them.
 
     python benchmarks/cpu/bench_sampling.py --out benchmarks/cpu/results
 """
@@ -31,20 +32,23 @@ def main() -> int:
     from slipstream.layers import sampler
     llm = LLM()
     prompt = "Write a long story about a dragon."
-    runs = {"greedy": (True, SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)),
-            "top-p, candidates": (True, SamplingParams(temperature=0.7, top_p=0.9, seed=0,
-                                                       max_tokens=args.tokens, ignore_eos=True)),
-            "top-p, full sort": (False, SamplingParams(temperature=0.7, top_p=0.9, seed=0,
-                                                      max_tokens=args.tokens, ignore_eos=True))}
+    top_p = SamplingParams(temperature=0.7, top_p=0.9, seed=0, max_tokens=args.tokens, ignore_eos=True)
+    runs = {"greedy": ("c", SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)),
+            "top-p, C candidates": ("c", top_p),
+            "top-p, topk candidates": ("topk", top_p),
+            "top-p, full sort": ("sort", top_p)}
+    c_candidates = sampler._c_candidates
     llm.generate([prompt], runs["greedy"][1], use_tqdm=False)
     times = {k: [] for k in runs}
     load = os.getloadavg()[0]
     for _ in range(args.reps):
-        for name, (cand, params) in runs.items():
-            sampler.CPU_NUCLEUS = cand
+        for name, (mode, params) in runs.items():
+            sampler.CPU_NUCLEUS = mode != "sort"
+            sampler._c_candidates = c_candidates if mode == "c" else (lambda logits: None)
             t = time.perf_counter()
             llm.generate([prompt], params, use_tqdm=False)
             times[name].append(time.perf_counter() - t)
+    sampler._c_candidates = c_candidates
     sampler.CPU_NUCLEUS = True
     rows = [{"run": k, "tok_s": round(args.tokens / statistics.median(v), 1)} for k, v in times.items()]
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,

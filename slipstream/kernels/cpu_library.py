@@ -47,6 +47,7 @@ _SIGNATURES = {
     "ss_dequant": ([_i32, _p, _i64, _i64, _p], _i32),
     "ss_get_rows": ([_i32, _p, _i64, _p, _i64, _p], _i32),
     "ss_row_argmax": ([_p, _i64, _i64, _p], _i32),
+    "ss_row_candidates": ([_p, _i64, _i64, _f32, _i64, _p, _p, _p], _i32),
     "ss_decode_attention": ([_p, _i64, _p, _p, _i32, _p, _i64, _p, _i64, _i32, _i32, _i32, _i32, _f32,
                              _i64, _p, _i64, _p, _i64, _p, _p, _p], _i32),
     "ss_repack_q4x16": ([_i32, _p, _i64, _i64, _p], _i32),

@@ -17,6 +17,8 @@
  *                 (cpu_tree_attention.c).
  *   ss_decode_step, ss_tree_step  a whole model step (cpu_decoder.c).
  *   ss_eagle_pass, ss_eagle_chain  EAGLE's draft head (cpu_eagle.c).
+ *   ss_row_argmax, ss_row_candidates  greedy choice; a row's log-sum-exp and
+ *                 its likeliest columns for top-k / top-p sampling.
  *   ss_set_amx    products of several rows of x on AMX tiles, where there are
  *                 some (cpu_amx.c).
  *
@@ -950,6 +952,80 @@ int ss_row_argmax(const float *x, int64_t rows, int64_t n, int64_t *out) {
 #endif
         for (; k < n && hit < 0; k++) if (v[k] == m) hit = k;
         out[r] = hit;
+    }
+    return 0;
+}
+
+/* ---- sampling candidates ----------------------------------------------- */
+/* Row r of x [rows, n] (logits after the temperature: finite or -inf, no NaN):
+ * lse[r] = log(sum_j exp(x[j])) (-inf for a row of -inf), and its candidates, the
+ * columns j with x[j] >= max - d in column order, for the widest d of delta,
+ * delta / 1.5, delta / 2.4 and delta / 4 that leaves at most cap of them: into
+ * ids[r * cap ..], their number into count[r] (more than cap where even the
+ * narrowest d leaves more; then ids holds the first cap). Top-k and top-p then look
+ * among the candidates instead of sorting the row (a sort of a 49k row took ~2 ms
+ * on a 2-core Xeon, torch's topk of 256 ~0.15 ms). The sum runs over 16 lanes
+ * with the vectorized exp; blocks of 16 without a candidate cost a compare
+ * (AVX-512) or the scalar scan. */
+int ss_row_candidates(const float *x, int64_t rows, int64_t n, float delta, int64_t cap,
+                      int64_t *ids, float *lse, int64_t *count) {
+    if (rows < 0 || n < 1 || cap < 1) return -1;
+    const float frac[4] = {1.0f, 1.0f / 1.5f, 1.0f / 2.4f, 0.25f};
+    for (int64_t r = 0; r < rows; r++) {
+        const float *v = x + r * n;
+        float m = -INFINITY;
+        int64_t j = 0;
+#if defined(SS_AVX512)
+        __m512 mv = _mm512_set1_ps(-INFINITY);
+        for (; j + 16 <= n; j += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(v + j));
+        m = _mm512_reduce_max_ps(mv);
+#endif
+        for (; j < n; j++) m = v[j] > m ? v[j] : m;
+        count[r] = 0;
+        if (m == -INFINITY) { lse[r] = -INFINITY; continue; }
+        float lane[16] = {0};
+        for (j = 0; j + 16 <= n; j += 16)
+            for (int i = 0; i < 16; i++) lane[i] += exp_any(v[j + i] - m);
+        double sum = 0;
+        for (int i = 0; i < 16; i++) sum += lane[i];
+        for (; j < n; j++) sum += exp_any(v[j] - m);
+        lse[r] = m + (float)log(sum);
+        /* how many each threshold keeps, then the widest that fits */
+        float thr[4];
+        int64_t kept[4] = {0, 0, 0, 0};
+        for (int t = 0; t < 4; t++) thr[t] = m - delta * frac[t];
+        j = 0;
+#if defined(SS_AVX512)
+        const __m512 t0 = _mm512_set1_ps(thr[0]);
+        for (; j + 16 <= n; j += 16) {
+            __m512 a = _mm512_loadu_ps(v + j);
+            if (!_mm512_cmp_ps_mask(a, t0, _CMP_GE_OQ)) continue;
+            for (int t = 0; t < 4; t++)
+                kept[t] += __builtin_popcount(_mm512_cmp_ps_mask(a, _mm512_set1_ps(thr[t]), _CMP_GE_OQ));
+        }
+#endif
+        for (; j < n; j++)
+            for (int t = 0; t < 4; t++) kept[t] += v[j] >= thr[t];
+        int t = 0;
+        while (t < 3 && kept[t] > cap) t++;
+        const float th = thr[t];
+        int64_t c = 0, *out = ids + r * cap;
+        j = 0;
+#if defined(SS_AVX512)
+        const __m512 tv = _mm512_set1_ps(th);
+        for (; j + 16 <= n; j += 16) {
+            __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(v + j), tv, _CMP_GE_OQ);
+            while (hit) {
+                int b = __builtin_ctz(hit);
+                if (c < cap) out[c] = j + b;
+                c++;
+                hit &= hit - 1;
+            }
+        }
+#endif
+        for (; j < n; j++)
+            if (v[j] >= th) { if (c < cap) out[c] = j; c++; }
+        count[r] = c;
     }
     return 0;
 }

@@ -231,33 +231,79 @@ NUCLEUS_CANDIDATES = 256
 CPU_NUCLEUS = True
 
 
+# The C kernels' candidates (`ss_row_candidates`): the logits within CANDIDATE_DELTA of
+# the row's largest (probability ratio e^-12), or within 8, 5 or 3 where that keeps
+# more than CANDIDATE_CAP.
+CANDIDATE_DELTA = 12.0
+CANDIDATE_CAP = 512
+
+
+def _c_candidates(logits: torch.Tensor):
+    """On a CPU with the C kernels: (vals [rows, w] descending, -inf past a row's
+    candidates; their token ids; lse [rows, 1] of the whole row; n [rows] candidates
+    held, all of the row's tokens at or above the last one's value; whole [rows]: the
+    row had at most CANDIDATE_CAP within the narrowest distance), else None."""
+    from slipstream.layers.argmax import _cpu_library
+    if logits.is_cuda or logits.dtype != torch.float32:
+        return None
+    lib = _cpu_library()
+    if lib is None:
+        return None
+    rows, vocab = logits.shape
+    x = logits.contiguous()
+    cap = min(CANDIDATE_CAP, vocab)
+    ids = torch.zeros(rows, cap, dtype=torch.int64)
+    lse = torch.empty(rows, dtype=torch.float32)
+    count = torch.empty(rows, dtype=torch.int64)
+    if lib.ss_row_candidates(x.data_ptr(), rows, vocab, CANDIDATE_DELTA, cap, ids.data_ptr(),
+                             lse.data_ptr(), count.data_ptr()) != 0:
+        return None
+    n = count.clamp(max=cap)
+    w = max(1, int(n.max()))
+    ids = ids[:, :w]
+    held = torch.arange(w) < n[:, None]
+    ids = torch.where(held, ids, 0)
+    vals, order = x.gather(1, ids).masked_fill(~held, _NEG_INF).sort(dim=-1, descending=True)
+    return vals, ids.gather(1, order), lse[:, None], n, count <= cap
+
+
 def nucleus_candidates(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor,
                        width: int = NUCLEUS_CANDIDATES):
-    """top-k / top-p of `apply_top_k_top_p` over each row's `width` likeliest tokens
-    instead of a sort of the whole vocabulary: (weights [rows, width], the kept tokens'
-    probabilities and 0 elsewhere; their token ids [rows, width]; ok [rows] bool). A row
-    is not ok where it has no top-p (top_p 1) or its kept set may reach past the
-    candidates (its top_k is wider, ties at the k-th value run past them, or they hold
-    less than top_p of its probability): the full sort decides those rows. Whether a row
-    is ok depends on that row alone, so a seeded row draws the same way whatever shares
-    its batch. For CPU tensors (a full sort of a 49k vocabulary took ~3 ms a step there,
-    as long as the model's step)."""
+    """top-k / top-p of `apply_top_k_top_p` over each row's likeliest tokens instead
+    of a sort of the whole vocabulary: (weights [rows, w], the kept tokens'
+    probabilities and 0 elsewhere; their token ids [rows, w]; ok [rows] bool). The
+    candidates: with the C kernels, the tokens within CANDIDATE_DELTA (or less) of the
+    row's largest logit (`_c_candidates`, a few passes over the row), else the `width`
+    likeliest (torch's topk). A row is not ok where it has no top-p (top_p 1) or its kept set may reach
+    past the candidates (its top_k is wider, ties at the k-th value run past them,
+    they hold less than top_p of its probability, or more than CANDIDATE_CAP are
+    within the narrowest distance): the full sort decides those rows. Whether a row is ok depends on
+    that row alone, so a seeded row draws the same way whatever shares its batch. For
+    CPU tensors (a full sort of a 49k vocabulary took ~3 ms a step there, as long as
+    the model's step)."""
     vocab = logits.shape[1]
-    width = min(width, vocab)
-    vals, ids = logits.topk(width, dim=-1)                          # descending
     ok = top_p < 1.0      # rows without top-p draw over the whole vocabulary, as alone
-    lse = logits.logsumexp(-1, keepdim=True)
+    c = _c_candidates(logits)
+    if c is not None:
+        vals, ids, lse, held, whole = c
+        ok &= whole
+        width = vals.shape[1]
+    else:
+        width = min(width, vocab)
+        vals, ids = logits.topk(width, dim=-1)                      # descending
+        lse = logits.logsumexp(-1, keepdim=True)
+        held = torch.full((logits.shape[0],), width, dtype=torch.int64)
     if top_k is not None:
         on = top_k < vocab
         kth = vals.gather(1, (top_k.clamp(max=width) - 1).unsqueeze(1))
-        ok &= ~(on & (top_k > width))
-        if width < vocab:
+        ok &= ~(on & (top_k > held))
+        if c is None and width < vocab:
             ok &= ~(on & (vals[:, -1] == kth[:, 0]))                # ties may run past
         vals = vals.masked_fill(on.unsqueeze(1) & (vals < kth), _NEG_INF)
         # top-k rows renormalise over their k tokens, the others over the whole row
         lse = torch.where(on.unsqueeze(1), vals.logsumexp(-1, keepdim=True), lse)
     probs = (vals - lse).exp()
-    if width < vocab:
+    if width < vocab or c is not None:
         ok &= probs.sum(-1) >= top_p
     # A token stays while the more likely ones hold less than top_p (the likeliest always).
     before = probs.cumsum(-1) - probs

@@ -252,6 +252,41 @@ def test_row_argmax_in_c_is_torchs_argmax():
     assert row_argmax(torch.zeros(0, 8)).shape == (0,)
 
 
+def test_row_candidates_in_c():
+    """`ss_row_candidates`: each row's log-sum-exp, and in column order every column
+    within the widest of delta, delta / 1.5, delta / 2.4, delta / 4 of the row's largest
+    value that keeps at most cap (their count above cap where none does); rows of -inf,
+    lengths off the vector width."""
+    lib = cpu_library.load()
+    delta, cap = 12.0, 64
+    fracs = (1.0, 1 / 1.5, 1 / 2.4, 0.25)
+    g = torch.Generator().manual_seed(2)
+    for n in (1, 7, 16, 17, 1000, 49152):
+        x = torch.randn(4, n, generator=g) * 3
+        x[1] = torch.randn(n, generator=g) * 0.1          # flat: too many within any distance
+        x[2] = float("-inf")
+        x[3, : n // 2] = float("-inf")
+        ids = torch.zeros(4, cap, dtype=torch.int64)
+        lse = torch.empty(4)
+        count = torch.empty(4, dtype=torch.int64)
+        assert lib.ss_row_candidates(x.data_ptr(), 4, n, delta, cap, ids.data_ptr(), lse.data_ptr(),
+                                     count.data_ptr()) == 0
+        for r in range(4):
+            if r == 2:
+                assert lse[r] == float("-inf") and count[r] == 0
+                continue
+            torch.testing.assert_close(lse[r], x[r].logsumexp(0), rtol=1e-5, atol=1e-5)
+            m = x[r].max()
+            want = None
+            for f in fracs:
+                want = (x[r] >= m - delta * f).nonzero()[:, 0]
+                if len(want) <= cap:
+                    break
+            assert int(count[r]) == len(want), (n, r)
+            k = min(len(want), cap)
+            assert torch.equal(ids[r, :k], want[:k]), (n, r)
+
+
 @pytest.mark.parametrize("arch", ["haswell", "x86-64", "skylake-avx512"])
 def test_other_cpus(arch, tmp_path):
     """The kernels built for an AVX2-only CPU, for one without vector extensions and

@@ -273,17 +273,24 @@ def test_row_argmax_two_pass_equals_argmax_with_ties():
     assert torch.equal(row_argmax(y.bfloat16()), y.bfloat16().argmax(dim=-1))
 
 
+@pytest.mark.parametrize("source", ["c", "topk"])
 @pytest.mark.parametrize("kw", [dict(top_p=0.9), dict(top_p=0.5, top_k=40),
                                 dict(top_p=0.99, top_k=5000), dict(top_p=0.9, top_k=300)])
-def test_cpu_nucleus_candidates_keep_what_the_full_sort_keeps(kw):
-    """On a CPU, top-p over the likeliest NUCLEUS_CANDIDATES (256) tokens of a wide
-    vocabulary keeps the tokens the full sort keeps, with the probabilities of the full
-    sort's renormalised distribution; where a row's kept set may reach past them (a
-    flat row, top_k above 256) it leaves the row to the full sort (ok False)."""
+def test_cpu_nucleus_candidates_keep_what_the_full_sort_keeps(kw, source, monkeypatch):
+    """On a CPU, top-p over a row's likeliest tokens (the C kernels' candidates within a
+    distance of the row's largest logit, or torch's topk of NUCLEUS_CANDIDATES) keeps the
+    tokens the full sort keeps, with the probabilities of the full sort's renormalised
+    distribution; where a row's kept set may reach past them (a flat row, a wide top_k)
+    it leaves the row to the full sort (ok False). Peaked rows take the fast path."""
+    from slipstream.layers import sampler
     from slipstream.layers.sampler import apply_top_k_top_p, nucleus_candidates
+    if source == "topk":
+        monkeypatch.setattr(sampler, "_c_candidates", lambda logits: None)
+    elif sampler._c_candidates(torch.zeros(1, 8)) is None:
+        pytest.skip("no C compiler for the CPU kernels")
     vocab = 4096
     gen = torch.Generator().manual_seed(5)
-    fast = 0
+    fast = []
     for scale in (6.0, 4.0, 3.0, 2.0, 0.3):
         logits = torch.randn(1, vocab, generator=gen) * scale
         top_p = torch.full((1,), kw["top_p"])
@@ -293,15 +300,26 @@ def test_cpu_nucleus_candidates_keep_what_the_full_sort_keeps(kw):
         weights, ids, ok = nucleus_candidates(logits, top_k, top_p)
         kept = int((full > 0).sum())
         if not ok[0]:
-            assert kept > 200 or 256 < k < vocab, (scale, kept)
+            # topk: kept past its 256; C: a flat row has too many near its largest logit
+            assert kept > 200 or 256 < k < vocab or (source == "c" and scale <= 2.0), (scale, kept)
             continue
-        assert not 256 < k < vocab
-        fast += 1
+        assert source == "c" or not 256 < k < vocab
+        fast.append(scale)
         got = torch.zeros_like(full).scatter(1, ids, weights)
         got = got / got.sum(-1, keepdim=True)
         assert torch.equal(got > 0, full > 0), (scale, kept)
         torch.testing.assert_close(got, full, atol=1e-6, rtol=1e-4)
-    assert fast > 0 or 256 < kw.get("top_k", 0) < vocab
+    assert 6.0 in fast or 256 < k < vocab
+    # A peaked row of a 49k vocabulary, as a language model gives them.
+    logits = torch.randn(1, 49152, generator=gen) * 2.0
+    logits[0, :40] += torch.linspace(14.0, 6.0, 40)
+    k = min(k, 20)
+    top_k = torch.full((1,), k, dtype=torch.int64) if k else None
+    full = apply_top_k_top_p(logits, top_k, k, top_p).softmax(-1)
+    weights, ids, ok = nucleus_candidates(logits, top_k, top_p)
+    assert ok[0]
+    got = torch.zeros_like(full).scatter(1, ids, weights)
+    torch.testing.assert_close(got / got.sum(), full, atol=1e-6, rtol=1e-4)
 
 
 def test_cpu_nucleus_seeded_row_draws_alike_whatever_shares_the_batch():
