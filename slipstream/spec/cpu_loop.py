@@ -13,8 +13,8 @@ cache holding 0 .. P - 1) and the chain's drafts d_1 .. d_D:
      steps, so the emitted tokens are plain greedy decoding's;
   2. the LM head over those D + 1 rows and each row's argmax; a = the longest
      prefix of the drafts equal to the argmax before each; emitted d_1 .. d_a and
-     the argmax after d_a, the next root. A sampled request takes the engine's
-     verifier instead (spec/verify.py: draft d_i accepted with probability p_i(d_i)
+     the argmax after d_a, the next root. A sampled request takes the verifier's
+     chain walk instead (spec/verify.py `verify_chain`: draft d_i accepted with probability p_i(d_i)
      under the request's temperature, top-k, top-p and min-p, a rejection drawing
      from p_i without d_i, a bonus token from p_D after a whole chain), so its
      tokens are distributed as plain sampling's (a seed makes them repeatable,

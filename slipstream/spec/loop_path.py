@@ -8,7 +8,7 @@ spec/cpu_loop.py: each round a few C calls); this path hands it the requests it
 can answer as the engine would: one prompt, no penalties, log probabilities,
 logit bias or min_tokens, and greedy (the engine's tokens), or on a CPU also
 sampled with temperature, top-k, top-p, min-p and a seed (the engine's
-distribution, through its verifier). Stops are the engine's own (EOS, stop
+distribution, through spec/verify.py's `verify_chain`). Stops are the engine's own (EOS, stop
 token ids, stop strings, max_tokens, through `Request.check_stop` and the
 incremental detokenizer), checked after each batch of rounds; tokens past a
 stop are dropped. Everything else (several prompts, sampling on a GPU,
