@@ -7,7 +7,8 @@ cores moves single runs by tens of percent).
     python benchmarks/spec/cpu_median.py --runs 3 --num-prompts 8 --max-tokens 96 \
         --config default: --config small:"--eagle-tree 1,1,3 --eagle-depth 3 --medusa-tree 1,1 --ngram-tokens 3"
 
-Each --config is NAME:EXTRA-ARGS (arguments of `bench spec`). Writes
+Each --config is NAME:EXTRA-ARGS (arguments of `bench spec`, after any NAME=VALUE
+words for its environment, e.g. `SLIPSTREAM_CPU_SAMPLED_DRAFTS=0 --temperature 0.7`). Writes
 results_cpu_<date>.{json,md} to --out (default benchmarks/spec/results).
 """
 from __future__ import annotations
@@ -16,6 +17,7 @@ import argparse
 import datetime
 import json
 import os
+import re
 import shlex
 import statistics
 import subprocess
@@ -35,11 +37,16 @@ def _commit() -> str:
 
 
 def _one(extra: list[str], common: list[str]) -> tuple[list[dict], float, float]:
+    """One `bench spec` run; leading NAME=VALUE words of `extra` go to its environment."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    while extra and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", extra[0]):
+        name, value = extra[0].split("=", 1)
+        env[name] = value
+        extra = extra[1:]
     with tempfile.TemporaryDirectory() as out:
         before = os.getloadavg()[0]
         cmd = [sys.executable, "-m", "slipstream.cli", "bench", "spec", *common, *extra, "--out", out]
-        r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
-                           env=dict(os.environ, PYTHONPATH=str(ROOT)))
+        r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
         after = os.getloadavg()[0]
         if r.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed: {r.stderr[-2000:]}")

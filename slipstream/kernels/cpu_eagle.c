@@ -10,7 +10,8 @@
  * ss_eagle_pass runs T rows of it (the head catching up on the target's states);
  * ss_eagle_chain drafts: from the root's feature, `depth` levels, each the top-k
  * of log_softmax(draft LM head (feature)), the best of them fed back with its
- * feature (a chain with k - 1 siblings a level). Twin: spec/eagle_head.py's
+ * feature (a chain with k - 1 siblings a level), or one token a level drawn from
+ * the softmax at a temperature (drafts for sampled requests). Twin: spec/eagle_head.py's
  * forward and spec/eagle_tree.py's expansion with beam 1.
  */
 
@@ -147,12 +148,36 @@ static void top_logp(const float *logits, int64_t n, int k, int32_t *cols, float
  * (ctx rows, `valid` marks the real ones); the draft's own rows sit at
  * positions base, base + 1, ... The chain stops at the first level whose best
  * token's cumulative log-probability falls below min_logp (-inf: never).
+ * temperature > 0 (k = 1): each level's token is drawn instead, from
+ * q = softmax(logits / temperature) by the inverse of its cumulative sum at
+ * uniforms[l]; q [depth, V'] (over the draft columns) and log q(token) out.
  * Returns the levels kept (0 .. depth; those before the stop), -1 on bad arguments. */
+static int64_t sample_col(const float *logits, int64_t n, float temperature, float u, float *q,
+                          float *logq) {
+    float mx = -INFINITY;
+    for (int64_t j = 0; j < n; j++) mx = logits[j] > mx ? logits[j] : mx;
+    const float inv = 1.0f / temperature;
+    double sum = 0;
+    for (int64_t j = 0; j < n; j++) { q[j] = exp_any((logits[j] - mx) * inv); sum += q[j]; }
+    const float norm = (float)(1.0 / sum);
+    double target = (double)u * sum, run = 0;
+    int64_t col = -1;
+    for (int64_t j = 0; j < n; j++) {
+        if (col < 0 && q[j] > 0) { run += q[j]; if (run > target) col = j; }
+        q[j] *= norm;
+    }
+    if (col < 0) { col = n - 1; while (col > 0 && q[col] == 0) col--; }   /* rounding at the top */
+    *logq = logf(q[col]);
+    return col;
+}
+
 int ss_eagle_chain(const ss_eagle_t *e, const float *root_feat, const float *pk, const float *pv,
                    const uint8_t *valid, int64_t ctx, int64_t base, int depth, int k,
-                   float min_logp, int64_t *tokens, float *logp) {
+                   float min_logp, float temperature, const float *uniforms, float *q,
+                   int64_t *tokens, float *logp) {
     int64_t H = e->hidden, nkvd = (int64_t)e->nkv * e->hd, V = lin_rows(&e->lm);
     if (depth < 1 || k < 1 || k > V) return -1;
+    if (temperature > 0 && (k != 1 || !uniforms || !q)) return -1;
     float *buf = malloc(((int64_t)3 * H + V + 2 * depth * nkvd) * sizeof(float));
     int32_t *cols = malloc(k * sizeof(int32_t));
     if (!buf || !cols) { free(buf); free(cols); return -1; }
@@ -168,7 +193,10 @@ int ss_eagle_chain(const ss_eagle_t *e, const float *root_feat, const float *pk,
             memcpy(feat, f, H * sizeof(float));
         }
         if ((rc = lin(&e->lm, H, feat, 1, logits))) break;
-        top_logp(logits, V, k, cols, logp + l * k);
+        if (temperature > 0)
+            cols[0] = (int32_t)sample_col(logits, V, temperature, uniforms[l], q + l * V, logp + l);
+        else
+            top_logp(logits, V, k, cols, logp + l * k);
         for (int i = 0; i < k; i++)
             tokens[l * k + i] = e->token_of_col ? e->token_of_col[cols[i]] : cols[i];
         cum += logp[l * k];

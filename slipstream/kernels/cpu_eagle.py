@@ -55,6 +55,7 @@ class CPUEagle:
 
     def __init__(self, head, lm_head, embed, struct: _Eagle, keep: list):
         self.head, self.lm_head, self.embed = head, lm_head, embed
+        self.vocab = lm_head.vocab.long()       # draft column -> token id
         self._struct, self._keep = struct, keep     # keep: tensors the structure points into
         self._lib = cpu_library.load()
 
@@ -134,10 +135,38 @@ class CPUEagle:
         logp = torch.empty(depth, topk)
         kept = self._lib.ss_eagle_chain(ctypes.byref(self._struct), root.data_ptr(), pk.data_ptr(),
                                         pv.data_ptr(), ok.data_ptr(), ctx, int(base), depth, topk,
-                                        float(min_logp), tokens.data_ptr(), logp.data_ptr())
+                                        float(min_logp), 0.0, None, None, tokens.data_ptr(),
+                                        logp.data_ptr())
         if kept < 0:
             raise RuntimeError("ss_eagle_chain rejected its arguments")
         return tokens[:kept], logp[:kept]
+
+    def sample_chain(self, root_feat: torch.Tensor, past_k: torch.Tensor, past_v: torch.Tensor,
+                     valid: torch.Tensor | None, base: int, depth: int, temperature: float,
+                     generator: torch.Generator | None = None,
+                     min_logp: float = float("-inf")) -> tuple[torch.Tensor, torch.Tensor]:
+        """A chain whose tokens are drawn: level l's from q_l = softmax(draft logits /
+        temperature) after level l - 1's token -> (token ids [levels] int64, q [levels,
+        V'] over the draft vocabulary, `vocab`'s columns); the levels before the first
+        whose tokens' cumulative log q falls below min_logp. One uniform a level from
+        `generator` (the request's) or torch's."""
+        if not temperature > 0:
+            raise ValueError(f"sample_chain: temperature must be > 0, got {temperature}")
+        if valid is None:
+            valid = torch.ones(past_k.shape[0], dtype=torch.bool)
+        pk, pv, ok, ctx = self._past(past_k, past_v, valid)
+        root = root_feat.float().contiguous()
+        uniforms = torch.rand(depth, generator=generator)
+        tokens = torch.empty(depth, 1, dtype=torch.int64)
+        logq = torch.empty(depth, 1)
+        q = torch.empty(depth, self.vocab.shape[0])
+        kept = self._lib.ss_eagle_chain(ctypes.byref(self._struct), root.data_ptr(), pk.data_ptr(),
+                                        pv.data_ptr(), ok.data_ptr(), ctx, int(base), depth, 1,
+                                        float(min_logp), float(temperature), uniforms.data_ptr(),
+                                        q.data_ptr(), tokens.data_ptr(), logq.data_ptr())
+        if kept < 0:
+            raise RuntimeError("ss_eagle_chain rejected its arguments")
+        return tokens[:kept, 0], q[:kept]
 
 
 def chain_table(tokens: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:

@@ -57,7 +57,7 @@ _SIGNATURES = {
                            _f32, _i64, _p, _i64, _p, _i64, _p, _p], _i32),
     "ss_tree_step": ([_p, _p, _p, _p, _i64, _p, _p, _i64, _p, _p, _i32], _i32),
     "ss_eagle_pass": ([_p, _p, _p, _i64, _p, _p, _p, _p, _i64, _p, _p, _p], _i32),
-    "ss_eagle_chain": ([_p, _p, _p, _p, _p, _i64, _i64, _i32, _i32, _f32, _p, _p], _i32),
+    "ss_eagle_chain": ([_p, _p, _p, _p, _p, _i64, _i64, _i32, _i32, _f32, _f32, _p, _p, _p, _p], _i32),
 }
 
 

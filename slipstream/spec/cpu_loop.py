@@ -13,12 +13,15 @@ cache holding 0 .. P - 1) and the chain's drafts d_1 .. d_D:
      steps, so the emitted tokens are plain greedy decoding's;
   2. the LM head over those D + 1 rows and each row's argmax; a = the longest
      prefix of the drafts equal to the argmax before each; emitted d_1 .. d_a and
-     the argmax after d_a, the next root. A sampled request takes the verifier's
-     chain walk instead (spec/verify.py `verify_chain`: draft d_i accepted with probability p_i(d_i)
-     under the request's temperature, top-k, top-p and min-p, a rejection drawing
-     from p_i without d_i, a bonus token from p_D after a whole chain), so its
+     the argmax after d_a, the next root. A sampled request's chain is drawn
+     from the head's softmax at the request's temperature (q_i) and verified by
+     the verifier's chain walk (spec/verify.py `verify_chain`: d_i accepted with
+     probability min(1, p_i(d_i) / q_i(d_i)), p_i under the request's
+     temperature, top-k, top-p and min-p, a rejection drawing from
+     norm(max(0, p_i - q_i)), a bonus token from p_D after a whole chain), so its
      tokens are distributed as plain sampling's (a seed makes them repeatable,
-     not equal to plain decoding's draws). The accepted drafts' K/V already sit
+     not equal to plain decoding's draws; SLIPSTREAM_CPU_SAMPLED_DRAFTS=0 drafts
+     the argmax chain instead, one-hot q). The accepted drafts' K/V already sit
      at their positions (a chain moves nothing);
   3. the head over the a + 1 new pairs (f_j, t_{j+1}), j = P .. P + a, then the
      next chain from the root (both C calls); with `speculative_draft_min_prob`
@@ -36,6 +39,7 @@ loop (spec/eagle_loop.py) serves everything else.
 from __future__ import annotations
 
 import math
+import os
 import time
 
 import torch
@@ -46,6 +50,12 @@ from slipstream.layers.argmax import row_argmax
 from slipstream.layers.sampler import SamplingBatch, draw, make_generator, row_distribution
 from slipstream.sampling_params import SamplingParams
 from slipstream.spec.verify import verify_chain
+
+
+# A sampled request's chain is drawn from the head's softmax at the request's
+# temperature and verified against it (min(1, p / q) a draft); "0": the head's argmax
+# chain, verified as one-hot drafts (p(d) a draft).
+SAMPLED_DRAFTS = os.environ.get("SLIPSTREAM_CPU_SAMPLED_DRAFTS", "1") != "0"
 
 
 class CPUChainLoop:
@@ -84,6 +94,7 @@ class CPUChainLoop:
                 raise ValueError("cpu chain loop: penalties, logit_bias and min_tokens take "
                                  "the engine's path")
             self._gen = make_generator(params, "cpu")
+            self._temperature = params.temperature
             self._sb = SamplingBatch.build([params], [prompt], [[]], [self._gen],
                                            self.model.config.vocab_size, "cpu")
         if p + max_tokens > self.limit:
@@ -160,6 +171,11 @@ class CPUChainLoop:
             self._drafts = []
             return
         h = self._hk[:r + n], self._hv[:r + n], self._ones[:r + n]
+        if self._sb is not None and SAMPLED_DRAFTS:
+            tokens, self._q = self.cpu_head.sample_chain(f[-1], *h, root, d, self._temperature,
+                                                         self._gen, self.min_logp)
+            self._drafts = tokens.tolist()
+            return
         tokens, _ = self.cpu_head.chain(f[-1], *h, root, d, 1, self.min_logp)
         self._drafts = tokens[:, 0].tolist()
 
@@ -189,8 +205,11 @@ class CPUChainLoop:
                 a += 1
             emitted = drafts[:a] + [best[a]]
         else:
+            q = None
+            if SAMPLED_DRAFTS:
+                q = lambda i: (self.cpu_head.vocab, self._q[i])   # noqa: E731
             emitted = verify_chain(lambda i: row_distribution(logits[i:i + 1], self._sb),
-                                   drafts, self._gen)
+                                   drafts, self._gen, q, self.model.config.vocab_size)
             a = len(emitted) - 1
         self.accepted.append(a)
         self.drafted.append(len(drafts))

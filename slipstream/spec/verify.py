@@ -199,26 +199,51 @@ def verify_sampled(probs: torch.Tensor, trees: TreeBatch,
     return _finish(trees, path, last, cur)
 
 
-def verify_chain(row, drafts: list[int], generator: torch.Generator | None = None) -> list[int]:
-    """`verify_sampled` for one request's chain of deterministic drafts (q =
-    one-hot) with the target's rows computed only as the walk reaches them: draft
-    d_i is accepted with probability p_i(d_i); at the first rejection the last
-    token is drawn from p_i without d_i, after a whole chain from p_D.
+def verify_chain(row, drafts: list[int], generator: torch.Generator | None = None,
+                 draft_row=None, vocab_size: int | None = None) -> list[int]:
+    """`verify_sampled` for one request's chain, with the target's rows computed only
+    as the walk reaches them: draft d_i, drawn from q_i, is accepted with probability
+    min(1, p_i(d_i) / q_i(d_i)); at the first rejection the last token is drawn from
+    norm(max(0, p_i - q_i)), after a whole chain from p_D.
 
     row(i) -> (ids [n] int64 or None for the whole vocabulary, probs [n] float32
     summing to 1): p at verification row i (the root's row is 0), as
-    `sampler.row_distribution` gives it; generator: the request's (seeded) or None.
+    `sampler.row_distribution` gives it. draft_row(i): q_i in the same form (the
+    distribution d_i was drawn from); None: deterministic drafts (q = one-hot: accepted
+    with probability p_i(d_i), a rejection redrawn from p_i without d_i). vocab_size:
+    the target's, with draft_row. generator: the request's (seeded) or None.
     Returns the emitted tokens: the accepted drafts, then the last one."""
     for i, d in enumerate(drafts):
         ids, probs = row(i)
-        at = torch.tensor([d]) if ids is None else (ids == d).nonzero()[:, 0]
-        pd = float(probs[at].sum()) if len(at) else 0.0
-        if float(torch.rand(1, generator=generator)) < pd:
+        pd = _prob(ids, probs, d)
+        q = None if draft_row is None else draft_row(i)
+        qd = 1.0 if q is None else _prob(*q, d)
+        if float(torch.rand(1, generator=generator)) * qd < pd:
             continue
-        if len(at) and pd < 1.0:
-            probs = _without(probs, at)
-        return drafts[:i] + [sampler.draw(ids, probs, generator)]
+        if q is None:
+            if pd > 0.0 and pd < 1.0:
+                at = torch.tensor([d]) if ids is None else (ids == d).nonzero()[:, 0]
+                probs = _without(probs, at)
+            return drafts[:i] + [sampler.draw(ids, probs, generator)]
+        p = _dense(ids, probs, vocab_size)
+        residual = (p - _dense(*q, vocab_size)).clamp_min_(0.0)
+        # (no mass left only where p == q up to rounding: then p itself)
+        return drafts[:i] + [sampler.draw(None, residual if bool(residual.sum() > 0) else p,
+                                          generator)]
     return drafts + [sampler.draw(*row(len(drafts)), generator)]
+
+
+def _prob(ids: torch.Tensor | None, probs: torch.Tensor, token: int) -> float:
+    if ids is None:
+        return float(probs[token])
+    at = (ids == token).nonzero()[:, 0]
+    return float(probs[at].sum()) if len(at) else 0.0
+
+
+def _dense(ids: torch.Tensor | None, probs: torch.Tensor, n: int | None) -> torch.Tensor:
+    if ids is None:
+        return probs
+    return torch.zeros(n, dtype=probs.dtype).index_add_(0, ids, probs)
 
 
 def _without(probs: torch.Tensor, at: torch.Tensor) -> torch.Tensor:

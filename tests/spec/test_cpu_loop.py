@@ -160,9 +160,11 @@ def test_sampled_one_hot_distributions_are_greedy(plain, spec):
 def test_sampled_seeds_repeat_and_draws_follow_plain_sampling(plain, spec):
     """A seed gives the same tokens twice; over many seeds the first two tokens (the
     second through the verifier's accept / reject of a draft) are distributed as
-    plain sampling's: a two-sample chi-square over their top-3 outcomes."""
+    plain sampling's: a two-sample chi-square over their top-3 outcomes. (A check of
+    the loop's wiring: with 150 draws it cannot see a subtly lossy rule; the walk's
+    own tests in test_verify.py can.)"""
     prompt = _chat(spec, "Finish the sentence: my favourite animal is")
-    params = dict(temperature=3.0, top_k=3, max_tokens=2, ignore_eos=True)   # near-flat rows
+    params = dict(temperature=1.0, top_k=3, max_tokens=2, ignore_eos=True)
     first = [spec.generate(prompt, SamplingParams(**params, seed=5), use_tqdm=False)[0].outputs[0].token_ids
              for _ in range(2)]
     assert first[0] == first[1]

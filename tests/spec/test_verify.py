@@ -262,27 +262,33 @@ def test_constrain_matches_the_sampler_at_every_row():
     assert constrain(logits, tb, plain) is logits
 
 
-def _chain_run(p_tab, q_tab, sparse, trials=40_000, seed=0):
-    """The chain of two argmax drafts of q verified by `verify_chain`, one trial
-    at a time, finished to L tokens by plain sampling from p. sparse: rows given
-    as (ids, probs) over the tokens of nonzero probability, else dense (None, p)."""
+def _chain_run(p_tab, q_tab, sparse, trials=40_000, seed=0, sampled=False, claimed_q_tab=None):
+    """The chain of two drafts of q (argmax, or drawn from q with `sampled`) verified by
+    `verify_chain`, one trial at a time, finished to L tokens by plain sampling from p.
+    sparse: rows given as (ids, probs) over the tokens of nonzero probability, else
+    dense (None, p). claimed_q_tab: the q the verifier is told (sampled drafts)."""
     from slipstream.spec.verify import verify_chain
     rng = np.random.default_rng(seed)
     gen = torch.Generator().manual_seed(seed)
     seqs = np.zeros((trials, L), dtype=np.int64)
     accepted = set()
-    rows = {}
-    for prefix, p in p_tab.items():
-        t = torch.from_numpy(p).float()
-        ids = t.nonzero()[:, 0]
-        rows[prefix] = (ids, t[ids]) if sparse else (None, t)
+
+    def as_rows(tab):
+        rows = {}
+        for prefix, p in tab.items():
+            t = torch.from_numpy(p).float()
+            ids = t.nonzero()[:, 0]
+            rows[prefix] = (ids, t[ids]) if sparse else (None, t)
+        return rows
+    rows, q_rows = as_rows(p_tab), as_rows(claimed_q_tab or q_tab)
     for n in range(trials):
         drafts, pre = [], ()
         for _ in range(L - 1):
-            d = int(np.argmax(q_tab[pre]))
+            d = int(_draw(rng, q_tab[pre][None])[0]) if sampled else int(np.argmax(q_tab[pre]))
             drafts.append(d)
             pre += (d,)
-        out = verify_chain(lambda i: rows[tuple(drafts[:i])], drafts, gen)
+        q = (lambda i: q_rows[tuple(drafts[:i])]) if sampled else None
+        out = verify_chain(lambda i: rows[tuple(drafts[:i])], drafts, gen, q, V)
         accepted.add(len(out) - 1)
         while len(out) < L:
             out.append(int(_draw(rng, p_tab[tuple(out)][None])[0]))
@@ -297,6 +303,23 @@ def test_chain_walk_is_lossless(sparse):
     p_tab, q_tab = _table(3, sharp=2.0, zero_some=True), _table(4, sharp=0.5)
     seqs, accepted = _chain_run(p_tab, q_tab, sparse)
     assert _pvalue(seqs, p_tab) > 1e-3 and accepted == {0, 1, 2}
+
+
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+def test_chain_walk_with_drafts_drawn_from_q_is_lossless(sparse):
+    """Drafts drawn from q (the CPU loop's sampled chains): accepted with min(1, p / q),
+    a rejection redrawn from norm(max(0, p - q)); q and p with tokens of probability 0."""
+    p_tab, q_tab = _table(3, sharp=2.0, zero_some=True), _table(6, sharp=1.0, zero_some=True)
+    seqs, accepted = _chain_run(p_tab, q_tab, sparse, sampled=True)
+    assert _pvalue(seqs, p_tab) > 1e-3 and accepted == {0, 1, 2}
+
+
+def test_chain_walk_negative_control_wrong_q():
+    """Told another q than the drafts were drawn from, the walk is lossy and the test
+    sees it."""
+    p_tab, q_tab = _table(1), _table(2)
+    seqs, _ = _chain_run(p_tab, q_tab, False, trials=20_000, sampled=True, claimed_q_tab=_table(5))
+    assert _pvalue(seqs, p_tab) < 1e-12
 
 
 def test_chain_walk_negative_control_no_residual(monkeypatch):
