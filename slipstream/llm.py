@@ -139,7 +139,7 @@ class LLM:
         n_in = n_out = 0
         try:
             while self.engine.has_unfinished_requests():
-                for out in self.engine.step():
+                for out in self.engine.step(finished_only=True):
                     if out.finished:
                         done[out.request_id] = out
                         n_in += len(out.prompt_token_ids)

@@ -28,8 +28,11 @@ P = SamplingParams(temperature=0.0, max_tokens=int(os.environ.get("B64_TOKENS", 
 W = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 common = dict(load_format="dummy", device="cuda", seed=0, num_kv_blocks=4096, max_model_len=2048)
 engines = {"plain": LLM(folder, **common)}
+from slipstream.spec.heads import SHIPPED, SHIPPED_DIR
 for m in ("ngram", "eagle"):
-    engines[m] = LLM(folder, speculative_method=m, speculative_auto_off=False, **common)
+    # (a model of the default model's shape: the shipped head fits it, named by path)
+    head = dict(speculative_model=str(SHIPPED_DIR / SHIPPED[m])) if m in SHIPPED else {}
+    engines[m] = LLM(folder, speculative_method=m, speculative_auto_off=False, **head, **common)
     engines[m].generate(prompts[:1], W, use_tqdm=False)          # batch-1 rounds, as the bench warms up
     engines[m].engine.runner.speculator.governor.auto_off = True
 for llm in engines.values():

@@ -74,6 +74,7 @@ class Engine:
         self._hasher = BlockHasher(cc.block_size) if cc.enable_prefix_caching else None
         self._parents: dict[str, _Parent] = {}
         self._loop_path = None       # spec/loop_path.LoopPath, built by loop_path()
+        self._finished_only = False  # step(finished_only=...) of the step being collected
         self._seqs: dict[str, _Sequence] = {}
         self._ids = itertools.count()
         self._inflight: StepHandle | None = None   # launched, output not yet collected
@@ -206,13 +207,17 @@ class Engine:
 
     # ---- the step -------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
-        """Run one scheduled forward; return outputs of requests that moved.
+    def step(self, finished_only: bool = False) -> list[RequestOutput]:
+        """Run one scheduled forward; return outputs of requests that moved
+        (finished_only: of those that finished; a caller that reads nothing else,
+        as `LLM.generate`, spares a copy of every moving request's tokens and
+        text each step).
 
         With async scheduling the step's forward is launched, then the previous
         step's output is collected while the device runs this one: outputs lag
         the launches by one step, and the host work of scheduling, packing
         inputs, stop checks and detokenizing hides behind device time."""
+        self._finished_only = finished_only
         # A tensor-parallel step's collectives must meet the workers' whole: Ctrl-C
         # lands after it (the step's outputs are kept for the next call).
         guard = getattr(self.runner, "step_guard", None)
@@ -286,7 +291,8 @@ class Engine:
                                       i == len(new) - 1, start + i + 1):
                     break
             touched[parent.request_id] = parent
-        outputs = [self._make_output(p) for p in touched.values()]
+        outputs = [self._make_output(p) for p in touched.values()
+                   if p.finished or not self._finished_only]
         for p in touched.values():
             if p.finished:
                 self._parents.pop(p.request_id, None)
@@ -347,8 +353,13 @@ class Engine:
         finished = parent.finished
         extra = {}
         if self.config.speculative.enabled:   # cumulative, over the request's sequences
-            extra = {"num_draft_tokens": sum(s.draft_tokens for s in parent.seqs),
-                     "num_accepted_tokens": sum(s.accepted_tokens for s in parent.seqs)}
+            seqs = parent.seqs
+            if len(seqs) == 1:   # (every step, every request: no generator sums)
+                extra = {"num_draft_tokens": seqs[0].draft_tokens,
+                         "num_accepted_tokens": seqs[0].accepted_tokens}
+            else:
+                extra = {"num_draft_tokens": sum(s.draft_tokens for s in seqs),
+                         "num_accepted_tokens": sum(s.accepted_tokens for s in seqs)}
         return RequestOutput(
             request_id=parent.request_id,
             prompt=parent.prompt,

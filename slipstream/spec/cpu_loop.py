@@ -13,15 +13,15 @@ cache holding 0 .. P - 1) and the chain's drafts d_1 .. d_D:
      steps, so the emitted tokens are plain greedy decoding's;
   2. the LM head over those D + 1 rows and each row's argmax; a = the longest
      prefix of the drafts equal to the argmax before each; emitted d_1 .. d_a and
-     the argmax after d_a, the next root. A sampled request's chain is drawn
-     from the head's softmax at the request's temperature (q_i) and verified by
-     the verifier's chain walk (spec/verify.py `verify_chain`: d_i accepted with
-     probability min(1, p_i(d_i) / q_i(d_i)), p_i under the request's
-     temperature, top-k, top-p and min-p, a rejection drawing from
-     norm(max(0, p_i - q_i)), a bonus token from p_D after a whole chain), so its
-     tokens are distributed as plain sampling's (a seed makes them repeatable,
-     not equal to plain decoding's draws; SLIPSTREAM_CPU_SAMPLED_DRAFTS=0 drafts
-     the argmax chain instead, one-hot q). The accepted drafts' K/V already sit
+     the argmax after d_a, the next root. A sampled request's chain is verified
+     by the verifier's chain walk (spec/verify.py `verify_chain`: d_i accepted
+     with probability p_i(d_i), p_i under the request's temperature, top-k, top-p
+     and min-p, a rejection drawing from p_i without d_i, a bonus token from p_D
+     after a whole chain), so its tokens are distributed as plain sampling's (a
+     seed makes them repeatable, not equal to plain decoding's draws). With
+     SLIPSTREAM_CPU_SAMPLED_DRAFTS=1 the chain is drawn from the head's softmax
+     at the request's temperature (q_i) instead, accepted with probability
+     min(1, p_i(d_i) / q_i(d_i)), a rejection drawing from norm(max(0, p_i - q_i)). The accepted drafts' K/V already sit
      at their positions (a chain moves nothing);
   3. the head over the a + 1 new pairs (f_j, t_{j+1}), j = P .. P + a, then the
      next chain from the root (both C calls); with `speculative_draft_min_prob`
@@ -52,10 +52,12 @@ from slipstream.sampling_params import SamplingParams
 from slipstream.spec.verify import verify_chain
 
 
-# A sampled request's chain is drawn from the head's softmax at the request's
-# temperature and verified against it (min(1, p / q) a draft); "0": the head's argmax
-# chain, verified as one-hot drafts (p(d) a draft).
-SAMPLED_DRAFTS = os.environ.get("SLIPSTREAM_CPU_SAMPLED_DRAFTS", "1") != "0"
+# A sampled request's chain: the head's argmax chain, verified as one-hot drafts (p(d)
+# a draft); "1": drawn from the head's softmax at the request's temperature and
+# verified against it (min(1, p / q) a draft), which measured slower on the default
+# model (temperature 0.7, top-p 0.9: 1.228x plain against 1.277x, tau 2.29 against
+# 2.23, chains longer under the min-prob cut; benchmarks/spec/README.md).
+SAMPLED_DRAFTS = os.environ.get("SLIPSTREAM_CPU_SAMPLED_DRAFTS", "0") == "1"
 
 
 class CPUChainLoop:

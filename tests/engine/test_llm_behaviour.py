@@ -302,3 +302,31 @@ def test_logprobs_are_capped_by_max_logprobs(llama_llm, tiny_folder):
     assert len(out[0].outputs[0].logprobs[0]) == vocab
     with pytest.raises(ValueError, match="max_logprobs must be -1"):
         make_llm(tiny_folder("llama")[0], max_logprobs=-2)
+
+
+def test_step_finished_only_returns_the_finished_outputs_whole(llama_llm):
+    """`Engine.step(finished_only=True)` (what LLM.generate reads) returns only finished
+    requests, each output equal to the last one the plain steps return for it (text,
+    tokens, finish reason), sampled and stop-string requests included."""
+    prompts = random_prompts(6, 265, 3, 30, seed=5)
+    params = [SamplingParams(max_tokens=4 + 3 * i, temperature=0.8 * (i % 2), seed=i, ignore_eos=True)
+              for i in range(6)]
+
+    def run(finished_only):
+        engine = llama_llm.engine
+        ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        last, steps = {}, 0
+        while engine.has_unfinished_requests():
+            for out in engine.step(finished_only=finished_only):
+                assert out.finished or not finished_only
+                last[out.request_id] = out
+            steps += 1
+        return [last[i] for i in ids], steps
+
+    def strip(o):   # what a request's answer is, its id and timings aside
+        return [(c.text, c.token_ids, c.finish_reason) for c in o.outputs], o.prompt_token_ids
+    every, _ = run(False)
+    finished, _ = run(True)
+    assert [strip(o) for o in finished] == [strip(o) for o in every]
+    assert all(o.finished for o in finished)
+    assert_no_leak(llama_llm)

@@ -171,3 +171,36 @@ def test_tree_selection_leaves_out_unlikely_drafts():
         me = types.SimpleNamespace(max_nodes=6, min_logp=math.log(p) if p else -math.inf)
         tree = EagleProposer._select(me, table)
         assert sorted(tree.tokens.tolist()) == sorted(want), p
+
+
+def test_sampled_chain_draws_from_the_heads_softmax():
+    """sample_chain: each level's q is the softmax of the draft logits at the
+    temperature (its largest entry at temperature 1 is the argmax chain's
+    probability), the drawn token is a draft-vocabulary token q gives mass, a seed
+    repeats the chain, a near-zero temperature draws the argmax chain, and the first
+    level's draws follow q."""
+    _, lm_head, _, cpu, g = _setup(seed=4)
+    k, v, valid = _past(g, 9)
+    root = torch.randn(H, generator=g)
+    greedy, logp = cpu.chain(root, k, v, valid, 9, 4, 1)
+    tokens, q = cpu.sample_chain(root, k, v, valid, 9, 4, 1.0, torch.Generator().manual_seed(1))
+    assert tokens.shape == (4,) and q.shape == (4, cpu.vocab.shape[0])
+    torch.testing.assert_close(q.sum(1), torch.ones(4))
+    torch.testing.assert_close(q[0].max().log(), logp[0, 0], atol=1e-5, rtol=1e-5)
+    for level, t in enumerate(tokens.tolist()):
+        col = (cpu.vocab == t).nonzero()[:, 0]
+        assert len(col) == 1 and q[level, col[0]] > 0
+    again, _ = cpu.sample_chain(root, k, v, valid, 9, 4, 1.0, torch.Generator().manual_seed(1))
+    assert torch.equal(again, tokens)
+    cold, _ = cpu.sample_chain(root, k, v, valid, 9, 4, 1e-3, torch.Generator().manual_seed(2))
+    assert torch.equal(cold, greedy[:, 0])
+    gen = torch.Generator().manual_seed(3)
+    n = 4000
+    firsts = torch.tensor([int(cpu.sample_chain(root, k, v, valid, 9, 1, 1.0, gen)[0][0])
+                           for _ in range(n)])
+    cols = (firsts[:, None] == cpu.vocab[None, :]).float().argmax(1)
+    freq = torch.bincount(cols, minlength=q.shape[1]).double() / n
+    tol = 5 * (q[0].double() * (1 - q[0].double()) / n).sqrt() + 3 / n   # (+3 draws: rare columns)
+    assert torch.all((freq - q[0].double()).abs() <= tol)
+    with pytest.raises(ValueError, match="temperature"):
+        cpu.sample_chain(root, k, v, valid, 9, 4, 0.0)

@@ -157,6 +157,20 @@ def test_sampled_one_hot_distributions_are_greedy(plain, spec):
         assert isinstance(loop.loop, CPUChainLoop) and sum(loop.loop.accepted) > 0
 
 
+def test_drafts_drawn_from_the_head_keep_one_hot_distributions_greedy(plain, spec, monkeypatch):
+    """SLIPSTREAM_CPU_SAMPLED_DRAFTS=1 (chains drawn from the head's softmax, accepted
+    with min(1, p / q)): with top_k 1 every row's p is one-hot, so the loop must still
+    give plain greedy decoding's tokens."""
+    from slipstream.spec import cpu_loop
+    monkeypatch.setattr(cpu_loop, "SAMPLED_DRAFTS", True)
+    prompt = _chat(spec, TEXTS[0])
+    want = plain.generate(prompt, SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True),
+                          use_tqdm=False)[0].outputs[0].token_ids
+    got = spec.generate(prompt, SamplingParams(temperature=0.9, top_k=1, max_tokens=32, ignore_eos=True,
+                                               seed=4), use_tqdm=False)[0].outputs[0].token_ids
+    assert got == want and sum(spec.engine.loop_path().loop.accepted) > 0
+
+
 def test_sampled_seeds_repeat_and_draws_follow_plain_sampling(plain, spec):
     """A seed gives the same tokens twice; over many seeds the first two tokens (the
     second through the verifier's accept / reject of a draft) are distributed as
