@@ -169,14 +169,15 @@ class PDEngine:
         """Every unfinished request: waiting for its prompt, or on the decode instance."""
         return {**dict.fromkeys(self._pending), **self.engine._parents}
 
-    def step(self):
-        """Take in the prompts whose K/V arrived, then run one decode-instance step. Once
-        the prefill instance is gone (the step that finds out raises PeerDiedError naming
-        the requests lost with it), steps go on for the requests already decoding."""
+    def step(self, finished_only: bool = False):
+        """Take in the prompts whose K/V arrived, then run one decode-instance step
+        (`Engine.step`'s finished_only). Once the prefill instance is gone (the step that
+        finds out raises PeerDiedError naming the requests lost with it), steps go on for
+        the requests already decoding."""
         if self._failed is None:
             self._take_arrivals(block=not self.engine.has_unfinished_requests())
         if self.engine.has_unfinished_requests():
-            return self.engine.step()
+            return self.engine.step(finished_only)
         return []
 
     def shutdown(self) -> None:
