@@ -46,11 +46,18 @@ class SamplingState:
                         torch.zeros(2 * n + 4 * self._max_mask, dtype=torch.int64, pin_memory=pin),
                         torch.cuda.Event() if pin else None) for _ in range(2)]
         self._flip = 0
+        # The last batch built, reused while the same rows sample again with nothing
+        # added or removed and nothing step-dependent in it (penalty counts, min_tokens
+        # masks): (rows' bytes, version, batch). A decode step of an unchanged batch
+        # then costs a dictionary lookup instead of the gathers and the copy.
+        self._version = 0
+        self._last: tuple[bytes, int, SamplingBatch] | None = None
 
     def add(self, row: int, params: SamplingParams, prompt: list[int], outputs: list[int],
             eos_token_ids: tuple[int, ...], generator: torch.Generator | None = None) -> None:
         """`generator`: the request's own stream when it comes back after a
         preemption (its draws continue where they stopped)."""
+        self._version += 1
         f = self.f32[:, row]
         f[_TEMP], f[_TOP_P], f[_MIN_P] = params.temperature, params.top_p, params.min_p
         f[_REP], f[_FREQ], f[_PRES] = (params.repetition_penalty, params.frequency_penalty,
@@ -84,10 +91,22 @@ class SamplingState:
         self.output_counts[row].index_add_(0, out, torch.ones_like(out, dtype=torch.int32))
 
     def remove(self, row: int) -> None:
+        self._version += 1
         self.generators[row] = None
 
     def build(self, rows: np.ndarray) -> SamplingBatch:
-        """The SamplingBatch of the requests at `rows` (batch order), one copy to the device."""
+        """The SamplingBatch of the requests at `rows` (batch order), one copy to the
+        device (or the last one built, where it still holds)."""
+        key = np.ascontiguousarray(rows).tobytes()
+        last = self._last
+        if last is not None and last[0] == key and last[1] == self._version:
+            return last[2]
+        sb = self._build(rows)
+        static = not self.has_penalties[rows].any() and not (self.min_tokens[rows] > 0).any()
+        self._last = (key, self._version, sb) if static else None
+        return sb
+
+    def _build(self, rows: np.ndarray) -> SamplingBatch:
         n = len(rows)
         f = self.f32[:, rows]
         temp = f[_TEMP]

@@ -171,3 +171,41 @@ def test_logit_bias_steers_tokens_in_the_persistent_batch(tiny_folder):
     assert outs[1].outputs[0].token_ids == llm.generate(prompts[1:], plain, use_tqdm=False)[0].outputs[0].token_ids
     with pytest.raises(ValueError, match="logit_bias"):
         SamplingParams(logit_bias={1: 101.0})
+
+
+def test_a_sampling_batch_is_reused_only_while_it_holds(tiny_folder):
+    """`SamplingState.build` hands back the last batch while the same rows sample with
+    nothing added or removed; a new request, a finished one, penalty counts or a
+    min_tokens mask (which change with every step) build it again, equal to a fresh
+    build."""
+    folder, _ = tiny_folder("llama")
+    llm = make_llm(folder, async_scheduling=False)
+    engine, state = llm.engine, llm.engine.runner.sampling
+    plain = SamplingParams(max_tokens=30, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True)
+    prompts = random_prompts(3, 265, 4, 20, seed=10)
+    for i in range(2):
+        engine.add_request(prompts[i], plain, request_id=str(i))
+    engine.step()
+    rows = np.array([engine.runner.input_batch.row_of[str(i)] for i in range(2)])
+    first = state.build(rows)
+    assert state.build(rows) is first
+    engine.step()
+    assert state.build(rows) is first                   # decode steps: still the same
+    engine.add_request(prompts[2], SamplingParams(max_tokens=5, temperature=0.5, top_k=3),
+                       request_id="2")
+    engine.step()
+    again = state.build(rows)
+    assert again is not first                            # a request arrived: built again
+    fields = ("temperature", "top_p", "top_k", "min_p")
+    for f in fields:
+        a, b = getattr(again, f), getattr(first, f)
+        assert (a is None and b is None) or torch.equal(a, b), f
+    assert state.build(rows[::-1]) is not again          # other rows
+    for p in (SamplingParams(max_tokens=30, temperature=0.8, repetition_penalty=1.2, ignore_eos=True),
+              SamplingParams(max_tokens=30, temperature=0.8, min_tokens=20, ignore_eos=True)):
+        engine.add_request(prompts[0], p, request_id=f"x{p.min_tokens}")
+        engine.step()
+        row = np.array([engine.runner.input_batch.row_of[f"x{p.min_tokens}"]])
+        assert state.build(row) is not state.build(row)  # step-dependent: never kept
+    for rid in list(engine.scheduler.requests):
+        engine.abort_request(rid)
