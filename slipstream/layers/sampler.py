@@ -243,10 +243,10 @@ def _c_candidates(logits: torch.Tensor):
     candidates; their token ids; lse [rows, 1] of the whole row; n [rows] candidates
     held, all of the row's tokens at or above the last one's value; whole [rows]: the
     row had at most CANDIDATE_CAP within the narrowest distance), else None."""
-    from slipstream.layers.argmax import _cpu_library
     if logits.is_cuda or logits.dtype != torch.float32:
         return None
-    lib = _cpu_library()
+    from slipstream.kernels import cpu_library
+    lib = cpu_library.load()
     if lib is None:
         return None
     rows, vocab = logits.shape

@@ -303,7 +303,7 @@ def verify(logits: torch.Tensor, trees: TreeBatch, sb: SamplingBatch) -> VerifyO
         best = logits.argmax(dim=-1) if logits.is_cuda else \
             row_argmax(logits.reshape(b * r, v)).view(b, r)
         return verify_greedy(best, trees)
-    expanded = repeat_rows(sb, r)
+    expanded = _repeat_rows(sb, r)
     probs = target_probs(logits.reshape(b * r, v), expanded).view(b, r, v)
     return verify_sampled(probs, trees, sb.generators)
 
@@ -313,7 +313,7 @@ def _each_row(t: torch.Tensor | None, r: int) -> torch.Tensor | None:
     return None if t is None else t.repeat_interleave(r, dim=0)
 
 
-def repeat_rows(sb: SamplingBatch, r: int) -> SamplingBatch:
+def _repeat_rows(sb: SamplingBatch, r: int) -> SamplingBatch:
     """The batch's per-row settings, each row repeated r times (for target_probs)."""
     return SamplingBatch(
         num_rows=sb.num_rows * r, all_greedy=sb.all_greedy, all_random=sb.all_random,
