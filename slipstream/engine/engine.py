@@ -74,7 +74,6 @@ class Engine:
         self._hasher = BlockHasher(cc.block_size) if cc.enable_prefix_caching else None
         self._parents: dict[str, _Parent] = {}
         self._loop_path = None       # spec/loop_path.LoopPath, built by loop_path()
-        self._finished_only = False  # step(finished_only=...) of the step being collected
         self._seqs: dict[str, _Sequence] = {}
         self._ids = itertools.count()
         self._inflight: StepHandle | None = None   # launched, output not yet collected
@@ -217,20 +216,19 @@ class Engine:
         step's output is collected while the device runs this one: outputs lag
         the launches by one step, and the host work of scheduling, packing
         inputs, stop checks and detokenizing hides behind device time."""
-        self._finished_only = finished_only
         # A tensor-parallel step's collectives must meet the workers' whole: Ctrl-C
         # lands after it (the step's outputs are kept for the next call).
         guard = getattr(self.runner, "step_guard", None)
         if guard is not None:
             with guard():
-                outputs = self._step()
+                outputs = self._step(finished_only)
         else:
-            outputs = self._step()
+            outputs = self._step(finished_only)
         if not self.has_unfinished_requests():
             gc_heap.refreeze_if_grown()     # idle: a full collection costs no step
         return outputs
 
-    def _step(self) -> list[RequestOutput]:
+    def _step(self, finished_only: bool) -> list[RequestOutput]:
         overlap, drained = self.async_scheduling, []
         spec = getattr(self.runner, "speculator", None)
         if spec is not None and self._async_allowed:
@@ -243,7 +241,7 @@ class Engine:
             if not overlap and self._inflight is not None:
                 # Drafting needs the in-flight step's tokens: collect it first.
                 previous, self._inflight = self._inflight, None
-                drained = self._collect(previous)
+                drained = self._collect(previous, finished_only)
         sched = self.scheduler.schedule()
         handle = None
         if not sched.is_empty:
@@ -254,11 +252,11 @@ class Engine:
             raise RuntimeError("no request could be scheduled: the KV cache is too small "
                                "for the waiting requests")
         if not overlap:
-            return drained + (self._collect(handle) if handle is not None else [])
+            return drained + (self._collect(handle, finished_only) if handle is not None else [])
         previous, self._inflight = self._inflight, handle
-        return self._collect(previous) if previous is not None else []
+        return self._collect(previous, finished_only) if previous is not None else []
 
-    def _collect(self, handle: StepHandle) -> list[RequestOutput]:
+    def _collect(self, handle: StepHandle, finished_only: bool = False) -> list[RequestOutput]:
         result = self.runner.resolve(handle)
         for rid, (start, entries) in result.prompt_logprobs.items():
             seq = self._seqs.get(rid)
@@ -292,7 +290,7 @@ class Engine:
                     break
             touched[parent.request_id] = parent
         outputs = [self._make_output(p) for p in touched.values()
-                   if p.finished or not self._finished_only]
+                   if p.finished or not finished_only]
         for p in touched.values():
             if p.finished:
                 self._parents.pop(p.request_id, None)
@@ -353,13 +351,11 @@ class Engine:
         finished = parent.finished
         extra = {}
         if self.config.speculative.enabled:   # cumulative, over the request's sequences
-            seqs = parent.seqs
-            if len(seqs) == 1:   # (every step, every request: no generator sums)
-                extra = {"num_draft_tokens": seqs[0].draft_tokens,
-                         "num_accepted_tokens": seqs[0].accepted_tokens}
-            else:
-                extra = {"num_draft_tokens": sum(s.draft_tokens for s in seqs),
-                         "num_accepted_tokens": sum(s.accepted_tokens for s in seqs)}
+            drafted = accepted = 0     # (every step, every request: one plain loop)
+            for s in parent.seqs:
+                drafted += s.draft_tokens
+                accepted += s.accepted_tokens
+            extra = {"num_draft_tokens": drafted, "num_accepted_tokens": accepted}
         return RequestOutput(
             request_id=parent.request_id,
             prompt=parent.prompt,

@@ -274,13 +274,13 @@ def nucleus_candidates(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: 
     probabilities and 0 elsewhere; their token ids [rows, w]; ok [rows] bool). The
     candidates: with the C kernels, the tokens within CANDIDATE_DELTA (or less) of the
     row's largest logit (`_c_candidates`, a few passes over the row), else the `width`
-    likeliest (torch's topk). A row is not ok where it has no top-p (top_p 1) or its kept set may reach
-    past the candidates (its top_k is wider, ties at the k-th value run past them,
-    they hold less than top_p of its probability, or more than CANDIDATE_CAP are
-    within the narrowest distance): the full sort decides those rows. Whether a row is ok depends on
-    that row alone, so a seeded row draws the same way whatever shares its batch. For
-    CPU tensors (a full sort of a 49k vocabulary took ~3 ms a step there, as long as
-    the model's step)."""
+    likeliest (torch's topk). A row is not ok where it has no top-p (top_p 1) or its
+    kept set may reach past the candidates (its top_k is wider, ties at the k-th value
+    run past them, they hold less than top_p of its probability, or more than
+    CANDIDATE_CAP are within the narrowest distance): the full sort decides those
+    rows. Whether a row is ok depends on that row alone, so a seeded row draws the same
+    way whatever shares its batch. For CPU tensors (a full sort of a 49k vocabulary
+    took ~3 ms a step there, as long as the model's step)."""
     vocab = logits.shape[1]
     ok = top_p < 1.0      # rows without top-p draw over the whole vocabulary, as alone
     c = _c_candidates(logits)

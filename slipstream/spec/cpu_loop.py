@@ -21,8 +21,9 @@ cache holding 0 .. P - 1) and the chain's drafts d_1 .. d_D:
      seed makes them repeatable, not equal to plain decoding's draws). With
      SLIPSTREAM_CPU_SAMPLED_DRAFTS=1 the chain is drawn from the head's softmax
      at the request's temperature (q_i) instead, accepted with probability
-     min(1, p_i(d_i) / q_i(d_i)), a rejection drawing from norm(max(0, p_i - q_i)). The accepted drafts' K/V already sit
-     at their positions (a chain moves nothing);
+     min(1, p_i(d_i) / q_i(d_i)), a rejection drawing from
+     norm(max(0, p_i - q_i)). The accepted drafts' K/V already sit at their
+     positions (a chain moves nothing);
   3. the head over the a + 1 new pairs (f_j, t_{j+1}), j = P .. P + a, then the
      next chain from the root (both C calls); with `speculative_draft_min_prob`
      the chain stops before the first draft whose path the head gives less than
@@ -96,7 +97,6 @@ class CPUChainLoop:
                 raise ValueError("cpu chain loop: penalties, logit_bias and min_tokens take "
                                  "the engine's path")
             self._gen = make_generator(params, "cpu")
-            self._temperature = params.temperature
             self._sb = SamplingBatch.build([params], [prompt], [[]], [self._gen],
                                            self.model.config.vocab_size, "cpu")
         if p + max_tokens > self.limit:
@@ -174,8 +174,9 @@ class CPUChainLoop:
             return
         h = self._hk[:r + n], self._hv[:r + n], self._ones[:r + n]
         if self._sb is not None and SAMPLED_DRAFTS:
-            tokens, self._q = self.cpu_head.sample_chain(f[-1], *h, root, d, self._temperature,
-                                                         self._gen, self.min_logp)
+            t = float(self._sb.temperature[0])
+            tokens, self._q = self.cpu_head.sample_chain(f[-1], *h, root, d, t, self._gen,
+                                                         self.min_logp)
             self._drafts = tokens.tolist()
             return
         tokens, _ = self.cpu_head.chain(f[-1], *h, root, d, 1, self.min_logp)

@@ -134,11 +134,13 @@ class EagleLoop(LoopPrefill, LoopParts):
     # ---- one generation --------------------------------------------------------------
 
     @torch.inference_mode()
-    def generate(self, prompt: list[int], max_tokens: int, done=None) -> list[int]:
+    def generate(self, prompt: list[int], max_tokens: int, done=None, params=None) -> list[int]:
         """Greedy continuation of `prompt`, max_tokens long, or shorter when
         `done(new_tokens)` (called with each batch of new tokens) returns True;
         the tokens past that point are not returned. `accepted` lists the
-        drafts accepted per round."""
+        drafts accepted per round. params: the request's, greedy (or None)."""
+        if params is not None and not params.is_greedy:
+            raise ValueError("eagle loop: greedy requests only (sampled ones take the engine's path)")
         d1 = self.depth + 1
         if len(prompt) + max_tokens > self.max_len:
             raise ValueError(f"eagle loop: prompt + max_tokens must be <= max_len={self.max_len}")

@@ -8,10 +8,10 @@ spec/cpu_loop.py: each round a few C calls); this path hands it the requests it
 can answer as the engine would: one prompt, no penalties, log probabilities,
 logit bias or min_tokens, and greedy (the engine's tokens), or on a CPU also
 sampled with temperature, top-k, top-p, min-p and a seed (the engine's
-distribution, through spec/verify.py's `verify_chain`). Stops are the engine's own (EOS, stop
-token ids, stop strings, max_tokens, through `Request.check_stop` and the
-incremental detokenizer), checked after each batch of rounds; tokens past a
-stop are dropped. Everything else (several prompts, sampling on a GPU,
+distribution, through spec/verify.py's `verify_chain`). Stops are the engine's
+own (EOS, stop token ids, stop strings, max_tokens, through `Request.check_stop`
+and the incremental detokenizer), checked after each batch of rounds; tokens
+past a stop are dropped. Everything else (several prompts, sampling on a GPU,
 serving) takes the engine's path. The speculator's counters (tau, acceptance
 per depth) count the loop's rounds too.
 """
@@ -68,8 +68,8 @@ class LoopPath:
         if len(prompts) != 1 or self.engine.has_unfinished_requests():
             return False
         p = params[0]
-        # The CPU chain loop also samples (through the engine's verifier); the
-        # EAGLE loop's round picks argmaxes on the device.
+        # The CPU chain loop also samples (through verify_chain); the EAGLE
+        # loop's round picks argmaxes on the device.
         sampled_ok = self._cpu_chain(self.engine.config.speculative)
         return (p.n == 1 and (p.is_greedy or sampled_ok) and not p.has_penalties
                 and p.logprobs is None and p.prompt_logprobs is None and not p.logit_bias
@@ -104,10 +104,7 @@ class LoopPath:
                 on_text(detok.visible_text(False))
             return False
         loop = self._loop_for(len(ids) + req.max_tokens)
-        if isinstance(loop, CPUChainLoop):
-            loop.generate(ids, req.max_tokens, done=take, params=params)
-        else:
-            loop.generate(ids, req.max_tokens, done=take)
+        loop.generate(ids, req.max_tokens, done=take, params=params)
         detok.flush()
         self._count(loop.accepted)
         comp = CompletionOutput(index=0, text=detok.text, token_ids=list(req.output_token_ids),
